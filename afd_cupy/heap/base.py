@@ -1,0 +1,64 @@
+"""The symmetric-heap interface shared by the NVSHMEM heap and the POSIX shared-memory heap.
+
+A heap spans the whole AFD world (Attention ranks first, then FFN ranks; PE == world rank).
+Allocation is collective: every rank calls ``alloc`` in the same order with the same size,
+and rank r's buffer k is "the same" symmetric object as rank s's buffer k, so a sender can
+write into ``buf.peer(s)`` one-sided.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+
+class SymmetricBuffer(abc.ABC):
+    """One symmetric allocation of ``nbytes`` bytes on every rank."""
+
+    nbytes: int
+
+    @abc.abstractmethod
+    def local(self) -> Any:
+        """This rank's copy: 1-D uint8 array of ``nbytes`` (numpy for host, cupy for cuda)."""
+
+    @abc.abstractmethod
+    def peer(self, pe: int) -> Any:
+        """Rank ``pe``'s copy mapped into this process: 1-D uint8 array of ``nbytes``.
+
+        ``peer(self_rank)`` is the local copy. Views are created once at allocation, so this
+        call is cheap and safe on the hot path.
+        """
+
+    @abc.abstractmethod
+    def ptr(self, pe: int) -> int:
+        """Address of rank ``pe``'s copy in this process (device pointer for cuda)."""
+
+
+class SymmetricHeap(abc.ABC):
+    """A symmetric heap over the AFD world. ``close()`` is collective."""
+
+    backend: str  # "cuda" or "host"
+    rank: int
+    world_size: int
+
+    @property
+    @abc.abstractmethod
+    def xp(self) -> Any:
+        """Array module of the buffers: numpy (host) or cupy (cuda)."""
+
+    @abc.abstractmethod
+    def alloc(self, nbytes: int, name: str) -> SymmetricBuffer:
+        """Collective: allocate ``nbytes`` on every rank, zero-filled, and map all peers."""
+
+    @abc.abstractmethod
+    def barrier(self) -> None:
+        """Collective host-blocking barrier over the whole world."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Collective: free every buffer and tear the heap down. Idempotent."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
