@@ -1,0 +1,174 @@
+"""Frozen, validated configuration: model dimensions, topology, connector extra config.
+
+Every dataclass validates itself in ``__post_init__``; ``from_mapping`` builds one from a
+plain dict (e.g. a serving stack's ``connector_extra_config``) and rejects unknown keys.
+Messages show the offending values.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from afd_cupy.errors import ConfigError
+
+#: payload dtypes on the wire and their item sizes in bytes
+PAYLOAD_DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
+SCORING_FUNCS = ("softmax", "sigmoid")
+MOE_SPLITS = ("even",)
+
+
+def _require_int(owner: str, name: str, value: Any, *, minimum: int = 1) -> None:
+    # NOTE: bool is a subclass of int; a True where a size is expected is a caller bug.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{owner}.{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{owner}.{name} must be >= {minimum}, got {value}")
+
+
+def _require_float(owner: str, name: str, value: Any, *, positive: bool = True) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{owner}.{name} must be a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value) or (positive and value <= 0):
+        raise ConfigError(f"{owner}.{name} must be a finite number > 0, got {value!r}")
+
+
+def _require_bool(owner: str, name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{owner}.{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def _from_mapping(cls, mapping: Mapping[str, Any]):
+    if not isinstance(mapping, Mapping):
+        raise ConfigError(f"{cls.__name__}.from_mapping expects a mapping, got {type(mapping).__name__}")
+    known = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(mapping) - known)
+    if unknown:
+        raise ConfigError(
+            f"unknown {cls.__name__} keys: {unknown}; known keys: {sorted(known)}")
+    return cls(**dict(mapping))
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """MoE layer dimensions as the connector and the experts see them.
+
+    ``dtype`` is the payload dtype on the wire and of the expert weights.
+    ``n_group``/``topk_group`` enable DeepSeek grouped top-k in ``select_experts``.
+    """
+
+    hidden_size: int
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    num_shared_experts: int = 0
+    dtype: str = "bfloat16"
+    max_num_batched_tokens: int = 8192
+    routed_scaling_factor: float = 1.0
+    num_layers: int = 1
+    scoring_func: str = "softmax"
+    renormalize: bool = True
+    n_group: int | None = None
+    topk_group: int | None = None
+
+    def __post_init__(self) -> None:
+        owner = "ModelConfig"
+        for name in ("hidden_size", "num_experts", "top_k", "moe_intermediate_size",
+                     "max_num_batched_tokens", "num_layers"):
+            _require_int(owner, name, getattr(self, name))
+        _require_int(owner, "num_shared_experts", self.num_shared_experts, minimum=0)
+        _require_float(owner, "routed_scaling_factor", self.routed_scaling_factor)
+        _require_bool(owner, "renormalize", self.renormalize)
+        if self.dtype not in PAYLOAD_DTYPES:
+            raise ConfigError(f"ModelConfig.dtype must be one of {sorted(PAYLOAD_DTYPES)}, got {self.dtype!r}")
+        if self.scoring_func not in SCORING_FUNCS:
+            raise ConfigError(f"ModelConfig.scoring_func must be one of {SCORING_FUNCS}, got {self.scoring_func!r}")
+        if self.top_k > self.num_experts:
+            raise ConfigError(f"ModelConfig.top_k={self.top_k} > num_experts={self.num_experts}")
+        self._check_groups()
+
+    def _check_groups(self) -> None:
+        if (self.n_group is None) != (self.topk_group is None):
+            raise ConfigError(f"ModelConfig.n_group and topk_group go together, got "
+                              f"n_group={self.n_group!r} topk_group={self.topk_group!r}")
+        if self.n_group is None:
+            return
+        _require_int("ModelConfig", "n_group", self.n_group)
+        _require_int("ModelConfig", "topk_group", self.topk_group)
+        if self.num_experts % self.n_group:
+            raise ConfigError(f"ModelConfig.num_experts={self.num_experts} is not divisible by n_group={self.n_group}")
+        if self.topk_group > self.n_group:
+            raise ConfigError(f"ModelConfig.topk_group={self.topk_group} > n_group={self.n_group}")
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per payload element."""
+        return PAYLOAD_DTYPES[self.dtype]
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any]) -> "ModelConfig":
+        return _from_mapping(cls, mapping)
+
+
+@dataclass(frozen=True)
+class TopologyConfig:
+    """``num_attn_ranks`` Attention ranks and ``num_ffn_ranks`` FFN ranks (any ratio)."""
+
+    num_attn_ranks: int
+    num_ffn_ranks: int
+
+    def __post_init__(self) -> None:
+        _require_int("TopologyConfig", "num_attn_ranks", self.num_attn_ranks)
+        _require_int("TopologyConfig", "num_ffn_ranks", self.num_ffn_ranks)
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any]) -> "TopologyConfig":
+        return _from_mapping(cls, mapping)
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """The connector's extra config: exactly the RFC's fields.
+
+    - ``attn_ranks_per_dp``: Attention ranks per data-parallel replica (tensor parallel
+      inside a replica); only rank 0 of a replica sends when > 1.
+    - ``ring_depth``: slots per (peer, region); defaults to the number of stages (None).
+    - ``routed_cap_multiplier``: head-room of ``routed_cap`` over the even split.
+    - ``recv_poll_timeout_ms``: how long one FFN receive polls before returning None.
+    - ``async_moe_ubatching`` / ``async_moe_num_ubatches``: micro-batch stages per layer.
+    - ``async_moe_split``: how a batch is split into micro-batches (``"even"``).
+    """
+
+    attn_ranks_per_dp: int = 1
+    ring_depth: int | None = None
+    routed_cap_multiplier: float = 2.0
+    recv_poll_timeout_ms: int = 100
+    async_moe_ubatching: bool = False
+    async_moe_num_ubatches: int = 2
+    async_moe_split: str = "even"
+
+    def __post_init__(self) -> None:
+        owner = "ConnectorConfig"
+        _require_int(owner, "attn_ranks_per_dp", self.attn_ranks_per_dp)
+        _require_float(owner, "routed_cap_multiplier", self.routed_cap_multiplier)
+        _require_int(owner, "recv_poll_timeout_ms", self.recv_poll_timeout_ms)
+        _require_bool(owner, "async_moe_ubatching", self.async_moe_ubatching)
+        _require_int(owner, "async_moe_num_ubatches", self.async_moe_num_ubatches)
+        if self.async_moe_split not in MOE_SPLITS:
+            raise ConfigError(f"{owner}.async_moe_split must be one of {MOE_SPLITS}, got {self.async_moe_split!r}")
+        if self.ring_depth is None:
+            object.__setattr__(self, "ring_depth", self.num_stages)
+        _require_int(owner, "ring_depth", self.ring_depth)
+        if self.ring_depth < self.num_stages:
+            raise ConfigError(f"{owner}.ring_depth={self.ring_depth} < number of stages {self.num_stages}: "
+                              "every stage needs its own ring slot")
+
+    @property
+    def num_stages(self) -> int:
+        """Micro-batch stages per layer (1 without micro-batching)."""
+        return self.async_moe_num_ubatches if self.async_moe_ubatching else 1
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any]) -> "ConnectorConfig":
+        return _from_mapping(cls, mapping)
