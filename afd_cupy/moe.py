@@ -1,0 +1,514 @@
+"""The MoE layer's math: gates, expert weights, grouped GEMM, shared experts, scaling rule.
+
+Attention side: `select_experts` turns router logits into (topk_weights, topk_ids).
+FFN side: `grouped_mlp` runs the local experts over rows that arrive already grouped by
+local expert (the wire format's `routed_x`), `shared_mlp` runs the shared experts, and
+`apply_routed_scaling` applies `routed_scaling_factor` by the FFN-side rule. The Attention
+side's combine multiplies by `combine_scale` at the end. `reference_moe` is the naive
+ground truth the tests compare against.
+
+Experts are SiLU-gated MLPs, ``out = (silu(x @ w1.T) * (x @ w3.T)) @ w2.T``, stored with
+fused gate/up weights ``w13 = cat([w1, w3])`` of shape [E, 2*I, H] and ``w2`` [E, H, I]
+(torch.nn.Linear layout: out_features first).
+
+Only torch is used; nothing here touches CUDA at import time.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "SCORING_FUNCS", "ExpertWeights", "select_experts", "make_expert_weights",
+    "local_experts", "make_shared_weights", "shared_mlp", "grouped_mlp",
+    "grouped_mm_supported", "apply_routed_scaling", "combine_scale", "reference_moe",
+]
+
+SCORING_FUNCS = ("softmax", "sigmoid")
+
+# NOTE: limits of torch._grouped_mm's CUTLASS path (aten/src/ATen/native/cuda/GroupMM.cu,
+# GroupedMMUtils.h): fewer than 1024 groups; every operand's data pointer and leading
+# stride aligned to 16 bytes; only SM90/SM100 run it without a host sync.
+_GROUPED_MM_MAX_GROUPS = 1023
+_GROUPED_MM_ALIGN_BYTES = 16
+_GROUPED_MM_ARCH_MAJORS = (9, 10)
+
+# Salt mixed into the shared experts' seed so that one seed never makes a shared expert
+# equal to a routed expert (which would hide a routed/shared mix-up in a test).
+_SHARED_SEED_SALT = 0x5EED_5A1D
+
+
+# --------------------------------------------------------------------------- gates
+
+def select_experts(router_logits: torch.Tensor, top_k: int, *, use_grouped_topk: bool = False,
+                   num_expert_group: int | None = None, topk_group: int | None = None,
+                   scoring_func: str = "softmax",
+                   e_score_correction_bias: torch.Tensor | None = None,
+                   renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Route each token to `top_k` experts.
+
+    router_logits: [num_tokens, num_experts] fp32/bf16/fp16, any device.
+    e_score_correction_bias: [num_experts] float, same device, or None.
+    Returns (topk_weights [num_tokens, top_k] fp32, topk_ids [num_tokens, top_k] int32), on
+    router_logits' device, each row ordered by decreasing selection score.
+
+    - Plain top-k (Mixtral, Qwen): scores = softmax (or sigmoid) of the logits in fp32,
+      the `top_k` best experts.
+    - `use_grouped_topk` (DeepSeek-V2/V3): experts form `num_expert_group` equal groups;
+      only the `topk_group` best groups compete. A group's score is its best expert's score,
+      or, with `e_score_correction_bias`, the sum of its two best biased scores (V3).
+    - The bias only steers the selection: weights are always the unbiased scores.
+    - `renormalize` divides the weights by their sum per token.
+    `num_expert_group` and `topk_group` are ignored unless `use_grouped_topk`.
+    No host synchronization; safe inside CUDA graph capture.
+    """
+    _check_gate_args(router_logits, top_k, use_grouped_topk, num_expert_group, topk_group,
+                     scoring_func, e_score_correction_bias)
+    scores = _expert_scores(router_logits.float(), scoring_func)
+    selection = scores
+    if e_score_correction_bias is not None:
+        selection = scores + e_score_correction_bias.float()
+    if use_grouped_topk:
+        selection = _mask_losing_groups(selection, num_expert_group, topk_group,
+                                        use_top2_sum=e_score_correction_bias is not None)
+    topk_ids = torch.topk(selection, top_k, dim=-1, sorted=True).indices
+    topk_weights = scores.gather(1, topk_ids)
+    if renormalize:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return topk_weights, topk_ids.to(torch.int32)
+
+
+def _expert_scores(logits_fp32: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    if scoring_func == "softmax":
+        return torch.softmax(logits_fp32, dim=-1)
+    return torch.sigmoid(logits_fp32)
+
+
+def _mask_losing_groups(selection: torch.Tensor, num_expert_group: int, topk_group: int, *,
+                        use_top2_sum: bool) -> torch.Tensor:
+    """selection [T, E] fp32 -> same with -inf on experts of groups that were not kept."""
+    num_tokens, num_experts = selection.shape
+    grouped = selection.view(num_tokens, num_expert_group, num_experts // num_expert_group)
+    if use_top2_sum:
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+    else:
+        group_scores = grouped.amax(dim=-1)
+    kept_groups = torch.topk(group_scores, topk_group, dim=-1).indices
+    is_kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept_groups, True)
+    # -inf, not 0: biased scores can be negative, so 0 could still win.
+    return grouped.masked_fill(~is_kept.unsqueeze(-1), float("-inf")).view(num_tokens, -1)
+
+
+def _check_gate_args(router_logits, top_k, use_grouped_topk, num_expert_group, topk_group,
+                     scoring_func, bias) -> None:
+    if router_logits.dim() != 2 or not router_logits.is_floating_point():
+        raise ValueError("router_logits must be a 2-D float tensor [num_tokens, num_experts], "
+                         f"got shape {tuple(router_logits.shape)} dtype {router_logits.dtype}")
+    num_experts = router_logits.shape[1]
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+    if scoring_func not in SCORING_FUNCS:
+        raise ValueError(f"scoring_func must be one of {SCORING_FUNCS}, got {scoring_func!r}")
+    if bias is not None and tuple(bias.shape) != (num_experts,):
+        raise ValueError(f"e_score_correction_bias must have shape ({num_experts},) "
+                         f"(num_experts), got {tuple(bias.shape)}")
+    if use_grouped_topk:
+        _check_groups(num_experts, top_k, num_expert_group, topk_group, bias is not None)
+
+
+def _check_groups(num_experts, top_k, num_expert_group, topk_group, has_bias) -> None:
+    if num_expert_group is None or num_expert_group < 1 or num_experts % num_expert_group:
+        raise ValueError(f"num_expert_group must divide num_experts={num_experts}, "
+                         f"got num_expert_group={num_expert_group}")
+    if topk_group is None or not 1 <= topk_group <= num_expert_group:
+        raise ValueError(f"topk_group must be in [1, num_expert_group={num_expert_group}], "
+                         f"got topk_group={topk_group}")
+    group_size = num_experts // num_expert_group
+    if top_k > topk_group * group_size:
+        raise ValueError(f"top_k={top_k} exceeds the experts of the kept groups: "
+                         f"topk_group={topk_group} * group size {group_size}")
+    if has_bias and group_size < 2:
+        raise ValueError("e_score_correction_bias scores a group by its top-2 experts: the "
+                         f"group size must be >= 2, got num_experts={num_experts} / "
+                         f"num_expert_group={num_expert_group} = {group_size}")
+
+
+# --------------------------------------------------------------------------- weights
+
+@dataclass(frozen=True, eq=False)
+class ExpertWeights:
+    """The weights of a set of SiLU-gated MLP experts.
+
+    w13: [num_experts, 2 * intermediate, hidden]: rows [0, I) are the gate w1, rows [I, 2I)
+         the up projection w3. w2: [num_experts, hidden, intermediate]. Same dtype and device.
+    num_experts: experts held (a local set includes its zero padded tail).
+    first_expert: global id of expert 0 of this set (0 for a global set).
+    """
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    num_experts: int
+    first_expert: int = 0
+
+    def __post_init__(self):
+        w13, w2 = self.w13, self.w2
+        if w13.dim() != 3 or w2.dim() != 3:
+            raise ValueError(f"w13 and w2 must be 3-D, got w13 {tuple(w13.shape)}, "
+                             f"w2 {tuple(w2.shape)}")
+        num_experts, two_inter, hidden = w13.shape
+        expected_w2 = (num_experts, hidden, two_inter // 2)
+        if two_inter % 2 or tuple(w2.shape) != expected_w2 or num_experts != self.num_experts:
+            raise ValueError(f"inconsistent expert shapes: w13 {tuple(w13.shape)} "
+                             f"(expected [E, 2I, H]), w2 {tuple(w2.shape)} (expected "
+                             f"{expected_w2}), num_experts={self.num_experts}")
+        if w13.dtype != w2.dtype or w13.device != w2.device:
+            raise ValueError(f"w13 ({w13.dtype}, {w13.device}) and w2 ({w2.dtype}, "
+                             f"{w2.device}) must share dtype and device")
+        if self.first_expert < 0:
+            raise ValueError(f"first_expert must be >= 0, got {self.first_expert}")
+
+    @property
+    def hidden_size(self) -> int:
+        return self.w13.shape[2]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.w2.shape[2]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.w13.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.w13.device
+
+
+def make_expert_weights(num_experts: int, hidden_size: int, intermediate_size: int, *,
+                        dtype: torch.dtype, device, seed: int) -> ExpertWeights:
+    """A deterministic global expert set (first_expert = 0) for tests and benchmarks.
+
+    Values are drawn on the CPU in fp32 (so every device and dtype gets the same weights
+    for one seed) from N(0, 1/fan_in), like a real init: outputs of O(1) inputs stay O(1).
+    Drawn one expert at a time, so the fp32 staging never exceeds one expert.
+    Returns w13 [E, 2I, H] and w2 [E, H, I] in `dtype` on `device`.
+    """
+    for name, value in (("num_experts", num_experts), ("hidden_size", hidden_size),
+                        ("intermediate_size", intermediate_size)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    generator = torch.Generator().manual_seed(seed)
+    w13 = torch.empty((num_experts, 2 * intermediate_size, hidden_size), dtype=dtype,
+                      device=device)
+    w2 = torch.empty((num_experts, hidden_size, intermediate_size), dtype=dtype, device=device)
+    for expert in range(num_experts):
+        w13[expert].copy_(_init_matrix(2 * intermediate_size, hidden_size, generator))
+        w2[expert].copy_(_init_matrix(hidden_size, intermediate_size, generator))
+    return ExpertWeights(w13=w13, w2=w2, num_experts=num_experts, first_expert=0)
+
+
+def _init_matrix(out_features: int, in_features: int, generator) -> torch.Tensor:
+    values = torch.randn((out_features, in_features), generator=generator)
+    return values.mul_(1.0 / math.sqrt(in_features))
+
+
+def local_experts(global_weights: ExpertWeights, ffn_rank: int,
+                  expert_per_rank: int) -> ExpertWeights:
+    """The experts FFN rank `ffn_rank` owns: global ids [r*epr, (r+1)*epr).
+
+    global_weights: a global set (first_expert == 0). Ids past its num_experts become ZERO
+    experts (the padded tail: they receive no tokens, and would output zeros if they did).
+    Returns new tensors (not views, so the global set can be freed), same dtype and device.
+    """
+    if global_weights.first_expert != 0:
+        raise ValueError("local_experts slices a global set (first_expert == 0), got "
+                         f"first_expert={global_weights.first_expert}")
+    if ffn_rank < 0 or expert_per_rank < 1:
+        raise ValueError(f"need ffn_rank >= 0 and expert_per_rank >= 1, got "
+                         f"ffn_rank={ffn_rank}, expert_per_rank={expert_per_rank}")
+    first = ffn_rank * expert_per_rank
+    num_owned = max(0, min(expert_per_rank, global_weights.num_experts - first))
+    w13 = global_weights.w13.new_zeros((expert_per_rank,) + tuple(global_weights.w13.shape[1:]))
+    w2 = global_weights.w2.new_zeros((expert_per_rank,) + tuple(global_weights.w2.shape[1:]))
+    w13[:num_owned].copy_(global_weights.w13[first:first + num_owned])
+    w2[:num_owned].copy_(global_weights.w2[first:first + num_owned])
+    return ExpertWeights(w13=w13, w2=w2, num_experts=expert_per_rank, first_expert=first)
+
+
+def make_shared_weights(num_shared_experts: int, hidden_size: int, intermediate_size: int, *,
+                        dtype: torch.dtype, device, seed: int) -> ExpertWeights | None:
+    """The shared experts as ONE fused MLP of intermediate num_shared_experts * I, as
+    DeepSeek stores them; None when num_shared_experts == 0.
+
+    Returns an ExpertWeights with num_experts = 1: w13 [1, 2*S*I, H], w2 [1, H, S*I].
+    The seed is salted so that it never reproduces a routed expert of the same seed.
+    """
+    if num_shared_experts < 0:
+        raise ValueError(f"num_shared_experts must be >= 0, got {num_shared_experts}")
+    if num_shared_experts == 0:
+        return None
+    return make_expert_weights(1, hidden_size, num_shared_experts * intermediate_size,
+                               dtype=dtype, device=device, seed=seed ^ _SHARED_SEED_SALT)
+
+
+# --------------------------------------------------------------------------- expert math
+
+def _silu_and_mul(gate_up: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """gate_up [n, 2I] -> silu(gate) * up [n, I] in out_dtype, computed in fp32 (one rounding,
+    like vLLM's fused silu_and_mul)."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(out_dtype)
+
+
+def _dense_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+               compute_dtype: torch.dtype) -> torch.Tensor:
+    """One expert: x [n, H], w13 [2I, H], w2 [H, I] -> [n, H] in compute_dtype."""
+    gate_up = F.linear(x.to(compute_dtype), w13.to(compute_dtype))
+    return F.linear(_silu_and_mul(gate_up, compute_dtype), w2.to(compute_dtype))
+
+
+def shared_mlp(x: torch.Tensor, shared_weights: ExpertWeights) -> torch.Tensor:
+    """The shared experts on every row: x [n, H] (any device) -> [n, H] in x.dtype.
+
+    shared_weights: from `make_shared_weights` (num_experts == 1), on x's device.
+    On CUDA the GEMMs run in x.dtype (tensor cores, fp32 accumulation); elsewhere in fp32.
+    Zero rows return an empty [0, H] tensor without launching anything.
+    """
+    if shared_weights.num_experts != 1 or x.dim() != 2 \
+            or x.shape[1] != shared_weights.hidden_size:
+        raise ValueError(f"shared_mlp needs x [n, {shared_weights.hidden_size}] and one fused "
+                         f"shared MLP, got x {tuple(x.shape)}, num_experts="
+                         f"{shared_weights.num_experts}")
+    if x.shape[0] == 0:
+        return x.new_empty((0, x.shape[1]))
+    compute_dtype = x.dtype if x.is_cuda else torch.float32
+    out = _dense_mlp(x, shared_weights.w13[0], shared_weights.w2[0], compute_dtype)
+    return out.to(x.dtype)
+
+
+# --------------------------------------------------------------------------- grouped GEMM
+
+def grouped_mlp(x: torch.Tensor, group_counts: torch.Tensor, weights: ExpertWeights, *,
+                group_counts_host: list[int] | None = None) -> torch.Tensor:
+    """Run each local expert on its rows: the FFN rank's routed compute.
+
+    x: [num_rows, H] rows grouped by local expert (expert 0's rows first, then 1, ...),
+       same dtype and device as `weights`; a view into a receive window is fine (not copied).
+    group_counts: [weights.num_experts] any int dtype, on x's device (or CPU): rows per
+       expert. NOTE: sum(group_counts) must equal num_rows; this is verified only when the
+       counts are already on the host (group_counts_host given, CPU counts, or loop path).
+    group_counts_host: the same counts as a host list, when the caller has them (e.g. from
+       a decoded header), to spare the loop path its one `.tolist()` sync.
+    Returns [num_rows, H] in x.dtype on x's device, a new tensor.
+
+    Paths:
+    - `grouped_mm_supported(x, weights)` (CUDA SM90/SM100, bf16, 16-byte aligned): two
+      `torch._grouped_mm` launches (w13, then w2) with int32 cumulative offsets computed on
+      the device: no host synchronization, safe inside CUDA graph capture.
+    - otherwise a per-expert loop over host counts, computed in fp32 (inputs and weights
+      upcast per expert; reference-grade accuracy, slower), rounded once to x.dtype.
+    Zero rows return an empty [0, H] tensor without launching anything.
+    """
+    _check_grouped_args(x, group_counts, weights, group_counts_host)
+    if x.shape[0] == 0:
+        return x.new_empty((0, weights.hidden_size))
+    if grouped_mm_supported(x, weights):
+        return _grouped_mlp_fused(x, group_counts, weights)
+    counts = group_counts_host if group_counts_host is not None else group_counts.tolist()
+    _check_counts_sum(counts, x.shape[0])
+    return _grouped_mlp_loop(x, counts, weights)
+
+
+def grouped_mm_supported(x: torch.Tensor, weights: ExpertWeights) -> bool:
+    """Whether `grouped_mlp` takes the `torch._grouped_mm` path for these operands.
+
+    Requirements checked (torch's GroupedMMUtils.h / GroupMM.cu / GroupedBlas.cpp):
+    - CUDA device of compute capability 9.x or 10.x: elsewhere torch falls back to a loop
+      that copies the offsets to the host (a hidden sync), so our own loop is used instead;
+    - x, w13, w2 all bf16 (the only dtype of the CUTLASS kernel);
+    - fewer than 1024 groups;
+    - every operand's data pointer 16-byte aligned and its non-unit stride a multiple of
+      16 bytes: x row-major with stride(0) % 8 == 0; weights contiguous with H % 8 == 0 and
+      I % 8 == 0, so that the "B" operands w13.transpose(1, 2) [E, H, 2I] and
+      w2.transpose(1, 2) [E, I, H] are column-major views (K contiguous: no copy) and the
+      [rows, 2I] / [rows, I] intermediates are unpadded.
+    Reads no device memory and never synchronizes.
+    """
+    if not (x.is_cuda and hasattr(torch, "_grouped_mm")):
+        return False
+    if x.dtype != torch.bfloat16 or weights.dtype != torch.bfloat16:
+        return False
+    if _device_arch_major(x.device) not in _GROUPED_MM_ARCH_MAJORS:
+        return False
+    if weights.num_experts > _GROUPED_MM_MAX_GROUPS:
+        return False
+    return _is_aligned_for_grouped_mm(x, weights)
+
+
+def _is_aligned_for_grouped_mm(x: torch.Tensor, weights: ExpertWeights) -> bool:
+    elems = _GROUPED_MM_ALIGN_BYTES // x.element_size()
+    dims_ok = weights.hidden_size % elems == 0 and weights.intermediate_size % elems == 0
+    x_ok = x.stride(1) == 1 and x.stride(0) % elems == 0
+    weights_ok = weights.w13.is_contiguous() and weights.w2.is_contiguous()
+    ptrs = (x.data_ptr(), weights.w13.data_ptr(), weights.w2.data_ptr())
+    ptrs_ok = all(ptr % _GROUPED_MM_ALIGN_BYTES == 0 for ptr in ptrs)
+    return dims_ok and x_ok and weights_ok and ptrs_ok
+
+
+@functools.lru_cache(maxsize=None)
+def _device_arch_major(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
+
+
+def _grouped_mlp_fused(x: torch.Tensor, group_counts: torch.Tensor,
+                       weights: ExpertWeights) -> torch.Tensor:
+    """Two grouped GEMMs. NOTE: _grouped_mm leaves output rows past offs[-1] uninitialized;
+    the caller guarantees offs[-1] == x.shape[0]."""
+    # offs[g] is the END row of group g (group g spans [offs[g-1], offs[g])); an empty group
+    # repeats the previous offset.
+    offs = torch.cumsum(group_counts, dim=0, dtype=torch.int32).to(x.device, non_blocking=True)
+    gate_up = torch._grouped_mm(x, weights.w13.transpose(1, 2), offs=offs)
+    hidden = _silu_and_mul(gate_up, x.dtype)
+    return torch._grouped_mm(hidden, weights.w2.transpose(1, 2), offs=offs)
+
+
+def _grouped_mlp_loop(x: torch.Tensor, counts: list[int], weights: ExpertWeights) -> torch.Tensor:
+    out = torch.empty((x.shape[0], weights.hidden_size), dtype=x.dtype, device=x.device)
+    start = 0
+    for expert, num_rows in enumerate(counts):
+        if num_rows == 0:
+            continue
+        rows = slice(start, start + num_rows)
+        out[rows] = _dense_mlp(x[rows], weights.w13[expert], weights.w2[expert], torch.float32)
+        start += num_rows
+    return out
+
+
+def _check_grouped_args(x, group_counts, weights, group_counts_host) -> None:
+    if x.dim() != 2 or x.shape[1] != weights.hidden_size:
+        raise ValueError(f"x must be [num_rows, hidden={weights.hidden_size}], "
+                         f"got {tuple(x.shape)}")
+    if x.dtype != weights.dtype or x.device != weights.device:
+        raise ValueError(f"x ({x.dtype}, {x.device}) must match the expert weights "
+                         f"({weights.dtype}, {weights.device})")
+    if group_counts.dim() != 1 or group_counts.shape[0] != weights.num_experts \
+            or group_counts.is_floating_point():
+        raise ValueError(f"group_counts must be an int tensor [{weights.num_experts}] "
+                         f"(num local experts), got shape {tuple(group_counts.shape)} "
+                         f"dtype {group_counts.dtype}")
+    if group_counts_host is not None:
+        if len(group_counts_host) != weights.num_experts:
+            raise ValueError(f"group_counts_host has {len(group_counts_host)} entries, "
+                             f"expected {weights.num_experts} (num local experts)")
+        _check_counts_sum(group_counts_host, x.shape[0])
+    elif group_counts.device.type == "cpu":
+        _check_counts_sum(group_counts.tolist(), x.shape[0])
+
+
+def _check_counts_sum(counts: list[int], num_rows: int) -> None:
+    if any(count < 0 for count in counts) or sum(counts) != num_rows:
+        raise ValueError(f"group counts {list(counts)} (sum {sum(counts)}) must be >= 0 and "
+                         f"sum to x.shape[0] = {num_rows}")
+
+
+# --------------------------------------------------------------------------- scaling rule
+
+def apply_routed_scaling(routed_out: torch.Tensor, shared_out: torch.Tensor | None,
+                         routed_scaling_factor: float
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The FFN-side `routed_scaling_factor` rule (f below). Out of place.
+
+    routed_out: [num_routed, H], shared_out: [num_shared, H] or None; same dtype, any device.
+    Returns (routed_out, shared_out) to send back:
+    - bf16 / fp32: (routed * f, shared). The combined sum routed + shared is final.
+    - fp16: (routed, shared / f). Why: routed outputs times f (DeepSeek: f = 2.5 .. 16) can
+      overflow fp16, so the routed part is left unscaled and the shared part divided
+      instead. The Attention-side sum is then (routed + shared / f), and the caller who
+      wants the model's result multiplies the final sum by f: `combine_scale` returns that
+      factor. This holds even when routed_out has zero rows (the shared part alone is still
+      divided), so every rank's reply follows one convention.
+    """
+    if not (math.isfinite(routed_scaling_factor) and routed_scaling_factor > 0):
+        raise ValueError(f"routed_scaling_factor must be finite and > 0, "
+                         f"got {routed_scaling_factor}")
+    if shared_out is not None and shared_out.dtype != routed_out.dtype:
+        raise ValueError(f"routed_out ({routed_out.dtype}) and shared_out "
+                         f"({shared_out.dtype}) must share a dtype")
+    if routed_scaling_factor == 1.0:
+        return routed_out, shared_out
+    if routed_out.dtype == torch.float16:
+        return routed_out, None if shared_out is None else shared_out / routed_scaling_factor
+    return routed_out * routed_scaling_factor, shared_out
+
+
+def combine_scale(dtype: torch.dtype, routed_scaling_factor: float) -> float:
+    """The factor the Attention side multiplies the combined output by (after
+    sum_k w*routed + shared): f for fp16 payloads (see `apply_routed_scaling`), else 1.0."""
+    return float(routed_scaling_factor) if dtype == torch.float16 else 1.0
+
+
+# --------------------------------------------------------------------------- reference
+
+def reference_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                  global_weights: ExpertWeights, shared_weights: ExpertWeights | None,
+                  routed_scaling_factor: float) -> torch.Tensor:
+    """Ground truth of one MoE layer, naive per token, for tests.
+
+    hidden: [T, H] any float dtype and device; topk_ids: [T, k] int (global ids);
+    topk_weights: [T, k] float; global_weights: first_expert == 0; shared_weights or None.
+    Returns [T, H] fp32 on the CPU:
+        out[t] = f * sum_k w[t,k] * expert_{ids[t,k]}(x_t) + shared(x_t)
+    computed in float64 from the given (already rounded) inputs and weights, so that the
+    reference adds no error of its own. Slow: keep T, H, I small.
+    """
+    _check_reference_args(hidden, topk_ids, topk_weights, global_weights)
+    x = hidden.detach().to("cpu", torch.float64)
+    ids = topk_ids.to("cpu", torch.int64)
+    gate_weights = topk_weights.detach().to("cpu", torch.float64)
+    experts = _ExpertCacheF64(global_weights)
+    shared = None if shared_weights is None else _ExpertCacheF64(shared_weights)
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            out[t] += gate_weights[t, k] * experts.apply(int(ids[t, k]), x[t])
+        out[t] *= routed_scaling_factor
+        if shared is not None:
+            out[t] += shared.apply(0, x[t])
+    return out.float()
+
+
+class _ExpertCacheF64:
+    """Upcasts each expert's weights to float64 on the CPU once, on first use."""
+
+    def __init__(self, weights: ExpertWeights):
+        self._weights = weights
+        self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def apply(self, expert: int, x_row: torch.Tensor) -> torch.Tensor:
+        if expert not in self._cache:
+            self._cache[expert] = (self._weights.w13[expert].to("cpu", torch.float64),
+                                   self._weights.w2[expert].to("cpu", torch.float64))
+        w13, w2 = self._cache[expert]
+        gate, up = (w13 @ x_row).chunk(2)
+        return w2 @ (F.silu(gate) * up)
+
+
+def _check_reference_args(hidden, topk_ids, topk_weights, global_weights) -> None:
+    if global_weights.first_expert != 0:
+        raise ValueError("reference_moe needs the global expert set (first_expert == 0), "
+                         f"got first_expert={global_weights.first_expert}")
+    if hidden.dim() != 2 or hidden.shape[1] != global_weights.hidden_size:
+        raise ValueError(f"hidden must be [T, {global_weights.hidden_size}], "
+                         f"got {tuple(hidden.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape \
+            or topk_ids.shape[0] != hidden.shape[0]:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights "
+                         f"{tuple(topk_weights.shape)} must both be [T={hidden.shape[0]}, k]")
+    if topk_ids.numel() and not 0 <= int(topk_ids.min()) <= int(topk_ids.max()) \
+            < global_weights.num_experts:
+        raise ValueError(f"topk_ids must be in [0, {global_weights.num_experts}), got range "
+                         f"[{int(topk_ids.min())}, {int(topk_ids.max())}]")

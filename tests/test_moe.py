@@ -1,0 +1,469 @@
+"""Tests of afd_cupy.moe: gates, expert weights, grouped GEMM, scaling rule, reference.
+
+CPU everywhere (the CUDA grouped GEMM test is marked and skipped without a GPU). Every
+comparison uses fresh random inputs and an independent reference written here.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from afd_cupy import moe
+
+HIDDEN = 64
+INTER = 32
+
+
+def _rng(seed: int) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def _distinct_logits(num_tokens, num_experts, dtype, rng) -> torch.Tensor:
+    """Per token a random permutation of a grid of distinct values exactly representable in
+    bf16/fp16 (k/8, |k| < 256): no ties, whatever the dtype, so the top-k order is unique."""
+    rows = [rng.permutation(num_experts) - num_experts / 2 for _ in range(num_tokens)]
+    return torch.tensor(np.stack(rows) / 8.0, dtype=dtype)
+
+
+# --------------------------------------------------------------------------- gate reference
+
+def _np_scores(logits: np.ndarray, scoring_func: str) -> np.ndarray:
+    if scoring_func == "softmax":
+        shifted = np.exp(logits - logits.max())
+        return shifted / shifted.sum()
+    return 1.0 / (1.0 + np.exp(-logits))
+
+
+def _np_select(logits, top_k, *, grouped=False, num_groups=1, topk_group=1,
+               scoring_func="softmax", bias=None, renormalize=True):
+    """Straightforward per-token loops in float64."""
+    num_tokens, num_experts = logits.shape
+    ids = np.zeros((num_tokens, top_k), dtype=np.int64)
+    weights = np.zeros((num_tokens, top_k))
+    for t in range(num_tokens):
+        scores = _np_scores(logits[t].astype(np.float64), scoring_func)
+        selection = scores + bias if bias is not None else scores
+        allowed = list(range(num_experts))
+        if grouped:
+            allowed = _np_allowed_experts(selection, num_groups, topk_group, bias is not None)
+        chosen = sorted(allowed, key=lambda e: -selection[e])[:top_k]
+        ids[t] = chosen
+        weights[t] = scores[chosen]
+        if renormalize:
+            weights[t] /= weights[t].sum()
+    return weights, ids
+
+
+def _np_allowed_experts(selection, num_groups, topk_group, use_top2_sum):
+    group_size = len(selection) // num_groups
+    group_scores = []
+    for g in range(num_groups):
+        members = sorted(selection[g * group_size:(g + 1) * group_size], reverse=True)
+        group_scores.append(members[0] + members[1] if use_top2_sum else members[0])
+    kept = sorted(range(num_groups), key=lambda g: -group_scores[g])[:topk_group]
+    return [e for e in range(len(selection)) if e // group_size in kept]
+
+
+def _check_gate(weights, ids, ref_weights, ref_ids, num_tokens, top_k):
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32
+    assert weights.shape == ids.shape == (num_tokens, top_k)
+    np.testing.assert_array_equal(ids.numpy(), ref_ids)
+    np.testing.assert_allclose(weights.numpy(), ref_weights, rtol=2e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_softmax_topk_matches_reference(dtype, renormalize):
+    rng = _rng(1)
+    logits = _distinct_logits(37, 16, dtype, rng)
+    weights, ids = moe.select_experts(logits, 4, renormalize=renormalize)
+    ref_w, ref_ids = _np_select(logits.double().numpy(), 4, renormalize=renormalize)
+    _check_gate(weights, ids, ref_w, ref_ids, 37, 4)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("num_groups,topk_group,top_k", [(4, 2, 3), (8, 3, 6), (4, 4, 2)])
+def test_grouped_topk_deepseek_v2(renormalize, num_groups, topk_group, top_k):
+    rng = _rng(2)
+    logits = _distinct_logits(41, 32, torch.float32, rng)
+    weights, ids = moe.select_experts(
+        logits, top_k, use_grouped_topk=True, num_expert_group=num_groups,
+        topk_group=topk_group, renormalize=renormalize)
+    ref_w, ref_ids = _np_select(logits.double().numpy(), top_k, grouped=True,
+                                num_groups=num_groups, topk_group=topk_group,
+                                renormalize=renormalize)
+    _check_gate(weights, ids, ref_w, ref_ids, 41, top_k)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
+def test_grouped_topk_deepseek_v3_sigmoid_bias(renormalize, logits_dtype):
+    rng = _rng(3)
+    logits = _distinct_logits(53, 64, logits_dtype, rng)
+    bias = torch.tensor(rng.normal(0.0, 0.3, 64), dtype=torch.float32)
+    weights, ids = moe.select_experts(
+        logits, 8, use_grouped_topk=True, num_expert_group=8, topk_group=4,
+        scoring_func="sigmoid", e_score_correction_bias=bias, renormalize=renormalize)
+    ref_w, ref_ids = _np_select(logits.double().numpy(), 8, grouped=True, num_groups=8,
+                                topk_group=4, scoring_func="sigmoid",
+                                bias=bias.double().numpy(), renormalize=renormalize)
+    _check_gate(weights, ids, ref_w, ref_ids, 53, 8)
+
+
+def test_bias_steers_selection_but_not_weights():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    bias = torch.tensor([0.0, 0.0, 0.0, 5.0])
+    weights, ids = moe.select_experts(logits, 1, scoring_func="sigmoid",
+                                      e_score_correction_bias=bias, renormalize=False)
+    assert ids.tolist() == [[3]]
+    assert weights.item() == pytest.approx(1.0 / (1.0 + math.exp(1.0)), rel=1e-6)
+
+
+def test_select_experts_zero_tokens():
+    weights, ids = moe.select_experts(torch.empty((0, 8)), 2)
+    assert weights.shape == ids.shape == (0, 2)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(router_logits=torch.randn(8)), r"router_logits.*2-D.*\(8,\)"),
+    (dict(router_logits=torch.ones(3, 8, dtype=torch.int32)), r"router_logits.*int32"),
+    (dict(top_k=9), r"top_k.*num_experts=8.*9"),
+    (dict(top_k=0), r"top_k.*got 0"),
+    (dict(scoring_func="relu"), r"scoring_func.*'relu'"),
+    (dict(e_score_correction_bias=torch.zeros(7)), r"e_score_correction_bias.*\(8,\).*\(7,\)"),
+    (dict(use_grouped_topk=True, num_expert_group=3, topk_group=1),
+     r"num_expert_group.*num_experts=8.*num_expert_group=3"),
+    (dict(use_grouped_topk=True, num_expert_group=None, topk_group=1),
+     r"num_expert_group=None"),
+    (dict(use_grouped_topk=True, num_expert_group=4, topk_group=5),
+     r"topk_group.*num_expert_group=4.*topk_group=5"),
+    (dict(use_grouped_topk=True, num_expert_group=4, topk_group=0), r"topk_group=0"),
+    (dict(use_grouped_topk=True, num_expert_group=4, topk_group=1, top_k=3),
+     r"top_k=3.*topk_group=1.*2"),
+    (dict(use_grouped_topk=True, num_expert_group=8, topk_group=2, top_k=2,
+          e_score_correction_bias=torch.zeros(8)), r"group size must be >= 2.*= 1"),
+])
+def test_select_experts_validation(kwargs, match):
+    args = dict(router_logits=torch.randn(3, 8), top_k=2)
+    args.update(kwargs)
+    logits, top_k = args.pop("router_logits"), args.pop("top_k")
+    with pytest.raises(ValueError, match=match):
+        moe.select_experts(logits, top_k, **args)
+
+
+# --------------------------------------------------------------------------- expert weights
+
+def _expert_f64(weights: moe.ExpertWeights, expert: int, x: torch.Tensor) -> torch.Tensor:
+    """One expert in float64, written out from the definition (separate w1 / w3)."""
+    inter = weights.intermediate_size
+    w13 = weights.w13[expert].double()
+    w1, w3, w2 = w13[:inter], w13[inter:], weights.w2[expert].double()
+    x = x.double()
+    return (F.silu(x @ w1.T) * (x @ w3.T)) @ w2.T
+
+
+def test_make_expert_weights_deterministic_and_scaled():
+    a = moe.make_expert_weights(3, HIDDEN, INTER, dtype=torch.float32, device="cpu", seed=7)
+    b = moe.make_expert_weights(3, HIDDEN, INTER, dtype=torch.float32, device="cpu", seed=7)
+    c = moe.make_expert_weights(3, HIDDEN, INTER, dtype=torch.float32, device="cpu", seed=8)
+    assert a.w13.shape == (3, 2 * INTER, HIDDEN) and a.w2.shape == (3, HIDDEN, INTER)
+    assert (a.num_experts, a.first_expert) == (3, 0)
+    assert torch.equal(a.w13, b.w13) and torch.equal(a.w2, b.w2)
+    assert not torch.equal(a.w13, c.w13)
+    out = _expert_f64(a, 1, torch.randn(256, HIDDEN))
+    assert 0.1 < out.std().item() < 3.0  # O(1) in, O(1) out
+
+
+def test_make_expert_weights_same_values_across_dtypes():
+    f32 = moe.make_expert_weights(2, HIDDEN, INTER, dtype=torch.float32, device="cpu", seed=3)
+    bf16 = moe.make_expert_weights(2, HIDDEN, INTER, dtype=torch.bfloat16, device="cpu", seed=3)
+    assert bf16.dtype == torch.bfloat16
+    assert torch.equal(f32.w13.bfloat16(), bf16.w13)
+
+
+def test_expert_weights_rejects_inconsistent_shapes():
+    with pytest.raises(ValueError, match=r"inconsistent expert shapes.*w2 \(2, 8, 3\)"):
+        moe.ExpertWeights(w13=torch.zeros(2, 8, 8), w2=torch.zeros(2, 8, 3), num_experts=2)
+    with pytest.raises(ValueError, match=r"num_experts=3"):
+        moe.ExpertWeights(w13=torch.zeros(2, 8, 8), w2=torch.zeros(2, 8, 4), num_experts=3)
+
+
+@pytest.mark.parametrize("num_experts,num_ffn", [(12, 4), (10, 4), (9, 4), (5, 1), (3, 5)])
+def test_local_experts_slices_and_zero_pads(num_experts, num_ffn):
+    glob = moe.make_expert_weights(num_experts, 16, 8, dtype=torch.float32, device="cpu", seed=5)
+    epr = math.ceil(num_experts / num_ffn)
+    for rank in range(num_ffn):
+        local = moe.local_experts(glob, rank, epr)
+        assert (local.num_experts, local.first_expert) == (epr, rank * epr)
+        assert local.w13.shape == (epr, 16, 16) and local.w2.shape == (epr, 16, 8)
+        for i in range(epr):
+            gid = rank * epr + i
+            if gid < num_experts:
+                assert torch.equal(local.w13[i], glob.w13[gid])
+                assert torch.equal(local.w2[i], glob.w2[gid])
+            else:  # padded tail: zero experts
+                assert not local.w13[i].any() and not local.w2[i].any()
+
+
+def test_local_experts_copies_and_validates():
+    glob = moe.make_expert_weights(4, 16, 8, dtype=torch.float32, device="cpu", seed=5)
+    local = moe.local_experts(glob, 1, 2)
+    assert local.w13.data_ptr() != glob.w13[2].data_ptr()
+    with pytest.raises(ValueError, match=r"first_expert=2"):
+        moe.local_experts(local, 0, 1)
+    with pytest.raises(ValueError, match=r"ffn_rank=-1"):
+        moe.local_experts(glob, -1, 2)
+
+
+def test_shared_weights_fused_and_distinct_from_routed():
+    assert moe.make_shared_weights(0, 16, 8, dtype=torch.float32, device="cpu", seed=1) is None
+    shared = moe.make_shared_weights(2, 16, 8, dtype=torch.float32, device="cpu", seed=1)
+    routed = moe.make_expert_weights(1, 16, 16, dtype=torch.float32, device="cpu", seed=1)
+    assert shared.num_experts == 1 and shared.w13.shape == (1, 32, 16)
+    assert shared.w2.shape == (1, 16, 16)
+    assert not torch.equal(shared.w13, routed.w13)
+    with pytest.raises(ValueError, match=r"num_shared_experts.*-1"):
+        moe.make_shared_weights(-1, 16, 8, dtype=torch.float32, device="cpu", seed=1)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2),
+                                       (torch.float16, 3e-3)])
+def test_shared_mlp_matches_reference(dtype, tol):
+    shared = moe.make_shared_weights(2, HIDDEN, INTER, dtype=dtype, device="cpu", seed=4)
+    x = torch.randn(19, HIDDEN).to(dtype)
+    out = moe.shared_mlp(x, shared)
+    assert out.dtype == dtype and out.shape == (19, HIDDEN)
+    torch.testing.assert_close(out.double(), _expert_f64(shared, 0, x), rtol=tol, atol=tol)
+    assert moe.shared_mlp(x[:0], shared).shape == (0, HIDDEN)
+
+
+# --------------------------------------------------------------------------- grouped GEMM
+
+GROUPED_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
+
+
+def _grouped_reference(x, counts, weights) -> torch.Tensor:
+    out = torch.full((x.shape[0], weights.hidden_size), float("nan"), dtype=torch.float64)
+    start = 0
+    for expert, num_rows in enumerate(counts):
+        out[start:start + num_rows] = _expert_f64(weights, expert, x[start:start + num_rows])
+        start += num_rows
+    return out
+
+
+def _check_grouped(x, counts, weights, **kwargs):
+    out = moe.grouped_mlp(x, torch.tensor(counts), weights, **kwargs)
+    assert out.dtype == x.dtype and out.shape == (x.shape[0], weights.hidden_size)
+    tol = GROUPED_TOL[x.dtype]
+    torch.testing.assert_close(out.double(), _grouped_reference(x, counts, weights),
+                               rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("counts", [[5, 0, 9, 1, 0, 3], [0, 0, 0, 17, 0, 0], [11, 0, 0, 0, 0, 0],
+                                    [0, 0, 0, 0, 0, 13]])
+def test_grouped_mlp_loop_matches_reference(dtype, counts):
+    weights = moe.make_expert_weights(6, HIDDEN, INTER, dtype=dtype, device="cpu", seed=11)
+    x = torch.randn(sum(counts), HIDDEN).to(dtype)
+    _check_grouped(x, counts, weights)
+    _check_grouped(x, counts, weights, group_counts_host=list(counts))
+
+
+def test_grouped_mlp_zero_rows_and_any_int_counts():
+    weights = moe.make_expert_weights(3, HIDDEN, INTER, dtype=torch.bfloat16, device="cpu", seed=1)
+    out = moe.grouped_mlp(torch.empty((0, HIDDEN), dtype=torch.bfloat16),
+                          torch.zeros(3, dtype=torch.int32), weights)
+    assert out.shape == (0, HIDDEN) and out.dtype == torch.bfloat16
+    x = torch.randn(7, HIDDEN).bfloat16()
+    for counts_dtype in (torch.int32, torch.int64, torch.int16):
+        out = moe.grouped_mlp(x, torch.tensor([2, 0, 5], dtype=counts_dtype), weights)
+        torch.testing.assert_close(out.double(), _grouped_reference(x, [2, 0, 5], weights),
+                                   rtol=2e-2, atol=2e-2)
+
+
+def test_grouped_mlp_padded_local_experts():
+    glob = moe.make_expert_weights(5, HIDDEN, INTER, dtype=torch.float32, device="cpu", seed=2)
+    local = moe.local_experts(glob, 1, 3)  # experts 3, 4 and one zero expert
+    x = torch.randn(9, HIDDEN)
+    out = moe.grouped_mlp(x, torch.tensor([4, 5, 0]), local)
+    torch.testing.assert_close(out[:4].double(), _expert_f64(glob, 3, x[:4]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[4:].double(), _expert_f64(glob, 4, x[4:]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(counts=[2, 2, 2]), r"group counts \[2, 2, 2\] \(sum 6\).*x.shape\[0\] = 7"),
+    (dict(counts=[8, -1, 0]), r"group counts \[8, -1, 0\]"),
+    (dict(counts=[7, 0]), r"group_counts.*\[3\].*\(2,\)"),
+    (dict(counts=[7, 0, 0], host=[7, 0]), r"group_counts_host has 2 entries, expected 3"),
+    (dict(counts=[7, 0, 0], host=[3, 0, 0]), r"sum 3"),
+    (dict(counts=[7, 0, 0], x_dtype=torch.float16), r"float16.*bfloat16"),
+    (dict(counts=[7, 0, 0], hidden=HIDDEN + 1), r"hidden=64.*\(7, 65\)"),
+])
+def test_grouped_mlp_validation(kwargs, match):
+    weights = moe.make_expert_weights(3, HIDDEN, INTER, dtype=torch.bfloat16, device="cpu", seed=1)
+    x = torch.randn(7, kwargs.get("hidden", HIDDEN)).to(kwargs.get("x_dtype", torch.bfloat16))
+    with pytest.raises(ValueError, match=match):
+        moe.grouped_mlp(x, torch.tensor(kwargs["counts"]), weights,
+                        group_counts_host=kwargs.get("host"))
+
+
+def test_grouped_mm_not_used_on_cpu():
+    weights = moe.make_expert_weights(2, HIDDEN, INTER, dtype=torch.bfloat16, device="cpu", seed=1)
+    assert not moe.grouped_mm_supported(torch.randn(4, HIDDEN).bfloat16(), weights)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch has no _grouped_mm")
+@pytest.mark.parametrize("counts", [[5, 0, 9, 1, 0, 3], [0, 0, 18, 0, 0, 0]])
+def test_grouped_mm_layout_on_cpu_fallback(counts):
+    """The fused path's operand layout and offsets, run through torch's CPU fallback of
+    _grouped_mm (same validation of strides and offsets, no CUDA)."""
+    weights = moe.make_expert_weights(6, HIDDEN, INTER, dtype=torch.bfloat16, device="cpu", seed=9)
+    x = torch.randn(sum(counts), HIDDEN).bfloat16()
+    out = moe._grouped_mlp_fused(x, torch.tensor(counts), weights)
+    torch.testing.assert_close(out.double(), _grouped_reference(x, counts, weights),
+                               rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("counts", [[37, 0, 91, 1, 0, 300, 0, 7], [0, 0, 0, 0, 0, 0, 0, 64]])
+def test_grouped_mlp_cuda_bf16(counts):
+    weights = moe.make_expert_weights(8, 256, 128, dtype=torch.bfloat16, device="cuda", seed=1)
+    x = torch.randn(sum(counts), 256, device="cuda").bfloat16()
+    if torch.cuda.get_device_capability()[0] in (9, 10):
+        assert moe.grouped_mm_supported(x, weights)
+    counts_dev = torch.tensor(counts, device="cuda")
+    out = moe.grouped_mlp(x, counts_dev, weights)
+    ref = _grouped_reference(x.cpu(), counts, _to_cpu(weights))
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=3e-2, atol=3e-2)
+
+
+def _to_cpu(weights: moe.ExpertWeights) -> moe.ExpertWeights:
+    return moe.ExpertWeights(w13=weights.w13.cpu(), w2=weights.w2.cpu(),
+                             num_experts=weights.num_experts, first_expert=weights.first_expert)
+
+
+# --------------------------------------------------------------------------- scaling rule
+
+def test_routed_scaling_bf16_scales_routed():
+    routed, shared = torch.randn(5, 8).bfloat16(), torch.randn(3, 8).bfloat16()
+    out_routed, out_shared = moe.apply_routed_scaling(routed, shared, 2.5)
+    torch.testing.assert_close(out_routed, routed * 2.5)
+    assert torch.equal(out_shared, shared)
+    assert moe.combine_scale(torch.bfloat16, 2.5) == 1.0
+    assert moe.combine_scale(torch.float32, 2.5) == 1.0
+
+
+@pytest.mark.parametrize("num_routed", [5, 0])
+def test_routed_scaling_fp16_divides_shared(num_routed):
+    routed, shared = torch.randn(num_routed, 8).half(), torch.randn(3, 8).half()
+    out_routed, out_shared = moe.apply_routed_scaling(routed, shared, 2.5)
+    assert torch.equal(out_routed, routed)
+    torch.testing.assert_close(out_shared, shared / 2.5)
+    assert out_shared.dtype == torch.float16
+    assert moe.combine_scale(torch.float16, 2.5) == 2.5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_routed_scaling_round_trip_is_the_model_result(dtype):
+    """(routed' + shared') * combine_scale == f * routed + shared, whatever the dtype."""
+    routed, shared = torch.randn(6, 8).to(dtype), torch.randn(6, 8).to(dtype)
+    out_routed, out_shared = moe.apply_routed_scaling(routed, shared, 4.0)
+    combined = (out_routed.double() + out_shared.double()) * moe.combine_scale(dtype, 4.0)
+    torch.testing.assert_close(combined, routed.double() * 4.0 + shared.double(),
+                               rtol=1e-2, atol=1e-2)
+
+
+def test_routed_scaling_without_shared_and_validation():
+    routed = torch.randn(4, 8).half()
+    assert moe.apply_routed_scaling(routed, None, 2.0)[1] is None
+    with pytest.raises(ValueError, match=r"routed_scaling_factor.*-1.0"):
+        moe.apply_routed_scaling(routed, None, -1.0)
+    with pytest.raises(ValueError, match=r"float16.*bfloat16"):
+        moe.apply_routed_scaling(routed, torch.randn(2, 8).bfloat16(), 2.0)
+
+
+# --------------------------------------------------------------------------- reference_moe
+
+def _vectorized_moe(hidden, ids, weights, glob, shared, factor) -> torch.Tensor:
+    """Every expert on every token at once, then gather: an independent formulation."""
+    x = hidden.double()
+    gate_up = torch.einsum("th,eoh->eto", x, glob.w13.double())
+    gate, up = gate_up.chunk(2, dim=-1)
+    all_out = torch.einsum("eti,ehi->eth", F.silu(gate) * up, glob.w2.double())  # [E, T, H]
+    token_idx = torch.arange(x.shape[0]).unsqueeze(1)
+    picked = all_out[ids.long(), token_idx]  # [T, k, H]
+    out = (weights.double().unsqueeze(-1) * picked).sum(dim=1) * factor
+    if shared is not None:
+        out = out + _expert_f64(shared, 0, x)
+    return out
+
+
+@pytest.mark.parametrize("with_shared", [True, False])
+def test_reference_moe_matches_vectorized(with_shared):
+    rng = _rng(4)
+    glob = moe.make_expert_weights(8, 32, 16, dtype=torch.bfloat16, device="cpu", seed=21)
+    shared = (moe.make_shared_weights(1, 32, 16, dtype=torch.bfloat16, device="cpu", seed=21)
+              if with_shared else None)
+    hidden = torch.randn(13, 32).bfloat16()
+    weights, ids = moe.select_experts(_distinct_logits(13, 8, torch.float32, rng), 3)
+    out = moe.reference_moe(hidden, ids, weights, glob, shared, 2.5)
+    assert out.dtype == torch.float32 and out.shape == (13, 32)
+    torch.testing.assert_close(out.double(),
+                               _vectorized_moe(hidden, ids, weights, glob, shared, 2.5),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_reference_moe_validation():
+    glob = moe.make_expert_weights(4, 16, 8, dtype=torch.float32, device="cpu", seed=1)
+    hidden, weights = torch.randn(2, 16), torch.rand(2, 2)
+    with pytest.raises(ValueError, match=r"topk_ids must be in \[0, 4\).*\[0, 4\]"):
+        moe.reference_moe(hidden, torch.tensor([[0, 1], [2, 4]]), weights, glob, None, 1.0)
+    with pytest.raises(ValueError, match=r"first_expert=2"):
+        moe.reference_moe(hidden, torch.zeros(2, 2, dtype=torch.int32), weights,
+                          moe.local_experts(glob, 1, 2), None, 1.0)
+
+
+def _disaggregated_moe(hidden, ids, weights, glob, shared, factor, num_ffn):
+    """The whole AFD data flow in one process: route to F ranks, grouped GEMM per rank,
+    FFN-side scaling rule, Attention-side fp32 combine times combine_scale."""
+    epr = math.ceil(glob.num_experts / num_ffn)
+    flat_ids = ids.reshape(-1).long()
+    order = torch.argsort(flat_ids, stable=True)  # grouped by global expert = by rank, local
+    routed_rows = torch.full((flat_ids.numel(), hidden.shape[1]), float("nan"),
+                             dtype=torch.float32)
+    shared_out = torch.full(hidden.shape, float("nan"), dtype=torch.float32)
+    for rank in range(num_ffn):
+        local = moe.local_experts(glob, rank, epr)
+        mine = order[(flat_ids[order] >= rank * epr) & (flat_ids[order] < (rank + 1) * epr)]
+        counts = torch.bincount(flat_ids[mine] - rank * epr, minlength=epr)
+        routed = moe.grouped_mlp(hidden[mine // ids.shape[1]], counts, local)
+        shared_idx = torch.arange(rank, hidden.shape[0], num_ffn)
+        shared_part = moe.shared_mlp(hidden[shared_idx], shared) if shared else None
+        routed, shared_part = moe.apply_routed_scaling(routed, shared_part, factor)
+        routed_rows[mine] = routed.float()
+        if shared_part is not None:
+            shared_out[shared_idx] = shared_part.float()
+    per_slot = routed_rows.view(ids.shape[0], ids.shape[1], -1)
+    out = (weights.unsqueeze(-1) * per_slot).sum(dim=1)
+    out = out + shared_out if shared else out
+    return out * moe.combine_scale(hidden.dtype, factor)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_ffn", [1, 3])
+def test_disaggregated_pipeline_matches_reference(dtype, num_ffn):
+    rng = _rng(6)
+    glob = moe.make_expert_weights(10, 32, 16, dtype=dtype, device="cpu", seed=31)
+    shared = moe.make_shared_weights(2, 32, 16, dtype=dtype, device="cpu", seed=31)
+    hidden = torch.randn(17, 32).to(dtype)
+    logits = _distinct_logits(17, 10, torch.float32, rng)
+    weights, ids = moe.select_experts(logits, 4, use_grouped_topk=True, num_expert_group=5,
+                                      topk_group=3)
+    out = _disaggregated_moe(hidden, ids, weights, glob, shared, 2.5, num_ffn)
+    ref = moe.reference_moe(hidden, ids, weights, glob, shared, 2.5)
+    torch.testing.assert_close(out, ref, rtol=3e-2, atol=3e-2)
