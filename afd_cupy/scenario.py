@@ -1,0 +1,135 @@
+"""The reference end-to-end scenario: an AFD MoE run checked against a single-process MoE.
+
+Shared by the tests and ``tools/smoke.py``. Every process of the world runs
+:func:`run_rank` under :func:`afd_cupy.launch.launch`: Attention ranks gate random hidden
+states, send, receive and compare each layer's output with ``moe.reference_moe`` computed
+from the same weights (a naive per-token fp64 MoE); FFN ranks serve with an ``FFNWorker``
+until every Attention rank announced shutdown.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from afd_cupy import moe
+from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig
+from afd_cupy.connector import AFDConnector
+from afd_cupy.ffn_worker import FFNWorker
+from afd_cupy.topology import Role, Topology
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One run. ``tokens[a][layer]`` = tokens Attention rank a sends at that layer
+    (default: ``num_tokens`` everywhere); ``sleep_s[a]`` = pause of rank a between layers,
+    so replicas sit at different layers and the FFN serves them out of order."""
+
+    model: ModelConfig
+    num_attn: int
+    num_ffn: int
+    backend: str = "host"
+    poll_mode: str = "device"
+    num_tokens: int = 16
+    tokens: tuple | None = None
+    sleep_s: tuple | None = None
+    seed: int = 0
+    connector: ConnectorConfig = field(default_factory=ConnectorConfig)
+    peer_timeout_s: float = 60.0
+    check: bool = True
+
+    def tokens_for(self, attn_rank: int, layer_idx: int) -> int:
+        return self.tokens[attn_rank][layer_idx] if self.tokens else self.num_tokens
+
+    @property
+    def world_size(self) -> int:
+        return self.num_attn + self.num_ffn
+
+
+def layer_weights(model: ModelConfig, layer_idx: int, seed: int, device):
+    """(global routed experts, fused shared experts or None) of one layer."""
+    dtype = getattr(torch, model.dtype)
+    base = seed * 1000 + layer_idx * 7
+    routed = moe.make_expert_weights(model.num_experts, model.hidden_size, model.moe_intermediate_size,
+                                     dtype=dtype, device=device, seed=base)
+    shared = moe.make_shared_weights(model.num_shared_experts, model.hidden_size,
+                                     model.moe_intermediate_size, dtype=dtype, device=device, seed=base + 1)
+    return routed, shared
+
+
+def _device(scenario: Scenario, ctx) -> torch.device:
+    if scenario.backend == "host":
+        return torch.device("cpu")
+    torch.cuda.set_device(ctx.device_id or 0)
+    return torch.device("cuda", ctx.device_id or 0)
+
+
+def run_rank(ctx, scenario: Scenario) -> dict:
+    """Entry point of every process (see module doc). Returns a per-rank report dict."""
+    topo = Topology(scenario.num_attn, scenario.num_ffn, scenario.model.num_experts)
+    role, role_rank = topo.role_of(ctx.rank)
+    device = _device(scenario, ctx)
+    conn = AFDConnector(scenario.model, TopologyConfig(scenario.num_attn, scenario.num_ffn),
+                        scenario.connector, role=role, role_rank=role_rank, store=ctx.store(),
+                        job_id=ctx.job_id, backend=scenario.backend, device_id=ctx.device_id,
+                        poll_mode=scenario.poll_mode, peer_timeout_s=scenario.peer_timeout_s)
+    try:
+        if role is Role.ATTENTION:
+            return _attention(conn, scenario, role_rank, device)
+        return _ffn(conn, scenario, role_rank, device)
+    finally:
+        conn.close()
+
+
+def _ffn(conn: AFDConnector, scenario: Scenario, ffn_rank: int, device) -> dict:
+    model = scenario.model
+    epr = conn.topology.expert_per_rank
+    routed, shared = [], []
+    for layer in range(model.num_layers):
+        global_routed, layer_shared = layer_weights(model, layer, scenario.seed, device)
+        routed.append(moe.local_experts(global_routed, ffn_rank, epr))
+        shared.append(layer_shared)
+    worker = FFNWorker(conn, routed, shared if model.num_shared_experts else None)
+    start = time.perf_counter()
+    served = worker.run()
+    return {"role": "ffn", "rank": ffn_rank, "served": served, "seconds": time.perf_counter() - start}
+
+
+def _attention(conn: AFDConnector, scenario: Scenario, attn_rank: int, device) -> dict:
+    model = scenario.model
+    dtype = getattr(torch, model.dtype)
+    errors, times = [], []
+    gen = torch.Generator().manual_seed(scenario.seed * 7919 + attn_rank)
+    for layer in range(model.num_layers):
+        num_tokens = scenario.tokens_for(attn_rank, layer)
+        hidden = torch.randn(num_tokens, model.hidden_size, generator=gen).to(dtype)
+        logits = torch.randn(num_tokens, model.num_experts, generator=gen)
+        weights, ids = conn.select_experts(logits.to(device))
+        start = time.perf_counter()
+        handle = conn.send_attn_output(hidden.to(device), ids, weights, layer)
+        out = conn.recv_ffn_output(handle)
+        times.append(time.perf_counter() - start)
+        if scenario.check:
+            errors.append(_compare(out, hidden, ids, weights, model, layer, scenario.seed))
+        if scenario.sleep_s and scenario.sleep_s[attn_rank]:
+            time.sleep(scenario.sleep_s[attn_rank])
+    conn.announce_shutdown()
+    return {"role": "attention", "rank": attn_rank, "errors": errors, "times": times}
+
+
+def _compare(out, hidden, ids, weights, model, layer, seed) -> dict:
+    """Relative error of ``out`` against the fp64 per-token reference; NaN counts."""
+    routed, shared = layer_weights(model, layer, seed, "cpu")
+    ref = moe.reference_moe(hidden, ids.cpu(), weights.cpu(), routed, shared, model.routed_scaling_factor)
+    got = out.float().cpu()
+    num_nan = int(torch.isnan(got).sum())
+    denom = float(ref.norm()) or 1.0
+    rel = float((got - ref).norm()) / denom if num_nan == 0 else float("inf")
+    return {"layer": layer, "num_tokens": int(hidden.shape[0]), "rel_err": rel, "num_nan": num_nan,
+            "shape_ok": tuple(got.shape) == tuple(ref.shape)}
+
+
+def tolerance(dtype: str) -> float:
+    """Relative-error bound against the fp64 reference per payload dtype."""
+    return {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}[dtype]
