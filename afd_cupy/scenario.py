@@ -38,6 +38,7 @@ class Scenario:
     connector: ConnectorConfig = field(default_factory=ConnectorConfig)
     peer_timeout_s: float = 60.0
     check: bool = True
+    favor_ffn_rank: int | None = None  # gate logits pushed towards this FFN rank's experts
 
     def tokens_for(self, attn_rank: int, layer_idx: int) -> int:
         return self.tokens[attn_rank][layer_idx] if self.tokens else self.num_tokens
@@ -91,9 +92,18 @@ def _ffn(conn: AFDConnector, scenario: Scenario, ffn_rank: int, device) -> dict:
         routed.append(moe.local_experts(global_routed, ffn_rank, epr))
         shared.append(layer_shared)
     worker = FFNWorker(conn, routed, shared if model.num_shared_experts else None)
+    history = []
+    compute = worker.expert_fn
+
+    def recording(item):
+        history.append((item.src_rank, item.layer_idx, item.routed_tokens, item.shared_tokens))
+        return compute(item)
+
+    worker.expert_fn = recording
     start = time.perf_counter()
     served = worker.run()
-    return {"role": "ffn", "rank": ffn_rank, "served": served, "seconds": time.perf_counter() - start}
+    return {"role": "ffn", "rank": ffn_rank, "served": served, "history": history,
+            "seconds": time.perf_counter() - start}
 
 
 def _attention(conn: AFDConnector, scenario: Scenario, attn_rank: int, device) -> dict:
@@ -105,6 +115,9 @@ def _attention(conn: AFDConnector, scenario: Scenario, attn_rank: int, device) -
         num_tokens = scenario.tokens_for(attn_rank, layer)
         hidden = torch.randn(num_tokens, model.hidden_size, generator=gen).to(dtype)
         logits = torch.randn(num_tokens, model.num_experts, generator=gen)
+        if scenario.favor_ffn_rank is not None:
+            owned = conn.topology.owned_experts(scenario.favor_ffn_rank)
+            logits[:, owned.start:owned.stop] += 50.0
         weights, ids = conn.select_experts(logits.to(device))
         start = time.perf_counter()
         handle = conn.send_attn_output(hidden.to(device), ids, weights, layer)

@@ -1,0 +1,93 @@
+"""End-to-end AFD MoE runs through the real connector, in real processes, against a
+single-process fp64 per-token MoE reference. Host backend in CI; the same cases with the
+``cuda`` marker on a GPU (several processes on one GPU; device polling needs CUDA MPS)."""
+import os
+
+import pytest
+
+from afd_cupy.config import ConnectorConfig, ModelConfig
+from afd_cupy.launch import launch
+from afd_cupy.scenario import Scenario, run_rank, tolerance
+
+BACKENDS = [pytest.param("host", id="host"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
+POLL_MODE = os.environ.get("AFD_TEST_POLL_MODE", "device")  # the GPU suite runs under MPS
+
+
+def _model(**overrides):
+    base = dict(hidden_size=64, num_experts=8, top_k=2, moe_intermediate_size=32,
+                num_shared_experts=1, dtype="bfloat16", max_num_batched_tokens=96, num_layers=2)
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def _run(scenario: Scenario, timeout_s=180):
+    results = launch(run_rank, scenario.world_size, args=(scenario,), timeout_s=timeout_s)
+    attn = [r for r in results if r["role"] == "attention"]
+    ffn = [r for r in results if r["role"] == "ffn"]
+    tol = tolerance(scenario.model.dtype)
+    for report in attn:
+        assert len(report["errors"]) == scenario.model.num_layers
+        for err in report["errors"]:
+            assert err["shape_ok"] and err["num_nan"] == 0, err
+            assert err["rel_err"] <= tol, (report["rank"], err)
+    return attn, ffn
+
+
+def _scenario(backend, model, num_attn, num_ffn, **kw):
+    return Scenario(model, num_attn, num_ffn, backend=backend, poll_mode=POLL_MODE, **kw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("num_attn,num_ffn", [(1, 1), (2, 2), (2, 1), (1, 2), (3, 2)])
+def test_topologies_match_reference(backend, num_attn, num_ffn):
+    attn, ffn = _run(_scenario(backend, _model(), num_attn, num_ffn, num_tokens=40))
+    served = sum(r["served"] for r in ffn)
+    assert served == num_attn * 2 * num_ffn  # 40 tokens reach every rank each layer
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_experts_not_divisible_by_ffn_ranks_no_shared(backend):
+    model = _model(num_experts=10, top_k=3, num_shared_experts=0)
+    _run(_scenario(backend, model, 2, 3, num_tokens=33))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_one_and_many_tokens(backend):
+    model = _model(num_layers=3, max_num_batched_tokens=512)
+    tokens = ((0, 1, 512), (1, 0, 300))
+    attn, ffn = _run(_scenario(backend, model, 2, 2, tokens=tokens))
+    layers_served = {(src, layer) for r in ffn for (src, layer, *_rest) in r["history"]}
+    assert (0, 0) not in layers_served and (1, 1) not in layers_served  # empty: never sent
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_replicas_at_different_layers_served_out_of_order(backend):
+    model = _model(num_layers=4)
+    attn, ffn = _run(_scenario(backend, model, 2, 1, num_tokens=24, sleep_s=(0.4, 0.0)))
+    history = [(src, layer) for src, layer, *_ in ffn[0]["history"]]
+    fast_done = history.index((1, 3))
+    slow_layers_before = [layer for src, layer in history[:fast_done] if src == 0]
+    assert max(slow_layers_before, default=-1) < 3  # the fast replica finished first
+    assert len(history) == 8
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_dtypes_with_routed_scaling(backend, dtype):
+    model = _model(dtype=dtype, routed_scaling_factor=2.5, num_shared_experts=2)
+    _run(_scenario(backend, model, 2, 2, num_tokens=31))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rank_with_zero_routed_rows_fp16(backend):
+    # every token prefers FFN rank 0's experts: rank 1 gets shared rows only (fp16 rule)
+    model = _model(dtype="float16", routed_scaling_factor=4.0, top_k=2)
+    attn, ffn = _run(_scenario(backend, model, 1, 2, num_tokens=12, favor_ffn_rank=0))
+    rank1 = [r for r in ffn if r["rank"] == 1][0]
+    assert rank1["history"] and all(routed == 0 and shared > 0 for _, _, routed, shared in rank1["history"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_micro_batch_stages_use_their_own_rings(backend):
+    cfg = ConnectorConfig(async_moe_ubatching=True, async_moe_num_ubatches=2)
+    _run(_scenario(backend, _model(), 2, 2, num_tokens=20, connector=cfg))

@@ -1,0 +1,206 @@
+"""Failure paths end to end: bad input, capacity overflow, peer timeout, shutdown from
+either side, cleanup. Each test runs small programs in real processes."""
+import os
+import re
+
+import pytest
+import torch
+
+from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig
+from afd_cupy.connector import AFDConnector
+from afd_cupy.errors import (CapacityError, ConnectorShutdown, PeerTimeoutError, ProtocolError,
+                             RingExhaustedError)
+from afd_cupy.ffn_worker import FFNWorker
+from afd_cupy.heap.host import segment_path
+from afd_cupy.launch import launch
+from afd_cupy.topology import Role, Topology
+
+BACKENDS = [pytest.param("host", id="host"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
+POLL_MODE = os.environ.get("AFD_TEST_POLL_MODE", "device")
+MODEL = ModelConfig(hidden_size=32, num_experts=4, top_k=2, moe_intermediate_size=16,
+                    num_shared_experts=0, dtype="bfloat16", max_num_batched_tokens=16)
+
+
+def _identity(item):
+    return item.routed_x.clone(), None if item.shared_x is None else item.shared_x.clone()
+
+
+def _connect(ctx, backend, num_attn, num_ffn, connector=None, model=MODEL, timeout_s=30.0):
+    topo = Topology(num_attn, num_ffn, model.num_experts)
+    role, role_rank = topo.role_of(ctx.rank)
+    if backend == "cuda":
+        torch.cuda.set_device(ctx.device_id or 0)
+    conn = AFDConnector(model, TopologyConfig(num_attn, num_ffn), connector, role=role,
+                        role_rank=role_rank, store=ctx.store(), job_id=ctx.job_id, backend=backend,
+                        device_id=ctx.device_id, poll_mode=POLL_MODE, peer_timeout_s=timeout_s)
+    return conn, role, role_rank
+
+
+def _inputs(conn, num_tokens, *, favor_rank=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(num_tokens, MODEL.hidden_size, generator=gen).to(torch.bfloat16).to(conn.device)
+    logits = torch.randn(num_tokens, MODEL.num_experts, generator=gen)
+    if favor_rank is not None:
+        owned = conn.topology.owned_experts(favor_rank)
+        logits[:, owned.start:owned.stop] += 50.0
+    weights, ids = conn.select_experts(logits.to(conn.device))
+    return hidden, ids, weights
+
+
+def _message(fn):
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001 - the test inspects type and text
+        return type(err).__name__, str(err)
+    return None, ""
+
+
+# --- bad input -----------------------------------------------------------------------------
+def _bad_input_program(ctx, backend):
+    conn, role, _ = _connect(ctx, backend, 1, 1)
+    out = {}
+    try:
+        if role is Role.FFN:
+            out["served"] = FFNWorker(conn, expert_fn=_identity).run()
+            return out
+        hidden, ids, weights = _inputs(conn, 4)
+        send = conn.send_attn_output
+        out["shape"] = _message(lambda: send(hidden[:, :5], ids, weights, 0))
+        out["dtype"] = _message(lambda: send(hidden.float(), ids, weights, 0))
+        out["ids"] = _message(lambda: send(hidden, ids[:3], weights, 0))
+        out["weights_dtype"] = _message(lambda: send(hidden, ids, ids, 0))
+        out["stage"] = _message(lambda: send(hidden, ids, weights, 0, stage_idx=1))
+        out["tokens"] = _message(lambda: send(torch.zeros(17, 32, dtype=torch.bfloat16, device=conn.device),
+                                              torch.zeros(17, 2, dtype=torch.int32, device=conn.device),
+                                              torch.ones(17, 2, device=conn.device), 0))
+        out["wrong_role"] = _message(lambda: conn.recv_ffn_work_item(1))
+        handle = send(hidden, ids, weights, 0)
+        out["ring"] = _message(lambda: send(hidden, ids, weights, 1))
+        result = conn.recv_ffn_output(handle)
+        out["twice"] = _message(lambda: conn.recv_ffn_output(handle))
+        out["ok"] = bool(torch.isfinite(result.float()).all())
+        conn.announce_shutdown()
+        return out
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_input_raises_value_errors_naming_the_tensor(backend):
+    attn, ffn = launch(_bad_input_program, 2, args=(backend,), timeout_s=120)
+    assert attn["shape"] == ("ValueError", "hidden must be a [num_tokens, 32] tensor, got torch.Size([4, 5])")
+    assert attn["dtype"][0] == "ValueError" and "hidden has dtype torch.float32" in attn["dtype"][1]
+    assert attn["ids"] == ("ValueError", "topk_ids must have shape (4, 2), got (3, 2)")
+    assert attn["weights_dtype"][0] == "ValueError" and "topk_weights has wrong dtype" in attn["weights_dtype"][1]
+    assert attn["stage"] == ("ValueError", "stage_idx=1 outside [0, 1)")
+    assert attn["tokens"][0] == "CapacityError" and "num_tokens=17 > token_cap=16" in attn["tokens"][1]
+    assert attn["wrong_role"][0] == "ProtocolError"
+    assert attn["ring"][0] == "RingExhaustedError" and "stage 0: all its rings [0]" in attn["ring"][1]
+    assert attn["twice"][0] == "ProtocolError" and "not pending" in attn["twice"][1]
+    assert attn["ok"] and ffn["served"] == 1
+
+
+# --- capacity --------------------------------------------------------------------------------
+def _capacity_program(ctx, backend):
+    # 2A1F... with F = 2: routed_cap = ceil(16*2/2 * 0.5) = 8; 8 tokens x top-2 all on rank 0 = 16
+    conn, role, role_rank = _connect(ctx, backend, 2, 2, ConnectorConfig(routed_cap_multiplier=0.5))
+    try:
+        if role is Role.FFN:
+            worker = FFNWorker(conn, expert_fn=_identity)
+            history = []
+            fn = worker.expert_fn
+            worker.expert_fn = lambda item: (history.append((item.src_rank, item.num_tokens)), fn(item))[1]
+            worker.run()
+            return {"history": history}
+        out = {}
+        if role_rank == 0:
+            hidden, ids, weights = _inputs(conn, 8, favor_rank=0)
+            try:
+                handle = conn.send_attn_output(hidden, ids, weights, 0)
+                conn.recv_ffn_output(handle)
+            except CapacityError as err:
+                out["error"] = (str(err), err.counts, err.cap)
+        for layer in range(3):  # both replicas keep being served afterwards
+            hidden, ids, weights = _inputs(conn, 5, seed=layer + 10 * role_rank)
+            result = conn.recv_ffn_output(conn.send_attn_output(hidden, ids, weights, layer))
+            expect = hidden.float() * weights.sum(dim=1, keepdim=True)
+            out.setdefault("max_err", []).append(float((result.float() - expect).abs().max()))
+        conn.announce_shutdown()
+        return out
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_capacity_overflow_raises_writes_nothing_and_service_continues(backend):
+    a0, a1, f0, f1 = launch(_capacity_program, 4, args=(backend,), timeout_s=120)
+    message, counts, cap = a0["error"]
+    assert counts == 16 and cap == 8
+    assert re.search(r"16 routed partials for FFN rank 0 > routed_cap=8", message)
+    assert all(num_tokens == 5 for _, num_tokens in f0["history"] + f1["history"])  # nothing of the 8
+    assert len(f0["history"]) == 6 and max(a0["max_err"] + a1["max_err"]) < 0.05
+
+
+# --- peer timeout and shutdown from the FFN side -----------------------------------------------
+def _silent_ffn_program(ctx, backend, mode):
+    conn, role, _ = _connect(ctx, backend, 1, 1, timeout_s=1.5)
+    try:
+        if role is Role.FFN:
+            item = None
+            while item is None:
+                item = conn.recv_ffn_work_item(100)
+            if mode == "shutdown":
+                conn.announce_shutdown()  # never replies: the Attention side must not hang
+            ctx.store().get("attention-done")
+            return {"got": item.routed_tokens}
+        hidden, ids, weights = _inputs(conn, 6)
+        handle = conn.send_attn_output(hidden, ids, weights, 3)
+        try:
+            conn.recv_ffn_output(handle)
+            result = {"error": None}
+        except (PeerTimeoutError, ConnectorShutdown) as err:
+            result = {"error": type(err).__name__, "text": str(err),
+                      "peer": getattr(err, "peer", None), "layer": getattr(err, "layer_idx", None)}
+        ctx.store().set("attention-done", b"1")
+        return result
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_peer_timeout_names_peer_layer_and_seq(backend):
+    attn, ffn = launch(_silent_ffn_program, 2, args=(backend, "silent"), timeout_s=120)
+    assert attn["error"] == "PeerTimeoutError", attn
+    assert "FFN rank 0" in attn["text"] and "layer 3" in attn["text"] and "seq 1" in attn["text"]
+    assert attn["peer"] == 0 and attn["layer"] == 3 and ffn["got"] == 12
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shutdown_from_ffn_side_ends_attention_wait(backend):
+    attn, _ = launch(_silent_ffn_program, 2, args=(backend, "shutdown"), timeout_s=120)
+    assert attn["error"] == "ConnectorShutdown" and "FFN rank 0" in attn["text"]
+
+
+# --- shutdown from the Attention side, timeouts of the FFN poll, cleanup ------------------------
+def _shutdown_program(ctx, backend):
+    conn, role, role_rank = _connect(ctx, backend, 2, 1)
+    try:
+        if role is Role.FFN:
+            assert conn.recv_ffn_work_item(50) is None  # poll timeout returns None
+            served = FFNWorker(conn, expert_fn=_identity).run()
+            return {"served": served}
+        hidden, ids, weights = _inputs(conn, 3, seed=role_rank)
+        conn.recv_ffn_output(conn.send_attn_output(hidden, ids, weights, 0))
+        conn.announce_shutdown()
+        return {}
+    finally:
+        conn.close()
+        if backend == "host":
+            assert not os.path.exists(segment_path(ctx.job_id, "window", ctx.rank))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shutdown_from_every_attention_rank_ends_ffn_loop_and_frees(backend):
+    results = launch(_shutdown_program, 3, args=(backend,), timeout_s=120, job_id="afdshut")
+    assert results[2]["served"] == 2
+    assert not [p for p in os.listdir("/dev/shm") if p.startswith("afd_afdshut")]
