@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The whole GPU check in one call (for the device machine): start CUDA MPS, run every
+# `cuda`-marked test (multi-process ones included), the smoke tool (1A1F and 2A2F) and the
+# short benchmarks, stop MPS, print a summary table last. Logs go to $OUT (or ./gpu_out).
+#
+#   bash tools/gpu_suite.sh [quick]      # quick: tests + smoke only, no benchmarks
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export NVSHMEM_DISABLE_NCCL=1 NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/afd_mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/afd_mps_log
+mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+MODE=${1:-full}
+SUITE_TIMEOUT=${SUITE_TIMEOUT:-420}
+
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+nvidia-cuda-mps-control -d && echo "MPS started" || echo "MPS failed to start"
+stop_mps() { echo quit | nvidia-cuda-mps-control >/dev/null 2>&1 || true; }
+trap stop_mps EXIT
+
+declare -A RESULT
+run_step() {  # name, timeout, command...
+  local name=$1 limit=$2; shift 2
+  local start=$(date +%s)
+  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  RESULT[$name]="rc=$rc $(( $(date +%s) - start ))s | $(grep -E 'passed|failed|PASS|FAIL|error' "$OUT/$name.log" | tail -1 | cut -c1-150)"
+}
+
+run_step pytest_cuda "$SUITE_TIMEOUT" python3 -m pytest -m cuda -q -p no:cacheprovider \
+  --timeout=150 -rfEs tests/
+run_step smoke_1a1f 120 python3 tools/smoke.py --layers 4
+run_step smoke_2a2f 150 python3 tools/smoke.py --2a2f --layers 4
+if [ "$MODE" = full ]; then
+  for bench in tools/bench_poll.py tools/bench_transport.py; do
+    [ -f "$bench" ] && run_step "$(basename "$bench" .py)" 240 python3 "$bench" --quick --out "$OUT"
+  done
+fi
+stop_mps
+
+echo
+echo "==== tail of failing logs ===="
+for name in "${!RESULT[@]}"; do
+  case "${RESULT[$name]}" in rc=0*) ;; *) echo "--- $name"; tail -40 "$OUT/$name.log";; esac
+done
+echo
+echo "==== afd_cupy GPU suite summary (${AFD_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown-commit)}, $(head -1 "$OUT/gpu.txt")) ===="
+for name in pytest_cuda smoke_1a1f smoke_2a2f bench_poll bench_transport; do
+  [ -n "${RESULT[$name]:-}" ] && printf '%-16s %s\n' "$name" "${RESULT[$name]}"
+done

@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""The main job: a 1A1F (or 2A2F with --2a2f) AFD MoE run through the real connector,
+checked against a single-process MoE reference.
+
+Picks the cuda backend when a GPU with CuPy and NVSHMEM is present (all processes on one GPU
+when there are fewer GPUs than processes; on one GPU start CUDA MPS first for device
+polling, or pass --poll-mode host), the host backend otherwise. Prints PASS/FAIL, timings
+and the backend used; exit code 0 on PASS.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from afd_cupy import env  # noqa: E402
+from afd_cupy.config import ModelConfig  # noqa: E402
+from afd_cupy.launch import launch  # noqa: E402
+from afd_cupy.scenario import Scenario, run_rank, tolerance  # noqa: E402
+
+
+def detect_backend() -> str:
+    override = env.backend_override()
+    if override:
+        return override
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() == 0:
+            return "host"
+        from afd_cupy.heap.nvshmem import find_library
+        return "cuda" if find_library() else "host"
+    except Exception:  # noqa: BLE001 - no cupy, no driver: the host backend
+        return "host"
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--2a2f", dest="two", action="store_true", help="2 Attention + 2 FFN ranks")
+    parser.add_argument("--backend", choices=("cuda", "host"), default=None)
+    parser.add_argument("--poll-mode", choices=("device", "host"), default="device")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--timeout", type=float, default=300.0)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    backend = args.backend or detect_backend()
+    num_attn = num_ffn = 2 if args.two else 1
+    model = ModelConfig(hidden_size=args.hidden, num_experts=args.experts, top_k=args.top_k,
+                        moe_intermediate_size=args.hidden // 2, num_shared_experts=1,
+                        dtype=args.dtype, max_num_batched_tokens=max(args.tokens, 1),
+                        routed_scaling_factor=2.5, num_layers=args.layers)
+    scenario = Scenario(model, num_attn, num_ffn, backend=backend, poll_mode=args.poll_mode,
+                        num_tokens=args.tokens)
+    print(f"afd_cupy smoke: {num_attn}A{num_ffn}F backend={backend} poll={args.poll_mode} "
+          f"layers={args.layers} tokens={args.tokens} hidden={args.hidden} experts={args.experts} "
+          f"top_k={args.top_k} dtype={args.dtype}", flush=True)
+    start = time.perf_counter()
+    results = launch(run_rank, scenario.world_size, args=(scenario,), timeout_s=args.timeout)
+    wall = time.perf_counter() - start
+    ok = True
+    tol = tolerance(args.dtype)
+    for rep in results:
+        if rep["role"] == "ffn":
+            print(f"  ffn  rank {rep['rank']}: served {rep['served']} items")
+            continue
+        worst = max(e["rel_err"] for e in rep["errors"])
+        nans = sum(e["num_nan"] for e in rep["errors"])
+        steady = rep["times"][1:] or rep["times"]
+        rank_ok = worst <= tol and nans == 0
+        ok &= rank_ok
+        print(f"  attn rank {rep['rank']}: max rel err {worst:.2e} (tol {tol:.0e}), NaN {nans}, "
+              f"layer round trip median {statistics.median(steady) * 1e3:.3f} ms "
+              f"(first {rep['times'][0] * 1e3:.1f} ms)")
+    print(f"{'PASS' if ok else 'FAIL'} backend={backend} {num_attn}A{num_ffn}F wall {wall:.1f} s")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
