@@ -51,7 +51,7 @@ class HostDataPath:
         raw = torch_to_raw(hidden, self.dtype_name).reshape(num_tokens, layout.hidden_size)
         expected = np.zeros(num_ffn, np.int64)
         for j in range(num_ffn):
-            if plan.routed_count(j) == 0 and shared[j] == 0:
+            if plan.routed_count(j) == 0 and shared[j] == 0 and not conn.always_send:
                 continue  # empty message: not sent, not waited on
             expected[j] = conn.next_seq(j, ring)
             self._send_to(j, plan, raw, int(shared[j]), ring, expected[j], layer_idx, stage_idx, num_tokens)

@@ -103,12 +103,15 @@ class AFDConnector:
         poll_mode: cuda backend only: ``"device"`` (spinning kernels; needs one GPU per
             process or CUDA MPS) or ``"host"`` (flags copied to the host per poll).
         peer_timeout_s: bound of every wait for a peer (replies, barriers).
+        always_send: Attention side: send a (header-only) message to every FFN rank even when
+            it gets no rows. Needed by the lockstep FFN schedule, which waits for every
+            replica's layer; off by default (empty messages never create a wait).
     """
 
     def __init__(self, model: ModelConfig, topology: TopologyConfig,
                  connector: ConnectorConfig | None = None, *, role: str | Role, role_rank: int,
                  store, job_id: str = "afd", backend: str = "host", device_id: int | None = None,
-                 poll_mode: str = "device", peer_timeout_s: float = 60.0):
+                 poll_mode: str = "device", peer_timeout_s: float = 60.0, always_send: bool = False):
         self.model = model
         self.config = connector or ConnectorConfig()
         self.role = Role(role)
@@ -118,6 +121,7 @@ class AFDConnector:
         self.backend = backend
         self.poll_mode = poll_mode
         self.peer_timeout_s = float(peer_timeout_s)
+        self.always_send = bool(always_send)
         self.world_rank = self.topology.world_rank(self.role, role_rank)
         self.layout = WindowLayout.from_configs(model, topology, self.config)
         self.has_shared = model.num_shared_experts > 0

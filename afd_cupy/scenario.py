@@ -39,6 +39,8 @@ class Scenario:
     peer_timeout_s: float = 60.0
     check: bool = True
     favor_ffn_rank: int | None = None  # gate logits pushed towards this FFN rank's experts
+    always_send: bool = False  # Attention sends to every FFN rank even when empty (lockstep)
+    schedule: str = "async"  # FFN worker schedule: "async" or "lockstep"
 
     def tokens_for(self, attn_rank: int, layer_idx: int) -> int:
         return self.tokens[attn_rank][layer_idx] if self.tokens else self.num_tokens
@@ -74,7 +76,8 @@ def run_rank(ctx, scenario: Scenario) -> dict:
     conn = AFDConnector(scenario.model, TopologyConfig(scenario.num_attn, scenario.num_ffn),
                         scenario.connector, role=role, role_rank=role_rank, store=ctx.store(),
                         job_id=ctx.job_id, backend=scenario.backend, device_id=ctx.device_id,
-                        poll_mode=scenario.poll_mode, peer_timeout_s=scenario.peer_timeout_s)
+                        poll_mode=scenario.poll_mode, peer_timeout_s=scenario.peer_timeout_s,
+                        always_send=scenario.always_send or scenario.schedule == "lockstep")
     try:
         if role is Role.ATTENTION:
             return _attention(conn, scenario, role_rank, device)
@@ -91,7 +94,8 @@ def _ffn(conn: AFDConnector, scenario: Scenario, ffn_rank: int, device) -> dict:
         global_routed, layer_shared = layer_weights(model, layer, scenario.seed, device)
         routed.append(moe.local_experts(global_routed, ffn_rank, epr))
         shared.append(layer_shared)
-    worker = FFNWorker(conn, routed, shared if model.num_shared_experts else None)
+    kwargs = {} if scenario.schedule == "async" else {"schedule": scenario.schedule}
+    worker = FFNWorker(conn, routed, shared if model.num_shared_experts else None, **kwargs)
     history = []
     compute = worker.expert_fn
 

@@ -91,3 +91,12 @@ def test_rank_with_zero_routed_rows_fp16(backend):
 def test_micro_batch_stages_use_their_own_rings(backend):
     cfg = ConnectorConfig(async_moe_ubatching=True, async_moe_num_ubatches=2)
     _run(_scenario(backend, _model(), 2, 2, num_tokens=20, connector=cfg))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_always_send_reaches_every_rank(backend):
+    # 1 token, top-1: without always_send only one FFN rank would get a message per layer
+    model = _model(top_k=1, num_shared_experts=0)
+    attn, ffn = _run(_scenario(backend, model, 1, 2, num_tokens=1, always_send=True))
+    assert [r["served"] for r in ffn] == [2, 2]
+    assert sum(routed for r in ffn for _, _, routed, _ in r["history"]) == 2

@@ -1,0 +1,230 @@
+"""The host backend's symmetric heap: POSIX shared memory in ``/dev/shm``, numpy views.
+
+Every rank creates its own segment per allocation and maps every peer's segment, so rank r
+can write one-sided into ``buf.peer(s)`` exactly as on the cuda backend. Segment files are
+named ``afd_{job_id}_{name}_{rank}`` (sanitized); the owner unlinks them in ``close()``, at
+interpreter exit, or the launcher does it (:func:`cleanup_job_segments`) after a kill.
+
+NOTE: multiprocessing.shared_memory is not used: its resource tracker unlinks segments that
+another process still maps (and warns about "leaks") when several processes share them.
+"""
+from __future__ import annotations
+
+import glob
+import logging
+import mmap
+import os
+import re
+import weakref
+
+import numpy as np
+
+from afd_cupy.errors import HeapError
+from afd_cupy.heap.base import SymmetricBuffer, SymmetricHeap
+from afd_cupy.store import Store, store_barrier, store_fetch, store_publish
+
+logger = logging.getLogger("afd_cupy")
+
+SHM_DIR = "/dev/shm"
+_SEGMENT_PREFIX = "afd_"
+_UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9_.-]")
+
+# Heap instances per job in this process, in creation order: every rank creates its heaps in
+# the same order, so the counter is a key prefix that all ranks agree on.
+_heap_counts: dict[str, int] = {}
+
+
+def _sanitize(text: str) -> str:
+    return _UNSAFE_CHARS.sub("_", text)
+
+
+def segment_path(job_id: str, name: str, rank: int) -> str:
+    """Path of rank ``rank``'s segment of allocation ``name`` in job ``job_id``."""
+    return os.path.join(SHM_DIR, f"{_SEGMENT_PREFIX}{_sanitize(job_id)}_{_sanitize(name)}_{rank}")
+
+
+def cleanup_job_segments(job_id: str) -> list[str]:
+    """Unlink every ``/dev/shm/afd_{job_id}_*`` left behind (e.g. by killed processes).
+
+    Not collective; meant for the launcher's ``finally``. Returns the paths removed.
+    NOTE: job ids must not be prefixes of one another (the launcher uses random hex ids).
+    """
+    pattern = os.path.join(SHM_DIR, f"{_SEGMENT_PREFIX}{glob.escape(_sanitize(job_id))}_*")
+    removed = []
+    for path in glob.glob(pattern):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+    if removed:
+        logger.info("removed %d leftover shared-memory segment(s) of job %s", len(removed), job_id)
+    return removed
+
+
+def _unlink_all(paths: list[str]) -> None:
+    """Finalizer: unlink own segments (no collective work, safe at interpreter exit)."""
+    while paths:
+        try:
+            os.unlink(paths.pop())
+        except FileNotFoundError:
+            pass
+
+
+def _create_segment(path: str, nbytes: int) -> mmap.mmap:
+    """Create, size (zero-filled by the kernel) and map a new segment; fails if it exists."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except FileExistsError:
+        raise HeapError(f"shared-memory segment {path} already exists: allocation name "
+                        f"reused in this job, or a previous run of the job was not cleaned"
+                        ) from None
+    try:
+        os.ftruncate(fd, nbytes)
+        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
+def _map_peer_segment(path: str, nbytes: int, peer: int) -> mmap.mmap:
+    """Map peer ``peer``'s segment, checking that it holds exactly ``nbytes``."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        raise HeapError(f"segment {path} of peer {peer} is missing (peer died or closed?)"
+                        ) from None
+    try:
+        peer_nbytes = os.fstat(fd).st_size
+        if peer_nbytes != nbytes:
+            raise HeapError(f"peer {peer}'s segment {path} has {peer_nbytes} bytes, "
+                            f"this rank allocated {nbytes}: alloc sizes differ across ranks")
+        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
+class HostBuffer(SymmetricBuffer):
+    """One symmetric allocation: ``nbytes`` of shared memory per rank, all mapped here.
+
+    Views are 1-D numpy uint8 arrays of ``nbytes``, created once at allocation and owned by
+    the heap: they become invalid after the heap's ``close()``.
+    """
+
+    def __init__(self, name: str, nbytes: int, rank: int, maps: list[mmap.mmap]):
+        self.name = name
+        self.nbytes = nbytes
+        self._rank = rank
+        self._maps = maps
+        self._views = [np.frombuffer(m, dtype=np.uint8) for m in maps]
+
+    def local(self) -> np.ndarray:
+        """This rank's copy: ``[nbytes] uint8``, host."""
+        return self._views[self._rank]
+
+    def peer(self, pe: int) -> np.ndarray:
+        """Rank ``pe``'s copy mapped here: ``[nbytes] uint8``, host."""
+        return self._views[pe]
+
+    def ptr(self, pe: int) -> int:
+        """Address of rank ``pe``'s copy in this process."""
+        return self._views[pe].ctypes.data
+
+    def _release(self) -> None:
+        """Drop the views and unmap; a view still held elsewhere keeps its map alive."""
+        self._views = []
+        for m in self._maps:
+            try:
+                m.close()
+            except BufferError:
+                logger.debug("buffer %s: a view is still referenced; unmapped when released",
+                             self.name)
+        self._maps = []
+
+
+class HostHeap(SymmetricHeap):
+    """Symmetric heap over POSIX shared memory for ``world_size`` processes on one host.
+
+    ``store`` is this job's rendezvous store (namespaced per job); ``timeout_s`` bounds every
+    wait for a peer. ``alloc``, ``barrier`` and ``close`` are collective.
+    """
+
+    backend = "host"
+
+    def __init__(self, rank: int, world_size: int, store: Store, job_id: str,
+                 timeout_s: float = 60.0):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world of {world_size}")
+        self.rank = rank
+        self.world_size = world_size
+        self.job_id = job_id
+        self.timeout_s = timeout_s
+        self._store = store
+        heap_idx = _heap_counts.get(job_id, 0)
+        _heap_counts[job_id] = heap_idx + 1
+        self._key_prefix = f"hostheap/{heap_idx}"
+        self._buffers: dict[str, HostBuffer] = {}
+        self._own_paths: list[str] = []
+        self._finalizer = weakref.finalize(self, _unlink_all, self._own_paths)
+        self._closed = False
+
+    @property
+    def xp(self):
+        return np
+
+    def alloc(self, nbytes: int, name: str) -> HostBuffer:
+        """Collective: ``nbytes`` zero-filled bytes on every rank, every peer mapped here.
+
+        Every rank must call with the same ``nbytes`` and ``name``, in the same order.
+        Raises ValueError for a non-positive size or a reused name, HeapError when a peer's
+        segment has another size, PeerTimeoutError when a peer does not publish in time.
+        """
+        self._check_open()
+        if nbytes <= 0:
+            raise ValueError(f"alloc({name!r}): nbytes must be positive, got {nbytes}")
+        if name in self._buffers:
+            raise ValueError(f"alloc({name!r}): name already allocated on this heap")
+        own_path = segment_path(self.job_id, name, self.rank)
+        own_map = _create_segment(own_path, nbytes)
+        self._own_paths.append(own_path)
+        store_publish(self._store, self._segment_key(name, self.rank), own_path.encode())
+        maps = [self._map_peer(name, pe, nbytes) if pe != self.rank else own_map
+                for pe in range(self.world_size)]
+        buffer = HostBuffer(name, nbytes, self.rank, maps)
+        self._buffers[name] = buffer
+        return buffer
+
+    def _segment_key(self, name: str, pe: int) -> str:
+        return f"{self._key_prefix}/{name}/{pe}"
+
+    def _map_peer(self, name: str, pe: int, nbytes: int) -> mmap.mmap:
+        key = self._segment_key(name, pe)
+        path = store_fetch(self._store, key, self.timeout_s, peer=pe).decode()
+        return _map_peer_segment(path, nbytes, pe)
+
+    def barrier(self) -> None:
+        """Collective host-blocking barrier over the world, bounded by ``timeout_s``."""
+        self._check_open()
+        store_barrier(self._store, f"{self._key_prefix}/barrier", self.world_size, self.timeout_s)
+
+    def close(self) -> None:
+        """Collective: barrier, unmap every buffer, unlink own segments. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            store_barrier(self._store, f"{self._key_prefix}/close", self.world_size,
+                          self.timeout_s)
+        finally:
+            for buffer in self._buffers.values():
+                buffer._release()
+            self._buffers.clear()
+            self._finalizer()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise HeapError(f"host heap of rank {self.rank} is closed")
+
+    def __del__(self):
+        if not getattr(self, "_closed", True):
+            logger.warning("HostHeap of rank %d garbage-collected without close(); "
+                           "own segments unlinked, peers may still map them", self.rank)

@@ -1,0 +1,252 @@
+"""The one launch helper shared by tests and tools: run ``fn(ctx, *args)`` in local processes.
+
+The parent process starts a TCPStore master on a free port, spawns ``nprocs`` children
+("spawn" start method: no inherited CUDA state), places them on GPUs, collects their
+results in rank order and turns any failure (exception, crash, timeout) into a
+:class:`LaunchError` carrying every failing rank's story. Cleanup always runs: children are
+terminated and joined, the store is dropped and the job's shared-memory segments unlinked.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import time
+import traceback
+import uuid
+from typing import Any, Callable
+
+from afd_cupy.errors import AfdError
+from afd_cupy.heap.host import cleanup_job_segments
+from afd_cupy.store import NamespacedStore, Store, create_store, free_port
+
+logger = logging.getLogger("afd_cupy")
+
+STORE_HOST = "127.0.0.1"
+_PORT_ATTEMPTS = 8
+_TERMINATE_GRACE_S = 2.0
+_FAILURE_GRACE_S = 1.0  # after a first failure, time to collect the other ranks' reports
+_POLL_S = 0.05
+
+
+class LaunchError(AfdError):
+    """A launched process failed, died or timed out.
+
+    ``failures`` maps rank -> explanation (traceback text, exit code, or "did not finish").
+    """
+
+    def __init__(self, message: str, *, failures: dict[int, str] | None = None):
+        super().__init__(message)
+        self.failures = failures or {}
+
+
+def device_for_rank(rank: int, nprocs: int, num_gpus: int) -> int | None:
+    """GPU of ``rank``: None without GPUs, GPU ``rank`` when there is one per process,
+    otherwise GPU 0 for everyone (several processes sharing one GPU)."""
+    if num_gpus == 0:
+        return None
+    return rank if num_gpus >= nprocs else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessContext:
+    """What a launched process knows about its job. Picklable; passed as ``fn``'s first arg."""
+
+    rank: int
+    world_size: int
+    job_id: str
+    store_host: str
+    store_port: int
+    device_id: int | None
+    store_timeout_s: float = 120.0
+
+    def store(self) -> NamespacedStore:
+        """This process's client of the job's store, namespaced by ``job_id``.
+
+        Connected on the first call and reused afterwards, so every caller in the process
+        shares one object (barrier generations are counted per store object, see
+        :func:`afd_cupy.store.store_barrier`).
+        """
+        key = (self.store_host, self.store_port, self.job_id)
+        if key not in _client_stores:
+            client = create_store(self.store_host, self.store_port, self.world_size,
+                                  is_master=False, timeout_s=self.store_timeout_s)
+            _client_stores[key] = NamespacedStore(client, self.job_id)
+        return _client_stores[key]
+
+
+# The store client of each job this process belongs to (see ProcessContext.store).
+_client_stores: dict[tuple[str, int, str], NamespacedStore] = {}
+
+
+def _detect_num_gpus() -> int:
+    """Visible CUDA devices, 0 when torch/CUDA is unavailable.
+
+    NOTE: ``torch.cuda.device_count`` queries NVML where it can and does not create a CUDA
+    context; children are spawned, so nothing CUDA-related is inherited anyway.
+    """
+    try:
+        import torch
+
+        return int(torch.cuda.device_count())
+    except Exception:  # noqa: BLE001 - any failure means "no usable GPU"
+        return 0
+
+
+def _child_main(rank: int, fn_args_blob: bytes, ctx: ProcessContext, env: dict[str, str],
+                results: Any) -> None:
+    """Entry point of a child: set ``env``, then unpickle and run ``fn``; report to parent."""
+    os.environ.update(env)
+    try:
+        # Unpickled only now so that env (CUDA_VISIBLE_DEVICES, MPS...) is set before any
+        # import that fn's module triggers.
+        fn, args = pickle.loads(fn_args_blob)
+        payload = pickle.dumps(fn(ctx, *args))
+    except BaseException:  # noqa: BLE001 - everything must reach the parent
+        results.put((rank, False, traceback.format_exc()))
+        return
+    results.put((rank, True, payload))
+
+
+def _start_store(nprocs: int, timeout_s: float) -> tuple[Store, int]:
+    """Start the store master on a free port, retrying when another process took the port."""
+    last_error: Exception | None = None
+    for _ in range(_PORT_ATTEMPTS):
+        port = free_port()
+        try:
+            return create_store(STORE_HOST, port, nprocs, is_master=True,
+                                timeout_s=timeout_s), port
+        except Exception as err:  # noqa: BLE001 - torch raises DistNetworkError/RuntimeError
+            last_error = err
+            logger.debug("store master on port %d failed (%s); retrying", port, err)
+    raise LaunchError(f"could not start the store master after {_PORT_ATTEMPTS} attempts: "
+                      f"{last_error}")
+
+
+class _Job:
+    """Bookkeeping of one launch: children, reports, failures."""
+
+    def __init__(self, nprocs: int, processes: list, results: Any):
+        self.nprocs = nprocs
+        self.processes = processes
+        self.results = results
+        self.values: dict[int, Any] = {}
+        self.failures: dict[int, str] = {}
+
+    def pending(self) -> list[int]:
+        return [r for r in range(self.nprocs) if r not in self.values and r not in self.failures]
+
+    def drain(self, timeout_s: float) -> None:
+        """Collect the reports that arrive within ``timeout_s`` (returns after the first)."""
+        try:
+            self._record(*self.results.get(timeout=timeout_s))
+            while True:
+                self._record(*self.results.get_nowait())
+        except queue.Empty:
+            return
+
+    def _record(self, rank: int, ok: bool, payload) -> None:
+        if ok:
+            self.values[rank] = pickle.loads(payload)
+        else:
+            self.failures[rank] = f"rank {rank} raised:\n{payload}"
+
+    def note_silent_deaths(self) -> None:
+        """Ranks whose process ended without a report: drain once more, then record them."""
+        dead = [r for r in self.pending() if self.processes[r].exitcode is not None]
+        if not dead:
+            return
+        self.drain(0.5)  # a report written just before exit may still be in the pipe
+        for rank in dead:
+            if rank in self.pending():
+                code = self.processes[rank].exitcode
+                self.failures[rank] = f"rank {rank} died without reporting (exit code {code})"
+
+
+def _wait(job: _Job, timeout_s: float) -> None:
+    """Wait for every rank, stopping shortly after the first failure or at the timeout."""
+    deadline = time.monotonic() + timeout_s
+    failure_deadline = None
+    while job.pending():
+        now = time.monotonic()
+        if now >= deadline:
+            for rank in job.pending():
+                job.failures[rank] = f"rank {rank} did not finish within {timeout_s:.1f} s"
+            return
+        if job.failures and failure_deadline is None:
+            failure_deadline = now + _FAILURE_GRACE_S
+        if failure_deadline is not None and now >= failure_deadline:
+            return
+        job.drain(min(_POLL_S, deadline - now))
+        job.note_silent_deaths()
+
+
+def _failure_message(job: _Job, job_id: str) -> str:
+    lines = [f"launch of {job.nprocs} processes (job {job_id}) failed on ranks "
+             f"{sorted(job.failures)}"]
+    for rank in sorted(job.failures):
+        lines.append(f"--- {job.failures[rank]}")
+    unfinished = job.pending()
+    if unfinished:
+        lines.append(f"--- ranks {unfinished} were terminated before finishing")
+    return "\n".join(lines)
+
+
+def _stop_all(processes: list) -> None:
+    for proc in processes:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + _TERMINATE_GRACE_S
+    for proc in processes:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def launch(fn: Callable, nprocs: int, *, args: tuple = (), timeout_s: float = 120.0,
+           num_gpus: int | None = None, env: dict[str, str] | None = None,
+           job_id: str | None = None) -> list:
+    """Run ``fn(ctx, *args)`` in ``nprocs`` spawned processes; return results by rank.
+
+    ``fn``, ``args`` and results must be picklable (``fn`` a top-level function). ``env``
+    entries are set in each child before ``fn`` (and its module) are loaded. ``num_gpus``
+    None detects the visible GPUs; placement follows :func:`device_for_rank`. ``job_id``
+    (default: random) namespaces store keys and shared-memory segments.
+
+    Raises LaunchError when any rank raises (with every failing rank's traceback), dies
+    without reporting (with its exit code) or does not finish within ``timeout_s``.
+    """
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    job_id = job_id or uuid.uuid4().hex[:12]
+    num_gpus = _detect_num_gpus() if num_gpus is None else num_gpus
+    fn_args_blob = pickle.dumps((fn, tuple(args)))
+    child_env = {str(k): str(v) for k, v in (env or {}).items()}
+    spawn = mp.get_context("spawn")
+    results = spawn.Queue()
+    processes: list = []
+    store = None
+    try:
+        store, port = _start_store(nprocs, timeout_s)
+        for rank in range(nprocs):
+            ctx = ProcessContext(rank, nprocs, job_id, STORE_HOST, port,
+                                 device_for_rank(rank, nprocs, num_gpus), timeout_s)
+            proc = spawn.Process(target=_child_main, name=f"afd-{job_id}-rank{rank}",
+                                 args=(rank, fn_args_blob, ctx, child_env, results))
+            proc.start()
+            processes.append(proc)
+        job = _Job(nprocs, processes, results)
+        _wait(job, timeout_s)
+        if job.failures:
+            raise LaunchError(_failure_message(job, job_id), failures=job.failures)
+        return [job.values[rank] for rank in range(nprocs)]
+    finally:
+        _stop_all(processes)
+        results.close()
+        results.join_thread()
+        del store  # the master stops serving when dropped
+        cleanup_job_segments(job_id)

@@ -1,0 +1,155 @@
+"""The rendezvous store: a small key-value service every rank of a job can reach.
+
+Ranks use it only at start-up and teardown (unique ids, segment names, barriers), never on
+the hot path. ``torch.distributed.TCPStore`` satisfies the :class:`Store` protocol; the
+launcher (``afd_cupy.launch``) runs the master in the parent process.
+
+Every wait here is bounded: a missing peer becomes a :class:`~afd_cupy.errors.PeerTimeoutError`
+naming how many ranks arrived, never a hang.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import weakref
+from typing import Protocol, runtime_checkable
+
+from afd_cupy.errors import PeerTimeoutError
+
+# Polling interval bounds of the bounded waits (seconds): start short for latency, back off
+# so that a long wait does not burn a core.
+_POLL_MIN_S = 0.0005
+_POLL_MAX_S = 0.02
+
+
+@runtime_checkable
+class Store(Protocol):
+    """What afd_cupy needs from a rendezvous store (``torch.distributed.TCPStore`` fits)."""
+
+    def set(self, key: str, value: bytes) -> None:
+        """Store ``value`` under ``key`` (overwrites)."""
+
+    def get(self, key: str) -> bytes:
+        """Value of ``key``; blocks until it is present, bounded by the store's timeout."""
+
+    def add(self, key: str, amount: int) -> int:
+        """Atomically add ``amount`` to the integer at ``key`` (0 if absent); return the sum."""
+
+
+def create_store(host: str, port: int, world_size: int, is_master: bool,
+                 timeout_s: float) -> Store:
+    """A ``torch.distributed.TCPStore`` (master or client) with a ``timeout_s`` bound.
+
+    The master does not wait for workers (``wait_for_workers=False``) so that it can be
+    started before the processes that connect to it. torch is imported here, lazily.
+    """
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    return TCPStore(host, port, world_size, is_master,
+                    timeout=datetime.timedelta(seconds=timeout_s),
+                    wait_for_workers=False if is_master else True)
+
+
+class NamespacedStore:
+    """A view of ``store`` whose keys are prefixed with ``f"{namespace}/"``.
+
+    Two jobs sharing one store never see each other's keys.
+    """
+
+    def __init__(self, store: Store, namespace: str):
+        if not namespace:
+            raise ValueError("namespace must be a non-empty string")
+        self.store = store
+        self.namespace = namespace
+
+    def _key(self, key: str) -> str:
+        return f"{self.namespace}/{key}"
+
+    def set(self, key: str, value: bytes) -> None:
+        self.store.set(self._key(key), value)
+
+    def get(self, key: str) -> bytes:
+        return self.store.get(self._key(key))
+
+    def add(self, key: str, amount: int) -> int:
+        return self.store.add(self._key(key), amount)
+
+    def __repr__(self) -> str:
+        return f"NamespacedStore({self.store!r}, namespace={self.namespace!r})"
+
+
+def _poll_until(predicate, timeout_s: float) -> bool:
+    """Call ``predicate()`` with backing-off sleeps until it is true or ``timeout_s`` passed."""
+    deadline = time.monotonic() + timeout_s
+    sleep_s = _POLL_MIN_S
+    while True:
+        if predicate():
+            return True
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        time.sleep(min(sleep_s, remaining))
+        sleep_s = min(sleep_s * 2, _POLL_MAX_S)
+
+
+# Barrier generations, per (store object, barrier name). Weak keys: a dropped store forgets
+# its counters. Every rank calls barriers in the same order, so counters agree across ranks.
+_barrier_generations: "weakref.WeakKeyDictionary[object, dict[str, int]]" = (
+    weakref.WeakKeyDictionary())
+_barrier_lock = threading.Lock()
+
+
+def _next_generation(store: Store, name: str) -> int:
+    with _barrier_lock:
+        per_store = _barrier_generations.setdefault(store, {})
+        generation = per_store.get(name, 0)
+        per_store[name] = generation + 1
+        return generation
+
+
+def store_barrier(store: Store, name: str, world_size: int, timeout_s: float) -> None:
+    """Collective, host-blocking barrier of ``world_size`` ranks through ``store``.
+
+    A name may be reused: the n-th barrier called ``name`` on this store object uses the key
+    ``f"{name}/{n}"``. Raises PeerTimeoutError naming the arrived count after ``timeout_s``.
+    """
+    key = f"{name}/{_next_generation(store, name)}"
+    store.add(key, 1)
+    arrived = [0]
+
+    def all_arrived() -> bool:
+        arrived[0] = store.add(key, 0)
+        return arrived[0] >= world_size
+
+    if not _poll_until(all_arrived, timeout_s):
+        raise PeerTimeoutError(
+            f"store barrier {key!r}: {arrived[0]} of {world_size} ranks arrived "
+            f"within {timeout_s:.1f} s")
+
+
+def store_publish(store: Store, key: str, value: bytes) -> None:
+    """Set ``key`` and mark it ready, so that :func:`store_fetch` can wait for it boundedly."""
+    store.set(key, value)
+    store.add(f"{key}/ready", 1)
+
+
+def store_fetch(store: Store, key: str, timeout_s: float, *, peer: int | None = None) -> bytes:
+    """Wait (bounded by ``timeout_s``) for a :func:`store_publish`-ed ``key``; return its value.
+
+    Raises PeerTimeoutError naming the key (and ``peer``, when given) on timeout.
+    """
+    if not _poll_until(lambda: store.add(f"{key}/ready", 0) >= 1, timeout_s):
+        who = f" from peer {peer}" if peer is not None else ""
+        raise PeerTimeoutError(
+            f"store key {key!r}{who} was not published within {timeout_s:.1f} s", peer=peer)
+    return store.get(key)
+
+
+def free_port() -> int:
+    """A TCP port that was free on this host a moment ago (callers retry on races)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]

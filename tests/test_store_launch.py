@@ -1,0 +1,172 @@
+"""The rendezvous store and the launch helper (CPU only)."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from afd_cupy.errors import AfdError, PeerTimeoutError
+from afd_cupy.launch import LaunchError, ProcessContext, device_for_rank, launch
+from afd_cupy.store import NamespacedStore, create_store, free_port, store_barrier
+
+# ---------------------------------------------------------------------------------------------
+# Child functions (top level: pickled by reference into spawned processes)
+# ---------------------------------------------------------------------------------------------
+
+
+def _report_identity(ctx: ProcessContext, base: int):
+    return (ctx.rank, ctx.world_size, base + ctx.rank ** 2, ctx.device_id,
+            os.environ.get("AFD_TEST_MARKER"))
+
+
+def _raise_on_ranks(ctx: ProcessContext, failing_ranks: tuple):
+    if ctx.rank in failing_ranks:
+        raise ValueError(f"boom from rank {ctx.rank}")
+    time.sleep(30)  # a healthy rank still running when the failure is noticed
+
+
+def _exit_rank_one(ctx: ProcessContext):
+    if ctx.rank == 1:
+        os._exit(3)
+    time.sleep(30)
+
+
+def _hang_rank_one(ctx: ProcessContext):
+    if ctx.rank == 1:
+        time.sleep(600)
+    return ctx.rank
+
+
+def _barrier_generations(ctx: ProcessContext, num_rounds: int):
+    store = ctx.store()
+    seen = []
+    for round_idx in range(num_rounds):
+        time.sleep(0.01 * ((ctx.rank + round_idx) % 3))  # ranks arrive in varying order
+        store.add(f"arrivals/{round_idx}", 1)
+        store_barrier(store, "reused", ctx.world_size, timeout_s=20.0)
+        seen.append(store.add(f"arrivals/{round_idx}", 0))
+    return seen
+
+
+# ---------------------------------------------------------------------------------------------
+# device_for_rank
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rank, nprocs, num_gpus, expected", [
+    (0, 2, 0, None), (1, 4, 0, None),           # no GPU
+    (0, 2, 2, 0), (1, 2, 2, 1), (3, 4, 8, 3),   # one GPU per process
+    (0, 2, 1, 0), (1, 2, 1, 0), (3, 4, 2, 0),   # processes share GPU 0
+])
+def test_device_for_rank(rank, nprocs, num_gpus, expected):
+    assert device_for_rank(rank, nprocs, num_gpus) == expected
+
+
+# ---------------------------------------------------------------------------------------------
+# launch
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("nprocs", [1, 2, 4])
+def test_launch_returns_results_by_rank(nprocs):
+    results = launch(_report_identity, nprocs, args=(100,), timeout_s=30, num_gpus=0,
+                     env={"AFD_TEST_MARKER": "set-in-child"})
+    assert results == [(r, nprocs, 100 + r * r, None, "set-in-child") for r in range(nprocs)]
+
+
+def test_launch_error_is_an_afd_error():
+    assert issubclass(LaunchError, AfdError)
+
+
+@pytest.mark.timeout(60)
+def test_child_exception_carries_traceback():
+    expected = r"(?s)rank 1 raised:\nTraceback.*ValueError: boom from rank 1"
+    with pytest.raises(LaunchError, match=expected) as info:
+        launch(_raise_on_ranks, 2, args=((1,),), timeout_s=30, num_gpus=0)
+    assert "_raise_on_ranks" in str(info.value)
+    assert set(info.value.failures) == {1}
+
+
+@pytest.mark.timeout(60)
+def test_every_failing_rank_is_reported():
+    with pytest.raises(LaunchError) as info:
+        launch(_raise_on_ranks, 3, args=((0, 2),), timeout_s=30, num_gpus=0)
+    message = str(info.value)
+    assert "boom from rank 0" in message and "boom from rank 2" in message
+    assert set(info.value.failures) == {0, 2}
+
+
+@pytest.mark.timeout(60)
+def test_child_exit_code_is_reported():
+    with pytest.raises(LaunchError, match=r"rank 1 died without reporting \(exit code 3\)"):
+        launch(_exit_rank_one, 2, timeout_s=30, num_gpus=0)
+
+
+@pytest.mark.timeout(60)
+def test_hung_child_is_killed_at_timeout():
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match=r"rank 1 did not finish within 4\.0 s") as info:
+        launch(_hang_rank_one, 2, timeout_s=4.0, num_gpus=0)
+    assert set(info.value.failures) == {1}
+    assert time.monotonic() - start < 15
+
+
+# ---------------------------------------------------------------------------------------------
+# store
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def master_store():
+    return create_store("127.0.0.1", free_port(), 1, is_master=True, timeout_s=10.0)
+
+
+@pytest.mark.timeout(60)
+def test_store_barrier_generations():
+    num_rounds = 5
+    results = launch(_barrier_generations, 3, args=(num_rounds,), timeout_s=30, num_gpus=0)
+    # After the n-th barrier of a reused name, every rank has arrived at round n.
+    assert results == [[3] * num_rounds] * 3
+
+
+@pytest.mark.timeout(20)
+def test_store_barrier_timeout_names_counts(master_store):
+    store = NamespacedStore(master_store, "timeout-test")
+    start = time.monotonic()
+    with pytest.raises(PeerTimeoutError, match=r"1 of 3 ranks arrived"):
+        store_barrier(store, "lonely", 3, timeout_s=0.3)
+    assert 0.3 <= time.monotonic() - start < 5
+    # The next barrier of that name is a new generation, also bounded.
+    with pytest.raises(PeerTimeoutError, match=r"'lonely/1'"):
+        store_barrier(store, "lonely", 3, timeout_s=0.1)
+
+
+@pytest.mark.timeout(20)
+def test_store_barrier_single_rank_passes(master_store):
+    store_barrier(master_store, "solo", 1, timeout_s=1.0)
+    store_barrier(master_store, "solo", 1, timeout_s=1.0)
+
+
+@pytest.mark.timeout(20)
+def test_namespaced_store_isolation(master_store):
+    job_a = NamespacedStore(master_store, "job-a")
+    job_b = NamespacedStore(master_store, "job-b")
+    job_a.set("key", b"from-a")
+    job_b.set("key", b"from-b")
+    assert job_a.get("key") == b"from-a"
+    assert job_b.get("key") == b"from-b"
+    assert master_store.get("job-a/key") == b"from-a"
+    assert job_a.add("counter", 2) == 2
+    assert job_b.add("counter", 5) == 5
+    assert job_a.add("counter", 0) == 2
+
+
+def test_free_port_is_bindable():
+    import socket
+
+    port = free_port()
+    assert 0 < port < 65536
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", port))
