@@ -139,7 +139,8 @@ class CudaDataPath:
             flags_index=layout.slot_index(conn.role_rank, ring), off_header=geo["off_header"],
             off_route=geo["off_route"], off_routed_x=geo["off_routed_x"],
             off_shared_idx=geo["off_shared_idx"], off_shared_x=geo["off_shared_x"],
-            hdr_words=geo["hdr_words"], has_shared=int(conn.has_shared), pos_out=scratch.pos,
+            hdr_words=geo["hdr_words"], has_shared=int(conn.has_shared),
+            always_send=int(conn.always_send), pos_out=scratch.pos,
             src_rank=conn.role_rank, layer_idx=layer_idx, stage_idx=stage_idx, hdr_flags=0,
             seq_counters=self.seq_counters[ring], expected=expected,
             done_counter=scratch.scatter_done, status_ptr=self.status.ptr, stream=stream)

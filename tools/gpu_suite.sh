@@ -29,13 +29,16 @@ run_step() {  # name, timeout, command...
   RESULT[$name]="rc=$rc $(( $(date +%s) - start ))s | $(grep -E 'passed|failed|PASS|FAIL|error' "$OUT/$name.log" | tail -1 | cut -c1-150)"
 }
 
+# single-process kernel tests first, multi-process end-to-end tests last
+TEST_FILES=$(ls tests/test_kernels_cuda.py tests/test_moe.py tests/test_nvshmem_binding.py 2>/dev/null; \
+  ls tests/test_*.py | grep -v -e test_kernels_cuda -e test_moe.py -e test_nvshmem_binding)
 run_step pytest_cuda "$SUITE_TIMEOUT" python3 -m pytest -m cuda -q -p no:cacheprovider \
-  --timeout=150 -rfEs tests/
+  --timeout=${TEST_TIMEOUT:-90} -rfEs $TEST_FILES
 run_step smoke_1a1f 120 python3 tools/smoke.py --layers 4
 run_step smoke_2a2f 150 python3 tools/smoke.py --2a2f --layers 4
 if [ "$MODE" = full ]; then
-  for bench in tools/bench_poll.py tools/bench_transport.py; do
-    [ -f "$bench" ] && run_step "$(basename "$bench" .py)" 240 python3 "$bench" --quick --out "$OUT"
+  for bench in ${BENCHES:-bench_poll bench_transport bench_afd}; do
+    [ -f "tools/$bench.py" ] && run_step "$bench" 240 python3 "tools/$bench.py" --quick --out "$OUT"
   done
 fi
 stop_mps
@@ -47,6 +50,6 @@ for name in "${!RESULT[@]}"; do
 done
 echo
 echo "==== afd_cupy GPU suite summary (${AFD_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown-commit)}, $(head -1 "$OUT/gpu.txt")) ===="
-for name in pytest_cuda smoke_1a1f smoke_2a2f bench_poll bench_transport; do
+for name in pytest_cuda smoke_1a1f smoke_2a2f bench_poll bench_transport bench_afd; do
   [ -n "${RESULT[$name]:-}" ] && printf '%-16s %s\n' "$name" "${RESULT[$name]}"
 done

@@ -1,0 +1,80 @@
+// wait_any.cu: FFN-side arrival detection over every (region, ring) flag of the own window
+// (DESIGN §6, §7). One warp scans the flags in rotated order from *scan_start; the first slot
+// whose flag differs from last_seen wins, its header is copied into a doorbell in pinned host
+// memory, and the ticket is written last: the host spins on doorbell[DB_TICKET] == ticket.
+#include "wire.cuh"
+
+using namespace afd;
+
+// grid = 1, block = 32.
+extern "C" __global__ void __launch_bounds__(32)
+afd_wait_any(afd_u64 window,  // own window
+             afd_i32 num_slots,  // num_regions * ring_depth
+             afd_i64* last_seen,  // [num_slots], device
+             afd_i32* scan_start,  // [1], device
+             afd_i64 off_header, afd_i64 flags_bytes, afd_i64 slot_bytes, afd_i32 hdr_words,
+             afd_i64 timeout_ns,
+             afd_u64 doorbell,  // pinned host: int64 [DB_HEADER + ceil(hdr_words / 2)]
+             afd_i64 ticket) {
+  const int lane = threadIdx.x;
+  const afd_i64* flags = static_cast<const afd_i64*>(byte_ptr(window, 0));
+  afd_i64* bell = static_cast<afd_i64*>(byte_ptr(doorbell, 0));
+  int start = *scan_start;
+  if (start < 0 || start >= num_slots) start = 0;
+  const afd_i64 t0 = globaltimer_ns();
+
+  int won_slot = -1;
+  afd_i64 won_flag = 0;
+  while (true) {
+    for (int base = 0; base < num_slots && won_slot < 0; base += 32) {
+      const int idx = base + lane;
+      int slot = start + idx;
+      if (slot >= num_slots) slot -= num_slots;
+      afd_i64 flag = 0;
+      bool arrived = false;
+      if (idx < num_slots) {
+        flag = load_volatile(flags + slot);
+        arrived = (flag != last_seen[slot]);
+      }
+      const unsigned int ballot = __ballot_sync(0xffffffffu, arrived);
+      if (ballot != 0u) {
+        const int winner = __ffs(ballot) - 1;  // first in rotated order
+        won_slot = __shfl_sync(0xffffffffu, slot, winner);
+        won_flag = __shfl_sync(0xffffffffu, flag, winner);
+      }
+    }
+    if (won_slot >= 0) break;
+    // Lane 0's clock decides for the whole warp (uniform exit).
+    afd_i64 elapsed = (lane == 0) ? globaltimer_ns() - t0 : 0;
+    elapsed = __shfl_sync(0xffffffffu, elapsed, 0);
+    if (elapsed > timeout_ns) {
+      if (lane == 0) {
+        store_volatile(bell + DB_SLOT, -1);
+        store_volatile(bell + DB_FLAG, 0);
+        store_volatile(bell + DB_STATUS, STATUS_TIMEOUT);
+        __threadfence_system();
+        store_volatile(bell + DB_TICKET, ticket);
+      }
+      return;
+    }
+  }
+
+  __threadfence_system();  // acquire: the header was written before the flag
+  const afd_i32* header = static_cast<const afd_i32*>(
+      byte_ptr(window, flags_bytes + static_cast<afd_i64>(won_slot) * slot_bytes + off_header));
+  volatile afd_i32* bell_words = reinterpret_cast<volatile afd_i32*>(bell + DB_HEADER);
+  for (int w = lane; w < hdr_words; w += 32) bell_words[w] = load_volatile32(header + w);
+  if (lane == 0) {
+    store_volatile(bell + DB_SLOT, won_slot);
+    store_volatile(bell + DB_FLAG, won_flag);
+    last_seen[won_slot] = won_flag;
+    *scan_start = (won_slot + 1 == num_slots) ? 0 : won_slot + 1;
+  }
+  __threadfence_system();
+  __syncwarp();
+  if (lane == 0) {
+    store_volatile(bell + DB_STATUS, STATUS_OK);
+    __threadfence_system();
+    store_volatile(bell + DB_TICKET, ticket);
+  }
+}

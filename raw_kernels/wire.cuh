@@ -1,0 +1,288 @@
+// wire.cuh: device mirror of afd_cupy/wire.py (DESIGN §4) and helpers shared by every kernel.
+//
+// The constants below mirror wire.py and afd_cupy/kernels.py; tests/test_kernels_cpu.py parses
+// this file and tests/test_kernels_cuda.py reads them back through afd_read_wire_constants.
+// Byte offsets of window fields are NOT mirrored: kernels take them as arguments computed by
+// wire.WindowLayout, so the layout has one source of truth.
+//
+// NOTE: compiled by NVRTC without system headers: no <cstdint>, no cuda_bf16.h / cuda_fp16.h.
+// Integer types are spelled with the afd_* typedefs; 16-bit floats are raw words converted
+// with inline PTX.
+#pragma once
+
+typedef int afd_i32;
+typedef unsigned int afd_u32;
+typedef long long afd_i64;
+typedef unsigned long long afd_u64;
+
+namespace afd {
+
+// ---- wire format (afd_cupy/wire.py) ----------------------------------------------------------
+constexpr afd_i64 MAGIC = 0x41464447;  // "AFDG"
+constexpr afd_i64 VERSION = 1;
+constexpr afd_i64 ALIGN = 256;
+constexpr afd_i64 FLAG_SHUTDOWN = 2;  // 1 << 1
+
+constexpr int HDR_MAGIC = 0;
+constexpr int HDR_VERSION = 1;
+constexpr int HDR_SEQ = 2;
+constexpr int HDR_SRC_RANK = 3;
+constexpr int HDR_LAYER = 4;
+constexpr int HDR_STAGE = 5;
+constexpr int HDR_NUM_TOKENS = 6;
+constexpr int HDR_ROUTED_TOKENS = 7;
+constexpr int HDR_SHARED_TOKENS = 8;
+constexpr int HDR_TOPK = 9;
+constexpr int HDR_FLAGS = 10;
+constexpr int HDR_ECHO_SEQ = 11;
+constexpr int HDR_FIXED_WORDS = 12;  // expert_counts[expert_per_rank] follow
+
+// ---- status block: int64 status[8] in pinned host memory (afd_cupy/kernels.py) ---------------
+constexpr int STATUS_OK = 0;
+constexpr int STATUS_CAPACITY = 1;
+constexpr int STATUS_TIMEOUT = 2;
+constexpr int STATUS_BAD_HEADER = 3;
+constexpr int STATUS_ECHO_MISMATCH = 4;
+constexpr int STATUS_SHUTDOWN = 5;
+constexpr int STATUS_BAD_EXPERT = 6;  // a topk id outside [0, F*epr): nothing is sent
+
+constexpr int ST_CODE = 0;
+constexpr int ST_PEER = 1;
+constexpr int ST_SLOT = 2;
+constexpr int ST_RING = 3;
+constexpr int ST_EXPECTED = 4;
+constexpr int ST_OBSERVED = 5;
+constexpr int ST_COUNT = 6;
+constexpr int ST_CAP = 7;
+constexpr int STATUS_WORDS = 8;
+
+// ---- wait_any doorbell: int64 words in pinned host memory ------------------------------------
+constexpr int DB_TICKET = 0;
+constexpr int DB_STATUS = 1;  // STATUS_OK on arrival, STATUS_TIMEOUT
+constexpr int DB_SLOT = 2;
+constexpr int DB_FLAG = 3;
+constexpr int DB_HEADER = 4;  // header words packed as int32 from int64 word 4 on
+
+// ---- payload dtype codes (template argument DT) ---------------------------------------------
+constexpr int DT_BF16 = 0;
+constexpr int DT_F16 = 1;
+constexpr int DT_F32 = 2;
+
+constexpr int CHUNK = 256;  // partials per dispatch-plan block
+
+template <int DT>
+__device__ __forceinline__ constexpr int itemsize() { return DT == DT_F32 ? 4 : 2; }
+
+// ---- dtype conversion (raw words <-> fp32) ---------------------------------------------------
+__device__ __forceinline__ float bf16_to_f32(unsigned short u) {
+  return __uint_as_float(static_cast<afd_u32>(u) << 16);
+}
+__device__ __forceinline__ unsigned short f32_to_bf16(float f) {
+  unsigned short u;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(u) : "f"(f));
+  return u;
+}
+__device__ __forceinline__ float f16_to_f32(unsigned short u) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(u));
+  return f;
+}
+__device__ __forceinline__ unsigned short f32_to_f16(float f) {
+  unsigned short u;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(u) : "f"(f));
+  return u;
+}
+
+template <int DT>
+__device__ __forceinline__ float load_elem(const void* base, afd_i64 idx) {
+  if constexpr (DT == DT_F32) {
+    return static_cast<const float*>(base)[idx];
+  } else if constexpr (DT == DT_BF16) {
+    return bf16_to_f32(static_cast<const unsigned short*>(base)[idx]);
+  } else {
+    return f16_to_f32(static_cast<const unsigned short*>(base)[idx]);
+  }
+}
+
+template <int DT>
+__device__ __forceinline__ void store_elem(void* base, afd_i64 idx, float v) {
+  if constexpr (DT == DT_F32) {
+    static_cast<float*>(base)[idx] = v;
+  } else if constexpr (DT == DT_BF16) {
+    static_cast<unsigned short*>(base)[idx] = f32_to_bf16(v);
+  } else {
+    static_cast<unsigned short*>(base)[idx] = f32_to_f16(v);
+  }
+}
+
+// Elements per 16-byte vector.
+template <int DT>
+__device__ __forceinline__ constexpr int vec_elems() { return 16 / itemsize<DT>(); }
+
+// Unpack one 16-byte vector of DT elements into fp32 (vec_elems<DT>() values).
+template <int DT>
+__device__ __forceinline__ void unpack16(const uint4& v, float* out) {
+  const afd_u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (DT == DT_F32) {
+      out[i] = __uint_as_float(w[i]);
+    } else if constexpr (DT == DT_BF16) {
+      out[2 * i] = __uint_as_float(w[i] << 16);
+      out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    } else {
+      out[2 * i] = f16_to_f32(static_cast<unsigned short>(w[i] & 0xffffu));
+      out[2 * i + 1] = f16_to_f32(static_cast<unsigned short>(w[i] >> 16));
+    }
+  }
+}
+
+// Pack vec_elems<DT>() fp32 values into one 16-byte vector of DT elements.
+template <int DT>
+__device__ __forceinline__ uint4 pack16(const float* in) {
+  afd_u32 w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (DT == DT_F32) {
+      w[i] = __float_as_uint(in[i]);
+    } else if constexpr (DT == DT_BF16) {
+      w[i] = static_cast<afd_u32>(f32_to_bf16(in[2 * i])) |
+             (static_cast<afd_u32>(f32_to_bf16(in[2 * i + 1])) << 16);
+    } else {
+      w[i] = static_cast<afd_u32>(f32_to_f16(in[2 * i])) |
+             (static_cast<afd_u32>(f32_to_f16(in[2 * i + 1])) << 16);
+    }
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// ---- memory helpers --------------------------------------------------------------------------
+__device__ __forceinline__ void* byte_ptr(afd_u64 addr, afd_i64 offset) {
+  return reinterpret_cast<void*>(addr + static_cast<afd_u64>(offset));
+}
+
+__device__ __forceinline__ afd_i64 load_volatile(const afd_i64* p) {
+  return *reinterpret_cast<const volatile afd_i64*>(p);
+}
+__device__ __forceinline__ void store_volatile(afd_i64* p, afd_i64 v) {
+  *reinterpret_cast<volatile afd_i64*>(p) = v;
+}
+__device__ __forceinline__ afd_i32 load_volatile32(const afd_i32* p) {
+  return *reinterpret_cast<const volatile afd_i32*>(p);
+}
+
+__device__ __forceinline__ afd_i64 globaltimer_ns() {
+  afd_u64 t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return static_cast<afd_i64>(t);
+}
+
+// One warp copies `nbytes` (a multiple of 2) from src to dst: 16-byte vectors when both
+// pointers and the size are 16-B aligned, else 4-byte, else 2-byte words. Plain (coherent)
+// loads: src may be a window written by a peer.
+__device__ __forceinline__ void warp_copy_row(void* dst, const void* src, afd_i64 nbytes, int lane) {
+  const afd_u64 misalign = reinterpret_cast<afd_u64>(dst) | reinterpret_cast<afd_u64>(src) |
+                           static_cast<afd_u64>(nbytes);
+  if ((misalign & 15) == 0) {
+    constexpr int UNROLL = 4;
+    const afd_i64 n = nbytes >> 4;
+    const uint4* s = static_cast<const uint4*>(src);
+    uint4* d = static_cast<uint4*>(dst);
+    for (afd_i64 base = lane; base < n; base += 32 * UNROLL) {
+      uint4 v[UNROLL];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const afd_i64 i = base + u * 32;
+        if (i < n) v[u] = s[i];
+      }
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const afd_i64 i = base + u * 32;
+        if (i < n) d[i] = v[u];
+      }
+    }
+  } else if ((misalign & 3) == 0) {
+    const afd_i64 n = nbytes >> 2;
+    const afd_u32* s = static_cast<const afd_u32*>(src);
+    afd_u32* d = static_cast<afd_u32*>(dst);
+    for (afd_i64 i = lane; i < n; i += 32) d[i] = s[i];
+  } else {
+    const afd_i64 n = nbytes >> 1;
+    const unsigned short* s = static_cast<const unsigned short*>(src);
+    unsigned short* d = static_cast<unsigned short*>(dst);
+    for (afd_i64 i = lane; i < n; i += 32) d[i] = s[i];
+  }
+}
+
+// Last-block-done protocol. Every thread of every block calls it once, after its own writes.
+// Each thread fences its writes system-wide, then thread 0 counts the block in; the block that
+// completes the count gets true (after an acquire fence) and must reset *counter to 0 when done.
+// NOTE: one counter per kernel in flight; the counter is left at 0 for the next launch.
+__device__ __forceinline__ bool last_block_done(unsigned int* counter) {
+  __shared__ bool s_is_last;
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned int prev = atomicAdd(counter, 1u);
+    s_is_last = (prev == gridDim.x - 1);
+  }
+  __syncthreads();
+  const bool is_last = s_is_last;
+  if (is_last) __threadfence();
+  return is_last;
+}
+
+__device__ __forceinline__ afd_i64 status_code(const afd_i64* status) {
+  return load_volatile(status + ST_CODE);
+}
+
+// First error wins: CAS the code word from 0; the winner fills the details and fences.
+// Returns true if this call recorded the error.
+__device__ __forceinline__ bool report_status(afd_i64* status, afd_i64 code, afd_i64 peer,
+                                              afd_i64 slot, afd_i64 ring, afd_i64 expected,
+                                              afd_i64 observed, afd_i64 count, afd_i64 cap) {
+  const afd_u64 prev = atomicCAS(reinterpret_cast<afd_u64*>(status + ST_CODE), 0ull,
+                                 static_cast<afd_u64>(code));
+  if (prev != 0ull) return false;
+  store_volatile(status + ST_PEER, peer);
+  store_volatile(status + ST_SLOT, slot);
+  store_volatile(status + ST_RING, ring);
+  store_volatile(status + ST_EXPECTED, expected);
+  store_volatile(status + ST_OBSERVED, observed);
+  store_volatile(status + ST_COUNT, count);
+  store_volatile(status + ST_CAP, cap);
+  __threadfence_system();
+  return true;
+}
+
+// Exclusive scan over one value per thread of a block of exactly 256 threads; returns this
+// thread's exclusive prefix and writes the block total to *total. Uses 8+1 ints of shared memory.
+__device__ __forceinline__ afd_i32 block_exclusive_scan_256(afd_i32 value, afd_i32* total) {
+  __shared__ afd_i32 s_warp[8];
+  __shared__ afd_i32 s_total;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  afd_i32 inclusive = value;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const afd_i32 other = __shfl_up_sync(0xffffffffu, inclusive, d);
+    if (lane >= d) inclusive += other;
+  }
+  if (lane == 31) s_warp[warp] = inclusive;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    afd_i32 run = 0;
+    for (int w = 0; w < 8; ++w) {
+      const afd_i32 v = s_warp[w];
+      s_warp[w] = run;
+      run += v;
+    }
+    s_total = run;
+  }
+  __syncthreads();
+  const afd_i32 result = s_warp[warp] + inclusive - value;
+  *total = s_total;
+  __syncthreads();  // s_warp / s_total may be reused by a following call
+  return result;
+}
+
+}  // namespace afd

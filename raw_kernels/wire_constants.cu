@@ -1,0 +1,25 @@
+// wire_constants.cu: reads the wire.cuh constants back so a test compares them with wire.py.
+// The order is afd_cupy.kernels.WIRE_CONSTANT_NAMES; keep both in sync.
+#include "wire.cuh"
+
+using namespace afd;
+
+// grid = 1, block = 1; out: int64 [len(WIRE_CONSTANT_NAMES)], device.
+extern "C" __global__ void afd_read_wire_constants(afd_i64* out) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  const afd_i64 values[] = {
+      MAGIC, VERSION, ALIGN, FLAG_SHUTDOWN,
+      HDR_MAGIC, HDR_VERSION, HDR_SEQ, HDR_SRC_RANK, HDR_LAYER, HDR_STAGE, HDR_NUM_TOKENS,
+      HDR_ROUTED_TOKENS, HDR_SHARED_TOKENS, HDR_TOPK, HDR_FLAGS, HDR_ECHO_SEQ, HDR_FIXED_WORDS,
+      STATUS_OK, STATUS_CAPACITY, STATUS_TIMEOUT, STATUS_BAD_HEADER, STATUS_ECHO_MISMATCH,
+      STATUS_SHUTDOWN, STATUS_BAD_EXPERT,
+      ST_CODE, ST_PEER, ST_SLOT, ST_RING, ST_EXPECTED, ST_OBSERVED, ST_COUNT, ST_CAP, STATUS_WORDS,
+      DB_TICKET, DB_STATUS, DB_SLOT, DB_FLAG, DB_HEADER,
+      DT_BF16, DT_F16, DT_F32, CHUNK,
+      // element sizes seen by the templates, and the bf16/fp16 conversions of 1.5 and -2.25
+      itemsize<DT_BF16>(), itemsize<DT_F16>(), itemsize<DT_F32>(),
+      f32_to_bf16(1.5f), f32_to_f16(1.5f),
+      static_cast<afd_i64>(bf16_to_f32(0xC010) * 4.0f), static_cast<afd_i64>(f16_to_f32(0xC080) * 4.0f),
+  };
+  for (int i = 0; i < static_cast<int>(sizeof(values) / sizeof(values[0])); ++i) out[i] = values[i];
+}

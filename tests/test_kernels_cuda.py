@@ -1,0 +1,713 @@
+"""Every RawKernel of raw_kernels/ against its numpy reference, in one process on one GPU.
+
+Windows are plain CuPy uint8 arrays of ``WindowLayout.window_bytes`` (F separate arrays act as
+F peer windows), pre-filled with random bytes; each test rebuilds the whole expected window in
+numpy and compares it byte for byte, so a wrong offset, a stray write or a missing row fails.
+Payloads are random (never zeros); outputs are pre-filled with NaN / 0xFF garbage.
+"""
+from __future__ import annotations
+
+import time
+import zlib
+
+import numpy as np
+import pytest
+
+from afd_cupy import kernels, planner, wire
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.cuda
+
+DTYPES = ("bfloat16", "float16", "float32")
+RAW = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.uint32}
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+NAN_WORD = {"bfloat16": 0xFFFF, "float16": 0xFFFF, "float32": 0xFFFFFFFF}
+TOLERANCE = {"bfloat16": 2e-2, "float16": 4e-3, "float32": 2e-5}
+NUM_EXPERTS = 10  # not a multiple of F = 3, 4: padded experts get zero counts
+LONG_TIMEOUT_NS = 5_000_000_000
+
+
+# --- helpers -----------------------------------------------------------------------------------
+def _rng(request) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+def to_raw(x: np.ndarray, dtype: str) -> np.ndarray:
+    x = np.ascontiguousarray(x, np.float32)
+    if dtype == "float32":
+        return x.view(np.uint32)
+    if dtype == "float16":
+        return x.astype(np.float16).view(np.uint16)
+    bits = x.view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even
+
+
+def to_f32(raw: np.ndarray, dtype: str) -> np.ndarray:
+    raw = np.ascontiguousarray(raw)
+    if dtype == "float32":
+        return raw.view(np.float32)
+    if dtype == "float16":
+        return raw.view(np.float16).astype(np.float32)
+    return (raw.astype(np.uint32) << 16).view(np.float32)
+
+
+def random_rows(rng, num_rows: int, hidden: int, dtype: str) -> np.ndarray:
+    """Raw payload words [num_rows, hidden] of random N(0, 1) values (never all zero)."""
+    return to_raw(rng.standard_normal((num_rows, hidden)).astype(np.float32) + 0.01, dtype)
+
+
+def make_layout(*, num_regions, ring_depth, epr, hidden, dtype, top_k, token_cap, routed_cap,
+                has_shared, num_ffn) -> wire.WindowLayout:
+    return wire.WindowLayout(num_regions=num_regions, ring_depth=ring_depth, expert_per_rank=epr,
+                             hidden_size=hidden, itemsize=ITEMSIZE[dtype], top_k=top_k,
+                             token_cap=token_cap, routed_cap=routed_cap,
+                             shared_cap=-(-token_cap // num_ffn) if has_shared else 0)
+
+
+def put(window: np.ndarray, offset: int, values) -> None:
+    data = np.ascontiguousarray(np.atleast_1d(values)).view(np.uint8).reshape(-1)
+    window[offset:offset + data.size] = data
+
+
+def take(window: np.ndarray, offset: int, dtype, count: int) -> np.ndarray:
+    return window[offset:offset + count * np.dtype(dtype).itemsize].view(dtype)
+
+
+def assert_window_equal(got: np.ndarray, want: np.ndarray, layout: wire.WindowLayout, what: str):
+    """Byte-exact window comparison; a failure names the first differing slot and field."""
+    diff = np.flatnonzero(got != want)
+    if diff.size == 0:
+        return
+    offset = int(diff[0])
+    if offset < layout.flags_bytes:
+        where = f"flag word {offset // 8}"
+    else:
+        slot, within = divmod(offset - layout.flags_bytes, layout.slot_bytes)
+        field = [f for f in wire.FIELD_NAMES if layout.field_offset(f) <= within][-1]
+        where = (f"slot {slot} (region {slot // layout.ring_depth}, ring {slot % layout.ring_depth}) "
+                 f"field {field} +{within - layout.field_offset(field)}")
+    pytest.fail(f"{what}: {diff.size} bytes differ, first at byte {offset} = {where}")
+
+
+def skewed_ids(rng, num_tokens, top_k, allowed_experts) -> np.ndarray:
+    """int32 [T, K] ids drawn from ``allowed_experts`` with an unbalanced distribution."""
+    allowed = np.asarray(allowed_experts)
+    weights = 1.0 / (1.0 + np.arange(allowed.size)) ** 0.7
+    return rng.choice(allowed, size=(num_tokens, top_k), p=weights / weights.sum()).astype(np.int32)
+
+
+def sync():
+    cp.cuda.runtime.deviceSynchronize()
+
+
+class Dispatch:
+    """One Attention rank (``src_rank``) dispatching to F peer windows through the two kernels."""
+
+    def __init__(self, rng, *, dtype, num_ffn, num_tokens, top_k, hidden, has_shared, ids,
+                 routed_cap=None, num_attn=2, ring_depth=2, ring=1, src_rank=1):
+        self.rng, self.dtype, self.num_ffn, self.num_tokens, self.top_k = rng, dtype, num_ffn, num_tokens, top_k
+        self.hidden, self.has_shared, self.ids, self.ring, self.src_rank = hidden, has_shared, ids, ring, src_rank
+        self.epr = -(-NUM_EXPERTS // num_ffn)
+        self.num_partials = num_tokens * top_k
+        self.layout = make_layout(
+            num_regions=max(num_attn, num_ffn), ring_depth=ring_depth, epr=self.epr, hidden=hidden,
+            dtype=dtype, top_k=top_k, token_cap=max(num_tokens, 1),
+            routed_cap=routed_cap if routed_cap is not None else max(self.num_partials, 1),
+            has_shared=has_shared, num_ffn=num_ffn)
+        self.hidden_raw = random_rows(rng, num_tokens, hidden, dtype)
+        self.hidden_dev = cp.asarray(random_rows(rng, max(num_tokens, 1), hidden, dtype))
+        self.hidden_dev[:num_tokens] = cp.asarray(self.hidden_raw)
+        self.prefill = [rng.integers(0, 256, self.layout.window_bytes, dtype=np.uint8) for _ in range(num_ffn)]
+        self.windows = [cp.asarray(p) for p in self.prefill]
+        self.peer_windows = cp.asarray([w.data.ptr for w in self.windows], dtype=cp.uint64)
+        self.scratch = kernels.DispatchScratch.allocate(self.num_partials + 300, num_ffn, self.epr)
+        for arr in (self.scratch.chunk_hist, self.scratch.local_rank, self.scratch.expert_counts,
+                    self.scratch.expert_start, self.scratch.rank_offsets):
+            arr.fill(-7)
+        self.pos_out = cp.full(self.num_partials + 5, -1, cp.int32)
+        # seq counters on both sides of 2**32 so the header's low-32 truncation is exercised
+        self.seq_before = rng.integers(1, 1000, num_ffn).astype(np.int64) + (np.arange(num_ffn) % 2) * (2**32 - 500)
+        self.seq_counters = cp.asarray(self.seq_before)
+        self.expected = cp.full(num_ffn, -5, cp.int64)
+        self.status = kernels.PinnedInt64(kernels.STATUS_WORDS)
+        self.layer_idx, self.stage_idx = int(rng.integers(0, 60)), int(rng.integers(0, 3))
+        self.topk_ids = cp.asarray(ids.reshape(-1))
+
+    def run(self):
+        layout, args, scratch = self.layout, kernels.layout_kernel_args(self.layout), self.scratch
+        kernels.launch_dispatch_plan(
+            topk_ids=self.topk_ids, num_partials=self.num_partials, num_ffn_ranks=self.num_ffn,
+            expert_per_rank=self.epr, routed_cap=layout.routed_cap, chunk_hist=scratch.chunk_hist,
+            local_rank=scratch.local_rank, expert_counts=scratch.expert_counts,
+            expert_start=scratch.expert_start, rank_offsets=scratch.rank_offsets,
+            done_counter=scratch.plan_done, status_ptr=self.status.ptr)
+        kernels.launch_dispatch_scatter(
+            dtype_code=kernels.DTYPE_CODES[self.dtype], hidden_ptr=self.hidden_dev.data.ptr,
+            num_tokens=self.num_tokens, hidden_size=self.hidden, topk_ids=self.topk_ids,
+            num_partials=self.num_partials, top_k=self.top_k, expert_per_rank=self.epr,
+            num_ffn_ranks=self.num_ffn, chunk_hist=scratch.chunk_hist, local_rank=scratch.local_rank,
+            expert_start=scratch.expert_start, rank_offsets=scratch.rank_offsets,
+            expert_counts=scratch.expert_counts, peer_windows=self.peer_windows,
+            slot_offset=layout.slot_offset(self.src_rank, self.ring),
+            flags_index=layout.slot_index(self.src_rank, self.ring), off_header=args["off_header"],
+            off_route=args["off_route"], off_routed_x=args["off_routed_x"],
+            off_shared_idx=args["off_shared_idx"], off_shared_x=args["off_shared_x"],
+            hdr_words=args["hdr_words"], has_shared=self.has_shared, pos_out=self.pos_out,
+            src_rank=self.src_rank, layer_idx=self.layer_idx, stage_idx=self.stage_idx, hdr_flags=0,
+            seq_counters=self.seq_counters, expected=self.expected, done_counter=scratch.scatter_done,
+            status_ptr=self.status.ptr)
+        sync()
+
+    def reference(self) -> planner.DispatchPlan:
+        return planner.plan_dispatch_reference(self.ids, self.num_ffn, self.epr, num_experts=self.num_ffn * self.epr)
+
+    def shared_rows(self, ffn_rank: int) -> int:
+        return planner.shared_count(self.num_tokens, self.num_ffn, ffn_rank) if self.has_shared else 0
+
+    def expected_window(self, ffn_rank: int, plan: planner.DispatchPlan, seq: int) -> np.ndarray:
+        layout, j = self.layout, ffn_rank
+        want = self.prefill[j].copy()
+        base = layout.slot_offset(self.src_rank, self.ring)
+        routed, shared = plan.routed_count(j), self.shared_rows(j)
+        put(want, layout.slot_index(self.src_rank, self.ring) * 8, np.int64(seq))
+        header = wire.Header(seq=seq, src_rank=self.src_rank, layer_idx=self.layer_idx,
+                             stage_idx=self.stage_idx, num_tokens=self.num_tokens, routed_tokens=routed,
+                             shared_tokens=shared, top_k=self.top_k, flags=0, echo_seq=0,
+                             expert_counts=tuple(int(c) for c in plan.rank_counts(j)))
+        put(want, base + layout.field_offset("header"), wire.encode_header(header, self.epr))
+        put(want, base + layout.field_offset("route_table"), plan.rank_route_table(j))
+        tokens = plan.order[plan.rank_offsets[j]:plan.rank_offsets[j + 1]] // self.top_k
+        put(want, base + layout.field_offset("routed_x"), self.hidden_raw[tokens])
+        if self.has_shared:
+            idx = planner.shared_split(self.num_tokens, self.num_ffn, j)
+            put(want, base + layout.field_offset("shared_idx"), idx)
+            put(want, base + layout.field_offset("shared_x"), self.hidden_raw[idx])
+        return want
+
+
+# --- wire constants ----------------------------------------------------------------------------
+def test_wire_constants_read_back_equal_wire_py():
+    got = kernels.read_wire_constants()
+    want = kernels.expected_wire_constants()
+    mismatched = {name: (got[name], want[name]) for name in want if got[name] != want[name]}
+    assert not mismatched, f"device value, expected: {mismatched}"
+
+
+def test_pinned_int64_is_device_visible():
+    pinned = kernels.PinnedInt64(3)
+    assert pinned.array.tolist() == [0, 0, 0] and pinned.int32.shape == (6,)
+    pinned.array[:] = [5, -6, 2**40]
+    mem = cp.cuda.UnownedMemory(pinned.ptr, 24, pinned, device_id=cp.cuda.runtime.getDevice())
+    view = cp.ndarray((3,), cp.int64, cp.cuda.MemoryPointer(mem, 0))
+    assert view.get().tolist() == [5, -6, 2**40]
+    view += 1
+    sync()
+    assert pinned.array.tolist() == [6, -5, 2**40 + 1]
+
+
+# --- dispatch ----------------------------------------------------------------------------------
+DISPATCH_CASES = [(f, t) for f in (1, 2, 3, 4) for t in (0, 1, 7, 300)]
+TOP_KS = (1, 2, 6, 8)
+HIDDENS = (64, 33, 50)  # 16-B rows, 2-B-only rows (bf16/fp16), 4-B rows
+
+
+@pytest.mark.parametrize("has_shared", [0, 1])
+@pytest.mark.parametrize("num_ffn,num_tokens", DISPATCH_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dispatch_matches_reference(request, dtype, num_ffn, num_tokens, has_shared):
+    rng = _rng(request)
+    case = DISPATCH_CASES.index((num_ffn, num_tokens)) + has_shared + DTYPES.index(dtype)
+    top_k, hidden = TOP_KS[case % 4], HIDDENS[case % 3]
+    epr = -(-NUM_EXPERTS // num_ffn)
+    drop_last_rank = num_ffn > 1 and case % 2 == 0  # an FFN rank without routed partials
+    allowed = np.arange(min(NUM_EXPERTS, (num_ffn - drop_last_rank) * epr))
+    ids = skewed_ids(rng, num_tokens, top_k, allowed)
+    d = Dispatch(rng, dtype=dtype, num_ffn=num_ffn, num_tokens=num_tokens, top_k=top_k,
+                 hidden=hidden, has_shared=has_shared, ids=ids)
+    d.run()
+
+    assert kernels.read_status(d.status.array)["name"] == "OK"
+    plan = d.reference()
+    nk = d.num_partials
+    np.testing.assert_array_equal(d.scratch.expert_counts.get(), plan.expert_counts)
+    np.testing.assert_array_equal(d.scratch.expert_start.get(), np.cumsum(plan.expert_counts) - plan.expert_counts)
+    np.testing.assert_array_equal(d.scratch.rank_offsets.get(), plan.rank_offsets)
+    pos_out = d.pos_out.get()
+    np.testing.assert_array_equal(pos_out[:nk], plan.pos.reshape(-1))
+    assert (pos_out[nk:] == -1).all()
+    assert int(d.scratch.plan_done.get()[0]) == 0 and int(d.scratch.scatter_done.get()[0]) == 0
+
+    expected, seq_after = d.expected.get(), d.seq_counters.get()
+    for j in range(num_ffn):
+        non_empty = plan.routed_count(j) + d.shared_rows(j) > 0
+        seq = int(d.seq_before[j]) + 1 if non_empty else 0
+        assert expected[j] == seq, f"expected[{j}]"
+        assert seq_after[j] == d.seq_before[j] + non_empty, f"seq_counters[{j}]"
+        got = d.windows[j].get()
+        if not non_empty:
+            assert_window_equal(got, d.prefill[j], d.layout, f"empty peer {j} was written")
+            continue
+        base = d.layout.slot_offset(d.src_rank, d.ring)
+        header = wire.decode_header(take(got, base + d.layout.field_offset("header"), np.int32,
+                                         d.layout.header_words), d.epr)
+        assert header.seq == seq & 0xFFFFFFFF and header.routed_tokens == plan.routed_count(j)
+        assert header.shared_tokens == d.shared_rows(j) and header.expert_counts == tuple(plan.rank_counts(j))
+        assert_window_equal(got, d.expected_window(j, plan, seq), d.layout, f"peer {j}")
+    if drop_last_rank and not has_shared:
+        assert expected[num_ffn - 1] == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dispatch_large_batch_grid_stride(request, dtype):
+    """More rows than 1024 blocks x 8 warps: the grid-stride loops and many plan chunks."""
+    rng = _rng(request)
+    ids = skewed_ids(rng, 1500, 8, np.arange(NUM_EXPERTS))
+    d = Dispatch(rng, dtype=dtype, num_ffn=3, num_tokens=1500, top_k=8, hidden=64, has_shared=1, ids=ids)
+    d.run()
+    assert kernels.read_status(d.status.array)["name"] == "OK"
+    plan = d.reference()
+    np.testing.assert_array_equal(d.pos_out.get()[:d.num_partials], plan.pos.reshape(-1))
+    for j in range(3):
+        assert_window_equal(d.windows[j].get(), d.expected_window(j, plan, int(d.seq_before[j]) + 1),
+                            d.layout, f"peer {j}")
+
+
+def _assert_nothing_sent(d: Dispatch):
+    assert (d.expected.get() == 0).all()
+    np.testing.assert_array_equal(d.seq_counters.get(), d.seq_before)
+    for j in range(d.num_ffn):
+        assert_window_equal(d.windows[j].get(), d.prefill[j], d.layout, f"peer {j} written after an error")
+    assert int(d.scratch.plan_done.get()[0]) == 0 and int(d.scratch.scatter_done.get()[0]) == 0
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_dispatch_capacity_writes_nothing(request, dtype):
+    rng = _rng(request)
+    num_ffn, num_tokens, top_k = 3, 50, 4
+    ids = skewed_ids(rng, num_tokens, top_k, np.arange(NUM_EXPERTS))
+    epr = -(-NUM_EXPERTS // num_ffn)
+    plan = planner.plan_dispatch_reference(ids, num_ffn, epr)
+    counts = [plan.routed_count(j) for j in range(num_ffn)]
+    cap = sorted(counts)[1]  # between the smallest and the largest: at least one rank overflows
+    first_over = next(j for j, c in enumerate(counts) if c > cap)
+    d = Dispatch(rng, dtype=dtype, num_ffn=num_ffn, num_tokens=num_tokens, top_k=top_k, hidden=64,
+                 has_shared=1, ids=ids, routed_cap=cap)
+    d.run()
+    status = kernels.read_status(d.status.array)
+    assert status == {"code": kernels.STATUS_CAPACITY, "name": "CAPACITY", "peer": first_over, "slot": -1,
+                      "ring": -1, "expected": -1, "observed": -1, "count": counts[first_over], "cap": cap}
+    _assert_nothing_sent(d)
+
+
+def test_dispatch_after_latched_error_writes_nothing(request):
+    rng = _rng(request)
+    ids = skewed_ids(rng, 20, 2, np.arange(NUM_EXPERTS))
+    d = Dispatch(rng, dtype="bfloat16", num_ffn=2, num_tokens=20, top_k=2, hidden=64, has_shared=1, ids=ids)
+    d.status.array[:] = [kernels.STATUS_TIMEOUT, 1, 3, 1, 9, 8, -1, -1]
+    d.run()
+    assert d.status.array.tolist() == [kernels.STATUS_TIMEOUT, 1, 3, 1, 9, 8, -1, -1]
+    _assert_nothing_sent(d)
+    np.testing.assert_array_equal(d.scratch.rank_offsets.get(), d.reference().rank_offsets)
+
+
+def test_dispatch_bad_expert_id_writes_nothing(request):
+    rng = _rng(request)
+    num_ffn = 4
+    epr = -(-NUM_EXPERTS // num_ffn)
+    ids = skewed_ids(rng, 30, 2, np.arange(NUM_EXPERTS))
+    ids[17, 1] = num_ffn * epr  # first id past the padded experts
+    d = Dispatch(rng, dtype="float16", num_ffn=num_ffn, num_tokens=30, top_k=2, hidden=64, has_shared=0, ids=ids)
+    d.run()
+    status = kernels.read_status(d.status.array)
+    assert status["name"] == "BAD_EXPERT"
+    assert (status["slot"], status["expected"], status["observed"]) == (17 * 2 + 1, num_ffn * epr, num_ffn * epr)
+    _assert_nothing_sent(d)
+
+
+# --- combine -----------------------------------------------------------------------------------
+class Combine:
+    """The Attention rank's own window with replies from F FFN ranks written in by hand."""
+
+    def __init__(self, rng, *, dtype, num_ffn, num_tokens, top_k, hidden, has_shared, ids,
+                 ring_depth=2, ring=0, num_attn=2):
+        self.rng, self.dtype, self.num_ffn, self.num_tokens, self.top_k = rng, dtype, num_ffn, num_tokens, top_k
+        self.hidden, self.has_shared, self.ring, self.ids = hidden, has_shared, ring, ids
+        self.epr = -(-NUM_EXPERTS // num_ffn)
+        self.plan = planner.plan_dispatch_reference(ids, num_ffn, self.epr, num_experts=num_ffn * self.epr)
+        self.layout = make_layout(
+            num_regions=max(num_attn, num_ffn), ring_depth=ring_depth, epr=self.epr, hidden=hidden,
+            dtype=dtype, top_k=top_k, token_cap=max(num_tokens, 1),
+            routed_cap=max(num_tokens * top_k, 1), has_shared=has_shared, num_ffn=num_ffn)
+        self.window_np = rng.integers(0, 256, self.layout.window_bytes, dtype=np.uint8)
+        self.last_seen_before = take(self.window_np, 0, np.int64, self.layout.num_slots).copy()
+        self.routed = [random_rows(rng, self.plan.routed_count(j), hidden, dtype) for j in range(num_ffn)]
+        self.shared = [random_rows(rng, self.shared_rows(j), hidden, dtype) for j in range(num_ffn)]
+        self.expected = np.array([int(rng.integers(1, 2**40)) if self.non_empty(j) else 0
+                                  for j in range(num_ffn)], np.int64)
+        self.weights = (rng.random((num_tokens, top_k)) + 0.1).astype(np.float32)
+        self.status = kernels.PinnedInt64(kernels.STATUS_WORDS)
+        self.done = cp.zeros(1, cp.uint32)
+        self.out = cp.full((max(num_tokens, 1), hidden), NAN_WORD[dtype], dtype=RAW[dtype])
+        self.new_flags = {}
+
+    def shared_rows(self, j):
+        return planner.shared_count(self.num_tokens, self.num_ffn, j) if self.has_shared else 0
+
+    def non_empty(self, j):
+        return self.plan.routed_count(j) + self.shared_rows(j) > 0
+
+    def write_reply(self, j, *, flags=0, echo_seq=None, magic=None, version=None, arrive=True):
+        layout = self.layout
+        slot = layout.slot_index(j, self.ring)
+        base = layout.slot_offset(j, self.ring)
+        header = wire.Header(seq=int(self.rng.integers(1, 2**31)), src_rank=j, layer_idx=3, stage_idx=0,
+                             num_tokens=self.num_tokens, routed_tokens=self.plan.routed_count(j),
+                             shared_tokens=self.shared_rows(j), top_k=self.top_k, flags=flags,
+                             echo_seq=int(self.expected[j]) if echo_seq is None else echo_seq,
+                             expert_counts=tuple(int(c) for c in self.plan.rank_counts(j)))
+        words = wire.encode_header(header, self.epr)
+        if magic is not None:
+            words[wire.HDR_MAGIC] = magic
+        if version is not None:
+            words[wire.HDR_VERSION] = version
+        put(self.window_np, base + layout.field_offset("header"), words)
+        put(self.window_np, base + layout.field_offset("routed_x"), self.routed[j])
+        put(self.window_np, base + layout.field_offset("shared_x"), self.shared[j])
+        if arrive:
+            flag = int(self.last_seen_before[slot]) + int(self.rng.integers(1, 1000))
+            self.new_flags[slot] = flag
+            put(self.window_np, slot * 8, np.int64(flag))
+
+    def run(self, *, timeout_ns=LONG_TIMEOUT_NS, out_scale=1.0):
+        args = kernels.layout_kernel_args(self.layout)
+        self.window = cp.asarray(self.window_np)
+        self.last_seen = cp.asarray(self.last_seen_before)
+        kernels.get_kernel("combine.cu", "afd_combine", dtype_code=kernels.DTYPE_CODES[self.dtype])  # compile
+        sync()
+        start = time.perf_counter()
+        kernels.launch_combine(
+            dtype_code=kernels.DTYPE_CODES[self.dtype], out_ptr=self.out.data.ptr,
+            num_tokens=self.num_tokens, hidden_size=self.hidden, topk_ids=cp.asarray(self.ids.reshape(-1)),
+            topk_weights=cp.asarray(self.weights.reshape(-1)), pos=cp.asarray(self.plan.pos.reshape(-1)),
+            top_k=self.top_k, expert_per_rank=self.epr, num_ffn_ranks=self.num_ffn,
+            has_shared=self.has_shared, window_ptr=self.window.data.ptr,
+            flags_bytes=args["flags_bytes"], slot_bytes=args["slot_bytes"],
+            ring_depth=args["ring_depth"], ring=self.ring, off_header=args["off_header"],
+            off_routed_x=args["off_routed_x"], off_shared_x=args["off_shared_x"],
+            hdr_words=args["hdr_words"], expected=cp.asarray(self.expected), last_seen=self.last_seen,
+            timeout_ns=timeout_ns, out_scale=out_scale, done_counter=self.done, status_ptr=self.status.ptr)
+        sync()
+        return time.perf_counter() - start
+
+    def reference(self, out_scale):
+        routed = [to_f32(r, self.dtype).reshape(-1, self.hidden) for r in self.routed]
+        shared = [to_f32(s, self.dtype).reshape(-1, self.hidden) for s in self.shared] if self.has_shared else None
+        return planner.combine_reference(self.ids, self.weights, self.plan.pos, self.epr, routed, shared, out_scale)
+
+    def assert_rows_nan(self):
+        got = to_f32(self.out.get()[:self.num_tokens], self.dtype)
+        assert np.isnan(got).all()
+
+    def assert_last_seen_unchanged(self):
+        np.testing.assert_array_equal(self.last_seen.get(), self.last_seen_before)
+
+
+COMBINE_CASES = [  # num_ffn, num_tokens, top_k, has_shared, hidden, out_scale
+    (1, 1, 1, 0, 64, 1.0), (2, 7, 2, 1, 33, 0.5), (3, 300, 6, 1, 64, 2.5), (4, 300, 8, 0, 50, 1.0),
+    (4, 7, 8, 1, 64, 1.0), (3, 0, 2, 1, 64, 1.0), (2, 1, 6, 1, 72, 1.0), (2, 1300, 2, 1, 64, 0.25),
+    (4, 2, 1, 1, 40, 1.0)]
+
+
+@pytest.mark.parametrize("case", COMBINE_CASES, ids=[str(c) for c in COMBINE_CASES])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_combine_matches_reference(request, dtype, case):
+    num_ffn, num_tokens, top_k, has_shared, hidden, out_scale = case
+    rng = _rng(request)
+    epr = -(-NUM_EXPERTS // num_ffn)
+    allowed = np.arange(min(NUM_EXPERTS, max(1, num_ffn - 1) * epr))  # the last rank gets no partials
+    ids = skewed_ids(rng, num_tokens, top_k, allowed)
+    c = Combine(rng, dtype=dtype, num_ffn=num_ffn, num_tokens=num_tokens, top_k=top_k, hidden=hidden,
+                has_shared=has_shared, ids=ids, ring=num_tokens % 2)
+    for j in range(num_ffn):
+        if c.non_empty(j):
+            c.write_reply(j)
+    c.run(out_scale=out_scale)
+
+    assert kernels.read_status(c.status.array)["name"] == "OK"
+    got = to_f32(c.out.get()[:num_tokens], dtype)
+    assert not np.isnan(got).any(), "rows left unwritten"
+    want = to_f32(to_raw(c.reference(out_scale), dtype), dtype)
+    tol = TOLERANCE[dtype]
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * max(1.0, out_scale))
+    last_seen = c.last_seen_before.copy()
+    for slot, flag in c.new_flags.items():
+        last_seen[slot] = flag
+    np.testing.assert_array_equal(c.last_seen.get(), last_seen)
+    assert int(c.done.get()[0]) == 0
+
+
+def _two_rank_combine(request, dtype="bfloat16"):
+    rng = _rng(request)
+    ids = skewed_ids(rng, 7, 2, np.arange(NUM_EXPERTS))
+    ids[0] = [0, NUM_EXPERTS - 1]  # both FFN ranks get routed partials
+    return Combine(rng, dtype=dtype, num_ffn=2, num_tokens=7, top_k=2, hidden=64, has_shared=1, ids=ids, ring=1)
+
+
+def test_combine_timeout_names_peer_and_writes_nan(request):
+    c = _two_rank_combine(request)
+    c.write_reply(0)
+    c.write_reply(1, arrive=False)  # payload there, flag never changes
+    timeout_s = 0.05
+    elapsed = c.run(timeout_ns=int(timeout_s * 1e9))
+    status = kernels.read_status(c.status.array)
+    slot = c.layout.slot_index(1, c.ring)
+    assert status == {"code": kernels.STATUS_TIMEOUT, "name": "TIMEOUT", "peer": 1, "slot": slot,
+                      "ring": c.ring, "expected": int(c.expected[1]),
+                      "observed": int(c.last_seen_before[slot]), "count": -1, "cap": -1}
+    assert elapsed < 5.0, f"combine took {elapsed:.3f} s with a {timeout_s} s timeout"
+    c.assert_rows_nan()
+    c.assert_last_seen_unchanged()
+    assert int(c.done.get()[0]) == 0
+
+
+@pytest.mark.parametrize("fault", ["echo", "shutdown", "magic", "version"])
+def test_combine_header_faults(request, fault):
+    c = _two_rank_combine(request, dtype="float16")
+    c.write_reply(0)
+    bad_echo = (int(c.expected[1]) + 1) & 0xFFFFFFFF
+    if fault == "echo":
+        c.write_reply(1, echo_seq=bad_echo)
+    elif fault == "shutdown":
+        c.write_reply(1, flags=wire.FLAG_SHUTDOWN, echo_seq=0)
+    elif fault == "magic":
+        c.write_reply(1, magic=0x12345678)
+    else:
+        c.write_reply(1, version=7)
+    c.run()
+    status = kernels.read_status(c.status.array)
+    slot = c.layout.slot_index(1, c.ring)
+    assert (status["peer"], status["slot"], status["ring"]) == (1, slot, c.ring)
+    if fault == "echo":
+        assert status["name"] == "ECHO_MISMATCH"
+        assert (status["expected"], status["observed"]) == (int(c.expected[1]) & 0xFFFFFFFF, bad_echo)
+    elif fault == "shutdown":
+        assert status["name"] == "SHUTDOWN"
+    elif fault == "magic":
+        assert status["name"] == "BAD_HEADER"
+        assert (status["expected"], status["observed"]) == (wire.MAGIC, 0x12345678)
+    else:
+        assert status["name"] == "BAD_HEADER" and (status["expected"], status["observed"]) == (wire.VERSION, 7)
+    c.assert_rows_nan()
+    c.assert_last_seen_unchanged()
+
+
+def test_combine_after_latched_error_returns_nan_without_waiting(request):
+    c = _two_rank_combine(request)  # no reply ever arrives
+    c.status.array[:] = [kernels.STATUS_CAPACITY, 0, -1, -1, -1, -1, 99, 98]
+    elapsed = c.run(timeout_ns=LONG_TIMEOUT_NS)
+    assert elapsed < 2.0
+    assert c.status.array.tolist() == [kernels.STATUS_CAPACITY, 0, -1, -1, -1, -1, 99, 98]
+    c.assert_rows_nan()
+    c.assert_last_seen_unchanged()
+
+
+# --- wait_any ----------------------------------------------------------------------------------
+class WaitAny:
+    """An FFN rank's own window, its last_seen/scan_start and a pinned doorbell."""
+
+    def __init__(self, rng, *, num_regions=3, ring_depth=2, epr=5):
+        self.rng = rng
+        self.layout = make_layout(num_regions=num_regions, ring_depth=ring_depth, epr=epr, hidden=32,
+                                  dtype="bfloat16", top_k=2, token_cap=16, routed_cap=32, has_shared=1,
+                                  num_ffn=2)
+        self.window = cp.asarray(rng.integers(0, 256, self.layout.window_bytes, dtype=np.uint8))
+        self.last_seen = self.window[:self.layout.num_slots * 8].view(cp.int64).copy()
+        self.scan_start = cp.zeros(1, cp.int32)
+        self.hdr_words = self.layout.header_words
+        self.doorbell = kernels.PinnedInt64(kernels.DB_HEADER + -(-self.hdr_words // 2))
+        self.headers = {}
+        self.ticket = 100
+
+    def arrive(self, slot):
+        """Give ``slot`` a new flag value and a fresh random header."""
+        layout = self.layout
+        words = self.rng.integers(-2**31, 2**31, self.hdr_words).astype(np.int32)
+        base = layout.flags_bytes + slot * layout.slot_bytes + layout.field_offset("header")
+        self.window[base:base + words.nbytes] = cp.asarray(words.view(np.uint8))
+        flags = self.window[:layout.num_slots * 8].view(cp.int64)
+        flags[slot] = flags[slot] + int(self.rng.integers(1, 2**40))
+        self.headers[slot] = (words, int(flags[slot].get()))
+        sync()
+
+    def call(self, timeout_ns=LONG_TIMEOUT_NS):
+        """One wait_any; the host spins on the ticket like the real FFN loop. Returns the doorbell."""
+        self.ticket += 1
+        layout = self.layout
+        kernels.get_kernel("wait_any.cu", "afd_wait_any")  # compile outside the timed region
+        start = time.perf_counter()
+        kernels.launch_wait_any(
+            window_ptr=self.window.data.ptr, num_slots=layout.num_slots, last_seen=self.last_seen,
+            scan_start=self.scan_start, off_header=layout.field_offset("header"),
+            flags_bytes=layout.flags_bytes, slot_bytes=layout.slot_bytes, hdr_words=self.hdr_words,
+            timeout_ns=timeout_ns, doorbell_ptr=self.doorbell.ptr, ticket=self.ticket)
+        while self.doorbell.array[kernels.DB_TICKET] != self.ticket:
+            assert time.perf_counter() - start < 10.0, "doorbell never rang"
+        elapsed = time.perf_counter() - start
+        sync()
+        return self.doorbell.array.copy(), elapsed
+
+    def check_arrival(self, bell) -> int:
+        assert bell[kernels.DB_STATUS] == kernels.STATUS_OK
+        slot = int(bell[kernels.DB_SLOT])
+        words, flag = self.headers[slot]
+        assert bell[kernels.DB_FLAG] == flag
+        header = bell.view(np.int32)[2 * kernels.DB_HEADER:2 * kernels.DB_HEADER + self.hdr_words]
+        np.testing.assert_array_equal(header, words)
+        assert int(self.last_seen.get()[slot]) == flag
+        assert int(self.scan_start.get()[0]) == (slot + 1) % self.layout.num_slots
+        return slot
+
+
+def test_wait_any_returns_each_arrival_once_in_rotated_order(request):
+    w = WaitAny(_rng(request))
+    w.scan_start.fill(3)
+    for slot in (1, 4, 5):
+        w.arrive(slot)
+    served = [w.check_arrival(w.call()[0]) for _ in range(3)]
+    assert served == [4, 5, 1]  # rotated from scan_start = 3
+    bell, elapsed = w.call(timeout_ns=20_000_000)
+    assert bell[kernels.DB_STATUS] == kernels.STATUS_TIMEOUT and bell[kernels.DB_SLOT] == -1
+    assert 0.015 < elapsed < 5.0
+
+
+def test_wait_any_is_fair_when_every_slot_is_busy(request):
+    w = WaitAny(_rng(request), num_regions=5, ring_depth=3)  # 15 slots, one warp pass
+    num_slots = w.layout.num_slots
+    for slot in range(num_slots):
+        w.arrive(slot)
+    served = []
+    for _ in range(2 * num_slots):
+        slot = w.check_arrival(w.call()[0])
+        served.append(slot)
+        w.arrive(slot)  # a busy sender re-arms at once: it must not starve the others
+    assert len(set(served[:num_slots])) == num_slots and len(set(served[num_slots:])) == num_slots
+    assert all(b == (a + 1) % num_slots for a, b in zip(served, served[1:]))
+
+
+def test_wait_any_scans_more_slots_than_a_warp(request):
+    w = WaitAny(_rng(request), num_regions=20, ring_depth=2)  # 40 slots: two passes of the warp
+    w.scan_start.fill(30)
+    for slot in (2, 35):
+        w.arrive(slot)
+    assert [w.check_arrival(w.call()[0]) for _ in range(2)] == [35, 2]
+    w.arrive(39)
+    assert w.check_arrival(w.call()[0]) == 39
+
+
+def test_wait_any_timeout_with_nothing_arrived(request):
+    w = WaitAny(_rng(request))
+    before = w.last_seen.get()
+    bell, elapsed = w.call(timeout_ns=30_000_000)
+    assert bell[kernels.DB_STATUS] == kernels.STATUS_TIMEOUT and bell[kernels.DB_TICKET] == w.ticket
+    assert 0.025 < elapsed < 5.0
+    np.testing.assert_array_equal(w.last_seen.get(), before)
+    assert int(w.scan_start.get()[0]) == 0
+
+
+# --- reply -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("num_routed,num_shared", [(37, 5), (0, 5), (37, 0), (0, 0), (2000, 3)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reply_lands_exactly(request, dtype, num_routed, num_shared):
+    rng = _rng(request)
+    hidden = 64 if num_routed % 2 else 33
+    epr, ffn_rank, ring = 4, 1, 1
+    layout = make_layout(num_regions=3, ring_depth=2, epr=epr, hidden=hidden, dtype=dtype, top_k=4,
+                         token_cap=max(num_routed, 8), routed_cap=max(num_routed, 8), has_shared=1, num_ffn=2)
+    prefill = rng.integers(0, 256, layout.window_bytes, dtype=np.uint8)
+    window = cp.asarray(prefill)
+    routed = random_rows(rng, num_routed, hidden, dtype)
+    shared = random_rows(rng, num_shared, hidden, dtype)
+    routed_dev, shared_dev = cp.asarray(routed), cp.asarray(shared)
+    counts = np.zeros(epr, np.int64)
+    counts[0] = num_routed
+    header = wire.encode_header(wire.Header(
+        seq=77, src_rank=ffn_rank, layer_idx=5, stage_idx=1, num_tokens=9, routed_tokens=num_routed,
+        shared_tokens=num_shared, top_k=4, flags=0, echo_seq=2**32 + 12, expert_counts=tuple(counts)), epr)
+    header_src = kernels.PinnedInt64(-(-layout.header_words // 2))
+    header_src.int32[:layout.header_words] = header
+    done = cp.zeros(1, cp.uint32)
+    seq = 2**35 + int(rng.integers(1, 1000))
+    base = layout.slot_offset(ffn_rank, ring)
+    kernels.launch_reply(
+        dtype_code=kernels.DTYPE_CODES[dtype], dst_window_ptr=window.data.ptr, slot_offset=base,
+        flags_index=layout.slot_index(ffn_rank, ring), off_header=layout.field_offset("header"),
+        off_routed_x=layout.field_offset("routed_x"), off_shared_x=layout.field_offset("shared_x"),
+        routed_out_ptr=routed_dev.data.ptr if num_routed else 0, num_routed=num_routed,
+        shared_out_ptr=shared_dev.data.ptr if num_shared else 0, num_shared=num_shared,
+        hidden_size=hidden, header_src_ptr=header_src.ptr, hdr_words=layout.header_words, seq=seq,
+        done_counter=done)
+    sync()
+    want = prefill.copy()
+    put(want, layout.slot_index(ffn_rank, ring) * 8, np.int64(seq))
+    put(want, base + layout.field_offset("header"), header)
+    put(want, base + layout.field_offset("routed_x"), routed)
+    put(want, base + layout.field_offset("shared_x"), shared)
+    assert_window_equal(window.get(), want, layout, "reply")
+    assert int(done.get()[0]) == 0
+
+
+# --- dispatch -> FFN identity reply -> combine ---------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_ffn,num_tokens,top_k,has_shared", [(3, 129, 8, 1), (2, 5, 2, 0), (4, 3, 6, 1)])
+def test_round_trip_through_all_kernels(request, dtype, num_ffn, num_tokens, top_k, has_shared):
+    rng = _rng(request)
+    epr = -(-NUM_EXPERTS // num_ffn)
+    ids = skewed_ids(rng, num_tokens, top_k, np.arange(NUM_EXPERTS))
+    d = Dispatch(rng, dtype=dtype, num_ffn=num_ffn, num_tokens=num_tokens, top_k=top_k, hidden=64,
+                 has_shared=has_shared, ids=ids, ring=0)
+    d.run()
+    assert kernels.read_status(d.status.array)["name"] == "OK"
+    layout, args = d.layout, kernels.layout_kernel_args(d.layout)
+    attn_window = cp.asarray(rng.integers(0, 256, layout.window_bytes, dtype=np.uint8))
+    last_seen = attn_window[:layout.num_slots * 8].view(cp.int64).copy()
+    expected = d.expected.get()
+    header_bufs, done = [], cp.zeros(1, cp.uint32)
+    for j in range(num_ffn):
+        if expected[j] == 0:
+            continue
+        ffn_slot = d.layout.slot_offset(d.src_rank, d.ring)
+        got = d.windows[j].get()
+        request_hdr = wire.decode_header(take(got, ffn_slot + args["off_header"], np.int32, args["hdr_words"]), epr)
+        reply = wire.Header(seq=int(rng.integers(1, 2**31)), src_rank=j, layer_idx=request_hdr.layer_idx,
+                            stage_idx=request_hdr.stage_idx, num_tokens=request_hdr.num_tokens,
+                            routed_tokens=request_hdr.routed_tokens, shared_tokens=request_hdr.shared_tokens,
+                            top_k=top_k, flags=0, echo_seq=request_hdr.seq, expert_counts=request_hdr.expert_counts)
+        header_bufs.append(kernels.PinnedInt64(-(-args["hdr_words"] // 2)))
+        header_bufs[-1].int32[:args["hdr_words"]] = wire.encode_header(reply, epr)
+        ffn_base = d.windows[j].data.ptr + ffn_slot
+        kernels.launch_reply(  # identity experts: the routed/shared rows go straight back
+            dtype_code=kernels.DTYPE_CODES[dtype], dst_window_ptr=attn_window.data.ptr,
+            slot_offset=layout.slot_offset(j, d.ring), flags_index=layout.slot_index(j, d.ring),
+            off_header=args["off_header"], off_routed_x=args["off_routed_x"], off_shared_x=args["off_shared_x"],
+            routed_out_ptr=ffn_base + args["off_routed_x"], num_routed=request_hdr.routed_tokens,
+            shared_out_ptr=ffn_base + args["off_shared_x"], num_shared=request_hdr.shared_tokens,
+            hidden_size=d.hidden, header_src_ptr=header_bufs[-1].ptr, hdr_words=args["hdr_words"],
+            seq=int(last_seen[layout.slot_index(j, d.ring)].get()) + 1, done_counter=done)
+    out = cp.full((num_tokens, d.hidden), NAN_WORD[dtype], dtype=RAW[dtype])
+    weights = (rng.random((num_tokens, top_k)) + 0.1).astype(np.float32)
+    status = kernels.PinnedInt64(kernels.STATUS_WORDS)
+    kernels.launch_combine(
+        dtype_code=kernels.DTYPE_CODES[dtype], out_ptr=out.data.ptr, num_tokens=num_tokens,
+        hidden_size=d.hidden, topk_ids=d.topk_ids, topk_weights=cp.asarray(weights.reshape(-1)),
+        pos=d.pos_out, top_k=top_k, expert_per_rank=epr, num_ffn_ranks=num_ffn, has_shared=has_shared,
+        window_ptr=attn_window.data.ptr, flags_bytes=args["flags_bytes"], slot_bytes=args["slot_bytes"],
+        ring_depth=args["ring_depth"], ring=d.ring, off_header=args["off_header"],
+        off_routed_x=args["off_routed_x"], off_shared_x=args["off_shared_x"], hdr_words=args["hdr_words"],
+        expected=d.expected, last_seen=last_seen, timeout_ns=LONG_TIMEOUT_NS, out_scale=1.0,
+        done_counter=cp.zeros(1, cp.uint32), status_ptr=status.ptr)
+    sync()
+    assert kernels.read_status(status.array)["name"] == "OK"
+    hidden_f32 = to_f32(d.hidden_raw, dtype)
+    want = (weights.sum(axis=1, dtype=np.float32) + has_shared)[:, None] * hidden_f32
+    tol = TOLERANCE[dtype]
+    np.testing.assert_allclose(to_f32(out.get(), dtype), to_f32(to_raw(want, dtype), dtype), rtol=tol, atol=tol)
