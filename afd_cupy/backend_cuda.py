@@ -167,8 +167,16 @@ class CudaDataPath:
         weights = topk_weights.to(torch.float32).reshape(-1).contiguous()
         out = torch.empty(num_tokens, layout.hidden_size, dtype=conn.torch_dtype,
                           device=torch.device("cuda", self.device_id))
+        stream = self.stream()
         if conn.poll_mode == "host":
             self._host_wait_replies(state, ring, layer_idx)
+        else:
+            kernels.launch_wait_replies(
+                window_ptr=self.own_window, num_ffn_ranks=conn.topology.num_ffn_ranks,
+                flags_bytes=geo["flags_bytes"], slot_bytes=geo["slot_bytes"],
+                ring_depth=layout.ring_depth, ring=ring, off_header=geo["off_header"],
+                expected=state.expected, last_seen=self.last_seen, timeout_ns=self.timeout_ns,
+                status_ptr=self.status.ptr, stream=stream)
         kernels.launch_combine(
             dtype_code=self.dtype_code, out_ptr=out.data_ptr(), num_tokens=num_tokens,
             hidden_size=layout.hidden_size, topk_ids=self._cupy_view(state.topk_ids),
@@ -180,9 +188,9 @@ class CudaDataPath:
             off_routed_x=geo["off_routed_x"], off_shared_x=geo["off_shared_x"],
             hdr_words=geo["hdr_words"], expected=state.expected, last_seen=self.last_seen,
             timeout_ns=self.timeout_ns, out_scale=out_scale, done_counter=self.combine_done[ring],
-            status_ptr=self.status.ptr, stream=self.stream())
+            status_ptr=self.status.ptr, stream=stream)
         if blocking:
-            self.stream().synchronize()
+            stream.synchronize()
             self.raise_latched(layer_idx=layer_idx)
         return out
 

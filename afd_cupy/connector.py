@@ -102,7 +102,8 @@ class AFDConnector:
         device_id: CUDA device of this process (cuda backend).
         poll_mode: cuda backend only: ``"device"`` (spinning kernels; needs one GPU per
             process or CUDA MPS) or ``"host"`` (flags copied to the host per poll).
-        peer_timeout_s: bound of every wait for a peer (replies, barriers).
+        peer_timeout_s: bound of every wait for a peer's reply.
+        startup_timeout_s: bound of the collective start-up (NVSHMEM bootstrap, heap barriers).
         always_send: Attention side: send a (header-only) message to every FFN rank even when
             it gets no rows. Needed by the lockstep FFN schedule, which waits for every
             replica's layer; off by default (empty messages never create a wait).
@@ -111,7 +112,8 @@ class AFDConnector:
     def __init__(self, model: ModelConfig, topology: TopologyConfig,
                  connector: ConnectorConfig | None = None, *, role: str | Role, role_rank: int,
                  store, job_id: str = "afd", backend: str = "host", device_id: int | None = None,
-                 poll_mode: str = "device", peer_timeout_s: float = 60.0, always_send: bool = False):
+                 poll_mode: str = "device", peer_timeout_s: float = 60.0, always_send: bool = False,
+                 startup_timeout_s: float = 120.0):
         self.model = model
         self.config = connector or ConnectorConfig()
         self.role = Role(role)
@@ -122,6 +124,7 @@ class AFDConnector:
         self.poll_mode = poll_mode
         self.peer_timeout_s = float(peer_timeout_s)
         self.always_send = bool(always_send)
+        self.startup_timeout_s = float(startup_timeout_s)
         self.world_rank = self.topology.world_rank(self.role, role_rank)
         self.layout = WindowLayout.from_configs(model, topology, self.config)
         self.has_shared = model.num_shared_experts > 0
@@ -152,10 +155,10 @@ class AFDConnector:
         world = self.topology.world_size
         if self.backend == "host":
             from afd_cupy.heap.host import HostHeap
-            return HostHeap(self.world_rank, world, store, job_id, timeout_s=self.peer_timeout_s)
+            return HostHeap(self.world_rank, world, store, job_id, timeout_s=self.startup_timeout_s)
         from afd_cupy.heap.nvshmem import NvshmemHeap
         return NvshmemHeap(self.world_rank, world, store, job_id, device_id or 0,
-                           timeout_s=self.peer_timeout_s)
+                           timeout_s=self.startup_timeout_s)
 
     def _make_path(self):
         if self.backend == "host":

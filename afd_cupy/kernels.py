@@ -77,7 +77,7 @@ DB_HEADER = 4
 # Kernels of each file; True marks a template over the payload dtype code.
 FILE_KERNELS = {
     "dispatch.cu": (("afd_dispatch_plan", False), ("afd_dispatch_scatter", True)),
-    "combine.cu": (("afd_combine", True),),
+    "combine.cu": (("afd_wait_replies", False), ("afd_combine", True)),
     "wait_any.cu": (("afd_wait_any", False),),
     "reply.cu": (("afd_reply", True),),
     "wire_constants.cu": (("afd_read_wire_constants", False),),
@@ -482,6 +482,26 @@ def launch_combine(*, dtype_code, out_ptr, num_tokens, hidden_size, topk_ids, to
             _array("done_counter", done_counter, np.uint32, 1), _address("status_ptr", status_ptr))
     kernel = get_kernel("combine.cu", "afd_combine", dtype_code=_dtype(dtype_code))
     _launch(kernel, max(1, min(int(num_tokens), max_blocks)), 256, args, stream)
+
+
+def launch_wait_replies(*, window_ptr, num_ffn_ranks, flags_bytes, slot_bytes, ring_depth, ring,
+                        off_header, expected, last_seen, timeout_ns, status_ptr, stream=None) -> None:
+    """One-block spin until every rank with ``expected[j] != 0`` replied (afd_wait_replies).
+
+    Launch right before :func:`launch_combine` on the same stream with the same arguments:
+    only this kernel spins, so a large combine never holds every SM while it waits. Errors
+    (TIMEOUT, BAD_HEADER, SHUTDOWN, ECHO_MISMATCH) are latched in the status block;
+    ``last_seen`` is read only (the combine updates it).
+    """
+    num_ffn = _count("num_ffn_ranks", num_ffn_ranks, low=1)
+    ring_depth = _count("ring_depth", ring_depth, low=1)
+    args = (_address("window_ptr", window_ptr), num_ffn, _i64("flags_bytes", flags_bytes, low=0),
+            _i64("slot_bytes", slot_bytes, low=0), ring_depth,
+            _count("ring", ring, high=int(ring_depth) - 1), _i64("off_header", off_header, low=0),
+            _array("expected", expected, np.int64, int(num_ffn)),
+            _array("last_seen", last_seen, np.int64, int(num_ffn) * int(ring_depth)),
+            _i64("timeout_ns", timeout_ns, low=0), _address("status_ptr", status_ptr))
+    _launch(get_kernel("combine.cu", "afd_wait_replies"), 1, 32, args, stream)
 
 
 def launch_wait_any(*, window_ptr, num_slots, last_seen, scan_start, off_header, flags_bytes,

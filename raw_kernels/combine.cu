@@ -2,9 +2,10 @@
 //
 //   out[t] = out_scale * ( sum_k w[t,k] * routed_x[region dest(t,k)][pos[t,k]]
 //                          + (has_shared ? shared_x[region t % F][t / F] : 0) )
-// fp32 accumulation in a fixed k order (deterministic, no atomics). Every block waits (thread 0
-// spins, bounded by timeout_ns) before reading; on any error the block writes NaN rows and the
-// first error is latched in the status block.
+// fp32 accumulation in a fixed k order (deterministic, no atomics). afd_wait_replies (one
+// block) spins first; every combine block then re-checks the flags and headers (bounded by
+// timeout_ns, immediate once the wait succeeded) before reading; on any error the block
+// writes NaN rows and the first error is latched in the status block.
 #include "wire.cuh"
 
 using namespace afd;
@@ -60,6 +61,22 @@ __device__ bool wait_replies(afd_u64 window, afd_i32 num_ffn, afd_i64 flags_byte
     }
   }
   return status_code(status) == STATUS_OK;
+}
+
+// One block of 32 threads: only thread 0 spins until every expected reply arrived (bounded
+// by timeout_ns) and validates the headers; errors are latched in the status block.
+// NOTE: the spin lives in its own one-block kernel, launched right before afd_combine on the
+// same stream: if every combine block spun, a combine of >= #SM blocks would hold every SM,
+// and a peer's kernel that needs a whole SM (a large-shared-memory GEMM in another MPS
+// client) could never be scheduled. afd_combine then re-checks without waiting.
+extern "C" __global__ void __launch_bounds__(32)
+afd_wait_replies(afd_u64 window, afd_i32 num_ffn, afd_i64 flags_bytes, afd_i64 slot_bytes,
+                 afd_i32 ring_depth, afd_i32 ring, afd_i64 off_header,
+                 const afd_i64* __restrict__ expected, const afd_i64* __restrict__ last_seen,
+                 afd_i64 timeout_ns, afd_i64* status) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  wait_replies(window, num_ffn, flags_bytes, slot_bytes, ring_depth, ring, off_header, expected,
+               last_seen, timeout_ns, status);
 }
 
 // grid = max(1, min(T, 1024)), block = 256; blocks stride over tokens, threads over hidden.

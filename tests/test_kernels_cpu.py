@@ -119,7 +119,7 @@ def test_cache_key_missing_header_names_it(tmp_path):
 
 
 def test_name_expressions_and_chunks():
-    assert kernels.kernel_name_expressions("combine.cu") == ("afd_combine<0>", "afd_combine<1>", "afd_combine<2>")
+    assert kernels.kernel_name_expressions("combine.cu") == ("afd_wait_replies", "afd_combine<0>", "afd_combine<1>", "afd_combine<2>")
     assert kernels.kernel_name_expressions("dispatch.cu")[0] == "afd_dispatch_plan"
     assert kernels.kernel_name_expressions("wait_any.cu") == ("afd_wait_any",)
     assert [kernels.dispatch_num_chunks(n) for n in (0, 1, 256, 257, 4096 * 8)] == [0, 1, 1, 2, 128]

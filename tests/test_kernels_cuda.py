@@ -378,13 +378,23 @@ class Combine:
             self.new_flags[slot] = flag
             put(self.window_np, slot * 8, np.int64(flag))
 
-    def run(self, *, timeout_ns=LONG_TIMEOUT_NS, out_scale=1.0):
+    def run(self, *, timeout_ns=LONG_TIMEOUT_NS, out_scale=1.0, wait_kernel=True):
+        """Launch afd_wait_replies (as the connector does; optional) then afd_combine."""
         args = kernels.layout_kernel_args(self.layout)
         self.window = cp.asarray(self.window_np)
         self.last_seen = cp.asarray(self.last_seen_before)
         kernels.get_kernel("combine.cu", "afd_combine", dtype_code=kernels.DTYPE_CODES[self.dtype])  # compile
+        kernels.get_kernel("combine.cu", "afd_wait_replies")
+        expected = cp.asarray(self.expected)
         sync()
         start = time.perf_counter()
+        if wait_kernel:
+            kernels.launch_wait_replies(
+                window_ptr=self.window.data.ptr, num_ffn_ranks=self.num_ffn,
+                flags_bytes=args["flags_bytes"], slot_bytes=args["slot_bytes"],
+                ring_depth=args["ring_depth"], ring=self.ring, off_header=args["off_header"],
+                expected=expected, last_seen=self.last_seen, timeout_ns=timeout_ns,
+                status_ptr=self.status.ptr)
         kernels.launch_combine(
             dtype_code=kernels.DTYPE_CODES[self.dtype], out_ptr=self.out.data.ptr,
             num_tokens=self.num_tokens, hidden_size=self.hidden, topk_ids=cp.asarray(self.ids.reshape(-1)),
@@ -394,7 +404,7 @@ class Combine:
             flags_bytes=args["flags_bytes"], slot_bytes=args["slot_bytes"],
             ring_depth=args["ring_depth"], ring=self.ring, off_header=args["off_header"],
             off_routed_x=args["off_routed_x"], off_shared_x=args["off_shared_x"],
-            hdr_words=args["hdr_words"], expected=cp.asarray(self.expected), last_seen=self.last_seen,
+            hdr_words=args["hdr_words"], expected=expected, last_seen=self.last_seen,
             timeout_ns=timeout_ns, out_scale=out_scale, done_counter=self.done, status_ptr=self.status.ptr)
         sync()
         return time.perf_counter() - start
@@ -418,9 +428,10 @@ COMBINE_CASES = [  # num_ffn, num_tokens, top_k, has_shared, hidden, out_scale
     (4, 2, 1, 1, 40, 1.0)]
 
 
+@pytest.mark.parametrize("wait_kernel", [True, False], ids=["wait+combine", "combine-alone"])
 @pytest.mark.parametrize("case", COMBINE_CASES, ids=[str(c) for c in COMBINE_CASES])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_combine_matches_reference(request, dtype, case):
+def test_combine_matches_reference(request, dtype, case, wait_kernel):
     num_ffn, num_tokens, top_k, has_shared, hidden, out_scale = case
     rng = _rng(request)
     epr = -(-NUM_EXPERTS // num_ffn)
@@ -431,7 +442,7 @@ def test_combine_matches_reference(request, dtype, case):
     for j in range(num_ffn):
         if c.non_empty(j):
             c.write_reply(j)
-    c.run(out_scale=out_scale)
+    c.run(out_scale=out_scale, wait_kernel=wait_kernel)
 
     assert kernels.read_status(c.status.array)["name"] == "OK"
     got = to_f32(c.out.get()[:num_tokens], dtype)
@@ -453,12 +464,13 @@ def _two_rank_combine(request, dtype="bfloat16"):
     return Combine(rng, dtype=dtype, num_ffn=2, num_tokens=7, top_k=2, hidden=64, has_shared=1, ids=ids, ring=1)
 
 
-def test_combine_timeout_names_peer_and_writes_nan(request):
+@pytest.mark.parametrize("wait_kernel", [True, False], ids=["wait+combine", "combine-alone"])
+def test_combine_timeout_names_peer_and_writes_nan(request, wait_kernel):
     c = _two_rank_combine(request)
     c.write_reply(0)
     c.write_reply(1, arrive=False)  # payload there, flag never changes
     timeout_s = 0.05
-    elapsed = c.run(timeout_ns=int(timeout_s * 1e9))
+    elapsed = c.run(timeout_ns=int(timeout_s * 1e9), wait_kernel=wait_kernel)
     status = kernels.read_status(c.status.array)
     slot = c.layout.slot_index(1, c.ring)
     assert status == {"code": kernels.STATUS_TIMEOUT, "name": "TIMEOUT", "peer": 1, "slot": slot,

@@ -21,8 +21,12 @@ stop_mps() { echo quit | nvidia-cuda-mps-control >/dev/null 2>&1 || true; }
 trap stop_mps EXIT
 
 declare -A RESULT
+restart_mps() {  # a client killed mid-kernel can leave the server refusing new clients
+  stop_mps; sleep 1; nvidia-cuda-mps-control -d || echo "MPS failed to restart"
+}
 run_step() {  # name, timeout, command...
   local name=$1 limit=$2; shift 2
+  restart_mps
   local start=$(date +%s)
   timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?

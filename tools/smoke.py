@@ -62,7 +62,8 @@ def main(argv=None) -> int:
                         routed_scaling_factor=2.5, num_layers=args.layers)
     scenario = Scenario(model, num_attn, num_ffn, backend=backend, poll_mode=args.poll_mode,
                         num_tokens=args.tokens)
-    print(f"afd_cupy smoke: {num_attn}A{num_ffn}F backend={backend} poll={args.poll_mode} "
+    poll = f" poll={args.poll_mode}" if backend == "cuda" else ""
+    print(f"afd_cupy smoke: {num_attn}A{num_ffn}F backend={backend}{poll} "
           f"layers={args.layers} tokens={args.tokens} hidden={args.hidden} experts={args.experts} "
           f"top_k={args.top_k} dtype={args.dtype}", flush=True)
     start = time.perf_counter()
