@@ -1,16 +1,31 @@
-"""The self-driven FFN loop (DESIGN §6, FFN side).
+"""The self-driven FFN loop (DESIGN §6, FFN side), with two schedules.
 
-The worker pulls work items as they arrive, from any Attention replica and any layer, runs
-the local experts on the already routed and grouped rows (no re-routing: a top-1 grouped
-GEMM), the shared experts on the shared rows, applies ``routed_scaling_factor`` and writes
-the results back. No per-step device synchronization: ordering rides on the stream.
+- ``schedule="async"`` (the default, the point of the library): the worker pulls work items as
+  they arrive, from any Attention replica and any layer, and answers each one on its own.
+- ``schedule="lockstep"``: the synchronous connector's schedule, kept as a baseline. Layer L
+  (of micro-batch stage s) is served only once EVERY Attention replica has sent it; the items
+  are computed as ONE batch and all replicas get their results together, so a fast replica
+  waits for the slow one. Same kernels, same wire; only the schedule differs.
+
+Either way the worker runs the local experts on the already routed and grouped rows (no
+re-routing: a grouped GEMM), the shared experts on the shared rows, applies
+``routed_scaling_factor`` and writes the results back. No per-step device synchronization:
+ordering rides on the stream.
+
+NOTE (lockstep): every replica must send every layer to every FFN rank, even when it has no
+rows for it, or the worker waits for a message that never comes (until the Attention side's
+peer timeout). Build the Attention-side connectors with ``AFDConnector(..., always_send=True)``.
+The FFN side cannot check this: it only sees what arrives.
 """
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from afd_cupy import moe
@@ -19,9 +34,89 @@ from afd_cupy.errors import ConnectorShutdown
 
 logger = logging.getLogger("afd_cupy")
 
+SCHEDULES = ("async", "lockstep")
+
 #: (item) -> (routed_out [routed_tokens, H], shared_out [shared_tokens, H] or None)
 ExpertFn = Callable[[FFNWorkItem], "tuple[torch.Tensor, torch.Tensor | None]"]
 
+
+# --------------------------------------------------------------------------- batch merge/split
+
+@dataclass(frozen=True)
+class MergedBatch:
+    """Work items of one (layer, stage) merged into one expert-grouped batch.
+
+    - ``routed_x``: [num_routed, H] item dtype/device: for each local expert e, the rows of
+      item 0's group e, then item 1's group e, ... (what ``moe.grouped_mlp`` reads).
+    - ``group_counts_host``: rows per local expert of the merged batch (sum of the items').
+    - ``order``: int64 [num_routed] on the items' device: merged row j is row ``order[j]`` of
+      the items' routed rows concatenated in item order (each item in its own wire order).
+    - ``routed_sizes`` / ``shared_sizes``: rows of each item.
+    - ``shared_x``: [num_shared, H] the items' shared rows concatenated, or None if none.
+    """
+
+    routed_x: torch.Tensor
+    group_counts_host: list
+    order: torch.Tensor
+    routed_sizes: list
+    shared_x: torch.Tensor | None
+    shared_sizes: list
+
+
+def merge_order(counts: np.ndarray) -> np.ndarray:
+    """counts: int [num_items, num_experts] rows per (item, local expert) -> int64 [sum]:
+    position, in the items' rows concatenated in item order, of each merged row (expert-major,
+    then item). Pure host arithmetic on header counts: no device access."""
+    counts = np.asarray(counts, np.int64)
+    item_rows = counts.sum(axis=1)
+    item_start = np.concatenate(([0], np.cumsum(item_rows)[:-1]))
+    group_start = np.cumsum(counts, axis=1) - counts  # start of group e inside its item
+    seg_src = (item_start[:, None] + group_start).T.ravel()  # segments in (expert, item) order
+    seg_len = counts.T.ravel()
+    seg_dst = np.cumsum(seg_len) - seg_len
+    total = int(seg_len.sum())
+    return np.repeat(seg_src - seg_dst, seg_len) + np.arange(total, dtype=np.int64)
+
+
+def merge_items(items: Sequence[FFNWorkItem]) -> MergedBatch:
+    """Merge the routed and shared rows of ``items`` (same layer; same dtype and device).
+
+    Two device copies at most (concatenate, then one ``index_select`` into expert-major
+    order); the gather index is built on the host from the headers' counts and copied to
+    the device without a synchronization.
+    """
+    counts = np.array([item.group_list_host for item in items], np.int64).reshape(len(items), -1)
+    routed_sizes = [int(item.routed_x.shape[0]) for item in items]
+    first = items[0].routed_x
+    order_host = torch.from_numpy(merge_order(counts))
+    order = order_host.to(first.device, non_blocking=True)
+    concatenated = torch.cat([item.routed_x for item in items]) if sum(routed_sizes) else first[:0]
+    routed_x = concatenated.index_select(0, order) if sum(routed_sizes) else concatenated
+    shared_parts = [item.shared_x for item in items if item.shared_x is not None]
+    shared_sizes = [0 if item.shared_x is None else int(item.shared_x.shape[0]) for item in items]
+    shared_x = torch.cat(shared_parts) if shared_parts else None
+    return MergedBatch(routed_x=routed_x, group_counts_host=[int(c) for c in counts.sum(axis=0)],
+                       order=order, routed_sizes=routed_sizes, shared_x=shared_x,
+                       shared_sizes=shared_sizes)
+
+
+def split_outputs(batch: MergedBatch, routed_out: torch.Tensor, shared_out: torch.Tensor | None):
+    """Inverse of :func:`merge_items` for the outputs: a list, per item, of
+    ``(routed_out [routed_sizes[i], H] in the item's wire order, shared_out [shared_sizes[i], H]
+    or None when the item had no shared rows)``. Views of two new tensors."""
+    wire_order = torch.empty_like(routed_out)
+    if routed_out.shape[0]:
+        wire_order.index_copy_(0, batch.order, routed_out)
+    routed_parts = torch.split(wire_order, batch.routed_sizes)
+    if shared_out is None:
+        shared_parts = [None] * len(batch.shared_sizes)
+    else:
+        shared_parts = list(torch.split(shared_out, batch.shared_sizes))
+    return [(routed, shared if size else None)
+            for routed, shared, size in zip(routed_parts, shared_parts, batch.shared_sizes)]
+
+
+# --------------------------------------------------------------------------- the worker
 
 class FFNWorker:
     """Serve work items of ``connector`` (an FFN-side connector).
@@ -29,17 +124,33 @@ class FFNWorker:
     Either pass ``experts`` (this rank's local ``moe.ExpertWeights``, or a sequence of them
     indexed by layer) and optionally ``shared`` (fused shared-expert weights, or a sequence
     per layer), or a custom ``expert_fn`` (e.g. identity experts in benchmarks).
+
+    ``schedule``: ``"async"`` (serve each item as it arrives) or ``"lockstep"`` (serve a
+    (layer, stage) once every Attention rank sent it, as one batch; see the module doc: the
+    Attention side must be built with ``always_send=True``). In lockstep the batch runs one
+    grouped GEMM over all items' rows with the worker's own experts; a custom ``expert_fn``
+    (given here or assigned to ``self.expert_fn`` later) is called per item instead, still on
+    the lockstep schedule.
+
+    Counters: ``num_served`` (items answered) and ``num_batches`` (compute batches: one per
+    item under async, one per (layer, stage) under lockstep).
     """
 
     def __init__(self, connector: AFDConnector, experts=None, shared=None, *,
-                 expert_fn: ExpertFn | None = None):
+                 expert_fn: ExpertFn | None = None, schedule: str = "async"):
         if (experts is None) == (expert_fn is None):
             raise ValueError("pass exactly one of experts= or expert_fn=")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         self.connector = connector
         self.experts = experts
         self.shared = shared
         self.expert_fn = expert_fn or self._moe_outputs
+        self.schedule = schedule
         self.num_served = 0
+        self.num_batches = 0
+        # lockstep: (layer_idx, stage_idx) -> {attention rank: items not yet served, oldest first}
+        self._waiting: dict[tuple[int, int], dict[int, deque]] = {}
 
     @staticmethod
     def _for_layer(weights, layer_idx: int):
@@ -53,25 +164,58 @@ class FFNWorker:
         experts = self._for_layer(self.experts, item.layer_idx)
         routed = moe.grouped_mlp(item.routed_x, item.group_list, experts,
                                  group_counts_host=list(item.group_list_host))
+        return self._finish(routed, item.shared_x, item.layer_idx)
+
+    def _finish(self, routed: torch.Tensor, shared_x: torch.Tensor | None, layer_idx: int):
+        """Shared experts on ``shared_x`` (if any) and the routed-scaling rule."""
         shared = None
-        if item.shared_x is not None:
-            shared_weights = self._for_layer(self.shared, item.layer_idx)
+        if shared_x is not None:
+            shared_weights = self._for_layer(self.shared, layer_idx)
             if shared_weights is None:
                 raise ValueError("work item carries shared rows but the worker has no shared experts")
-            shared = moe.shared_mlp(item.shared_x, shared_weights)
+            shared = moe.shared_mlp(shared_x, shared_weights)
         return moe.apply_routed_scaling(routed, shared, self.connector.model.routed_scaling_factor)
+
+    def _merged_outputs(self, items: list[FFNWorkItem]) -> list:
+        """One grouped GEMM (and one shared MLP) over all ``items``; outputs per item."""
+        batch = merge_items(items)
+        experts = self._for_layer(self.experts, items[0].layer_idx)
+        counts = batch.group_counts_host
+        routed = moe.grouped_mlp(batch.routed_x, torch.tensor(counts, dtype=torch.int32), experts,
+                                 group_counts_host=counts)
+        routed, shared = self._finish(routed, batch.shared_x, items[0].layer_idx)
+        return split_outputs(batch, routed, shared)
+
+    @property
+    def _uses_own_experts(self) -> bool:
+        return self.expert_fn == self._moe_outputs
 
     def serve(self, item: FFNWorkItem) -> None:
         """Compute one item and send its outputs back."""
         routed, shared = self.expert_fn(item)
         self.connector.send_ffn_work_item_output(item, routed, shared)
         self.num_served += 1
+        self.num_batches += 1
+
+    def serve_batch(self, items: list[FFNWorkItem]) -> None:
+        """Compute the items of one (layer, stage) together and answer all of them."""
+        if len(items) == 1 or not self._uses_own_experts:
+            outputs = [self.expert_fn(item) for item in items]
+        else:
+            outputs = self._merged_outputs(items)
+        for item, (routed, shared) in zip(items, outputs):
+            self.connector.send_ffn_work_item_output(item, routed, shared)
+        self.num_served += len(items)
+        self.num_batches += 1
 
     def step(self, timeout_ms: int | None = None) -> int:
-        """Drain up to ``num_layers`` items; return early on a poll timeout. Items served.
+        """Receive up to ``num_layers`` items (``num_layers * num_attn_ranks`` in lockstep)
+        and serve what the schedule allows; return early on a poll timeout. Items served.
 
         Raises ConnectorShutdown when every Attention rank announced shutdown.
         """
+        if self.schedule == "lockstep":
+            return self._step_lockstep(timeout_ms)
         served = 0
         for _ in range(self.connector.model.num_layers):
             item = self.connector.recv_ffn_work_item(timeout_ms)
@@ -80,6 +224,39 @@ class FFNWorker:
             self.serve(item)
             served += 1
         return served
+
+    def _step_lockstep(self, timeout_ms: int | None) -> int:
+        served = 0
+        num_attn = self.connector.topology.num_attn_ranks
+        for _ in range(self.connector.model.num_layers * num_attn):
+            item = self.connector.recv_ffn_work_item(timeout_ms)
+            if item is None:
+                break
+            batch = self._hold(item, num_attn)
+            if batch:
+                self.serve_batch(batch)
+                served += len(batch)
+        return served
+
+    def _hold(self, item: FFNWorkItem, num_attn: int) -> list[FFNWorkItem]:
+        """Buffer ``item``; return the batch it completes (one item per Attention rank, by
+        rank), or [] while some rank has not sent this (layer, stage) yet."""
+        key = (item.layer_idx, item.stage_idx)
+        by_rank = self._waiting.setdefault(key, {})
+        by_rank.setdefault(item.src_rank, deque()).append(item)
+        if len(by_rank) < num_attn:
+            return []
+        batch = [by_rank[rank].popleft() for rank in sorted(by_rank)]
+        for rank in [rank for rank, queue in by_rank.items() if not queue]:
+            del by_rank[rank]
+        if not by_rank:
+            del self._waiting[key]
+        return batch
+
+    @property
+    def num_waiting(self) -> int:
+        """Items received but not yet served (lockstep buffer)."""
+        return sum(len(queue) for by_rank in self._waiting.values() for queue in by_rank.values())
 
     def run(self, stop_event: threading.Event | None = None, timeout_ms: int | None = None) -> int:
         """Serve until every Attention rank announced shutdown or ``stop_event`` is set.
@@ -92,4 +269,38 @@ class FFNWorker:
         except ConnectorShutdown:
             logger.info("afd_cupy ffn rank %d: shutdown after %d items",
                         self.connector.role_rank, self.num_served)
+            self._warn_unserved()
         return self.num_served
+
+    def _warn_unserved(self) -> None:
+        if not self._waiting:
+            return
+        held = {f"layer {layer} stage {stage}": {rank: len(queue) for rank, queue in by_rank.items()}
+                for (layer, stage), by_rank in sorted(self._waiting.items())}
+        logger.warning("afd_cupy ffn rank %d: shutdown with %d lockstep items never served "
+                       "(protocol violation: some Attention rank skipped a layer; was it built "
+                       "with always_send=True?); held per (layer, stage) by rank: %s",
+                       self.connector.role_rank, self.num_waiting, held)
+
+
+def attention_connector_kwargs(schedule: str) -> dict:
+    """Extra ``AFDConnector`` keyword arguments an Attention rank needs to talk to FFN workers
+    running ``schedule``: ``{"always_send": True}`` for lockstep (every FFN rank gets every
+    layer, empty or not), ``{}`` otherwise.
+
+    NOTE: returns ``{}`` when the installed ``AFDConnector`` has no ``always_send`` argument
+    (older trees); lockstep then relies on every replica having rows (routed or shared) for
+    every FFN rank at every layer, which holds when num_tokens >= num_ffn_ranks and the model
+    has shared experts (shared rows are split round-robin over all FFN ranks).
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if schedule != "lockstep":
+        return {}
+    import inspect
+
+    if "always_send" not in inspect.signature(AFDConnector.__init__).parameters:
+        logger.warning("afd_cupy: AFDConnector has no always_send argument; lockstep needs every "
+                       "replica to send every layer to every FFN rank")
+        return {}
+    return {"always_send": True}

@@ -1,0 +1,57 @@
+"""The benchmark tools keep working: each runs with ``--quick --backend host`` (its tiniest
+size) as a subprocess into a temporary folder; exit code, JSON keys and the printed summary
+are checked. Numbers are not checked: benchmarks are tools, not tests."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run_tool(name: str, out_dir: Path, *extra: str) -> str:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), AFD_BACKEND="host")
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / name), "--quick", "--backend", "host",
+                           "--out", str(out_dir), *extra],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=80)
+    assert proc.returncode == 0, f"{name} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+@pytest.mark.timeout(90)
+def test_bench_transport_quick_host(tmp_path):
+    stdout = _run_tool("bench_transport.py", tmp_path, "--tokens", "1", "4", "--prefill-tokens", "32")
+    report = json.loads((tmp_path / "bench_transport.json").read_text())
+    for key in ("tool", "backend", "label", "run", "decode", "prefill", "targets", "timing", "rfc_baseline"):
+        assert key in report, key
+    assert report["backend"] == "host" and "HOST BACKEND" in report["label"]
+    assert [row["tokens"] for row in report["decode"]] == [1, 4]
+    for row in report["decode"]:
+        assert row["iters"] >= 200 and row["rt_median_us"] > 0 and row["rt_p99_us"] >= row["rt_median_us"]
+    (prefill,) = report["prefill"]
+    for key in ("dispatch_ms", "combine_ms", "copy_ms", "rfc_dispatch_ms", "rfc_combine_ms",
+                "dispatch_GBps", "pair_vs_copy", "speedup_vs_rfc", "bytes"):
+        assert prefill[key] > 0, key
+    assert {t["status"] for t in report["targets"]} <= {"PASS", "MISS", "NOT MEASURED"}
+    assert "bench_transport summary" in stdout and "(c) targets" in stdout
+    assert stdout.rstrip().splitlines()[-1].startswith("dispatch+combine vs plain copy")  # table last
+
+
+@pytest.mark.timeout(90)
+def test_bench_afd_quick_host(tmp_path):
+    stdout = _run_tool("bench_afd.py", tmp_path, "--duration", "0.5")
+    report = json.loads((tmp_path / "bench_afd.json").read_text())
+    for key in ("tool", "backend", "label", "run", "model", "topology", "mps", "workloads",
+                "results", "ratios", "targets"):
+        assert key in report, key
+    assert {(r["workload"], r["schedule"]) for r in report["results"]} == {
+        (w, s) for w in ("uniform", "skewed") for s in ("async", "lockstep")}
+    for row in report["results"]:
+        assert row["tokens_per_s"] > 0 and len(row["replicas"]) == 2
+        if row["schedule"] == "lockstep":  # same number of batches for every replica
+            assert len({rep["batches"] for rep in row["replicas"]}) == 1, row
+    assert set(report["ratios"]) == {"uniform", "skewed"}
+    assert "bench_afd summary" in stdout and "async / lockstep" in stdout

@@ -1,0 +1,254 @@
+"""Helpers shared by the benchmark tools (``tools/bench_*.py``): backend detection, the
+progress bar, timing, statistics, launch environment, JSON/PNG output and the summary table.
+
+Nothing here starts a process or touches a GPU at import time.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+from afd_cupy import env
+
+#: NVSHMEM's default symmetric heap per PE; windows above it need NVSHMEM_SYMMETRIC_SIZE
+NVSHMEM_DEFAULT_HEAP = 1 << 30
+_HEAP_SLACK = 512 << 20  # NVSHMEM's own symmetric objects next to our window
+
+
+def detect_backend() -> str:
+    """``AFD_BACKEND`` if set, else ``cuda`` when a GPU with CuPy and NVSHMEM is present."""
+    override = env.backend_override()
+    if override:
+        return override
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() == 0:
+            return "host"
+        from afd_cupy.heap.nvshmem import find_library
+
+        return "cuda" if find_library() else "host"
+    except Exception:  # noqa: BLE001 - no cupy, no driver: the host backend
+        return "host"
+
+
+def num_visible_gpus() -> int:
+    """Visible GPUs without creating a CUDA context in this (parent) process."""
+    try:
+        import torch
+
+        return int(torch.cuda.device_count())
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def progress(items: Sequence, desc: str, describe: Callable[[object], str] = str) -> Iterable:
+    """Iterate ``items`` with a tqdm bar when tqdm is importable, else a plain counter."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = None
+    if tqdm is not None:
+        bar = tqdm(items, desc=desc, unit="run", dynamic_ncols=True)
+        for item in bar:
+            bar.set_postfix_str(describe(item))
+            yield item
+        return
+    for index, item in enumerate(items, 1):
+        print(f"[{desc} {index}/{len(items)}] {describe(item)}", flush=True)
+        yield item
+
+
+def launch_env(backend: str, world_size: int, window_bytes: int, *,
+               mps_percentage: int | None = None) -> dict:
+    """Environment for the launched ranks.
+
+    cuda: ``NVSHMEM_SYMMETRIC_SIZE`` large enough for the window (NVSHMEM's default heap is
+    1 GiB per PE), ``NVSHMEM_DISABLE_NCCL=1``, and ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` when
+    ``mps_percentage`` is given (several processes on one GPU under MPS).
+    """
+    if backend != "cuda":
+        return {}
+    heap = max(NVSHMEM_DEFAULT_HEAP, window_bytes + _HEAP_SLACK)
+    child_env = {"NVSHMEM_SYMMETRIC_SIZE": str(heap), "NVSHMEM_DISABLE_NCCL": "1"}
+    if mps_percentage is not None:
+        child_env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(int(mps_percentage))
+    return child_env
+
+
+def set_device(backend: str, ctx):
+    """torch device of a launched rank (sets the current CUDA device on the cuda backend)."""
+    import torch
+
+    if backend != "cuda":
+        torch.set_num_threads(1)  # every rank is its own process: no oversubscription
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("cuda backend requested but torch sees no CUDA device")
+    device_id = ctx.device_id or 0
+    torch.cuda.set_device(device_id)
+    return torch.device("cuda", device_id)
+
+
+def device_name(device) -> str:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+class Stopwatch:
+    """Marks on the device's timeline: CUDA events on cuda (device time of the current
+    stream), ``perf_counter`` on the CPU. ``elapsed_ms`` synchronizes on the end mark."""
+
+    def __init__(self, device):
+        self.is_cuda = device.type == "cuda"
+
+    def mark(self):
+        if not self.is_cuda:
+            return time.perf_counter()
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def elapsed_ms(self, start, end) -> float:
+        if not self.is_cuda:
+            return (end - start) * 1e3
+        end.synchronize()
+        return float(start.elapsed_time(end))
+
+    def sync(self) -> None:
+        if self.is_cuda:
+            import torch
+
+            torch.cuda.synchronize()
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def commit() -> str:
+    """``AFD_COMMIT`` if set, else ``git rev-parse --short HEAD`` of this checkout."""
+    if os.environ.get("AFD_COMMIT"):
+        return os.environ["AFD_COMMIT"]
+    try:
+        root = Path(__file__).resolve().parent.parent
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, check=True,
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip()
+    except Exception:  # noqa: BLE001 - no git on the machine: still write the report
+        return "unknown"
+
+
+def run_info(backend: str) -> dict:
+    """Who, where and what ran (goes into every JSON report)."""
+    import torch
+
+    info = {"commit": commit(), "host": socket.gethostname(), "backend": backend,
+            "python": platform.python_version(), "torch": torch.__version__,
+            "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    try:
+        import cupy
+
+        info["cupy"] = cupy.__version__
+    except Exception:  # noqa: BLE001
+        info["cupy"] = None
+    return info
+
+
+def write_json(out_dir: Path, name: str, report: dict) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / name
+    path.write_text(json.dumps(report, indent=2, default=_json_default) + "\n")
+    return path
+
+
+def _json_default(value):
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)
+
+
+def save_plot(out_dir: Path, name: str, draw: Callable) -> Path | None:
+    """Call ``draw(plt)`` and save the current figure as ``out_dir/name``; None (with a
+    message) when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib not installed: plot {name} skipped")
+        return None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / name
+    draw(plt)
+    plt.tight_layout()
+    plt.savefig(path, dpi=120)
+    plt.close("all")
+    return path
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
+    """A plain fixed-width table (floats with 3 significant digits, NaN as '-')."""
+    cells = [[_cell(value) for value in row] for row in rows]
+    widths = [max([len(h)] + [len(row[i]) for row in cells]) for i, h in enumerate(headers)]
+    is_text = [bool(rows) and all(isinstance(row[i], str) for row in rows) for i in range(len(headers))]
+
+    def justify(text, width, left):
+        return text.ljust(width) if left else text.rjust(width)
+
+    line = "  ".join(justify(h, w, t) for h, w, t in zip(headers, widths, is_text)).rstrip()
+    out = [line, "-" * len(line)]
+    out += ["  ".join(justify(c, w, t) for c, w, t in zip(row, widths, is_text)).rstrip() for row in cells]
+    return "\n".join(out)
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "-"
+        if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-2):
+            return f"{value:.3g}"
+        return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+    return str(value)
+
+
+def target_row(name: str, target: str, measured: float | None, unit: str,
+               passed: Callable[[float], bool], note: str = "") -> dict:
+    """One DESIGN §10 target next to its measurement: PASS / MISS, or NOT MEASURED.
+    Reported, never asserted."""
+    if measured is None or (isinstance(measured, float) and math.isnan(measured)):
+        status = "NOT MEASURED"
+    else:
+        status = "PASS" if passed(measured) else "MISS"
+    return {"name": name, "target": target, "measured": measured, "unit": unit,
+            "status": status, "note": note}
+
+
+def targets_table(targets: Sequence[dict]) -> str:
+    rows = [(t["name"], t["target"], t["measured"], t["unit"], t["status"], t["note"]) for t in targets]
+    return format_table(("target (DESIGN §10)", "goal", "measured", "unit", "status", "note"), rows)

@@ -1,0 +1,521 @@
+#!/usr/bin/env python3
+"""Transport benchmark of the AFD connector: decode-size round trip and prefill-size bandwidth.
+
+1 Attention rank + F FFN ranks as processes (``afd_cupy.launch``); the FFN ranks run
+``FFNWorker(conn, expert_fn=identity)`` (they reply the rows they received, unchanged), so
+only the transport is measured. One launch per (hidden, top-k, F); every token count of that
+shape runs inside it.
+
+(a) decode round trip (Attention side): host wall time from ``send_attn_output`` until
+    ``recv_ffn_output(blocking=True)`` returns (dispatch + FFN detect/identity/reply + wait
+    + combine), median and p99 over the iterations after warm-up; and the pipelined variant:
+    N layers of send + ``recv_ffn_output(blocking=False)``, one synchronization at the end,
+    wall time / N.
+(b) prefill bandwidth (Attention side, device time via CUDA events on the connector's stream):
+    - dispatch: from before ``send_attn_output`` to the completion of its kernels (rows,
+      route tables, shared rows, headers and flags written into the F peer windows);
+    - combine: the host first waits (by reading the flags) until every FFN reply has landed,
+      then only ``recv_ffn_output`` is timed: the wait finds the flags set, so this is the
+      fp32 weighted gather of the reply rows out of the own window;
+    - round trip: send + recv back to back, FFN identity reply included;
+    - bytes = routed rows (tokens * top_k * hidden * 2) + shared rows (tokens * hidden * 2);
+    - baseline 1: ``copy_`` of a buffer of the same bytes on the same device;
+    - baseline 2 (RFC path): an in-process torch-ops equivalent of the reference connector's
+      steps on the same bytes: stable argsort of the flat topk_ids, bincount, counts to the
+      host (``.cpu()``), per-peer ``index_select`` + ``copy_`` into F window-sized buffers,
+      header H2D copy and flag write; combine = host polling of the F flags (``.item()``),
+      cat of the reply rows and an fp32 ``index_add_`` of the weighted rows + shared rows.
+(c) the DESIGN §10 targets next to the numbers, PASS/MISS (reported, never asserted).
+
+On the host backend everything is numpy/shared memory at a tiny size: the numbers measure the
+host protocol (and are labelled so), not a GPU transport; times are wall times.
+
+    python3 tools/bench_transport.py --quick --out OUT     # GPU (< 4 min on one H200, MPS)
+    python3 tools/bench_transport.py --quick --backend host
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_common as bc  # noqa: E402
+from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig  # noqa: E402
+from afd_cupy.launch import launch  # noqa: E402
+from afd_cupy.wire import window_size_hint  # noqa: E402
+
+#: DeepSeek-like expert counts per top-k (V2/V2-Lite: 64 experts top-6, V3: 256 top-8)
+EXPERTS_FOR_TOPK = {6: 64, 8: 256}
+IDENTITY_CHECK_TOL = 2e-2  # out must equal 2 * hidden (sum of renormalized weights + shared)
+RFC_LABEL = ("in-process torch-ops equivalent of the reference (RFC) connector: stable argsort + "
+             "bincount + counts .cpu() + per-peer index_select/copy_ (+ header H2D, flag write) "
+             "into F window-sized buffers on the same device; combine = .item() polling of the F "
+             "flags + cat + fp32 index_add_ of weighted rows and shared rows. Same bytes, no 2nd process.")
+HOST_LABEL = ("HOST BACKEND at a tiny size: measures the host protocol (POSIX shm + numpy/numba, "
+              "wall times), not a GPU transport")
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """One launch: a (hidden, top-k, F) shape and the token counts measured with it."""
+
+    backend: str
+    poll_mode: str
+    hidden: int
+    top_k: int
+    num_ffn: int
+    decode_tokens: tuple
+    prefill_tokens: tuple
+    iters: int
+    warmup: int
+    pipeline_layers: int
+    prefill_iters: int
+    prefill_warmup: int
+    peer_timeout_s: float = 60.0
+
+    @property
+    def num_experts(self) -> int:
+        return EXPERTS_FOR_TOPK.get(self.top_k, 32 * self.top_k)
+
+    def model(self) -> ModelConfig:
+        max_tokens = max(self.decode_tokens + self.prefill_tokens)
+        return ModelConfig(hidden_size=self.hidden, num_experts=self.num_experts, top_k=self.top_k,
+                           moe_intermediate_size=128, num_shared_experts=1, dtype="bfloat16",
+                           max_num_batched_tokens=max_tokens, num_layers=1)
+
+    def describe(self) -> str:
+        return (f"hidden={self.hidden} top-{self.top_k} F={self.num_ffn} decode={list(self.decode_tokens)}"
+                f" prefill={list(self.prefill_tokens)}")
+
+
+# --------------------------------------------------------------------------- ranks
+
+def _identity_experts(item):
+    """FFN 'experts' that reply the received rows unchanged (transport only)."""
+    return item.routed_x, item.shared_x
+
+
+def _rank(ctx, group: Group) -> dict:
+    from afd_cupy.connector import AFDConnector
+    from afd_cupy.ffn_worker import FFNWorker
+
+    device = bc.set_device(group.backend, ctx)
+    role, role_rank = ("attention", 0) if ctx.rank == 0 else ("ffn", ctx.rank - 1)
+    conn = AFDConnector(group.model(), TopologyConfig(1, group.num_ffn), ConnectorConfig(),
+                        role=role, role_rank=role_rank, store=ctx.store(), job_id=ctx.job_id,
+                        backend=group.backend, device_id=ctx.device_id, poll_mode=group.poll_mode,
+                        peer_timeout_s=group.peer_timeout_s)
+    try:
+        if role == "ffn":
+            worker = FFNWorker(conn, expert_fn=_identity_experts)
+            worker.run()
+            return {"role": "ffn", "served": worker.num_served}
+        try:
+            return _attention(conn, group, device)
+        finally:
+            conn.announce_shutdown()
+    finally:
+        conn.close()
+
+
+def _attention(conn, group: Group, device) -> dict:
+    watch = bc.Stopwatch(device)
+    decode = [_decode_point(conn, group, tokens, device, watch) for tokens in group.decode_tokens]
+    prefill = [_prefill_point(conn, group, tokens, device, watch) for tokens in group.prefill_tokens]
+    return {"role": "attention", "device": bc.device_name(device), "decode": decode, "prefill": prefill}
+
+
+def _inputs(conn, num_tokens: int, device, seed: int):
+    """(hidden bf16 [T, H], topk_ids int32 [T, K], topk_weights fp32 [T, K]) on ``device``."""
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    hidden = torch.randn(num_tokens, conn.model.hidden_size, device=device, generator=gen).to(torch.bfloat16)
+    logits = torch.randn(num_tokens, conn.model.num_experts, device=device, generator=gen)
+    weights, ids = conn.select_experts(logits)
+    return hidden, ids, weights
+
+
+def _check_identity(out, hidden, what: str) -> None:
+    """Identity experts + one shared row per token: out = sum_k w_k x + x = 2x."""
+    want = 2.0 * hidden.float()
+    err = float((out.float() - want).norm()) / max(float(want.norm()), 1e-30)
+    if not err <= IDENTITY_CHECK_TOL:  # NaN fails too
+        raise RuntimeError(f"{what}: output is not 2*hidden (relative error {err:.3g}): "
+                           "the transport corrupted or lost rows")
+
+
+def _decode_point(conn, group: Group, num_tokens: int, device, watch) -> dict:
+    hidden, ids, weights = _inputs(conn, num_tokens, device, seed=num_tokens)
+    _check_identity(conn.recv_ffn_output(conn.send_attn_output(hidden, ids, weights, 0)), hidden,
+                    f"decode {num_tokens} tokens")
+    times_us = []
+    for i in range(group.warmup + group.iters):
+        start = time.perf_counter()
+        handle = conn.send_attn_output(hidden, ids, weights, 0)
+        conn.recv_ffn_output(handle)
+        if i >= group.warmup:
+            times_us.append((time.perf_counter() - start) * 1e6)
+    per_layer_us = _pipelined(conn, group, hidden, ids, weights, watch)
+    return {"tokens": num_tokens, "hidden": group.hidden, "top_k": group.top_k, "num_ffn": group.num_ffn,
+            "iters": len(times_us), "rt_median_us": bc.median(times_us),
+            "rt_p99_us": bc.percentile(times_us, 99), "rt_min_us": min(times_us),
+            "pipelined_us_per_layer": bc.median(per_layer_us),
+            "pipelined_reps": len(per_layer_us), "pipelined_layers": group.pipeline_layers}
+
+
+def _pipelined(conn, group: Group, hidden, ids, weights, watch) -> list:
+    """Per-layer wall time (µs) of N non-blocking round trips + one synchronization, per rep
+    (the first rep is a warm-up)."""
+    num_layers = group.pipeline_layers
+    reps = max(3, group.iters // num_layers)
+    per_layer = []
+    for rep in range(reps + 1):
+        watch.sync()
+        start = time.perf_counter()
+        for _ in range(num_layers):
+            out = conn.recv_ffn_output(conn.send_attn_output(hidden, ids, weights, 0), blocking=False)
+        conn.check_errors()  # the one synchronization (cuda); raises latched errors
+        if rep:
+            per_layer.append((time.perf_counter() - start) * 1e6 / num_layers)
+    _check_identity(out, hidden, "pipelined decode")
+    return per_layer
+
+
+def _prefill_point(conn, group: Group, num_tokens: int, device, watch) -> dict:
+    hidden, ids, weights = _inputs(conn, num_tokens, device, seed=10_000 + num_tokens)
+    dispatch_ms, combine_ms, roundtrip_ms = [], [], []
+    for i in range(group.prefill_warmup + group.prefill_iters):
+        flags_before = conn.window.read_flags()
+        start = watch.mark()
+        handle = conn.send_attn_output(hidden, ids, weights, 0)
+        sent = watch.mark()
+        dispatched = watch.elapsed_ms(start, sent)
+        _wait_replies_landed(conn, handle, flags_before)
+        start = watch.mark()
+        out = conn.recv_ffn_output(handle, blocking=False)
+        combined = watch.elapsed_ms(start, watch.mark())
+        conn.check_errors()
+        start = watch.mark()
+        conn.recv_ffn_output(conn.send_attn_output(hidden, ids, weights, 0), blocking=False)
+        round_trip = watch.elapsed_ms(start, watch.mark())
+        conn.check_errors()
+        if i >= group.prefill_warmup:
+            dispatch_ms.append(dispatched)
+            combine_ms.append(combined)
+            roundtrip_ms.append(round_trip)
+    _check_identity(out, hidden, f"prefill {num_tokens} tokens")
+    row = {"tokens": num_tokens, "hidden": group.hidden, "top_k": group.top_k, "num_ffn": group.num_ffn,
+           "iters": len(dispatch_ms), "bytes": _payload_bytes(conn, num_tokens),
+           "dispatch_ms": bc.median(dispatch_ms), "combine_ms": bc.median(combine_ms),
+           "roundtrip_ms": bc.median(roundtrip_ms)}
+    row.update(_baselines(conn, group, hidden, ids, weights, row["bytes"], watch))
+    return _with_ratios(row)
+
+
+def _payload_bytes(conn, num_tokens: int) -> int:
+    model = conn.model
+    rows = num_tokens * model.top_k + (num_tokens if model.num_shared_experts else 0)
+    return rows * model.hidden_size * model.itemsize
+
+
+def _wait_replies_landed(conn, handle, flags_before, timeout_s: float = 60.0) -> None:
+    """Host-poll the own window's flags until every FFN rank that was sent to has replied.
+    Reads only: the combine's own wait still sees the arrivals (it compares with its own
+    last-seen words)."""
+    expected = handle.state.expected
+    expected = expected.get() if hasattr(expected, "get") else expected
+    slots = [conn.layout.slot_index(int(j), handle.ring) for j in range(len(expected)) if expected[j]]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        flags = conn.window.read_flags()
+        if all(flags[s] != flags_before[s] for s in slots):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"FFN replies did not land within {timeout_s} s (slots {slots})")
+
+
+# --------------------------------------------------------------------------- baselines
+
+class RfcTorchPath:
+    """The reference connector's data path from torch ops (see RFC_LABEL), in process.
+
+    ``windows``: per FFN peer, routed rows [routed_cap, H], route table [routed_cap, 2],
+    shared rows [shared_cap, H], a header row and a flag, all on ``device``.
+    """
+
+    def __init__(self, conn, device):
+        import torch
+
+        layout, model = conn.layout, conn.model
+        self.torch = torch
+        self.num_ffn = conn.topology.num_ffn_ranks
+        self.epr = layout.expert_per_rank
+        self.top_k = model.top_k
+        self.hidden = model.hidden_size
+        dtype = conn.torch_dtype
+        self.routed = [torch.empty(layout.routed_cap, self.hidden, dtype=dtype, device=device)
+                       for _ in range(self.num_ffn)]
+        self.route = [torch.empty(layout.routed_cap, 2, dtype=torch.int64, device=device)
+                      for _ in range(self.num_ffn)]
+        self.shared = [torch.empty(max(layout.shared_cap, 1), self.hidden, dtype=dtype, device=device)
+                       for _ in range(self.num_ffn)]
+        self.headers = torch.zeros(self.num_ffn, layout.header_words, dtype=torch.int32, device=device)
+        self.flags = torch.zeros(self.num_ffn, dtype=torch.int64, device=device)
+        self.device = device
+        self.seq = 0
+
+    def dispatch(self, hidden, topk_ids):
+        torch = self.torch
+        num_tokens = hidden.shape[0]
+        flat = topk_ids.reshape(-1).long()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_ffn * self.epr).cpu()  # D2H sync
+        rank_counts = counts.view(self.num_ffn, self.epr).sum(dim=1).tolist()
+        token_idx = order // self.top_k
+        self.seq += 1
+        start = 0
+        for j, num_routed in enumerate(rank_counts):
+            idx = token_idx[start:start + num_routed]
+            self.routed[j][:num_routed].copy_(hidden.index_select(0, idx))
+            self.route[j][:num_routed, 0].copy_(idx)
+            self.route[j][:num_routed, 1].copy_(order[start:start + num_routed] % self.top_k)
+            shared_idx = torch.arange(j, num_tokens, self.num_ffn, device=self.device)
+            self.shared[j][:shared_idx.numel()].copy_(hidden.index_select(0, shared_idx))
+            header = [self.seq, j, num_routed, shared_idx.numel()] + counts[j * self.epr:(j + 1) * self.epr].tolist()
+            self.headers[j, :len(header)].copy_(torch.tensor(header, dtype=torch.int32))
+            self.flags[j].fill_(self.seq)
+            start += num_routed
+        return order, token_idx, rank_counts
+
+    def combine(self, state, topk_weights, num_tokens: int):
+        torch = self.torch
+        order, token_idx, rank_counts = state
+        for j in range(self.num_ffn):  # host polling of the reply flags
+            while int(self.flags[j].item()) != self.seq:
+                pass
+        rows = torch.cat([self.routed[j][:n] for j, n in enumerate(rank_counts)])
+        weights = topk_weights.reshape(-1)[order].float()
+        out = torch.zeros(num_tokens, self.hidden, dtype=torch.float32, device=self.device)
+        out.index_add_(0, token_idx, rows.float() * weights[:, None])
+        for j in range(self.num_ffn):
+            shared_idx = torch.arange(j, num_tokens, self.num_ffn, device=self.device)
+            out.index_add_(0, shared_idx, self.shared[j][:shared_idx.numel()].float())
+        return out.to(self.routed[0].dtype)
+
+
+def _baselines(conn, group: Group, hidden, ids, weights, num_bytes: int, watch) -> dict:
+    import torch
+
+    src = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device=hidden.device).normal_()
+    dst = torch.empty_like(src)
+    rfc = RfcTorchPath(conn, hidden.device)
+    _check_identity(rfc.combine(rfc.dispatch(hidden, ids), weights, hidden.shape[0]), hidden, "RFC baseline")
+    copy_ms, rfc_dispatch_ms, rfc_combine_ms = [], [], []
+    for i in range(group.prefill_warmup + group.prefill_iters):
+        start = watch.mark()
+        dst.copy_(src)
+        copied = watch.elapsed_ms(start, watch.mark())
+        start = watch.mark()
+        state = rfc.dispatch(hidden, ids)
+        dispatched = watch.elapsed_ms(start, watch.mark())
+        start = watch.mark()
+        rfc.combine(state, weights, hidden.shape[0])
+        combined = watch.elapsed_ms(start, watch.mark())
+        if i >= group.prefill_warmup:
+            copy_ms.append(copied)
+            rfc_dispatch_ms.append(dispatched)
+            rfc_combine_ms.append(combined)
+    del rfc, src, dst
+    return {"copy_ms": bc.median(copy_ms), "rfc_dispatch_ms": bc.median(rfc_dispatch_ms),
+            "rfc_combine_ms": bc.median(rfc_combine_ms)}
+
+
+def _with_ratios(row: dict) -> dict:
+    gb = row["bytes"] / 1e9
+    for name in ("dispatch", "combine", "copy", "rfc_dispatch", "rfc_combine"):
+        row[f"{name}_GBps"] = gb / (row[f"{name}_ms"] / 1e3) if row[f"{name}_ms"] > 0 else float("nan")
+    pair = row["dispatch_ms"] + row["combine_ms"]
+    # the pair moves the bytes twice (out and back); the copy moves them once
+    row["pair_vs_copy"] = 2 * row["copy_ms"] / pair if pair > 0 else float("nan")
+    row["dispatch_vs_copy"] = row["copy_ms"] / row["dispatch_ms"] if row["dispatch_ms"] > 0 else float("nan")
+    row["combine_vs_copy"] = row["copy_ms"] / row["combine_ms"] if row["combine_ms"] > 0 else float("nan")
+    rfc_pair = row["rfc_dispatch_ms"] + row["rfc_combine_ms"]
+    row["speedup_vs_rfc"] = rfc_pair / pair if pair > 0 else float("nan")
+    return row
+
+
+# --------------------------------------------------------------------------- plan, report
+
+GRIDS = {
+    # backend, quick -> (decode tokens, hiddens, top-ks, Fs, prefill tokens, prefill shape)
+    ("cuda", True): ((1, 32, 128), (7168,), (8,), (1, 4), (1024, 4096), (7168, 8, 4)),
+    ("cuda", False): ((1, 8, 32, 128, 256), (2048, 7168), (6, 8), (1, 2, 4),
+                      (512, 1024, 2048, 4096, 8192), (7168, 8, 4)),
+    ("host", True): ((1, 8), (128,), (8,), (2,), (64, 256), (128, 8, 2)),
+    ("host", False): ((1, 8, 32), (128, 256), (6, 8), (1, 2), (64, 256, 1024), (256, 8, 2)),
+}
+ITERS = {  # backend, quick -> (iters, warmup, pipeline layers, prefill iters, prefill warmup)
+    ("cuda", True): (300, 30, 50, 20, 3),
+    ("cuda", False): (1000, 50, 50, 50, 5),
+    ("host", True): (200, 10, 20, 5, 1),
+    ("host", False): (300, 20, 20, 10, 2),
+}
+
+
+def plan_groups(args, backend: str) -> list[Group]:
+    decode, hiddens, topks, ffns, prefill, prefill_shape = GRIDS[(backend, args.quick)]
+    decode = tuple(args.tokens or decode)
+    hiddens, topks, ffns = tuple(args.hidden or hiddens), tuple(args.top_k or topks), tuple(args.ffn or ffns)
+    prefill = tuple(args.prefill_tokens if args.prefill_tokens is not None else prefill)
+    if args.hidden or args.top_k or args.ffn:  # prefill at the largest requested shape
+        prefill_shape = (max(hiddens), max(topks), max(ffns))
+    iters, warmup, layers, p_iters, p_warmup = ITERS[(backend, args.quick)]
+    iters = args.iters or iters
+    groups = []
+    for hidden in hiddens:
+        for top_k in topks:
+            for num_ffn in ffns:
+                shape_prefill = prefill if (hidden, top_k, num_ffn) == prefill_shape else ()
+                groups.append(Group(backend, args.poll_mode, hidden, top_k, num_ffn, decode, shape_prefill,
+                                    iters, warmup, layers, p_iters, p_warmup))
+    if prefill and not any(g.prefill_tokens for g in groups):
+        hidden, top_k, num_ffn = prefill_shape
+        groups.append(Group(backend, args.poll_mode, hidden, top_k, num_ffn, (), prefill, iters, warmup,
+                            layers, p_iters, p_warmup))
+    return groups
+
+
+def run_group(group: Group, timeout_s: float) -> dict:
+    model = group.model()
+    world = 1 + group.num_ffn
+    window = window_size_hint(model, TopologyConfig(1, group.num_ffn), ConnectorConfig())
+    child_env = bc.launch_env(group.backend, world, window)
+    results = launch(_rank, world, args=(group,), timeout_s=timeout_s, env=child_env,
+                     num_gpus=None if group.backend == "cuda" else 0)
+    return results[0]
+
+
+def targets(decode: list, prefill: list) -> list:
+    out = []
+    for num_ffn in sorted({row["num_ffn"] for row in decode}) or [None]:
+        match = [r for r in decode if (r["tokens"], r["hidden"], r["top_k"], r["num_ffn"]) == (128, 7168, 8, num_ffn)]
+        out.append(bc.target_row(
+            f"decode round trip, 128 tok, hidden 7168, top-8, 1A{num_ffn or '?'}F", "<= 30 us",
+            match[0]["rt_median_us"] if match else None, "us (median)", lambda v: v <= 30.0,
+            "blocking send+recv, host wall time"))
+    match = [r for r in prefill if (r["tokens"], r["hidden"], r["top_k"], r["num_ffn"]) == (4096, 7168, 8, 4)]
+    out.append(bc.target_row(
+        "dispatch+combine vs plain copy, 4096 tok, hidden 7168, bf16, top-8, F=4", ">= 0.70",
+        match[0]["pair_vs_copy"] if match else None, "x copy bandwidth", lambda v: v >= 0.70,
+        "2*copy_ms/(dispatch_ms+combine_ms)"))
+    return out
+
+
+def draw(decode: list, prefill: list, title: str):
+    def _draw(plt):
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        shapes = sorted({(r["hidden"], r["top_k"], r["num_ffn"]) for r in decode})
+        for shape in shapes:
+            rows = sorted((r for r in decode if (r["hidden"], r["top_k"], r["num_ffn"]) == shape),
+                          key=lambda r: r["tokens"])
+            axes[0].plot([r["tokens"] for r in rows], [r["rt_median_us"] for r in rows], marker="o",
+                         label=f"H={shape[0]} top-{shape[1]} F={shape[2]}")
+        axes[0].axhline(30.0, color="gray", linestyle="--", label="target 30 us")
+        axes[0].set(xscale="log", xlabel="tokens", ylabel="round trip median (us)", title="decode round trip")
+        axes[0].legend(fontsize=7)
+        rows = sorted(prefill, key=lambda r: r["tokens"])
+        for key, label in (("dispatch_GBps", "AFD dispatch"), ("combine_GBps", "AFD combine"),
+                           ("copy_GBps", "plain copy_"), ("rfc_dispatch_GBps", "RFC-path dispatch"),
+                           ("rfc_combine_GBps", "RFC-path combine")):
+            axes[1].plot([r["tokens"] for r in rows], [r[key] for r in rows], marker="o", label=label)
+        axes[1].set(xscale="log", xlabel="tokens", ylabel="GB/s", title="prefill bandwidth")
+        axes[1].legend(fontsize=7)
+        fig.suptitle(title, fontsize=9)
+    return _draw
+
+
+def print_summary(report: dict) -> None:
+    print()
+    print(f"==== bench_transport summary: backend={report['backend']} commit={report['run']['commit']} "
+          f"device={report['device']} ====")
+    if report["label"]:
+        print(report["label"])
+    print("\n(a) decode round trip (1 Attention rank, identity FFN; us)")
+    print(bc.format_table(
+        ("tokens", "hidden", "top-k", "F", "median", "p99", "min", "pipelined/layer"),
+        [(r["tokens"], r["hidden"], r["top_k"], r["num_ffn"], r["rt_median_us"], r["rt_p99_us"],
+          r["rt_min_us"], r["pipelined_us_per_layer"]) for r in report["decode"]]))
+    print("\n(b) prefill bandwidth (medians; GB/s = payload bytes / time; RFC = " + report["rfc_baseline_kind"] + ")")
+    print(bc.format_table(
+        ("tokens", "F", "MB", "disp ms", "comb ms", "rt ms", "disp GB/s", "comb GB/s", "copy GB/s",
+         "pair/copy", "RFC d+c ms", "x vs RFC"),
+        [(r["tokens"], r["num_ffn"], r["bytes"] / 1e6, r["dispatch_ms"], r["combine_ms"], r["roundtrip_ms"],
+          r["dispatch_GBps"], r["combine_GBps"], r["copy_GBps"], r["pair_vs_copy"],
+          r["rfc_dispatch_ms"] + r["rfc_combine_ms"], r["speedup_vs_rfc"]) for r in report["prefill"]]))
+    print("\n(c) targets")
+    print(bc.targets_table(report["targets"]))
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small subset (< 60 s on GPU and host)")
+    parser.add_argument("--backend", choices=("cuda", "host"), default=None)
+    parser.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for JSON + PNG")
+    parser.add_argument("--poll-mode", choices=("device", "host"), default="device",
+                        help="cuda FFN arrival detection (device needs MPS on one GPU)")
+    parser.add_argument("--tokens", type=int, nargs="+", help="decode token counts")
+    parser.add_argument("--prefill-tokens", type=int, nargs="*", help="prefill token counts (none: skip)")
+    parser.add_argument("--hidden", type=int, nargs="+")
+    parser.add_argument("--top-k", type=int, nargs="+")
+    parser.add_argument("--ffn", type=int, nargs="+", help="numbers of FFN ranks")
+    parser.add_argument("--iters", type=int, help="decode iterations after warm-up (>= 200)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="per launch, seconds")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    backend = args.backend or bc.detect_backend()
+    groups = plan_groups(args, backend)
+    started = time.perf_counter()
+    decode, prefill, devices = [], [], set()
+    for group in bc.progress(groups, "bench_transport", lambda g: g.describe()):
+        result = run_group(group, args.timeout)
+        decode += result["decode"]
+        prefill += result["prefill"]
+        devices.add(result["device"])
+    report = {"tool": "bench_transport", "backend": backend, "quick": args.quick,
+              "label": HOST_LABEL if backend == "host" else "",
+              "device": ", ".join(sorted(devices)), "run": bc.run_info(backend),
+              "poll_mode": args.poll_mode if backend == "cuda" else "host",
+              "rfc_baseline_kind": "in-process torch-ops equivalent", "rfc_baseline": RFC_LABEL,
+              "timing": {
+                  "decode": "host wall time send_attn_output -> recv_ffn_output(blocking=True); "
+                            "pipelined = N x (send + recv(blocking=False)) + one sync, / N",
+                  "dispatch": "CUDA events around send_attn_output (its kernels complete)" if backend == "cuda"
+                              else "wall time of send_attn_output",
+                  "combine": "replies landed first (host flag poll), then recv_ffn_output alone "
+                             + ("(CUDA events)" if backend == "cuda" else "(wall time)"),
+                  "bytes": "tokens*top_k*hidden*2 + tokens*hidden*2 (shared rows)",
+                  "pair_vs_copy": "2*copy_ms / (dispatch_ms + combine_ms)",
+                  "speedup_vs_rfc": "(rfc_dispatch_ms + rfc_combine_ms) / (dispatch_ms + combine_ms)"},
+              "decode": decode, "prefill": prefill, "targets": targets(decode, prefill),
+              "wall_s": time.perf_counter() - started}
+    json_path = bc.write_json(args.out, "bench_transport.json", report)
+    title = f"afd_cupy bench_transport ({backend}, {report['device']}, {report['run']['commit']})"
+    plot_path = bc.save_plot(args.out, "bench_transport.png", draw(decode, prefill, title))
+    print(f"wrote {json_path}" + (f" and {plot_path}" if plot_path else "")
+          + f" in {report['wall_s']:.1f} s")
+    print_summary(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
