@@ -4,6 +4,8 @@
 # short benchmarks, stop MPS, print a summary table last. Logs go to $OUT (or ./gpu_out).
 #
 #   bash tools/gpu_suite.sh [quick]      # quick: tests + smoke only, no benchmarks
+# Knobs (environment): SUITE_TIMEOUT, TEST_TIMEOUT (per test), SMOKE_ARGS, SKIP_SMOKE_2A2F=1,
+# BENCHES (names of tools/*.py run with --quick), BENCH_TIMEOUT, AFD_COMMIT (for the table).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -30,7 +32,10 @@ run_step() {  # name, timeout, command...
   local start=$(date +%s)
   timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
-  RESULT[$name]="rc=$rc $(( $(date +%s) - start ))s | $(grep -E 'passed|failed|PASS|FAIL|error' "$OUT/$name.log" | tail -1 | cut -c1-150)"
+  local last
+  last=$(grep -E 'passed|failed|PASS|FAIL|MISS|Error' "$OUT/$name.log" | tail -1)
+  [ -n "$last" ] || last=$(tail -1 "$OUT/$name.log")
+  RESULT[$name]="rc=$rc $(( $(date +%s) - start ))s | $(echo "$last" | cut -c1-160)"
 }
 
 # single-process kernel tests first, multi-process end-to-end tests last
@@ -38,11 +43,11 @@ TEST_FILES=$(ls tests/test_kernels_cuda.py tests/test_moe.py tests/test_nvshmem_
   ls tests/test_*.py | grep -v -e test_kernels_cuda -e test_moe.py -e test_nvshmem_binding)
 run_step pytest_cuda "$SUITE_TIMEOUT" python3 -m pytest -m cuda -q -p no:cacheprovider \
   --timeout=${TEST_TIMEOUT:-90} -rfEs $TEST_FILES
-run_step smoke_1a1f 120 python3 tools/smoke.py --layers 4
-run_step smoke_2a2f 150 python3 tools/smoke.py --2a2f --layers 4
+run_step smoke_1a1f 120 python3 tools/smoke.py --layers 4 ${SMOKE_ARGS:-}
+[ "${SKIP_SMOKE_2A2F:-0}" = 1 ] || run_step smoke_2a2f 150 python3 tools/smoke.py --2a2f --layers 4 ${SMOKE_ARGS:-}
 if [ "$MODE" = full ]; then
-  for bench in ${BENCHES:-bench_poll bench_transport bench_afd}; do
-    [ -f "tools/$bench.py" ] && run_step "$bench" 240 python3 "tools/$bench.py" --quick --out "$OUT"
+  for bench in ${BENCHES:-bench_poll bench_transport bench_afd profile_roundtrip}; do
+    [ -f "tools/$bench.py" ] && run_step "$bench" "${BENCH_TIMEOUT:-240}" python3 "tools/$bench.py" --quick --out "$OUT"
   done
 fi
 stop_mps
@@ -54,6 +59,6 @@ for name in "${!RESULT[@]}"; do
 done
 echo
 echo "==== afd_cupy GPU suite summary (${AFD_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown-commit)}, $(head -1 "$OUT/gpu.txt")) ===="
-for name in pytest_cuda smoke_1a1f smoke_2a2f bench_poll bench_transport bench_afd; do
+for name in pytest_cuda smoke_1a1f smoke_2a2f bench_poll bench_transport bench_afd profile_roundtrip; do
   [ -n "${RESULT[$name]:-}" ] && printf '%-16s %s\n' "$name" "${RESULT[$name]}"
 done
