@@ -31,12 +31,16 @@ def test_bench_transport_quick_host(tmp_path):
     assert [row["tokens"] for row in report["decode"]] == [1, 4]
     for row in report["decode"]:
         assert row["iters"] >= 200 and row["rt_median_us"] > 0 and row["rt_p99_us"] >= row["rt_median_us"]
+        assert row["rfc_rt_median_us"] > 0 and row["rfc_rt_p99_us"] >= row["rfc_rt_median_us"]
+        assert row["speedup_vs_rfc"] > 0
     (prefill,) = report["prefill"]
     for key in ("dispatch_ms", "combine_ms", "copy_ms", "rfc_dispatch_ms", "rfc_combine_ms",
                 "dispatch_GBps", "pair_vs_copy", "speedup_vs_rfc", "bytes"):
         assert prefill[key] > 0, key
     assert {t["status"] for t in report["targets"]} <= {"PASS", "MISS", "NOT MEASURED"}
     assert "bench_transport summary" in stdout and "(c) targets" in stdout
+    assert "RFC med" in stdout and "x vs RFC" in stdout and "no second process" in stdout
+    assert "decode_rfc" in report["timing"]
     assert stdout.rstrip().splitlines()[-1].startswith("dispatch+combine vs plain copy")  # table last
 
 

@@ -10,7 +10,12 @@ shape runs inside it.
     ``recv_ffn_output(blocking=True)`` returns (dispatch + FFN detect/identity/reply + wait
     + combine), median and p99 over the iterations after warm-up; and the pipelined variant:
     N layers of send + ``recv_ffn_output(blocking=False)``, one synchronization at the end,
-    wall time / N.
+    wall time / N. Same-run RFC baseline: the in-process torch-ops equivalent of the reference
+    connector (see (b), baseline 2; no second process) on the same inputs and device, host wall
+    time of its dispatch + combine per round trip, its own host syncs (``.cpu()`` counts,
+    ``.item()`` flag polling) included, the device synchronized at the end (its output is ready,
+    as after the blocking recv); same iteration and warm-up counts; ``speedup_vs_rfc`` =
+    RFC median / connector median.
 (b) prefill bandwidth (Attention side, device time via CUDA events on the connector's stream):
     - dispatch: from before ``send_attn_output`` to the completion of its kernels (rows,
       route tables, shared rows, headers and flags written into the F peer windows);
@@ -57,6 +62,9 @@ RFC_LABEL = ("in-process torch-ops equivalent of the reference (RFC) connector: 
              "bincount + counts .cpu() + per-peer index_select/copy_ (+ header H2D, flag write) "
              "into F window-sized buffers on the same device; combine = .item() polling of the F "
              "flags + cat + fp32 index_add_ of weighted rows and shared rows. Same bytes, no 2nd process.")
+DECODE_RFC_NOTE = ("in-process torch-ops equivalent (RfcTorchPath, no second process): host wall time "
+                   "of its dispatch + combine per round trip on the same inputs and device, its .cpu() "
+                   "and .item() host syncs included, device synchronized at the end; same iters/warm-up")
 HOST_LABEL = ("HOST BACKEND at a tiny size: measures the host protocol (POSIX shm + numpy/numba, "
               "wall times), not a GPU transport")
 
@@ -155,19 +163,44 @@ def _decode_point(conn, group: Group, num_tokens: int, device, watch) -> dict:
     hidden, ids, weights = _inputs(conn, num_tokens, device, seed=num_tokens)
     _check_identity(conn.recv_ffn_output(conn.send_attn_output(hidden, ids, weights, 0)), hidden,
                     f"decode {num_tokens} tokens")
+    times_us = _wall_times_us(group, lambda: conn.recv_ffn_output(conn.send_attn_output(hidden, ids, weights, 0)))
+    per_layer_us = _pipelined(conn, group, hidden, ids, weights, watch)
+    row = {"tokens": num_tokens, "hidden": group.hidden, "top_k": group.top_k, "num_ffn": group.num_ffn,
+           "iters": len(times_us), "rt_median_us": bc.median(times_us),
+           "rt_p99_us": bc.percentile(times_us, 99), "rt_min_us": min(times_us),
+           "pipelined_us_per_layer": bc.median(per_layer_us),
+           "pipelined_reps": len(per_layer_us), "pipelined_layers": group.pipeline_layers}
+    row.update(_rfc_decode(conn, group, hidden, ids, weights, watch))
+    row["speedup_vs_rfc"] = (row["rfc_rt_median_us"] / row["rt_median_us"] if row["rt_median_us"] > 0
+                             else float("nan"))
+    return row
+
+
+def _wall_times_us(group: Group, round_trip) -> list:
+    """Host wall time (µs) of ``round_trip()`` per call, ``group.warmup`` calls dropped."""
     times_us = []
     for i in range(group.warmup + group.iters):
         start = time.perf_counter()
-        handle = conn.send_attn_output(hidden, ids, weights, 0)
-        conn.recv_ffn_output(handle)
+        round_trip()
         if i >= group.warmup:
             times_us.append((time.perf_counter() - start) * 1e6)
-    per_layer_us = _pipelined(conn, group, hidden, ids, weights, watch)
-    return {"tokens": num_tokens, "hidden": group.hidden, "top_k": group.top_k, "num_ffn": group.num_ffn,
-            "iters": len(times_us), "rt_median_us": bc.median(times_us),
-            "rt_p99_us": bc.percentile(times_us, 99), "rt_min_us": min(times_us),
-            "pipelined_us_per_layer": bc.median(per_layer_us),
-            "pipelined_reps": len(per_layer_us), "pipelined_layers": group.pipeline_layers}
+    return times_us
+
+
+def _rfc_decode(conn, group: Group, hidden, ids, weights, watch) -> dict:
+    """The decode round trip of the RFC torch-ops path (dispatch + combine, its own host syncs
+    included, then a device synchronization so the output is ready, as after the blocking recv)."""
+    rfc = RfcTorchPath(conn, hidden.device)
+    _check_identity(rfc.round_trip(hidden, ids, weights), hidden, f"RFC decode {hidden.shape[0]} tokens")
+    watch.sync()
+
+    def round_trip():
+        rfc.round_trip(hidden, ids, weights)
+        watch.sync()
+
+    times_us = _wall_times_us(group, round_trip)
+    del rfc
+    return {"rfc_rt_median_us": bc.median(times_us), "rfc_rt_p99_us": bc.percentile(times_us, 99)}
 
 
 def _pipelined(conn, group: Group, hidden, ids, weights, watch) -> list:
@@ -309,6 +342,10 @@ class RfcTorchPath:
             out.index_add_(0, shared_idx, self.shared[j][:shared_idx.numel()].float())
         return out.to(self.routed[0].dtype)
 
+    def round_trip(self, hidden, topk_ids, topk_weights):
+        """dispatch + combine of ``hidden`` (the in-process stand-in for send + recv)."""
+        return self.combine(self.dispatch(hidden, topk_ids), topk_weights, hidden.shape[0])
+
 
 def _baselines(conn, group: Group, hidden, ids, weights, num_bytes: int, watch) -> dict:
     import torch
@@ -316,7 +353,7 @@ def _baselines(conn, group: Group, hidden, ids, weights, num_bytes: int, watch) 
     src = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device=hidden.device).normal_()
     dst = torch.empty_like(src)
     rfc = RfcTorchPath(conn, hidden.device)
-    _check_identity(rfc.combine(rfc.dispatch(hidden, ids), weights, hidden.shape[0]), hidden, "RFC baseline")
+    _check_identity(rfc.round_trip(hidden, ids, weights), hidden, "RFC baseline")
     copy_ms, rfc_dispatch_ms, rfc_combine_ms = [], [], []
     for i in range(group.prefill_warmup + group.prefill_iters):
         start = watch.mark()
@@ -449,9 +486,12 @@ def print_summary(report: dict) -> None:
         print(report["label"])
     print("\n(a) decode round trip (1 Attention rank, identity FFN; us)")
     print(bc.format_table(
-        ("tokens", "hidden", "top-k", "F", "median", "p99", "min", "pipelined/layer"),
+        ("tokens", "hidden", "top-k", "F", "median", "p99", "min", "pipelined/layer", "RFC med", "x vs RFC"),
         [(r["tokens"], r["hidden"], r["top_k"], r["num_ffn"], r["rt_median_us"], r["rt_p99_us"],
-          r["rt_min_us"], r["pipelined_us_per_layer"]) for r in report["decode"]]))
+          r["rt_min_us"], r["pipelined_us_per_layer"], r["rfc_rt_median_us"], r["speedup_vs_rfc"])
+         for r in report["decode"]]))
+    print(f"RFC med = {report['rfc_baseline_kind']}, no second process (host wall time of its dispatch + "
+          "combine, its .cpu()/.item() syncs included); x vs RFC = RFC med / median")
     print("\n(b) prefill bandwidth (medians; GB/s = payload bytes / time; RFC = " + report["rfc_baseline_kind"] + ")")
     print(bc.format_table(
         ("tokens", "F", "MB", "disp ms", "comb ms", "rt ms", "disp GB/s", "comb GB/s", "copy GB/s",
@@ -499,6 +539,8 @@ def main(argv=None) -> int:
               "timing": {
                   "decode": "host wall time send_attn_output -> recv_ffn_output(blocking=True); "
                             "pipelined = N x (send + recv(blocking=False)) + one sync, / N",
+                  "decode_rfc": DECODE_RFC_NOTE,
+                  "decode_speedup_vs_rfc": "rfc_rt_median_us / rt_median_us",
                   "dispatch": "CUDA events around send_attn_output (its kernels complete)" if backend == "cuda"
                               else "wall time of send_attn_output",
                   "combine": "replies landed first (host flag poll), then recv_ffn_output alone "
