@@ -5,6 +5,7 @@
 #
 #   bash tools/gpu_suite.sh [quick]      # quick: tests + smoke only, no benchmarks
 # Knobs (environment): SUITE_TIMEOUT, TEST_TIMEOUT (per test), SMOKE_ARGS, SKIP_SMOKE_2A2F=1,
+# SKIP_HOSTPOLL=1 / HOSTPOLL_TIMEOUT (the e2e cases with host polling and no MPS),
 # BENCHES (names of tools/*.py run with --quick), BENCH_TIMEOUT, AFD_COMMIT (for the table).
 set -u
 cd "$(dirname "$0")/.."
@@ -26,9 +27,9 @@ declare -A RESULT
 restart_mps() {  # a client killed mid-kernel can leave the server refusing new clients
   stop_mps; sleep 1; nvidia-cuda-mps-control -d || echo "MPS failed to restart"
 }
-run_step() {  # name, timeout, command...
+run_step() {  # name, timeout, command...   (NO_MPS=1 run_step ...: with MPS stopped)
   local name=$1 limit=$2; shift 2
-  restart_mps
+  if [ "${NO_MPS:-0}" = 1 ]; then stop_mps; sleep 1; else restart_mps; fi
   local start=$(date +%s)
   timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
@@ -43,6 +44,9 @@ TEST_FILES=$(ls tests/test_kernels_cuda.py tests/test_moe.py tests/test_nvshmem_
   ls tests/test_*.py | grep -v -e test_kernels_cuda -e test_moe.py -e test_nvshmem_binding)
 run_step pytest_cuda "$SUITE_TIMEOUT" python3 -m pytest -m cuda -q -p no:cacheprovider \
   --timeout=${TEST_TIMEOUT:-90} -rfEs $TEST_FILES
+# the end-to-end cases again with host polling and WITHOUT MPS (no spinning kernels at all)
+[ "${SKIP_HOSTPOLL:-0}" = 1 ] || AFD_TEST_POLL_MODE=host NO_MPS=1 run_step pytest_hostpoll "${HOSTPOLL_TIMEOUT:-300}" \
+  python3 -m pytest -m cuda -q -p no:cacheprovider --timeout=${TEST_TIMEOUT:-90} -rfEs tests/test_e2e.py tests/test_e2e_errors.py
 run_step smoke_1a1f 120 python3 tools/smoke.py --layers 4 ${SMOKE_ARGS:-}
 [ "${SKIP_SMOKE_2A2F:-0}" = 1 ] || run_step smoke_2a2f 150 python3 tools/smoke.py --2a2f --layers 4 ${SMOKE_ARGS:-}
 if [ "$MODE" = full ]; then
@@ -59,6 +63,6 @@ for name in "${!RESULT[@]}"; do
 done
 echo
 echo "==== afd_cupy GPU suite summary (${AFD_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown-commit)}, $(head -1 "$OUT/gpu.txt")) ===="
-for name in pytest_cuda smoke_1a1f smoke_2a2f bench_poll bench_transport bench_afd profile_roundtrip; do
+for name in pytest_cuda pytest_hostpoll smoke_1a1f smoke_2a2f bench_poll bench_transport bench_afd profile_roundtrip; do
   [ -n "${RESULT[$name]:-}" ] && printf '%-16s %s\n' "$name" "${RESULT[$name]}"
 done
