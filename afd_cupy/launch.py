@@ -96,6 +96,25 @@ def _detect_num_gpus() -> int:
         return 0
 
 
+def detect_backend() -> str:
+    """Backend for a local job: ``AFD_BACKEND`` if set, else ``cuda`` when a GPU, CuPy and the
+    NVSHMEM library are all present, else ``host``."""
+    from afd_cupy import env
+
+    override = env.backend_override()
+    if override:
+        return override
+    if _detect_num_gpus() == 0:
+        return "host"
+    try:
+        import cupy  # noqa: F401
+
+        from afd_cupy.heap.nvshmem import find_library
+    except Exception:  # noqa: BLE001 - no usable CuPy: the host backend
+        return "host"
+    return "cuda" if find_library() else "host"
+
+
 def _child_main(rank: int, fn_args_blob: bytes, ctx: ProcessContext, env: dict[str, str],
                 results: Any) -> None:
     """Entry point of a child: set ``env``, then unpickle and run ``fn``; report to parent."""

@@ -170,3 +170,18 @@ def test_free_port_is_bindable():
     assert 0 < port < 65536
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", port))
+
+
+def test_detect_backend_override_and_cpu_fallback(monkeypatch):
+    from afd_cupy import launch as launch_mod
+
+    monkeypatch.setenv("AFD_BACKEND", "cuda")
+    assert launch_mod.detect_backend() == "cuda"
+    monkeypatch.setenv("AFD_BACKEND", "host")
+    assert launch_mod.detect_backend() == "host"
+    monkeypatch.setenv("AFD_BACKEND", "tpu")
+    with pytest.raises(ValueError, match="AFD_BACKEND must be 'cuda' or 'host', got 'tpu'"):
+        launch_mod.detect_backend()
+    monkeypatch.delenv("AFD_BACKEND")
+    monkeypatch.setattr(launch_mod, "_detect_num_gpus", lambda: 0)
+    assert launch_mod.detect_backend() == "host"

@@ -16,28 +16,11 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from afd_cupy import env
+from afd_cupy.launch import detect_backend  # noqa: F401 - re-exported for the tools
 
 #: NVSHMEM's default symmetric heap per PE; windows above it need NVSHMEM_SYMMETRIC_SIZE
 NVSHMEM_DEFAULT_HEAP = 1 << 30
 _HEAP_SLACK = 512 << 20  # NVSHMEM's own symmetric objects next to our window
-
-
-def detect_backend() -> str:
-    """``AFD_BACKEND`` if set, else ``cuda`` when a GPU with CuPy and NVSHMEM is present."""
-    override = env.backend_override()
-    if override:
-        return override
-    try:
-        import cupy
-
-        if cupy.cuda.runtime.getDeviceCount() == 0:
-            return "host"
-        from afd_cupy.heap.nvshmem import find_library
-
-        return "cuda" if find_library() else "host"
-    except Exception:  # noqa: BLE001 - no cupy, no driver: the host backend
-        return "host"
 
 
 def num_visible_gpus() -> int:

@@ -17,24 +17,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from afd_cupy import env  # noqa: E402
 from afd_cupy.config import ModelConfig  # noqa: E402
-from afd_cupy.launch import launch  # noqa: E402
+from afd_cupy.launch import detect_backend, launch  # noqa: E402
 from afd_cupy.scenario import Scenario, run_rank, tolerance  # noqa: E402
-
-
-def detect_backend() -> str:
-    override = env.backend_override()
-    if override:
-        return override
-    try:
-        import cupy
-        if cupy.cuda.runtime.getDeviceCount() == 0:
-            return "host"
-        from afd_cupy.heap.nvshmem import find_library
-        return "cuda" if find_library() else "host"
-    except Exception:  # noqa: BLE001 - no cupy, no driver: the host backend
-        return "host"
 
 
 def parse_args(argv=None):
