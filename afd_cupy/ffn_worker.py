@@ -286,21 +286,7 @@ class FFNWorker:
 def attention_connector_kwargs(schedule: str) -> dict:
     """Extra ``AFDConnector`` keyword arguments an Attention rank needs to talk to FFN workers
     running ``schedule``: ``{"always_send": True}`` for lockstep (every FFN rank gets every
-    layer, empty or not), ``{}`` otherwise.
-
-    NOTE: returns ``{}`` when the installed ``AFDConnector`` has no ``always_send`` argument
-    (older trees); lockstep then relies on every replica having rows (routed or shared) for
-    every FFN rank at every layer, which holds when num_tokens >= num_ffn_ranks and the model
-    has shared experts (shared rows are split round-robin over all FFN ranks).
-    """
+    layer, empty or not), ``{}`` otherwise."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    if schedule != "lockstep":
-        return {}
-    import inspect
-
-    if "always_send" not in inspect.signature(AFDConnector.__init__).parameters:
-        logger.warning("afd_cupy: AFDConnector has no always_send argument; lockstep needs every "
-                       "replica to send every layer to every FFN rank")
-        return {}
-    return {"always_send": True}
+    return {"always_send": True} if schedule == "lockstep" else {}

@@ -172,6 +172,7 @@ def test_bad_schedule_is_rejected():
     with pytest.raises(ValueError, match="schedule must be one of"):
         FFNWorker(_stub_connector(), expert_fn=_identity, schedule="sync")
     assert attention_connector_kwargs("async") == {}
+    assert attention_connector_kwargs("lockstep") == {"always_send": True}
 
 
 # --------------------------------------------------------------------------- real processes
@@ -279,8 +280,6 @@ def test_async_2a1f_lets_the_fast_replica_run_ahead():
     assert attn[1]["elapsed"] < 0.5 * SLEEP_S * (MODEL.num_layers - 1), attn
 
 
-@pytest.mark.skipif(attention_connector_kwargs("lockstep") == {},
-                    reason="AFDConnector has no always_send: empty layers would never be sent")
 def test_lockstep_2a2f_with_empty_and_one_token_layers():
     # replica 0 sends nothing at layer 1 and one token at layer 3 (so one FFN rank gets no
     # rows from it): always_send keeps every FFN rank's batch complete.
