@@ -80,8 +80,10 @@ def run_rank(ctx, scenario: Scenario) -> dict:
                         always_send=scenario.always_send or scenario.schedule == "lockstep")
     try:
         if role is Role.ATTENTION:
-            return _attention(conn, scenario, role_rank, device)
-        return _ffn(conn, scenario, role_rank, device)
+            report = _attention(conn, scenario, role_rank, device)
+        else:
+            report = _ffn(conn, scenario, role_rank, device)
+        return {**report, "device_id": ctx.device_id}
     finally:
         conn.close()
 

@@ -100,3 +100,19 @@ def test_always_send_reaches_every_rank(backend):
     attn, ffn = _run(_scenario(backend, model, 1, 2, num_tokens=1, always_send=True))
     assert [r["served"] for r in ffn] == [2, 2]
     assert sum(routed for r in ffn for _, _, routed, _ in r["history"]) == 2
+
+
+def _num_gpus():
+    import torch
+    return torch.cuda.device_count()
+
+
+@pytest.mark.cuda
+@pytest.mark.multigpu
+@pytest.mark.parametrize("num_attn,num_ffn", [(1, 1), (2, 2)])
+def test_one_process_per_gpu_over_nvlink(num_attn, num_ffn):
+    world = num_attn + num_ffn
+    if _num_gpus() < world:
+        pytest.skip(f"{num_attn}A{num_ffn}F needs {world} GPUs, {_num_gpus()} visible")
+    attn, ffn = _run(_scenario("cuda", _model(num_layers=3), num_attn, num_ffn, num_tokens=64))
+    assert sorted(r["device_id"] for r in attn + ffn) == list(range(world))  # peers across GPUs

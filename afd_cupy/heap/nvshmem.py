@@ -15,7 +15,9 @@ Only one NvshmemHeap may live in a process (NVSHMEM is a per-process runtime).
 Environment read here (besides ``AFD_NVSHMEM_LIB`` via :mod:`afd_cupy.env`):
 ``NVSHMEM_DISABLE_NCCL`` is set to ``1`` unless the user set it: afd_cupy uses no NVSHMEM
 collectives that need NCCL, and loading NCCL into several PEs sharing one GPU only costs
-start-up time and memory. ``NVSHMEM_SYMMETRIC_SIZE`` (NVSHMEM's own) bounds the heap.
+start-up time and memory. ``NVSHMEM_DISABLE_NVLS`` is set to ``1`` likewise: afd_cupy never
+uses NVLink multicast, and on shared multi-GPU hosts it must stay off.
+``NVSHMEM_SYMMETRIC_SIZE`` (NVSHMEM's own) bounds the heap.
 """
 from __future__ import annotations
 
@@ -317,6 +319,7 @@ class NvshmemHeap(SymmetricHeap):
         # NOTE: NVSHMEM adopts the current CUDA context; cudaFree(0) makes sure it exists.
         self._cupy.cuda.runtime.free(0)
         os.environ.setdefault("NVSHMEM_DISABLE_NCCL", "1")
+        os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
     def _check_library(self) -> None:
         version = library_version(self._lib)
