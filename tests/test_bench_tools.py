@@ -45,6 +45,16 @@ def test_bench_transport_quick_host(tmp_path):
 
 
 @pytest.mark.timeout(90)
+def test_bench_transport_nccl_baseline_skipped_on_host(tmp_path):
+    stdout = _run_tool("bench_transport.py", tmp_path, "--tokens", "1", "--prefill-tokens", "32",
+                       "--iters", "20", "--nccl-baseline")
+    report = json.loads((tmp_path / "bench_transport.json").read_text())
+    (line,) = [line for line in stdout.splitlines() if line.startswith("NCCL baseline skipped")]
+    assert "host backend" in line and report["nccl_baseline"]["skipped"] == [line]
+    assert not any(key.startswith("nccl") for key in report["prefill"][0])
+
+
+@pytest.mark.timeout(90)
 def test_bench_afd_quick_host(tmp_path):
     stdout = _run_tool("bench_afd.py", tmp_path, "--duration", "0.5")
     report = json.loads((tmp_path / "bench_afd.json").read_text())

@@ -5,6 +5,8 @@ Nothing here starts a process or touches a GPU at import time.
 """
 from __future__ import annotations
 
+import contextlib
+import datetime
 import json
 import math
 import os
@@ -51,12 +53,13 @@ def progress(items: Sequence, desc: str, describe: Callable[[object], str] = str
 
 
 def launch_env(backend: str, world_size: int, window_bytes: int, *,
-               mps_percentage: int | None = None) -> dict:
+               mps_percentage: int | None = None, nccl: bool = False) -> dict:
     """Environment for the launched ranks.
 
     cuda: ``NVSHMEM_SYMMETRIC_SIZE`` large enough for the window (NVSHMEM's default heap is
-    1 GiB per PE), ``NVSHMEM_DISABLE_NCCL=1``, and ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` when
-    ``mps_percentage`` is given (several processes on one GPU under MPS).
+    1 GiB per PE), ``NVSHMEM_DISABLE_NCCL=1``, ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` when
+    ``mps_percentage`` is given (several processes on one GPU under MPS), and
+    ``NCCL_NVLS_ENABLE=0`` (NVLink multicast off) when the ranks use torch's NCCL (``nccl``).
     """
     if backend != "cuda":
         return {}
@@ -64,7 +67,49 @@ def launch_env(backend: str, world_size: int, window_bytes: int, *,
     child_env = {"NVSHMEM_SYMMETRIC_SIZE": str(heap), "NVSHMEM_DISABLE_NCCL": "1"}
     if mps_percentage is not None:
         child_env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(int(mps_percentage))
+    if nccl:
+        child_env["NCCL_NVLS_ENABLE"] = "0"
     return child_env
+
+
+def nccl_unavailable_reason(backend: str, world_size: int) -> str | None:
+    """Why ``world_size`` launched ranks cannot run torch NCCL collectives here; None if they can.
+
+    NCCL needs the cuda backend, a torch built with it, and one GPU per process (``launch``
+    puts rank r on GPU r only then; NCCL does not support several ranks on one GPU).
+    """
+    if backend != "cuda":
+        return f"the {backend} backend has no GPU transport to compare with"
+    try:
+        import torch.distributed as dist
+
+        available = dist.is_available() and dist.is_nccl_available()
+    except Exception:  # noqa: BLE001
+        available = False
+    if not available:
+        return "this torch has no torch.distributed with NCCL"
+    gpus = num_visible_gpus()
+    if gpus < world_size:
+        return (f"{world_size} processes need one GPU each, {gpus} visible "
+                "(NCCL does not support several processes on one GPU)")
+    return None
+
+
+@contextlib.contextmanager
+def nccl_process_group(ctx, timeout_s: float):
+    """``torch.distributed`` with an NCCL process group of the launched job (every rank of
+    ``ctx``'s job enters it), rendezvous through the job's store; destroyed on exit."""
+    import torch
+    import torch.distributed as dist
+
+    store = dist.PrefixStore(f"{ctx.job_id}/nccl", ctx.store().store)
+    dist.init_process_group("nccl", store=store, rank=ctx.rank, world_size=ctx.world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s),
+                            device_id=torch.device("cuda", ctx.device_id))
+    try:
+        yield dist
+    finally:
+        dist.destroy_process_group()
 
 
 def set_device(backend: str, ctx):

@@ -30,6 +30,11 @@ shape runs inside it.
       host (``.cpu()``), per-peer ``index_select`` + ``copy_`` into F window-sized buffers,
       header H2D copy and flag write; combine = host polling of the F flags (``.item()``),
       cat of the reply rows and an fp32 ``index_add_`` of the weighted rows + shared rows.
+    - baseline 3 (``--nccl-baseline``, cuda with one GPU per process): ``all_to_all_single``
+      over torch NCCL between the same processes, same bytes: dispatch = the Attention rank
+      sends each FFN rank its routed + shared rows, combine = each FFN rank sends them back;
+      run after the connector's part (the FFN ranks leave ``FFNWorker.run()`` first), CUDA
+      events on the Attention rank around each call after a barrier.
 (c) the DESIGN §10 targets next to the numbers, PASS/MISS (reported, never asserted).
 
 On the host backend everything is numpy/shared memory at a tiny size: the numbers measure the
@@ -42,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -53,6 +59,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as bc  # noqa: E402
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig  # noqa: E402
 from afd_cupy.launch import launch  # noqa: E402
+from afd_cupy.planner import shared_count  # noqa: E402
+from afd_cupy.store import store_fetch, store_publish  # noqa: E402
 from afd_cupy.wire import window_size_hint  # noqa: E402
 
 #: DeepSeek-like expert counts per top-k (V2/V2-Lite: 64 experts top-6, V3: 256 top-8)
@@ -65,6 +73,11 @@ RFC_LABEL = ("in-process torch-ops equivalent of the reference (RFC) connector: 
 DECODE_RFC_NOTE = ("in-process torch-ops equivalent (RfcTorchPath, no second process): host wall time "
                    "of its dispatch + combine per round trip on the same inputs and device, its .cpu() "
                    "and .item() host syncs included, device synchronized at the end; same iters/warm-up")
+NCCL_NOTE = ("torch.distributed.all_to_all_single over NCCL between the same processes (one GPU each), "
+             "same rows per FFN rank as the connector's dispatch (routed + shared); dispatch = Attention -> "
+             "FFN ranks, combine = FFN ranks -> Attention (the received rows echoed); CUDA events on the "
+             "Attention rank around each call after a barrier; same iters/warm-up as the prefill")
+NCCL_ROWS_KEY = "bench_transport/nccl_rows"
 HOST_LABEL = ("HOST BACKEND at a tiny size: measures the host protocol (POSIX shm + numpy/numba, "
               "wall times), not a GPU transport")
 
@@ -86,6 +99,7 @@ class Group:
     prefill_iters: int
     prefill_warmup: int
     peer_timeout_s: float = 60.0
+    nccl_baseline: bool = False
 
     @property
     def num_experts(self) -> int:
@@ -123,11 +137,16 @@ def _rank(ctx, group: Group) -> dict:
         if role == "ffn":
             worker = FFNWorker(conn, expert_fn=_identity_experts)
             worker.run()
+            if group.nccl_baseline:  # after run(): the Attention rank announced shutdown
+                _nccl_baseline(ctx, group, device)
             return {"role": "ffn", "served": worker.num_served}
         try:
-            return _attention(conn, group, device)
+            result = _attention(conn, group, device)
         finally:
             conn.announce_shutdown()
+        if group.nccl_baseline:
+            _nccl_baseline(ctx, group, device, result["prefill"])
+        return result
     finally:
         conn.close()
 
@@ -248,6 +267,8 @@ def _prefill_point(conn, group: Group, num_tokens: int, device, watch) -> dict:
            "iters": len(dispatch_ms), "bytes": _payload_bytes(conn, num_tokens),
            "dispatch_ms": bc.median(dispatch_ms), "combine_ms": bc.median(combine_ms),
            "roundtrip_ms": bc.median(roundtrip_ms)}
+    if group.nccl_baseline:
+        row["ffn_rows"] = _rows_per_ffn(conn, ids)
     row.update(_baselines(conn, group, hidden, ids, weights, row["bytes"], watch))
     return _with_ratios(row)
 
@@ -256,6 +277,16 @@ def _payload_bytes(conn, num_tokens: int) -> int:
     model = conn.model
     rows = num_tokens * model.top_k + (num_tokens if model.num_shared_experts else 0)
     return rows * model.hidden_size * model.itemsize
+
+
+def _rows_per_ffn(conn, ids) -> list:
+    """Rows the connector's dispatch writes to each FFN rank: its routed partials + its shared rows."""
+    import torch
+
+    num_ffn, num_tokens = conn.topology.num_ffn_ranks, ids.shape[0]
+    routed = torch.bincount(ids.reshape(-1).long() // conn.layout.expert_per_rank, minlength=num_ffn)
+    return [int(n) + (shared_count(num_tokens, num_ffn, j) if conn.has_shared else 0)
+            for j, n in enumerate(routed.tolist())]
 
 
 def _wait_replies_landed(conn, handle, flags_before, timeout_s: float = 60.0) -> None:
@@ -304,6 +335,10 @@ class RfcTorchPath:
         self.device = device
         self.seq = 0
 
+    def shared_idx(self, ffn_rank: int, num_tokens: int):
+        """Token indices of ``ffn_rank``'s round-robin shared rows (empty when tokens <= rank)."""
+        return self.torch.arange(ffn_rank, max(ffn_rank, num_tokens), self.num_ffn, device=self.device)
+
     def dispatch(self, hidden, topk_ids):
         torch = self.torch
         num_tokens = hidden.shape[0]
@@ -319,7 +354,7 @@ class RfcTorchPath:
             self.routed[j][:num_routed].copy_(hidden.index_select(0, idx))
             self.route[j][:num_routed, 0].copy_(idx)
             self.route[j][:num_routed, 1].copy_(order[start:start + num_routed] % self.top_k)
-            shared_idx = torch.arange(j, num_tokens, self.num_ffn, device=self.device)
+            shared_idx = self.shared_idx(j, num_tokens)
             self.shared[j][:shared_idx.numel()].copy_(hidden.index_select(0, shared_idx))
             header = [self.seq, j, num_routed, shared_idx.numel()] + counts[j * self.epr:(j + 1) * self.epr].tolist()
             self.headers[j, :len(header)].copy_(torch.tensor(header, dtype=torch.int32))
@@ -338,7 +373,7 @@ class RfcTorchPath:
         out = torch.zeros(num_tokens, self.hidden, dtype=torch.float32, device=self.device)
         out.index_add_(0, token_idx, rows.float() * weights[:, None])
         for j in range(self.num_ffn):
-            shared_idx = torch.arange(j, num_tokens, self.num_ffn, device=self.device)
+            shared_idx = self.shared_idx(j, num_tokens)
             out.index_add_(0, shared_idx, self.shared[j][:shared_idx.numel()].float())
         return out.to(self.routed[0].dtype)
 
@@ -374,17 +409,76 @@ def _baselines(conn, group: Group, hidden, ids, weights, num_bytes: int, watch) 
             "rfc_combine_ms": bc.median(rfc_combine_ms)}
 
 
+def _nccl_baseline(ctx, group: Group, device, prefill: list | None = None) -> None:
+    """Baseline 3, on every rank after the connector's part: each prefill point over NCCL.
+    The Attention rank (``prefill``: its rows) publishes the rows per FFN rank of every point
+    and adds the NCCL medians to its rows; the FFN ranks fetch them and take part."""
+    store = ctx.store()
+    if prefill is not None:
+        store_publish(store, NCCL_ROWS_KEY, json.dumps([row["ffn_rows"] for row in prefill]).encode())
+    points = json.loads(store_fetch(store, NCCL_ROWS_KEY, group.peer_timeout_s))
+    watch = bc.Stopwatch(device)
+    with bc.nccl_process_group(ctx, group.peer_timeout_s) as dist:
+        for index, rows in enumerate(points):
+            times = _nccl_point(dist, ctx.rank, rows, group, device, watch)
+            if prefill is not None:
+                prefill[index].update(times)
+                _with_nccl_ratios(prefill[index])
+
+
+def _nccl_point(dist, rank: int, rows: list, group: Group, device, watch) -> dict:
+    """``all_to_all_single`` of ``rows[j]`` rows between rank 0 and FFN rank j (world rank
+    j + 1): dispatch 0 -> j, combine j -> 0 (FFN ranks echo what they received; rank 0
+    checks it got its rows back). Medians of the events around each call (rank 0's count)."""
+    import torch
+
+    world = len(rows) + 1
+    splits = [0] + list(rows) if rank == 0 else [rows[rank - 1]] + [0] * (world - 1)
+    silent = [0] * world
+    sent = torch.randn(sum(splits), group.hidden, device=device).to(torch.bfloat16)
+    empty = sent.new_empty(0, group.hidden)
+    back = torch.empty_like(sent) if rank == 0 else empty
+    calls = {"nccl_dispatch_ms": (empty, sent, silent, splits) if rank == 0 else (sent, empty, splits, silent),
+             "nccl_combine_ms": (back, empty, splits, silent) if rank == 0 else (empty, sent, silent, splits)}
+    times = {name: [] for name in calls}
+    for i in range(group.prefill_warmup + group.prefill_iters):
+        for name, (output, source, output_splits, input_splits) in calls.items():
+            dist.barrier()  # every rank enters the call at about the same time
+            watch.sync()
+            start = watch.mark()
+            dist.all_to_all_single(output, source, output_splits, input_splits)
+            elapsed = watch.elapsed_ms(start, watch.mark())
+            if i >= group.prefill_warmup:
+                times[name].append(elapsed)
+    if rank == 0 and not torch.equal(back, sent):
+        raise RuntimeError(f"NCCL baseline: rows {rows} did not come back unchanged")
+    return {name: bc.median(values) for name, values in times.items()}
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator > 0 else float("nan")
+
+
 def _with_ratios(row: dict) -> dict:
     gb = row["bytes"] / 1e9
     for name in ("dispatch", "combine", "copy", "rfc_dispatch", "rfc_combine"):
-        row[f"{name}_GBps"] = gb / (row[f"{name}_ms"] / 1e3) if row[f"{name}_ms"] > 0 else float("nan")
+        row[f"{name}_GBps"] = _ratio(gb, row[f"{name}_ms"] / 1e3)
     pair = row["dispatch_ms"] + row["combine_ms"]
     # the pair moves the bytes twice (out and back); the copy moves them once
-    row["pair_vs_copy"] = 2 * row["copy_ms"] / pair if pair > 0 else float("nan")
-    row["dispatch_vs_copy"] = row["copy_ms"] / row["dispatch_ms"] if row["dispatch_ms"] > 0 else float("nan")
-    row["combine_vs_copy"] = row["copy_ms"] / row["combine_ms"] if row["combine_ms"] > 0 else float("nan")
-    rfc_pair = row["rfc_dispatch_ms"] + row["rfc_combine_ms"]
-    row["speedup_vs_rfc"] = rfc_pair / pair if pair > 0 else float("nan")
+    row["pair_vs_copy"] = _ratio(2 * row["copy_ms"], pair)
+    row["dispatch_vs_copy"] = _ratio(row["copy_ms"], row["dispatch_ms"])
+    row["combine_vs_copy"] = _ratio(row["copy_ms"], row["combine_ms"])
+    row["speedup_vs_rfc"] = _ratio(row["rfc_dispatch_ms"] + row["rfc_combine_ms"], pair)
+    return row
+
+
+def _with_nccl_ratios(row: dict) -> dict:
+    """nccl_GBps: bytes of the pair (out and back) / its time; x_vs_nccl: NCCL pair / connector
+    pair; rt_x_vs_nccl: NCCL pair / connector round trip (which includes the reply's transfer)."""
+    nccl_pair = row["nccl_dispatch_ms"] + row["nccl_combine_ms"]
+    row["nccl_GBps"] = _ratio(2 * row["bytes"] / 1e9, nccl_pair / 1e3)
+    row["x_vs_nccl"] = _ratio(nccl_pair, row["dispatch_ms"] + row["combine_ms"])
+    row["rt_x_vs_nccl"] = _ratio(nccl_pair, row["roundtrip_ms"])
     return row
 
 
@@ -429,11 +523,25 @@ def plan_groups(args, backend: str) -> list[Group]:
     return groups
 
 
+def with_nccl_baseline(groups: list, backend: str) -> tuple[list, list]:
+    """Turn baseline 3 on in the groups with prefill points where NCCL can run; the second
+    value: one line per group where it cannot, saying why."""
+    skipped = []
+    for index, group in enumerate(groups):
+        if not group.prefill_tokens:
+            continue
+        reason = bc.nccl_unavailable_reason(backend, 1 + group.num_ffn)
+        if reason:
+            skipped.append(f"NCCL baseline skipped for {group.describe()}: {reason}")
+        groups[index] = dataclasses.replace(group, nccl_baseline=reason is None)
+    return groups, skipped
+
+
 def run_group(group: Group, timeout_s: float) -> dict:
     model = group.model()
     world = 1 + group.num_ffn
     window = window_size_hint(model, TopologyConfig(1, group.num_ffn), ConnectorConfig())
-    child_env = bc.launch_env(group.backend, world, window)
+    child_env = bc.launch_env(group.backend, world, window, nccl=group.nccl_baseline)
     results = launch(_rank, world, args=(group,), timeout_s=timeout_s, env=child_env,
                      num_gpus=None if group.backend == "cuda" else 0)
     return results[0]
@@ -470,12 +578,18 @@ def draw(decode: list, prefill: list, title: str):
         rows = sorted(prefill, key=lambda r: r["tokens"])
         for key, label in (("dispatch_GBps", "AFD dispatch"), ("combine_GBps", "AFD combine"),
                            ("copy_GBps", "plain copy_"), ("rfc_dispatch_GBps", "RFC-path dispatch"),
-                           ("rfc_combine_GBps", "RFC-path combine")):
+                           ("rfc_combine_GBps", "RFC-path combine"), ("nccl_GBps", "NCCL all_to_all pair")):
+            if not all(key in r for r in rows):
+                continue
             axes[1].plot([r["tokens"] for r in rows], [r[key] for r in rows], marker="o", label=label)
         axes[1].set(xscale="log", xlabel="tokens", ylabel="GB/s", title="prefill bandwidth")
         axes[1].legend(fontsize=7)
         fig.suptitle(title, fontsize=9)
     return _draw
+
+
+PREFILL_NCCL_COLUMNS = {"nccl_dispatch_ms": "NCCL d ms", "nccl_combine_ms": "NCCL c ms",
+                        "nccl_GBps": "NCCL GB/s", "x_vs_nccl": "x vs NCCL", "rt_x_vs_nccl": "rt x vs NCCL"}
 
 
 def print_summary(report: dict) -> None:
@@ -493,12 +607,17 @@ def print_summary(report: dict) -> None:
     print(f"RFC med = {report['rfc_baseline_kind']}, no second process (host wall time of its dispatch + "
           "combine, its .cpu()/.item() syncs included); x vs RFC = RFC med / median")
     print("\n(b) prefill bandwidth (medians; GB/s = payload bytes / time; RFC = " + report["rfc_baseline_kind"] + ")")
+    nccl = [key for key in PREFILL_NCCL_COLUMNS if any(key in r for r in report["prefill"])]
     print(bc.format_table(
         ("tokens", "F", "MB", "disp ms", "comb ms", "rt ms", "disp GB/s", "comb GB/s", "copy GB/s",
-         "pair/copy", "RFC d+c ms", "x vs RFC"),
+         "pair/copy", "RFC d+c ms", "x vs RFC") + tuple(PREFILL_NCCL_COLUMNS[key] for key in nccl),
         [(r["tokens"], r["num_ffn"], r["bytes"] / 1e6, r["dispatch_ms"], r["combine_ms"], r["roundtrip_ms"],
           r["dispatch_GBps"], r["combine_GBps"], r["copy_GBps"], r["pair_vs_copy"],
-          r["rfc_dispatch_ms"] + r["rfc_combine_ms"], r["speedup_vs_rfc"]) for r in report["prefill"]]))
+          r["rfc_dispatch_ms"] + r["rfc_combine_ms"], r["speedup_vs_rfc"]) + tuple(r.get(key) for key in nccl)
+         for r in report["prefill"]]))
+    if nccl:
+        print("NCCL = " + NCCL_NOTE + "; NCCL GB/s = 2 * bytes / (NCCL d + c); x vs NCCL = (NCCL d + c) / "
+              "(disp + comb); rt x vs NCCL = (NCCL d + c) / rt")
     print("\n(c) targets")
     print(bc.targets_table(report["targets"]))
 
@@ -517,6 +636,9 @@ def parse_args(argv=None):
     parser.add_argument("--ffn", type=int, nargs="+", help="numbers of FFN ranks")
     parser.add_argument("--iters", type=int, help="decode iterations after warm-up (>= 200)")
     parser.add_argument("--timeout", type=float, default=300.0, help="per launch, seconds")
+    parser.add_argument("--nccl-baseline", action="store_true",
+                        help="prefill baseline 3: all_to_all_single over torch NCCL between the same "
+                             "processes (cuda, one GPU per process; skipped with a message otherwise)")
     return parser.parse_args(argv)
 
 
@@ -524,6 +646,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     backend = args.backend or bc.detect_backend()
     groups = plan_groups(args, backend)
+    if args.nccl_baseline:
+        groups, nccl_skipped = with_nccl_baseline(groups, backend)
+        print("\n".join(nccl_skipped) or "NCCL baseline on", flush=True)
     started = time.perf_counter()
     decode, prefill, devices = [], [], set()
     for group in bc.progress(groups, "bench_transport", lambda g: g.describe()):
@@ -550,6 +675,9 @@ def main(argv=None) -> int:
                   "speedup_vs_rfc": "(rfc_dispatch_ms + rfc_combine_ms) / (dispatch_ms + combine_ms)"},
               "decode": decode, "prefill": prefill, "targets": targets(decode, prefill),
               "wall_s": time.perf_counter() - started}
+    if args.nccl_baseline:
+        report["nccl_baseline"] = {"kind": NCCL_NOTE, "skipped": nccl_skipped}
+        report["timing"]["x_vs_nccl"] = "(nccl_dispatch_ms + nccl_combine_ms) / (dispatch_ms + combine_ms)"
     json_path = bc.write_json(args.out, "bench_transport.json", report)
     title = f"afd_cupy bench_transport ({backend}, {report['device']}, {report['run']['commit']})"
     plot_path = bc.save_plot(args.out, "bench_transport.png", draw(decode, prefill, title))
