@@ -62,7 +62,14 @@ for name in "${!RESULT[@]}"; do
   case "${RESULT[$name]}" in rc=0*) ;; *) echo "--- $name"; tail -40 "$OUT/$name.log";; esac
 done
 echo
+{
 echo "==== afd_cupy GPU suite summary (${AFD_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown-commit)}, $(head -1 "$OUT/gpu.txt")) ===="
 for name in pytest_cuda pytest_hostpoll smoke_1a1f smoke_2a2f bench_poll bench_transport bench_afd profile_roundtrip; do
-  [ -n "${RESULT[$name]:-}" ] && printf '%-16s %s\n' "$name" "${RESULT[$name]}"
+  [ -n "${RESULT[$name]:-}" ] && printf '%-17s %s\n' "$name" "${RESULT[$name]}"
 done
+} | tee "$OUT/summary.txt"
+# NOTE: the device tool brings back at most 8 files: pack every log, JSON and plot into one.
+PACKED=$(mktemp /tmp/afd_suite_logs.XXXXXX)
+tar -czf "$PACKED" -C "$OUT" --exclude=./summary.txt . \
+  && find "$OUT" -mindepth 1 -maxdepth 1 ! -name summary.txt -exec rm -rf {} + \
+  && mv "$PACKED" "$OUT/suite_logs.tar.gz"
