@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from afd_cupy import kernels, wire
-from afd_cupy.errors import (CapacityError, ConnectorShutdown, PeerTimeoutError, ProtocolError,
-                             WireError)
+from afd_cupy.errors import (ConnectorShutdown, PeerTimeoutError, ProtocolError, WireError,
+                             reply_timeout_error, routed_capacity_error)
 from afd_cupy.kernels import PinnedInt64
 
 #: extra host-side wait beyond a kernel's own timeout before the host stops trusting it
@@ -206,11 +206,8 @@ class CudaDataPath:
             flag = self.window.flag_view(self.conn.world_rank, int(j), ring)
             while int(flag.get()[0]) == seen:
                 if time.monotonic() >= deadline:
-                    raise PeerTimeoutError(
-                        f"no reply from FFN rank {j} (region {j}, ring {ring}) for layer {layer_idx}, "
-                        f"dispatch seq {expected[j]} within {self.conn.peer_timeout_s} s; flag still {seen}",
-                        peer=int(j), region=int(j), ring=ring, expected_seq=int(expected[j]),
-                        observed_seq=seen, layer_idx=layer_idx)
+                    raise reply_timeout_error(int(j), ring, layer_idx, int(expected[j]), seen,
+                                              self.conn.peer_timeout_s)
                 time.sleep(0)
 
     def check_errors(self) -> None:
@@ -308,16 +305,10 @@ def _status_error(status: dict, layer_idx, timeout_s: float) -> Exception:
     code, peer = status["code"], status["peer"]
     where = f" for layer {layer_idx}" if layer_idx is not None else ""
     if code == kernels.STATUS_CAPACITY:
-        return CapacityError(
-            f"{status['count']} routed partials for FFN rank {peer} > routed_cap={status['cap']}; "
-            "raise routed_cap_multiplier (worst case = number of FFN ranks); nothing was sent",
-            counts=status["count"], cap=status["cap"])
+        return routed_capacity_error(status["count"], peer, status["cap"], nothing_sent=True)
     if code == kernels.STATUS_TIMEOUT:
-        return PeerTimeoutError(
-            f"no reply from FFN rank {peer} (region {peer}, ring {status['ring']}){where}, dispatch "
-            f"seq {status['expected']} within {timeout_s} s; flag still {status['observed']}",
-            peer=peer, region=peer, ring=status["ring"], expected_seq=status["expected"],
-            observed_seq=status["observed"], layer_idx=layer_idx)
+        return reply_timeout_error(peer, status["ring"], layer_idx, status["expected"],
+                                   status["observed"], timeout_s)
     if code == kernels.STATUS_SHUTDOWN:
         return ConnectorShutdown(f"FFN rank {peer} announced shutdown while a reply was pending",
                                  src_rank=peer)

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from afd_cupy import planner, wire
-from afd_cupy.errors import ConnectorShutdown, PeerTimeoutError, ProtocolError
+from afd_cupy.errors import ConnectorShutdown, ProtocolError, reply_timeout_error
 from afd_cupy.payload import raw_dtype, raw_to_f32, raw_to_torch, torch_to_raw
 
 
@@ -102,11 +102,8 @@ class HostDataPath:
         seen = window.seen(ffn_rank, ring)
         while int(flag_view[0]) == seen:
             if time.monotonic() >= deadline:
-                raise PeerTimeoutError(
-                    f"no reply from FFN rank {ffn_rank} (region {ffn_rank}, ring {ring}) for layer "
-                    f"{layer_idx}, dispatch seq {expected_seq} within {self.conn.peer_timeout_s} s; "
-                    f"flag still {seen}", peer=ffn_rank, region=ffn_rank, ring=ring,
-                    expected_seq=expected_seq, observed_seq=seen, layer_idx=layer_idx)
+                raise reply_timeout_error(ffn_rank, ring, layer_idx, expected_seq, seen,
+                                          self.conn.peer_timeout_s)
             time.sleep(0)
         flag = int(flag_view[0])
         window.mark_seen(ffn_rank, ring, flag)

@@ -39,6 +39,14 @@ class CapacityError(AfdError):
         self.cap = cap
 
 
+def routed_capacity_error(count: int, peer: int, cap: int, *, nothing_sent: bool = False) -> CapacityError:
+    """The CapacityError of ``count`` routed partials for FFN rank ``peer`` over ``cap``."""
+    suffix = "; nothing was sent" if nothing_sent else ""
+    return CapacityError(
+        f"{count} routed partials for FFN rank {peer} > routed_cap={cap}; raise "
+        f"routed_cap_multiplier (worst case = number of FFN ranks){suffix}", counts=count, cap=cap)
+
+
 class RingExhaustedError(AfdError):
     """No free ring slot for a (peer, stage): the configuration does not match the peers."""
 
@@ -55,6 +63,17 @@ class PeerTimeoutError(AfdError, TimeoutError):
         self.expected_seq = expected_seq
         self.observed_seq = observed_seq
         self.layer_idx = layer_idx
+
+
+def reply_timeout_error(peer: int, ring: int, layer_idx, expected_seq: int, observed_seq: int,
+                        timeout_s: float) -> PeerTimeoutError:
+    """The PeerTimeoutError of an Attention rank that got no reply from FFN rank ``peer``."""
+    where = f" for layer {layer_idx}" if layer_idx is not None else ""
+    return PeerTimeoutError(
+        f"no reply from FFN rank {peer} (region {peer}, ring {ring}){where}, dispatch seq "
+        f"{expected_seq} within {timeout_s} s; flag still {observed_seq}",
+        peer=peer, region=peer, ring=ring, expected_seq=expected_seq, observed_seq=observed_seq,
+        layer_idx=layer_idx)
 
 
 class ConnectorShutdown(AfdError):

@@ -251,16 +251,13 @@ def decode_header(words, expert_per_rank: int) -> Header:
 def check_capacity(layout: WindowLayout, *, num_tokens: int, routed_tokens: int,
                    shared_tokens: int, peer: int) -> None:
     """Raise CapacityError (nothing written yet) if a message does not fit its slot."""
-    from afd_cupy.errors import CapacityError
+    from afd_cupy.errors import CapacityError, routed_capacity_error
 
     if num_tokens > layout.token_cap:
         raise CapacityError(f"num_tokens={num_tokens} > token_cap={layout.token_cap} "
                             "(max_num_batched_tokens)", counts=num_tokens, cap=layout.token_cap)
     if routed_tokens > layout.routed_cap:
-        raise CapacityError(
-            f"{routed_tokens} routed partials for FFN rank {peer} > routed_cap={layout.routed_cap}; "
-            "raise routed_cap_multiplier (worst case = number of FFN ranks)",
-            counts=routed_tokens, cap=layout.routed_cap)
+        raise routed_capacity_error(routed_tokens, peer, layout.routed_cap)
     if shared_tokens > layout.shared_cap:
         raise CapacityError(f"{shared_tokens} shared rows for FFN rank {peer} > shared_cap={layout.shared_cap}",
                             counts=shared_tokens, cap=layout.shared_cap)
