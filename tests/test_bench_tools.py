@@ -69,3 +69,21 @@ def test_bench_afd_quick_host(tmp_path):
             assert len({rep["batches"] for rep in row["replicas"]}) == 1, row
     assert set(report["ratios"]) == {"uniform", "skewed"}
     assert "bench_afd summary" in stdout and "async / lockstep" in stdout
+
+
+@pytest.mark.timeout(90)
+def test_profile_roundtrip_quick_host(tmp_path):
+    stdout = _run_tool("profile_roundtrip.py", tmp_path, "--tokens", "2", "--hidden", "128",
+                       "--iters", "40", "--warmup", "5")
+    report = json.loads((tmp_path / "profile_phases.json").read_text())
+    phases = {row["phase"]: row for row in report["phases"]}
+    total = phases["round trip (attn send start -> recv done)"]
+    assert total["n"] == 40 and total["median_us"] > 0
+    # the host-clock phases that exist on the host backend tile the round trip
+    parts = ("attn send_attn_output (host)", "send returned -> FFN sees arrival",
+             "FFN arrival -> work item built", "FFN item -> reply called (experts)",
+             "FFN send_ffn_work_item_output (host)", "FFN reply returned -> attn recv done")
+    for name in parts:
+        assert phases[name]["n"] == 40 and phases[name]["median_us"] >= 0, name
+    assert phases["GPU combine"]["n"] == 0  # no CUDA events on the host backend
+    assert "round-trip phases" in stdout and (tmp_path / "profile_attention.txt").exists()

@@ -3,7 +3,7 @@
 # `cuda`-marked test (multi-process ones included), the smoke tool (1A1F and 2A2F) and the
 # short benchmarks, stop MPS, print a summary table last. Logs go to $OUT (or ./gpu_out).
 #
-#   bash tools/gpu_suite.sh [quick]      # quick: tests + smoke only, no benchmarks
+#   bash tools/gpu_suite.sh [full|quick|bench]  # quick: tests + smoke only; bench: benchmarks only
 # Knobs (environment): SUITE_TIMEOUT, TEST_TIMEOUT (per test), SMOKE_ARGS, SKIP_SMOKE_2A2F=1,
 # SKIP_HOSTPOLL=1 / HOSTPOLL_TIMEOUT (the e2e cases with host polling and no MPS),
 # BENCHES (names of tools/*.py run with --quick), BENCH_TIMEOUT, AFD_COMMIT (for the table).
@@ -42,6 +42,7 @@ run_step() {  # name, timeout, command...   (NO_MPS=1 run_step ...: with MPS sto
 # single-process kernel tests first, multi-process end-to-end tests last
 TEST_FILES=$(ls tests/test_kernels_cuda.py tests/test_moe.py tests/test_nvshmem_binding.py 2>/dev/null; \
   ls tests/test_*.py | grep -v -e test_kernels_cuda -e test_moe.py -e test_nvshmem_binding)
+if [ "$MODE" != bench ]; then
 run_step pytest_cuda "$SUITE_TIMEOUT" python3 -m pytest -m cuda -q -p no:cacheprovider \
   --timeout=${TEST_TIMEOUT:-90} -rfEs $TEST_FILES
 # the end-to-end cases again with host polling and WITHOUT MPS (no spinning kernels at all)
@@ -49,9 +50,10 @@ run_step pytest_cuda "$SUITE_TIMEOUT" python3 -m pytest -m cuda -q -p no:cachepr
   python3 -m pytest -m cuda -q -p no:cacheprovider --timeout=${TEST_TIMEOUT:-90} -rfEs tests/test_e2e.py tests/test_e2e_errors.py
 run_step smoke_1a1f 120 python3 tools/smoke.py --layers 4 ${SMOKE_ARGS:-}
 [ "${SKIP_SMOKE_2A2F:-0}" = 1 ] || run_step smoke_2a2f 150 python3 tools/smoke.py --2a2f --layers 4 ${SMOKE_ARGS:-}
-if [ "$MODE" = full ]; then
+fi
+if [ "$MODE" = full ] || [ "$MODE" = bench ]; then
   for bench in ${BENCHES:-bench_poll bench_transport bench_afd profile_roundtrip}; do
-    [ -f "tools/$bench.py" ] && run_step "$bench" "${BENCH_TIMEOUT:-240}" python3 "tools/$bench.py" --quick --out "$OUT"
+    [ -f "tools/$bench.py" ] && run_step "$bench" "${BENCH_TIMEOUT:-240}" python3 "tools/$bench.py" --quick --out "$OUT" ${BENCH_ARGS:-}
   done
 fi
 stop_mps

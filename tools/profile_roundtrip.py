@@ -1,16 +1,24 @@
 #!/usr/bin/env python3
-"""Where does a decode round trip's host time go? cProfile on both sides of a 1A1F run.
+"""Where does a decode round trip's time go? Phase timestamps, then cProfile, on both sides
+of a 1A1F run.
 
-The Attention rank runs ``--iters`` blocking round trips (send_attn_output +
-recv_ffn_output) under cProfile; the FFN rank serves them with identity experts under
-cProfile. Each side's top functions (by own time) are written to --out and summarized last,
-with the median round trip, so the per-message host cost can be split into its parts.
+Pass 1 (phases, no profiler): the Attention rank runs ``--iters`` blocking round trips
+(send_attn_output + recv_ffn_output); the FFN rank serves them with identity experts. Both
+sides stamp ``time.monotonic_ns()`` (one clock for all processes of a host) at the API
+boundaries, and on the cuda backend CUDA events around the kernels of each side, so the round
+trip splits into: Attention host send, dispatch-to-arrival-seen, FFN host work, FFN reply
+launch, reply-to-receive-done, and the GPU time of each kernel group. Median and p90 per
+phase go to ``profile_phases.json`` and a table.
+
+Pass 2 (cProfile): the same loop under cProfile on both sides; each side's top functions
+(by own time) are written to --out and summarized.
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
 import io
+import json
 import os
 import pstats
 import statistics
@@ -25,6 +33,124 @@ from afd_cupy.launch import launch  # noqa: E402
 
 def _identity(item):
     return item.routed_x, item.shared_x
+
+
+class _Stamps:
+    """Per-round-trip host timestamps (ns) and CUDA event pairs, recorded by wrapping the
+    connector's methods and, on the cuda backend, the kernel launchers (tool only)."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.rows: list[dict] = []
+        self.events: list[dict] = []
+        self.enabled = True
+
+    def host(self, key: str) -> None:
+        if self.enabled:
+            self.rows[-1][key] = time.monotonic_ns()
+
+    def event(self, key: str) -> None:
+        if self.enabled and self.cuda:
+            import torch
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.events[-1][key] = ev
+
+    def new_row(self) -> None:
+        if self.enabled:
+            self.rows.append({})
+            self.events.append({})
+
+    def gpu_us(self, start: str, end: str) -> list:
+        return [row[start].elapsed_time(row[end]) * 1e3 for row in self.events
+                if start in row and end in row]
+
+
+def _wrap(owner, name: str, before=None, after=None) -> None:
+    inner = getattr(owner, name)
+
+    def wrapped(*a, **kw):
+        if before:
+            before()
+        out = inner(*a, **kw)
+        if after:
+            after(out)
+        return out
+    setattr(owner, name, wrapped)
+
+
+def _instrument(conn, stamps: _Stamps, role: str) -> None:
+    """Wrap the API calls (and on cuda the kernel launchers) with stamps."""
+    from afd_cupy import kernels
+    cuda = stamps.cuda
+    if role == "attention":
+        _wrap(conn, "send_attn_output", before=lambda: (stamps.new_row(), stamps.host("a_send0")),
+              after=lambda _: stamps.host("a_send1"))
+        _wrap(conn, "recv_ffn_output", before=lambda: stamps.host("a_recv0"),
+              after=lambda _: stamps.host("a_recv1"))
+        if cuda:
+            _wrap(kernels, "launch_dispatch_plan", before=lambda: stamps.event("g_disp0"))
+            _wrap(kernels, "launch_dispatch_scatter", after=lambda _: stamps.event("g_disp1"))
+            _wrap(kernels, "launch_wait_replies", before=lambda: stamps.event("g_wait0"))
+            _wrap(kernels, "launch_combine", before=lambda: stamps.event("g_comb0"),
+                  after=lambda _: (stamps.event("g_comb1"), stamps.host("a_launched")))
+        return
+    # FFN: a row per item that arrived (a poll timeout returns None and is not a row)
+    def arrived(arrival):
+        if arrival is not None:
+            stamps.new_row()
+            stamps.host("f_seen")
+            stamps.rows[-1]["f_wait0"] = stamps.pending_wait0
+    def wait_started():
+        stamps.pending_wait0 = time.monotonic_ns()
+    _wrap(conn.path, "wait_any", before=wait_started, after=arrived)
+    _wrap(conn, "recv_ffn_work_item", after=lambda item: item is not None and stamps.host("f_item"))
+    _wrap(conn, "send_ffn_work_item_output", before=lambda: stamps.host("f_reply0"),
+          after=lambda _: stamps.host("f_reply1"))
+    if cuda:
+        _wrap(kernels, "launch_reply", before=lambda: stamps.event("g_reply0"),
+              after=lambda _: stamps.event("g_reply1"))
+
+
+#: (name, start stamp, end stamp, side) of the host-clock phases, in round-trip order
+PHASES = (
+    ("attn send_attn_output (host)", "a_send0", "a_send1", "attention"),
+    ("send returned -> FFN sees arrival", "a_send1", "f_seen", "both"),
+    ("FFN arrival -> work item built", "f_seen", "f_item", "ffn"),
+    ("FFN item -> reply called (experts)", "f_item", "f_reply0", "ffn"),
+    ("FFN send_ffn_work_item_output (host)", "f_reply0", "f_reply1", "ffn"),
+    ("FFN reply returned -> attn recv done", "f_reply1", "a_recv1", "both"),
+    ("attn recv launches (host)", "a_recv0", "a_launched", "attention"),
+    ("round trip (attn send start -> recv done)", "a_send0", "a_recv1", "both"),
+)
+GPU_PHASES = (
+    ("GPU dispatch plan+scatter", "g_disp0", "g_disp1", "attention"),
+    ("GPU wait_replies (incl. waiting)", "g_wait0", "g_comb0", "attention"),
+    ("GPU combine", "g_comb0", "g_comb1", "attention"),
+    ("GPU reply", "g_reply0", "g_reply1", "ffn"),
+)
+
+
+def _quantiles(values: list) -> dict:
+    if not values:
+        return {"median_us": None, "p90_us": None, "n": 0}
+    ordered = sorted(values)
+    return {"median_us": statistics.median(ordered), "p90_us": ordered[int(0.9 * (len(ordered) - 1))],
+            "n": len(ordered)}
+
+
+def phase_table(attn: dict, ffn: dict, warmup: int) -> list:
+    """Join both sides' rows by round-trip index (1A1F: the FFN serves them in order)."""
+    a_rows, f_rows = attn["rows"][warmup:], ffn["rows"][warmup:]
+    count = min(len(a_rows), len(f_rows))
+    joined = [{**a, **f} for a, f in zip(a_rows[:count], f_rows[:count])]
+    table = []
+    for name, start, end, _side in PHASES:
+        values = [(row[end] - row[start]) / 1e3 for row in joined if start in row and end in row]
+        table.append({"phase": name, **_quantiles(values)})
+    for name, start, end, side in GPU_PHASES:
+        table.append({"phase": name, **_quantiles((attn if side == "attention" else ffn)["gpu"].get(name, [])[warmup:])})
+    return table
 
 
 def _rank(ctx, args) -> dict:
@@ -46,30 +172,47 @@ def _rank(ctx, args) -> dict:
                         store=ctx.store(), job_id=ctx.job_id, backend=backend,
                         device_id=ctx.device_id)
     profiler = cProfile.Profile()
+    stamps = _Stamps(cuda=backend == "cuda")
+    _instrument(conn, stamps, role)
+    warmup, iters = args["warmup"], args["iters"]
     try:
         if role == "ffn":
             worker = FFNWorker(conn, expert_fn=_identity)
-            profiler.enable()
+            while len(stamps.rows) < warmup + iters:  # pass 1: phases
+                worker.step()
+            stamps.enabled = False
+            profiler.enable()  # pass 2: cProfile until shutdown
             worker.run()
             profiler.disable()
-            return {"role": "ffn", "stats": _stats(profiler), "served": worker.num_served}
+            return {"role": "ffn", "stats": _stats(profiler), "served": worker.num_served,
+                    "rows": stamps.rows, "gpu": _gpu_phases(stamps, "ffn")}
         gen = torch.Generator().manual_seed(0)
         hidden = torch.randn(args["tokens"], model.hidden_size, generator=gen).to(torch.bfloat16).to(device)
         weights, ids = conn.select_experts(torch.randn(args["tokens"], 64, generator=gen).to(device))
-        for _ in range(20):  # warm-up
+        for _ in range(warmup + iters):  # pass 1: phases (the first `warmup` are dropped)
             conn.recv_ffn_output(conn.send_attn_output(hidden, ids, weights, 0))
+        stamps.enabled = False
+        gpu = _gpu_phases(stamps, "attention")
         times = []
-        profiler.enable()
-        for _ in range(args["iters"]):
+        profiler.enable()  # pass 2: cProfile
+        for _ in range(iters):
             start = time.perf_counter()
             conn.recv_ffn_output(conn.send_attn_output(hidden, ids, weights, 0))
             times.append((time.perf_counter() - start) * 1e6)
         profiler.disable()
         conn.announce_shutdown()
         return {"role": "attention", "stats": _stats(profiler), "median_us": statistics.median(times),
-                "min_us": min(times)}
+                "min_us": min(times), "rows": stamps.rows, "gpu": gpu}
     finally:
         conn.close()
+
+
+def _gpu_phases(stamps: _Stamps, side: str) -> dict:
+    if not stamps.cuda:
+        return {}
+    import torch
+    torch.cuda.synchronize()
+    return {name: stamps.gpu_us(start, end) for name, start, end, owner in GPU_PHASES if owner == side}
 
 
 def _stats(profiler, limit: int = 30) -> str:
@@ -84,22 +227,33 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--top-k", type=int, default=8)
-    parser.add_argument("--iters", type=int, default=300)
+    parser.add_argument("--iters", type=int, default=None, help="default 300 (150 with --quick)")
+    parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="150 round trips")
     parser.add_argument("--out", default=".")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.iters = 150
+    if args.iters is None:
+        args.iters = 150 if args.quick else 300
     cfg = {"backend": args.backend, "tokens": args.tokens, "hidden": args.hidden,
-           "top_k": args.top_k, "iters": args.iters}
+           "top_k": args.top_k, "iters": args.iters, "warmup": args.warmup}
     attn, ffn = launch(_rank, 2, args=(cfg,), timeout_s=300)
     os.makedirs(args.out, exist_ok=True)
     for rep in (attn, ffn):
         with open(os.path.join(args.out, f"profile_{rep['role']}.txt"), "w") as fh:
             fh.write(rep["stats"])
+    table = phase_table(attn, ffn, args.warmup)
+    with open(os.path.join(args.out, "profile_phases.json"), "w") as fh:
+        json.dump({"tool": "profile_roundtrip", "config": cfg, "phases": table}, fh, indent=1)
     for rep in (attn, ffn):
         print(f"==== {rep['role']} (top functions by own time, {args.iters} round trips) ====")
         print("\n".join(rep["stats"].splitlines()[:22]))
+    print(f"\n==== round-trip phases, {args.iters} round trips, no profiler (us; host clock "
+          "CLOCK_MONOTONIC shared by both processes, GPU rows from CUDA events) ====")
+    print(f"{'phase':44s} {'median':>9s} {'p90':>9s} {'n':>5s}")
+    for row in table:
+        med = "-" if row["median_us"] is None else f"{row['median_us']:.1f}"
+        p90 = "-" if row["p90_us"] is None else f"{row['p90_us']:.1f}"
+        print(f"{row['phase']:44s} {med:>9s} {p90:>9s} {row['n']:>5d}")
     print(f"profile_roundtrip: backend={args.backend} tokens={args.tokens} hidden={args.hidden} "
           f"top_k={args.top_k}: round trip median {attn['median_us']:.1f} us (min {attn['min_us']:.1f} us) "
           f"under cProfile; FFN served {ffn['served']}")
