@@ -37,7 +37,7 @@ constexpr int HDR_FLAGS = 10;
 constexpr int HDR_ECHO_SEQ = 11;
 constexpr int HDR_FIXED_WORDS = 12;  // expert_counts[expert_per_rank] follow
 
-// ---- status block: int64 status[8] in pinned host memory (afd_cupy/kernels.py) ---------------
+// ---- status block: int64 status[8] in device memory (afd_cupy/kernels.py StatusBlock) ------
 constexpr int STATUS_OK = 0;
 constexpr int STATUS_CAPACITY = 1;
 constexpr int STATUS_TIMEOUT = 2;
