@@ -54,7 +54,7 @@ afd_dispatch_plan(const afd_i32* __restrict__ topk_ids,  // [num_partials], flat
     for (int e = tid; e < num_experts; e += CHUNK) row[e] = s_hist[e];
   }
 
-  if (!last_block_done(done_counter)) return;
+  if (!last_block_done(done_counter, /*system_scope=*/false)) return;
 
   // Last block: per expert, exclusive scan of the chunk histograms (in place) and totals.
   for (int e = tid; e < num_experts; e += CHUNK) {
@@ -182,7 +182,8 @@ afd_dispatch_scatter(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-
     }
   }
 
-  if (!last_block_done(done_counter)) return;
+  // Every block's rows, route entries and shared indices are released at system scope here.
+  if (!last_block_done(done_counter, /*system_scope=*/true)) return;
 
   // Last block: headers, then (after a system fence) the flags of the non-empty peers.
   const bool ok = (status_code(status) == STATUS_OK);
@@ -225,10 +226,12 @@ afd_dispatch_scatter(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-
       afd_i32* header = static_cast<afd_i32*>(byte_ptr(peer_windows[j], slot_offset + off_header));
       header[w] = value;
     }
-    __threadfence_system();
-    __syncthreads();
+    __syncthreads();  // every header word of the block precedes the fences below
     for (int j = tid; j < num_ffn; j += SCATTER_THREADS) {
       if (s_seq[j] != 0) {
+        // Release in the storing thread itself: cumulative over the headers (bar.sync above)
+        // and over every block's payload (last_block_done), so all precede the flag.
+        __threadfence_system();
         afd_i64* flags = static_cast<afd_i64*>(byte_ptr(peer_windows[j], 0));
         store_volatile(flags + flags_index, s_seq[j]);
       }
