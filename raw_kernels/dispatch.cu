@@ -57,13 +57,24 @@ afd_dispatch_plan(const afd_i32* __restrict__ topk_ids,  // [num_partials], flat
   if (!last_block_done(done_counter, /*system_scope=*/false)) return;
 
   // Last block: per expert, exclusive scan of the chunk histograms (in place) and totals.
+  // SCAN_BATCH chunk rows are loaded before any is stored: one store-then-load per chunk
+  // (the compiler cannot rule out aliasing) made this a chain of num_chunks L2 round trips.
+  constexpr int SCAN_BATCH = 8;
   for (int e = tid; e < num_experts; e += CHUNK) {
+    afd_i32* column = chunk_hist + e;
     afd_i32 run = 0;
-    for (int c = 0; c < num_chunks; ++c) {
-      afd_i32* cell = chunk_hist + static_cast<afd_i64>(c) * num_experts + e;
-      const afd_i32 v = __ldcg(cell);
-      *cell = run;
-      run += v;
+    for (int c0 = 0; c0 < num_chunks; c0 += SCAN_BATCH) {
+      afd_i32 v[SCAN_BATCH];
+#pragma unroll
+      for (int u = 0; u < SCAN_BATCH; ++u) {
+        const afd_i64 cell = static_cast<afd_i64>(c0 + u) * num_experts;
+        v[u] = (c0 + u < num_chunks) ? __ldcg(column + cell) : 0;
+      }
+#pragma unroll
+      for (int u = 0; u < SCAN_BATCH; ++u) {
+        if (c0 + u < num_chunks) column[static_cast<afd_i64>(c0 + u) * num_experts] = run;
+        run += v[u];
+      }
     }
     s_hist[e] = run;
     expert_counts[e] = run;
