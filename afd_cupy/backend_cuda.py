@@ -2,8 +2,9 @@
 
 Every launch goes to torch's current stream of the connector's device, so ordering with the
 caller's torch work needs no synchronization. The Attention side issues two launches per
-send (plan, scatter) and one per receive (wait + combine); ``recv_ffn_output(blocking=True)``
-then synchronizes once to turn a latched status into an exception. The FFN side detects
+send (plan, scatter) and two per receive (wait, combine); ``recv_ffn_output(blocking=True)``
+then copies the device status block to its pinned mirror and synchronizes once to turn a
+latched status into an exception. The FFN side detects
 arrivals with a spinning ``wait_any`` kernel on its own stream that rings a doorbell in
 pinned host memory (``poll_mode="device"``) or by copying the flags to the host
 (``poll_mode="host"``).
@@ -22,7 +23,7 @@ import torch
 from afd_cupy import kernels, wire
 from afd_cupy.errors import (ConnectorShutdown, PeerTimeoutError, ProtocolError, WireError,
                              reply_timeout_error, routed_capacity_error)
-from afd_cupy.kernels import PinnedInt64
+from afd_cupy.kernels import PinnedInt64, StatusBlock
 
 #: extra host-side wait beyond a kernel's own timeout before the host stops trusting it
 _HOST_GRACE_S = 5.0
@@ -52,7 +53,10 @@ class CudaDataPath:
         self.geometry = kernels.layout_kernel_args(layout)
         self.timeout_ns = int(conn.peer_timeout_s * 1e9)
         self.own_window = self.window.peer_ptr(conn.world_rank)
-        self.status = PinnedInt64(kernels.STATUS_WORDS)
+        # NOTE: device memory, read by the host only after a synchronization (see StatusBlock);
+        # the FFN doorbell and header staging below stay pinned: the host polls / writes them
+        # without synchronizing.
+        self.status = StatusBlock.allocate()
         self.last_seen = cupy.zeros(layout.num_slots, cupy.int64)
         self._streams: dict[int, object] = {}
         if conn.role.value == "attention":
@@ -190,14 +194,12 @@ class CudaDataPath:
             timeout_ns=self.timeout_ns, out_scale=out_scale, done_counter=self.combine_done[ring],
             status_ptr=self.status.ptr, stream=stream)
         if blocking:
-            stream.synchronize()
-            self.raise_latched(layer_idx=layer_idx)
+            self._sync_and_raise(layer_idx=layer_idx)
         return out
 
     def _host_wait_replies(self, state: CudaSendState, ring: int, layer_idx: int) -> None:
         """poll_mode="host": wait for the reply flags with host copies (no spinning kernel)."""
-        self.stream().synchronize()
-        self.raise_latched(layer_idx=layer_idx)
+        self._sync_and_raise(layer_idx=layer_idx)
         expected = state.expected.get()
         deadline = time.monotonic() + self.conn.peer_timeout_s
         for j in np.flatnonzero(expected):
@@ -211,15 +213,30 @@ class CudaDataPath:
                 time.sleep(0)
 
     def check_errors(self) -> None:
-        self.stream().synchronize()
-        self.raise_latched()
+        self._sync_and_raise()
+
+    def _sync_and_raise(self, *, layer_idx: int | None = None) -> None:
+        """Mirror the device status to the host, synchronize the stream, raise what it holds."""
+        stream = self.stream()
+        self.status.enqueue_mirror(stream.ptr)
+        stream.synchronize()
+        self.raise_latched(layer_idx=layer_idx)
 
     def raise_latched(self, *, layer_idx: int | None = None) -> None:
-        """Raise the first error latched in the status block (and clear it)."""
-        status = kernels.read_status(self.status.array)
+        """Raise the first error in the host mirror of the status block, and clear both copies.
+
+        The mirror is as fresh as the last :meth:`_sync_and_raise`: without one, this sees no
+        error latched since (``dispatch`` calls it as a cheap safety net, not as a check).
+        NOTE: the device words are cleared in stream order and the stream is synchronized
+        (error path only), so the next launch on any stream starts from a clean status, as the
+        immediate clear of the former pinned status block did.
+        """
+        status = self.status.read()
         if status["code"] == kernels.STATUS_OK:
             return
-        self.status.array[:] = 0
+        stream = self.stream()
+        self.status.clear(stream.ptr)
+        stream.synchronize()
         raise _status_error(status, layer_idx, self.conn.peer_timeout_s)
 
     # --- FFN side ---------------------------------------------------------------------------

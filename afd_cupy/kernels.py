@@ -14,9 +14,11 @@ size of the arrays, signs of the sizes), raise ``ValueError`` naming the argumen
 grid and launch asynchronously. None of them synchronizes. Kernels that use a ``done_counter``
 (uint32 [1], zero, device) leave it at zero again; one counter per kernel in flight.
 
-Status block (``int64[STATUS_WORDS]`` in pinned host memory, see :class:`PinnedInt64`): the first
-error of a kernel is latched with ``atomicCAS`` on word ``ST_CODE``; the host reads it with
-:func:`read_status` and must clear it (``view[:] = 0``) before reusing it.
+Status block (``int64[STATUS_WORDS]``, any device-visible memory): the first error of a kernel
+is latched with ``atomicCAS`` on word ``ST_CODE``; the host reads it with :func:`read_status` and
+must clear it before reusing it. The cuda backend keeps it in device memory and mirrors it into
+pinned host memory at its synchronization points (:class:`StatusBlock`); the kernels work with
+either (the tests use a :class:`PinnedInt64`).
 
 Importing this module does not import CuPy.
 """
@@ -253,6 +255,57 @@ class PinnedInt64:
         return self.array.view(np.int32)
 
 
+class StatusBlock:
+    """The kernels' status block in device memory plus a pinned host mirror of it.
+
+    ``ptr``: device int64 [STATUS_WORDS], what the kernels take as ``status_ptr``; ``host``:
+    numpy int64 [STATUS_WORDS] view of the pinned mirror, as fresh as the last completed
+    :meth:`enqueue_mirror`.
+
+    NOTE: the status lives on the device because every block of the scatter and the combine
+    reads it (the scatter's "error latched, send nothing" check, the combine's re-check): in
+    pinned host memory each of those reads is a PCIe round trip. The host only reads it after a
+    stream synchronization, so one D2H copy enqueued right before that synchronization is
+    enough. Buffers the host reads *without* synchronizing (the wait_any doorbell) or writes
+    for a kernel (the reply header staging) stay in pinned memory.
+    """
+
+    NBYTES = STATUS_WORDS * 8
+
+    def __init__(self, device_ptr: int, host: np.ndarray, runtime, owners=()):
+        if host.dtype != np.int64 or host.size < STATUS_WORDS or not host.flags.c_contiguous:
+            raise ValueError(f"host must be a contiguous int64 array of >= {STATUS_WORDS} words")
+        self.ptr = int(device_ptr)
+        self.host = host
+        self._runtime = runtime  # cupy.cuda.runtime (or a test fake with the same calls)
+        self._owners = owners  # keep the device array and the pinned memory alive
+
+    @classmethod
+    def allocate(cls) -> "StatusBlock":
+        """A zeroed device status block and its zeroed pinned mirror (synchronous)."""
+        import cupy
+
+        device = cupy.zeros(STATUS_WORDS, cupy.int64)
+        pinned = PinnedInt64(STATUS_WORDS)
+        cupy.cuda.Device().synchronize()  # the zero fill precedes any kernel on any stream
+        return cls(device.data.ptr, pinned.array, cupy.cuda.runtime, owners=(device, pinned))
+
+    def enqueue_mirror(self, stream_ptr: int) -> None:
+        """Enqueue the device -> pinned copy on ``stream_ptr``; read :attr:`host` after a sync."""
+        rt = self._runtime
+        rt.memcpyAsync(self.host.ctypes.data, self.ptr, self.NBYTES, rt.memcpyDeviceToHost,
+                       stream_ptr)
+
+    def read(self) -> dict:
+        """:func:`read_status` of the host mirror (no CUDA call)."""
+        return read_status(self.host)
+
+    def clear(self, stream_ptr: int) -> None:
+        """Zero the mirror now and the device words in ``stream_ptr``'s order (no sync)."""
+        self.host[:STATUS_WORDS] = 0
+        self._runtime.memsetAsync(self.ptr, 0, self.NBYTES, stream_ptr)
+
+
 def read_status(status) -> dict:
     """Decode a status block (numpy int64 view, e.g. ``PinnedInt64.array``) into a dict.
 
@@ -368,7 +421,7 @@ def launch_dispatch_plan(*, topk_ids, num_partials, num_ffn_ranks, expert_per_ra
 
     ``topk_ids`` int32 [NK] (flat ``t*K+k``); scratch int32 ``chunk_hist`` [chunks, E] (after:
     per-chunk bases), ``local_rank`` [NK]; outputs int32 ``expert_counts``/``expert_start`` [E],
-    ``rank_offsets`` [F+1]; ``done_counter`` uint32 [1]; ``status_ptr`` pinned status block.
+    ``rank_offsets`` [F+1]; ``done_counter`` uint32 [1]; ``status_ptr`` status block.
     Latches STATUS_CAPACITY (peer, count, cap) if a rank gets more than ``routed_cap`` partials,
     STATUS_BAD_EXPERT on an id outside [0, E). Safe in CUDA graph capture.
     """

@@ -167,7 +167,8 @@ afd_combine(afd_u64 out,  // payload [num_tokens, hidden_size]
     __syncthreads();  // s_weight / s_row are rewritten for the next token
   }
 
-  if (!last_block_done(done_counter)) return;
+  // GPU scope: the output rows and last_seen are read on this GPU only.
+  if (!last_block_done(done_counter, /*system_scope=*/false)) return;
   if (status_code(status) == STATUS_OK) {
     const afd_i64* flags = static_cast<const afd_i64*>(byte_ptr(window, 0));
     for (int j = tid; j < num_ffn; j += COMBINE_THREADS) {

@@ -54,16 +54,27 @@ afd_dispatch_plan(const afd_i32* __restrict__ topk_ids,  // [num_partials], flat
     for (int e = tid; e < num_experts; e += CHUNK) row[e] = s_hist[e];
   }
 
-  if (!last_block_done(done_counter)) return;
+  if (!last_block_done(done_counter, /*system_scope=*/false)) return;
 
   // Last block: per expert, exclusive scan of the chunk histograms (in place) and totals.
+  // SCAN_BATCH chunk rows are loaded before any is stored: one store-then-load per chunk
+  // (the compiler cannot rule out aliasing) made this a chain of num_chunks L2 round trips.
+  constexpr int SCAN_BATCH = 8;
   for (int e = tid; e < num_experts; e += CHUNK) {
+    afd_i32* column = chunk_hist + e;
     afd_i32 run = 0;
-    for (int c = 0; c < num_chunks; ++c) {
-      afd_i32* cell = chunk_hist + static_cast<afd_i64>(c) * num_experts + e;
-      const afd_i32 v = __ldcg(cell);
-      *cell = run;
-      run += v;
+    for (int c0 = 0; c0 < num_chunks; c0 += SCAN_BATCH) {
+      afd_i32 v[SCAN_BATCH];
+#pragma unroll
+      for (int u = 0; u < SCAN_BATCH; ++u) {
+        const afd_i64 cell = static_cast<afd_i64>(c0 + u) * num_experts;
+        v[u] = (c0 + u < num_chunks) ? __ldcg(column + cell) : 0;
+      }
+#pragma unroll
+      for (int u = 0; u < SCAN_BATCH; ++u) {
+        if (c0 + u < num_chunks) column[static_cast<afd_i64>(c0 + u) * num_experts] = run;
+        run += v[u];
+      }
     }
     s_hist[e] = run;
     expert_counts[e] = run;
@@ -182,7 +193,8 @@ afd_dispatch_scatter(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-
     }
   }
 
-  if (!last_block_done(done_counter)) return;
+  // Every block's rows, route entries and shared indices are released at system scope here.
+  if (!last_block_done(done_counter, /*system_scope=*/true)) return;
 
   // Last block: headers, then (after a system fence) the flags of the non-empty peers.
   const bool ok = (status_code(status) == STATUS_OK);
@@ -225,10 +237,12 @@ afd_dispatch_scatter(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-
       afd_i32* header = static_cast<afd_i32*>(byte_ptr(peer_windows[j], slot_offset + off_header));
       header[w] = value;
     }
-    __threadfence_system();
-    __syncthreads();
+    __syncthreads();  // every header word of the block precedes the fences below
     for (int j = tid; j < num_ffn; j += SCATTER_THREADS) {
       if (s_seq[j] != 0) {
+        // Release in the storing thread itself: cumulative over the headers (bar.sync above)
+        // and over every block's payload (last_block_done), so all precede the flag.
+        __threadfence_system();
         afd_i64* flags = static_cast<afd_i64*>(byte_ptr(peer_windows[j], 0));
         store_volatile(flags + flags_index, s_seq[j]);
       }

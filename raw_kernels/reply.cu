@@ -34,13 +34,14 @@ afd_reply(afd_u64 dst_window,  // the Attention peer's window as mapped here
     warp_copy_row(dst, src, row_bytes, lane);
   }
 
-  if (!last_block_done(done_counter)) return;
+  // Every block's rows are released at system scope here.
+  if (!last_block_done(done_counter, /*system_scope=*/true)) return;
   const afd_i32* src_words = static_cast<const afd_i32*>(byte_ptr(header_src, 0));
   afd_i32* header = reinterpret_cast<afd_i32*>(slot + off_header);
   for (int w = tid; w < hdr_words; w += REPLY_THREADS) header[w] = load_volatile32(src_words + w);
-  __threadfence_system();
-  __syncthreads();
+  __syncthreads();  // every header word of the block precedes thread 0's fence
   if (tid == 0) {
+    __threadfence_system();  // release, cumulative over the header and every block's rows
     afd_i64* flags = static_cast<afd_i64*>(byte_ptr(dst_window, 0));
     store_volatile(flags + flags_index, seq);
     __threadfence();

@@ -37,7 +37,7 @@ constexpr int HDR_FLAGS = 10;
 constexpr int HDR_ECHO_SEQ = 11;
 constexpr int HDR_FIXED_WORDS = 12;  // expert_counts[expert_per_rank] follow
 
-// ---- status block: int64 status[8] in pinned host memory (afd_cupy/kernels.py) ---------------
+// ---- status block: int64 status[8] in device memory (afd_cupy/kernels.py StatusBlock) ------
 constexpr int STATUS_OK = 0;
 constexpr int STATUS_CAPACITY = 1;
 constexpr int STATUS_TIMEOUT = 2;
@@ -215,21 +215,33 @@ __device__ __forceinline__ void warp_copy_row(void* dst, const void* src, afd_i6
 }
 
 // Last-block-done protocol. Every thread of every block calls it once, after its own writes.
-// Each thread fences its writes system-wide, then thread 0 counts the block in; the block that
-// completes the count gets true (after an acquire fence) and must reset *counter to 0 when done.
+// The block's writes are gathered by a barrier and released by one fence of thread 0, which then
+// counts the block in; the block that completes the count gets true and must reset *counter to
+// 0 when done. `system_scope` must be true when the blocks wrote peer or host memory that a
+// reader elsewhere will acquire through a flag written after this (scatter, reply); false is
+// enough when only this GPU reads the results (plan, combine).
+// NOTE (memory model): bar.sync puts every thread's writes before thread 0's fence in
+// causality order, and a fence is cumulative over what precedes it, so fence + atomicAdd by
+// one thread releases the whole block's writes (the pattern of cooperative groups' grid
+// sync). A fence in every thread, as before, was redundant: a MEMBAR per warp, 8 per block.
+// The last block acquires with atomicAdd + fence in thread 0 and shares it through bar.sync.
 // NOTE: one counter per kernel in flight; the counter is left at 0 for the next launch.
-__device__ __forceinline__ bool last_block_done(unsigned int* counter) {
+__device__ __forceinline__ bool last_block_done(unsigned int* counter, bool system_scope) {
   __shared__ bool s_is_last;
-  __threadfence_system();
   __syncthreads();
   if (threadIdx.x == 0) {
+    if (system_scope) {
+      __threadfence_system();
+    } else {
+      __threadfence();
+    }
     const unsigned int prev = atomicAdd(counter, 1u);
-    s_is_last = (prev == gridDim.x - 1);
+    const bool is_last = (prev == gridDim.x - 1);
+    if (is_last) __threadfence();  // acquire: every other block's writes precede its count
+    s_is_last = is_last;
   }
   __syncthreads();
-  const bool is_last = s_is_last;
-  if (is_last) __threadfence();
-  return is_last;
+  return s_is_last;
 }
 
 __device__ __forceinline__ afd_i64 status_code(const afd_i64* status) {

@@ -299,6 +299,28 @@ def test_dispatch_capacity_writes_nothing(request, dtype):
     _assert_nothing_sent(d)
 
 
+def test_capacity_latched_in_a_device_status_block_reaches_the_mirror(request):
+    """The cuda backend's layout: status in device memory, read through the pinned mirror."""
+    rng = _rng(request)
+    ids = skewed_ids(rng, 40, 2, np.arange(NUM_EXPERTS))
+    d = Dispatch(rng, dtype="bfloat16", num_ffn=2, num_tokens=40, top_k=2, hidden=64, has_shared=1,
+                 ids=ids, routed_cap=1)
+    d.status = block = kernels.StatusBlock.allocate()
+    stream = cp.cuda.Stream(non_blocking=True)
+    d.run()
+    assert block.read()["name"] == "OK"  # nothing mirrored yet
+    block.enqueue_mirror(stream.ptr)
+    stream.synchronize()
+    status = block.read()
+    assert (status["name"], status["cap"]) == ("CAPACITY", 1)
+    _assert_nothing_sent(d)
+    block.clear(stream.ptr)
+    stream.synchronize()
+    device_words = cp.ndarray((kernels.STATUS_WORDS,), cp.int64, cp.cuda.MemoryPointer(
+        cp.cuda.UnownedMemory(block.ptr, block.NBYTES, block), 0))
+    assert block.host.tolist() == device_words.get().tolist() == [0] * kernels.STATUS_WORDS
+
+
 def test_dispatch_after_latched_error_writes_nothing(request):
     rng = _rng(request)
     ids = skewed_ids(rng, 20, 2, np.arange(NUM_EXPERTS))
