@@ -28,6 +28,11 @@ from afd_cupy.kernels import PinnedInt64, StatusBlock
 #: extra host-side wait beyond a kernel's own timeout before the host stops trusting it
 _HOST_GRACE_S = 5.0
 
+try:  # torch's raw current-stream getter: ~1 us instead of ~10 us for current_stream()
+    from torch._C import _cuda_getCurrentRawStream as _raw_current_stream
+except ImportError:  # CPU-only torch builds
+    _raw_current_stream = None
+
 
 @dataclass
 class CudaSendState:
@@ -76,6 +81,58 @@ class CudaDataPath:
                         for _ in range(layout.ring_depth)]
         self.expected = [cp.zeros(num_ffn, cp.int64) for _ in range(layout.ring_depth)]
         self.combine_done = [cp.zeros(1, cp.uint32) for _ in range(layout.ring_depth)]
+        self.launches = [self._attention_launches(ring) for ring in range(layout.ring_depth)]
+
+    def _attention_launches(self, ring: int) -> dict:
+        """The four Attention-side kernels of one ring, checked and packed once.
+
+        The specs are checked at full capacity (``token_cap`` tokens) with placeholders for
+        the per-call arguments (token count, hidden/ids/weights/output pointers, layer,
+        stage), which :meth:`dispatch` and :meth:`combine` rewrite before each launch.
+        NOTE: the connector checks ``num_tokens <= token_cap`` before every dispatch, so the
+        scratch buffers checked here fit every launch.
+        """
+        conn, layout, geo = self.conn, self.layout, self.geometry
+        scratch, expected = self.scratch[ring], self.expected[ring]
+        num_ffn, epr, cap = conn.topology.num_ffn_ranks, layout.expert_per_rank, layout.token_cap
+        placeholder_ids = scratch.local_rank  # int32 [token_cap * top_k]; replaced per call
+        plan = kernels.dispatch_plan_spec(
+            topk_ids=placeholder_ids, num_partials=cap * layout.top_k, num_ffn_ranks=num_ffn,
+            expert_per_rank=epr, routed_cap=layout.routed_cap, chunk_hist=scratch.chunk_hist,
+            local_rank=scratch.local_rank, expert_counts=scratch.expert_counts,
+            expert_start=scratch.expert_start, rank_offsets=scratch.rank_offsets,
+            done_counter=scratch.plan_done, status_ptr=self.status.ptr)
+        scatter = kernels.dispatch_scatter_spec(
+            dtype_code=self.dtype_code, hidden_ptr=self.own_window, num_tokens=cap,
+            hidden_size=layout.hidden_size, topk_ids=placeholder_ids, num_partials=cap * layout.top_k,
+            top_k=layout.top_k, expert_per_rank=epr, num_ffn_ranks=num_ffn,
+            chunk_hist=scratch.chunk_hist, local_rank=scratch.local_rank,
+            expert_start=scratch.expert_start, rank_offsets=scratch.rank_offsets,
+            expert_counts=scratch.expert_counts, peer_windows=self.peer_windows,
+            slot_offset=layout.slot_offset(conn.role_rank, ring),
+            flags_index=layout.slot_index(conn.role_rank, ring), off_header=geo["off_header"],
+            off_route=geo["off_route"], off_routed_x=geo["off_routed_x"],
+            off_shared_idx=geo["off_shared_idx"], off_shared_x=geo["off_shared_x"],
+            hdr_words=geo["hdr_words"], has_shared=int(conn.has_shared),
+            always_send=int(conn.always_send), pos_out=scratch.pos,
+            src_rank=conn.role_rank, layer_idx=0, stage_idx=0, hdr_flags=0,
+            seq_counters=self.seq_counters[ring], expected=expected,
+            done_counter=scratch.scatter_done, status_ptr=self.status.ptr)
+        window = dict(window_ptr=self.own_window, num_ffn_ranks=num_ffn,
+                      flags_bytes=geo["flags_bytes"], slot_bytes=geo["slot_bytes"],
+                      ring_depth=layout.ring_depth, ring=ring, off_header=geo["off_header"],
+                      expected=expected, last_seen=self.last_seen, timeout_ns=self.timeout_ns,
+                      status_ptr=self.status.ptr)
+        wait = kernels.wait_replies_spec(**window)
+        combine = kernels.combine_spec(
+            dtype_code=self.dtype_code, out_ptr=self.own_window, num_tokens=cap,
+            hidden_size=layout.hidden_size, topk_ids=placeholder_ids,
+            topk_weights=placeholder_ids.view(self.cp.float32), pos=scratch.pos,
+            top_k=layout.top_k, expert_per_rank=epr, has_shared=int(conn.has_shared),
+            off_routed_x=geo["off_routed_x"], off_shared_x=geo["off_shared_x"],
+            hdr_words=geo["hdr_words"], out_scale=1.0, done_counter=self.combine_done[ring], **window)
+        return {name: kernels.PackedLaunch(spec) for name, spec in
+                (("plan", plan), ("scatter", scatter), ("wait", wait), ("combine", combine))}
 
     def _init_ffn(self) -> None:
         cp, layout = self.cp, self.layout
@@ -88,6 +145,15 @@ class CudaDataPath:
         self.reply_done = [cp.zeros(1, cp.uint32) for _ in range(layout.num_slots)]
         self.views = [self._slot_views(region, ring) for region in range(layout.num_regions)
                       for ring in range(layout.ring_depth)]
+        self.empty_rows = torch.empty(0, layout.hidden_size, dtype=self.conn.torch_dtype,
+                                      device=torch.device("cuda", self.device_id))
+        geo = self.geometry
+        self.wait_any_launch = kernels.PackedLaunch(kernels.wait_any_spec(
+            window_ptr=self.own_window, num_slots=layout.num_slots, last_seen=self.last_seen,
+            scan_start=self.scan_start, off_header=geo["off_header"], flags_bytes=geo["flags_bytes"],
+            slot_bytes=geo["slot_bytes"], hdr_words=geo["hdr_words"], timeout_ns=0,
+            doorbell_ptr=self.doorbell.ptr, ticket=0))
+        self.reply_launches: dict[tuple, kernels.PackedLaunch] = {}  # (attn_rank, ring) -> launch
 
     def _slot_views(self, region: int, ring: int) -> dict:
         """Full-capacity torch views of one slot of the own window (created once)."""
@@ -106,9 +172,15 @@ class CudaDataPath:
     def _as_torch(self, cupy_array) -> torch.Tensor:
         return torch.as_tensor(cupy_array, device=torch.device("cuda", self.device_id))
 
+    def stream_ptr(self) -> int:
+        """Raw handle of torch's current stream on this device."""
+        if _raw_current_stream is not None:
+            return _raw_current_stream(self.device_id)
+        return torch.cuda.current_stream(self.device_id).cuda_stream
+
     def stream(self):
         """The cupy view of torch's current stream on this device (cached per handle)."""
-        handle = torch.cuda.current_stream(self.device_id).cuda_stream
+        handle = self.stream_ptr()
         stream = self._streams.get(handle)
         if stream is None:
             stream = self._streams[handle] = self.cp.cuda.ExternalStream(handle, self.device_id)
@@ -116,83 +188,47 @@ class CudaDataPath:
 
     # --- Attention side ---------------------------------------------------------------------
     def dispatch(self, hidden, topk_ids, *, layer_idx: int, stage_idx: int, ring: int) -> CudaSendState:
-        conn, layout, geo = self.conn, self.layout, self.geometry
+        conn, layout = self.conn, self.layout
         self.raise_latched()
         num_tokens = hidden.shape[0]
         hidden = hidden.contiguous()
         ids = topk_ids.to(torch.int32).reshape(-1).contiguous()
-        ids_cp = self._cupy_view(ids)
         scratch, expected = self.scratch[ring], self.expected[ring]
-        stream = self.stream()
-        num_ffn, epr = conn.topology.num_ffn_ranks, layout.expert_per_rank
+        launches, stream = self.launches[ring], self.stream_ptr()
         num_partials = num_tokens * layout.top_k
-        kernels.launch_dispatch_plan(
-            topk_ids=ids_cp, num_partials=num_partials, num_ffn_ranks=num_ffn, expert_per_rank=epr,
-            routed_cap=layout.routed_cap, chunk_hist=scratch.chunk_hist, local_rank=scratch.local_rank,
-            expert_counts=scratch.expert_counts, expert_start=scratch.expert_start,
-            rank_offsets=scratch.rank_offsets, done_counter=scratch.plan_done,
-            status_ptr=self.status.ptr, stream=stream)
-        kernels.launch_dispatch_scatter(
-            dtype_code=self.dtype_code, hidden_ptr=hidden.data_ptr(), num_tokens=num_tokens,
-            hidden_size=layout.hidden_size, topk_ids=ids_cp, num_partials=num_partials,
-            top_k=layout.top_k, expert_per_rank=epr, num_ffn_ranks=num_ffn,
-            chunk_hist=scratch.chunk_hist, local_rank=scratch.local_rank,
-            expert_start=scratch.expert_start, rank_offsets=scratch.rank_offsets,
-            expert_counts=scratch.expert_counts, peer_windows=self.peer_windows,
-            slot_offset=layout.slot_offset(conn.role_rank, ring),
-            flags_index=layout.slot_index(conn.role_rank, ring), off_header=geo["off_header"],
-            off_route=geo["off_route"], off_routed_x=geo["off_routed_x"],
-            off_shared_idx=geo["off_shared_idx"], off_shared_x=geo["off_shared_x"],
-            hdr_words=geo["hdr_words"], has_shared=int(conn.has_shared),
-            always_send=int(conn.always_send), pos_out=scratch.pos,
-            src_rank=conn.role_rank, layer_idx=layer_idx, stage_idx=stage_idx, hdr_flags=0,
-            seq_counters=self.seq_counters[ring], expected=expected,
-            done_counter=scratch.scatter_done, status_ptr=self.status.ptr, stream=stream)
+        plan = launches["plan"]
+        plan.set("topk_ids", ids.data_ptr())
+        plan.set("num_partials", num_partials)
+        plan.launch(stream, max(1, kernels.dispatch_num_chunks(num_partials)))
+        scatter = launches["scatter"]
+        scatter.set("hidden_ptr", hidden.data_ptr())
+        scatter.set("num_tokens", num_tokens)
+        scatter.set("topk_ids", ids.data_ptr())
+        scatter.set("num_partials", num_partials)
+        scatter.set("layer_idx", layer_idx)
+        scatter.set("stage_idx", stage_idx)
+        scatter.launch(stream, kernels.scatter_grid(num_tokens, layout.top_k, int(conn.has_shared)))
         return CudaSendState(scratch, expected, ids, hidden, num_tokens)
-
-    def _cupy_view(self, tensor: torch.Tensor):
-        """1-D cupy view of a contiguous tensor, without DLPack's stream handshake.
-
-        NOTE: ``UnownedMemory`` is given the device id so that no CUDA call runs on this hot
-        path; the tensor is the owner and stays alive with the view.
-        """
-        cp = self.cp
-        dtype = {torch.int32: cp.int32, torch.float32: cp.float32}[tensor.dtype]
-        if tensor.numel() == 0:
-            return cp.zeros(1, dtype)
-        memory = cp.cuda.UnownedMemory(tensor.data_ptr(), tensor.numel() * tensor.element_size(),
-                                       tensor, device_id=self.device_id)
-        return cp.ndarray((tensor.numel(),), dtype, cp.cuda.MemoryPointer(memory, 0))
 
     def combine(self, state: CudaSendState, topk_ids, topk_weights, *, ring: int, layer_idx: int,
                 out_scale: float, blocking: bool = True) -> torch.Tensor:
-        layout, geo, conn = self.layout, self.geometry, self.conn
+        layout, conn = self.layout, self.conn
         num_tokens = state.num_tokens
         weights = topk_weights.to(torch.float32).reshape(-1).contiguous()
         out = torch.empty(num_tokens, layout.hidden_size, dtype=conn.torch_dtype,
                           device=torch.device("cuda", self.device_id))
-        stream = self.stream()
+        launches, stream = self.launches[ring], self.stream_ptr()
         if conn.poll_mode == "host":
             self._host_wait_replies(state, ring, layer_idx)
         else:
-            kernels.launch_wait_replies(
-                window_ptr=self.own_window, num_ffn_ranks=conn.topology.num_ffn_ranks,
-                flags_bytes=geo["flags_bytes"], slot_bytes=geo["slot_bytes"],
-                ring_depth=layout.ring_depth, ring=ring, off_header=geo["off_header"],
-                expected=state.expected, last_seen=self.last_seen, timeout_ns=self.timeout_ns,
-                status_ptr=self.status.ptr, stream=stream)
-        kernels.launch_combine(
-            dtype_code=self.dtype_code, out_ptr=out.data_ptr(), num_tokens=num_tokens,
-            hidden_size=layout.hidden_size, topk_ids=self._cupy_view(state.topk_ids),
-            topk_weights=self._cupy_view(weights),
-            pos=state.scratch.pos, top_k=layout.top_k, expert_per_rank=layout.expert_per_rank,
-            num_ffn_ranks=conn.topology.num_ffn_ranks, has_shared=int(conn.has_shared),
-            window_ptr=self.own_window, flags_bytes=geo["flags_bytes"], slot_bytes=geo["slot_bytes"],
-            ring_depth=layout.ring_depth, ring=ring, off_header=geo["off_header"],
-            off_routed_x=geo["off_routed_x"], off_shared_x=geo["off_shared_x"],
-            hdr_words=geo["hdr_words"], expected=state.expected, last_seen=self.last_seen,
-            timeout_ns=self.timeout_ns, out_scale=out_scale, done_counter=self.combine_done[ring],
-            status_ptr=self.status.ptr, stream=stream)
+            launches["wait"].launch(stream)
+        combine = launches["combine"]
+        combine.set("out_ptr", out.data_ptr())
+        combine.set("num_tokens", num_tokens)
+        combine.set("topk_ids", state.topk_ids.data_ptr())
+        combine.set("topk_weights", weights.data_ptr())
+        combine.set("out_scale", out_scale)
+        combine.launch(stream, kernels.combine_grid(num_tokens))
         if blocking:
             self._sync_and_raise(layer_idx=layer_idx)
         return out
@@ -231,9 +267,9 @@ class CudaDataPath:
         (error path only), so the next launch on any stream starts from a clean status, as the
         immediate clear of the former pinned status block did.
         """
-        status = self.status.read()
-        if status["code"] == kernels.STATUS_OK:
+        if self.status.host[kernels.ST_CODE] == kernels.STATUS_OK:  # the common case, no dict
             return
+        status = self.status.read()
         stream = self.stream()
         self.status.clear(stream.ptr)
         stream.synchronize()
@@ -250,15 +286,13 @@ class CudaDataPath:
         return self._device_wait_any(timeout_s)
 
     def _device_wait_any(self, timeout_s: float):
-        layout, geo = self.layout, self.geometry
+        layout = self.layout
         self.ticket += 1
         bell = self.doorbell.array
-        kernels.launch_wait_any(
-            window_ptr=self.own_window, num_slots=layout.num_slots, last_seen=self.last_seen,
-            scan_start=self.scan_start, off_header=geo["off_header"], flags_bytes=geo["flags_bytes"],
-            slot_bytes=geo["slot_bytes"], hdr_words=geo["hdr_words"],
-            timeout_ns=int(timeout_s * 1e9), doorbell_ptr=self.doorbell.ptr, ticket=self.ticket,
-            stream=self.poll_stream)
+        launch = self.wait_any_launch
+        launch.set("timeout_ns", int(timeout_s * 1e9))
+        launch.set("ticket", self.ticket)
+        launch.launch(self.poll_stream.ptr)
         deadline = time.monotonic() + timeout_s + _HOST_GRACE_S
         spins = 0
         while bell[kernels.DB_TICKET] != self.ticket:
@@ -278,34 +312,46 @@ class CudaDataPath:
 
     def item_views(self, region: int, ring: int, header: wire.Header):
         views = self.views[self.layout.slot_index(region, ring)]
-        empty = torch.empty(0, self.layout.hidden_size, dtype=self.conn.torch_dtype,
-                            device=torch.device("cuda", self.device_id))
+        empty = self.empty_rows
         routed = views["routed_x"][:header.routed_tokens] if header.routed_tokens else empty
         shared = views["shared_x"][:header.shared_tokens] if header.shared_tokens else empty
         route = views["route_table"][:header.routed_tokens] if "route_table" in views else None
         return routed, shared, route, views["counts"]
 
-    def reply(self, attn_rank: int, ring: int, header_words: np.ndarray, seq: int,
-              routed_out, shared_out) -> None:
+    def reply(self, attn_rank: int, ring: int, header_words, seq: int, routed_out, shared_out) -> None:
+        """Write the outputs and the reply header (int32 words, any sequence) to ``attn_rank``."""
+        layout = self.layout
+        slot = layout.slot_index(attn_rank, ring)
+        row_words = -(-layout.header_words // 2) * 2
+        self.staging.int32[slot * row_words:slot * row_words + layout.header_words] = header_words
+        routed_out = routed_out.contiguous()
+        num_routed = routed_out.shape[0]
+        num_shared = 0 if shared_out is None else shared_out.shape[0]
+        launch = self.reply_launches.get((attn_rank, ring))
+        if launch is None:
+            launch = self.reply_launches[(attn_rank, ring)] = self._reply_launch(attn_rank, ring)
+        launch.set("routed_out_ptr", routed_out.data_ptr() if num_routed else 0)
+        launch.set("num_routed", num_routed)
+        launch.set("shared_out_ptr", shared_out.contiguous().data_ptr() if num_shared else 0)
+        launch.set("num_shared", num_shared)
+        launch.set("seq", seq)
+        # NOTE: a copy made by .contiguous() may be freed on return: torch's allocator reuses
+        # it only for work queued later on this same stream, after the kernel has read it.
+        launch.launch(self.stream_ptr(), kernels.reply_grid(num_routed + num_shared))
+
+    def _reply_launch(self, attn_rank: int, ring: int) -> kernels.PackedLaunch:
+        """The reply kernel of one (Attention rank, ring), checked and packed once."""
         layout, geo, conn = self.layout, self.geometry, self.conn
         slot = layout.slot_index(attn_rank, ring)
         row_words = -(-layout.header_words // 2) * 2
-        staging = self.staging.int32[slot * row_words:slot * row_words + layout.header_words]
-        staging[:] = header_words
-        routed_out = routed_out.contiguous()
-        num_shared = 0 if shared_out is None else shared_out.shape[0]
-        shared_out = shared_out.contiguous() if num_shared else None
-        kernels.launch_reply(
+        return kernels.PackedLaunch(kernels.reply_spec(
             dtype_code=self.dtype_code, dst_window_ptr=self.window.peer_ptr(conn.attn_pe(attn_rank)),
             slot_offset=layout.slot_offset(conn.role_rank, ring),
             flags_index=layout.slot_index(conn.role_rank, ring), off_header=geo["off_header"],
             off_routed_x=geo["off_routed_x"], off_shared_x=geo["off_shared_x"],
-            routed_out_ptr=routed_out.data_ptr() if routed_out.shape[0] else 0,
-            num_routed=routed_out.shape[0],
-            shared_out_ptr=shared_out.data_ptr() if num_shared else 0, num_shared=num_shared,
+            routed_out_ptr=0, num_routed=0, shared_out_ptr=0, num_shared=0,
             hidden_size=layout.hidden_size, header_src_ptr=self.staging.ptr + slot * row_words * 4,
-            hdr_words=layout.header_words, seq=seq, done_counter=self.reply_done[slot],
-            stream=self.stream())
+            hdr_words=layout.header_words, seq=0, done_counter=self.reply_done[slot]))
 
     # --- both -------------------------------------------------------------------------------
     def send_control(self, pe: int, ring: int, header_words: np.ndarray, seq: int) -> None:

@@ -150,8 +150,9 @@ class HostDataPath:
         group_list = torch.tensor(header.expert_counts, dtype=torch.int32)
         return routed, shared, route, group_list
 
-    def reply(self, attn_rank: int, ring: int, header_words: np.ndarray, seq: int,
+    def reply(self, attn_rank: int, ring: int, header_words, seq: int,
               routed_out: torch.Tensor, shared_out: torch.Tensor | None) -> None:
+        """Write the outputs, the header (int32 words, any sequence), then the flag."""
         fields = {"routed_x": torch_to_raw(routed_out, self.dtype_name)}
         if shared_out is not None:
             fields["shared_x"] = torch_to_raw(shared_out, self.dtype_name)

@@ -332,7 +332,7 @@ class AFDConnector:
                             stage_idx=h.stage_idx, num_tokens=h.num_tokens,
                             routed_tokens=h.routed_tokens, shared_tokens=h.shared_tokens,
                             top_k=h.top_k, flags=0, echo_seq=h.seq, expert_counts=h.expert_counts)
-        words = wire.encode_header(reply, self.layout.expert_per_rank)
+        words = wire.header_word_list(reply, self.layout.expert_per_rank)
         self.path.reply(item.src_rank, item.ring, words, seq, routed_out,
                         shared_out if h.shared_tokens else None)
 

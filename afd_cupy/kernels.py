@@ -401,22 +401,96 @@ def _dtype(value) -> int:
     return int(value)
 
 
-def _launch(kernel, grid: int, block: int, args: tuple, stream, shared_mem: int = 0) -> None:
-    if stream is None:
-        kernel((grid,), (block,), args, shared_mem=shared_mem)
-    else:
-        with stream:
-            kernel((grid,), (block,), args, shared_mem=shared_mem)
-
-
 def _row_grid(num_rows: int, max_blocks: int) -> int:
     return max(1, min(-(-num_rows // ROWS_PER_BLOCK), max_blocks))
 
 
+@dataclass(frozen=True)
+class LaunchSpec:
+    """A checked launch: kernel, grid, block, dynamic shared memory and named arguments.
+
+    ``launch(stream)`` runs it through CuPy; :class:`PackedLaunch` packs it once for repeated
+    launches where only a few arguments change.
+    """
+
+    kernel: object  # cupy.RawKernel
+    grid: int
+    block: int
+    shared_mem: int
+    names: tuple
+    args: tuple
+
+    def launch(self, stream=None) -> None:
+        if stream is None:
+            self.kernel((self.grid,), (self.block,), self.args, shared_mem=self.shared_mem)
+        else:
+            with stream:
+                self.kernel((self.grid,), (self.block,), self.args, shared_mem=self.shared_mem)
+
+
+def _spec(kernel, grid: int, block: int, args: dict, shared_mem: int = 0) -> LaunchSpec:
+    return LaunchSpec(kernel, int(grid), int(block), int(shared_mem), tuple(args), tuple(args.values()))
+
+
+class PackedLaunch:
+    """A :class:`LaunchSpec` packed once into a ``cuLaunchKernel`` parameter block.
+
+    The hot paths of the cuda backend launch the same kernels with the same buffers over and
+    over; only a few scalars and pointers change (token count, hidden pointer, layer, seq).
+    The wrappers' checks run once, when the spec is built; after that ``set(name, value)``
+    rewrites one argument in place and ``launch(stream_ptr, grid)`` is one driver call.
+
+    NOTE: ``set`` does not validate: pass only what the spec's wrapper accepts for that
+    argument (pointers as ``int`` addresses, counts within the buffers the spec was checked
+    against). CUDA copies the parameter block at launch, so it can be rewritten right after.
+    """
+
+    _CTYPES = {np.int32: "c_int32", np.int64: "c_int64", np.uint64: "c_uint64",
+               np.uint32: "c_uint32", np.float32: "c_float"}
+
+    def __init__(self, spec: LaunchSpec):
+        import ctypes
+
+        import cupy
+
+        self.spec = spec
+        self.grid, self.block, self.shared_mem = spec.grid, spec.block, spec.shared_mem
+        self.function_ptr = int(spec.kernel.kernel.ptr)
+        self._slots = {}
+        cells = []
+        for name, value in zip(spec.names, spec.args):
+            if isinstance(value, cupy.ndarray):
+                cell = ctypes.c_uint64(value.data.ptr)  # device pointer parameter
+            else:
+                ctype = self._CTYPES.get(type(value))
+                if ctype is None:
+                    raise TypeError(f"argument {name} has type {type(value).__name__}; expected a "
+                                    f"cupy array or one of {sorted(t.__name__ for t in self._CTYPES)}")
+                cell = getattr(ctypes, ctype)(value.item())
+            cells.append(cell)
+            self._slots[name] = cell
+        self._cells = cells
+        self._params = (ctypes.c_void_p * max(1, len(cells)))(*[ctypes.addressof(c) for c in cells])
+        self.params_ptr = ctypes.addressof(self._params)
+        self._launch_kernel = cupy.cuda.driver.launchKernel
+
+    def set(self, name: str, value) -> None:
+        """Rewrite argument ``name`` (an address as ``int`` for pointer arguments)."""
+        self._slots[name].value = value
+
+    def get(self, name: str):
+        return self._slots[name].value
+
+    def launch(self, stream_ptr: int, grid: int | None = None) -> None:
+        """Launch on the raw stream handle ``stream_ptr`` with ``grid`` blocks (default: the spec's)."""
+        self._launch_kernel(self.function_ptr, self.grid if grid is None else grid, 1, 1,
+                            self.block, 1, 1, self.shared_mem, stream_ptr, self.params_ptr, 0)
+
+
 # --- launch wrappers ---------------------------------------------------------------------------
-def launch_dispatch_plan(*, topk_ids, num_partials, num_ffn_ranks, expert_per_rank, routed_cap,
-                         chunk_hist, local_rank, expert_counts, expert_start, rank_offsets,
-                         done_counter, status_ptr, stream=None) -> None:
+def dispatch_plan_spec(*, topk_ids, num_partials, num_ffn_ranks, expert_per_rank, routed_cap,
+                       chunk_hist, local_rank, expert_counts, expert_start, rank_offsets,
+                       done_counter, status_ptr) -> LaunchSpec:
     """Device routing plan of ``num_partials = T * K`` flat partials (afd_dispatch_plan).
 
     ``topk_ids`` int32 [NK] (flat ``t*K+k``); scratch int32 ``chunk_hist`` [chunks, E] (after:
@@ -424,6 +498,7 @@ def launch_dispatch_plan(*, topk_ids, num_partials, num_ffn_ranks, expert_per_ra
     ``rank_offsets`` [F+1]; ``done_counter`` uint32 [1]; ``status_ptr`` status block.
     Latches STATUS_CAPACITY (peer, count, cap) if a rank gets more than ``routed_cap`` partials,
     STATUS_BAD_EXPERT on an id outside [0, E). Safe in CUDA graph capture.
+    Grid: :func:`dispatch_num_chunks` (num_partials) blocks, at least 1.
     """
     num_partials = _count("num_partials", num_partials)
     num_ffn = _count("num_ffn_ranks", num_ffn_ranks, low=1, high=MAX_FFN_RANKS)
@@ -432,26 +507,34 @@ def launch_dispatch_plan(*, topk_ids, num_partials, num_ffn_ranks, expert_per_ra
     if num_experts > MAX_EXPERTS:
         raise ValueError(f"num_ffn_ranks * expert_per_rank = {num_experts} > {MAX_EXPERTS}")
     num_chunks = dispatch_num_chunks(num_partials)
-    args = (_array("topk_ids", topk_ids, np.int32, num_partials), num_partials,
-            np.int32(num_experts), epr, num_ffn, _count("routed_cap", routed_cap),
-            _array("chunk_hist", chunk_hist, np.int32, num_chunks * num_experts),
-            _array("local_rank", local_rank, np.int32, num_partials),
-            _array("expert_counts", expert_counts, np.int32, num_experts),
-            _array("expert_start", expert_start, np.int32, num_experts),
-            _array("rank_offsets", rank_offsets, np.int32, int(num_ffn) + 1),
-            _array("done_counter", done_counter, np.uint32, 1), _address("status_ptr", status_ptr))
-    kernel = get_kernel("dispatch.cu", "afd_dispatch_plan")
-    _launch(kernel, max(1, num_chunks), CHUNK, args, stream, shared_mem=4 * num_experts)
+    args = {"topk_ids": _array("topk_ids", topk_ids, np.int32, num_partials),
+            "num_partials": num_partials, "num_experts": np.int32(num_experts),
+            "expert_per_rank": epr, "num_ffn_ranks": num_ffn,
+            "routed_cap": _count("routed_cap", routed_cap),
+            "chunk_hist": _array("chunk_hist", chunk_hist, np.int32, num_chunks * num_experts),
+            "local_rank": _array("local_rank", local_rank, np.int32, num_partials),
+            "expert_counts": _array("expert_counts", expert_counts, np.int32, num_experts),
+            "expert_start": _array("expert_start", expert_start, np.int32, num_experts),
+            "rank_offsets": _array("rank_offsets", rank_offsets, np.int32, int(num_ffn) + 1),
+            "done_counter": _array("done_counter", done_counter, np.uint32, 1),
+            "status_ptr": _address("status_ptr", status_ptr)}
+    return _spec(get_kernel("dispatch.cu", "afd_dispatch_plan"), max(1, num_chunks), CHUNK, args,
+                 shared_mem=4 * num_experts)
 
 
-def launch_dispatch_scatter(*, dtype_code, hidden_ptr, num_tokens, hidden_size, topk_ids,
-                            num_partials, top_k, expert_per_rank, num_ffn_ranks, chunk_hist,
-                            local_rank, expert_start, rank_offsets, expert_counts, peer_windows,
-                            slot_offset, flags_index, off_header, off_route, off_routed_x,
-                            off_shared_idx, off_shared_x, hdr_words, has_shared, pos_out,
-                            src_rank, layer_idx, stage_idx, hdr_flags, seq_counters, expected,
-                            done_counter, status_ptr, always_send=0, stream=None,
-                            max_blocks=MAX_BLOCKS) -> None:
+def launch_dispatch_plan(*, stream=None, **kwargs) -> None:
+    """Check and launch :func:`dispatch_plan_spec` on ``stream`` (default: the current one)."""
+    dispatch_plan_spec(**kwargs).launch(stream)
+
+
+def dispatch_scatter_spec(*, dtype_code, hidden_ptr, num_tokens, hidden_size, topk_ids,
+                          num_partials, top_k, expert_per_rank, num_ffn_ranks, chunk_hist,
+                          local_rank, expert_start, rank_offsets, expert_counts, peer_windows,
+                          slot_offset, flags_index, off_header, off_route, off_routed_x,
+                          off_shared_idx, off_shared_x, hdr_words, has_shared, pos_out,
+                          src_rank, layer_idx, stage_idx, hdr_flags, seq_counters, expected,
+                          done_counter, status_ptr, always_send=0,
+                          max_blocks=MAX_BLOCKS) -> LaunchSpec:
     """Write every non-empty FFN rank's message, flags last (afd_dispatch_scatter<DT>).
 
     ``hidden_ptr``: payload [T, H] row-major; plan arrays from :func:`launch_dispatch_plan`;
@@ -462,7 +545,7 @@ def launch_dispatch_scatter(*, dtype_code, hidden_ptr, num_tokens, hidden_size, 
     ``seq_counters`` int64 [F] (this ring's row) is incremented for non-empty ranks only, or for
     every rank when ``always_send`` is 1 (header-only messages to empty ranks, for lockstep).
     If the status block holds an error on entry nothing is written to any peer and
-    ``expected`` is all 0.
+    ``expected`` is all 0. Grid: :func:`scatter_grid`.
     """
     num_partials = _count("num_partials", num_partials)
     num_tokens = _count("num_tokens", num_tokens)
@@ -476,69 +559,102 @@ def launch_dispatch_scatter(*, dtype_code, hidden_ptr, num_tokens, hidden_size, 
     hdr_words = _count("hdr_words", hdr_words, low=wire.HDR_FIXED_WORDS + int(epr),
                        high=wire.HDR_FIXED_WORDS + int(epr))
     has_shared = _count("has_shared", has_shared, high=1)
-    args = (_address("hidden_ptr", hidden_ptr, allow_null=num_tokens == 0), num_tokens,
-            _count("hidden_size", hidden_size, low=1),
-            _array("topk_ids", topk_ids, np.int32, num_partials), num_partials, top_k, epr, num_ffn,
-            _array("chunk_hist", chunk_hist, np.int32, dispatch_num_chunks(num_partials) * num_experts),
-            _array("local_rank", local_rank, np.int32, num_partials),
-            _array("expert_start", expert_start, np.int32, num_experts),
-            _array("rank_offsets", rank_offsets, np.int32, int(num_ffn) + 1),
-            _array("expert_counts", expert_counts, np.int32, num_experts),
-            _array("peer_windows", peer_windows, np.uint64, int(num_ffn)),
-            _i64("slot_offset", slot_offset, low=0), _count("flags_index", flags_index),
-            _i64("off_header", off_header, low=0), _i64("off_route", off_route, low=0),
-            _i64("off_routed_x", off_routed_x, low=0), _i64("off_shared_idx", off_shared_idx, low=0),
-            _i64("off_shared_x", off_shared_x, low=0), hdr_words, has_shared,
-            _count("always_send", always_send, high=1),
-            _array("pos_out", pos_out, np.int32, num_partials),
-            _count("src_rank", src_rank), np.int32(layer_idx), np.int32(stage_idx), np.int32(hdr_flags),
-            _array("seq_counters", seq_counters, np.int64, int(num_ffn)),
-            _array("expected", expected, np.int64, int(num_ffn)),
-            _array("done_counter", done_counter, np.uint32, 1), _address("status_ptr", status_ptr))
+    args = {"hidden_ptr": _address("hidden_ptr", hidden_ptr, allow_null=num_tokens == 0),
+            "num_tokens": num_tokens, "hidden_size": _count("hidden_size", hidden_size, low=1),
+            "topk_ids": _array("topk_ids", topk_ids, np.int32, num_partials),
+            "num_partials": num_partials, "top_k": top_k, "expert_per_rank": epr,
+            "num_ffn_ranks": num_ffn,
+            "chunk_hist": _array("chunk_hist", chunk_hist, np.int32,
+                                 dispatch_num_chunks(num_partials) * num_experts),
+            "local_rank": _array("local_rank", local_rank, np.int32, num_partials),
+            "expert_start": _array("expert_start", expert_start, np.int32, num_experts),
+            "rank_offsets": _array("rank_offsets", rank_offsets, np.int32, int(num_ffn) + 1),
+            "expert_counts": _array("expert_counts", expert_counts, np.int32, num_experts),
+            "peer_windows": _array("peer_windows", peer_windows, np.uint64, int(num_ffn)),
+            "slot_offset": _i64("slot_offset", slot_offset, low=0),
+            "flags_index": _count("flags_index", flags_index),
+            "off_header": _i64("off_header", off_header, low=0),
+            "off_route": _i64("off_route", off_route, low=0),
+            "off_routed_x": _i64("off_routed_x", off_routed_x, low=0),
+            "off_shared_idx": _i64("off_shared_idx", off_shared_idx, low=0),
+            "off_shared_x": _i64("off_shared_x", off_shared_x, low=0),
+            "hdr_words": hdr_words, "has_shared": has_shared,
+            "always_send": _count("always_send", always_send, high=1),
+            "pos_out": _array("pos_out", pos_out, np.int32, num_partials),
+            "src_rank": _count("src_rank", src_rank), "layer_idx": np.int32(layer_idx),
+            "stage_idx": np.int32(stage_idx), "hdr_flags": np.int32(hdr_flags),
+            "seq_counters": _array("seq_counters", seq_counters, np.int64, int(num_ffn)),
+            "expected": _array("expected", expected, np.int64, int(num_ffn)),
+            "done_counter": _array("done_counter", done_counter, np.uint32, 1),
+            "status_ptr": _address("status_ptr", status_ptr)}
     kernel = get_kernel("dispatch.cu", "afd_dispatch_scatter", dtype_code=_dtype(dtype_code))
-    num_rows = int(num_partials) + (int(num_tokens) if has_shared else 0)
-    _launch(kernel, _row_grid(num_rows, max_blocks), 256, args, stream)
+    return _spec(kernel, scatter_grid(int(num_tokens), int(top_k), int(has_shared), max_blocks), 256, args)
 
 
-def launch_combine(*, dtype_code, out_ptr, num_tokens, hidden_size, topk_ids, topk_weights, pos,
-                   top_k, expert_per_rank, num_ffn_ranks, has_shared, window_ptr, flags_bytes,
-                   slot_bytes, ring_depth, ring, off_header, off_routed_x, off_shared_x, hdr_words,
-                   expected, last_seen, timeout_ns, out_scale, done_counter, status_ptr,
-                   stream=None, max_blocks=MAX_BLOCKS) -> None:
+def scatter_grid(num_tokens: int, top_k: int, has_shared: int, max_blocks: int = MAX_BLOCKS) -> int:
+    """Blocks of afd_dispatch_scatter: one warp per routed partial and per shared row."""
+    return _row_grid(num_tokens * top_k + (num_tokens if has_shared else 0), max_blocks)
+
+
+def launch_dispatch_scatter(*, stream=None, **kwargs) -> None:
+    """Check and launch :func:`dispatch_scatter_spec` on ``stream`` (default: the current one)."""
+    dispatch_scatter_spec(**kwargs).launch(stream)
+
+
+def combine_spec(*, dtype_code, out_ptr, num_tokens, hidden_size, topk_ids, topk_weights, pos,
+                 top_k, expert_per_rank, num_ffn_ranks, has_shared, window_ptr, flags_bytes,
+                 slot_bytes, ring_depth, ring, off_header, off_routed_x, off_shared_x, hdr_words,
+                 expected, last_seen, timeout_ns, out_scale, done_counter, status_ptr,
+                 max_blocks=MAX_BLOCKS) -> LaunchSpec:
     """Wait for the replies of every rank with ``expected[j] != 0``, then combine (afd_combine<DT>).
 
     ``out_ptr``: payload [T, H]; ``topk_ids`` int32 [T*K]; ``topk_weights`` float32 [T*K];
     ``pos`` int32 [T*K] (``pos_out`` of the scatter); ``window_ptr``: this rank's own window;
     ``expected`` int64 [F]; ``last_seen`` int64 [num_regions * ring_depth] (device, updated on
     success). Bounded by ``timeout_ns``; errors (TIMEOUT, BAD_HEADER, SHUTDOWN, ECHO_MISMATCH)
-    are latched in the status block and the output rows are NaN.
+    are latched in the status block and the output rows are NaN. Grid: :func:`combine_grid`.
     """
     num_tokens = _count("num_tokens", num_tokens)
     top_k = _count("top_k", top_k, low=1, high=MAX_TOP_K)
     num_ffn = _count("num_ffn_ranks", num_ffn_ranks, low=1)
     ring_depth = _count("ring_depth", ring_depth, low=1)
     num_partials = int(num_tokens) * int(top_k)
-    args = (_address("out_ptr", out_ptr, allow_null=num_tokens == 0), num_tokens,
-            _count("hidden_size", hidden_size, low=1),
-            _array("topk_ids", topk_ids, np.int32, num_partials),
-            _array("topk_weights", topk_weights, np.float32, num_partials),
-            _array("pos", pos, np.int32, num_partials), top_k,
-            _count("expert_per_rank", expert_per_rank, low=1), num_ffn,
-            _count("has_shared", has_shared, high=1), _address("window_ptr", window_ptr),
-            _i64("flags_bytes", flags_bytes, low=0), _i64("slot_bytes", slot_bytes, low=0),
-            ring_depth, _count("ring", ring, high=int(ring_depth) - 1),
-            _i64("off_header", off_header, low=0), _i64("off_routed_x", off_routed_x, low=0),
-            _i64("off_shared_x", off_shared_x, low=0), _count("hdr_words", hdr_words, low=wire.HDR_FIXED_WORDS),
-            _array("expected", expected, np.int64, int(num_ffn)),
-            _array("last_seen", last_seen, np.int64, int(num_ffn) * int(ring_depth)),
-            _i64("timeout_ns", timeout_ns, low=0), np.float32(out_scale),
-            _array("done_counter", done_counter, np.uint32, 1), _address("status_ptr", status_ptr))
+    args = {"out_ptr": _address("out_ptr", out_ptr, allow_null=num_tokens == 0),
+            "num_tokens": num_tokens, "hidden_size": _count("hidden_size", hidden_size, low=1),
+            "topk_ids": _array("topk_ids", topk_ids, np.int32, num_partials),
+            "topk_weights": _array("topk_weights", topk_weights, np.float32, num_partials),
+            "pos": _array("pos", pos, np.int32, num_partials), "top_k": top_k,
+            "expert_per_rank": _count("expert_per_rank", expert_per_rank, low=1),
+            "num_ffn_ranks": num_ffn, "has_shared": _count("has_shared", has_shared, high=1),
+            "window_ptr": _address("window_ptr", window_ptr),
+            "flags_bytes": _i64("flags_bytes", flags_bytes, low=0),
+            "slot_bytes": _i64("slot_bytes", slot_bytes, low=0), "ring_depth": ring_depth,
+            "ring": _count("ring", ring, high=int(ring_depth) - 1),
+            "off_header": _i64("off_header", off_header, low=0),
+            "off_routed_x": _i64("off_routed_x", off_routed_x, low=0),
+            "off_shared_x": _i64("off_shared_x", off_shared_x, low=0),
+            "hdr_words": _count("hdr_words", hdr_words, low=wire.HDR_FIXED_WORDS),
+            "expected": _array("expected", expected, np.int64, int(num_ffn)),
+            "last_seen": _array("last_seen", last_seen, np.int64, int(num_ffn) * int(ring_depth)),
+            "timeout_ns": _i64("timeout_ns", timeout_ns, low=0), "out_scale": np.float32(out_scale),
+            "done_counter": _array("done_counter", done_counter, np.uint32, 1),
+            "status_ptr": _address("status_ptr", status_ptr)}
     kernel = get_kernel("combine.cu", "afd_combine", dtype_code=_dtype(dtype_code))
-    _launch(kernel, max(1, min(int(num_tokens), max_blocks)), 256, args, stream)
+    return _spec(kernel, combine_grid(int(num_tokens), max_blocks), 256, args)
 
 
-def launch_wait_replies(*, window_ptr, num_ffn_ranks, flags_bytes, slot_bytes, ring_depth, ring,
-                        off_header, expected, last_seen, timeout_ns, status_ptr, stream=None) -> None:
+def combine_grid(num_tokens: int, max_blocks: int = MAX_BLOCKS) -> int:
+    """Blocks of afd_combine: one per token, at most ``max_blocks``, at least 1."""
+    return max(1, min(num_tokens, max_blocks))
+
+
+def launch_combine(*, stream=None, **kwargs) -> None:
+    """Check and launch :func:`combine_spec` on ``stream`` (default: the current one)."""
+    combine_spec(**kwargs).launch(stream)
+
+
+def wait_replies_spec(*, window_ptr, num_ffn_ranks, flags_bytes, slot_bytes, ring_depth, ring,
+                      off_header, expected, last_seen, timeout_ns, status_ptr) -> LaunchSpec:
     """One-block spin until every rank with ``expected[j] != 0`` replied (afd_wait_replies).
 
     Launch right before :func:`launch_combine` on the same stream with the same arguments:
@@ -548,17 +664,25 @@ def launch_wait_replies(*, window_ptr, num_ffn_ranks, flags_bytes, slot_bytes, r
     """
     num_ffn = _count("num_ffn_ranks", num_ffn_ranks, low=1)
     ring_depth = _count("ring_depth", ring_depth, low=1)
-    args = (_address("window_ptr", window_ptr), num_ffn, _i64("flags_bytes", flags_bytes, low=0),
-            _i64("slot_bytes", slot_bytes, low=0), ring_depth,
-            _count("ring", ring, high=int(ring_depth) - 1), _i64("off_header", off_header, low=0),
-            _array("expected", expected, np.int64, int(num_ffn)),
-            _array("last_seen", last_seen, np.int64, int(num_ffn) * int(ring_depth)),
-            _i64("timeout_ns", timeout_ns, low=0), _address("status_ptr", status_ptr))
-    _launch(get_kernel("combine.cu", "afd_wait_replies"), 1, 32, args, stream)
+    args = {"window_ptr": _address("window_ptr", window_ptr), "num_ffn_ranks": num_ffn,
+            "flags_bytes": _i64("flags_bytes", flags_bytes, low=0),
+            "slot_bytes": _i64("slot_bytes", slot_bytes, low=0), "ring_depth": ring_depth,
+            "ring": _count("ring", ring, high=int(ring_depth) - 1),
+            "off_header": _i64("off_header", off_header, low=0),
+            "expected": _array("expected", expected, np.int64, int(num_ffn)),
+            "last_seen": _array("last_seen", last_seen, np.int64, int(num_ffn) * int(ring_depth)),
+            "timeout_ns": _i64("timeout_ns", timeout_ns, low=0),
+            "status_ptr": _address("status_ptr", status_ptr)}
+    return _spec(get_kernel("combine.cu", "afd_wait_replies"), 1, 32, args)
 
 
-def launch_wait_any(*, window_ptr, num_slots, last_seen, scan_start, off_header, flags_bytes,
-                    slot_bytes, hdr_words, timeout_ns, doorbell_ptr, ticket, stream=None) -> None:
+def launch_wait_replies(*, stream=None, **kwargs) -> None:
+    """Check and launch :func:`wait_replies_spec` on ``stream`` (default: the current one)."""
+    wait_replies_spec(**kwargs).launch(stream)
+
+
+def wait_any_spec(*, window_ptr, num_slots, last_seen, scan_start, off_header, flags_bytes,
+                  slot_bytes, hdr_words, timeout_ns, doorbell_ptr, ticket) -> LaunchSpec:
     """FFN arrival detection over all ``num_slots`` flags of the own window (afd_wait_any).
 
     ``last_seen`` int64 [num_slots] and ``scan_start`` int32 [1] live on the device and are
@@ -567,38 +691,61 @@ def launch_wait_any(*, window_ptr, num_slots, last_seen, scan_start, off_header,
     ``ticket`` into word DB_TICKET last: the host spins on that word. One block, one warp.
     """
     num_slots = _count("num_slots", num_slots, low=1)
-    args = (_address("window_ptr", window_ptr), num_slots,
-            _array("last_seen", last_seen, np.int64, int(num_slots)),
-            _array("scan_start", scan_start, np.int32, 1), _i64("off_header", off_header, low=0),
-            _i64("flags_bytes", flags_bytes, low=0), _i64("slot_bytes", slot_bytes, low=0),
-            _count("hdr_words", hdr_words, low=wire.HDR_FIXED_WORDS), _i64("timeout_ns", timeout_ns, low=0),
-            _address("doorbell_ptr", doorbell_ptr), np.int64(ticket))
-    _launch(get_kernel("wait_any.cu", "afd_wait_any"), 1, 32, args, stream)
+    args = {"window_ptr": _address("window_ptr", window_ptr), "num_slots": num_slots,
+            "last_seen": _array("last_seen", last_seen, np.int64, int(num_slots)),
+            "scan_start": _array("scan_start", scan_start, np.int32, 1),
+            "off_header": _i64("off_header", off_header, low=0),
+            "flags_bytes": _i64("flags_bytes", flags_bytes, low=0),
+            "slot_bytes": _i64("slot_bytes", slot_bytes, low=0),
+            "hdr_words": _count("hdr_words", hdr_words, low=wire.HDR_FIXED_WORDS),
+            "timeout_ns": _i64("timeout_ns", timeout_ns, low=0),
+            "doorbell_ptr": _address("doorbell_ptr", doorbell_ptr), "ticket": np.int64(ticket)}
+    return _spec(get_kernel("wait_any.cu", "afd_wait_any"), 1, 32, args)
 
 
-def launch_reply(*, dtype_code, dst_window_ptr, slot_offset, flags_index, off_header, off_routed_x,
-                 off_shared_x, routed_out_ptr, num_routed, shared_out_ptr, num_shared, hidden_size,
-                 header_src_ptr, hdr_words, seq, done_counter, stream=None,
-                 max_blocks=MAX_BLOCKS) -> None:
+def launch_wait_any(*, stream=None, **kwargs) -> None:
+    """Check and launch :func:`wait_any_spec` on ``stream`` (default: the current one)."""
+    wait_any_spec(**kwargs).launch(stream)
+
+
+def reply_spec(*, dtype_code, dst_window_ptr, slot_offset, flags_index, off_header, off_routed_x,
+               off_shared_x, routed_out_ptr, num_routed, shared_out_ptr, num_shared, hidden_size,
+               header_src_ptr, hdr_words, seq, done_counter, max_blocks=MAX_BLOCKS) -> LaunchSpec:
     """Write ``num_routed`` + ``num_shared`` output rows, then header and flag = ``seq``, into
     slot (region = own FFN rank, ring) of an Attention peer's window (afd_reply<DT>).
 
     ``routed_out_ptr`` / ``shared_out_ptr``: payload [R, H] / [S, H] (may be 0 when the count
     is 0); ``header_src_ptr``: pinned int32 [hdr_words] prepared by the host; it must stay
-    unchanged until the kernel has run (one buffer per in-flight reply).
+    unchanged until the kernel has run (one buffer per in-flight reply). Grid:
+    :func:`reply_grid`.
     """
     num_routed = _count("num_routed", num_routed)
     num_shared = _count("num_shared", num_shared)
-    args = (_address("dst_window_ptr", dst_window_ptr), _i64("slot_offset", slot_offset, low=0),
-            _count("flags_index", flags_index), _i64("off_header", off_header, low=0),
-            _i64("off_routed_x", off_routed_x, low=0), _i64("off_shared_x", off_shared_x, low=0),
-            _address("routed_out_ptr", routed_out_ptr, allow_null=num_routed == 0), num_routed,
-            _address("shared_out_ptr", shared_out_ptr, allow_null=num_shared == 0), num_shared,
-            _count("hidden_size", hidden_size, low=1), _address("header_src_ptr", header_src_ptr),
-            _count("hdr_words", hdr_words, low=wire.HDR_FIXED_WORDS), np.int64(seq),
-            _array("done_counter", done_counter, np.uint32, 1))
+    args = {"dst_window_ptr": _address("dst_window_ptr", dst_window_ptr),
+            "slot_offset": _i64("slot_offset", slot_offset, low=0),
+            "flags_index": _count("flags_index", flags_index),
+            "off_header": _i64("off_header", off_header, low=0),
+            "off_routed_x": _i64("off_routed_x", off_routed_x, low=0),
+            "off_shared_x": _i64("off_shared_x", off_shared_x, low=0),
+            "routed_out_ptr": _address("routed_out_ptr", routed_out_ptr, allow_null=num_routed == 0),
+            "num_routed": num_routed,
+            "shared_out_ptr": _address("shared_out_ptr", shared_out_ptr, allow_null=num_shared == 0),
+            "num_shared": num_shared, "hidden_size": _count("hidden_size", hidden_size, low=1),
+            "header_src_ptr": _address("header_src_ptr", header_src_ptr),
+            "hdr_words": _count("hdr_words", hdr_words, low=wire.HDR_FIXED_WORDS),
+            "seq": np.int64(seq), "done_counter": _array("done_counter", done_counter, np.uint32, 1)}
     kernel = get_kernel("reply.cu", "afd_reply", dtype_code=_dtype(dtype_code))
-    _launch(kernel, _row_grid(int(num_routed) + int(num_shared), max_blocks), 256, args, stream)
+    return _spec(kernel, reply_grid(int(num_routed) + int(num_shared), max_blocks), 256, args)
+
+
+def reply_grid(num_rows: int, max_blocks: int = MAX_BLOCKS) -> int:
+    """Blocks of afd_reply: one warp per output row, at least 1."""
+    return _row_grid(num_rows, max_blocks)
+
+
+def launch_reply(*, stream=None, **kwargs) -> None:
+    """Check and launch :func:`reply_spec` on ``stream`` (default: the current one)."""
+    reply_spec(**kwargs).launch(stream)
 
 
 def read_wire_constants() -> dict:

@@ -192,26 +192,26 @@ class Header:
         return bool(self.flags & FLAG_SHUTDOWN)
 
 
-def encode_header(header: Header, expert_per_rank: int) -> np.ndarray:
-    """int32 [HDR_FIXED_WORDS + expert_per_rank] words of ``header``."""
+def header_word_list(header: Header, expert_per_rank: int) -> list:
+    """The int32 header words of ``header`` as a list of Python ints (the hot path's encoder:
+    no numpy per field). :func:`encode_header` returns the same words as an array."""
     if len(header.expert_counts) != expert_per_rank:
         raise WireError(f"expert_counts has {len(header.expert_counts)} entries, "
                         f"expected expert_per_rank={expert_per_rank}")
-    words = np.zeros(HDR_FIXED_WORDS + expert_per_rank, dtype=np.int32)
-    words[HDR_MAGIC] = np.uint32(MAGIC).view(np.int32)
-    words[HDR_VERSION] = VERSION
-    words[HDR_SEQ] = np.int64(header.seq & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
-    words[HDR_SRC_RANK] = header.src_rank
-    words[HDR_LAYER] = header.layer_idx
-    words[HDR_STAGE] = header.stage_idx
-    words[HDR_NUM_TOKENS] = header.num_tokens
-    words[HDR_ROUTED_TOKENS] = header.routed_tokens
-    words[HDR_SHARED_TOKENS] = header.shared_tokens
-    words[HDR_TOPK] = header.top_k
-    words[HDR_FLAGS] = header.flags
-    words[HDR_ECHO_SEQ] = np.int64(header.echo_seq & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
-    words[HDR_FIXED_WORDS:] = header.expert_counts
-    return words
+    return [_as_int32(MAGIC), VERSION, _as_int32(header.seq & 0xFFFFFFFF), header.src_rank,
+            header.layer_idx, header.stage_idx, header.num_tokens, header.routed_tokens,
+            header.shared_tokens, header.top_k, header.flags, _as_int32(header.echo_seq & 0xFFFFFFFF),
+            *header.expert_counts]
+
+
+def _as_int32(u32: int) -> int:
+    """The signed int32 with the bits of the unsigned 32-bit value ``u32``."""
+    return u32 - (1 << 32) if u32 >= 1 << 31 else u32
+
+
+def encode_header(header: Header, expert_per_rank: int) -> np.ndarray:
+    """int32 [HDR_FIXED_WORDS + expert_per_rank] words of ``header``."""
+    return np.array(header_word_list(header, expert_per_rank), dtype=np.int32)
 
 
 def decode_header(words, expert_per_rank: int) -> Header:
@@ -220,32 +220,30 @@ def decode_header(words, expert_per_rank: int) -> Header:
     Raises WireError with the observed values on a bad magic, version, length, negative
     sizes or ``sum(expert_counts) != routed_tokens``.
     """
-    words = np.asarray(words)
+    array = np.asarray(words)
     expected_len = HDR_FIXED_WORDS + expert_per_rank
-    if words.ndim != 1 or words.shape[0] != expected_len:
-        raise WireError(f"header has shape {words.shape}, expected ({expected_len},) "
+    if array.ndim != 1 or array.shape[0] != expected_len:
+        raise WireError(f"header has shape {array.shape}, expected ({expected_len},) "
                         f"for expert_per_rank={expert_per_rank}")
-    words = words.astype(np.int64)
-    magic = int(words[HDR_MAGIC]) & 0xFFFFFFFF
+    w = array.tolist()  # Python ints: one conversion instead of one per field
+    magic = w[HDR_MAGIC] & 0xFFFFFFFF
     if magic != MAGIC:
         raise WireError(f"bad header magic 0x{magic:08x}, expected 0x{MAGIC:08x}")
-    if words[HDR_VERSION] != VERSION:
-        raise WireError(f"unsupported wire version {int(words[HDR_VERSION])}, expected {VERSION}")
-    counts = tuple(int(c) for c in words[HDR_FIXED_WORDS:])
-    routed = int(words[HDR_ROUTED_TOKENS])
-    if min(counts, default=0) < 0 or routed < 0 or words[HDR_SHARED_TOKENS] < 0:
+    if w[HDR_VERSION] != VERSION:
+        raise WireError(f"unsupported wire version {w[HDR_VERSION]}, expected {VERSION}")
+    counts = tuple(w[HDR_FIXED_WORDS:])
+    routed, shared = w[HDR_ROUTED_TOKENS], w[HDR_SHARED_TOKENS]
+    if min(counts, default=0) < 0 or routed < 0 or shared < 0:
         raise WireError(f"negative sizes in header: routed_tokens={routed}, "
-                        f"shared_tokens={int(words[HDR_SHARED_TOKENS])}, expert_counts={counts}")
+                        f"shared_tokens={shared}, expert_counts={counts}")
     if sum(counts) != routed:
         raise WireError(f"header expert_counts sum to {sum(counts)} but routed_tokens={routed} "
                         f"(counts={counts})")
     return Header(
-        seq=int(words[HDR_SEQ]) & 0xFFFFFFFF, src_rank=int(words[HDR_SRC_RANK]),
-        layer_idx=int(words[HDR_LAYER]), stage_idx=int(words[HDR_STAGE]),
-        num_tokens=int(words[HDR_NUM_TOKENS]), routed_tokens=routed,
-        shared_tokens=int(words[HDR_SHARED_TOKENS]), top_k=int(words[HDR_TOPK]),
-        flags=int(words[HDR_FLAGS]), echo_seq=int(words[HDR_ECHO_SEQ]) & 0xFFFFFFFF,
-        expert_counts=counts)
+        seq=w[HDR_SEQ] & 0xFFFFFFFF, src_rank=w[HDR_SRC_RANK], layer_idx=w[HDR_LAYER],
+        stage_idx=w[HDR_STAGE], num_tokens=w[HDR_NUM_TOKENS], routed_tokens=routed,
+        shared_tokens=shared, top_k=w[HDR_TOPK], flags=w[HDR_FLAGS],
+        echo_seq=w[HDR_ECHO_SEQ] & 0xFFFFFFFF, expert_counts=counts)
 
 
 def check_capacity(layout: WindowLayout, *, num_tokens: int, routed_tokens: int,
