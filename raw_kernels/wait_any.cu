@@ -67,13 +67,16 @@ afd_wait_any(afd_u64 window,  // own window
   if (lane == 0) {
     store_volatile(bell + DB_SLOT, won_slot);
     store_volatile(bell + DB_FLAG, won_flag);
+    store_volatile(bell + DB_STATUS, STATUS_OK);
     last_seen[won_slot] = won_flag;
     *scan_start = (won_slot + 1 == num_slots) ? 0 : won_slot + 1;
   }
-  __threadfence_system();
+  // One release for the whole doorbell: __syncwarp orders every lane's header words before
+  // lane 0's fence, which is cumulative, so the ticket store after it is the last write the
+  // host can observe. Each system fence waits for the posted PCIe writes before it (~1 us),
+  // so the former fence per step (header, status, ticket) cost one round trip each.
   __syncwarp();
   if (lane == 0) {
-    store_volatile(bell + DB_STATUS, STATUS_OK);
     __threadfence_system();
     store_volatile(bell + DB_TICKET, ticket);
   }

@@ -89,11 +89,10 @@ def _instrument(conn, stamps: _Stamps, role: str) -> None:
         _wrap(conn, "recv_ffn_output", before=lambda: stamps.host("a_recv0"),
               after=lambda _: stamps.host("a_recv1"))
         if cuda:
-            _wrap(kernels, "launch_dispatch_plan", before=lambda: stamps.event("g_disp0"))
-            _wrap(kernels, "launch_dispatch_scatter", after=lambda _: stamps.event("g_disp1"))
-            _wrap(kernels, "launch_wait_replies", before=lambda: stamps.event("g_wait0"))
-            _wrap(kernels, "launch_combine", before=lambda: stamps.event("g_comb0"),
-                  after=lambda _: (stamps.event("g_comb1"), stamps.host("a_launched")))
+            _stamp_launches(kernels, stamps, {
+                "afd_dispatch_plan": ("g_disp0", None), "afd_dispatch_scatter": (None, "g_disp1"),
+                "afd_wait_replies": ("g_wait0", None), "afd_combine": ("g_comb0", "g_comb1")},
+                host_after={"afd_combine": "a_launched"})
         return
     # FFN: a row per item that arrived (a poll timeout returns None and is not a row)
     def arrived(arrival):
@@ -108,8 +107,27 @@ def _instrument(conn, stamps: _Stamps, role: str) -> None:
     _wrap(conn, "send_ffn_work_item_output", before=lambda: stamps.host("f_reply0"),
           after=lambda _: stamps.host("f_reply1"))
     if cuda:
-        _wrap(kernels, "launch_reply", before=lambda: stamps.event("g_reply0"),
-              after=lambda _: stamps.event("g_reply1"))
+        _stamp_launches(kernels, stamps, {"afd_reply": ("g_reply0", "g_reply1")})
+
+
+def _stamp_launches(kernels, stamps: _Stamps, events: dict, host_after: dict | None = None) -> None:
+    """Record CUDA events around the backend's packed launches of the named kernels (class-level
+    wrap of ``PackedLaunch.launch``; a template instance's name contains the base name)."""
+    inner = kernels.PackedLaunch.launch
+    host_after = host_after or {}
+
+    def launch(self, *a, **kw):
+        kernel_name = str(getattr(self.spec.kernel, "name", ""))  # may be a template instance
+        name = next((key for key in events if key in kernel_name), None)
+        before, after = events.get(name, (None, None))
+        if before:
+            stamps.event(before)
+        inner(self, *a, **kw)
+        if after:
+            stamps.event(after)
+        if name in host_after:
+            stamps.host(host_after[name])
+    kernels.PackedLaunch.launch = launch
 
 
 #: (name, start stamp, end stamp, side) of the host-clock phases, in round-trip order
