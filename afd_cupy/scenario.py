@@ -41,6 +41,13 @@ class Scenario:
     favor_ffn_rank: int | None = None  # gate logits pushed towards this FFN rank's experts
     always_send: bool = False  # Attention sends to every FFN rank even when empty (lockstep)
     schedule: str = "async"  # FFN worker schedule: "async" or "lockstep"
+    graph_replays: int = 0  # cuda: > 0 captures each layer's send + recv in a CUDA graph and
+    #                         replays every layer this many times with fresh inputs
+
+    @property
+    def num_checks(self) -> int:
+        """Reference comparisons each Attention rank reports."""
+        return self.model.num_layers * max(1, self.graph_replays)
 
     def tokens_for(self, attn_rank: int, layer_idx: int) -> int:
         return self.tokens[attn_rank][layer_idx] if self.tokens else self.num_tokens
@@ -113,6 +120,8 @@ def _ffn(conn: AFDConnector, scenario: Scenario, ffn_rank: int, device) -> dict:
 
 
 def _attention(conn: AFDConnector, scenario: Scenario, attn_rank: int, device) -> dict:
+    if scenario.graph_replays:
+        return _attention_graphs(conn, scenario, attn_rank, device)
     model = scenario.model
     dtype = getattr(torch, model.dtype)
     errors, times = [], []
@@ -133,6 +142,48 @@ def _attention(conn: AFDConnector, scenario: Scenario, attn_rank: int, device) -
             errors.append(_compare(out, hidden, ids, weights, model, layer, scenario.seed))
         if scenario.sleep_s and scenario.sleep_s[attn_rank]:
             time.sleep(scenario.sleep_s[attn_rank])
+    conn.announce_shutdown()
+    return {"role": "attention", "rank": attn_rank, "errors": errors, "times": times}
+
+
+def _attention_graphs(conn: AFDConnector, scenario: Scenario, attn_rank: int, device) -> dict:
+    """Each layer's ``send_attn_output`` + ``recv_ffn_output(blocking=False)`` captured once in
+    a CUDA graph over static input tensors, then every layer replayed ``graph_replays`` times
+    with fresh inputs copied in and its output NaN-filled first; each replay is compared with
+    the reference (``check_errors()`` after each replay raises what the kernels latched)."""
+    model = scenario.model
+    dtype = getattr(torch, model.dtype)
+    gen = torch.Generator().manual_seed(scenario.seed * 7919 + attn_rank)
+    num_tokens = scenario.num_tokens
+
+    def fresh_inputs():
+        hidden = torch.randn(num_tokens, model.hidden_size, generator=gen).to(dtype)
+        weights, ids = conn.select_experts(torch.randn(num_tokens, model.num_experts, generator=gen).to(device))
+        return hidden, weights, ids
+
+    hidden, weights, ids = fresh_inputs()  # valid ids for the capture (nothing runs during it)
+    static_hidden, static_weights, static_ids = hidden.to(device), weights.clone(), ids.clone()
+    graphs, outs = [], []
+    for layer in range(model.num_layers):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            handle = conn.send_attn_output(static_hidden, static_ids, static_weights, layer)
+            outs.append(conn.recv_ffn_output(handle, blocking=False))
+        graphs.append(graph)
+    errors, times = [], []
+    for _ in range(scenario.graph_replays):
+        for layer in range(model.num_layers):
+            hidden, weights, ids = fresh_inputs()
+            static_hidden.copy_(hidden)
+            static_weights.copy_(weights)
+            static_ids.copy_(ids)
+            outs[layer].fill_(float("nan"))
+            start = time.perf_counter()
+            graphs[layer].replay()
+            conn.check_errors()  # synchronizes
+            times.append(time.perf_counter() - start)
+            if scenario.check:
+                errors.append(_compare(outs[layer], hidden, ids, weights, model, layer, scenario.seed))
     conn.announce_shutdown()
     return {"role": "attention", "rank": attn_rank, "errors": errors, "times": times}
 

@@ -26,7 +26,7 @@ def _run(scenario: Scenario, timeout_s=180):
     ffn = [r for r in results if r["role"] == "ffn"]
     tol = tolerance(scenario.model.dtype)
     for report in attn:
-        assert len(report["errors"]) == scenario.model.num_layers
+        assert len(report["errors"]) == scenario.num_checks
         for err in report["errors"]:
             assert err["shape_ok"] and err["num_nan"] == 0, err
             assert err["rel_err"] <= tol, (report["rank"], err)
@@ -100,6 +100,17 @@ def test_always_send_reaches_every_rank(backend):
     attn, ffn = _run(_scenario(backend, model, 1, 2, num_tokens=1, always_send=True))
     assert [r["served"] for r in ffn] == [2, 2]
     assert sum(routed for r in ffn for _, _, routed, _ in r["history"]) == 2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("num_attn,num_ffn", [(1, 1), (2, 2)])
+def test_attention_layers_replayed_from_cuda_graphs(num_attn, num_ffn):
+    # each layer's send + recv captured once, replayed 3 times with fresh inputs and NaN outputs
+    replays, model = 3, _model(num_layers=3)
+    attn, ffn = _run(_scenario("cuda", model, num_attn, num_ffn, num_tokens=40, graph_replays=replays))
+    # every replay really sent: 40 tokens reach every FFN rank at every layer (no stale outputs)
+    assert sum(r["served"] for r in ffn) == num_attn * model.num_layers * replays * num_ffn
+    assert {layer for r in ffn for _, layer, *_ in r["history"]} == set(range(model.num_layers))
 
 
 def _num_gpus():
