@@ -163,6 +163,9 @@ def _attention_graphs(conn: AFDConnector, scenario: Scenario, attn_rank: int, de
 
     hidden, weights, ids = fresh_inputs()  # valid ids for the capture (nothing runs during it)
     static_hidden, static_weights, static_ids = hidden.to(device), weights.clone(), ids.clone()
+    # warm-up before capturing, as torch advises: one eager round trip of 0 tokens runs every
+    # kernel once (lazy module loading, allocator) and sends nothing (empty messages never go)
+    conn.recv_ffn_output(conn.send_attn_output(static_hidden[:0], static_ids[:0], static_weights[:0], 0))
     graphs, outs = [], []
     for layer in range(model.num_layers):
         graph = torch.cuda.CUDAGraph()
