@@ -123,17 +123,10 @@ def _attention(conn: AFDConnector, scenario: Scenario, attn_rank: int, device) -
     if scenario.graph_replays:
         return _attention_graphs(conn, scenario, attn_rank, device)
     model = scenario.model
-    dtype = getattr(torch, model.dtype)
     errors, times = [], []
     gen = torch.Generator().manual_seed(scenario.seed * 7919 + attn_rank)
     for layer in range(model.num_layers):
-        num_tokens = scenario.tokens_for(attn_rank, layer)
-        hidden = torch.randn(num_tokens, model.hidden_size, generator=gen).to(dtype)
-        logits = torch.randn(num_tokens, model.num_experts, generator=gen)
-        if scenario.favor_ffn_rank is not None:
-            owned = conn.topology.owned_experts(scenario.favor_ffn_rank)
-            logits[:, owned.start:owned.stop] += 50.0
-        weights, ids = conn.select_experts(logits.to(device))
+        hidden, weights, ids = _layer_inputs(conn, scenario, gen, scenario.tokens_for(attn_rank, layer), device)
         start = time.perf_counter()
         handle = conn.send_attn_output(hidden.to(device), ids, weights, layer)
         out = conn.recv_ffn_output(handle)
@@ -146,20 +139,29 @@ def _attention(conn: AFDConnector, scenario: Scenario, attn_rank: int, device) -
     return {"role": "attention", "rank": attn_rank, "errors": errors, "times": times}
 
 
+def _layer_inputs(conn: AFDConnector, scenario: Scenario, gen, num_tokens: int, device):
+    """Fresh (hidden [T, H] model dtype on the CPU, weights fp32 [T, K], ids int32 [T, K] on
+    ``device``) from ``gen``; gate logits pushed towards ``favor_ffn_rank`` when set."""
+    model = scenario.model
+    hidden = torch.randn(num_tokens, model.hidden_size, generator=gen).to(getattr(torch, model.dtype))
+    logits = torch.randn(num_tokens, model.num_experts, generator=gen)
+    if scenario.favor_ffn_rank is not None:
+        owned = conn.topology.owned_experts(scenario.favor_ffn_rank)
+        logits[:, owned.start:owned.stop] += 50.0
+    weights, ids = conn.select_experts(logits.to(device))
+    return hidden, weights, ids
+
+
 def _attention_graphs(conn: AFDConnector, scenario: Scenario, attn_rank: int, device) -> dict:
     """Each layer's ``send_attn_output`` + ``recv_ffn_output(blocking=False)`` captured once in
     a CUDA graph over static input tensors, then every layer replayed ``graph_replays`` times
     with fresh inputs copied in and its output NaN-filled first; each replay is compared with
     the reference (``check_errors()`` after each replay raises what the kernels latched)."""
     model = scenario.model
-    dtype = getattr(torch, model.dtype)
     gen = torch.Generator().manual_seed(scenario.seed * 7919 + attn_rank)
-    num_tokens = scenario.num_tokens
 
     def fresh_inputs():
-        hidden = torch.randn(num_tokens, model.hidden_size, generator=gen).to(dtype)
-        weights, ids = conn.select_experts(torch.randn(num_tokens, model.num_experts, generator=gen).to(device))
-        return hidden, weights, ids
+        return _layer_inputs(conn, scenario, gen, scenario.num_tokens, device)
 
     hidden, weights, ids = fresh_inputs()  # valid ids for the capture (nothing runs during it)
     static_hidden, static_weights, static_ids = hidden.to(device), weights.clone(), ids.clone()

@@ -50,7 +50,6 @@ import dataclasses
 import os
 import sys
 import time
-from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -434,10 +433,7 @@ def print_summary(report: dict) -> None:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="4 layers, short phases (< 4 min on one H200)")
-    parser.add_argument("--backend", choices=("cuda", "host"), default=None)
-    parser.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for JSON + PNG")
-    parser.add_argument("--poll-mode", choices=("device", "host"), default="device")
+    bc.add_common_args(parser, quick_help="4 layers, short phases (< 4 min on one H200)")
     parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
     parser.add_argument("--workloads", nargs="+", choices=("uniform", "skewed"), default=["uniform", "skewed"])
     for name, kind, text in (

@@ -52,6 +52,15 @@ def progress(items: Sequence, desc: str, describe: Callable[[object], str] = str
         yield item
 
 
+def add_common_args(parser, quick_help: str) -> None:
+    """The flags every benchmark shares: --quick, --backend, --out, --poll-mode."""
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--backend", choices=("cuda", "host"), default=None)
+    parser.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for JSON + PNG")
+    parser.add_argument("--poll-mode", choices=("device", "host"), default="device",
+                        help="cuda FFN arrival detection (device needs MPS on one GPU)")
+
+
 def launch_env(backend: str, world_size: int, window_bytes: int, *,
                mps_percentage: int | None = None, nccl: bool = False) -> dict:
     """Environment for the launched ranks.

@@ -51,7 +51,6 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -672,11 +671,7 @@ def print_summary(report: dict) -> None:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small subset (< 60 s on GPU and host)")
-    parser.add_argument("--backend", choices=("cuda", "host"), default=None)
-    parser.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for JSON + PNG")
-    parser.add_argument("--poll-mode", choices=("device", "host"), default="device",
-                        help="cuda FFN arrival detection (device needs MPS on one GPU)")
+    bc.add_common_args(parser, quick_help="small subset (< 60 s on GPU and host)")
     parser.add_argument("--tokens", type=int, nargs="+", help="decode token counts")
     parser.add_argument("--prefill-tokens", type=int, nargs="*", help="prefill token counts (none: skip)")
     parser.add_argument("--hidden", type=int, nargs="+")
