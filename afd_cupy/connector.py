@@ -162,9 +162,9 @@ class AFDConnector:
 
     def _make_path(self):
         if self.backend == "host":
-            from afd_cupy.backend_host import HostDataPath
+            from afd_cupy.backends.host import HostDataPath
             return HostDataPath(self)
-        from afd_cupy.backend_cuda import CudaDataPath
+        from afd_cupy.backends.cuda import CudaDataPath
         return CudaDataPath(self)
 
     # --- helpers shared by the data paths ---------------------------------------------------

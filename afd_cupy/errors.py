@@ -26,8 +26,30 @@ class WireError(AfdError):
     """A header or window field failed validation (bad magic, version, length, counts)."""
 
 
+def _for_layer(layer_idx) -> str:
+    return f" for layer {layer_idx}" if layer_idx is not None else ""
+
+
+def bad_header_error(peer: int, field: str, expected, observed, layer_idx=None) -> WireError:
+    """The WireError of a reply header from FFN rank ``peer`` whose ``field`` is invalid."""
+    return WireError(f"bad reply header from FFN rank {peer}{_for_layer(layer_idx)}: {field} is "
+                     f"{observed!r}, expected {expected!r}")
+
+
 class ProtocolError(AfdError):
-    """A peer broke the protocol (unexpected echo_seq, reply from a rank not waited on...)."""
+    """A peer broke the protocol (unexpected echo_seq, reply from a rank not waited on...).
+
+    ``peer``, ``layer_idx``, ``field``, ``expected`` and ``observed`` are kept when known.
+    """
+
+    def __init__(self, message: str, *, peer=None, layer_idx=None, field=None, expected=None,
+                 observed=None):
+        super().__init__(message)
+        self.peer = peer
+        self.layer_idx = layer_idx
+        self.field = field
+        self.expected = expected
+        self.observed = observed
 
 
 class CapacityError(AfdError):
@@ -37,6 +59,18 @@ class CapacityError(AfdError):
         super().__init__(message)
         self.counts = counts
         self.cap = cap
+
+
+def token_cap_error(num_tokens: int, cap: int) -> CapacityError:
+    """The CapacityError of a batch of ``num_tokens`` over ``token_cap``."""
+    return CapacityError(f"num_tokens={num_tokens} > token_cap={cap} (max_num_batched_tokens)",
+                         counts=num_tokens, cap=cap)
+
+
+def shared_capacity_error(count: int, peer: int, cap: int) -> CapacityError:
+    """The CapacityError of ``count`` shared rows for FFN rank ``peer`` over ``cap``."""
+    return CapacityError(f"{count} shared rows for FFN rank {peer} > shared_cap={cap}",
+                         counts=count, cap=cap)
 
 
 def routed_capacity_error(count: int, peer: int, cap: int, *, nothing_sent: bool = False) -> CapacityError:
@@ -68,9 +102,8 @@ class PeerTimeoutError(AfdError, TimeoutError):
 def reply_timeout_error(peer: int, ring: int, layer_idx, expected_seq: int, observed_seq: int,
                         timeout_s: float) -> PeerTimeoutError:
     """The PeerTimeoutError of an Attention rank that got no reply from FFN rank ``peer``."""
-    where = f" for layer {layer_idx}" if layer_idx is not None else ""
     return PeerTimeoutError(
-        f"no reply from FFN rank {peer} (region {peer}, ring {ring}){where}, dispatch seq "
+        f"no reply from FFN rank {peer} (region {peer}, ring {ring}){_for_layer(layer_idx)}, dispatch seq "
         f"{expected_seq} within {timeout_s} s; flag still {observed_seq}",
         peer=peer, region=peer, ring=ring, expected_seq=expected_seq, observed_seq=observed_seq,
         layer_idx=layer_idx)
@@ -82,6 +115,21 @@ class ConnectorShutdown(AfdError):
     def __init__(self, message: str = "peer announced shutdown", *, src_rank=None):
         super().__init__(message)
         self.src_rank = src_rank
+
+
+def shutdown_during_reply_error(peer: int, layer_idx=None) -> ConnectorShutdown:
+    """FFN rank ``peer`` announced shutdown while this Attention rank waited for its reply."""
+    return ConnectorShutdown(f"FFN rank {peer} announced shutdown while a reply{_for_layer(layer_idx)} "
+                             "was pending", src_rank=peer)
+
+
+def reply_mismatch_error(peer: int, field: str, expected: int, observed: int,
+                         layer_idx=None) -> ProtocolError:
+    """A reply from FFN rank ``peer`` whose echoed ``field`` is not what was sent."""
+    return ProtocolError(f"reply from FFN rank {peer}{_for_layer(layer_idx)} echoes {field}="
+                         f"{observed}, the pending dispatch has {field}={expected}",
+                         peer=peer, layer_idx=layer_idx, field=field, expected=expected,
+                         observed=observed)
 
 
 class HeapError(AfdError, RuntimeError):

@@ -45,36 +45,12 @@ ROWS_PER_BLOCK = 8  # warps of 256-thread row-copy kernels (scatter, reply)
 
 DTYPE_CODES = {"bfloat16": 0, "float16": 1, "float32": 2}
 
-# Status codes (word ST_CODE of the status block). Mirrored in raw_kernels/wire.cuh.
-STATUS_OK = 0
-STATUS_CAPACITY = 1
-STATUS_TIMEOUT = 2
-STATUS_BAD_HEADER = 3
-STATUS_ECHO_MISMATCH = 4
-STATUS_SHUTDOWN = 5
-STATUS_BAD_EXPERT = 6
-STATUS_NAMES = {STATUS_OK: "OK", STATUS_CAPACITY: "CAPACITY", STATUS_TIMEOUT: "TIMEOUT",
-                STATUS_BAD_HEADER: "BAD_HEADER", STATUS_ECHO_MISMATCH: "ECHO_MISMATCH",
-                STATUS_SHUTDOWN: "SHUTDOWN", STATUS_BAD_EXPERT: "BAD_EXPERT"}
-
-# Word indices of the status block; -1 in a word means "not applicable".
-ST_CODE = 0
-ST_PEER = 1
-ST_SLOT = 2
-ST_RING = 3
-ST_EXPECTED = 4
-ST_OBSERVED = 5
-ST_COUNT = 6
-ST_CAP = 7
-STATUS_WORDS = 8
-STATUS_FIELDS = ("code", "peer", "slot", "ring", "expected", "observed", "count", "cap")
-
-# Word indices of the afd_wait_any doorbell (int64, pinned host); header words follow as int32.
-DB_TICKET = 0
-DB_STATUS = 1
-DB_SLOT = 2
-DB_FLAG = 3
-DB_HEADER = 4
+# The protocol's status and doorbell words live in wire.py (re-exported here for the kernels).
+from afd_cupy.wire import (DB_FLAG, DB_HEADER, DB_SLOT, DB_STATUS, DB_TICKET,  # noqa: E402
+                           ST_CAP, ST_CODE, ST_COUNT, ST_EXPECTED, ST_OBSERVED, ST_PEER,
+                           ST_RING, ST_SLOT, STATUS_BAD_EXPERT, STATUS_BAD_HEADER,
+                           STATUS_CAPACITY, STATUS_FIELDS, STATUS_NAMES, STATUS_OK,
+                           STATUS_REPLY_MISMATCH, STATUS_SHUTDOWN, STATUS_TIMEOUT, STATUS_WORDS)
 
 # Kernels of each file; True marks a template over the payload dtype code.
 FILE_KERNELS = {
@@ -93,7 +69,7 @@ WIRE_CONSTANT_NAMES = (
     "HDR_NUM_TOKENS", "HDR_ROUTED_TOKENS", "HDR_SHARED_TOKENS", "HDR_TOPK", "HDR_FLAGS",
     "HDR_ECHO_SEQ", "HDR_FIXED_WORDS",
     "STATUS_OK", "STATUS_CAPACITY", "STATUS_TIMEOUT", "STATUS_BAD_HEADER",
-    "STATUS_ECHO_MISMATCH", "STATUS_SHUTDOWN", "STATUS_BAD_EXPERT",
+    "STATUS_REPLY_MISMATCH", "STATUS_SHUTDOWN", "STATUS_BAD_EXPERT",
     "ST_CODE", "ST_PEER", "ST_SLOT", "ST_RING", "ST_EXPECTED", "ST_OBSERVED", "ST_COUNT",
     "ST_CAP", "STATUS_WORDS",
     "DB_TICKET", "DB_STATUS", "DB_SLOT", "DB_FLAG", "DB_HEADER",
@@ -296,7 +272,7 @@ class StatusBlock:
         rt.memcpyAsync(self.host.ctypes.data, self.ptr, self.NBYTES, rt.memcpyDeviceToHost,
                        stream_ptr)
 
-    def read(self) -> dict:
+    def read(self) -> wire.StatusRecord:
         """:func:`read_status` of the host mirror (no CUDA call)."""
         return read_status(self.host)
 
@@ -306,15 +282,9 @@ class StatusBlock:
         self._runtime.memsetAsync(self.ptr, 0, self.NBYTES, stream_ptr)
 
 
-def read_status(status) -> dict:
-    """Decode a status block (numpy int64 view, e.g. ``PinnedInt64.array``) into a dict.
-
-    Keys: ``code``, ``name`` and ``peer, slot, ring, expected, observed, count, cap`` (-1: n/a).
-    """
-    words = [int(v) for v in np.asarray(status)[:STATUS_WORDS]]
-    result = dict(zip(STATUS_FIELDS, words))
-    result["name"] = STATUS_NAMES.get(result["code"], f"UNKNOWN({result['code']})")
-    return result
+def read_status(status) -> wire.StatusRecord:
+    """Decode a status block (numpy int64 view, e.g. ``PinnedInt64.array``)."""
+    return wire.StatusRecord.decode(status)
 
 
 def layout_kernel_args(layout: wire.WindowLayout) -> dict:

@@ -9,7 +9,7 @@ Two pollers live here:
 - :meth:`Window.poll` — host polling (one device-to-host copy of all flags on the cuda
   backend), with a rotating scan start so no region starves and a last-seen mirror.
 - device polling (the ``wait_any``/``combine`` kernels) keeps its last-seen words on the
-  device instead; see ``afd_cupy.backend_cuda``.
+  device instead; see ``afd_cupy.backends.cuda``.
 """
 from __future__ import annotations
 

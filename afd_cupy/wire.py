@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from afd_cupy import errors
 from afd_cupy.errors import GeometryMismatchError, WireError
 
 MAGIC = 0x41464447  # "AFDG"
@@ -41,6 +42,50 @@ HDR_ECHO_SEQ = 11
 HDR_FIXED_WORDS = 12  # expert_counts[expert_per_rank] follow
 
 FIELD_NAMES = ("header", "route_table", "routed_x", "shared_idx", "shared_x")
+
+#: flag value (and header seq) of a shutdown message: above every data seq, so flags stay
+#: monotonic and a shutdown is an arrival on any ring it is written to
+SHUTDOWN_SEQ = (1 << 63) - 1
+
+# --- status block and doorbell words (mirrored in raw_kernels/wire.cuh) ------------------
+# A spinning or routing kernel latches its first error in a status block of STATUS_WORDS
+# int64 words; the host turns it into the same typed error the host backend raises.
+STATUS_OK = 0
+STATUS_CAPACITY = 1        # peer, count, cap: a rank's routed partials exceed routed_cap
+STATUS_TIMEOUT = 2         # peer, slot, ring, expected seq, observed flag
+STATUS_BAD_HEADER = 3      # peer, slot, ring, expected, observed, count = header word index
+STATUS_REPLY_MISMATCH = 4  # peer, slot, ring, expected, observed, count = header word index
+STATUS_SHUTDOWN = 5        # peer, slot, ring: the peer announced shutdown instead of replying
+STATUS_BAD_EXPERT = 6      # slot = partial index, expected = F * epr, observed = the bad id
+STATUS_NAMES = {STATUS_OK: "OK", STATUS_CAPACITY: "CAPACITY", STATUS_TIMEOUT: "TIMEOUT",
+                STATUS_BAD_HEADER: "BAD_HEADER", STATUS_REPLY_MISMATCH: "REPLY_MISMATCH",
+                STATUS_SHUTDOWN: "SHUTDOWN", STATUS_BAD_EXPERT: "BAD_EXPERT"}
+
+# Word indices of the status block; -1 in a word means "not applicable".
+ST_CODE = 0
+ST_PEER = 1
+ST_SLOT = 2
+ST_RING = 3
+ST_EXPECTED = 4
+ST_OBSERVED = 5
+ST_COUNT = 6
+ST_CAP = 7
+STATUS_WORDS = 8
+STATUS_FIELDS = ("code", "peer", "slot", "ring", "expected", "observed", "count", "cap")
+
+# Word indices of the FFN wait_any doorbell (int64, pinned host); header words follow as int32.
+DB_TICKET = 0
+DB_STATUS = 1
+DB_SLOT = 2
+DB_FLAG = 3
+DB_HEADER = 4
+
+#: header words a reply echoes, in the order both the host and the device check them
+HDR_WORD_NAMES = {HDR_MAGIC: "magic", HDR_VERSION: "version", HDR_SEQ: "seq",
+                  HDR_SRC_RANK: "src_rank", HDR_LAYER: "layer_idx", HDR_STAGE: "stage_idx",
+                  HDR_NUM_TOKENS: "num_tokens", HDR_ROUTED_TOKENS: "routed_tokens",
+                  HDR_SHARED_TOKENS: "shared_tokens", HDR_TOPK: "top_k", HDR_FLAGS: "flags",
+                  HDR_ECHO_SEQ: "echo_seq"}
 
 
 def align_up(nbytes: int, alignment: int = ALIGN) -> int:
@@ -249,13 +294,121 @@ def decode_header(words, expert_per_rank: int) -> Header:
 def check_capacity(layout: WindowLayout, *, num_tokens: int, routed_tokens: int,
                    shared_tokens: int, peer: int) -> None:
     """Raise CapacityError (nothing written yet) if a message does not fit its slot."""
-    from afd_cupy.errors import CapacityError, routed_capacity_error
-
     if num_tokens > layout.token_cap:
-        raise CapacityError(f"num_tokens={num_tokens} > token_cap={layout.token_cap} "
-                            "(max_num_batched_tokens)", counts=num_tokens, cap=layout.token_cap)
+        raise errors.token_cap_error(num_tokens, layout.token_cap)
     if routed_tokens > layout.routed_cap:
-        raise routed_capacity_error(routed_tokens, peer, layout.routed_cap)
+        raise errors.routed_capacity_error(routed_tokens, peer, layout.routed_cap)
     if shared_tokens > layout.shared_cap:
-        raise CapacityError(f"{shared_tokens} shared rows for FFN rank {peer} > shared_cap={layout.shared_cap}",
-                            counts=shared_tokens, cap=layout.shared_cap)
+        raise errors.shared_capacity_error(shared_tokens, peer, layout.shared_cap)
+
+
+# --- the protocol's messages -----------------------------------------------------------
+def dispatch_header(*, seq: int, src_rank: int, layer_idx: int, stage_idx: int, num_tokens: int,
+                    shared_tokens: int, top_k: int, expert_counts) -> Header:
+    """Header of a dispatch (Attention -> FFN); routed_tokens = sum(expert_counts).
+
+    The device builds the same words in ``afd_dispatch_scatter`` (order pinned by the probe).
+    """
+    counts = tuple(int(c) for c in expert_counts)
+    return Header(seq=int(seq), src_rank=src_rank, layer_idx=layer_idx, stage_idx=stage_idx,
+                  num_tokens=num_tokens, routed_tokens=sum(counts), shared_tokens=shared_tokens,
+                  top_k=top_k, flags=0, echo_seq=0, expert_counts=counts)
+
+
+def reply_header(dispatch: Header, *, seq: int, src_rank: int) -> Header:
+    """Header of the reply (FFN -> Attention) to ``dispatch``: sizes and indices echoed."""
+    return Header(seq=int(seq), src_rank=src_rank, layer_idx=dispatch.layer_idx,
+                  stage_idx=dispatch.stage_idx, num_tokens=dispatch.num_tokens,
+                  routed_tokens=dispatch.routed_tokens, shared_tokens=dispatch.shared_tokens,
+                  top_k=dispatch.top_k, flags=0, echo_seq=dispatch.seq,
+                  expert_counts=dispatch.expert_counts)
+
+
+def shutdown_header(*, src_rank: int, top_k: int, expert_per_rank: int) -> Header:
+    """Header of a shutdown announcement (either direction); its flag value is SHUTDOWN_SEQ."""
+    return Header(seq=SHUTDOWN_SEQ, src_rank=src_rank, layer_idx=0, stage_idx=0, num_tokens=0,
+                  routed_tokens=0, shared_tokens=0, top_k=top_k, flags=FLAG_SHUTDOWN, echo_seq=0,
+                  expert_counts=(0,) * expert_per_rank)
+
+
+@dataclass(frozen=True)
+class ReplyExpectation:
+    """What the reply of FFN rank ``peer`` to one dispatch must echo."""
+
+    peer: int
+    seq: int
+    layer_idx: int
+    stage_idx: int
+    routed_tokens: int
+    shared_tokens: int
+
+
+def check_reply(header: Header, want: ReplyExpectation) -> None:
+    """Raise the typed error of a reply that does not answer the pending dispatch ``want``.
+
+    Checks, in this order (the device's ``afd_wait_replies`` checks the same words in the same
+    order and latches the matching status): the shutdown flag (ConnectorShutdown), then the
+    echoed seq, layer, stage, routed and shared row counts (ProtocolError naming the field).
+    Magic, version and the expert-count sum were checked by :func:`decode_header` (WireError).
+    """
+    if header.is_shutdown:
+        raise errors.shutdown_during_reply_error(want.peer, want.layer_idx)
+    for name, observed, expected in (("echo_seq", header.echo_seq, want.seq & 0xFFFFFFFF),
+                                     ("layer_idx", header.layer_idx, want.layer_idx),
+                                     ("stage_idx", header.stage_idx, want.stage_idx),
+                                     ("routed_tokens", header.routed_tokens, want.routed_tokens),
+                                     ("shared_tokens", header.shared_tokens, want.shared_tokens)):
+        if observed != expected:
+            raise errors.reply_mismatch_error(want.peer, name, expected, observed, want.layer_idx)
+
+
+# --- status records ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class StatusRecord:
+    """A decoded status block (see STATUS_* and ST_*); -1 marks a word that does not apply."""
+
+    code: int
+    peer: int
+    slot: int
+    ring: int
+    expected: int
+    observed: int
+    count: int
+    cap: int
+
+    @classmethod
+    def decode(cls, words) -> "StatusRecord":
+        """From int64 words (numpy array or sequence) of at least STATUS_WORDS entries."""
+        values = [int(v) for v in np.asarray(words)[:STATUS_WORDS]]
+        return cls(*values)
+
+    @property
+    def name(self) -> str:
+        return STATUS_NAMES.get(self.code, f"UNKNOWN({self.code})")
+
+    @property
+    def ok(self) -> bool:
+        return self.code == STATUS_OK
+
+    def error(self, *, layer_idx=None, timeout_s: float | None = None) -> Exception:
+        """The exception the host backend raises for the same fault (code must not be OK)."""
+        code, peer = self.code, self.peer
+        if code == STATUS_CAPACITY:
+            return errors.routed_capacity_error(self.count, peer, self.cap, nothing_sent=True)
+        if code == STATUS_TIMEOUT:
+            return errors.reply_timeout_error(peer, self.ring, layer_idx, self.expected,
+                                              self.observed, timeout_s)
+        if code == STATUS_SHUTDOWN:
+            return errors.shutdown_during_reply_error(peer, layer_idx)
+        field = HDR_WORD_NAMES.get(self.count, "expert_counts" if self.count >= HDR_FIXED_WORDS
+                                   else f"word {self.count}")
+        if code == STATUS_REPLY_MISMATCH:
+            return errors.reply_mismatch_error(peer, field, self.expected, self.observed, layer_idx)
+        if code == STATUS_BAD_HEADER:
+            return errors.bad_header_error(peer, field, self.expected, self.observed, layer_idx)
+        if code == STATUS_BAD_EXPERT:
+            return errors.ProtocolError(f"topk id {self.observed} (partial {self.slot}) outside "
+                                        f"[0, {self.expected}){errors._for_layer(layer_idx)}; nothing was sent",
+                                        layer_idx=layer_idx)
+        return errors.ProtocolError(f"device status {self.name}{errors._for_layer(layer_idx)}: {self}",
+                                    layer_idx=layer_idx)

@@ -43,11 +43,11 @@ __device__ bool wait_replies(afd_u64 window, afd_i32 num_ffn, afd_i64 flags_byte
     const afd_i64 magic = static_cast<afd_u32>(load_volatile32(header + HDR_MAGIC));
     const afd_i64 version = load_volatile32(header + HDR_VERSION);
     if (magic != MAGIC) {
-      report_status(status, STATUS_BAD_HEADER, j, slot, ring, MAGIC, magic, -1, -1);
+      report_status(status, STATUS_BAD_HEADER, j, slot, ring, MAGIC, magic, HDR_MAGIC, -1);
       return false;
     }
     if (version != VERSION) {
-      report_status(status, STATUS_BAD_HEADER, j, slot, ring, VERSION, version, -1, -1);
+      report_status(status, STATUS_BAD_HEADER, j, slot, ring, VERSION, version, HDR_VERSION, -1);
       return false;
     }
     if (load_volatile32(header + HDR_FLAGS) & FLAG_SHUTDOWN) {
@@ -56,7 +56,7 @@ __device__ bool wait_replies(afd_u64 window, afd_i32 num_ffn, afd_i64 flags_byte
     }
     const afd_i64 echo = static_cast<afd_u32>(load_volatile32(header + HDR_ECHO_SEQ));
     if (echo != (want & 0xffffffffll)) {
-      report_status(status, STATUS_ECHO_MISMATCH, j, slot, ring, want & 0xffffffffll, echo, -1, -1);
+      report_status(status, STATUS_REPLY_MISMATCH, j, slot, ring, want & 0xffffffffll, echo, HDR_ECHO_SEQ, -1);
       return false;
     }
   }

@@ -42,7 +42,7 @@ constexpr int STATUS_OK = 0;
 constexpr int STATUS_CAPACITY = 1;
 constexpr int STATUS_TIMEOUT = 2;
 constexpr int STATUS_BAD_HEADER = 3;
-constexpr int STATUS_ECHO_MISMATCH = 4;
+constexpr int STATUS_REPLY_MISMATCH = 4;
 constexpr int STATUS_SHUTDOWN = 5;
 constexpr int STATUS_BAD_EXPERT = 6;  // a topk id outside [0, F*epr): nothing is sent
 

@@ -151,7 +151,7 @@ def test_packed_launch_rejects_untyped_arguments():
 
 def test_backend_sets_only_arguments_its_specs_have(fake_specs):
     """Every ``<launch>.set("name", ...)`` of the cuda backend names an argument of that kernel."""
-    source = (kernels.KERNEL_DIR.parent / "afd_cupy" / "backend_cuda.py").read_text()
+    source = (kernels.KERNEL_DIR.parent / "afd_cupy" / "backends" / "cuda.py").read_text()
     by_var = {"plan": "afd_dispatch_plan", "scatter": "afd_dispatch_scatter",
               "combine": "afd_combine", "launch": None}  # `launch`: wait_any and reply
     names = {name: set(spec.names) for (_, name), spec in _specs().items()}

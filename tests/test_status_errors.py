@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from afd_cupy import kernels
-from afd_cupy.backend_cuda import CudaDataPath, _status_error
+from afd_cupy.backends.cuda import CudaDataPath, _status_error
 from afd_cupy.errors import (CapacityError, ConnectorShutdown, PeerTimeoutError, ProtocolError,
                              WireError)
 

@@ -273,7 +273,7 @@ class CudaDataPath:
         stream = self.stream()
         self.status.clear(stream.ptr)
         stream.synchronize()
-        raise _status_error(status, layer_idx, self.conn.peer_timeout_s)
+        raise status.error(layer_idx=layer_idx, timeout_s=self.conn.peer_timeout_s)
 
     # --- FFN side ---------------------------------------------------------------------------
     def wait_any(self, timeout_s: float):
@@ -362,22 +362,3 @@ class CudaDataPath:
 
     def close(self) -> None:
         torch.cuda.synchronize(self.device_id)
-
-
-def _status_error(status: dict, layer_idx, timeout_s: float) -> Exception:
-    code, peer = status["code"], status["peer"]
-    where = f" for layer {layer_idx}" if layer_idx is not None else ""
-    if code == kernels.STATUS_CAPACITY:
-        return routed_capacity_error(status["count"], peer, status["cap"], nothing_sent=True)
-    if code == kernels.STATUS_TIMEOUT:
-        return reply_timeout_error(peer, status["ring"], layer_idx, status["expected"],
-                                   status["observed"], timeout_s)
-    if code == kernels.STATUS_SHUTDOWN:
-        return ConnectorShutdown(f"FFN rank {peer} announced shutdown while a reply was pending",
-                                 src_rank=peer)
-    if code == kernels.STATUS_ECHO_MISMATCH:
-        return ProtocolError(f"reply from FFN rank {peer} echoes seq {status['observed']}, pending "
-                             f"dispatch has seq {status['expected']}{where}")
-    if code == kernels.STATUS_BAD_HEADER:
-        return WireError(f"bad reply header from FFN rank {peer}{where}: {status}")
-    return ProtocolError(f"device status {status['name']}{where}: {status}")
