@@ -18,32 +18,31 @@ Construction and ``close()`` are collective over the whole AFD world.
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
-from afd_cupy import moe, wire
+from afd_cupy import handshake, moe, wire
+from afd_cupy.backends.base import POLL_MODES, Arrival, PathContext, open_path, require_backend
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig
-from afd_cupy.errors import (ConfigError, ConnectorShutdown, ProtocolError, RingExhaustedError)
+from afd_cupy.errors import (ConfigError, ConnectorShutdown, PeerLostError, PeerTimeoutError,
+                             ProtocolError, RingExhaustedError, token_cap_error)
 from afd_cupy.payload import torch_dtype
 from afd_cupy.topology import Role, Topology
 from afd_cupy.wire import WindowLayout
 
 logger = logging.getLogger("afd_cupy")
 
-#: flag value of a shutdown message: above every data seq, so flags stay monotonic
-SHUTDOWN_SEQ = (1 << 63) - 1
-BACKENDS = ("cuda", "host")
-POLL_MODES = ("device", "host")
-
 
 @dataclass(frozen=True)
 class DispatchHandle:
     """What ``send_attn_output`` returns; pass it to ``recv_ffn_output``.
 
-    ``topk_ids``/``topk_weights`` never travel: they stay here for the combine.
+    ``topk_ids``/``topk_weights`` never travel: they stay here for the combine, which reads
+    them when it runs (keep them unchanged until ``recv_ffn_output`` returns).
     """
 
     layer_idx: int
@@ -60,25 +59,47 @@ class FFNWorkItem:
     """One received dispatch, as zero-copy views into this FFN rank's window.
 
     - ``routed_x``: [routed_tokens, hidden] payload dtype, rows grouped by local expert.
-    - ``group_list``: int32 [expert_per_rank] on the payload's device, rows per local expert
-      (sums to routed_tokens); ``group_list_host`` the same as a tuple.
-    - ``shared_x``: [shared_tokens, hidden] rows of this rank's round-robin shared slice.
+    - ``group_counts``: int32 [expert_per_rank] on the payload's device, rows per local
+      expert (sums to routed_tokens); ``group_counts_host`` the same as a tuple.
+    - ``shared_x``: [shared_tokens, hidden] rows of this rank's round-robin shared slice, or
+      None when the item has no shared rows.
     - ``route_table``: int32 [routed_tokens, 2] (token index, top-k slot) per row.
     The views stay valid until this item is answered with ``send_ffn_work_item_output``.
     """
 
-    src_rank: int
-    layer_idx: int
-    stage_idx: int
-    num_tokens: int
-    ring: int
-    seq: int
+    arrival: Arrival = field(repr=False)
     routed_x: Any = field(repr=False)
-    group_list: Any = field(repr=False)
-    group_list_host: tuple = field(repr=False)
+    group_counts: Any = field(repr=False)
     shared_x: Any = field(repr=False)
     route_table: Any = field(repr=False)
-    header: wire.Header = field(repr=False)
+
+    @property
+    def header(self) -> wire.Header:
+        return self.arrival.header
+
+    @property
+    def src_rank(self) -> int:
+        return self.arrival.region
+
+    @property
+    def ring(self) -> int:
+        return self.arrival.ring
+
+    @property
+    def seq(self) -> int:
+        return self.header.seq
+
+    @property
+    def layer_idx(self) -> int:
+        return self.header.layer_idx
+
+    @property
+    def stage_idx(self) -> int:
+        return self.header.stage_idx
+
+    @property
+    def num_tokens(self) -> int:
+        return self.header.num_tokens
 
     @property
     def routed_tokens(self) -> int:
@@ -87,6 +108,28 @@ class FFNWorkItem:
     @property
     def shared_tokens(self) -> int:
         return self.header.shared_tokens
+
+    @property
+    def group_counts_host(self) -> tuple:
+        return self.header.expert_counts
+
+    def __repr__(self) -> str:
+        return (f"FFNWorkItem(src_rank={self.src_rank}, layer_idx={self.layer_idx}, "
+                f"stage_idx={self.stage_idx}, ring={self.ring}, seq={self.seq}, "
+                f"routed_tokens={self.routed_tokens}, shared_tokens={self.shared_tokens})")
+
+
+def _check_timeout(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+def _check_config(name: str, value, cls):
+    if not isinstance(value, cls):
+        hint = f" (use {cls.__name__}.from_mapping for a dict)" if isinstance(value, dict) else ""
+        raise ConfigError(f"{name} must be a {cls.__name__}, got {type(value).__name__}{hint}")
+    return value
 
 
 class AFDConnector:
@@ -98,15 +141,18 @@ class AFDConnector:
         store: rendezvous store (``set``/``get``/``add``) shared by the whole world,
             namespaced per job.
         job_id: names this job's shared-memory segments (host backend).
-        backend: ``"cuda"`` (NVSHMEM + CuPy kernels) or ``"host"`` (shared memory + numba).
+        backend: ``"cuda"`` (NVSHMEM + CuPy kernels) or ``"host"`` (shared memory + numpy).
         device_id: CUDA device of this process (cuda backend).
         poll_mode: cuda backend only: ``"device"`` (spinning kernels; needs one GPU per
             process or CUDA MPS) or ``"host"`` (flags copied to the host per poll).
-        peer_timeout_s: bound of every wait for a peer's reply.
+        peer_timeout_s: bound of every wait for a peer's reply (finite, > 0).
         startup_timeout_s: bound of the collective start-up (NVSHMEM bootstrap, heap barriers).
         always_send: Attention side: send a (header-only) message to every FFN rank even when
             it gets no rows. Needed by the lockstep FFN schedule, which waits for every
             replica's layer; off by default (empty messages never create a wait).
+
+    Raises ConfigError for invalid arguments and BackendUnavailableError when ``backend``
+    cannot run here. Construction and :meth:`close` are collective over the AFD world.
     """
 
     def __init__(self, model: ModelConfig, topology: TopologyConfig,
@@ -114,81 +160,67 @@ class AFDConnector:
                  store, job_id: str = "afd", backend: str = "host", device_id: int | None = None,
                  poll_mode: str = "device", peer_timeout_s: float = 60.0, always_send: bool = False,
                  startup_timeout_s: float = 120.0):
-        self.model = model
-        self.config = connector or ConnectorConfig()
+        self.model = _check_config("model", model, ModelConfig)
+        _check_config("topology", topology, TopologyConfig)
+        self.config = _check_config("connector", connector or ConnectorConfig(), ConnectorConfig)
+        if self.config.attn_ranks_per_dp != 1:
+            raise ConfigError(f"attn_ranks_per_dp={self.config.attn_ranks_per_dp}: only 1 is supported "
+                              "(one sending Attention rank per data-parallel replica)")
         self.role = Role(role)
         self.role_rank = role_rank
         self.topology = Topology.from_configs(model, topology)
-        self._check_args(backend, poll_mode)
         self.backend = backend
-        self.poll_mode = poll_mode
-        self.peer_timeout_s = float(peer_timeout_s)
-        self.always_send = bool(always_send)
-        self.startup_timeout_s = float(startup_timeout_s)
+        self.peer_timeout_s = _check_timeout("peer_timeout_s", peer_timeout_s)
+        self.startup_timeout_s = _check_timeout("startup_timeout_s", startup_timeout_s)
         self.world_rank = self.topology.world_rank(self.role, role_rank)
+        require_backend(backend)  # before any collective step: a rank that cannot run fails fast
+        if poll_mode not in POLL_MODES:
+            raise ConfigError(f"poll_mode must be one of {POLL_MODES}, got {poll_mode!r}")
         self.layout = WindowLayout.from_configs(model, topology, self.config)
-        self.has_shared = model.num_shared_experts > 0
         self.torch_dtype = torch_dtype(model.dtype)
         self.out_scale = moe.combine_scale(self.torch_dtype, model.routed_scaling_factor)
-        self._seqs = np.zeros((self.topology.num_regions, self.layout.ring_depth), np.int64)
-        self._pending: dict[int, DispatchHandle] = {}
+        self._pending: dict[int, DispatchHandle | None] = {}
+        self._received: dict[tuple, int] = {}  # FFN: (src_rank, ring) -> seq of the newest item
+        self._answered: set[tuple] = set()  # FFN: (src_rank, ring) whose newest item was answered
         self._shutdown_from: set[int] = set()
+        self._lost: set[int] = set()  # FFN: attention ranks found dead
+        self._shutdown_announced = False
+        self._peer_failed = False  # a wait timed out or a peer died: close() must not hang on it
         self._closed = False
-        self.heap = self._make_heap(store, job_id, device_id)
-        from afd_cupy.window import Window
-        self.window = Window(self.heap, self.layout, store)
-        self.path = self._make_path()
+        self.instance, peers = handshake.exchange(
+            store, world_rank=self.world_rank, world_size=self.topology.world_size,
+            record=handshake.config_record(model, topology, self.config, backend=backend),
+            timeout_s=self.startup_timeout_s)
+        self._attn_processes = {p.world_rank: p for p in peers
+                                if self.topology.role_of(p.world_rank)[0] is Role.ATTENTION}
+        ctx = PathContext(layout=self.layout, topology=self.topology, role=self.role,
+                          role_rank=role_rank, dtype=model.dtype, torch_dtype=self.torch_dtype,
+                          top_k=model.top_k, num_experts=model.num_experts,
+                          has_shared=model.num_shared_experts > 0,
+                          peer_timeout_s=self.peer_timeout_s, always_send=bool(always_send),
+                          poll_mode=poll_mode)
+        self.path = open_path(backend, ctx, store=store, job_id=job_id, device_id=device_id,
+                              startup_timeout_s=self.startup_timeout_s, instance=self.instance)
         logger.info("afd_cupy %s rank %d (world rank %d/%d) up: backend=%s window=%.1f MiB",
                     self.role.value, role_rank, self.world_rank, self.topology.world_size,
                     backend, self.layout.window_bytes / 2**20)
 
-    def _check_args(self, backend: str, poll_mode: str) -> None:
-        if backend not in BACKENDS:
-            raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if poll_mode not in POLL_MODES:
-            raise ConfigError(f"poll_mode must be one of {POLL_MODES}, got {poll_mode!r}")
-        if self.config.attn_ranks_per_dp != 1:
-            raise ConfigError(f"attn_ranks_per_dp={self.config.attn_ranks_per_dp}: only 1 is supported "
-                              "(one sending Attention rank per data-parallel replica)")
-
-    def _make_heap(self, store, job_id: str, device_id: int | None):
-        world = self.topology.world_size
-        if self.backend == "host":
-            from afd_cupy.heap.host import HostHeap
-            return HostHeap(self.world_rank, world, store, job_id, timeout_s=self.startup_timeout_s)
-        from afd_cupy.heap.nvshmem import NvshmemHeap
-        return NvshmemHeap(self.world_rank, world, store, job_id, device_id or 0,
-                           timeout_s=self.startup_timeout_s)
-
-    def _make_path(self):
-        if self.backend == "host":
-            from afd_cupy.backends.host import HostDataPath
-            return HostDataPath(self)
-        from afd_cupy.backends.cuda import CudaDataPath
-        return CudaDataPath(self)
-
-    # --- helpers shared by the data paths ---------------------------------------------------
-    def ffn_pe(self, ffn_rank: int) -> int:
-        return self.topology.world_rank(Role.FFN, ffn_rank)
-
-    def attn_pe(self, attn_rank: int) -> int:
-        return self.topology.world_rank(Role.ATTENTION, attn_rank)
-
-    def next_seq(self, peer: int, ring: int) -> int:
-        """Next host-side seq of this rank's messages to ``peer`` on ``ring`` (1, 2, ...)."""
-        self._seqs[peer, ring] += 1
-        return int(self._seqs[peer, ring])
-
     @property
     def device(self) -> torch.device:
-        if self.backend == "host":
-            return torch.device("cpu")
-        return torch.device("cuda", self.heap.device_id)
+        """torch device of this connector's payload tensors."""
+        return self.path.device
 
     # --- Attention side ---------------------------------------------------------------------
     def select_experts(self, router_logits: torch.Tensor):
-        """Gate with the model's scoring: ``(topk_weights fp32 [T,K], topk_ids int32 [T,K])``."""
+        """Gate with the model's scoring: ``(topk_weights fp32 [T,K], topk_ids int32 [T,K])``.
+
+        ``router_logits``: float [T, num_experts]. The weights exclude
+        ``routed_scaling_factor``: the FFN side applies it (see ``moe.apply_routed_scaling``).
+        """
         model = self.model
+        if router_logits.dim() != 2 or router_logits.shape[1] != model.num_experts:
+            raise ValueError(f"router_logits must be [num_tokens, {model.num_experts}], got "
+                             f"{tuple(router_logits.shape)}")
         return moe.select_experts(
             router_logits, model.top_k, use_grouped_topk=model.n_group is not None,
             num_expert_group=model.n_group, topk_group=model.topk_group,
@@ -199,11 +231,20 @@ class AFDConnector:
         """Route and write ``hidden`` one-sided into the FFN ranks' windows.
 
         hidden: [T, hidden_size] model dtype on this connector's device; topk_ids: int
-        [T, top_k]; topk_weights: float [T, top_k]. Raises CapacityError (nothing written)
-        when a rank's routed partials exceed routed_cap. Not collective; never blocks on peers.
+        [T, top_k] (values in [0, num_experts)); topk_weights: float [T, top_k]; layer_idx in
+        [0, num_layers); stage_idx in [0, num_stages). Not collective; never blocks on peers.
+
+        Raises ValueError for bad arguments and CapacityError when T > token_cap, here. A
+        rank's routed partials over routed_cap, or an expert id out of range found on the
+        device, send nothing and raise from ``recv_ffn_output`` of this handle (on both
+        backends; with ``blocking=False`` on cuda, at the next blocking call).
         """
         self._require(Role.ATTENTION, "send_attn_output")
+        if self._shutdown_announced:
+            raise ProtocolError("send_attn_output after announce_shutdown(): the FFN ranks were told "
+                                "this rank is done")
         self._check_send_args(hidden, topk_ids, topk_weights, layer_idx, stage_idx)
+        layer_idx, stage_idx = int(layer_idx), int(stage_idx)
         ring = self._acquire_ring(stage_idx)
         try:
             state = self.path.dispatch(hidden, topk_ids, layer_idx=layer_idx,
@@ -220,9 +261,11 @@ class AFDConnector:
         """Wait for the replies of exactly the FFN ranks that were sent to, and combine.
 
         Returns [T, hidden_size] in the model dtype: ``Σ_k w[t,k]·expert(t,k) + shared(t)``
-        accumulated in fp32. ``blocking=False`` (cuda backend) enqueues the wait and the
-        combine on the current stream without a host synchronization; errors then surface at
-        the next blocking call or ``check_errors()``, and failed rows are NaN.
+        accumulated in fp32. Replies that answer an earlier dispatch whose wait timed out are
+        recognised by their seq and dropped. ``blocking=False`` (where the backend supports
+        it: cuda) enqueues the wait and the combine on the current stream without a host
+        synchronization; errors then surface at the next blocking call or ``check_errors()``,
+        and failed rows are NaN.
         """
         self._require(Role.ATTENTION, "recv_ffn_output")
         if self._pending.get(handle.ring) is not handle:
@@ -231,17 +274,25 @@ class AFDConnector:
         try:
             return self.path.combine(handle.state, handle.topk_ids, handle.topk_weights,
                                      ring=handle.ring, layer_idx=handle.layer_idx,
-                                     out_scale=self.out_scale, **self._blocking_kw(blocking))
+                                     stage_idx=handle.stage_idx, out_scale=self.out_scale,
+                                     blocking=blocking)
+        except PeerTimeoutError:
+            self._peer_failed = True
+            raise
         finally:
             del self._pending[handle.ring]
 
-    def _blocking_kw(self, blocking: bool) -> dict:
-        return {} if self.backend == "host" else {"blocking": blocking}
+    def sent_to(self, handle: DispatchHandle) -> list[int]:
+        """FFN ranks the dispatch of ``handle`` was sent to (may synchronize; for tools)."""
+        return self.path.sent_to(handle.state)
 
     def check_errors(self) -> None:
-        """Synchronize and raise any error latched by a non-blocking call (cuda backend)."""
-        if self.backend == "cuda":
+        """Synchronize and raise any error latched by a non-blocking call (no-op on host)."""
+        try:
             self.path.check_errors()
+        except PeerTimeoutError:
+            self._peer_failed = True
+            raise
 
     def _acquire_ring(self, stage_idx: int) -> int:
         num_stages, depth = self.config.num_stages, self.layout.ring_depth
@@ -257,84 +308,116 @@ class AFDConnector:
 
     def _check_send_args(self, hidden, topk_ids, topk_weights, layer_idx, stage_idx) -> None:
         model = self.model
+        _check_index("layer_idx", layer_idx, model.num_layers)
+        _check_index("stage_idx", stage_idx, self.config.num_stages)
         if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2 or hidden.shape[1] != model.hidden_size:
             raise ValueError(f"hidden must be a [num_tokens, {model.hidden_size}] tensor, got "
                              f"{getattr(hidden, 'shape', type(hidden).__name__)}")
         if hidden.dtype != self.torch_dtype:
             raise ValueError(f"hidden has dtype {hidden.dtype}, the model dtype is {self.torch_dtype}")
-        if hidden.device.type != self.device.type:
-            raise ValueError(f"hidden is on {hidden.device}, the {self.backend} backend needs {self.device.type}")
+        self._check_device("hidden", hidden)
         expected = (hidden.shape[0], model.top_k)
-        for name, tensor, ok_dtype in (("topk_ids", topk_ids, not topk_ids.dtype.is_floating_point),
-                                       ("topk_weights", topk_weights, topk_weights.dtype.is_floating_point)):
+        for name, tensor, is_float in (("topk_ids", topk_ids, False), ("topk_weights", topk_weights, True)):
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
             if tuple(tensor.shape) != expected:
                 raise ValueError(f"{name} must have shape {expected}, got {tuple(tensor.shape)}")
-            if not ok_dtype:
-                raise ValueError(f"{name} has wrong dtype {tensor.dtype}")
-            if tensor.device.type != hidden.device.type:
-                raise ValueError(f"{name} is on {tensor.device}, hidden on {hidden.device}")
+            if tensor.dtype.is_floating_point != is_float or tensor.dtype == torch.bool or tensor.is_complex():
+                raise ValueError(f"{name} has wrong dtype {tensor.dtype} (expected "
+                                 f"{'a float' if is_float else 'an integer'} dtype)")
+            self._check_device(name, tensor)
         if hidden.shape[0] > self.layout.token_cap:
-            from afd_cupy.errors import CapacityError
-            raise CapacityError(f"num_tokens={hidden.shape[0]} > token_cap={self.layout.token_cap} "
-                                "(max_num_batched_tokens)", counts=hidden.shape[0], cap=self.layout.token_cap)
-        if not (0 <= stage_idx < self.config.num_stages):
-            raise ValueError(f"stage_idx={stage_idx} outside [0, {self.config.num_stages})")
-        if layer_idx < 0:
-            raise ValueError(f"layer_idx must be >= 0, got {layer_idx}")
+            raise token_cap_error(hidden.shape[0], self.layout.token_cap)
+
+    def _check_device(self, name: str, tensor: torch.Tensor) -> None:
+        device = self.device
+        if tensor.device.type != device.type or (device.index is not None and tensor.device.index != device.index):
+            raise ValueError(f"{name} is on {tensor.device}, this connector's tensors live on {device}")
 
     # --- FFN side ---------------------------------------------------------------------------
     def recv_ffn_work_item(self, timeout_ms: int | None = None) -> FFNWorkItem | None:
         """Next dispatch from any Attention rank, or None after ``timeout_ms``
         (default ``recv_poll_timeout_ms``). Fair across regions (rotating scan).
-        Raises ConnectorShutdown once every Attention rank has announced shutdown."""
+        Raises ConnectorShutdown once every Attention rank has announced shutdown, and
+        PeerLostError once every Attention rank has shut down or died (a dead rank is noticed
+        when a poll finds nothing: its process is gone; same host only)."""
         self._require(Role.FFN, "recv_ffn_work_item")
         timeout_ms = self.config.recv_poll_timeout_ms if timeout_ms is None else timeout_ms
         while True:
             arrival = self.path.wait_any(timeout_ms / 1000.0)
             if arrival is None:
+                self._check_attention_alive()
                 return None
-            region, ring, words = arrival
-            header = wire.decode_header(words, self.layout.expert_per_rank)
-            if header.is_shutdown:
-                self._note_shutdown(header.src_rank)
+            if arrival.header.is_shutdown:
+                self._note_shutdown(arrival.header.src_rank)
                 continue
-            return self._work_item(region, ring, header)
+            return self._work_item(arrival)
 
     def _note_shutdown(self, src_rank: int) -> None:
+        if src_rank in self._shutdown_from:
+            return  # the same announcement, seen on another ring
         self._shutdown_from.add(src_rank)
         logger.info("afd_cupy ffn rank %d: attention rank %d announced shutdown (%d/%d)",
                     self.role_rank, src_rank, len(self._shutdown_from), self.topology.num_attn_ranks)
         if len(self._shutdown_from) == self.topology.num_attn_ranks:
+            if self._lost:
+                self._peer_failed = True
+                raise PeerLostError(f"attention rank(s) {sorted(self._lost)} died without announcing "
+                                    "shutdown; every other attention rank has shut down",
+                                    peers=sorted(self._lost))
             raise ConnectorShutdown("every Attention rank announced shutdown", src_rank=src_rank)
 
-    def _work_item(self, region: int, ring: int, header: wire.Header) -> FFNWorkItem:
-        if header.src_rank != region:
-            raise ProtocolError(f"message in region {region} claims source rank {header.src_rank}")
-        routed, shared, route, group_list = self.path.item_views(region, ring, header)
-        return FFNWorkItem(src_rank=region, layer_idx=header.layer_idx, stage_idx=header.stage_idx,
-                           num_tokens=header.num_tokens, ring=ring, seq=header.seq, routed_x=routed,
-                           group_list=group_list, group_list_host=header.expert_counts,
-                           shared_x=shared if header.shared_tokens else None, route_table=route,
-                           header=header)
+    def _check_attention_alive(self) -> None:
+        """Idle-time liveness check: raise PeerLostError once no Attention rank can send."""
+        dead = [self.topology.role_of(pe)[1] for pe, proc in self._attn_processes.items()
+                if proc.is_alive() is False]
+        for rank in dead:
+            if rank not in self._shutdown_from:
+                logger.warning("afd_cupy ffn rank %d: attention rank %d died without shutdown",
+                               self.role_rank, rank)
+                self._shutdown_from.add(rank)
+                self._lost.add(rank)
+        if self._lost and len(self._shutdown_from) == self.topology.num_attn_ranks:
+            self._peer_failed = True
+            raise PeerLostError(f"attention rank(s) {sorted(self._lost)} died without announcing "
+                                "shutdown; every other attention rank has shut down", peers=sorted(self._lost))
+
+    def _work_item(self, arrival: Arrival) -> FFNWorkItem:
+        header = arrival.header
+        if header.src_rank != arrival.region:
+            raise ProtocolError(f"message in region {arrival.region} claims source rank {header.src_rank}")
+        views = self.path.item_views(arrival)
+        key = (arrival.region, arrival.ring)
+        self._received[key] = header.seq
+        self._answered.discard(key)
+        return FFNWorkItem(arrival=arrival, routed_x=views.routed_x, group_counts=views.group_counts,
+                           shared_x=views.shared_x if header.shared_tokens else None,
+                           route_table=views.route_table)
 
     def send_ffn_work_item_output(self, item: FFNWorkItem, routed_out: torch.Tensor,
                                   shared_out: torch.Tensor | None = None) -> None:
         """Write the expert outputs back into the sender's window (region = this FFN rank).
 
         routed_out: [item.routed_tokens, hidden] in wire order; shared_out:
-        [item.shared_tokens, hidden] or None (only when the item had no shared rows).
+        [item.shared_tokens, hidden] or None (only when the item had no shared rows); both in
+        the model dtype on this connector's device. Raises ProtocolError when the item was
+        already answered. An item superseded by a newer dispatch on its slot (its sender timed
+        out and moved on) is not answered: the reply would be dropped there anyway.
         """
         self._require(Role.FFN, "send_ffn_work_item_output")
         self._check_outputs(item, routed_out, shared_out)
-        seq = self.next_seq(item.src_rank, item.ring)
-        h = item.header
-        reply = wire.Header(seq=seq, src_rank=self.role_rank, layer_idx=h.layer_idx,
-                            stage_idx=h.stage_idx, num_tokens=h.num_tokens,
-                            routed_tokens=h.routed_tokens, shared_tokens=h.shared_tokens,
-                            top_k=h.top_k, flags=0, echo_seq=h.seq, expert_counts=h.expert_counts)
-        words = wire.header_word_list(reply, self.layout.expert_per_rank)
-        self.path.reply(item.src_rank, item.ring, words, seq, routed_out,
-                        shared_out if h.shared_tokens else None)
+        key = (item.src_rank, item.ring)
+        newest = self._received.get(key)
+        if newest == item.seq and key in self._answered:
+            raise ProtocolError(f"work item from attention rank {item.src_rank} (layer {item.layer_idx}, "
+                                f"ring {item.ring}, seq {item.seq}) was already answered",
+                                peer=item.src_rank, layer_idx=item.layer_idx)
+        if newest != item.seq:
+            logger.warning("afd_cupy ffn rank %d: %r was superseded by seq %s on its slot; not answered",
+                           self.role_rank, item, newest)
+            return
+        self.path.reply(item.arrival, routed_out, shared_out if item.shared_tokens else None)
+        self._answered.add(key)
 
     def _check_outputs(self, item, routed_out, shared_out) -> None:
         hidden = self.model.hidden_size
@@ -342,32 +425,40 @@ class AFDConnector:
         if tuple(routed_out.shape) != expected or routed_out.dtype != self.torch_dtype:
             raise ValueError(f"routed_out must be {expected} {self.torch_dtype}, got "
                              f"{tuple(routed_out.shape)} {routed_out.dtype}")
+        self._check_device("routed_out", routed_out)
         if item.shared_tokens:
             expected = (item.shared_tokens, hidden)
             if shared_out is None or tuple(shared_out.shape) != expected or shared_out.dtype != self.torch_dtype:
                 raise ValueError(f"shared_out must be {expected} {self.torch_dtype} for an item with "
                                  f"shared rows, got {None if shared_out is None else tuple(shared_out.shape)}")
+            self._check_device("shared_out", shared_out)
 
     # --- both sides -------------------------------------------------------------------------
     def announce_shutdown(self) -> None:
-        """Write a shutdown header to every opposite-role peer (region = own rank, ring 0)."""
-        opposite = self.role.opposite
-        for peer in range(self.topology.num_role_ranks(opposite)):
-            header = wire.Header(seq=SHUTDOWN_SEQ, src_rank=self.role_rank, layer_idx=0, stage_idx=0,
-                                 num_tokens=0, routed_tokens=0, shared_tokens=0,
-                                 top_k=self.model.top_k, flags=wire.FLAG_SHUTDOWN, echo_seq=0,
-                                 expert_counts=(0,) * self.layout.expert_per_rank)
-            words = wire.encode_header(header, self.layout.expert_per_rank)
-            self.path.send_control(self.topology.world_rank(opposite, peer), 0, words, SHUTDOWN_SEQ)
+        """Write a shutdown header to every ring of every opposite-role peer. After it, an
+        Attention rank may not send again; an FFN rank's pending replies are not answered."""
+        self._require(self.role, "announce_shutdown")
+        self.path.announce_shutdown()
+        self._shutdown_announced = True
 
     def close(self) -> None:
-        """Collective: every rank of the world calls it; frees the window. Idempotent."""
+        """Collective: every rank of the world calls it; frees the window. Idempotent.
+
+        An Attention rank that has not announced shutdown does so first (best effort), so the
+        FFN ranks leave their loops even when this rank closes from an exception path.
+        """
         if self._closed:
             return
-        self._closed = True
-        self.path.close()
-        self.window.close()
-        self.heap.close()
+        try:
+            if self.role is Role.ATTENTION and not self._shutdown_announced:
+                try:
+                    self.announce_shutdown()
+                except Exception as exc:  # close() must go on; the original error matters more
+                    logger.warning("afd_cupy attention rank %d: shutdown announcement in close() "
+                                   "failed: %s", self.role_rank, exc)
+        finally:
+            self._closed = True
+            self.path.close(peers_healthy=not self._peer_failed)
 
     def __enter__(self) -> "AFDConnector":
         return self
@@ -385,3 +476,11 @@ class AFDConnector:
             raise ProtocolError(f"{what} is a {role.value}-side call; this connector is {self.role.value}")
         if self._closed:
             raise ProtocolError(f"{what} on a closed connector")
+
+
+def _check_index(name: str, value, bound: int) -> None:
+    """``value`` must be an int (not bool, not a float) in [0, bound)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if not 0 <= int(value) < bound:
+        raise ValueError(f"{name}={int(value)} outside [0, {bound})")

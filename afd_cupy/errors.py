@@ -81,6 +81,16 @@ def routed_capacity_error(count: int, peer: int, cap: int, *, nothing_sent: bool
         f"routed_cap_multiplier (worst case = number of FFN ranks){suffix}", counts=count, cap=cap)
 
 
+class InvalidRoutingError(AfdError, ValueError):
+    """An expert id outside [0, num_experts) was given to a dispatch. Nothing was sent."""
+
+
+def bad_expert_error(expert: int, partial: int, num_experts: int, layer_idx=None) -> InvalidRoutingError:
+    """The error of topk id ``expert`` (flat index t * top_k + k: ``partial``) out of range."""
+    return InvalidRoutingError(f"topk id {expert} (partial {partial}) outside [0, {num_experts})"
+                               f"{_for_layer(layer_idx)}; nothing was sent")
+
+
 class RingExhaustedError(AfdError):
     """No free ring slot for a (peer, stage): the configuration does not match the peers."""
 
@@ -107,6 +117,16 @@ def reply_timeout_error(peer: int, ring: int, layer_idx, expected_seq: int, obse
         f"{expected_seq} within {timeout_s} s; flag still {observed_seq}",
         peer=peer, region=peer, ring=ring, expected_seq=expected_seq, observed_seq=observed_seq,
         layer_idx=layer_idx)
+
+
+class PeerLostError(AfdError):
+    """Peers died without announcing shutdown (their processes are gone).
+
+    ``peers``: the role ranks found dead."""
+
+    def __init__(self, message: str, *, peers=()):
+        super().__init__(message)
+        self.peers = tuple(peers)
 
 
 class ConnectorShutdown(AfdError):

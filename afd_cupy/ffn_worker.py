@@ -85,7 +85,7 @@ def merge_items(items: Sequence[FFNWorkItem]) -> MergedBatch:
     order); the gather index is built on the host from the headers' counts and copied to
     the device without a synchronization.
     """
-    counts = np.array([item.group_list_host for item in items], np.int64).reshape(len(items), -1)
+    counts = np.array([item.group_counts_host for item in items], np.int64).reshape(len(items), -1)
     routed_sizes = [int(item.routed_x.shape[0]) for item in items]
     first = items[0].routed_x
     order_host = torch.from_numpy(merge_order(counts))
@@ -162,8 +162,8 @@ class FFNWorker:
 
     def _moe_outputs(self, item: FFNWorkItem):
         experts = self._for_layer(self.experts, item.layer_idx)
-        routed = moe.grouped_mlp(item.routed_x, item.group_list, experts,
-                                 group_counts_host=list(item.group_list_host))
+        routed = moe.grouped_mlp(item.routed_x, item.group_counts, experts,
+                                 group_counts_host=list(item.group_counts_host))
         return self._finish(routed, item.shared_x, item.layer_idx)
 
     def _finish(self, routed: torch.Tensor, shared_x: torch.Tensor | None, layer_idx: int):

@@ -148,10 +148,11 @@ def _start_store(nprocs: int, timeout_s: float) -> tuple[Store, int]:
 class _Job:
     """Bookkeeping of one launch: children, reports, failures."""
 
-    def __init__(self, nprocs: int, processes: list, results: Any):
+    def __init__(self, nprocs: int, processes: list, results: Any, expected_deaths=()):
         self.nprocs = nprocs
         self.processes = processes
         self.results = results
+        self.expected_deaths = frozenset(expected_deaths)
         self.values: dict[int, Any] = {}
         self.failures: dict[int, str] = {}
 
@@ -182,7 +183,10 @@ class _Job:
         for rank in dead:
             if rank in self.pending():
                 code = self.processes[rank].exitcode
-                self.failures[rank] = f"rank {rank} died without reporting (exit code {code})"
+                if rank in self.expected_deaths:
+                    self.values[rank] = DiedAsExpected(rank, code)
+                else:
+                    self.failures[rank] = f"rank {rank} died without reporting (exit code {code})"
 
 
 def _wait(job: _Job, timeout_s: float) -> None:
@@ -226,15 +230,25 @@ def _stop_all(processes: list) -> None:
             proc.join()
 
 
+@dataclasses.dataclass(frozen=True)
+class DiedAsExpected:
+    """The result of a rank named in ``launch(expected_deaths=...)`` that died unreported."""
+
+    rank: int
+    exit_code: int
+
+
 def launch(fn: Callable, nprocs: int, *, args: tuple = (), timeout_s: float = 120.0,
            num_gpus: int | None = None, env: dict[str, str] | None = None,
-           job_id: str | None = None) -> list:
+           job_id: str | None = None, expected_deaths=()) -> list:
     """Run ``fn(ctx, *args)`` in ``nprocs`` spawned processes; return results by rank.
 
     ``fn``, ``args`` and results must be picklable (``fn`` a top-level function). ``env``
     entries are set in each child before ``fn`` (and its module) are loaded. ``num_gpus``
     None detects the visible GPUs; placement follows :func:`device_for_rank`. ``job_id``
-    (default: random) namespaces store keys and shared-memory segments.
+    (default: random) namespaces store keys and shared-memory segments. Ranks in
+    ``expected_deaths`` may die without reporting (fault-injection tests): their result is a
+    :class:`DiedAsExpected`, and the other ranks run on to their own end.
 
     Raises LaunchError when any rank raises (with every failing rank's traceback), dies
     without reporting (with its exit code) or does not finish within ``timeout_s``.
@@ -258,7 +272,7 @@ def launch(fn: Callable, nprocs: int, *, args: tuple = (), timeout_s: float = 12
                                  args=(rank, fn_args_blob, ctx, child_env, results))
             proc.start()
             processes.append(proc)
-        job = _Job(nprocs, processes, results)
+        job = _Job(nprocs, processes, results, expected_deaths)
         _wait(job, timeout_s)
         if job.failures:
             raise LaunchError(_failure_message(job, job_id), failures=job.failures)

@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
-from dataclasses import dataclass
-
 import numpy as np
 
 from afd_cupy import wire
@@ -26,15 +23,6 @@ from afd_cupy.store import Store
 from afd_cupy.wire import WindowLayout
 
 logger = logging.getLogger("afd_cupy")
-
-
-@dataclass(frozen=True)
-class Arrival:
-    """A flag that changed: slot (region, ring) now holds message ``flag`` (the sender's seq)."""
-
-    region: int
-    ring: int
-    flag: int
 
 
 class Window:
@@ -53,8 +41,6 @@ class Window:
         self._exchange_geometry(store, name, geometry_timeout_s)
         self._bases = [self.buffer.peer(pe) for pe in range(heap.world_size)]
         self.flags = self.local_bytes[:layout.num_slots * 8].view(np.int64)
-        self._seen = np.zeros(layout.num_slots, np.int64)  # host poll mirror
-        self._scan_start = 0
         heap.barrier()  # no rank writes before every rank checked geometry
 
     # --- geometry ---------------------------------------------------------------------------
@@ -68,6 +54,11 @@ class Window:
             self.layout.check_same(theirs, my_rank=rank, other_rank=other)
 
     # --- views ------------------------------------------------------------------------------
+    @property
+    def own_pe(self) -> int:
+        """World rank (PE) of this window's owner."""
+        return self.heap.rank
+
     @property
     def local_bytes(self):
         """uint8 [window_bytes] of this rank's window (xp array)."""
@@ -131,44 +122,14 @@ class Window:
         else:
             view.set(array)
 
-    # --- host polling -----------------------------------------------------------------------
+    # --- host reads ----------------------------------------------------------------------------
     def read_flags(self) -> np.ndarray:
         """int64 [num_slots] copy of this rank's flags (one D2H copy on cuda)."""
-        if self.xp is np:
-            return self.flags.copy()
-        return self.flags.get()
+        return self.to_host(self.flags)
 
-    def poll(self) -> Arrival | None:
-        """One scan of all flags from a rotating start; the first changed slot or None."""
-        flags = self.read_flags()
-        changed = np.flatnonzero(flags != self._seen)
-        if changed.size == 0:
-            return None
-        num_slots = self.layout.num_slots
-        rotated = (changed - self._scan_start) % num_slots
-        slot = int(changed[np.argmin(rotated)])
-        self._seen[slot] = flags[slot]
-        self._scan_start = (slot + 1) % num_slots
-        region, ring = divmod(slot, self.layout.ring_depth)
-        return Arrival(region, ring, int(flags[slot]))
-
-    def wait_any(self, timeout_s: float) -> Arrival | None:
-        """Poll until an arrival or ``timeout_s``; None on timeout. Busy-polls, yielding the GIL."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            arrival = self.poll()
-            if arrival is not None:
-                return arrival
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(0)
-
-    def mark_seen(self, region: int, ring: int, flag: int) -> None:
-        """Record that the host consumed ``flag`` of slot (region, ring) (targeted waits)."""
-        self._seen[self.layout.slot_index(region, ring)] = flag
-
-    def seen(self, region: int, ring: int) -> int:
-        return int(self._seen[self.layout.slot_index(region, ring)])
+    def to_host(self, view) -> np.ndarray:
+        """numpy copy of a view of any window (a D2H copy on cuda)."""
+        return view.copy() if self.xp is np else view.get()
 
     def close(self) -> None:
         """Drop views; the heap owns (and frees) the memory in its collective close."""

@@ -343,6 +343,19 @@ class ReplyExpectation:
     shared_tokens: int
 
 
+def is_late_reply(header: Header, want_seq: int) -> bool:
+    """True for a reply to a dispatch older than the pending one (seq ``want_seq``).
+
+    Such a reply answers a dispatch whose wait already timed out; it is dropped (its slot is
+    consumed) and the wait goes on. Seqs are compared modulo 2**32 (the header carries the
+    low 32 bits): ``echo_seq`` is late when it lies in the 2**31 seqs before ``want_seq``.
+    """
+    if header.is_shutdown:
+        return False
+    behind = (want_seq - header.echo_seq) & 0xFFFFFFFF
+    return 0 < behind < (1 << 31)
+
+
 def check_reply(header: Header, want: ReplyExpectation) -> None:
     """Raise the typed error of a reply that does not answer the pending dispatch ``want``.
 
@@ -407,8 +420,6 @@ class StatusRecord:
         if code == STATUS_BAD_HEADER:
             return errors.bad_header_error(peer, field, self.expected, self.observed, layer_idx)
         if code == STATUS_BAD_EXPERT:
-            return errors.ProtocolError(f"topk id {self.observed} (partial {self.slot}) outside "
-                                        f"[0, {self.expected}){errors._for_layer(layer_idx)}; nothing was sent",
-                                        layer_idx=layer_idx)
+            return errors.bad_expert_error(self.observed, self.slot, self.expected, layer_idx)
         return errors.ProtocolError(f"device status {self.name}{errors._for_layer(layer_idx)}: {self}",
                                     layer_idx=layer_idx)

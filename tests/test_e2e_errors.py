@@ -18,7 +18,7 @@ from afd_cupy.topology import Role, Topology
 BACKENDS = [pytest.param("host", id="host"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
 POLL_MODE = os.environ.get("AFD_TEST_POLL_MODE", "device")
 MODEL = ModelConfig(hidden_size=32, num_experts=4, top_k=2, moe_intermediate_size=16,
-                    num_shared_experts=0, dtype="bfloat16", max_num_batched_tokens=16)
+                    num_shared_experts=0, dtype="bfloat16", max_num_batched_tokens=16, num_layers=8)
 
 
 def _identity(item):
@@ -75,7 +75,7 @@ def _bad_input_program(ctx, backend):
                                               torch.ones(17, 2, device=conn.device), 0))
         out["wrong_role"] = _message(lambda: conn.recv_ffn_work_item(1))
         handle = send(hidden, ids, weights, 0)
-        out["ring"] = _message(lambda: send(hidden, ids, weights, 1))
+        out["ring"] = _message(lambda: send(hidden, ids, weights, 0))
         result = conn.recv_ffn_output(handle)
         out["twice"] = _message(lambda: conn.recv_ffn_output(handle))
         out["ok"] = bool(torch.isfinite(result.float()).all())

@@ -22,6 +22,7 @@ from afd_cupy.ffn_worker import (FFNWorker, attention_connector_kwargs, merge_it
                                  split_outputs)
 from afd_cupy.launch import launch
 from afd_cupy.scenario import layer_weights, tolerance
+from afd_cupy.backends.base import Arrival
 from afd_cupy.topology import Role, Topology
 
 HIDDEN = 32
@@ -39,11 +40,9 @@ def _item(src_rank, counts, num_shared, layer_idx=0, stage_idx=0, *, dtype=torch
                          num_tokens=max(num_routed, num_shared), routed_tokens=num_routed,
                          shared_tokens=num_shared, top_k=2, flags=0, echo_seq=0,
                          expert_counts=tuple(int(c) for c in counts))
-    return FFNWorkItem(src_rank=src_rank, layer_idx=layer_idx, stage_idx=stage_idx,
-                       num_tokens=header.num_tokens, ring=0, seq=1, routed_x=routed,
-                       group_list=torch.tensor(counts, dtype=torch.int32),
-                       group_list_host=header.expert_counts, shared_x=shared,
-                       route_table=torch.zeros(num_routed, 2, dtype=torch.int32), header=header)
+    return FFNWorkItem(arrival=Arrival(src_rank, 0, header), routed_x=routed,
+                       group_counts=torch.tensor(counts, dtype=torch.int32), shared_x=shared,
+                       route_table=torch.zeros(num_routed, 2, dtype=torch.int32))
 
 
 def _stub_connector(num_attn=2, num_layers=2, routed_scaling_factor=1.0, items=()):

@@ -15,6 +15,7 @@ from afd_cupy.errors import GeometryMismatchError
 from afd_cupy.heap.host import HostHeap, segment_path
 from afd_cupy.launch import launch
 from afd_cupy.store import create_store, free_port
+from afd_cupy.backends.host_poll import HostPolling
 from afd_cupy.window import Window
 
 BACKENDS = [pytest.param("host", id="host"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
@@ -59,8 +60,8 @@ def _exchange(ctx, backend, ring_depth, num_messages):
     window = Window(heap, _layout(ctx.world_size, ring_depth), store)
     try:
         if ctx.rank == receiver:
-            return _serve(window, ctx.world_size - 1, num_messages)
-        return _send(window, ctx.rank, receiver, ring_depth, num_messages)
+            return _serve(window, HostPolling(window), ctx.world_size - 1, num_messages)
+        return _send(window, HostPolling(window), ctx.rank, receiver, ring_depth, num_messages)
     finally:
         window.close()
         heap.close()
@@ -68,14 +69,14 @@ def _exchange(ctx, backend, ring_depth, num_messages):
             assert not os.path.exists(segment_path(ctx.job_id, "window", ctx.rank))
 
 
-def _send(window, rank, receiver, ring_depth, num_messages):
+def _send(window, polling, rank, receiver, ring_depth, num_messages):
     in_flight = {}  # ring -> (index, seq)
     seqs = np.zeros(ring_depth, np.int64)
     deadline = time.monotonic() + 120
     for index in range(num_messages + ring_depth):
         ring = index % ring_depth
         if ring in in_flight:  # reuse a ring only after its reply
-            _check_reply(window, rank, ring, *in_flight.pop(ring), deadline)
+            _check_reply(window, polling, rank, ring, *in_flight.pop(ring), deadline)
         if index >= num_messages:
             continue
         rows = _rows(rank, index, 1 + index % 4)
@@ -86,23 +87,20 @@ def _send(window, rank, receiver, ring_depth, num_messages):
     return {"role": "sender", "sent": num_messages}
 
 
-def _check_reply(window, rank, ring, index, seq, deadline):
-    flag = window.flag_view(rank, 0, ring)
-    while int(_host(flag)[0]) == window.seen(0, ring):
-        assert time.monotonic() < deadline, f"rank {rank}: no reply for message {index}"
-    window.mark_seen(0, ring, int(_host(flag)[0]))
+def _check_reply(window, polling, rank, ring, index, seq, deadline):
+    assert polling.wait_flag(0, ring, deadline) is not None, f"rank {rank}: no reply for message {index}"
     header = wire.decode_header(_host(window.header_view(rank, 0, ring)), 1)
     assert header.echo_seq == seq and header.layer_idx == index % 1000
     rows = _host(window.field(rank, 0, ring, "routed_x", np.int32, (header.routed_tokens, HIDDEN)))
     np.testing.assert_array_equal(rows, _rows(rank, index, len(rows)) + 1)
 
 
-def _serve(window, num_senders, num_messages):
+def _serve(window, polling, num_senders, num_messages):
     received = {s: [] for s in range(num_senders)}
     reply_seq = 0
     me = num_senders
     while sum(map(len, received.values())) < num_senders * num_messages:
-        arrival = window.wait_any(30.0)
+        arrival = polling.wait_any(30.0)
         assert arrival is not None, "receiver timed out"
         header = wire.decode_header(_host(window.header_view(me, arrival.region, arrival.ring)), 1)
         assert header.src_rank == arrival.region and header.seq == arrival.flag & 0xFFFFFFFF
@@ -141,6 +139,7 @@ def solo_window(tmp_path):
     store = create_store("127.0.0.1", port, 1, True, 30.0)
     heap = HostHeap(0, 1, store, f"solo{port}")
     window = Window(heap, _layout(num_regions=4, ring_depth=2), store)
+    window.polling = HostPolling(window)
     yield window
     window.close()
     heap.close()
@@ -158,7 +157,7 @@ def test_fair_rotation_with_every_slot_busy(solo_window):
         _arrive(window, slot, values[slot])
     served = []
     for _ in range(5 * num_slots):  # every served slot arrives again at once: all stay busy
-        arrival = window.poll()
+        arrival = window.polling.poll()
         slot = window.layout.slot_index(arrival.region, arrival.ring)
         served.append(slot)
         values[slot] += 1
@@ -169,21 +168,21 @@ def test_fair_rotation_with_every_slot_busy(solo_window):
 
 def test_aba_same_slot_many_times_and_flags_never_reset(solo_window):
     window = solo_window
-    assert window.poll() is None
+    assert window.polling.poll() is None
     for value in range(1, 300):
         _arrive(window, 3, value)
-        arrival = window.poll()
+        arrival = window.polling.poll()
         assert (arrival.region, arrival.ring, arrival.flag) == (1, 1, value)
-        assert window.poll() is None  # consumed once
+        assert window.polling.poll() is None  # consumed once
         assert int(window.flag_view(0, 1, 1)[0]) == value  # the receiver never resets a flag
     _arrive(window, 3, 299)  # rewriting the value already seen is no arrival
-    assert window.poll() is None
+    assert window.polling.poll() is None
 
 
 def test_poll_timeout_returns_within_deadline(solo_window):
     for timeout in (0.0, 0.02, 0.2):
         start = time.monotonic()
-        assert solo_window.wait_any(timeout) is None
+        assert solo_window.polling.wait_any(timeout) is None
         elapsed = time.monotonic() - start
         assert timeout <= elapsed < timeout + 0.05
 

@@ -1,0 +1,179 @@
+"""The data-path seam: what a backend implements and what it may know (DESIGN §2, §6).
+
+::
+
+    Attention:  dispatch ──► (peer windows) ··· combine ◄── (own window: replies)
+    FFN:        wait_any ──► item_views ──► [experts, outside the path] ──► reply
+
+A backend is a module under ``afd_cupy.backends`` with an ``open_path(ctx, ...)`` that
+allocates its heap and window (collective) and returns a :class:`DataPath`. The connector
+knows only this file: it never names a backend, never builds a header and never counts a
+sequence number. A data path never sees the connector: everything it may know is in the
+frozen :class:`PathContext`.
+
+The protocol's rules (header words, reply checks, status words, capacities) live in
+``afd_cupy.wire``; ``host`` is their reference implementation in numpy and ``cuda`` runs the
+same steps in RawKernels (``raw_kernels/``).
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol
+
+import torch
+
+from afd_cupy import wire
+from afd_cupy.errors import BackendUnavailableError, ConfigError
+from afd_cupy.topology import Role, Topology
+
+#: backend name -> module implementing ``open_path``
+BACKEND_MODULES = {"host": "afd_cupy.backends.host", "cuda": "afd_cupy.backends.cuda"}
+POLL_MODES = ("device", "host")
+
+
+@dataclass(frozen=True)
+class PathContext:
+    """Everything a data path may know about its connector (immutable).
+
+    ``dtype`` is the payload dtype name (``"bfloat16"``, ``"float16"``, ``"float32"``),
+    ``torch_dtype`` the same as a torch dtype. ``poll_mode`` is ``"device"`` (spinning kernels)
+    or ``"host"`` (flags copied to the host); the host backend always polls on the host.
+    """
+
+    layout: wire.WindowLayout
+    topology: Topology
+    role: Role
+    role_rank: int
+    dtype: str
+    torch_dtype: torch.dtype
+    top_k: int
+    num_experts: int
+    has_shared: bool
+    peer_timeout_s: float
+    always_send: bool = False
+    poll_mode: str = "device"
+
+    @property
+    def world_rank(self) -> int:
+        """This rank's world rank (= NVSHMEM PE): Attention ranks first."""
+        return self.topology.world_rank(self.role, self.role_rank)
+
+    @property
+    def num_ffn_ranks(self) -> int:
+        return self.topology.num_ffn_ranks
+
+    def peer_pe(self, role: Role, rank: int) -> int:
+        """World rank of role rank ``rank`` of ``role``."""
+        return self.topology.world_rank(role, rank)
+
+    def opposite_pes(self) -> list[int]:
+        """World ranks of every opposite-role peer, in role-rank order."""
+        opposite = self.role.opposite
+        return [self.peer_pe(opposite, r) for r in range(self.topology.num_role_ranks(opposite))]
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """A message found by ``wait_any``: slot (region, ring) holds it, ``header`` decoded."""
+
+    region: int
+    ring: int
+    header: wire.Header
+
+
+@dataclass(frozen=True)
+class ItemViews:
+    """Zero-copy views of a received dispatch (valid until it is answered).
+
+    - ``routed_x``: [routed_tokens, hidden] payload dtype, rows grouped by local expert.
+    - ``shared_x``: [shared_tokens, hidden] rows of this rank's round-robin shared slice.
+    - ``route_table``: int32 [routed_tokens, 2] (token index, top-k slot) per row, or None.
+    - ``group_counts``: int32 [expert_per_rank] on the payload's device, rows per local expert.
+    """
+
+    routed_x: Any = field(repr=False)
+    shared_x: Any = field(repr=False)
+    route_table: Any = field(repr=False)
+    group_counts: Any = field(repr=False)
+
+
+class DataPath(Protocol):
+    """What a backend's data path implements. Steps are named as in the kernels.
+
+    Attention side: :meth:`dispatch` (plan -> scatter), :meth:`combine` (wait_replies ->
+    combine). FFN side: :meth:`wait_any`, :meth:`item_views`, :meth:`reply`. Both:
+    :meth:`announce_shutdown`, :meth:`check_errors`, :meth:`close`.
+    """
+
+    #: torch device of the payload tensors this path takes and returns
+    device: torch.device
+    #: True when ``combine(blocking=False)`` enqueues without a host synchronization
+    supports_nonblocking: bool
+
+    def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor, *, layer_idx: int,
+                 stage_idx: int, ring: int) -> Any:
+        """Send one layer's rows; returns the path's opaque send state for :meth:`combine`.
+
+        A routed-capacity overflow sends nothing and is raised by :meth:`combine` of this
+        state (on cuda: at its next synchronization), on both backends."""
+
+    def combine(self, state: Any, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
+                ring: int, layer_idx: int, stage_idx: int, out_scale: float,
+                blocking: bool) -> torch.Tensor:
+        """Wait for the replies of exactly the ranks sent to; return the fp32-combined rows."""
+
+    def sent_to(self, state: Any) -> list[int]:
+        """FFN ranks the dispatch of ``state`` was sent to (may synchronize; not hot path)."""
+
+    def check_errors(self) -> None:
+        """Synchronize and raise what a non-blocking call latched (no-op when none can be)."""
+
+    def wait_any(self, timeout_s: float) -> Optional[Arrival]:
+        """Next arrival in this rank's window (fair over slots), or None after ``timeout_s``."""
+
+    def item_views(self, arrival: Arrival) -> ItemViews:
+        """Zero-copy views of the dispatch in ``arrival``'s slot."""
+
+    def reply(self, arrival: Arrival, routed_out: torch.Tensor,
+              shared_out: Optional[torch.Tensor]) -> None:
+        """Write the outputs, :func:`wire.reply_header` and the flag into the sender's window."""
+
+    def announce_shutdown(self) -> None:
+        """Write a shutdown header to every ring of every opposite-role peer."""
+
+    def close(self, *, peers_healthy: bool = True) -> None:
+        """Collective: release streams, the window and the heap. With ``peers_healthy=False``
+        (a peer timed out or died) the closing barrier is short: close() returns promptly."""
+
+
+def require_backend(backend: str):
+    """The module of ``backend`` once it is known to be able to run here.
+
+    Raises ConfigError for an unknown name, BackendUnavailableError when its libraries are
+    missing (checked before any collective step, so a misconfigured rank fails alone and fast).
+    """
+    if backend not in BACKEND_MODULES:
+        raise ConfigError(f"backend must be one of {tuple(BACKEND_MODULES)}, got {backend!r}")
+    try:
+        module = importlib.import_module(BACKEND_MODULES[backend])
+        module.require_available()
+    except ImportError as exc:
+        raise BackendUnavailableError(f"backend {backend!r} cannot run here: {exc}") from exc
+    return module
+
+
+def open_path(backend: str, ctx: PathContext, *, store, job_id: str, device_id: int | None,
+              startup_timeout_s: float, instance: int = 0) -> DataPath:
+    """Allocate ``backend``'s heap and window (collective over the world) and return its path.
+
+    ``instance`` (from the start-up handshake) keeps consecutive connectors of one job apart.
+
+    Raises ConfigError for an unknown backend or poll mode and BackendUnavailableError when
+    the backend cannot run here (e.g. ``"cuda"`` without CuPy, a GPU or NVSHMEM).
+    """
+    if ctx.poll_mode not in POLL_MODES:
+        raise ConfigError(f"poll_mode must be one of {POLL_MODES}, got {ctx.poll_mode!r}")
+    module = require_backend(backend)
+    return module.open_path(ctx, store=store, job_id=job_id, device_id=device_id,
+                            startup_timeout_s=startup_timeout_s, instance=instance)

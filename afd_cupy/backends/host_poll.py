@@ -1,0 +1,92 @@
+"""Host polling of a window's flags: the one host-side flag wait (DESIGN §5, §6).
+
+Used by the host backend for everything and by the cuda backend with ``poll_mode="host"``
+(one device-to-host copy of the flags per poll, no spinning kernel, no MPS needed).
+
+A flag changes when its sender writes a new message; this poller keeps the value it last
+consumed per slot (``seen``) and never resets a flag, so a changed value is an arrival
+(ABA-safe). The scan start rotates so that no region starves.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from afd_cupy import wire
+
+
+@dataclass(frozen=True)
+class FlagArrival:
+    """Slot (region, ring) of the own window now holds message ``flag``."""
+
+    region: int
+    ring: int
+    flag: int
+
+
+class HostPolling:
+    """Arrival detection on ``window``'s own flags from the host.
+
+    NOTE: on the host backend the flags are plain loads of shared memory; x86-64 keeps load
+    order (TSO), so a header read after the flag read sees the writer's header. A weakly
+    ordered host (Grace/ARM) needs an acquire fence between the two (numpy has none; see
+    ``docs/design.md``, fault model).
+    """
+
+    def __init__(self, window):
+        self.window = window
+        self.layout = window.layout
+        self.seen = np.zeros(self.layout.num_slots, np.int64)
+        self._scan_start = 0
+
+    def poll(self) -> FlagArrival | None:
+        """One scan of all own flags from a rotating start; the first changed slot or None.
+
+        The slot is consumed: its flag is recorded as seen."""
+        flags = self.window.read_flags()
+        changed = np.flatnonzero(flags != self.seen)
+        if changed.size == 0:
+            return None
+        num_slots = self.layout.num_slots
+        rotated = (changed - self._scan_start) % num_slots
+        slot = int(changed[np.argmin(rotated)])
+        self.seen[slot] = flags[slot]
+        self._scan_start = (slot + 1) % num_slots
+        region, ring = divmod(slot, self.layout.ring_depth)
+        return FlagArrival(region, ring, int(flags[slot]))
+
+    def wait_any(self, timeout_s: float) -> FlagArrival | None:
+        """Poll until an arrival or ``timeout_s``; None on timeout. Yields the GIL per poll."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            arrival = self.poll()
+            if arrival is not None:
+                return arrival
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0)
+
+    def wait_flag(self, region: int, ring: int, deadline: float) -> int | None:
+        """Wait for the flag of slot (region, ring) to change; consume and return it, or None
+        at ``deadline`` (``time.monotonic()`` seconds)."""
+        slot = self.layout.slot_index(region, ring)
+        view = self.window.flag_view(self.window.own_pe, region, ring)
+        seen = int(self.seen[slot])
+        while True:
+            flag = int(self.window.to_host(view)[0])
+            if flag != seen:
+                self.seen[slot] = flag
+                return flag
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0)
+
+    def last_seen(self, region: int, ring: int) -> int:
+        return int(self.seen[self.layout.slot_index(region, ring)])
+
+    def read_header(self, region: int, ring: int) -> wire.Header:
+        """Decode the header of slot (region, ring) of the own window (WireError if bad)."""
+        words = self.window.to_host(self.window.header_view(self.window.own_pe, region, ring))
+        return wire.decode_header(words, self.layout.expert_per_rank)

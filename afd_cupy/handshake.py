@@ -1,0 +1,89 @@
+"""Start-up handshake: every rank checks that every other rank runs the same configuration.
+
+Before anything is allocated, each rank publishes a record of every configuration value that
+changes the wire or the numerics (model, topology, connector config, backend, wire version)
+and compares it with every other rank's. A difference raises GeometryMismatchError naming the
+first differing field and both values, on every rank: a bf16 rank paired with an fp16 rank,
+or two ranks with different ``routed_scaling_factor``, would otherwise produce garbage.
+
+Records are keyed by an instance number: the n-th connector a rank creates in a store pairs
+with the n-th connector of every other rank, so connectors created one after another in the
+same job never read each other's records. Each record also carries the process id and host
+name of its rank, which the FFN side uses to notice that an Attention rank died.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+from dataclasses import dataclass
+
+from afd_cupy import wire
+from afd_cupy.errors import GeometryMismatchError
+from afd_cupy.store import store_fetch, store_publish
+
+
+@dataclass(frozen=True)
+class PeerProcess:
+    """Where a peer rank runs: enough to ask the OS whether it is alive (same host only)."""
+
+    world_rank: int
+    pid: int
+    host: str
+
+    def is_alive(self) -> bool | None:
+        """True/False for a process on this host; None when it runs elsewhere (unknown)."""
+        if self.host != socket.gethostname():
+            return None
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+def config_record(model, topology, connector, *, backend: str) -> dict:
+    """Flat ``{"model.hidden_size": 2048, ...}`` of every value that must agree across ranks."""
+    record = {"wire.version": wire.VERSION, "backend": backend}
+    for prefix, config in (("model", model), ("topology", topology), ("connector", connector)):
+        for f in dataclasses.fields(config):
+            record[f"{prefix}.{f.name}"] = getattr(config, f.name)
+    return record
+
+
+def _next_instance(store, world_rank: int) -> int:
+    return int(store.add(f"handshake/instances/{world_rank}", 1)) - 1
+
+
+def exchange(store, *, world_rank: int, world_size: int, record: dict,
+             timeout_s: float) -> tuple[int, list[PeerProcess]]:
+    """Publish ``record``, check every peer's against it; return (instance, peer processes).
+
+    Collective over the world. Raises GeometryMismatchError naming the first differing field
+    and both values, PeerTimeoutError when a peer does not publish within ``timeout_s``.
+    """
+    record = json.loads(json.dumps(record))  # compare what a peer sees after the round trip
+    instance = _next_instance(store, world_rank)
+    mine = {"config": record, "pid": os.getpid(), "host": socket.gethostname()}
+    store_publish(store, f"handshake/{instance}/{world_rank}", json.dumps(mine).encode())
+    peers = []
+    for other in range(world_size):
+        if other == world_rank:
+            continue
+        theirs = json.loads(bytes(store_fetch(store, f"handshake/{instance}/{other}", timeout_s,
+                                              peer=other)).decode())
+        _compare(record, theirs["config"], world_rank, other)
+        peers.append(PeerProcess(other, int(theirs["pid"]), str(theirs["host"])))
+    return instance, peers
+
+
+def _compare(mine: dict, theirs: dict, my_rank: int, other_rank: int) -> None:
+    for name in sorted(set(mine) | set(theirs)):
+        a, b = mine.get(name), theirs.get(name)
+        if a != b:
+            raise GeometryMismatchError(
+                f"configuration mismatch in {name!r}: rank {my_rank} has {a!r}, rank {other_rank} "
+                f"has {b!r} (every rank of an AFD job must use the same configs)")

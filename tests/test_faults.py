@@ -1,0 +1,322 @@
+"""Fault injection: slow, dead, duplicate and misconfigured peers, bad input (docs/design.md,
+"Fault model"). Every case bounds its own run time and asserts the error type and what it
+names; the same cases run on the host backend (CI) and the cuda backend (GPU suite)."""
+from __future__ import annotations
+
+import glob
+import math
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig
+from afd_cupy.connector import AFDConnector
+from afd_cupy.errors import (BackendUnavailableError, ConfigError, InvalidRoutingError,
+                             PeerLostError, PeerTimeoutError, ProtocolError)
+from afd_cupy.ffn_worker import FFNWorker
+from afd_cupy.launch import DiedAsExpected, LaunchError, launch
+from afd_cupy.topology import Role, Topology
+
+BACKENDS = [pytest.param("host", id="host"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
+POLL_MODE = os.environ.get("AFD_TEST_POLL_MODE", "device")
+MODEL = ModelConfig(hidden_size=32, num_experts=4, top_k=2, moe_intermediate_size=16,
+                    num_shared_experts=1, dtype="bfloat16", max_num_batched_tokens=16, num_layers=8)
+TIMEOUT_S = 1.0
+
+
+def _identity(item):
+    return item.routed_x.clone(), None if item.shared_x is None else item.shared_x.clone()
+
+
+def _connect(ctx, backend, num_attn=1, num_ffn=1, *, model=MODEL, timeout_s=TIMEOUT_S, connector=None):
+    role, role_rank = Topology(num_attn, num_ffn, model.num_experts).role_of(ctx.rank)
+    if backend == "cuda":
+        torch.cuda.set_device(ctx.device_id or 0)
+    return AFDConnector(model, TopologyConfig(num_attn, num_ffn), connector, role=role,
+                        role_rank=role_rank, store=ctx.store(), job_id=ctx.job_id, backend=backend,
+                        device_id=ctx.device_id, poll_mode=POLL_MODE, peer_timeout_s=timeout_s,
+                        startup_timeout_s=30.0), role, role_rank
+
+
+def _inputs(conn, num_tokens, seed):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(num_tokens, conn.model.hidden_size, generator=gen).to(conn.torch_dtype)
+    logits = torch.randn(num_tokens, conn.model.num_experts, generator=gen)
+    weights, ids = conn.select_experts(logits.to(conn.device))
+    return hidden.to(conn.device), ids, weights
+
+
+def _round_trip_error(conn, layer, seed, num_tokens=6) -> float:
+    """One layer through identity experts; max abs error against hidden * (sum w + 1)."""
+    hidden, ids, weights = _inputs(conn, num_tokens, seed)
+    out = conn.recv_ffn_output(conn.send_attn_output(hidden, ids, weights, layer))
+    expect = hidden.float() * (weights.float().sum(dim=1, keepdim=True) + 1.0)
+    return float((out.float() - expect).abs().max())
+
+
+def _job_segments(job_id):
+    return glob.glob(f"/dev/shm/afd_{job_id}_*")
+
+
+# --- a slow FFN: the late layer raises, the next layers on the same connector are right -------
+def _slow_program(ctx, backend):
+    conn, role, _ = _connect(ctx, backend)
+    try:
+        if role is Role.FFN:
+            slept = []
+
+            def slow_once(item):
+                if not slept:
+                    slept.append(item.layer_idx)
+                    time.sleep(2.5 * TIMEOUT_S)
+                return _identity(item)
+
+            return {"served": FFNWorker(conn, expert_fn=slow_once).run()}
+        out = {}
+        hidden, ids, weights = _inputs(conn, 6, seed=0)
+        try:
+            conn.recv_ffn_output(conn.send_attn_output(hidden, ids, weights, 0))
+        except PeerTimeoutError as err:
+            out["timeout"] = (err.peer, err.layer_idx)
+        out["errors"] = [_round_trip_error(conn, layer, seed=layer) for layer in range(1, 6)]
+        conn.announce_shutdown()
+        return out
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_slow_ffn_times_out_once_then_later_layers_are_correct(backend):
+    attn, ffn = launch(_slow_program, 2, args=(backend,), timeout_s=90)
+    assert attn["timeout"] == (0, 0)
+    assert max(attn["errors"]) < 0.1, attn  # bf16 identity round trip: right rows, right sum
+    assert ffn["served"] == 6  # the late reply was written, then dropped by the Attention side
+
+
+# --- an FFN that answers the same item twice -------------------------------------------------
+def _duplicate_program(ctx, backend):
+    conn, role, _ = _connect(ctx, backend, timeout_s=10.0)
+    try:
+        if role is Role.FFN:
+            item = None
+            while item is None:
+                item = conn.recv_ffn_work_item(100)
+            routed, shared = _identity(item)
+            conn.send_ffn_work_item_output(item, routed, shared)
+            try:
+                conn.send_ffn_work_item_output(item, routed, shared)
+                second = None
+            except ProtocolError as err:
+                second = str(err)
+            FFNWorker(conn, expert_fn=_identity).run()
+            return {"second": second}
+        errors = [_round_trip_error(conn, layer, seed=layer) for layer in range(3)]
+        conn.announce_shutdown()
+        return {"errors": errors}
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_second_answer_to_one_item_raises_and_results_stay_right(backend):
+    attn, ffn = launch(_duplicate_program, 2, args=(backend,), timeout_s=90)
+    assert ffn["second"] is not None and "already answered" in ffn["second"]
+    assert max(attn["errors"]) < 0.1, attn
+
+
+# --- bad input on the Attention side ---------------------------------------------------------
+def _bad_input_program(ctx, backend):
+    conn, role, _ = _connect(ctx, backend, timeout_s=10.0)
+    try:
+        if role is Role.FFN:
+            return {"served": FFNWorker(conn, expert_fn=_identity).run()}
+        hidden, ids, weights = _inputs(conn, 4, seed=1)
+        out = {}
+
+        def error_of(fn):
+            try:
+                fn()
+            except Exception as err:  # noqa: BLE001 - the test inspects type and text
+                return type(err).__name__, str(err)
+            return None, ""
+
+        send = conn.send_attn_output
+        out["layer_high"] = error_of(lambda: send(hidden, ids, weights, MODEL.num_layers))
+        out["layer_float"] = error_of(lambda: send(hidden, ids, weights, 1.7))
+        out["bool_ids"] = error_of(lambda: send(hidden, ids.bool(), weights, 0))
+        out["logits_width"] = error_of(lambda: conn.select_experts(torch.zeros(4, 3, device=conn.device)))
+        wrapped = ids.to(torch.int64) + 2**32  # would route to a real expert after an int32 cast
+        out["wrapped_ids"] = error_of(lambda: conn.recv_ffn_output(send(hidden, wrapped, weights, 0)))
+        out["after"] = _round_trip_error(conn, 1, seed=2)
+        conn.announce_shutdown()
+        out["after_shutdown"] = error_of(lambda: send(hidden, ids, weights, 2))
+        return out
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_input_is_rejected_and_the_connector_keeps_working(backend):
+    attn, ffn = launch(_bad_input_program, 2, args=(backend,), timeout_s=90)
+    assert attn["layer_high"] == ("ValueError", "layer_idx=8 outside [0, 8)")
+    assert attn["layer_float"][0] == "ValueError" and "layer_idx must be an int" in attn["layer_float"][1]
+    assert attn["bool_ids"][0] == "ValueError" and "topk_ids has wrong dtype torch.bool" in attn["bool_ids"][1]
+    assert attn["logits_width"][0] == "ValueError" and "[num_tokens, 4]" in attn["logits_width"][1]
+    name, text = attn["wrapped_ids"]
+    assert name == InvalidRoutingError.__name__ and f"topk id {2**32}" in text and "outside [0, 4)" in text
+    assert attn["after"] < 0.1
+    assert attn["after_shutdown"][0] == "ProtocolError" and "after announce_shutdown" in attn["after_shutdown"][1]
+    assert ffn["served"] == 1
+
+
+# --- configuration mismatches between ranks --------------------------------------------------
+def _mismatch_program(ctx, backend, field, value):
+    model = MODEL
+    if ctx.rank == 1:
+        model = ModelConfig(**{**{f: getattr(MODEL, f) for f in MODEL.__dataclass_fields__}, field: value})
+    conn, _, _ = _connect(ctx, backend, model=model)
+    conn.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("field,value", [("dtype", "float16"), ("routed_scaling_factor", 2.5),
+                                         ("hidden_size", 64), ("num_layers", 9)])
+def test_config_mismatch_is_named_on_every_rank(backend, field, value):
+    with pytest.raises(LaunchError) as info:
+        launch(_mismatch_program, 2, args=(backend, field, value), timeout_s=60)
+    failures = info.value.failures
+    assert sorted(failures) == [0, 1], failures
+    for rank, text in failures.items():
+        assert f"GeometryMismatchError: configuration mismatch in 'model.{field}'" in text, text
+        assert repr(getattr(MODEL, field)) in text and repr(value) in text
+
+
+# --- construction-time checks (no peer needed) -----------------------------------------------
+@pytest.mark.parametrize("name,value", [("peer_timeout_s", math.nan), ("peer_timeout_s", -1.0),
+                                        ("peer_timeout_s", math.inf), ("startup_timeout_s", math.nan),
+                                        ("startup_timeout_s", 0)])
+def test_non_finite_or_non_positive_timeouts_are_rejected(name, value):
+    with pytest.raises(ConfigError, match=f"{name} must be a finite number of seconds > 0"):
+        AFDConnector(MODEL, TopologyConfig(1, 1), role="attention", role_rank=0, store=None,
+                     **{name: value})
+
+
+def test_dict_configs_are_rejected_with_a_hint():
+    with pytest.raises(ConfigError, match="use ConnectorConfig.from_mapping"):
+        AFDConnector(MODEL, TopologyConfig(1, 1), {"ring_depth": 2}, role="attention",
+                     role_rank=0, store=None)
+
+
+def test_cuda_backend_without_cupy_is_backend_unavailable():
+    pytest.importorskip("torch")
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        with pytest.raises(BackendUnavailableError, match="cupy"):
+            AFDConnector(MODEL, TopologyConfig(1, 1), role="attention", role_rank=0, store=None,
+                         backend="cuda")
+    else:
+        pytest.skip("cupy is importable here")
+
+
+# --- dead peers: bounded errors, prompt close, nothing left in /dev/shm ----------------------
+def _kill_program(ctx, backend, victim, sig):
+    conn, role, _ = _connect(ctx, backend)
+    out = {}
+    try:
+        if role is Role.FFN:
+            served = []
+
+            def serve(item):
+                if ctx.rank == victim and len(served) == 2:
+                    os.kill(os.getpid(), sig)
+                    time.sleep(30)
+                served.append(item.layer_idx)
+                return _identity(item)
+
+            start = time.monotonic()
+            try:
+                FFNWorker(conn, expert_fn=serve).run()
+            except PeerLostError as err:
+                out["error"] = ("PeerLostError", err.peers, time.monotonic() - start)
+            return out
+        for layer in range(MODEL.num_layers):
+            if ctx.rank == victim and layer == 2:
+                os.kill(os.getpid(), sig)
+                time.sleep(30)
+            start = time.monotonic()
+            try:
+                _round_trip_error(conn, layer, seed=layer)
+            except PeerTimeoutError as err:
+                out["error"] = ("PeerTimeoutError", err.peer, time.monotonic() - start)
+                break
+        return out
+    finally:
+        start = time.monotonic()
+        conn.close()
+        out["close_s"] = time.monotonic() - start
+        out["segments"] = _job_segments(ctx.job_id)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["kill9", "term"])
+@pytest.mark.parametrize("victim", [0, 1], ids=["attention", "ffn"])
+def test_dead_peer_is_reported_within_the_timeout_and_close_returns(backend, sig, victim):
+    results = launch(_kill_program, 2, args=(backend, victim, sig), timeout_s=90,
+                     expected_deaths={victim})
+    assert isinstance(results[victim], DiedAsExpected)
+    survivor = results[1 - victim]
+    kind, peer, elapsed = survivor["error"]
+    if victim == 1:
+        assert kind == "PeerTimeoutError" and peer == 0 and elapsed <= TIMEOUT_S + 1.0, survivor
+    else:
+        assert kind == "PeerLostError" and peer == [0], survivor
+    assert survivor["close_s"] <= TIMEOUT_S + 1.0, survivor
+    assert survivor["segments"] == [], survivor
+
+
+# --- consecutive connectors in one job; an Attention rank that fails before shutdown ---------
+def _consecutive_program(ctx, backend):
+    errors = []
+    for instance in range(3):
+        conn, role, _ = _connect(ctx, backend, timeout_s=10.0)
+        try:
+            if role is Role.FFN:
+                FFNWorker(conn, expert_fn=_identity).run()
+            else:
+                errors.append(_round_trip_error(conn, instance, seed=instance))
+                conn.announce_shutdown()
+        finally:
+            conn.close()
+    return errors
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_connectors_created_one_after_another_do_not_mix(backend):
+    attn, _ = launch(_consecutive_program, 2, args=(backend,), timeout_s=90)
+    assert len(attn) == 3 and max(attn) < 0.1
+
+
+def _attention_fails_program(ctx, backend):
+    conn, role, _ = _connect(ctx, backend, timeout_s=10.0)
+    if role is Role.FFN:
+        with conn:
+            return {"served": FFNWorker(conn, expert_fn=_identity).run()}
+    start = time.monotonic()
+    try:
+        with conn:  # no announce_shutdown(): the error path must release the FFN ranks
+            _round_trip_error(conn, 0, seed=0)
+            raise RuntimeError("attention model failed at layer 1")
+    except RuntimeError as err:
+        return {"error": str(err), "elapsed": time.monotonic() - start}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_attention_error_before_shutdown_releases_the_ffn_and_surfaces(backend):
+    attn, ffn = launch(_attention_fails_program, 2, args=(backend,), timeout_s=60)
+    assert attn["error"] == "attention model failed at layer 1"  # the original error surfaces
+    assert attn["elapsed"] < 5.0, attn  # close() did not wait out a barrier timeout
+    assert ffn["served"] == 1  # the FFN loop ended (shutdown announced by close)
