@@ -117,14 +117,10 @@ class Group:
 
 # --------------------------------------------------------------------------- ranks
 
-def _identity_experts(item):
-    """FFN 'experts' that reply the received rows unchanged (transport only)."""
-    return item.routed_x, item.shared_x
-
-
 def _rank(ctx, group: Group) -> dict:
     from afd_cupy.connector import AFDConnector
     from afd_cupy.ffn_worker import FFNWorker
+    from afd_cupy.testing.reference import identity_experts
 
     device = bc.set_device(group.backend, ctx)
     role, role_rank = ("attention", 0) if ctx.rank == 0 else ("ffn", ctx.rank - 1)
@@ -134,7 +130,7 @@ def _rank(ctx, group: Group) -> dict:
                         peer_timeout_s=group.peer_timeout_s)
     try:
         if role == "ffn":
-            worker = FFNWorker(conn, expert_fn=_identity_experts)
+            worker = FFNWorker(conn, expert_fn=identity_experts)
             worker.run()
             if group.nccl_baseline:  # after run(): the Attention rank announced shutdown
                 _nccl_baseline(ctx, group, device)
