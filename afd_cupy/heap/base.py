@@ -8,7 +8,12 @@ write into ``buf.peer(s)`` one-sided.
 from __future__ import annotations
 
 import abc
+import logging
 from typing import Any
+
+from afd_cupy.errors import HeapError
+
+logger = logging.getLogger("afd_cupy")
 
 
 class SymmetricBuffer(abc.ABC):
@@ -34,11 +39,19 @@ class SymmetricBuffer(abc.ABC):
 
 
 class SymmetricHeap(abc.ABC):
-    """A symmetric heap over the AFD world. ``close()`` is collective."""
+    """A symmetric heap over the AFD world. ``close()`` is collective.
+
+    Subclasses set ``self._closed`` (False once open, True after ``close()``), call
+    ``_check_open()`` at the top of every collective call, and name themselves in errors and
+    in the unclosed-heap warning through ``_label`` and ``_unclosed_note``.
+    """
 
     backend: str  # "cuda" or "host"
     rank: int
     world_size: int
+    _closed: bool
+    _label: str  # e.g. "host heap": "<label> of rank r is closed"
+    _unclosed_note: str  # what garbage collection without close() leaves behind
 
     @property
     @abc.abstractmethod
@@ -57,8 +70,19 @@ class SymmetricHeap(abc.ABC):
     def close(self) -> None:
         """Collective: free every buffer and tear the heap down. Idempotent."""
 
+    def _check_open(self) -> None:
+        """Raise HeapError when the heap is closed."""
+        if self._closed:
+            raise HeapError(f"{self._label} of rank {self.rank} is closed")
+
     def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def __del__(self):
+        # NOTE: close() is collective, so garbage collection must not call it: warn only.
+        if not getattr(self, "_closed", True):
+            logger.warning("%s of rank %d garbage-collected without close(): %s",
+                           type(self).__name__, self.rank, self._unclosed_note)

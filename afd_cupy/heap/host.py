@@ -149,6 +149,8 @@ class HostHeap(SymmetricHeap):
     """
 
     backend = "host"
+    _label = "host heap"
+    _unclosed_note = "own segments unlinked, peers may still map them"
 
     def __init__(self, rank: int, world_size: int, store: Store, job_id: str,
                  timeout_s: float = 60.0):
@@ -219,12 +221,3 @@ class HostHeap(SymmetricHeap):
                 buffer._release()
             self._buffers.clear()
             self._finalizer()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise HeapError(f"host heap of rank {self.rank} is closed")
-
-    def __del__(self):
-        if not getattr(self, "_closed", True):
-            logger.warning("HostHeap of rank %d garbage-collected without close(); "
-                           "own segments unlinked, peers may still map them", self.rank)
