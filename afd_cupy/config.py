@@ -11,10 +11,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from afd_cupy.dtypes import PAYLOAD_DTYPES
 from afd_cupy.errors import ConfigError
 
-#: payload dtypes on the wire and their item sizes in bytes
-PAYLOAD_DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
+#: gate scoring functions of ``ModelConfig.scoring_func`` and ``moe.select_experts``
 SCORING_FUNCS = ("softmax", "sigmoid")
 MOE_SPLITS = ("even",)
 
@@ -104,7 +104,7 @@ class ModelConfig:
     @property
     def itemsize(self) -> int:
         """Bytes per payload element."""
-        return PAYLOAD_DTYPES[self.dtype]
+        return PAYLOAD_DTYPES[self.dtype].itemsize
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any]) -> "ModelConfig":

@@ -30,7 +30,7 @@ from afd_cupy.backends.base import POLL_MODES, Arrival, PathContext, open_path, 
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig
 from afd_cupy.errors import (ConfigError, ConnectorShutdown, PeerLostError, PeerTimeoutError,
                              ProtocolError, RingExhaustedError, token_cap_error)
-from afd_cupy.payload import torch_dtype
+from afd_cupy.dtypes import torch_dtype
 from afd_cupy.topology import Role, Topology
 from afd_cupy.wire import WindowLayout
 

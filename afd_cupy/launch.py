@@ -109,7 +109,7 @@ def detect_backend() -> str:
     try:
         import cupy  # noqa: F401
 
-        from afd_cupy.heap.nvshmem import find_library
+        from afd_cupy.heap.nvshmem_lib import find_library
     except Exception:  # noqa: BLE001 - no usable CuPy: the host backend
         return "host"
     return "cuda" if find_library() else "host"

@@ -7,7 +7,7 @@ import pytest
 
 from afd_cupy.config import ConnectorConfig, ModelConfig
 from afd_cupy.launch import launch
-from afd_cupy.scenario import Scenario, run_rank, tolerance
+from afd_cupy.testing.scenario import Scenario, run_rank, tolerance
 
 BACKENDS = [pytest.param("host", id="host"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
 POLL_MODE = os.environ.get("AFD_TEST_POLL_MODE", "device")  # the GPU suite runs under MPS

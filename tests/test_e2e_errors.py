@@ -13,16 +13,13 @@ from afd_cupy.errors import (CapacityError, ConnectorShutdown, PeerTimeoutError,
 from afd_cupy.ffn_worker import FFNWorker
 from afd_cupy.heap.host import segment_path
 from afd_cupy.launch import launch
+from afd_cupy.testing.reference import identity_experts
 from afd_cupy.topology import Role, Topology
 
 BACKENDS = [pytest.param("host", id="host"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
 POLL_MODE = os.environ.get("AFD_TEST_POLL_MODE", "device")
 MODEL = ModelConfig(hidden_size=32, num_experts=4, top_k=2, moe_intermediate_size=16,
                     num_shared_experts=0, dtype="bfloat16", max_num_batched_tokens=16, num_layers=8)
-
-
-def _identity(item):
-    return item.routed_x.clone(), None if item.shared_x is None else item.shared_x.clone()
 
 
 def _connect(ctx, backend, num_attn, num_ffn, connector=None, model=MODEL, timeout_s=30.0):
@@ -61,7 +58,7 @@ def _bad_input_program(ctx, backend):
     out = {}
     try:
         if role is Role.FFN:
-            out["served"] = FFNWorker(conn, expert_fn=_identity).run()
+            out["served"] = FFNWorker(conn, expert_fn=identity_experts).run()
             return out
         hidden, ids, weights = _inputs(conn, 4)
         send = conn.send_attn_output
@@ -106,7 +103,7 @@ def _capacity_program(ctx, backend):
     conn, role, role_rank = _connect(ctx, backend, 2, 2, ConnectorConfig(routed_cap_multiplier=0.5))
     try:
         if role is Role.FFN:
-            worker = FFNWorker(conn, expert_fn=_identity)
+            worker = FFNWorker(conn, expert_fn=identity_experts)
             history = []
             fn = worker.expert_fn
             worker.expert_fn = lambda item: (history.append((item.src_rank, item.num_tokens)), fn(item))[1]
@@ -187,7 +184,7 @@ def _shutdown_program(ctx, backend):
     try:
         if role is Role.FFN:
             assert conn.recv_ffn_work_item(50) is None  # poll timeout returns None
-            served = FFNWorker(conn, expert_fn=_identity).run()
+            served = FFNWorker(conn, expert_fn=identity_experts).run()
             return {"served": served}
         hidden, ids, weights = _inputs(conn, 3, seed=role_rank)
         conn.recv_ffn_output(conn.send_attn_output(hidden, ids, weights, 0))
@@ -196,7 +193,7 @@ def _shutdown_program(ctx, backend):
     finally:
         conn.close()
         if backend == "host":
-            assert not os.path.exists(segment_path(ctx.job_id, "window", ctx.rank))
+            assert not os.path.exists(segment_path(ctx.job_id, "window0", ctx.rank))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -71,7 +71,7 @@ def _slow_program(ctx, backend):
             def slow_once(item):
                 if not slept:
                     slept.append(item.layer_idx)
-                    time.sleep(2.5 * TIMEOUT_S)
+                    time.sleep(1.6 * TIMEOUT_S)  # longer than the timeout, shorter than two
                 return _identity(item)
 
             return {"served": FFNWorker(conn, expert_fn=slow_once).run()}
@@ -150,6 +150,7 @@ def _bad_input_program(ctx, backend):
         out["logits_width"] = error_of(lambda: conn.select_experts(torch.zeros(4, 3, device=conn.device)))
         wrapped = ids.to(torch.int64) + 2**32  # would route to a real expert after an int32 cast
         out["wrapped_ids"] = error_of(lambda: conn.recv_ffn_output(send(hidden, wrapped, weights, 0)))
+        out["wrapped_first"] = int(wrapped[0, 0])
         out["after"] = _round_trip_error(conn, 1, seed=2)
         conn.announce_shutdown()
         out["after_shutdown"] = error_of(lambda: send(hidden, ids, weights, 2))
@@ -166,7 +167,8 @@ def test_bad_input_is_rejected_and_the_connector_keeps_working(backend):
     assert attn["bool_ids"][0] == "ValueError" and "topk_ids has wrong dtype torch.bool" in attn["bool_ids"][1]
     assert attn["logits_width"][0] == "ValueError" and "[num_tokens, 4]" in attn["logits_width"][1]
     name, text = attn["wrapped_ids"]
-    assert name == InvalidRoutingError.__name__ and f"topk id {2**32}" in text and "outside [0, 4)" in text
+    assert name == InvalidRoutingError.__name__ and "outside [0, 4)" in text
+    assert f"topk id {attn['wrapped_first']} (partial 0)" in text
     assert attn["after"] < 0.1
     assert attn["after_shutdown"][0] == "ProtocolError" and "after announce_shutdown" in attn["after_shutdown"][1]
     assert ffn["served"] == 1
@@ -273,7 +275,7 @@ def test_dead_peer_is_reported_within_the_timeout_and_close_returns(backend, sig
     if victim == 1:
         assert kind == "PeerTimeoutError" and peer == 0 and elapsed <= TIMEOUT_S + 1.0, survivor
     else:
-        assert kind == "PeerLostError" and peer == [0], survivor
+        assert kind == "PeerLostError" and tuple(peer) == (0,), survivor
     assert survivor["close_s"] <= TIMEOUT_S + 1.0, survivor
     assert survivor["segments"] == [], survivor
 

@@ -72,6 +72,7 @@ def _mismatched_sizes(ctx: ProcessContext):
 def _alloc_then_die(ctx: ProcessContext, listing_path: str):
     heap = HostHeap(ctx.rank, ctx.world_size, ctx.store(), ctx.job_id, timeout_s=20.0)
     heap.alloc(8192, "doomed")
+    heap.barrier()  # every rank returned from alloc (and so unlinked its segment's name)
     if ctx.rank == 1:
         with open(listing_path, "w") as listing:
             listing.write("\n".join(_job_segments(ctx.job_id)))
@@ -111,7 +112,9 @@ def test_killed_child_segments_are_cleaned(tmp_path):
     with pytest.raises(LaunchError, match=r"rank 1 died without reporting \(exit code -9\)"):
         launch(_alloc_then_die, 2, args=(str(listing_path),), timeout_s=40, num_gpus=0,
                job_id=job_id)
-    assert len(listing_path.read_text().split()) == 2, "both segments existed before the kill"
+    # Names are unlinked once every rank mapped every segment, so even before the kill (and
+    # the launcher's own cleanup) nothing of the job is left in /dev/shm.
+    assert listing_path.read_text().split() == [], "segments outlived the collective alloc"
     assert _job_segments(job_id) == []
 
 

@@ -20,9 +20,11 @@ from afd_cupy.connector import AFDConnector, FFNWorkItem
 from afd_cupy.errors import ConnectorShutdown
 from afd_cupy.ffn_worker import (FFNWorker, attention_connector_kwargs, merge_items, merge_order,
                                  split_outputs)
-from afd_cupy.launch import launch
-from afd_cupy.scenario import layer_weights, tolerance
 from afd_cupy.backends.base import Arrival
+from afd_cupy.launch import launch
+from afd_cupy.testing.reference import (identity_experts, make_expert_weights, make_shared_weights,
+                                         reference_moe)
+from afd_cupy.testing.scenario import layer_weights, tolerance
 from afd_cupy.topology import Role, Topology
 
 HIDDEN = 32
@@ -112,8 +114,8 @@ def test_merge_groups_by_expert_and_split_restores_wire_order(seed):
 def test_merged_batch_equals_per_item_compute(seed, dtype, scale):
     rng = np.random.default_rng(100 + seed)
     num_items, num_experts = int(rng.integers(2, 5)), 4
-    experts = moe.make_expert_weights(num_experts, HIDDEN, 16, dtype=dtype, device="cpu", seed=seed)
-    shared = moe.make_shared_weights(2, HIDDEN, 16, dtype=dtype, device="cpu", seed=seed + 1)
+    experts = make_expert_weights(num_experts, HIDDEN, 16, dtype=dtype, device="cpu", seed=seed)
+    shared = make_shared_weights(2, HIDDEN, 16, dtype=dtype, device="cpu", seed=seed + 1)
     counts = _random_counts(rng, num_items, num_experts)
     items = [_item(i, counts[i], int(rng.integers(0, 4)), dtype=dtype, seed=seed) for i in range(num_items)]
     worker = FFNWorker(_stub_connector(num_items, routed_scaling_factor=scale), experts, shared,
@@ -132,17 +134,13 @@ def test_merged_batch_equals_per_item_compute(seed, dtype, scale):
 
 # --------------------------------------------------------------------------- buffering logic
 
-def _identity(item):
-    return item.routed_x, item.shared_x
-
-
 def test_lockstep_buffers_until_every_rank_sent_the_layer():
     items = [_item(0, [1, 0], 1, layer_idx=0), _item(0, [0, 2], 0, layer_idx=1, stage_idx=1),
              _item(1, [2, 1], 1, layer_idx=1, stage_idx=1), _item(1, [0, 0], 0, layer_idx=0),
              _item(2, [1, 1], 0, layer_idx=1, stage_idx=1), _item(2, [0, 1], 1, layer_idx=0)]
     conn = _stub_connector(num_attn=3, num_layers=4, items=items)
     batches = []
-    worker = FFNWorker(conn, expert_fn=_identity, schedule="lockstep")
+    worker = FFNWorker(conn, expert_fn=identity_experts, schedule="lockstep")
     worker.serve_batch = lambda batch: batches.append([(i.src_rank, i.layer_idx) for i in batch])
     worker.step(timeout_ms=0)
     assert batches == [[(0, 1), (1, 1), (2, 1)], [(0, 0), (1, 0), (2, 0)]]
@@ -152,16 +150,16 @@ def test_lockstep_buffers_until_every_rank_sent_the_layer():
 def test_lockstep_answers_every_item_of_a_batch_and_async_is_unchanged():
     items = [_item(1, [1, 2], 1), _item(0, [0, 0], 2)]
     conn = _stub_connector(num_attn=2, items=items + ["shutdown"])
-    assert FFNWorker(conn, expert_fn=_identity, schedule="lockstep").run() == 2
+    assert FFNWorker(conn, expert_fn=identity_experts, schedule="lockstep").run() == 2
     assert [item.src_rank for item, _, _ in conn.sent] == [0, 1]  # by rank, after both arrived
     conn = _stub_connector(num_attn=2, items=items + ["shutdown"])
-    assert FFNWorker(conn, expert_fn=_identity).run() == 2
+    assert FFNWorker(conn, expert_fn=identity_experts).run() == 2
     assert [item.src_rank for item, _, _ in conn.sent] == [1, 0]  # as they arrived
 
 
 def test_shutdown_with_held_items_warns(caplog):
     conn = _stub_connector(num_attn=2, items=[_item(0, [1, 1], 0, layer_idx=3), "shutdown"])
-    worker = FFNWorker(conn, expert_fn=_identity, schedule="lockstep")
+    worker = FFNWorker(conn, expert_fn=identity_experts, schedule="lockstep")
     with caplog.at_level("WARNING", logger="afd_cupy"):
         assert worker.run() == 0
     assert "never served" in caplog.text and "layer 3" in caplog.text
@@ -169,7 +167,7 @@ def test_shutdown_with_held_items_warns(caplog):
 
 def test_bad_schedule_is_rejected():
     with pytest.raises(ValueError, match="schedule must be one of"):
-        FFNWorker(_stub_connector(), expert_fn=_identity, schedule="sync")
+        FFNWorker(_stub_connector(), expert_fn=identity_experts, schedule="sync")
     assert attention_connector_kwargs("async") == {}
     assert attention_connector_kwargs("lockstep") == {"always_send": True}
 
@@ -241,7 +239,7 @@ def _attention_rank(conn, attn_rank, tokens):
     errors = []  # checked after the timed loop: the fp64 reference is slow
     for layer, ((hidden, ids, weights), out) in enumerate(zip(sent, outputs)):
         routed, shared = layer_weights(MODEL, layer, SEED, "cpu")
-        ref = moe.reference_moe(hidden, ids, weights, routed, shared, MODEL.routed_scaling_factor)
+        ref = reference_moe(hidden, ids, weights, routed, shared, MODEL.routed_scaling_factor)
         rel = float((out.float() - ref).norm()) / (float(ref.norm()) or 1.0)
         errors.append(rel if not torch.isnan(out).any() else float("inf"))
     # from the end of layer 0 (which includes warm-up) to the end of the last layer

@@ -1,4 +1,5 @@
-"""Tests of afd_cupy.moe: gates, expert weights, grouped GEMM, scaling rule, reference.
+"""Tests of afd_cupy.moe (gates, grouped GEMM, scaling rule) and of its fixtures in
+afd_cupy.testing.reference (expert weights, the fp64 reference).
 
 CPU everywhere (the CUDA grouped GEMM test is marked and skipped without a GPU). Every
 comparison uses fresh random inputs and an independent reference written here.
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from afd_cupy import moe
+from afd_cupy.testing.reference import make_expert_weights, make_shared_weights, reference_moe
 
 HIDDEN = 64
 INTER = 32
@@ -167,9 +169,9 @@ def _expert_f64(weights: moe.ExpertWeights, expert: int, x: torch.Tensor) -> tor
 
 
 def test_make_expert_weights_deterministic_and_scaled():
-    a = moe.make_expert_weights(3, HIDDEN, INTER, dtype=torch.float32, device="cpu", seed=7)
-    b = moe.make_expert_weights(3, HIDDEN, INTER, dtype=torch.float32, device="cpu", seed=7)
-    c = moe.make_expert_weights(3, HIDDEN, INTER, dtype=torch.float32, device="cpu", seed=8)
+    a = make_expert_weights(3, HIDDEN, INTER, dtype=torch.float32, device="cpu", seed=7)
+    b = make_expert_weights(3, HIDDEN, INTER, dtype=torch.float32, device="cpu", seed=7)
+    c = make_expert_weights(3, HIDDEN, INTER, dtype=torch.float32, device="cpu", seed=8)
     assert a.w13.shape == (3, 2 * INTER, HIDDEN) and a.w2.shape == (3, HIDDEN, INTER)
     assert (a.num_experts, a.first_expert) == (3, 0)
     assert torch.equal(a.w13, b.w13) and torch.equal(a.w2, b.w2)
@@ -179,8 +181,8 @@ def test_make_expert_weights_deterministic_and_scaled():
 
 
 def test_make_expert_weights_same_values_across_dtypes():
-    f32 = moe.make_expert_weights(2, HIDDEN, INTER, dtype=torch.float32, device="cpu", seed=3)
-    bf16 = moe.make_expert_weights(2, HIDDEN, INTER, dtype=torch.bfloat16, device="cpu", seed=3)
+    f32 = make_expert_weights(2, HIDDEN, INTER, dtype=torch.float32, device="cpu", seed=3)
+    bf16 = make_expert_weights(2, HIDDEN, INTER, dtype=torch.bfloat16, device="cpu", seed=3)
     assert bf16.dtype == torch.bfloat16
     assert torch.equal(f32.w13.bfloat16(), bf16.w13)
 
@@ -194,7 +196,7 @@ def test_expert_weights_rejects_inconsistent_shapes():
 
 @pytest.mark.parametrize("num_experts,num_ffn", [(12, 4), (10, 4), (9, 4), (5, 1), (3, 5)])
 def test_local_experts_slices_and_zero_pads(num_experts, num_ffn):
-    glob = moe.make_expert_weights(num_experts, 16, 8, dtype=torch.float32, device="cpu", seed=5)
+    glob = make_expert_weights(num_experts, 16, 8, dtype=torch.float32, device="cpu", seed=5)
     epr = math.ceil(num_experts / num_ffn)
     for rank in range(num_ffn):
         local = moe.local_experts(glob, rank, epr)
@@ -210,7 +212,7 @@ def test_local_experts_slices_and_zero_pads(num_experts, num_ffn):
 
 
 def test_local_experts_copies_and_validates():
-    glob = moe.make_expert_weights(4, 16, 8, dtype=torch.float32, device="cpu", seed=5)
+    glob = make_expert_weights(4, 16, 8, dtype=torch.float32, device="cpu", seed=5)
     local = moe.local_experts(glob, 1, 2)
     assert local.w13.data_ptr() != glob.w13[2].data_ptr()
     with pytest.raises(ValueError, match=r"first_expert=2"):
@@ -220,20 +222,20 @@ def test_local_experts_copies_and_validates():
 
 
 def test_shared_weights_fused_and_distinct_from_routed():
-    assert moe.make_shared_weights(0, 16, 8, dtype=torch.float32, device="cpu", seed=1) is None
-    shared = moe.make_shared_weights(2, 16, 8, dtype=torch.float32, device="cpu", seed=1)
-    routed = moe.make_expert_weights(1, 16, 16, dtype=torch.float32, device="cpu", seed=1)
+    assert make_shared_weights(0, 16, 8, dtype=torch.float32, device="cpu", seed=1) is None
+    shared = make_shared_weights(2, 16, 8, dtype=torch.float32, device="cpu", seed=1)
+    routed = make_expert_weights(1, 16, 16, dtype=torch.float32, device="cpu", seed=1)
     assert shared.num_experts == 1 and shared.w13.shape == (1, 32, 16)
     assert shared.w2.shape == (1, 16, 16)
     assert not torch.equal(shared.w13, routed.w13)
     with pytest.raises(ValueError, match=r"num_shared_experts.*-1"):
-        moe.make_shared_weights(-1, 16, 8, dtype=torch.float32, device="cpu", seed=1)
+        make_shared_weights(-1, 16, 8, dtype=torch.float32, device="cpu", seed=1)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2),
                                        (torch.float16, 3e-3)])
 def test_shared_mlp_matches_reference(dtype, tol):
-    shared = moe.make_shared_weights(2, HIDDEN, INTER, dtype=dtype, device="cpu", seed=4)
+    shared = make_shared_weights(2, HIDDEN, INTER, dtype=dtype, device="cpu", seed=4)
     x = torch.randn(19, HIDDEN).to(dtype)
     out = moe.shared_mlp(x, shared)
     assert out.dtype == dtype and out.shape == (19, HIDDEN)
@@ -267,14 +269,14 @@ def _check_grouped(x, counts, weights, **kwargs):
 @pytest.mark.parametrize("counts", [[5, 0, 9, 1, 0, 3], [0, 0, 0, 17, 0, 0], [11, 0, 0, 0, 0, 0],
                                     [0, 0, 0, 0, 0, 13]])
 def test_grouped_mlp_loop_matches_reference(dtype, counts):
-    weights = moe.make_expert_weights(6, HIDDEN, INTER, dtype=dtype, device="cpu", seed=11)
+    weights = make_expert_weights(6, HIDDEN, INTER, dtype=dtype, device="cpu", seed=11)
     x = torch.randn(sum(counts), HIDDEN).to(dtype)
     _check_grouped(x, counts, weights)
     _check_grouped(x, counts, weights, group_counts_host=list(counts))
 
 
 def test_grouped_mlp_zero_rows_and_any_int_counts():
-    weights = moe.make_expert_weights(3, HIDDEN, INTER, dtype=torch.bfloat16, device="cpu", seed=1)
+    weights = make_expert_weights(3, HIDDEN, INTER, dtype=torch.bfloat16, device="cpu", seed=1)
     out = moe.grouped_mlp(torch.empty((0, HIDDEN), dtype=torch.bfloat16),
                           torch.zeros(3, dtype=torch.int32), weights)
     assert out.shape == (0, HIDDEN) and out.dtype == torch.bfloat16
@@ -286,7 +288,7 @@ def test_grouped_mlp_zero_rows_and_any_int_counts():
 
 
 def test_grouped_mlp_padded_local_experts():
-    glob = moe.make_expert_weights(5, HIDDEN, INTER, dtype=torch.float32, device="cpu", seed=2)
+    glob = make_expert_weights(5, HIDDEN, INTER, dtype=torch.float32, device="cpu", seed=2)
     local = moe.local_experts(glob, 1, 3)  # experts 3, 4 and one zero expert
     x = torch.randn(9, HIDDEN)
     out = moe.grouped_mlp(x, torch.tensor([4, 5, 0]), local)
@@ -304,7 +306,7 @@ def test_grouped_mlp_padded_local_experts():
     (dict(counts=[7, 0, 0], hidden=HIDDEN + 1), r"hidden=64.*\(7, 65\)"),
 ])
 def test_grouped_mlp_validation(kwargs, match):
-    weights = moe.make_expert_weights(3, HIDDEN, INTER, dtype=torch.bfloat16, device="cpu", seed=1)
+    weights = make_expert_weights(3, HIDDEN, INTER, dtype=torch.bfloat16, device="cpu", seed=1)
     x = torch.randn(7, kwargs.get("hidden", HIDDEN)).to(kwargs.get("x_dtype", torch.bfloat16))
     with pytest.raises(ValueError, match=match):
         moe.grouped_mlp(x, torch.tensor(kwargs["counts"]), weights,
@@ -312,7 +314,7 @@ def test_grouped_mlp_validation(kwargs, match):
 
 
 def test_grouped_mm_not_used_on_cpu():
-    weights = moe.make_expert_weights(2, HIDDEN, INTER, dtype=torch.bfloat16, device="cpu", seed=1)
+    weights = make_expert_weights(2, HIDDEN, INTER, dtype=torch.bfloat16, device="cpu", seed=1)
     assert not moe.grouped_mm_supported(torch.randn(4, HIDDEN).bfloat16(), weights)
 
 
@@ -321,7 +323,7 @@ def test_grouped_mm_not_used_on_cpu():
 def test_grouped_mm_layout_on_cpu_fallback(counts):
     """The fused path's operand layout and offsets, run through torch's CPU fallback of
     _grouped_mm (same validation of strides and offsets, no CUDA)."""
-    weights = moe.make_expert_weights(6, HIDDEN, INTER, dtype=torch.bfloat16, device="cpu", seed=9)
+    weights = make_expert_weights(6, HIDDEN, INTER, dtype=torch.bfloat16, device="cpu", seed=9)
     x = torch.randn(sum(counts), HIDDEN).bfloat16()
     out = moe._grouped_mlp_fused(x, torch.tensor(counts), weights)
     torch.testing.assert_close(out.double(), _grouped_reference(x, counts, weights),
@@ -332,7 +334,7 @@ def test_grouped_mm_layout_on_cpu_fallback(counts):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("counts", [[37, 0, 91, 1, 0, 300, 0, 7], [0, 0, 0, 0, 0, 0, 0, 64]])
 def test_grouped_mlp_cuda_bf16(counts):
-    weights = moe.make_expert_weights(8, 256, 128, dtype=torch.bfloat16, device="cuda", seed=1)
+    weights = make_expert_weights(8, 256, 128, dtype=torch.bfloat16, device="cuda", seed=1)
     x = torch.randn(sum(counts), 256, device="cuda").bfloat16()
     if torch.cuda.get_device_capability()[0] in (9, 10):
         assert moe.grouped_mm_supported(x, weights)
@@ -406,12 +408,12 @@ def _vectorized_moe(hidden, ids, weights, glob, shared, factor) -> torch.Tensor:
 @pytest.mark.parametrize("with_shared", [True, False])
 def test_reference_moe_matches_vectorized(with_shared):
     rng = _rng(4)
-    glob = moe.make_expert_weights(8, 32, 16, dtype=torch.bfloat16, device="cpu", seed=21)
-    shared = (moe.make_shared_weights(1, 32, 16, dtype=torch.bfloat16, device="cpu", seed=21)
+    glob = make_expert_weights(8, 32, 16, dtype=torch.bfloat16, device="cpu", seed=21)
+    shared = (make_shared_weights(1, 32, 16, dtype=torch.bfloat16, device="cpu", seed=21)
               if with_shared else None)
     hidden = torch.randn(13, 32).bfloat16()
     weights, ids = moe.select_experts(_distinct_logits(13, 8, torch.float32, rng), 3)
-    out = moe.reference_moe(hidden, ids, weights, glob, shared, 2.5)
+    out = reference_moe(hidden, ids, weights, glob, shared, 2.5)
     assert out.dtype == torch.float32 and out.shape == (13, 32)
     torch.testing.assert_close(out.double(),
                                _vectorized_moe(hidden, ids, weights, glob, shared, 2.5),
@@ -419,12 +421,12 @@ def test_reference_moe_matches_vectorized(with_shared):
 
 
 def test_reference_moe_validation():
-    glob = moe.make_expert_weights(4, 16, 8, dtype=torch.float32, device="cpu", seed=1)
+    glob = make_expert_weights(4, 16, 8, dtype=torch.float32, device="cpu", seed=1)
     hidden, weights = torch.randn(2, 16), torch.rand(2, 2)
     with pytest.raises(ValueError, match=r"topk_ids must be in \[0, 4\).*\[0, 4\]"):
-        moe.reference_moe(hidden, torch.tensor([[0, 1], [2, 4]]), weights, glob, None, 1.0)
+        reference_moe(hidden, torch.tensor([[0, 1], [2, 4]]), weights, glob, None, 1.0)
     with pytest.raises(ValueError, match=r"first_expert=2"):
-        moe.reference_moe(hidden, torch.zeros(2, 2, dtype=torch.int32), weights,
+        reference_moe(hidden, torch.zeros(2, 2, dtype=torch.int32), weights,
                           moe.local_experts(glob, 1, 2), None, 1.0)
 
 
@@ -458,12 +460,12 @@ def _disaggregated_moe(hidden, ids, weights, glob, shared, factor, num_ffn):
 @pytest.mark.parametrize("num_ffn", [1, 3])
 def test_disaggregated_pipeline_matches_reference(dtype, num_ffn):
     rng = _rng(6)
-    glob = moe.make_expert_weights(10, 32, 16, dtype=dtype, device="cpu", seed=31)
-    shared = moe.make_shared_weights(2, 32, 16, dtype=dtype, device="cpu", seed=31)
+    glob = make_expert_weights(10, 32, 16, dtype=dtype, device="cpu", seed=31)
+    shared = make_shared_weights(2, 32, 16, dtype=dtype, device="cpu", seed=31)
     hidden = torch.randn(17, 32).to(dtype)
     logits = _distinct_logits(17, 10, torch.float32, rng)
     weights, ids = moe.select_experts(logits, 4, use_grouped_topk=True, num_expert_group=5,
                                       topk_group=3)
     out = _disaggregated_moe(hidden, ids, weights, glob, shared, 2.5, num_ffn)
-    ref = moe.reference_moe(hidden, ids, weights, glob, shared, 2.5)
+    ref = reference_moe(hidden, ids, weights, glob, shared, 2.5)
     torch.testing.assert_close(out, ref, rtol=3e-2, atol=3e-2)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from afd_cupy.errors import BackendUnavailableError
-from afd_cupy.heap import nvshmem
+from afd_cupy.heap import nvshmem, nvshmem_lib
 from afd_cupy.launch import ProcessContext, launch
 
 
@@ -27,44 +27,44 @@ def _stamped_pattern(seed: int, src_rank: int, buf_idx: int, nbytes: int) -> np.
 
 
 def test_struct_sizes_match_headers():
-    assert ctypes.sizeof(nvshmem.UniqueId) == 128
-    assert ctypes.sizeof(nvshmem.UniqueIdArgs) == 24
-    assert ctypes.sizeof(nvshmem.InitArgs) == 128
-    assert ctypes.sizeof(nvshmem.InitAttr) == 144
+    assert ctypes.sizeof(nvshmem_lib.UniqueId) == 128
+    assert ctypes.sizeof(nvshmem_lib.UniqueIdArgs) == 24
+    assert ctypes.sizeof(nvshmem_lib.InitArgs) == 128
+    assert ctypes.sizeof(nvshmem_lib.InitAttr) == 144
 
 
 def test_struct_field_offsets_match_headers():
-    assert nvshmem.UniqueId.internal.offset == 4
-    assert (nvshmem.UniqueIdArgs.id.offset, nvshmem.UniqueIdArgs.myrank.offset,
-            nvshmem.UniqueIdArgs.nranks.offset) == (8, 16, 20)
-    assert (nvshmem.InitArgs.uid_args.offset, nvshmem.InitArgs.content.offset) == (8, 32)
-    assert (nvshmem.InitAttr.mpi_comm.offset, nvshmem.InitAttr.args.offset) == (8, 16)
+    assert nvshmem_lib.UniqueId.internal.offset == 4
+    assert (nvshmem_lib.UniqueIdArgs.id.offset, nvshmem_lib.UniqueIdArgs.myrank.offset,
+            nvshmem_lib.UniqueIdArgs.nranks.offset) == (8, 16, 20)
+    assert (nvshmem_lib.InitArgs.uid_args.offset, nvshmem_lib.InitArgs.content.offset) == (8, 32)
+    assert (nvshmem_lib.InitAttr.mpi_comm.offset, nvshmem_lib.InitAttr.args.offset) == (8, 16)
 
 
 def test_version_stamps_are_v1_plus_sizeof():
-    assert nvshmem.UNIQUEID_VERSION == (1 << 16) + 128
-    assert nvshmem.UNIQUEID_ARGS_VERSION == (1 << 16) + 24
-    assert nvshmem.INIT_ARGS_VERSION == (1 << 16) + 128
-    assert nvshmem.INIT_ATTR_VERSION == (1 << 16) + 144
-    uid = nvshmem.new_unique_id()
-    assert uid.version == nvshmem.UNIQUEID_VERSION and bytes(uid.internal) == b""
-    attr = nvshmem.new_init_attr()
-    assert attr.version == nvshmem.INIT_ATTR_VERSION and attr.mpi_comm is None
-    assert attr.args.version == nvshmem.INIT_ARGS_VERSION
-    assert attr.args.uid_args.version == nvshmem.UNIQUEID_ARGS_VERSION
+    assert nvshmem_lib.UNIQUEID_VERSION == (1 << 16) + 128
+    assert nvshmem_lib.UNIQUEID_ARGS_VERSION == (1 << 16) + 24
+    assert nvshmem_lib.INIT_ARGS_VERSION == (1 << 16) + 128
+    assert nvshmem_lib.INIT_ATTR_VERSION == (1 << 16) + 144
+    uid = nvshmem_lib.new_unique_id()
+    assert uid.version == nvshmem_lib.UNIQUEID_VERSION and bytes(uid.internal) == b""
+    attr = nvshmem_lib.new_init_attr()
+    assert attr.version == nvshmem_lib.INIT_ATTR_VERSION and attr.mpi_comm is None
+    assert attr.args.version == nvshmem_lib.INIT_ARGS_VERSION
+    assert attr.args.uid_args.version == nvshmem_lib.UNIQUEID_ARGS_VERSION
     assert (attr.args.uid_args.myrank, attr.args.uid_args.nranks) == (-1, -1)
 
 
 def test_check_names_call_and_code():
-    nvshmem._check(0, "nvshmem_anything")
-    with pytest.raises(nvshmem.NvshmemError, match=r"nvshmemx_hostlib_init_attr failed with "
+    nvshmem_lib._check(0, "nvshmem_anything")
+    with pytest.raises(nvshmem_lib.NvshmemError, match=r"nvshmemx_hostlib_init_attr failed with "
                        r"code 7 \(NVSHMEMX_ERROR_INTERNAL\)") as info:
-        nvshmem._check(7, "nvshmemx_hostlib_init_attr")
+        nvshmem_lib._check(7, "nvshmemx_hostlib_init_attr")
     assert (info.value.call, info.value.code) == ("nvshmemx_hostlib_init_attr", 7)
 
 
 def test_import_loads_neither_cupy_nor_library():
-    code = ("import sys, afd_cupy.heap.nvshmem as m; "
+    code = ("import sys, afd_cupy.heap.nvshmem, afd_cupy.heap.nvshmem_lib as m; "
             "assert 'cupy' not in sys.modules, 'cupy imported'; "
             "assert m._lib is None, 'library loaded'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
@@ -73,42 +73,42 @@ def test_import_loads_neither_cupy_nor_library():
 def test_missing_override_path_is_reported(monkeypatch, tmp_path):
     missing = tmp_path / "libnvshmem_host.so.3"
     monkeypatch.setenv("AFD_NVSHMEM_LIB", str(missing))
-    monkeypatch.setattr(nvshmem, "_lib", None)
+    monkeypatch.setattr(nvshmem_lib, "_lib", None)
     with pytest.raises(BackendUnavailableError, match=r"AFD_NVSHMEM_LIB=.* does not exist.*"
                        r"pip install nvidia-nvshmem-cu13"):
-        nvshmem.load_library()
+        nvshmem_lib.load_library()
 
 
 def test_library_not_found_anywhere_is_reported(monkeypatch):
     monkeypatch.delenv("AFD_NVSHMEM_LIB", raising=False)
-    monkeypatch.setattr(nvshmem, "_lib", None)
-    monkeypatch.setattr(nvshmem, "_package_library_paths", lambda: [])
-    monkeypatch.setattr(nvshmem, "LIB_SONAME", "libnvshmem_host_afd_absent.so.3")
+    monkeypatch.setattr(nvshmem_lib, "_lib", None)
+    monkeypatch.setattr(nvshmem_lib, "_package_library_paths", lambda: [])
+    monkeypatch.setattr(nvshmem_lib, "LIB_SONAME", "libnvshmem_host_afd_absent.so.3")
     with pytest.raises(BackendUnavailableError,
                        match=r"pip install nvidia-nvshmem-cu13 .*or set AFD_NVSHMEM_LIB"):
-        nvshmem.load_library()
+        nvshmem_lib.load_library()
 
 
 def test_wheel_directory_is_searched(monkeypatch, tmp_path):
     lib_dir = tmp_path / "nvidia" / "nvshmem" / "lib"
     lib_dir.mkdir(parents=True)
-    (lib_dir / nvshmem.LIB_SONAME).write_bytes(b"")
+    (lib_dir / nvshmem_lib.LIB_SONAME).write_bytes(b"")
     monkeypatch.delenv("AFD_NVSHMEM_LIB", raising=False)
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert str(lib_dir / nvshmem.LIB_SONAME) in nvshmem._package_library_paths()
+    assert str(lib_dir / nvshmem_lib.LIB_SONAME) in nvshmem_lib._package_library_paths()
 
 
 def test_every_table_symbol_resolves():
-    path = nvshmem.find_library()
+    path = nvshmem_lib.find_library()
     if path is None:
         pytest.skip("no nvidia-nvshmem wheel installed and AFD_NVSHMEM_LIB unset")
     try:
         lib = ctypes.CDLL(path)
     except OSError as err:
         pytest.skip(f"{path} cannot be loaded here: {err}")
-    missing = [symbol for symbol in nvshmem.PROTOTYPES if not hasattr(lib, symbol)]
+    missing = [symbol for symbol in nvshmem_lib.PROTOTYPES if not hasattr(lib, symbol)]
     assert missing == []
-    major, minor, _ = nvshmem.library_version(nvshmem._bind(lib))
+    major, minor, _ = nvshmem_lib.library_version(nvshmem_lib._bind(lib))
     assert (major, minor) >= (3, 0), f"unexpected NVSHMEM version {major}.{minor}"
 
 

@@ -66,7 +66,7 @@ def _exchange(ctx, backend, ring_depth, num_messages):
         window.close()
         heap.close()
         if backend == "host":
-            assert not os.path.exists(segment_path(ctx.job_id, "window", ctx.rank))
+            assert not os.path.exists(segment_path(ctx.job_id, "window0", ctx.rank))
 
 
 def _send(window, polling, rank, receiver, ring_depth, num_messages):

@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig  # noqa: E402
 from afd_cupy.launch import launch  # noqa: E402
+from afd_cupy.topology import Role  # noqa: E402
 
 MODEL = ModelConfig(hidden_size=256, num_experts=8, top_k=2, moe_intermediate_size=128,
                     max_num_batched_tokens=64)
@@ -90,7 +91,8 @@ def _reader(conn, store, iters: int) -> dict:
 def _writer(conn, store, iters: int, gap_us: float, cupy, kernels) -> dict:
     stamp = kernels.get_kernel("bench.cu", "afd_bench_stamp")
     stamps = cupy.zeros(iters, cupy.int64)
-    flag_addr = cupy.uint64(conn.window.peer_ptr(conn.ffn_pe(0)))  # flag (region 0, ring 0)
+    ffn_pe = conn.topology.world_rank(Role.FFN, 0)
+    flag_addr = cupy.uint64(conn.path.window.peer_ptr(ffn_pe))  # flag (region 0, ring 0)
     offset_before = _calibrate(cupy, kernels)
     store.get("reader-ready")
     time.sleep(0.2)

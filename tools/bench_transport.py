@@ -117,14 +117,10 @@ class Group:
 
 # --------------------------------------------------------------------------- ranks
 
-def _identity_experts(item):
-    """FFN 'experts' that reply the received rows unchanged (transport only)."""
-    return item.routed_x, item.shared_x
-
-
 def _rank(ctx, group: Group) -> dict:
     from afd_cupy.connector import AFDConnector
     from afd_cupy.ffn_worker import FFNWorker
+    from afd_cupy.testing.reference import identity_experts
 
     device = bc.set_device(group.backend, ctx)
     role, role_rank = ("attention", 0) if ctx.rank == 0 else ("ffn", ctx.rank - 1)
@@ -134,7 +130,7 @@ def _rank(ctx, group: Group) -> dict:
                         peer_timeout_s=group.peer_timeout_s)
     try:
         if role == "ffn":
-            worker = FFNWorker(conn, expert_fn=_identity_experts)
+            worker = FFNWorker(conn, expert_fn=identity_experts)
             worker.run()
             if group.nccl_baseline:  # after run(): the Attention rank announced shutdown
                 _nccl_baseline(ctx, group, device)
@@ -284,7 +280,7 @@ def _prefill_point(conn, group: Group, num_tokens: int, device, watch) -> dict:
     hidden, ids, weights = _inputs(conn, num_tokens, device, seed=10_000 + num_tokens)
     dispatch_ms, combine_ms, roundtrip_ms = [], [], []
     for i in range(group.prefill_warmup + group.prefill_iters):
-        flags_before = conn.window.read_flags()
+        flags_before = conn.path.window.read_flags()
         start = watch.mark()
         handle = conn.send_attn_output(hidden, ids, weights, 0)
         sent = watch.mark()
@@ -325,7 +321,7 @@ def _rows_per_ffn(conn, ids) -> list:
 
     num_ffn, num_tokens = conn.topology.num_ffn_ranks, ids.shape[0]
     routed = torch.bincount(ids.reshape(-1).long() // conn.layout.expert_per_rank, minlength=num_ffn)
-    return [int(n) + (shared_count(num_tokens, num_ffn, j) if conn.has_shared else 0)
+    return [int(n) + (shared_count(num_tokens, num_ffn, j) if conn.model.num_shared_experts else 0)
             for j, n in enumerate(routed.tolist())]
 
 
@@ -333,12 +329,10 @@ def _wait_replies_landed(conn, handle, flags_before, timeout_s: float = 60.0) ->
     """Host-poll the own window's flags until every FFN rank that was sent to has replied.
     Reads only: the combine's own wait still sees the arrivals (it compares with its own
     last-seen words)."""
-    expected = handle.state.expected
-    expected = expected.get() if hasattr(expected, "get") else expected
-    slots = [conn.layout.slot_index(int(j), handle.ring) for j in range(len(expected)) if expected[j]]
+    slots = [conn.layout.slot_index(j, handle.ring) for j in conn.sent_to(handle)]
     deadline = time.monotonic() + timeout_s
     while True:
-        flags = conn.window.read_flags()
+        flags = conn.path.window.read_flags()
         if all(flags[s] != flags_before[s] for s in slots):
             return
         if time.monotonic() > deadline:

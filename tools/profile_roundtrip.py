@@ -31,10 +31,6 @@ from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig  # noqa
 from afd_cupy.launch import launch  # noqa: E402
 
 
-def _identity(item):
-    return item.routed_x, item.shared_x
-
-
 class _Stamps:
     """Per-round-trip host timestamps (ns) and CUDA event pairs, recorded by wrapping the
     connector's methods and, on the cuda backend, the kernel launchers (tool only)."""
@@ -176,6 +172,7 @@ def _rank(ctx, args) -> dict:
 
     from afd_cupy.connector import AFDConnector
     from afd_cupy.ffn_worker import FFNWorker
+    from afd_cupy.testing.reference import identity_experts
 
     backend = args["backend"]
     device = torch.device("cpu")
@@ -195,7 +192,7 @@ def _rank(ctx, args) -> dict:
     warmup, iters = args["warmup"], args["iters"]
     try:
         if role == "ffn":
-            worker = FFNWorker(conn, expert_fn=_identity)
+            worker = FFNWorker(conn, expert_fn=identity_experts)
             while len(stamps.rows) < warmup + iters:  # pass 1: phases
                 worker.step()
             stamps.enabled = False

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from afd_cupy.config import ModelConfig  # noqa: E402
 from afd_cupy.launch import detect_backend, launch  # noqa: E402
-from afd_cupy.scenario import Scenario, run_rank, tolerance  # noqa: E402
+from afd_cupy.testing.scenario import Scenario, run_rank, tolerance  # noqa: E402
 
 
 def parse_args(argv=None):

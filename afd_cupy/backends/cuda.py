@@ -362,3 +362,13 @@ class CudaDataPath:
 
     def close(self) -> None:
         torch.cuda.synchronize(self.device_id)
+
+
+def require_available() -> None:
+    """Raise ImportError when CuPy or the NVSHMEM host library cannot be loaded here."""
+    import cupy  # noqa: F401
+
+    from afd_cupy.heap.nvshmem_lib import find_library
+
+    if not find_library():
+        raise ImportError("libnvshmem_host.so.3 not found (install nvidia-nvshmem-cu12/cu13)")

@@ -17,7 +17,7 @@ from afd_cupy import errors, planner, wire
 from afd_cupy.backends.base import Arrival, ItemViews, PathContext
 from afd_cupy.backends.host_poll import HostPolling
 from afd_cupy.errors import AfdError, reply_timeout_error
-from afd_cupy.payload import raw_dtype, raw_to_f32, raw_to_torch, torch_to_raw
+from afd_cupy.dtypes import raw_dtype, raw_to_f32, raw_to_torch, torch_to_raw
 from afd_cupy.topology import Role
 
 

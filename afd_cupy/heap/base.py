@@ -8,7 +8,16 @@ write into ``buf.peer(s)`` one-sided.
 from __future__ import annotations
 
 import abc
+import logging
 from typing import Any
+
+from afd_cupy.errors import HeapError
+
+logger = logging.getLogger("afd_cupy")
+
+
+#: bound of a closing barrier once a peer is known to have failed (seconds)
+UNHEALTHY_CLOSE_S = 0.5
 
 
 class SymmetricBuffer(abc.ABC):
@@ -34,11 +43,19 @@ class SymmetricBuffer(abc.ABC):
 
 
 class SymmetricHeap(abc.ABC):
-    """A symmetric heap over the AFD world. ``close()`` is collective."""
+    """A symmetric heap over the AFD world. ``close()`` is collective.
+
+    Subclasses set ``self._closed`` (False once open, True after ``close()``), call
+    ``_check_open()`` at the top of every collective call, and name themselves in errors and
+    in the unclosed-heap warning through ``_label`` and ``_unclosed_note``.
+    """
 
     backend: str  # "cuda" or "host"
     rank: int
     world_size: int
+    _closed: bool
+    _label: str  # e.g. "host heap": "<label> of rank r is closed"
+    _unclosed_note: str  # what garbage collection without close() leaves behind
 
     @property
     @abc.abstractmethod
@@ -54,11 +71,25 @@ class SymmetricHeap(abc.ABC):
         """Collective host-blocking barrier over the whole world."""
 
     @abc.abstractmethod
-    def close(self) -> None:
-        """Collective: free every buffer and tear the heap down. Idempotent."""
+    def close(self, *, peers_healthy: bool = True) -> None:
+        """Collective: free every buffer and tear the heap down. Idempotent.
+
+        ``peers_healthy=False`` (a peer timed out or died): do not wait for the peers longer
+        than a short bound; return promptly, leaving what cannot be freed safely."""
+
+    def _check_open(self) -> None:
+        """Raise HeapError when the heap is closed."""
+        if self._closed:
+            raise HeapError(f"{self._label} of rank {self.rank} is closed")
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def __del__(self):
+        # NOTE: close() is collective, so garbage collection must not call it: warn only.
+        if not getattr(self, "_closed", True):
+            logger.warning("%s of rank %d garbage-collected without close(): %s",
+                           type(self).__name__, self.rank, self._unclosed_note)

@@ -19,8 +19,8 @@ import weakref
 
 import numpy as np
 
-from afd_cupy.errors import HeapError
-from afd_cupy.heap.base import SymmetricBuffer, SymmetricHeap
+from afd_cupy.errors import HeapError, PeerTimeoutError
+from afd_cupy.heap.base import UNHEALTHY_CLOSE_S, SymmetricBuffer, SymmetricHeap
 from afd_cupy.store import Store, store_barrier, store_fetch, store_publish
 
 logger = logging.getLogger("afd_cupy")
@@ -81,9 +81,30 @@ def _create_segment(path: str, nbytes: int) -> mmap.mmap:
                         ) from None
     try:
         os.ftruncate(fd, nbytes)
+        _reserve(fd, path, nbytes)
         return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.unlink(path)
+        raise
     finally:
         os.close(fd)
+
+
+def _reserve(fd: int, path: str, nbytes: int) -> None:
+    """Reserve the segment's pages now, so that a full /dev/shm is a HeapError here and not
+    a SIGBUS on the first large batch (a sparse segment's pages are allocated on first touch)."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        stat = os.statvfs(os.path.dirname(path))
+        free = stat.f_bavail * stat.f_frsize
+        raise HeapError(
+            f"cannot reserve {nbytes} B ({nbytes / 2**20:.1f} MiB) of shared memory for {path}: "
+            f"{exc.strerror}; {os.path.dirname(path)} has {free / 2**20:.1f} MiB free of "
+            f"{stat.f_blocks * stat.f_frsize / 2**20:.1f} MiB. Every rank on this host needs one "
+            "window (afd_cupy.wire.window_size_hint): enlarge /dev/shm (docker run --shm-size=..., "
+            "or mount -o remount,size=... /dev/shm) or lower max_num_batched_tokens / "
+            "routed_cap_multiplier") from None
 
 
 def _map_peer_segment(path: str, nbytes: int, peer: int) -> mmap.mmap:
@@ -149,6 +170,8 @@ class HostHeap(SymmetricHeap):
     """
 
     backend = "host"
+    _label = "host heap"
+    _unclosed_note = "own segments unlinked, peers may still map them"
 
     def __init__(self, rank: int, world_size: int, store: Store, job_id: str,
                  timeout_s: float = 60.0):
@@ -191,6 +214,12 @@ class HostHeap(SymmetricHeap):
                 for pe in range(self.world_size)]
         buffer = HostBuffer(name, nbytes, self.rank, maps)
         self._buffers[name] = buffer
+        # Once every rank mapped every segment, the names are no longer needed: unlinking
+        # them now means a kill -9 of any rank leaves nothing behind in /dev/shm.
+        store_barrier(self._store, f"{self._key_prefix}/mapped/{name}", self.world_size,
+                      self.timeout_s)
+        _unlink_all([own_path])
+        self._own_paths.remove(own_path)
         return buffer
 
     def _segment_key(self, name: str, pe: int) -> str:
@@ -206,25 +235,27 @@ class HostHeap(SymmetricHeap):
         self._check_open()
         store_barrier(self._store, f"{self._key_prefix}/barrier", self.world_size, self.timeout_s)
 
-    def close(self) -> None:
-        """Collective: barrier, unmap every buffer, unlink own segments. Idempotent."""
+    def close(self, *, peers_healthy: bool = True) -> None:
+        """Collective: barrier, unmap every buffer, unlink own segments. Idempotent.
+
+        With ``peers_healthy=False`` (a peer timed out or died) the barrier waits at most
+        ``UNHEALTHY_CLOSE_S`` and its timeout is logged, not raised: close() returns promptly.
+        """
         if self._closed:
             return
         self._closed = True
         try:
-            store_barrier(self._store, f"{self._key_prefix}/close", self.world_size,
-                          self.timeout_s)
+            if peers_healthy:
+                store_barrier(self._store, f"{self._key_prefix}/close", self.world_size,
+                              self.timeout_s)
+            else:
+                try:
+                    store_barrier(self._store, f"{self._key_prefix}/close", self.world_size,
+                                  min(UNHEALTHY_CLOSE_S, self.timeout_s))
+                except PeerTimeoutError as exc:
+                    logger.warning("host heap of rank %d closed without its peers: %s", self.rank, exc)
         finally:
             for buffer in self._buffers.values():
                 buffer._release()
             self._buffers.clear()
             self._finalizer()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise HeapError(f"host heap of rank {self.rank} is closed")
-
-    def __del__(self):
-        if not getattr(self, "_closed", True):
-            logger.warning("HostHeap of rank %d garbage-collected without close(); "
-                           "own segments unlinked, peers may still map them", self.rank)

@@ -2,9 +2,10 @@
 
 Shared by the tests and ``tools/smoke.py``. Every process of the world runs
 :func:`run_rank` under :func:`afd_cupy.launch.launch`: Attention ranks gate random hidden
-states, send, receive and compare each layer's output with ``moe.reference_moe`` computed
-from the same weights (a naive per-token fp64 MoE); FFN ranks serve with an ``FFNWorker``
-until every Attention rank announced shutdown.
+states, send, receive and compare each layer's output with
+:func:`afd_cupy.testing.reference.reference_moe` computed from the same weights (a naive
+per-token fp64 MoE); FFN ranks serve with an ``FFNWorker`` until every Attention rank
+announced shutdown.
 """
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ import torch
 from afd_cupy import moe
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig
 from afd_cupy.connector import AFDConnector
+from afd_cupy.dtypes import torch_dtype
 from afd_cupy.ffn_worker import FFNWorker
+from afd_cupy.testing.reference import make_expert_weights, make_shared_weights, reference_moe
 from afd_cupy.topology import Role, Topology
 
 
@@ -59,12 +62,12 @@ class Scenario:
 
 def layer_weights(model: ModelConfig, layer_idx: int, seed: int, device):
     """(global routed experts, fused shared experts or None) of one layer."""
-    dtype = getattr(torch, model.dtype)
+    dtype = torch_dtype(model.dtype)
     base = seed * 1000 + layer_idx * 7
-    routed = moe.make_expert_weights(model.num_experts, model.hidden_size, model.moe_intermediate_size,
-                                     dtype=dtype, device=device, seed=base)
-    shared = moe.make_shared_weights(model.num_shared_experts, model.hidden_size,
-                                     model.moe_intermediate_size, dtype=dtype, device=device, seed=base + 1)
+    routed = make_expert_weights(model.num_experts, model.hidden_size, model.moe_intermediate_size,
+                                 dtype=dtype, device=device, seed=base)
+    shared = make_shared_weights(model.num_shared_experts, model.hidden_size,
+                                 model.moe_intermediate_size, dtype=dtype, device=device, seed=base + 1)
     return routed, shared
 
 
@@ -143,7 +146,7 @@ def _layer_inputs(conn: AFDConnector, scenario: Scenario, gen, num_tokens: int, 
     """Fresh (hidden [T, H] model dtype on the CPU, weights fp32 [T, K], ids int32 [T, K] on
     ``device``) from ``gen``; gate logits pushed towards ``favor_ffn_rank`` when set."""
     model = scenario.model
-    hidden = torch.randn(num_tokens, model.hidden_size, generator=gen).to(getattr(torch, model.dtype))
+    hidden = torch.randn(num_tokens, model.hidden_size, generator=gen).to(torch_dtype(model.dtype))
     logits = torch.randn(num_tokens, model.num_experts, generator=gen)
     if scenario.favor_ffn_rank is not None:
         owned = conn.topology.owned_experts(scenario.favor_ffn_rank)
@@ -196,7 +199,7 @@ def _attention_graphs(conn: AFDConnector, scenario: Scenario, attn_rank: int, de
 def _compare(out, hidden, ids, weights, model, layer, seed) -> dict:
     """Relative error of ``out`` against the fp64 per-token reference; NaN counts."""
     routed, shared = layer_weights(model, layer, seed, "cpu")
-    ref = moe.reference_moe(hidden, ids.cpu(), weights.cpu(), routed, shared, model.routed_scaling_factor)
+    ref = reference_moe(hidden, ids.cpu(), weights.cpu(), routed, shared, model.routed_scaling_factor)
     got = out.float().cpu()
     num_nan = int(torch.isnan(got).sum())
     denom = float(ref.norm()) or 1.0
