@@ -6,6 +6,7 @@
 #   bash tools/gpu_suite.sh [full|quick|bench]  # quick: tests + smoke only; bench: benchmarks only
 # Knobs (environment): SUITE_TIMEOUT, TEST_TIMEOUT (per test), SMOKE_ARGS, SKIP_SMOKE_2A2F=1,
 # SKIP_HOSTPOLL=1 / HOSTPOLL_TIMEOUT (the e2e cases with host polling and no MPS),
+# SKIP_SOAK=1 / SOAK_N / SOAK_TIMEOUT / SOAK_ARGS (tools/soak.py),
 # BENCHES (names of tools/*.py run with --quick), BENCH_TIMEOUT, AFD_COMMIT (for the table).
 set -u
 cd "$(dirname "$0")/.."
@@ -47,9 +48,12 @@ run_step pytest_cuda "$SUITE_TIMEOUT" python3 -m pytest -m cuda -q -p no:cachepr
   --timeout=${TEST_TIMEOUT:-90} -rfEs $TEST_FILES
 # the end-to-end cases again with host polling and WITHOUT MPS (no spinning kernels at all)
 [ "${SKIP_HOSTPOLL:-0}" = 1 ] || AFD_TEST_POLL_MODE=host NO_MPS=1 run_step pytest_hostpoll "${HOSTPOLL_TIMEOUT:-300}" \
-  python3 -m pytest -m cuda -q -p no:cacheprovider --timeout=${TEST_TIMEOUT:-90} -rfEs tests/test_e2e.py tests/test_e2e_errors.py
+  python3 -m pytest -m cuda -q -p no:cacheprovider --timeout=${TEST_TIMEOUT:-90} -rfEs tests/test_e2e.py tests/test_e2e_errors.py tests/test_faults.py
 run_step smoke_1a1f 120 python3 tools/smoke.py --layers 4 ${SMOKE_ARGS:-}
 [ "${SKIP_SMOKE_2A2F:-0}" = 1 ] || run_step smoke_2a2f 150 python3 tools/smoke.py --2a2f --layers 4 ${SMOKE_ARGS:-}
+# random sizes, layers, stages and stalls, every output checked (the fault model's soak)
+[ "${SKIP_SOAK:-0}" = 1 ] || run_step soak "${SOAK_TIMEOUT:-300}" python3 tools/soak.py \
+  --round-trips "${SOAK_N:-100000}" --out "$OUT" ${SOAK_ARGS:-}
 fi
 if [ "$MODE" = full ] || [ "$MODE" = bench ]; then
   for bench in ${BENCHES:-bench_poll bench_transport bench_afd profile_roundtrip}; do
@@ -66,7 +70,7 @@ done
 echo
 {
 echo "==== afd_cupy GPU suite summary (${AFD_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown-commit)}, $(head -1 "$OUT/gpu.txt")) ===="
-for name in pytest_cuda pytest_hostpoll smoke_1a1f smoke_2a2f bench_poll bench_transport bench_afd profile_roundtrip; do
+for name in pytest_cuda pytest_hostpoll smoke_1a1f smoke_2a2f soak bench_poll bench_transport bench_afd profile_roundtrip; do
   [ -n "${RESULT[$name]:-}" ] && printf '%-17s %s\n' "$name" "${RESULT[$name]}"
 done
 } | tee "$OUT/summary.txt"
