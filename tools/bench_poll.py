@@ -34,7 +34,7 @@ def _calibrate(cupy, kernels, num_reads: int = 20000) -> int:
     """Host-minus-device clock offset (ns), minimum over many reads of a live device clock."""
     pinned = kernels.PinnedInt64(1)
     stream = cupy.cuda.Stream(non_blocking=True)
-    clock = kernels.get_kernel("bench.cu", "afd_bench_clock")
+    clock = kernels.get_kernel("probes/bench.cu", "afd_bench_clock")
     with stream:
         clock((1,), (1,), (cupy.uint64(pinned.ptr), cupy.int64(200_000_000)))
     while pinned.array[0] == 0:
@@ -88,7 +88,7 @@ def _reader(conn, store, iters: int) -> dict:
 
 
 def _writer(conn, store, iters: int, gap_us: float, cupy, kernels) -> dict:
-    stamp = kernels.get_kernel("bench.cu", "afd_bench_stamp")
+    stamp = kernels.get_kernel("probes/bench.cu", "afd_bench_stamp")
     stamps = cupy.zeros(iters, cupy.int64)
     flag_addr = cupy.uint64(conn.window.peer_ptr(conn.ffn_pe(0)))  # flag (region 0, ring 0)
     offset_before = _calibrate(cupy, kernels)
