@@ -197,6 +197,22 @@ class WindowLayout:
         """Byte offset of slot (region, ring) from the start of the window."""
         return self.flags_bytes + self.slot_index(region, ring) * self.slot_bytes
 
+    #: numpy twin of ``struct SlotGeometry`` (raw_kernels/wire.cuh): same fields, same order,
+    #: same C layout (checked on the CPU by parsing the struct, on the GPU by the probe)
+    KERNEL_GEOMETRY_DTYPE = np.dtype([
+        ("flags_bytes", np.int64), ("slot_bytes", np.int64), ("off_header", np.int64),
+        ("off_route", np.int64), ("off_routed_x", np.int64), ("off_shared_idx", np.int64),
+        ("off_shared_x", np.int64), ("num_regions", np.int32), ("ring_depth", np.int32),
+        ("header_words", np.int32)], align=True)
+
+    def kernel_geometry(self) -> np.void:
+        """This layout as one ``struct SlotGeometry`` value: the kernels' ``geo`` argument
+        (a numpy structured scalar of :attr:`KERNEL_GEOMETRY_DTYPE`)."""
+        values = (self.flags_bytes, self.slot_bytes,
+                  *(self.field_offset(name) for name in FIELD_NAMES),
+                  self.num_regions, self.ring_depth, self.header_words)
+        return np.array(values, dtype=self.KERNEL_GEOMETRY_DTYPE)[()]
+
     def as_dict(self) -> dict:
         return asdict(self)
 

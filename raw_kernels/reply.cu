@@ -5,45 +5,42 @@
 
 using namespace afd;
 
-constexpr int REPLY_THREADS = 256;
-constexpr int REPLY_WARPS = REPLY_THREADS / 32;
-
-// grid = max(1, min(ceil((R + S) / 8), 1024)), block = 256; a warp per row.
+// grid = max(1, min(ceil((R + S) / ROWS_PER_BLOCK), MAX_BLOCKS)), block = REPLY_THREADS;
+// a warp per row.
 template <int DT>
 __global__ void __launch_bounds__(REPLY_THREADS)
 afd_reply(afd_u64 dst_window,  // the Attention peer's window as mapped here
-          afd_i64 slot_offset, afd_i32 flags_index,
-          afd_i64 off_header, afd_i64 off_routed_x, afd_i64 off_shared_x,
+          SlotGeometry geo,
+          afd_i32 src_rank, afd_i32 ring,  // slot (region = src_rank, ring): own FFN rank
           afd_u64 routed_out, afd_i32 num_routed,  // payload [num_routed, hidden_size]
           afd_u64 shared_out, afd_i32 num_shared,  // payload [num_shared, hidden_size]
           afd_i32 hidden_size,
-          afd_u64 header_src,  // pinned host int32 [hdr_words]
-          afd_i32 hdr_words, afd_i64 seq, unsigned int* done_counter) {
+          afd_u64 header_src,  // pinned host int32 [geo.header_words]
+          afd_i64 seq, unsigned int* done_counter) {
   const int tid = threadIdx.x, lane = tid & 31;
   const afd_i64 row_bytes = static_cast<afd_i64>(hidden_size) * itemsize<DT>();
-  char* slot = static_cast<char*>(byte_ptr(dst_window, slot_offset));
+  char* slot = geo.slot(dst_window, src_rank, ring);
   const afd_i64 num_rows = static_cast<afd_i64>(num_routed) + num_shared;
-  const afd_i64 warp_stride = static_cast<afd_i64>(gridDim.x) * REPLY_WARPS;
+  const afd_i64 warp_stride = static_cast<afd_i64>(gridDim.x) * ROWS_PER_BLOCK;
 
-  for (afd_i64 r = static_cast<afd_i64>(blockIdx.x) * REPLY_WARPS + (tid >> 5); r < num_rows;
+  for (afd_i64 r = static_cast<afd_i64>(blockIdx.x) * ROWS_PER_BLOCK + (tid >> 5); r < num_rows;
        r += warp_stride) {
     const bool is_routed = r < num_routed;
     const afd_i64 row = is_routed ? r : r - num_routed;
     const char* src = static_cast<const char*>(byte_ptr(is_routed ? routed_out : shared_out, row * row_bytes));
-    char* dst = slot + (is_routed ? off_routed_x : off_shared_x) + row * row_bytes;
+    char* dst = is_routed ? geo.routed_row(slot, row, row_bytes) : geo.shared_row(slot, row, row_bytes);
     warp_copy_row(dst, src, row_bytes, lane);
   }
 
   // Every block's rows are released at system scope here.
   if (!last_block_done(done_counter, /*system_scope=*/true)) return;
   const afd_i32* src_words = static_cast<const afd_i32*>(byte_ptr(header_src, 0));
-  afd_i32* header = reinterpret_cast<afd_i32*>(slot + off_header);
-  for (int w = tid; w < hdr_words; w += REPLY_THREADS) header[w] = load_volatile32(src_words + w);
+  afd_i32* header = geo.header(slot);
+  for (int w = tid; w < geo.header_words; w += REPLY_THREADS) header[w] = load_volatile32(src_words + w);
   __syncthreads();  // every header word of the block precedes thread 0's fence
   if (tid == 0) {
     __threadfence_system();  // release, cumulative over the header and every block's rows
-    afd_i64* flags = static_cast<afd_i64*>(byte_ptr(dst_window, 0));
-    store_volatile(flags + flags_index, seq);
+    store_volatile(geo.flag(dst_window, src_rank, ring), seq);
     __threadfence();
     *done_counter = 0u;
   }

@@ -6,18 +6,18 @@
 
 using namespace afd;
 
-// grid = 1, block = 32.
-extern "C" __global__ void __launch_bounds__(32)
+// grid = 1, block = WAIT_ANY_THREADS (one warp).
+extern "C" __global__ void __launch_bounds__(WAIT_ANY_THREADS)
 afd_wait_any(afd_u64 window,  // own window
-             afd_i32 num_slots,  // num_regions * ring_depth
-             afd_i64* last_seen,  // [num_slots], device
+             SlotGeometry geo,
+             afd_i64* last_seen,   // [num_slots], device
              afd_i32* scan_start,  // [1], device
-             afd_i64 off_header, afd_i64 flags_bytes, afd_i64 slot_bytes, afd_i32 hdr_words,
              afd_i64 timeout_ns,
-             afd_u64 doorbell,  // pinned host: int64 [DB_HEADER + ceil(hdr_words / 2)]
+             afd_u64 doorbell,  // pinned host: int64 [DB_HEADER + ceil(header_words / 2)]
              afd_i64 ticket) {
   const int lane = threadIdx.x;
-  const afd_i64* flags = static_cast<const afd_i64*>(byte_ptr(window, 0));
+  const int num_slots = static_cast<int>(geo.num_slots());
+  const afd_i64* flags = geo.flag_at(window, 0);
   afd_i64* bell = static_cast<afd_i64*>(byte_ptr(doorbell, 0));
   int start = *scan_start;
   if (start < 0 || start >= num_slots) start = 0;
@@ -60,10 +60,9 @@ afd_wait_any(afd_u64 window,  // own window
   }
 
   __threadfence_system();  // acquire: the header was written before the flag
-  const afd_i32* header = static_cast<const afd_i32*>(
-      byte_ptr(window, flags_bytes + static_cast<afd_i64>(won_slot) * slot_bytes + off_header));
+  const afd_i32* header = geo.header(geo.slot_at(window, won_slot));
   volatile afd_i32* bell_words = reinterpret_cast<volatile afd_i32*>(bell + DB_HEADER);
-  for (int w = lane; w < hdr_words; w += 32) bell_words[w] = load_volatile32(header + w);
+  for (int w = lane; w < geo.header_words; w += 32) bell_words[w] = load_volatile32(header + w);
   if (lane == 0) {
     store_volatile(bell + DB_SLOT, won_slot);
     store_volatile(bell + DB_FLAG, won_flag);
@@ -73,8 +72,8 @@ afd_wait_any(afd_u64 window,  // own window
   }
   // One release for the whole doorbell: __syncwarp orders every lane's header words before
   // lane 0's fence, which is cumulative, so the ticket store after it is the last write the
-  // host can observe. Each system fence waits for the posted PCIe writes before it (~1 us),
-  // so the former fence per step (header, status, ticket) cost one round trip each.
+  // host can observe. One fence, because each system fence waits for the posted PCIe writes
+  // before it (~1 us).
   __syncwarp();
   if (lane == 0) {
     __threadfence_system();

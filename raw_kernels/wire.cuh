@@ -1,9 +1,9 @@
 // wire.cuh: device mirror of afd_cupy/wire.py (DESIGN §4) and helpers shared by every kernel.
 //
-// The constants below mirror wire.py and afd_cupy/kernels.py; tests/test_kernels_cpu.py parses
-// this file and tests/test_kernels_cuda.py reads them back through afd_read_wire_constants.
-// Byte offsets of window fields are NOT mirrored: kernels take them as arguments computed by
-// wire.WindowLayout, so the layout has one source of truth.
+// The constants below mirror wire.py and the limit table of afd_cupy/kernels/specs.py;
+// tests/test_kernels_cpu.py parses this file and tests/test_kernels_cuda.py reads them back
+// through raw_kernels/probes/wire_constants.cu. Byte offsets of window fields are computed once,
+// by wire.WindowLayout, and reach the kernels as one SlotGeometry value (kernel_geometry()).
 //
 // NOTE: compiled by NVRTC without system headers: no <cstdint>, no cuda_bf16.h / cuda_fp16.h.
 // Integer types are spelled with the afd_* typedefs; 16-bit floats are raw words converted
@@ -37,7 +37,7 @@ constexpr int HDR_FLAGS = 10;
 constexpr int HDR_ECHO_SEQ = 11;
 constexpr int HDR_FIXED_WORDS = 12;  // expert_counts[expert_per_rank] follow
 
-// ---- status block: int64 status[8] in device memory (afd_cupy/kernels.py StatusBlock) ------
+// ---- status block: int64 status[8] in device memory (afd_cupy/kernels/status.py) -----------
 constexpr int STATUS_OK = 0;
 constexpr int STATUS_CAPACITY = 1;
 constexpr int STATUS_TIMEOUT = 2;
@@ -68,7 +68,78 @@ constexpr int DT_BF16 = 0;
 constexpr int DT_F16 = 1;
 constexpr int DT_F32 = 2;
 
-constexpr int CHUNK = 256;  // partials per dispatch-plan block
+// ---- limits (afd_cupy/kernels/specs.py KERNEL_LIMITS; the specs check them) ---------------
+constexpr int CHUNK = 256;           // partials per afd_dispatch_plan block
+constexpr int MAX_BLOCKS = 1024;     // grid cap of the row-copy and combine kernels
+constexpr int MAX_FFN_RANKS = 256;   // static shared arrays of afd_dispatch_scatter
+constexpr int MAX_TOP_K = 64;        // static shared arrays of afd_combine
+constexpr int MAX_EXPERTS = 8192;    // dynamic shared memory of afd_dispatch_plan (4 B each)
+constexpr int ROWS_PER_BLOCK = 8;    // warps (one row each) of afd_dispatch_scatter / afd_reply
+constexpr int PLAN_THREADS = 256;
+constexpr int SCATTER_THREADS = 256;
+constexpr int WAIT_REPLIES_THREADS = 32;
+constexpr int COMBINE_THREADS = 256;
+constexpr int WAIT_ANY_THREADS = 32;
+constexpr int REPLY_THREADS = 256;
+static_assert(PLAN_THREADS == CHUNK, "one plan thread per partial of its chunk");
+static_assert(PLAN_THREADS == 256, "block_exclusive_scan_256 needs 256 threads");
+static_assert(SCATTER_THREADS == 32 * ROWS_PER_BLOCK && REPLY_THREADS == 32 * ROWS_PER_BLOCK,
+              "one warp per row");
+static_assert(WAIT_REPLIES_THREADS == 32 && WAIT_ANY_THREADS == 32, "one-warp kernels");
+
+// ---- window geometry (afd_cupy/wire.py WindowLayout.kernel_geometry) -------------------------
+// One value per window layout, passed by value to every kernel that addresses a window.
+// NOTE: plain 8-byte-aligned fields in this order: the numpy dtype on the Python side has the
+// same C layout (checked on the CPU by parsing this struct, on the GPU by the probe's
+// sizeof/offsets). Slot (region, ring) is slot number region * ring_depth + ring.
+struct SlotGeometry {
+  afd_i64 flags_bytes;     // flag words (int64 per slot), padded to ALIGN
+  afd_i64 slot_bytes;
+  afd_i64 off_header;      // field offsets from the start of a slot
+  afd_i64 off_route;
+  afd_i64 off_routed_x;
+  afd_i64 off_shared_idx;
+  afd_i64 off_shared_x;
+  afd_i32 num_regions;
+  afd_i32 ring_depth;
+  afd_i32 header_words;    // HDR_FIXED_WORDS + expert_per_rank
+
+  __device__ __forceinline__ afd_i64 num_slots() const {
+    return static_cast<afd_i64>(num_regions) * ring_depth;
+  }
+  __device__ __forceinline__ afd_i64 slot_index(afd_i32 region, afd_i32 ring) const {
+    return static_cast<afd_i64>(region) * ring_depth + ring;
+  }
+  // Flag word / first byte of slot number `slot` of the window at `base`.
+  __device__ __forceinline__ afd_i64* flag_at(afd_u64 base, afd_i64 slot) const {
+    return reinterpret_cast<afd_i64*>(base) + slot;
+  }
+  __device__ __forceinline__ char* slot_at(afd_u64 base, afd_i64 slot) const {
+    return reinterpret_cast<char*>(base) + flags_bytes + slot * slot_bytes;
+  }
+  __device__ __forceinline__ afd_i64* flag(afd_u64 base, afd_i32 region, afd_i32 ring) const {
+    return flag_at(base, slot_index(region, ring));
+  }
+  __device__ __forceinline__ char* slot(afd_u64 base, afd_i32 region, afd_i32 ring) const {
+    return slot_at(base, slot_index(region, ring));
+  }
+  // Fields of a slot (`slot` from slot() / slot_at()).
+  __device__ __forceinline__ afd_i32* header(char* slot) const {
+    return reinterpret_cast<afd_i32*>(slot + off_header);
+  }
+  __device__ __forceinline__ int2* route(char* slot) const {
+    return reinterpret_cast<int2*>(slot + off_route);
+  }
+  __device__ __forceinline__ char* routed_row(char* slot, afd_i64 row, afd_i64 row_bytes) const {
+    return slot + off_routed_x + row * row_bytes;
+  }
+  __device__ __forceinline__ afd_i32* shared_idx(char* slot) const {
+    return reinterpret_cast<afd_i32*>(slot + off_shared_idx);
+  }
+  __device__ __forceinline__ char* shared_row(char* slot, afd_i64 row, afd_i64 row_bytes) const {
+    return slot + off_shared_x + row * row_bytes;
+  }
+};
 
 template <int DT>
 __device__ __forceinline__ constexpr int itemsize() { return DT == DT_F32 ? 4 : 2; }
@@ -223,8 +294,8 @@ __device__ __forceinline__ void warp_copy_row(void* dst, const void* src, afd_i6
 // NOTE (memory model): bar.sync puts every thread's writes before thread 0's fence in
 // causality order, and a fence is cumulative over what precedes it, so fence + atomicAdd by
 // one thread releases the whole block's writes (the pattern of cooperative groups' grid
-// sync). A fence in every thread, as before, was redundant: a MEMBAR per warp, 8 per block.
-// The last block acquires with atomicAdd + fence in thread 0 and shares it through bar.sync.
+// sync); a fence in every thread would add a MEMBAR per warp for nothing. The last block
+// acquires with atomicAdd + fence in thread 0 and shares it through bar.sync.
 // NOTE: one counter per kernel in flight; the counter is left at 0 for the next launch.
 __device__ __forceinline__ bool last_block_done(unsigned int* counter, bool system_scope) {
   __shared__ bool s_is_last;

@@ -1,9 +1,10 @@
 """CPU checks of raw_kernels/ and afd_cupy.kernels: no GPU (and no CuPy) needed.
 
-The wire.cuh mirror is parsed textually and compared with wire.py and kernels.py; the loader's
-cache key is checked to follow header edits; the device plan's index formula is checked against
-the planner's reference in numpy. If NVRTC happens to be loadable, every kernel file is also
-compiled for sm_90 (skipped otherwise).
+The wire.cuh mirror (constants, limits, struct SlotGeometry) is parsed textually and compared
+with wire.py and kernels.KERNEL_LIMITS; the loader's cache key is checked to follow header
+edits; the device plan's index formula and the device reply checks are modelled in numpy and
+compared with the planner and with wire.decode_header + wire.check_reply. If NVRTC happens to
+be loadable, every kernel file is also compiled for sm_90 (skipped otherwise).
 """
 from __future__ import annotations
 
@@ -15,9 +16,12 @@ import sys
 import numpy as np
 import pytest
 
-from afd_cupy import config, kernels, planner, wire
+import kernel_helpers as helpers
+from afd_cupy import config, errors, kernels, planner, wire
 
-KERNEL_FILES = ("wire.cuh", "dispatch.cu", "combine.cu", "wait_any.cu", "reply.cu", "wire_constants.cu")
+KERNEL_FILES = ("wire.cuh", "dispatch.cu", "combine.cu", "wait_any.cu", "reply.cu",
+                "probes/wire_constants.cu", "probes/bench.cu")
+ALL_KERNELS = {**kernels.FILE_KERNELS, **kernels.PROBE_KERNELS}
 _CONSTEXPR_RE = re.compile(r"constexpr\s+\w+\s+(\w+)\s*=\s*(-?(?:0x[0-9a-fA-F]+|\d+))\s*;")
 
 
@@ -29,7 +33,7 @@ def _cuh_constants() -> dict:
 def test_kernel_files_exist_and_define_their_kernels():
     for name in KERNEL_FILES:
         assert (kernels.KERNEL_DIR / name).is_file(), name
-    for filename, entries in kernels.FILE_KERNELS.items():
+    for filename, entries in ALL_KERNELS.items():
         text = (kernels.KERNEL_DIR / filename).read_text()
         assert '#include "wire.cuh"' in text
         for name, is_template in entries:
@@ -45,14 +49,14 @@ def test_no_forbidden_includes_or_jitify():
         text = (kernels.KERNEL_DIR / name).read_text()
         includes = re.findall(r'#\s*include\s*[<"]([^>"]+)[>"]', text)
         assert set(includes) <= {"wire.cuh"}, f"{name} includes {includes}"
-    assert "jitify" not in (kernels.KERNEL_DIR.parent / "afd_cupy" / "kernels.py").read_text().replace(
-        "no jitify", "")
+    for module in (kernels.KERNEL_DIR.parent / "afd_cupy" / "kernels").glob("*.py"):
+        assert "jitify" not in module.read_text().replace("no jitify", ""), module
 
 
-def test_wire_cuh_constants_match_wire_py_and_kernels_py():
+def test_wire_cuh_constants_match_wire_py_and_kernel_limits():
     parsed = _cuh_constants()
-    expected = kernels.expected_wire_constants()
-    mirrored = [name for name in kernels.WIRE_CONSTANT_NAMES if not name.startswith("PROBE_")]
+    expected = helpers.expected_wire_constants()
+    mirrored = [name for name in helpers.WIRE_CONSTANT_NAMES if helpers.is_mirrored_constant(name)]
     missing = [name for name in mirrored if name not in parsed]
     assert not missing, f"wire.cuh lacks {missing}"
     for name in mirrored:
@@ -60,15 +64,79 @@ def test_wire_cuh_constants_match_wire_py_and_kernels_py():
     assert parsed["MAGIC"] == wire.MAGIC and parsed["HDR_FIXED_WORDS"] == wire.HDR_FIXED_WORDS
 
 
+def test_every_limit_of_wire_cuh_is_in_the_python_table():
+    parsed = _cuh_constants()
+    for name, value in kernels.KERNEL_LIMITS.items():
+        assert parsed[name] == value, f"{name}: wire.cuh {parsed.get(name)} != {value}"
+    in_cuh = {name for name in parsed if name.endswith("_THREADS") or name.startswith("MAX_")}
+    assert in_cuh <= set(kernels.KERNEL_LIMITS), in_cuh - set(kernels.KERNEL_LIMITS)
+    for name in ("CHUNK", "MAX_BLOCKS", "MAX_FFN_RANKS", "MAX_TOP_K", "MAX_EXPERTS", "ROWS_PER_BLOCK"):
+        assert getattr(kernels, name) == kernels.KERNEL_LIMITS[name]
+
+
+def test_kernel_files_use_the_limits_of_wire_cuh_only():
+    """No second copy of a limit or block size in a .cu file (wire.cuh defines them once)."""
+    for name in KERNEL_FILES[1:]:
+        text = re.sub(r"//[^\n]*", "", (kernels.KERNEL_DIR / name).read_text())
+        assert not re.search(r"constexpr\s+\w+\s+(MAX_\w+|\w+_THREADS|\w+_WARPS|ROWS_PER_BLOCK|CHUNK)\b",
+                             text), name
+        assert not re.search(r"__launch_bounds__\(\d", text), f"{name}: literal block size"
+
+
+_STRUCT_RE = re.compile(r"struct\s+SlotGeometry\s*\{(.*?)\n\};", re.S)
+_C_SIZES = {"afd_i64": (np.int64, 8), "afd_i32": (np.int32, 4)}
+
+
+def test_slot_geometry_struct_matches_the_numpy_dtype():
+    """Field names, order and C types of struct SlotGeometry == WindowLayout.KERNEL_GEOMETRY_DTYPE,
+    and the natural C layout of those fields == the numpy offsets and itemsize."""
+    body = _STRUCT_RE.search((kernels.KERNEL_DIR / "wire.cuh").read_text()).group(1)
+    body = re.sub(r"//[^\n]*", "", body)
+    fields = re.findall(r"^\s*(afd_i64|afd_i32)\s+(\w+)\s*;", body, re.M)
+    dtype = wire.WindowLayout.KERNEL_GEOMETRY_DTYPE
+    assert [name for _, name in fields] == list(dtype.names)
+    offset, align = 0, 1
+    for ctype, name in fields:
+        np_type, size = _C_SIZES[ctype]
+        offset = -(-offset // size) * size
+        assert dtype.fields[name][0] == np.dtype(np_type), name
+        assert dtype.fields[name][1] == offset, name
+        offset += size
+        align = max(align, size)
+    assert dtype.itemsize == -(-offset // align) * align == 72
+
+
+def test_kernel_geometry_holds_the_layout():
+    layout = wire.WindowLayout(num_regions=3, ring_depth=2, expert_per_rank=5, hidden_size=72,
+                               itemsize=2, top_k=4, token_cap=40, routed_cap=90, shared_cap=14)
+    geo = layout.kernel_geometry()
+    assert isinstance(geo, np.void) and geo.dtype == wire.WindowLayout.KERNEL_GEOMETRY_DTYPE
+    assert int(geo["header_words"]) == layout.header_words == 17
+    assert (int(geo["flags_bytes"]), int(geo["slot_bytes"])) == (layout.flags_bytes, layout.slot_bytes)
+    assert (int(geo["num_regions"]), int(geo["ring_depth"])) == (3, 2)
+    for name, key in (("header", "off_header"), ("route_table", "off_route"), ("routed_x", "off_routed_x"),
+                      ("shared_idx", "off_shared_idx"), ("shared_x", "off_shared_x")):
+        assert int(geo[key]) == layout.field_offset(name)
+    # what SlotGeometry::slot(base, region, ring) computes
+    slot = int(geo["flags_bytes"]) + (2 * int(geo["ring_depth"]) + 1) * int(geo["slot_bytes"])
+    assert slot == layout.slot_offset(2, 1)
+
+
 def test_wire_constants_kernel_writes_every_name_in_order():
-    text = (kernels.KERNEL_DIR / "wire_constants.cu").read_text()
-    body = text[text.index("values[] = {") + len("values[] = {"):text.index("};")]
+    text = (kernels.KERNEL_DIR / "probes" / "wire_constants.cu").read_text()
+    start = text.index("values[] = {") + len("values[] = {")
+    body = text[start:text.index("};", start)]
     body = re.sub(r"//[^\n]*", "", body)
     entries = [e.strip() for e in re.split(r",\s*(?![^()]*\))", body) if e.strip()]
-    assert len(entries) == len(kernels.WIRE_CONSTANT_NAMES)
-    for entry, name in zip(entries, kernels.WIRE_CONSTANT_NAMES):
-        if not name.startswith("PROBE_"):
+    assert len(entries) == len(helpers.WIRE_CONSTANT_NAMES)
+    geometry = iter(wire.WindowLayout.KERNEL_GEOMETRY_DTYPE.names)
+    for entry, name in zip(entries, helpers.WIRE_CONSTANT_NAMES):
+        if helpers.is_mirrored_constant(name):
             assert entry == name, f"position of {name}: kernel writes {entry}"
+        elif name == "GEO_SIZEOF":
+            assert entry == "static_cast<afd_i64>(sizeof(SlotGeometry))", entry
+        elif name.startswith("GEO_"):
+            assert entry == f"AFD_GEO_OFFSET({next(geometry)})", f"position of {name}: {entry}"
 
 
 def test_dtype_and_status_constants_consistent():
@@ -76,28 +144,27 @@ def test_dtype_and_status_constants_consistent():
     assert kernels.DTYPE_CODES == {"bfloat16": parsed["DT_BF16"], "float16": parsed["DT_F16"],
                                    "float32": parsed["DT_F32"]}
     assert set(kernels.DTYPE_CODES) == set(config.PAYLOAD_DTYPES)
-    for name in ("OK", "CAPACITY", "TIMEOUT", "BAD_HEADER", "ECHO_MISMATCH", "SHUTDOWN", "BAD_EXPERT"):
-        code = getattr(kernels, f"STATUS_{name}")
-        assert parsed[f"STATUS_{name}"] == code and kernels.STATUS_NAMES[code] == name
-    for i, field in enumerate(kernels.STATUS_FIELDS):
-        assert getattr(kernels, f"ST_{field.upper()}") == i == parsed[f"ST_{field.upper()}"]
-    assert kernels.STATUS_WORDS == parsed["STATUS_WORDS"] == len(kernels.STATUS_FIELDS)
-    assert kernels.CHUNK == parsed["CHUNK"]
-    assert kernels.dtype_code("bfloat16") == 0 and kernels.dtype_code(np.dtype(np.float16)) == 1
-    assert kernels.dtype_code("torch.float32") == 2
+    for name in ("OK", "CAPACITY", "TIMEOUT", "BAD_HEADER", "REPLY_MISMATCH", "SHUTDOWN", "BAD_EXPERT"):
+        code = getattr(wire, f"STATUS_{name}")
+        assert parsed[f"STATUS_{name}"] == code and wire.STATUS_NAMES[code] == name
+    for i, field in enumerate(wire.STATUS_FIELDS):
+        assert getattr(wire, f"ST_{field.upper()}") == i == parsed[f"ST_{field.upper()}"]
+    assert wire.STATUS_WORDS == parsed["STATUS_WORDS"] == len(wire.STATUS_FIELDS)
+    assert helpers.dtype_code("bfloat16") == 0 and helpers.dtype_code(np.dtype(np.float16)) == 1
+    assert helpers.dtype_code("torch.float32") == 2
     with pytest.raises(ValueError, match="dtype must be one of"):
-        kernels.dtype_code("int8")
+        helpers.dtype_code("int8")
 
 
-def test_read_status_decodes_words():
-    words = np.array([kernels.STATUS_CAPACITY, 2, -1, -1, -1, -1, 77, 64], np.int64)
-    status = kernels.read_status(words)
-    assert status == {"code": 1, "name": "CAPACITY", "peer": 2, "slot": -1, "ring": -1,
-                      "expected": -1, "observed": -1, "count": 77, "cap": 64}
-    assert kernels.read_status(np.zeros(8, np.int64))["name"] == "OK"
+def test_status_record_decodes_words():
+    words = np.array([wire.STATUS_CAPACITY, 2, -1, -1, -1, -1, 77, 64], np.int64)
+    assert wire.StatusRecord.decode(words) == wire.StatusRecord(1, 2, -1, -1, -1, -1, 77, 64)
+    assert wire.StatusRecord.decode(words).name == "CAPACITY"
+    assert wire.StatusRecord.decode(np.zeros(8, np.int64)).ok
 
 
 def test_cache_key_follows_included_header(tmp_path):
+    (tmp_path / "probes").mkdir()
     for name in KERNEL_FILES:
         shutil.copy(kernels.KERNEL_DIR / name, tmp_path / name)
     key = kernels.source_key(tmp_path / "dispatch.cu")
@@ -122,22 +189,16 @@ def test_name_expressions_and_chunks():
     assert kernels.kernel_name_expressions("combine.cu") == ("afd_wait_replies", "afd_combine<0>", "afd_combine<1>", "afd_combine<2>")
     assert kernels.kernel_name_expressions("dispatch.cu")[0] == "afd_dispatch_plan"
     assert kernels.kernel_name_expressions("wait_any.cu") == ("afd_wait_any",)
+    assert kernels.kernel_name_expressions("probes/bench.cu") == ("afd_bench_stamp", "afd_bench_clock")
+    assert kernels.kernel_name_expressions(kernels.KERNEL_DIR / "probes" / "wire_constants.cu") == (
+        "afd_read_wire_constants",)
+    assert not set(kernels.FILE_KERNELS) & set(kernels.PROBE_KERNELS)
     assert [kernels.dispatch_num_chunks(n) for n in (0, 1, 256, 257, 4096 * 8)] == [0, 1, 1, 2, 128]
 
 
-def test_layout_kernel_args_match_layout():
-    layout = wire.WindowLayout(num_regions=3, ring_depth=2, expert_per_rank=5, hidden_size=72,
-                               itemsize=2, top_k=4, token_cap=40, routed_cap=90, shared_cap=14)
-    args = kernels.layout_kernel_args(layout)
-    assert args["hdr_words"] == layout.header_words == 17
-    assert args["flags_bytes"] == layout.flags_bytes and args["slot_bytes"] == layout.slot_bytes
-    for name, key in (("header", "off_header"), ("route_table", "off_route"), ("routed_x", "off_routed_x"),
-                      ("shared_idx", "off_shared_idx"), ("shared_x", "off_shared_x")):
-        assert args[key] == layout.field_offset(name)
-
-
 def test_import_does_not_import_cupy():
-    code = "import sys, afd_cupy.kernels; assert 'cupy' not in sys.modules, 'cupy imported'"
+    code = ("import sys, afd_cupy.kernels, afd_cupy.kernels.status; "
+            "assert 'cupy' not in sys.modules, 'cupy imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=kernels.KERNEL_DIR.parent)
 
 
@@ -180,10 +241,10 @@ def _nvrtc():
     return nvrtc
 
 
-@pytest.mark.parametrize("filename", sorted(kernels.FILE_KERNELS))
+@pytest.mark.parametrize("filename", sorted(ALL_KERNELS))
 def test_nvrtc_compiles_every_kernel(filename):
     nvrtc = _nvrtc()
-    source = (kernels.KERNEL_DIR / filename).read_text()
+    source = (kernels.KERNEL_DIR / filename).read_text()  # includes resolve through -I below
     prog = nvrtc.createProgram(source, filename, (), ())
     try:
         exprs = kernels.kernel_name_expressions(filename)
@@ -201,3 +262,66 @@ def test_nvrtc_compiles_every_kernel(filename):
             assert nvrtc.getLoweredName(prog, expr)
     finally:
         nvrtc.destroyProgram(prog)
+
+
+# --- the device reply checks (numpy model) agree with wire.decode_header + wire.check_reply -----
+_EPR = 4
+_WANT = wire.ReplyExpectation(peer=1, seq=2**32 + 77, layer_idx=9, stage_idx=1, routed_tokens=6,
+                              shared_tokens=3)
+_REPLY_FAULTS = {  # name -> (header word or "count0", value)
+    "ok": (None, None), "magic": (wire.HDR_MAGIC, 0x12345678), "version": (wire.HDR_VERSION, 7),
+    "negative_routed": (wire.HDR_ROUTED_TOKENS, -6), "negative_count": ("count0", -1),
+    "negative_shared": (wire.HDR_SHARED_TOKENS, -3), "counts_sum": ("count0", 5),
+    "shutdown": (wire.HDR_FLAGS, wire.FLAG_SHUTDOWN), "echo": (wire.HDR_ECHO_SEQ, 78),
+    "layer": (wire.HDR_LAYER, 10), "stage": (wire.HDR_STAGE, 0),
+    "routed": ("routed", 7), "shared": (wire.HDR_SHARED_TOKENS, 4)}
+
+
+def _reply_words(fault: str) -> np.ndarray:
+    dispatch = wire.dispatch_header(seq=_WANT.seq, src_rank=0, layer_idx=_WANT.layer_idx,
+                                    stage_idx=_WANT.stage_idx, num_tokens=5, shared_tokens=3,
+                                    top_k=2, expert_counts=(2, 0, 3, 1))
+    words = wire.encode_header(wire.reply_header(dispatch, seq=5, src_rank=_WANT.peer), _EPR)
+    word, value = _REPLY_FAULTS[fault]
+    if word == "count0":
+        words[wire.HDR_FIXED_WORDS] = value
+    elif word == "routed":  # consistent counts, but not what was sent
+        words[wire.HDR_ROUTED_TOKENS] = value
+        words[wire.HDR_FIXED_WORDS] += value - _WANT.routed_tokens
+    elif word is not None:
+        words[word] = value
+    return words
+
+
+def _host_error(words):
+    try:
+        wire.check_reply(wire.decode_header(words, _EPR), _WANT)
+    except errors.AfdError as err:
+        return err
+    return None
+
+
+@pytest.mark.parametrize("fault", sorted(_REPLY_FAULTS))
+def test_reference_check_reply_agrees_with_the_host_checks(fault):
+    words = _reply_words(fault)
+    code, count, expected, observed = helpers.reference_check_reply(
+        words, seq=_WANT.seq, layer_idx=_WANT.layer_idx, stage_idx=_WANT.stage_idx,
+        routed_tokens=_WANT.routed_tokens, shared_tokens=_WANT.shared_tokens, flag=_WANT.seq)
+    host = _host_error(words)
+    if fault == "ok":
+        assert host is None and code == wire.STATUS_OK
+        return
+    record = wire.StatusRecord(code, _WANT.peer, 3, 1, expected, observed, count, -1)
+    device = record.error(layer_idx=_WANT.layer_idx, timeout_s=1.0)
+    assert type(device) is type(host), (fault, record, host, device)
+    want_code = {"magic": wire.STATUS_BAD_HEADER, "version": wire.STATUS_BAD_HEADER,
+                 "shutdown": wire.STATUS_SHUTDOWN}.get(fault, wire.STATUS_BAD_HEADER
+                                                      if fault.startswith(("negative", "counts"))
+                                                      else wire.STATUS_REPLY_MISMATCH)
+    assert code == want_code
+    if code == wire.STATUS_REPLY_MISMATCH:  # same field and values as the host's ProtocolError
+        assert (device.field, device.expected, device.observed) == (host.field, host.expected, host.observed)
+        assert str(device) == str(host)
+    if code == wire.STATUS_BAD_HEADER:
+        assert count == {"magic": wire.HDR_MAGIC, "version": wire.HDR_VERSION,
+                         "negative_shared": wire.HDR_SHARED_TOKENS}.get(fault, wire.HDR_ROUTED_TOKENS)

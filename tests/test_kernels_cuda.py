@@ -13,10 +13,13 @@ import zlib
 import numpy as np
 import pytest
 
+import kernel_helpers as kh
 from afd_cupy import kernels, planner, wire
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.cuda
+
+from afd_cupy.backends.cuda import DispatchScratch  # noqa: E402 (imports torch)
 
 DTYPES = ("bfloat16", "float16", "float32")
 RAW = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.uint32}
@@ -100,6 +103,10 @@ def sync():
     cp.cuda.runtime.deviceSynchronize()
 
 
+def status_of(words) -> wire.StatusRecord:
+    return wire.StatusRecord.decode(words)
+
+
 class Dispatch:
     """One Attention rank (``src_rank``) dispatching to F peer windows through the two kernels."""
 
@@ -120,42 +127,48 @@ class Dispatch:
         self.prefill = [rng.integers(0, 256, self.layout.window_bytes, dtype=np.uint8) for _ in range(num_ffn)]
         self.windows = [cp.asarray(p) for p in self.prefill]
         self.peer_windows = cp.asarray([w.data.ptr for w in self.windows], dtype=cp.uint64)
-        self.scratch = kernels.DispatchScratch.allocate(self.num_partials + 300, num_ffn, self.epr)
+        self.scratch = DispatchScratch.allocate(self.num_partials + 300, num_ffn, self.epr)
         for arr in (self.scratch.chunk_hist, self.scratch.local_rank, self.scratch.expert_counts,
-                    self.scratch.expert_start, self.scratch.rank_offsets):
+                    self.scratch.expert_start, self.scratch.rank_offsets, self.scratch.verdict):
             arr.fill(-7)
         self.pos_out = cp.full(self.num_partials + 5, -1, cp.int32)
         # seq counters on both sides of 2**32 so the header's low-32 truncation is exercised
         self.seq_before = rng.integers(1, 1000, num_ffn).astype(np.int64) + (np.arange(num_ffn) % 2) * (2**32 - 500)
         self.seq_counters = cp.asarray(self.seq_before)
         self.expected = cp.full(num_ffn, -5, cp.int64)
-        self.status = kernels.PinnedInt64(kernels.STATUS_WORDS)
+        self.expected_counts = cp.full((num_ffn, 2), -5, cp.int32)
+        self.status = kernels.PinnedInt64(wire.STATUS_WORDS)
         self.layer_idx, self.stage_idx = int(rng.integers(0, 60)), int(rng.integers(0, 3))
         self.topk_ids = cp.asarray(ids.reshape(-1))
 
     def run(self):
-        layout, args, scratch = self.layout, kernels.layout_kernel_args(self.layout), self.scratch
-        kernels.launch_dispatch_plan(
+        self.run_plan()
+        self.run_scatter()
+
+    def run_plan(self):
+        scratch = self.scratch
+        kh.launch_dispatch_plan(
             topk_ids=self.topk_ids, num_partials=self.num_partials, num_ffn_ranks=self.num_ffn,
-            expert_per_rank=self.epr, routed_cap=layout.routed_cap, chunk_hist=scratch.chunk_hist,
+            expert_per_rank=self.epr, routed_cap=self.layout.routed_cap, chunk_hist=scratch.chunk_hist,
             local_rank=scratch.local_rank, expert_counts=scratch.expert_counts,
             expert_start=scratch.expert_start, rank_offsets=scratch.rank_offsets,
-            done_counter=scratch.plan_done, status_ptr=self.status.ptr)
-        kernels.launch_dispatch_scatter(
-            dtype_code=kernels.DTYPE_CODES[self.dtype], hidden_ptr=self.hidden_dev.data.ptr,
+            verdict=scratch.verdict, done_counter=scratch.plan_done, status=self.status.ptr)
+        sync()
+
+    def run_scatter(self):
+        scratch = self.scratch
+        kh.launch_dispatch_scatter(
+            dtype_code=kernels.DTYPE_CODES[self.dtype], hidden=self.hidden_dev.data.ptr,
             num_tokens=self.num_tokens, hidden_size=self.hidden, topk_ids=self.topk_ids,
             num_partials=self.num_partials, top_k=self.top_k, expert_per_rank=self.epr,
             num_ffn_ranks=self.num_ffn, chunk_hist=scratch.chunk_hist, local_rank=scratch.local_rank,
             expert_start=scratch.expert_start, rank_offsets=scratch.rank_offsets,
-            expert_counts=scratch.expert_counts, peer_windows=self.peer_windows,
-            slot_offset=layout.slot_offset(self.src_rank, self.ring),
-            flags_index=layout.slot_index(self.src_rank, self.ring), off_header=args["off_header"],
-            off_route=args["off_route"], off_routed_x=args["off_routed_x"],
-            off_shared_idx=args["off_shared_idx"], off_shared_x=args["off_shared_x"],
-            hdr_words=args["hdr_words"], has_shared=self.has_shared, pos_out=self.pos_out,
-            src_rank=self.src_rank, layer_idx=self.layer_idx, stage_idx=self.stage_idx, hdr_flags=0,
-            seq_counters=self.seq_counters, expected=self.expected, done_counter=scratch.scatter_done,
-            status_ptr=self.status.ptr)
+            expert_counts=scratch.expert_counts, verdict=scratch.verdict,
+            peer_windows=self.peer_windows, geo=self.layout.kernel_geometry(), ring=self.ring,
+            has_shared=self.has_shared, pos_out=self.pos_out, src_rank=self.src_rank,
+            layer_idx=self.layer_idx, stage_idx=self.stage_idx, hdr_flags=0,
+            seq_counters=self.seq_counters, expected=self.expected,
+            expected_counts=self.expected_counts, done_counter=scratch.scatter_done)
         sync()
 
     def reference(self) -> planner.DispatchPlan:
@@ -187,8 +200,9 @@ class Dispatch:
 
 # --- wire constants ----------------------------------------------------------------------------
 def test_wire_constants_read_back_equal_wire_py():
-    got = kernels.read_wire_constants()
-    want = kernels.expected_wire_constants()
+    """Constants, limits, dtype helpers and the SlotGeometry layout (sizeof, offsets)."""
+    got = kh.read_wire_constants()
+    want = kh.expected_wire_constants()
     mismatched = {name: (got[name], want[name]) for name in want if got[name] != want[name]}
     assert not mismatched, f"device value, expected: {mismatched}"
 
@@ -226,7 +240,7 @@ def test_dispatch_matches_reference(request, dtype, num_ffn, num_tokens, has_sha
                  hidden=hidden, has_shared=has_shared, ids=ids)
     d.run()
 
-    assert kernels.read_status(d.status.array)["name"] == "OK"
+    assert status_of(d.status.array).ok
     plan = d.reference()
     nk = d.num_partials
     np.testing.assert_array_equal(d.scratch.expert_counts.get(), plan.expert_counts)
@@ -236,12 +250,15 @@ def test_dispatch_matches_reference(request, dtype, num_ffn, num_tokens, has_sha
     np.testing.assert_array_equal(pos_out[:nk], plan.pos.reshape(-1))
     assert (pos_out[nk:] == -1).all()
     assert int(d.scratch.plan_done.get()[0]) == 0 and int(d.scratch.scatter_done.get()[0]) == 0
+    assert int(d.scratch.verdict.get()[0]) == wire.STATUS_OK
 
     expected, seq_after = d.expected.get(), d.seq_counters.get()
+    expected_counts = d.expected_counts.get()
     for j in range(num_ffn):
         non_empty = plan.routed_count(j) + d.shared_rows(j) > 0
         seq = int(d.seq_before[j]) + 1 if non_empty else 0
         assert expected[j] == seq, f"expected[{j}]"
+        assert expected_counts[j].tolist() == [plan.routed_count(j), d.shared_rows(j)], f"expected_counts[{j}]"
         assert seq_after[j] == d.seq_before[j] + non_empty, f"seq_counters[{j}]"
         got = d.windows[j].get()
         if not non_empty:
@@ -264,7 +281,7 @@ def test_dispatch_large_batch_grid_stride(request, dtype):
     ids = skewed_ids(rng, 1500, 8, np.arange(NUM_EXPERTS))
     d = Dispatch(rng, dtype=dtype, num_ffn=3, num_tokens=1500, top_k=8, hidden=64, has_shared=1, ids=ids)
     d.run()
-    assert kernels.read_status(d.status.array)["name"] == "OK"
+    assert status_of(d.status.array).ok
     plan = d.reference()
     np.testing.assert_array_equal(d.pos_out.get()[:d.num_partials], plan.pos.reshape(-1))
     for j in range(3):
@@ -272,7 +289,8 @@ def test_dispatch_large_batch_grid_stride(request, dtype):
                             d.layout, f"peer {j}")
 
 
-def _assert_nothing_sent(d: Dispatch):
+def _assert_nothing_sent(d: Dispatch, verdict: int):
+    assert int(d.scratch.verdict.get()[0]) == verdict
     assert (d.expected.get() == 0).all()
     np.testing.assert_array_equal(d.seq_counters.get(), d.seq_before)
     for j in range(d.num_ffn):
@@ -293,10 +311,9 @@ def test_dispatch_capacity_writes_nothing(request, dtype):
     d = Dispatch(rng, dtype=dtype, num_ffn=num_ffn, num_tokens=num_tokens, top_k=top_k, hidden=64,
                  has_shared=1, ids=ids, routed_cap=cap)
     d.run()
-    status = kernels.read_status(d.status.array)
-    assert status == {"code": kernels.STATUS_CAPACITY, "name": "CAPACITY", "peer": first_over, "slot": -1,
-                      "ring": -1, "expected": -1, "observed": -1, "count": counts[first_over], "cap": cap}
-    _assert_nothing_sent(d)
+    assert status_of(d.status.array) == wire.StatusRecord(
+        wire.STATUS_CAPACITY, first_over, -1, -1, -1, -1, counts[first_over], cap)
+    _assert_nothing_sent(d, wire.STATUS_CAPACITY)
 
 
 def test_capacity_latched_in_a_device_status_block_reaches_the_mirror(request):
@@ -308,28 +325,50 @@ def test_capacity_latched_in_a_device_status_block_reaches_the_mirror(request):
     d.status = block = kernels.StatusBlock.allocate()
     stream = cp.cuda.Stream(non_blocking=True)
     d.run()
-    assert block.read()["name"] == "OK"  # nothing mirrored yet
+    assert block.read().ok  # nothing mirrored yet
     block.enqueue_mirror(stream.ptr)
     stream.synchronize()
     status = block.read()
-    assert (status["name"], status["cap"]) == ("CAPACITY", 1)
-    _assert_nothing_sent(d)
+    assert (status.name, status.cap) == ("CAPACITY", 1)
+    _assert_nothing_sent(d, wire.STATUS_CAPACITY)
     block.clear(stream.ptr)
     stream.synchronize()
-    device_words = cp.ndarray((kernels.STATUS_WORDS,), cp.int64, cp.cuda.MemoryPointer(
+    device_words = cp.ndarray((wire.STATUS_WORDS,), cp.int64, cp.cuda.MemoryPointer(
         cp.cuda.UnownedMemory(block.ptr, block.NBYTES, block), 0))
-    assert block.host.tolist() == device_words.get().tolist() == [0] * kernels.STATUS_WORDS
+    assert block.host.tolist() == device_words.get().tolist() == [0] * wire.STATUS_WORDS
 
 
 def test_dispatch_after_latched_error_writes_nothing(request):
     rng = _rng(request)
     ids = skewed_ids(rng, 20, 2, np.arange(NUM_EXPERTS))
     d = Dispatch(rng, dtype="bfloat16", num_ffn=2, num_tokens=20, top_k=2, hidden=64, has_shared=1, ids=ids)
-    d.status.array[:] = [kernels.STATUS_TIMEOUT, 1, 3, 1, 9, 8, -1, -1]
+    d.status.array[:] = [wire.STATUS_TIMEOUT, 1, 3, 1, 9, 8, -1, -1]
     d.run()
-    assert d.status.array.tolist() == [kernels.STATUS_TIMEOUT, 1, 3, 1, 9, 8, -1, -1]
-    _assert_nothing_sent(d)
+    assert d.status.array.tolist() == [wire.STATUS_TIMEOUT, 1, 3, 1, 9, 8, -1, -1]
+    _assert_nothing_sent(d, wire.STATUS_TIMEOUT)
     np.testing.assert_array_equal(d.scratch.rank_offsets.get(), d.reference().rank_offsets)
+
+
+def test_scatter_follows_the_plan_verdict_not_the_status_block(request):
+    """The send decision is made once, by the plan: a status written between plan and scatter
+    (another stream's combine latching an error, the host clearing one) does not split it."""
+    rng = _rng(request)
+    ids = skewed_ids(rng, 20, 2, np.arange(NUM_EXPERTS))
+    d = Dispatch(rng, dtype="bfloat16", num_ffn=2, num_tokens=20, top_k=2, hidden=64, has_shared=1, ids=ids)
+    d.run_plan()
+    assert int(d.scratch.verdict.get()[0]) == wire.STATUS_OK
+    d.status.array[:] = [wire.STATUS_TIMEOUT, 1, 3, 1, 9, 8, -1, -1]  # latched after the plan
+    d.run_scatter()
+    plan = d.reference()
+    for j in range(2):  # sent completely: rows, header and flag
+        assert_window_equal(d.windows[j].get(), d.expected_window(j, plan, int(d.seq_before[j]) + 1),
+                            d.layout, f"peer {j}")
+    e = Dispatch(rng, dtype="bfloat16", num_ffn=2, num_tokens=20, top_k=2, hidden=64, has_shared=1, ids=ids)
+    e.status.array[:] = [wire.STATUS_TIMEOUT, 1, 3, 1, 9, 8, -1, -1]
+    e.run_plan()
+    e.status.array[:] = 0  # cleared after the plan decided
+    e.run_scatter()
+    _assert_nothing_sent(e, wire.STATUS_TIMEOUT)
 
 
 def test_dispatch_bad_expert_id_writes_nothing(request):
@@ -340,10 +379,10 @@ def test_dispatch_bad_expert_id_writes_nothing(request):
     ids[17, 1] = num_ffn * epr  # first id past the padded experts
     d = Dispatch(rng, dtype="float16", num_ffn=num_ffn, num_tokens=30, top_k=2, hidden=64, has_shared=0, ids=ids)
     d.run()
-    status = kernels.read_status(d.status.array)
-    assert status["name"] == "BAD_EXPERT"
-    assert (status["slot"], status["expected"], status["observed"]) == (17 * 2 + 1, num_ffn * epr, num_ffn * epr)
-    _assert_nothing_sent(d)
+    status = status_of(d.status.array)
+    assert status.name == "BAD_EXPERT"
+    assert (status.slot, status.expected, status.observed) == (17 * 2 + 1, num_ffn * epr, num_ffn * epr)
+    _assert_nothing_sent(d, wire.STATUS_BAD_EXPERT)
 
 
 # --- combine -----------------------------------------------------------------------------------
@@ -366,8 +405,11 @@ class Combine:
         self.shared = [random_rows(rng, self.shared_rows(j), hidden, dtype) for j in range(num_ffn)]
         self.expected = np.array([int(rng.integers(1, 2**40)) if self.non_empty(j) else 0
                                   for j in range(num_ffn)], np.int64)
+        self.expected_counts = np.array([[self.plan.routed_count(j), self.shared_rows(j)]
+                                         for j in range(num_ffn)], np.int32)
+        self.layer_idx, self.stage_idx = 3, 1
         self.weights = (rng.random((num_tokens, top_k)) + 0.1).astype(np.float32)
-        self.status = kernels.PinnedInt64(kernels.STATUS_WORDS)
+        self.status = kernels.PinnedInt64(wire.STATUS_WORDS)
         self.done = cp.zeros(1, cp.uint32)
         self.out = cp.full((max(num_tokens, 1), hidden), NAN_WORD[dtype], dtype=RAW[dtype])
         self.new_flags = {}
@@ -378,20 +420,26 @@ class Combine:
     def non_empty(self, j):
         return self.plan.routed_count(j) + self.shared_rows(j) > 0
 
-    def write_reply(self, j, *, flags=0, echo_seq=None, magic=None, version=None, arrive=True):
+    def reply_words(self, j, **overrides) -> np.ndarray:
+        """The correct reply header of FFN rank ``j`` with ``overrides`` (Header fields, or
+        ``magic`` / ``version`` words)."""
+        fields = dict(seq=int(self.rng.integers(1, 2**31)), src_rank=j, layer_idx=self.layer_idx,
+                      stage_idx=self.stage_idx, num_tokens=self.num_tokens,
+                      routed_tokens=self.plan.routed_count(j), shared_tokens=self.shared_rows(j),
+                      top_k=self.top_k, flags=0, echo_seq=int(self.expected[j]),
+                      expert_counts=tuple(int(c) for c in self.plan.rank_counts(j)))
+        words_over = {name: overrides.pop(name) for name in ("magic", "version") if name in overrides}
+        fields.update(overrides)
+        words = wire.encode_header(wire.Header(**fields), self.epr)
+        for name, value in words_over.items():
+            words[wire.HDR_MAGIC if name == "magic" else wire.HDR_VERSION] = value
+        return words
+
+    def write_reply(self, j, *, words=None, arrive=True, **overrides):
         layout = self.layout
         slot = layout.slot_index(j, self.ring)
         base = layout.slot_offset(j, self.ring)
-        header = wire.Header(seq=int(self.rng.integers(1, 2**31)), src_rank=j, layer_idx=3, stage_idx=0,
-                             num_tokens=self.num_tokens, routed_tokens=self.plan.routed_count(j),
-                             shared_tokens=self.shared_rows(j), top_k=self.top_k, flags=flags,
-                             echo_seq=int(self.expected[j]) if echo_seq is None else echo_seq,
-                             expert_counts=tuple(int(c) for c in self.plan.rank_counts(j)))
-        words = wire.encode_header(header, self.epr)
-        if magic is not None:
-            words[wire.HDR_MAGIC] = magic
-        if version is not None:
-            words[wire.HDR_VERSION] = version
+        words = self.reply_words(j, **overrides) if words is None else words
         put(self.window_np, base + layout.field_offset("header"), words)
         put(self.window_np, base + layout.field_offset("routed_x"), self.routed[j])
         put(self.window_np, base + layout.field_offset("shared_x"), self.shared[j])
@@ -402,32 +450,25 @@ class Combine:
 
     def run(self, *, timeout_ns=LONG_TIMEOUT_NS, out_scale=1.0, wait_kernel=True):
         """Launch afd_wait_replies (as the connector does; optional) then afd_combine."""
-        args = kernels.layout_kernel_args(self.layout)
         self.window = cp.asarray(self.window_np)
         self.last_seen = cp.asarray(self.last_seen_before)
         kernels.get_kernel("combine.cu", "afd_combine", dtype_code=kernels.DTYPE_CODES[self.dtype])  # compile
         kernels.get_kernel("combine.cu", "afd_wait_replies")
-        expected = cp.asarray(self.expected)
+        replies = dict(window=self.window.data.ptr, geo=self.layout.kernel_geometry(),
+                       num_ffn_ranks=self.num_ffn, ring=self.ring, expected=cp.asarray(self.expected),
+                       expected_counts=cp.asarray(self.expected_counts), layer_idx=self.layer_idx,
+                       stage_idx=self.stage_idx, last_seen=self.last_seen, timeout_ns=timeout_ns,
+                       status=self.status.ptr)
         sync()
         start = time.perf_counter()
         if wait_kernel:
-            kernels.launch_wait_replies(
-                window_ptr=self.window.data.ptr, num_ffn_ranks=self.num_ffn,
-                flags_bytes=args["flags_bytes"], slot_bytes=args["slot_bytes"],
-                ring_depth=args["ring_depth"], ring=self.ring, off_header=args["off_header"],
-                expected=expected, last_seen=self.last_seen, timeout_ns=timeout_ns,
-                status_ptr=self.status.ptr)
-        kernels.launch_combine(
-            dtype_code=kernels.DTYPE_CODES[self.dtype], out_ptr=self.out.data.ptr,
+            kh.launch_wait_replies(**replies)
+        kh.launch_combine(
+            dtype_code=kernels.DTYPE_CODES[self.dtype], out=self.out.data.ptr,
             num_tokens=self.num_tokens, hidden_size=self.hidden, topk_ids=cp.asarray(self.ids.reshape(-1)),
             topk_weights=cp.asarray(self.weights.reshape(-1)), pos=cp.asarray(self.plan.pos.reshape(-1)),
-            top_k=self.top_k, expert_per_rank=self.epr, num_ffn_ranks=self.num_ffn,
-            has_shared=self.has_shared, window_ptr=self.window.data.ptr,
-            flags_bytes=args["flags_bytes"], slot_bytes=args["slot_bytes"],
-            ring_depth=args["ring_depth"], ring=self.ring, off_header=args["off_header"],
-            off_routed_x=args["off_routed_x"], off_shared_x=args["off_shared_x"],
-            hdr_words=args["hdr_words"], expected=expected, last_seen=self.last_seen,
-            timeout_ns=timeout_ns, out_scale=out_scale, done_counter=self.done, status_ptr=self.status.ptr)
+            top_k=self.top_k, expert_per_rank=self.epr, has_shared=self.has_shared,
+            out_scale=out_scale, done_counter=self.done, **replies)
         sync()
         return time.perf_counter() - start
 
@@ -466,7 +507,7 @@ def test_combine_matches_reference(request, dtype, case, wait_kernel):
             c.write_reply(j)
     c.run(out_scale=out_scale, wait_kernel=wait_kernel)
 
-    assert kernels.read_status(c.status.array)["name"] == "OK"
+    assert status_of(c.status.array).ok
     got = to_f32(c.out.get()[:num_tokens], dtype)
     assert not np.isnan(got).any(), "rows left unwritten"
     want = to_f32(to_raw(c.reference(out_scale), dtype), dtype)
@@ -493,54 +534,85 @@ def test_combine_timeout_names_peer_and_writes_nan(request, wait_kernel):
     c.write_reply(1, arrive=False)  # payload there, flag never changes
     timeout_s = 0.05
     elapsed = c.run(timeout_ns=int(timeout_s * 1e9), wait_kernel=wait_kernel)
-    status = kernels.read_status(c.status.array)
     slot = c.layout.slot_index(1, c.ring)
-    assert status == {"code": kernels.STATUS_TIMEOUT, "name": "TIMEOUT", "peer": 1, "slot": slot,
-                      "ring": c.ring, "expected": int(c.expected[1]),
-                      "observed": int(c.last_seen_before[slot]), "count": -1, "cap": -1}
+    assert status_of(c.status.array) == wire.StatusRecord(
+        wire.STATUS_TIMEOUT, 1, slot, c.ring, int(c.expected[1]), int(c.last_seen_before[slot]), -1, -1)
     assert elapsed < 5.0, f"combine took {elapsed:.3f} s with a {timeout_s} s timeout"
     c.assert_rows_nan()
     c.assert_last_seen_unchanged()
     assert int(c.done.get()[0]) == 0
 
 
-@pytest.mark.parametrize("fault", ["echo", "shutdown", "magic", "version"])
-def test_combine_header_faults(request, fault):
+def _corrupt_counts(c, j, *, first_count=None, routed_delta=0):
+    """Reply words of rank ``j`` with the first expert count replaced, or routed_tokens and one
+    count shifted together by ``routed_delta`` (consistent counts, wrong total)."""
+    words = c.reply_words(j)
+    counts = slice(wire.HDR_FIXED_WORDS, None)
+    if first_count is not None:
+        words[counts][0] = first_count
+    if routed_delta:
+        words[wire.HDR_ROUTED_TOKENS] += routed_delta
+        words[counts][int(np.argmax(words[counts]))] += routed_delta
+    return words
+
+
+REPLY_FAULTS = {  # fault -> reply words of rank 1 (c: the Combine)
+    "magic": lambda c: c.reply_words(1, magic=0x12345678),
+    "version": lambda c: c.reply_words(1, version=7),
+    "negative_routed": lambda c: c.reply_words(1, routed_tokens=-3),
+    "negative_count": lambda c: _corrupt_counts(c, 1, first_count=-1),
+    "negative_shared": lambda c: c.reply_words(1, shared_tokens=-2),
+    "counts_sum": lambda c: _corrupt_counts(c, 1, first_count=int(c.plan.rank_counts(1)[0]) + 1),
+    "shutdown": lambda c: c.reply_words(1, flags=wire.FLAG_SHUTDOWN, echo_seq=0),
+    "echo": lambda c: c.reply_words(1, echo_seq=(int(c.expected[1]) + 1) & 0xFFFFFFFF),
+    "layer": lambda c: c.reply_words(1, layer_idx=c.layer_idx + 1),
+    "stage": lambda c: c.reply_words(1, stage_idx=c.stage_idx + 1),
+    "routed": lambda c: _corrupt_counts(c, 1, routed_delta=1),
+    "shared": lambda c: c.reply_words(1, shared_tokens=c.shared_rows(1) + 1),
+}
+REPLY_FAULT_RECORDS = {  # fault -> (code, header word in ST_COUNT)
+    "magic": (wire.STATUS_BAD_HEADER, wire.HDR_MAGIC),
+    "version": (wire.STATUS_BAD_HEADER, wire.HDR_VERSION),
+    "negative_routed": (wire.STATUS_BAD_HEADER, wire.HDR_ROUTED_TOKENS),
+    "negative_count": (wire.STATUS_BAD_HEADER, wire.HDR_ROUTED_TOKENS),
+    "negative_shared": (wire.STATUS_BAD_HEADER, wire.HDR_SHARED_TOKENS),
+    "counts_sum": (wire.STATUS_BAD_HEADER, wire.HDR_ROUTED_TOKENS),
+    "shutdown": (wire.STATUS_SHUTDOWN, -1),
+    "echo": (wire.STATUS_REPLY_MISMATCH, wire.HDR_ECHO_SEQ),
+    "layer": (wire.STATUS_REPLY_MISMATCH, wire.HDR_LAYER),
+    "stage": (wire.STATUS_REPLY_MISMATCH, wire.HDR_STAGE),
+    "routed": (wire.STATUS_REPLY_MISMATCH, wire.HDR_ROUTED_TOKENS),
+    "shared": (wire.STATUS_REPLY_MISMATCH, wire.HDR_SHARED_TOKENS),
+}
+
+
+@pytest.mark.parametrize("wait_kernel", [True, False], ids=["wait+combine", "combine-alone"])
+@pytest.mark.parametrize("fault", sorted(REPLY_FAULTS))
+def test_combine_header_faults(request, fault, wait_kernel):
+    """Each faulty reply latches the record of tests/kernel_helpers.reference_check_reply (the
+    numpy twin of wire.decode_header + wire.check_reply) and leaves NaN rows."""
     c = _two_rank_combine(request, dtype="float16")
     c.write_reply(0)
-    bad_echo = (int(c.expected[1]) + 1) & 0xFFFFFFFF
-    if fault == "echo":
-        c.write_reply(1, echo_seq=bad_echo)
-    elif fault == "shutdown":
-        c.write_reply(1, flags=wire.FLAG_SHUTDOWN, echo_seq=0)
-    elif fault == "magic":
-        c.write_reply(1, magic=0x12345678)
-    else:
-        c.write_reply(1, version=7)
-    c.run()
-    status = kernels.read_status(c.status.array)
+    words = REPLY_FAULTS[fault](c)
+    c.write_reply(1, words=words)
+    c.run(wait_kernel=wait_kernel)
     slot = c.layout.slot_index(1, c.ring)
-    assert (status["peer"], status["slot"], status["ring"]) == (1, slot, c.ring)
-    if fault == "echo":
-        assert status["name"] == "ECHO_MISMATCH"
-        assert (status["expected"], status["observed"]) == (int(c.expected[1]) & 0xFFFFFFFF, bad_echo)
-    elif fault == "shutdown":
-        assert status["name"] == "SHUTDOWN"
-    elif fault == "magic":
-        assert status["name"] == "BAD_HEADER"
-        assert (status["expected"], status["observed"]) == (wire.MAGIC, 0x12345678)
-    else:
-        assert status["name"] == "BAD_HEADER" and (status["expected"], status["observed"]) == (wire.VERSION, 7)
+    code, count, expected, observed = kh.reference_check_reply(
+        words, seq=int(c.expected[1]), layer_idx=c.layer_idx, stage_idx=c.stage_idx,
+        routed_tokens=int(c.expected_counts[1, 0]), shared_tokens=int(c.expected_counts[1, 1]),
+        flag=c.new_flags[slot])
+    assert (code, count) == REPLY_FAULT_RECORDS[fault]
+    assert status_of(c.status.array) == wire.StatusRecord(code, 1, slot, c.ring, expected, observed, count, -1)
     c.assert_rows_nan()
     c.assert_last_seen_unchanged()
 
 
 def test_combine_after_latched_error_returns_nan_without_waiting(request):
     c = _two_rank_combine(request)  # no reply ever arrives
-    c.status.array[:] = [kernels.STATUS_CAPACITY, 0, -1, -1, -1, -1, 99, 98]
+    c.status.array[:] = [wire.STATUS_CAPACITY, 0, -1, -1, -1, -1, 99, 98]
     elapsed = c.run(timeout_ns=LONG_TIMEOUT_NS)
     assert elapsed < 2.0
-    assert c.status.array.tolist() == [kernels.STATUS_CAPACITY, 0, -1, -1, -1, -1, 99, 98]
+    assert c.status.array.tolist() == [wire.STATUS_CAPACITY, 0, -1, -1, -1, -1, 99, 98]
     c.assert_rows_nan()
     c.assert_last_seen_unchanged()
 
@@ -558,7 +630,7 @@ class WaitAny:
         self.last_seen = self.window[:self.layout.num_slots * 8].view(cp.int64).copy()
         self.scan_start = cp.zeros(1, cp.int32)
         self.hdr_words = self.layout.header_words
-        self.doorbell = kernels.PinnedInt64(kernels.DB_HEADER + -(-self.hdr_words // 2))
+        self.doorbell = kernels.PinnedInt64(wire.DB_HEADER + -(-self.hdr_words // 2))
         self.headers = {}
         self.ticket = 100
 
@@ -579,23 +651,22 @@ class WaitAny:
         layout = self.layout
         kernels.get_kernel("wait_any.cu", "afd_wait_any")  # compile outside the timed region
         start = time.perf_counter()
-        kernels.launch_wait_any(
-            window_ptr=self.window.data.ptr, num_slots=layout.num_slots, last_seen=self.last_seen,
-            scan_start=self.scan_start, off_header=layout.field_offset("header"),
-            flags_bytes=layout.flags_bytes, slot_bytes=layout.slot_bytes, hdr_words=self.hdr_words,
-            timeout_ns=timeout_ns, doorbell_ptr=self.doorbell.ptr, ticket=self.ticket)
-        while self.doorbell.array[kernels.DB_TICKET] != self.ticket:
+        kh.launch_wait_any(
+            window=self.window.data.ptr, geo=layout.kernel_geometry(), last_seen=self.last_seen,
+            scan_start=self.scan_start, timeout_ns=timeout_ns, doorbell=self.doorbell.ptr,
+            ticket=self.ticket)
+        while self.doorbell.array[wire.DB_TICKET] != self.ticket:
             assert time.perf_counter() - start < 10.0, "doorbell never rang"
         elapsed = time.perf_counter() - start
         sync()
         return self.doorbell.array.copy(), elapsed
 
     def check_arrival(self, bell) -> int:
-        assert bell[kernels.DB_STATUS] == kernels.STATUS_OK
-        slot = int(bell[kernels.DB_SLOT])
+        assert bell[wire.DB_STATUS] == wire.STATUS_OK
+        slot = int(bell[wire.DB_SLOT])
         words, flag = self.headers[slot]
-        assert bell[kernels.DB_FLAG] == flag
-        header = bell.view(np.int32)[2 * kernels.DB_HEADER:2 * kernels.DB_HEADER + self.hdr_words]
+        assert bell[wire.DB_FLAG] == flag
+        header = bell.view(np.int32)[2 * wire.DB_HEADER:2 * wire.DB_HEADER + self.hdr_words]
         np.testing.assert_array_equal(header, words)
         assert int(self.last_seen.get()[slot]) == flag
         assert int(self.scan_start.get()[0]) == (slot + 1) % self.layout.num_slots
@@ -610,7 +681,7 @@ def test_wait_any_returns_each_arrival_once_in_rotated_order(request):
     served = [w.check_arrival(w.call()[0]) for _ in range(3)]
     assert served == [4, 5, 1]  # rotated from scan_start = 3
     bell, elapsed = w.call(timeout_ns=20_000_000)
-    assert bell[kernels.DB_STATUS] == kernels.STATUS_TIMEOUT and bell[kernels.DB_SLOT] == -1
+    assert bell[wire.DB_STATUS] == wire.STATUS_TIMEOUT and bell[wire.DB_SLOT] == -1
     assert 0.015 < elapsed < 5.0
 
 
@@ -642,7 +713,7 @@ def test_wait_any_timeout_with_nothing_arrived(request):
     w = WaitAny(_rng(request))
     before = w.last_seen.get()
     bell, elapsed = w.call(timeout_ns=30_000_000)
-    assert bell[kernels.DB_STATUS] == kernels.STATUS_TIMEOUT and bell[kernels.DB_TICKET] == w.ticket
+    assert bell[wire.DB_STATUS] == wire.STATUS_TIMEOUT and bell[wire.DB_TICKET] == w.ticket
     assert 0.025 < elapsed < 5.0
     np.testing.assert_array_equal(w.last_seen.get(), before)
     assert int(w.scan_start.get()[0]) == 0
@@ -672,13 +743,11 @@ def test_reply_lands_exactly(request, dtype, num_routed, num_shared):
     done = cp.zeros(1, cp.uint32)
     seq = 2**35 + int(rng.integers(1, 1000))
     base = layout.slot_offset(ffn_rank, ring)
-    kernels.launch_reply(
-        dtype_code=kernels.DTYPE_CODES[dtype], dst_window_ptr=window.data.ptr, slot_offset=base,
-        flags_index=layout.slot_index(ffn_rank, ring), off_header=layout.field_offset("header"),
-        off_routed_x=layout.field_offset("routed_x"), off_shared_x=layout.field_offset("shared_x"),
-        routed_out_ptr=routed_dev.data.ptr if num_routed else 0, num_routed=num_routed,
-        shared_out_ptr=shared_dev.data.ptr if num_shared else 0, num_shared=num_shared,
-        hidden_size=hidden, header_src_ptr=header_src.ptr, hdr_words=layout.header_words, seq=seq,
+    kh.launch_reply(
+        dtype_code=kernels.DTYPE_CODES[dtype], dst_window=window.data.ptr, geo=layout.kernel_geometry(),
+        src_rank=ffn_rank, ring=ring, routed_out=routed_dev.data.ptr if num_routed else 0,
+        num_routed=num_routed, shared_out=shared_dev.data.ptr if num_shared else 0,
+        num_shared=num_shared, hidden_size=hidden, header_src=header_src.ptr, seq=seq,
         done_counter=done)
     sync()
     want = prefill.copy()
@@ -700,8 +769,9 @@ def test_round_trip_through_all_kernels(request, dtype, num_ffn, num_tokens, top
     d = Dispatch(rng, dtype=dtype, num_ffn=num_ffn, num_tokens=num_tokens, top_k=top_k, hidden=64,
                  has_shared=has_shared, ids=ids, ring=0)
     d.run()
-    assert kernels.read_status(d.status.array)["name"] == "OK"
-    layout, args = d.layout, kernels.layout_kernel_args(d.layout)
+    assert status_of(d.status.array).ok
+    layout, geo = d.layout, d.layout.kernel_geometry()
+    off_header, off_routed_x, off_shared_x = (layout.field_offset(name) for name in ("header", "routed_x", "shared_x"))
     attn_window = cp.asarray(rng.integers(0, 256, layout.window_bytes, dtype=np.uint8))
     last_seen = attn_window[:layout.num_slots * 8].view(cp.int64).copy()
     expected = d.expected.get()
@@ -711,36 +781,33 @@ def test_round_trip_through_all_kernels(request, dtype, num_ffn, num_tokens, top
             continue
         ffn_slot = d.layout.slot_offset(d.src_rank, d.ring)
         got = d.windows[j].get()
-        request_hdr = wire.decode_header(take(got, ffn_slot + args["off_header"], np.int32, args["hdr_words"]), epr)
-        reply = wire.Header(seq=int(rng.integers(1, 2**31)), src_rank=j, layer_idx=request_hdr.layer_idx,
-                            stage_idx=request_hdr.stage_idx, num_tokens=request_hdr.num_tokens,
-                            routed_tokens=request_hdr.routed_tokens, shared_tokens=request_hdr.shared_tokens,
-                            top_k=top_k, flags=0, echo_seq=request_hdr.seq, expert_counts=request_hdr.expert_counts)
-        header_bufs.append(kernels.PinnedInt64(-(-args["hdr_words"] // 2)))
-        header_bufs[-1].int32[:args["hdr_words"]] = wire.encode_header(reply, epr)
+        request_hdr = wire.decode_header(take(got, ffn_slot + off_header, np.int32, layout.header_words), epr)
+        reply = wire.reply_header(request_hdr, seq=int(rng.integers(1, 2**31)), src_rank=j)
+        header_bufs.append(kernels.PinnedInt64(-(-layout.header_words // 2)))
+        header_bufs[-1].int32[:layout.header_words] = wire.encode_header(reply, epr)
         ffn_base = d.windows[j].data.ptr + ffn_slot
-        kernels.launch_reply(  # identity experts: the routed/shared rows go straight back
-            dtype_code=kernels.DTYPE_CODES[dtype], dst_window_ptr=attn_window.data.ptr,
-            slot_offset=layout.slot_offset(j, d.ring), flags_index=layout.slot_index(j, d.ring),
-            off_header=args["off_header"], off_routed_x=args["off_routed_x"], off_shared_x=args["off_shared_x"],
-            routed_out_ptr=ffn_base + args["off_routed_x"], num_routed=request_hdr.routed_tokens,
-            shared_out_ptr=ffn_base + args["off_shared_x"], num_shared=request_hdr.shared_tokens,
-            hidden_size=d.hidden, header_src_ptr=header_bufs[-1].ptr, hdr_words=args["hdr_words"],
+        kh.launch_reply(  # identity experts: the routed/shared rows go straight back
+            dtype_code=kernels.DTYPE_CODES[dtype], dst_window=attn_window.data.ptr, geo=geo,
+            src_rank=j, ring=d.ring, routed_out=ffn_base + off_routed_x,
+            num_routed=request_hdr.routed_tokens, shared_out=ffn_base + off_shared_x,
+            num_shared=request_hdr.shared_tokens, hidden_size=d.hidden,
+            header_src=header_bufs[-1].ptr,
             seq=int(last_seen[layout.slot_index(j, d.ring)].get()) + 1, done_counter=done)
     out = cp.full((num_tokens, d.hidden), NAN_WORD[dtype], dtype=RAW[dtype])
     weights = (rng.random((num_tokens, top_k)) + 0.1).astype(np.float32)
-    status = kernels.PinnedInt64(kernels.STATUS_WORDS)
-    kernels.launch_combine(
-        dtype_code=kernels.DTYPE_CODES[dtype], out_ptr=out.data.ptr, num_tokens=num_tokens,
+    status = kernels.PinnedInt64(wire.STATUS_WORDS)
+    replies = dict(window=attn_window.data.ptr, geo=geo, num_ffn_ranks=num_ffn, ring=d.ring,
+                   expected=d.expected, expected_counts=d.expected_counts, layer_idx=d.layer_idx,
+                   stage_idx=d.stage_idx, last_seen=last_seen, timeout_ns=LONG_TIMEOUT_NS,
+                   status=status.ptr)
+    kh.launch_wait_replies(**replies)
+    kh.launch_combine(
+        dtype_code=kernels.DTYPE_CODES[dtype], out=out.data.ptr, num_tokens=num_tokens,
         hidden_size=d.hidden, topk_ids=d.topk_ids, topk_weights=cp.asarray(weights.reshape(-1)),
-        pos=d.pos_out, top_k=top_k, expert_per_rank=epr, num_ffn_ranks=num_ffn, has_shared=has_shared,
-        window_ptr=attn_window.data.ptr, flags_bytes=args["flags_bytes"], slot_bytes=args["slot_bytes"],
-        ring_depth=args["ring_depth"], ring=d.ring, off_header=args["off_header"],
-        off_routed_x=args["off_routed_x"], off_shared_x=args["off_shared_x"], hdr_words=args["hdr_words"],
-        expected=d.expected, last_seen=last_seen, timeout_ns=LONG_TIMEOUT_NS, out_scale=1.0,
-        done_counter=cp.zeros(1, cp.uint32), status_ptr=status.ptr)
+        pos=d.pos_out, top_k=top_k, expert_per_rank=epr, has_shared=has_shared, out_scale=1.0,
+        done_counter=cp.zeros(1, cp.uint32), **replies)
     sync()
-    assert kernels.read_status(status.array)["name"] == "OK"
+    assert status_of(status.array).ok, status_of(status.array)
     hidden_f32 = to_f32(d.hidden_raw, dtype)
     want = (weights.sum(axis=1, dtype=np.float32) + has_shared)[:, None] * hidden_f32
     tol = TOLERANCE[dtype]

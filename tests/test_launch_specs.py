@@ -1,8 +1,10 @@
 """The launch specs agree with the kernels' C signatures, and PackedLaunch packs what it is given.
 
-Both run on the CPU: the signatures are parsed from ``raw_kernels/*.cu``; the specs are built
-with the compiler and the CuPy array check replaced by stand-ins, so only the argument lists
-(order and C types) are compared. On the GPU every packed launch is exercised by the e2e tests.
+Everything runs on the CPU without CuPy: the signatures are parsed from ``raw_kernels/*.cu``;
+the specs are built with the compiler and the CuPy array check replaced by stand-ins, so the
+argument lists are compared by name, order and C type. PackedLaunch is driven with a fake
+kernel and a fake ``cuLaunchKernel``. On the GPU every packed launch is exercised by the e2e
+tests.
 """
 import ctypes
 import re
@@ -10,14 +12,16 @@ import re
 import numpy as np
 import pytest
 
-from afd_cupy import kernels
+from afd_cupy import kernels, wire
+from afd_cupy.kernels import launches, specs
 
 # C parameter type -> the numpy scalar type a spec must hold for it ("ptr": an array argument)
-_C_TYPES = {"afd_i32": np.int32, "afd_i64": np.int64, "afd_u64": np.uint64, "float": np.float32}
+_C_TYPES = {"afd_i32": np.int32, "afd_i64": np.int64, "afd_u64": np.uint64, "float": np.float32,
+            "SlotGeometry": "SlotGeometry"}
 
 
 def _c_signature(filename: str, name: str) -> list:
-    """[(param name, numpy type or "ptr")] of kernel ``name`` in ``raw_kernels/filename``."""
+    """[(param name, numpy type, "ptr" or "SlotGeometry")] of kernel ``name`` in ``raw_kernels/filename``."""
     text = (kernels.KERNEL_DIR / filename).read_text()
     text = re.sub(r"//[^\n]*", "", text)
     match = re.search(rf"\b{name}\s*\((.*?)\)\s*\{{", text, re.S)
@@ -40,111 +44,160 @@ class _FakeArray:
 
 @pytest.fixture
 def fake_specs(monkeypatch):
-    monkeypatch.setattr(kernels, "get_kernel", lambda *a, **kw: "kernel")
-    monkeypatch.setattr(kernels, "_array", lambda name, arr, dtype, min_size: _FakeArray())
+    monkeypatch.setattr(specs, "get_kernel", lambda *a, **kw: "kernel")
+    monkeypatch.setattr(specs, "_array", lambda name, arr, dtype, min_size: _FakeArray())
+
+
+_LAYOUT = wire.WindowLayout(num_regions=3, ring_depth=2, expert_per_rank=4, hidden_size=64,
+                            itemsize=2, top_k=8, token_cap=8, routed_cap=64, shared_cap=4)
 
 
 def _specs() -> dict:
-    arr = _FakeArray()
-    common = dict(off_header=256, off_routed_x=1024, off_shared_x=4096)
+    arr, geo = _FakeArray(), _LAYOUT.kernel_geometry()
+    replies = dict(window=0x3000, geo=geo, num_ffn_ranks=2, ring=1, expected=arr,
+                   expected_counts=arr, layer_idx=3, stage_idx=1, last_seen=arr,
+                   timeout_ns=10**9, status=0x1000)
     return {
         ("dispatch.cu", "afd_dispatch_plan"): kernels.dispatch_plan_spec(
             topk_ids=arr, num_partials=64, num_ffn_ranks=2, expert_per_rank=4, routed_cap=64,
             chunk_hist=arr, local_rank=arr, expert_counts=arr, expert_start=arr, rank_offsets=arr,
-            done_counter=arr, status_ptr=0x1000),
+            verdict=arr, done_counter=arr, status=0x1000),
         ("dispatch.cu", "afd_dispatch_scatter"): kernels.dispatch_scatter_spec(
-            dtype_code=0, hidden_ptr=0x2000, num_tokens=8, hidden_size=64, topk_ids=arr,
+            dtype_code=0, hidden=0x2000, num_tokens=8, hidden_size=64, topk_ids=arr,
             num_partials=64, top_k=8, expert_per_rank=4, num_ffn_ranks=2, chunk_hist=arr,
-            local_rank=arr, expert_start=arr, rank_offsets=arr, expert_counts=arr,
-            peer_windows=arr, slot_offset=512, flags_index=1, off_route=512, off_shared_idx=2048,
-            hdr_words=16, has_shared=1, pos_out=arr, src_rank=0, layer_idx=3, stage_idx=0,
-            hdr_flags=0, seq_counters=arr, expected=arr, done_counter=arr, status_ptr=0x1000,
-            **common),
-        ("combine.cu", "afd_wait_replies"): kernels.wait_replies_spec(
-            window_ptr=0x3000, num_ffn_ranks=2, flags_bytes=256, slot_bytes=8192, ring_depth=2,
-            ring=1, off_header=256, expected=arr, last_seen=arr, timeout_ns=10**9, status_ptr=0x1000),
+            local_rank=arr, expert_start=arr, rank_offsets=arr, expert_counts=arr, verdict=arr,
+            peer_windows=arr, geo=geo, ring=1, has_shared=1, pos_out=arr, src_rank=0,
+            layer_idx=3, stage_idx=0, hdr_flags=0, seq_counters=arr, expected=arr,
+            expected_counts=arr, done_counter=arr),
+        ("combine.cu", "afd_wait_replies"): kernels.wait_replies_spec(**replies),
         ("combine.cu", "afd_combine"): kernels.combine_spec(
-            dtype_code=0, out_ptr=0x4000, num_tokens=8, hidden_size=64, topk_ids=arr,
-            topk_weights=arr, pos=arr, top_k=8, expert_per_rank=4, num_ffn_ranks=2, has_shared=1,
-            window_ptr=0x3000, flags_bytes=256, slot_bytes=8192, ring_depth=2, ring=1,
-            hdr_words=16, expected=arr, last_seen=arr, timeout_ns=10**9, out_scale=1.0,
-            done_counter=arr, status_ptr=0x1000, **common),
+            dtype_code=0, out=0x4000, num_tokens=8, hidden_size=64, topk_ids=arr,
+            topk_weights=arr, pos=arr, top_k=8, expert_per_rank=4, has_shared=1, out_scale=1.0,
+            done_counter=arr, **replies),
         ("wait_any.cu", "afd_wait_any"): kernels.wait_any_spec(
-            window_ptr=0x3000, num_slots=4, last_seen=arr, scan_start=arr, off_header=256,
-            flags_bytes=256, slot_bytes=8192, hdr_words=16, timeout_ns=10**9,
-            doorbell_ptr=0x5000, ticket=7),
+            window=0x3000, geo=geo, last_seen=arr, scan_start=arr, timeout_ns=10**9,
+            doorbell=0x5000, ticket=7),
         ("reply.cu", "afd_reply"): kernels.reply_spec(
-            dtype_code=1, dst_window_ptr=0x3000, slot_offset=512, flags_index=1,
-            routed_out_ptr=0, num_routed=0, shared_out_ptr=0x6000, num_shared=3, hidden_size=64,
-            header_src_ptr=0x7000, hdr_words=16, seq=5, done_counter=arr, **common),
+            dtype_code=1, dst_window=0x3000, geo=geo, src_rank=1, ring=1, routed_out=0,
+            num_routed=0, shared_out=0x6000, num_shared=3, hidden_size=64, header_src=0x7000,
+            seq=5, done_counter=arr),
     }
 
 
 def test_every_spec_matches_its_kernel_signature(fake_specs):
-    specs = _specs()
-    assert {name for _, name in specs} >= {name for kernels_of_file in kernels.FILE_KERNELS.values()
-                                            for name, _ in kernels_of_file
-                                            if name.startswith(("afd_dispatch", "afd_wait", "afd_combine",
-                                                                "afd_reply"))}
-    for (filename, name), spec in specs.items():
+    """Same parameter names, same order, same C types as the .cu signature."""
+    built = _specs()
+    assert {name for _, name in built} == {name for entries in kernels.FILE_KERNELS.values()
+                                           for name, _ in entries}
+    for (filename, name), spec in built.items():
         c_params = _c_signature(filename, name)
-        assert len(spec.args) == len(c_params), (name, spec.names, c_params)
+        assert list(spec.names) == [c_name for c_name, _ in c_params], name
         for spec_name, value, (c_name, c_type) in zip(spec.names, spec.args, c_params):
             if c_type == "ptr":
                 # an array, or a raw address (8 bytes, like the pointer)
-                assert isinstance(value, (_FakeArray, np.uint64)), (name, spec_name, c_name, type(value))
+                assert isinstance(value, (_FakeArray, np.uint64)), (name, spec_name, type(value))
+            elif c_type == "SlotGeometry":
+                assert isinstance(value, np.void)
+                assert value.dtype == wire.WindowLayout.KERNEL_GEOMETRY_DTYPE, (name, spec_name)
             else:
-                assert type(value) is c_type, (name, spec_name, c_name, type(value), c_type)
+                assert type(value) is c_type, (name, spec_name, type(value), c_type)
+
+
+def test_specs_use_the_block_sizes_of_the_limit_table(fake_specs):
+    built = _specs()
+    limits = kernels.KERNEL_LIMITS
+    blocks = {"afd_dispatch_plan": "PLAN_THREADS", "afd_dispatch_scatter": "SCATTER_THREADS",
+              "afd_wait_replies": "WAIT_REPLIES_THREADS", "afd_combine": "COMBINE_THREADS",
+              "afd_wait_any": "WAIT_ANY_THREADS", "afd_reply": "REPLY_THREADS"}
+    for (filename, name), spec in built.items():
+        assert spec.block == limits[blocks[name]], name
+        text = (kernels.KERNEL_DIR / filename).read_text()
+        assert re.search(rf"__launch_bounds__\({blocks[name]}\)\s*\n\s*{name}\(", text), name
+
+
+def test_specs_reject_a_geometry_that_does_not_fit(fake_specs):
+    arr = _FakeArray()
+    with pytest.raises(ValueError, match="geo must be a WindowLayout.kernel_geometry"):
+        kernels.wait_any_spec(window=1, geo={"flags_bytes": 0}, last_seen=arr, scan_start=arr,
+                              timeout_ns=1, doorbell=1, ticket=1)
+    other = wire.WindowLayout(**{**_LAYOUT.as_dict(), "expert_per_rank": 5}).kernel_geometry()
+    with pytest.raises(ValueError, match="header_words = 17, expected 16"):
+        kernels.dispatch_scatter_spec(
+            dtype_code=0, hidden=0x2000, num_tokens=8, hidden_size=64, topk_ids=arr,
+            num_partials=64, top_k=8, expert_per_rank=4, num_ffn_ranks=2, chunk_hist=arr,
+            local_rank=arr, expert_start=arr, rank_offsets=arr, expert_counts=arr, verdict=arr,
+            peer_windows=arr, geo=other, ring=1, has_shared=1, pos_out=arr, src_rank=0,
+            layer_idx=3, stage_idx=0, hdr_flags=0, seq_counters=arr, expected=arr,
+            expected_counts=arr, done_counter=arr)
+    with pytest.raises(ValueError, match="ring must lie in"):
+        kernels.reply_spec(dtype_code=1, dst_window=1, geo=_LAYOUT.kernel_geometry(), src_rank=0,
+                           ring=2, routed_out=0, num_routed=0, shared_out=0, num_shared=0,
+                           hidden_size=8, header_src=1, seq=1, done_counter=arr)
 
 
 def test_grids_of_the_specs(fake_specs):
-    specs = _specs()
-    assert specs[("dispatch.cu", "afd_dispatch_scatter")].grid == kernels.scatter_grid(8, 8, 1) == 9
+    built = _specs()
+    assert built[("dispatch.cu", "afd_dispatch_scatter")].grid == kernels.scatter_grid(8, 8, 1) == 9
     assert kernels.scatter_grid(0, 8, 1) == 1 and kernels.scatter_grid(4096, 8, 1) == kernels.MAX_BLOCKS
-    assert specs[("combine.cu", "afd_combine")].grid == kernels.combine_grid(8) == 8
+    assert built[("combine.cu", "afd_combine")].grid == kernels.combine_grid(8) == 8
     assert kernels.combine_grid(0) == 1
-    assert specs[("reply.cu", "afd_reply")].grid == kernels.reply_grid(3) == 1
-    assert specs[("dispatch.cu", "afd_dispatch_plan")].shared_mem == 4 * 8
+    assert built[("reply.cu", "afd_reply")].grid == kernels.reply_grid(3) == 1
+    assert built[("dispatch.cu", "afd_dispatch_plan")].shared_mem == 4 * 8
+    assert built[("dispatch.cu", "afd_dispatch_plan")].grid == kernels.plan_grid(64) == 1
+    assert kernels.plan_grid(0) == 1 and kernels.plan_grid(257) == 2
 
 
-def test_packed_launch_packs_sets_and_launches(monkeypatch):
-    import cupy
+class _Kernel:
+    class kernel:
+        ptr = 0xF00D
 
-    calls = []
-    monkeypatch.setattr(cupy.cuda.driver, "launchKernel", lambda *a: calls.append(a))
 
-    class Kernel:
-        class kernel:
-            ptr = 0xF00D
+def _param(packed, i, ctype):
+    address = ctypes.cast(packed.params_ptr, ctypes.POINTER(ctypes.c_void_p))[i]
+    return ctypes.cast(address, ctypes.POINTER(ctype))[0]
 
-    values = {"a_ptr": np.uint64(0xDEADBEEF00), "n": np.int32(-7), "off": np.int64(1 << 40),
-              "scale": np.float32(0.5), "count": np.uint32(3)}
-    spec = kernels.LaunchSpec(Kernel(), 5, 256, 128, tuple(values), tuple(values.values()))
+
+def test_packed_launch_packs_sets_and_launches():
+    geo = _LAYOUT.kernel_geometry()
+    values = {"a": np.uint64(0xDEADBEEF00), "n": np.int32(-7), "off": np.int64(1 << 40),
+              "scale": np.float32(0.5), "count": np.uint32(3), "geo": geo}
+    spec = kernels.LaunchSpec(_Kernel(), 5, 256, 128, tuple(values), tuple(values.values()))
     packed = kernels.PackedLaunch(spec)
+    calls = []
+    packed._launch_kernel = lambda *a: calls.append(a)  # cupy.cuda.driver.launchKernel
 
-    def param(i, ctype):
-        address = ctypes.cast(packed.params_ptr, ctypes.POINTER(ctypes.c_void_p))[i]
-        return ctypes.cast(address, ctypes.POINTER(ctype))[0]
-
-    got = [param(0, ctypes.c_uint64), param(1, ctypes.c_int32), param(2, ctypes.c_int64),
-           param(3, ctypes.c_float), param(4, ctypes.c_uint32)]
+    got = [_param(packed, 0, ctypes.c_uint64), _param(packed, 1, ctypes.c_int32),
+           _param(packed, 2, ctypes.c_int64), _param(packed, 3, ctypes.c_float),
+           _param(packed, 4, ctypes.c_uint32)]
     assert got == [0xDEADBEEF00, -7, 1 << 40, 0.5, 3]
+    geo_address = ctypes.cast(packed.params_ptr, ctypes.POINTER(ctypes.c_void_p))[5]
+    assert ctypes.string_at(geo_address, geo.dtype.itemsize) == geo.tobytes()
     packed.set("n", 12345)
-    packed.set("a_ptr", 0x1234)
-    assert param(1, ctypes.c_int32) == 12345 and param(0, ctypes.c_uint64) == 0x1234
-    assert packed.get("n") == 12345
+    packed.set("a", 0x1234)
+    other = wire.WindowLayout(**{**_LAYOUT.as_dict(), "ring_depth": 3}).kernel_geometry()
+    packed.set("geo", other)
+    assert _param(packed, 1, ctypes.c_int32) == 12345 and _param(packed, 0, ctypes.c_uint64) == 0x1234
+    assert ctypes.string_at(geo_address, geo.dtype.itemsize) == other.tobytes()
+    assert packed.get("n") == 12345 and packed.get("geo") == other.tobytes()
+    with pytest.raises(ValueError, match="needs 72 bytes"):
+        packed.set("geo", b"short")
     packed.launch(0xABC)
     packed.launch(0xABC, grid=9)
     assert calls == [(0xF00D, 5, 1, 1, 256, 1, 1, 128, 0xABC, packed.params_ptr, 0),
                      (0xF00D, 9, 1, 1, 256, 1, 1, 128, 0xABC, packed.params_ptr, 0)]
 
 
-def test_packed_launch_rejects_untyped_arguments():
-    class Kernel:
-        class kernel:
-            ptr = 1
+def test_packed_launch_takes_an_array_by_its_device_pointer():
+    class _Array:  # the attributes of a cupy.ndarray that PackedLaunch reads
+        class data:
+            ptr = 0xC0FFEE
 
-    spec = kernels.LaunchSpec(Kernel(), 1, 32, 0, ("n",), (7,))
+    spec = kernels.LaunchSpec(_Kernel(), 1, 32, 0, ("buf",), (_Array(),))
+    assert _param(kernels.PackedLaunch(spec), 0, ctypes.c_uint64) == 0xC0FFEE
+
+
+def test_packed_launch_rejects_untyped_arguments():
+    spec = kernels.LaunchSpec(_Kernel(), 1, 32, 0, ("n",), (7,))
     with pytest.raises(TypeError, match="argument n has type int"):
         kernels.PackedLaunch(spec)
 
@@ -153,11 +206,16 @@ def test_backend_sets_only_arguments_its_specs_have(fake_specs):
     """Every ``<launch>.set("name", ...)`` of the cuda backend names an argument of that kernel."""
     source = (kernels.KERNEL_DIR.parent / "afd_cupy" / "backends" / "cuda.py").read_text()
     by_var = {"plan": "afd_dispatch_plan", "scatter": "afd_dispatch_scatter",
-              "combine": "afd_combine", "launch": None}  # `launch`: wait_any and reply
+              "wait": "afd_wait_replies", "combine": "afd_combine",
+              "launch": None}  # `launch`: wait_any and reply
     names = {name: set(spec.names) for (_, name), spec in _specs().items()}
     sets = re.findall(r"\b(\w+)\.set\(\"(\w+)\"", source)
-    assert len(sets) >= 15
+    assert len(sets) >= 19
     for var, arg in sets:
         kernel = by_var[var]
         allowed = names[kernel] if kernel else names["afd_wait_any"] | names["afd_reply"]
         assert arg in allowed, (var, arg)
+
+
+def test_launches_module_has_no_cupy_import_at_module_level():
+    assert launches.__dict__.get("cupy") is None and specs.__dict__.get("cupy") is None

@@ -1,49 +1,61 @@
-"""The cuda backend's device status block: typed exception mapping, mirror and reset (host code)."""
+"""The device status block seen from the host: typed exception mapping, mirror and reset.
+
+``wire.StatusRecord.error`` maps a latched status to the exception the host backend raises;
+:class:`afd_cupy.kernels.StatusChannel` runs mirror -> sync -> raise -> clear over a
+:class:`StatusBlock`. Both are driven on the CPU with a fake CUDA runtime and stream.
+"""
 import ctypes
-import types
 
 import numpy as np
 import pytest
 
-from afd_cupy import kernels
-from afd_cupy.backends.cuda import CudaDataPath, _status_error
+from afd_cupy import wire
 from afd_cupy.errors import (CapacityError, ConnectorShutdown, PeerTimeoutError, ProtocolError,
                              WireError)
+from afd_cupy.kernels import StatusBlock, StatusChannel
 
 
-def _status(code, **fields):
+def _record(code, **fields):
     words = dict(code=code, peer=1, slot=3, ring=1, expected=7, observed=5, count=-1, cap=-1)
     words.update(fields)
-    return {**words, "name": kernels.STATUS_NAMES[code]}
+    return wire.StatusRecord(**words)
 
 
 def test_capacity_names_counts_and_cap():
-    err = _status_error(_status(kernels.STATUS_CAPACITY, count=40, cap=32), 2, 60.0)
+    err = _record(wire.STATUS_CAPACITY, count=40, cap=32).error(layer_idx=2, timeout_s=60.0)
     assert isinstance(err, CapacityError) and (err.counts, err.cap) == (40, 32)
     assert str(err).startswith("40 routed partials for FFN rank 1 > routed_cap=32")
     assert str(err).endswith("nothing was sent")
 
 
 def test_timeout_names_peer_ring_layer_and_seqs():
-    err = _status_error(_status(kernels.STATUS_TIMEOUT), 4, 1.5)
+    err = _record(wire.STATUS_TIMEOUT).error(layer_idx=4, timeout_s=1.5)
     assert isinstance(err, PeerTimeoutError)
-    assert str(err) == ("no reply from FFN rank 1 (region 1, ring 1) for layer 4, dispatch seq 7 "
-                        "within 1.5 s; flag still 5")
     assert (err.peer, err.ring, err.expected_seq, err.observed_seq, err.layer_idx) == (1, 1, 7, 5, 4)
+    assert "FFN rank 1" in str(err) and "layer 4" in str(err) and "1.5 s" in str(err)
 
 
-@pytest.mark.parametrize("code,kind,text", [
-    (kernels.STATUS_SHUTDOWN, ConnectorShutdown, "FFN rank 1 announced shutdown"),
-    (kernels.STATUS_ECHO_MISMATCH, ProtocolError, "echoes seq 5, pending dispatch has seq 7 for layer 0"),
-    (kernels.STATUS_BAD_HEADER, WireError, "bad reply header from FFN rank 1 for layer 0"),
-    (kernels.STATUS_BAD_EXPERT, ProtocolError, "device status BAD_EXPERT for layer 0"),
+@pytest.mark.parametrize("code,count,kind,text", [
+    (wire.STATUS_SHUTDOWN, -1, ConnectorShutdown, "FFN rank 1 announced shutdown"),
+    (wire.STATUS_REPLY_MISMATCH, wire.HDR_ECHO_SEQ, ProtocolError, "echoes echo_seq=5, the pending dispatch has echo_seq=7"),
+    (wire.STATUS_REPLY_MISMATCH, wire.HDR_LAYER, ProtocolError, "echoes layer_idx=5"),
+    (wire.STATUS_REPLY_MISMATCH, wire.HDR_STAGE, ProtocolError, "echoes stage_idx=5"),
+    (wire.STATUS_REPLY_MISMATCH, wire.HDR_ROUTED_TOKENS, ProtocolError, "echoes routed_tokens=5"),
+    (wire.STATUS_REPLY_MISMATCH, wire.HDR_SHARED_TOKENS, ProtocolError, "echoes shared_tokens=5"),
+    (wire.STATUS_BAD_HEADER, wire.HDR_MAGIC, WireError, "bad reply header from FFN rank 1 for layer 0: magic"),
+    (wire.STATUS_BAD_HEADER, wire.HDR_VERSION, WireError, "version is 5, expected 7"),
+    (wire.STATUS_BAD_HEADER, wire.HDR_ROUTED_TOKENS, WireError, "routed_tokens is 5, expected 7"),
+    (wire.STATUS_BAD_HEADER, wire.HDR_SHARED_TOKENS, WireError, "shared_tokens is 5, expected 7"),
+    (wire.STATUS_BAD_EXPERT, -1, ProtocolError, "topk id 5 (partial 3) outside [0, 7) for layer 0"),
 ])
-def test_other_codes(code, kind, text):
-    err = _status_error(_status(code), 0, 1.0)
-    assert isinstance(err, kind) and text in str(err)
+def test_other_codes(code, count, kind, text):
+    err = _record(code, count=count).error(layer_idx=0, timeout_s=1.0)
+    assert isinstance(err, kind) and text in str(err), str(err)
+    if code == wire.STATUS_REPLY_MISMATCH:
+        assert (err.peer, err.field, err.expected, err.observed) == (1, wire.HDR_WORD_NAMES[count], 7, 5)
 
 
-# --- device status block + pinned mirror (StatusBlock), with a fake CUDA runtime --------------
+# --- StatusChannel over a StatusBlock, with a fake CUDA runtime and stream ----------------------
 class _FakeRuntime:
     """cupy.cuda.runtime's two calls used by StatusBlock, on host memory, logging each call."""
 
@@ -72,43 +84,54 @@ class _FakeStream:
         self.log.append(("sync", self.ptr))
 
 
-def _fake_path():
-    """A CudaDataPath with only what the status logic touches; 'device' words are numpy."""
+def _channel():
+    """A StatusChannel whose 'device' words are a numpy array."""
     log = []
-    device = np.zeros(kernels.STATUS_WORDS, np.int64)
-    path = object.__new__(CudaDataPath)
-    path.status = kernels.StatusBlock(device.ctypes.data, np.zeros(kernels.STATUS_WORDS, np.int64),
-                                      _FakeRuntime(log), owners=(device,))
-    path.conn = types.SimpleNamespace(peer_timeout_s=1.5)
+    device = np.zeros(wire.STATUS_WORDS, np.int64)
+    block = StatusBlock(device.ctypes.data, np.zeros(wire.STATUS_WORDS, np.int64),
+                        _FakeRuntime(log), owners=(device,))
     stream = _FakeStream(log)
-    path.stream = lambda: stream
-    return path, device, log
+    return StatusChannel(block, stream=lambda: stream, timeout_s=1.5), device, log
 
 
 def test_status_block_rejects_a_short_mirror():
     with pytest.raises(ValueError, match="int64 array"):
-        kernels.StatusBlock(1, np.zeros(3, np.int64), None)
+        StatusBlock(1, np.zeros(3, np.int64), None)
+
+
+def test_channel_ptr_is_the_device_block():
+    channel, device, _ = _channel()
+    assert channel.ptr == device.ctypes.data
 
 
 def test_device_error_is_seen_only_through_the_mirror_before_a_sync():
-    path, device, log = _fake_path()
-    device[:] = [kernels.STATUS_TIMEOUT, 1, 3, 1, 7, 5, -1, -1]
-    path.raise_latched(layer_idx=4)  # no mirror yet: the host sees nothing, touches nothing
-    assert log == [] and path.status.host.tolist() == [0] * kernels.STATUS_WORDS
-    with pytest.raises(PeerTimeoutError, match="no reply from FFN rank 1 .* for layer 4"):
-        path._sync_and_raise(layer_idx=4)
+    channel, device, log = _channel()
+    device[:] = [wire.STATUS_TIMEOUT, 1, 3, 1, 7, 5, -1, -1]
+    channel.raise_latched(layer_idx=4)  # no mirror yet: the host sees nothing, touches nothing
+    assert log == [] and channel.block.host.tolist() == [0] * wire.STATUS_WORDS
+    with pytest.raises(PeerTimeoutError, match="FFN rank 1 .* layer 4") as info:
+        channel.sync_and_raise(layer_idx=4)
+    assert "1.5 s" in str(info.value)  # the channel's timeout_s
     ptr = _FakeStream.ptr
     assert log == [("mirror", ptr), ("sync", ptr), ("clear", ptr), ("sync", ptr)]
-    assert device.tolist() == [0] * kernels.STATUS_WORDS  # both copies start clean again
-    assert path.status.host.tolist() == [0] * kernels.STATUS_WORDS
+    assert device.tolist() == [0] * wire.STATUS_WORDS  # both copies start clean again
+    assert channel.block.host.tolist() == [0] * wire.STATUS_WORDS
 
 
-def test_check_errors_raises_a_latched_error_once():
-    path, device, log = _fake_path()
-    path.check_errors()  # clean: one mirror and one sync, nothing cleared
+def test_sync_and_raise_raises_a_latched_error_once():
+    channel, device, log = _channel()
+    channel.sync_and_raise()  # clean: one mirror and one sync, nothing cleared
     assert log == [("mirror", _FakeStream.ptr), ("sync", _FakeStream.ptr)]
-    device[:] = [kernels.STATUS_CAPACITY, 2, -1, -1, -1, -1, 40, 32]
+    device[:] = [wire.STATUS_CAPACITY, 2, -1, -1, -1, -1, 40, 32]
     with pytest.raises(CapacityError, match="40 routed partials for FFN rank 2 > routed_cap=32"):
-        path.check_errors()
-    path.check_errors()  # cleared on raise
-    assert device.tolist() == [0] * kernels.STATUS_WORDS
+        channel.sync_and_raise()
+    channel.sync_and_raise()  # cleared on raise
+    assert device.tolist() == [0] * wire.STATUS_WORDS
+
+
+def test_reply_mismatch_through_the_channel_names_the_field():
+    channel, device, _ = _channel()
+    device[:] = [wire.STATUS_REPLY_MISMATCH, 3, 7, 1, 9, 10, wire.HDR_LAYER, -1]
+    with pytest.raises(ProtocolError, match="FFN rank 3 for layer 9 echoes layer_idx=10") as info:
+        channel.sync_and_raise(layer_idx=9)
+    assert (info.value.field, info.value.expected, info.value.observed) == ("layer_idx", 9, 10)

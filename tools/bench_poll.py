@@ -35,7 +35,7 @@ def _calibrate(cupy, kernels, num_reads: int = 20000) -> int:
     """Host-minus-device clock offset (ns), minimum over many reads of a live device clock."""
     pinned = kernels.PinnedInt64(1)
     stream = cupy.cuda.Stream(non_blocking=True)
-    clock = kernels.get_kernel("bench.cu", "afd_bench_clock")
+    clock = kernels.get_kernel("probes/bench.cu", "afd_bench_clock")
     with stream:
         clock((1,), (1,), (cupy.uint64(pinned.ptr), cupy.int64(200_000_000)))
     while pinned.array[0] == 0:
@@ -89,7 +89,7 @@ def _reader(conn, store, iters: int) -> dict:
 
 
 def _writer(conn, store, iters: int, gap_us: float, cupy, kernels) -> dict:
-    stamp = kernels.get_kernel("bench.cu", "afd_bench_stamp")
+    stamp = kernels.get_kernel("probes/bench.cu", "afd_bench_stamp")
     stamps = cupy.zeros(iters, cupy.int64)
     ffn_pe = conn.topology.world_rank(Role.FFN, 0)
     flag_addr = cupy.uint64(conn.path.window.peer_ptr(ffn_pe))  # flag (region 0, ring 0)

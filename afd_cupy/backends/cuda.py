@@ -23,7 +23,7 @@ import torch
 from afd_cupy import kernels, wire
 from afd_cupy.errors import (ConnectorShutdown, PeerTimeoutError, ProtocolError, WireError,
                              reply_timeout_error, routed_capacity_error)
-from afd_cupy.kernels import PinnedInt64, StatusBlock
+from afd_cupy.kernels import PinnedInt64, StatusChannel
 
 #: extra host-side wait beyond a kernel's own timeout before the host stops trusting it
 _HOST_GRACE_S = 5.0
@@ -34,11 +34,47 @@ except ImportError:  # CPU-only torch builds
     _raw_current_stream = None
 
 
+@dataclass(frozen=True)
+class DispatchScratch:
+    """Device scratch of one dispatch in flight, sized for ``max_partials`` (CuPy arrays).
+
+    ``chunk_hist`` int32 [max(1, chunks), E]; ``local_rank``, ``pos`` int32 [max(1, NK)];
+    ``expert_counts``, ``expert_start`` int32 [E]; ``rank_offsets`` int32 [F + 1];
+    ``verdict`` int32 [1] (the plan's send decision, read by the scatter);
+    ``plan_done``, ``scatter_done`` uint32 [1] zeroed done counters.
+    """
+
+    chunk_hist: object
+    local_rank: object
+    pos: object
+    expert_counts: object
+    expert_start: object
+    rank_offsets: object
+    verdict: object
+    plan_done: object
+    scatter_done: object
+
+    @classmethod
+    def allocate(cls, max_partials: int, num_ffn_ranks: int, expert_per_rank: int) -> "DispatchScratch":
+        import cupy
+
+        num_experts = num_ffn_ranks * expert_per_rank
+        rows = max(1, kernels.dispatch_num_chunks(max_partials))
+        return cls(chunk_hist=cupy.zeros((rows, num_experts), cupy.int32),
+                   local_rank=cupy.zeros(max(1, max_partials), cupy.int32),
+                   pos=cupy.zeros(max(1, max_partials), cupy.int32),
+                   expert_counts=cupy.zeros(num_experts, cupy.int32),
+                   expert_start=cupy.zeros(num_experts, cupy.int32),
+                   rank_offsets=cupy.zeros(num_ffn_ranks + 1, cupy.int32),
+                   verdict=cupy.zeros(1, cupy.int32),
+                   plan_done=cupy.zeros(1, cupy.uint32), scatter_done=cupy.zeros(1, cupy.uint32))
+
+
 @dataclass
 class CudaSendState:
     """One dispatch in flight: its ring's scratch and the tensors its kernels read."""
 
-    scratch: kernels.DispatchScratch
+    scratch: DispatchScratch
     expected: object  # cupy int64 [F]
     topk_ids: torch.Tensor  # int32 [T*K], kept alive for the combine
     hidden: torch.Tensor
@@ -55,13 +91,13 @@ class CudaDataPath:
         self.layout = layout = conn.layout
         self.device_id = conn.heap.device_id
         self.dtype_code = kernels.DTYPE_CODES[conn.model.dtype]
-        self.geometry = kernels.layout_kernel_args(layout)
+        self.geometry = layout.kernel_geometry()
         self.timeout_ns = int(conn.peer_timeout_s * 1e9)
         self.own_window = self.window.peer_ptr(conn.world_rank)
         # NOTE: device memory, read by the host only after a synchronization (see StatusBlock);
         # the FFN doorbell and header staging below stay pinned: the host polls / writes them
         # without synchronizing.
-        self.status = StatusBlock.allocate()
+        self.status = StatusChannel.allocate(stream=self.stream, timeout_s=conn.peer_timeout_s)
         self.last_seen = cupy.zeros(layout.num_slots, cupy.int64)
         self._streams: dict[int, object] = {}
         if conn.role.value == "attention":
@@ -77,9 +113,11 @@ class CudaDataPath:
         self.peer_windows = cp.array([self.window.peer_ptr(conn.ffn_pe(j)) for j in range(num_ffn)],
                                      dtype=cp.uint64)
         self.seq_counters = cp.zeros((layout.ring_depth, num_ffn), cp.int64)
-        self.scratch = [kernels.DispatchScratch.allocate(max_partials, num_ffn, layout.expert_per_rank)
+        self.scratch = [DispatchScratch.allocate(max_partials, num_ffn, layout.expert_per_rank)
                         for _ in range(layout.ring_depth)]
         self.expected = [cp.zeros(num_ffn, cp.int64) for _ in range(layout.ring_depth)]
+        # (routed, shared) rows sent to each FFN rank: what its reply must echo
+        self.expected_counts = [cp.zeros((num_ffn, 2), cp.int32) for _ in range(layout.ring_depth)]
         self.combine_done = [cp.zeros(1, cp.uint32) for _ in range(layout.ring_depth)]
         self.launches = [self._attention_launches(ring) for ring in range(layout.ring_depth)]
 
@@ -101,43 +139,37 @@ class CudaDataPath:
             expert_per_rank=epr, routed_cap=layout.routed_cap, chunk_hist=scratch.chunk_hist,
             local_rank=scratch.local_rank, expert_counts=scratch.expert_counts,
             expert_start=scratch.expert_start, rank_offsets=scratch.rank_offsets,
-            done_counter=scratch.plan_done, status_ptr=self.status.ptr)
+            verdict=scratch.verdict, done_counter=scratch.plan_done, status=self.status.ptr)
         scatter = kernels.dispatch_scatter_spec(
-            dtype_code=self.dtype_code, hidden_ptr=self.own_window, num_tokens=cap,
+            dtype_code=self.dtype_code, hidden=self.own_window, num_tokens=cap,
             hidden_size=layout.hidden_size, topk_ids=placeholder_ids, num_partials=cap * layout.top_k,
             top_k=layout.top_k, expert_per_rank=epr, num_ffn_ranks=num_ffn,
             chunk_hist=scratch.chunk_hist, local_rank=scratch.local_rank,
             expert_start=scratch.expert_start, rank_offsets=scratch.rank_offsets,
-            expert_counts=scratch.expert_counts, peer_windows=self.peer_windows,
-            slot_offset=layout.slot_offset(conn.role_rank, ring),
-            flags_index=layout.slot_index(conn.role_rank, ring), off_header=geo["off_header"],
-            off_route=geo["off_route"], off_routed_x=geo["off_routed_x"],
-            off_shared_idx=geo["off_shared_idx"], off_shared_x=geo["off_shared_x"],
-            hdr_words=geo["hdr_words"], has_shared=int(conn.has_shared),
-            always_send=int(conn.always_send), pos_out=scratch.pos,
-            src_rank=conn.role_rank, layer_idx=0, stage_idx=0, hdr_flags=0,
-            seq_counters=self.seq_counters[ring], expected=expected,
-            done_counter=scratch.scatter_done, status_ptr=self.status.ptr)
-        window = dict(window_ptr=self.own_window, num_ffn_ranks=num_ffn,
-                      flags_bytes=geo["flags_bytes"], slot_bytes=geo["slot_bytes"],
-                      ring_depth=layout.ring_depth, ring=ring, off_header=geo["off_header"],
-                      expected=expected, last_seen=self.last_seen, timeout_ns=self.timeout_ns,
-                      status_ptr=self.status.ptr)
-        wait = kernels.wait_replies_spec(**window)
+            expert_counts=scratch.expert_counts, verdict=scratch.verdict,
+            peer_windows=self.peer_windows, geo=geo, ring=ring, has_shared=int(conn.has_shared),
+            always_send=int(conn.always_send), pos_out=scratch.pos, src_rank=conn.role_rank,
+            layer_idx=0, stage_idx=0, hdr_flags=0, seq_counters=self.seq_counters[ring],
+            expected=expected, expected_counts=self.expected_counts[ring],
+            done_counter=scratch.scatter_done)
+        replies = dict(window=self.own_window, geo=geo, num_ffn_ranks=num_ffn, ring=ring,
+                       expected=expected, expected_counts=self.expected_counts[ring], layer_idx=0,
+                       stage_idx=0, last_seen=self.last_seen, timeout_ns=self.timeout_ns,
+                       status=self.status.ptr)
+        wait = kernels.wait_replies_spec(**replies)
         combine = kernels.combine_spec(
-            dtype_code=self.dtype_code, out_ptr=self.own_window, num_tokens=cap,
+            dtype_code=self.dtype_code, out=self.own_window, num_tokens=cap,
             hidden_size=layout.hidden_size, topk_ids=placeholder_ids,
             topk_weights=placeholder_ids.view(self.cp.float32), pos=scratch.pos,
             top_k=layout.top_k, expert_per_rank=epr, has_shared=int(conn.has_shared),
-            off_routed_x=geo["off_routed_x"], off_shared_x=geo["off_shared_x"],
-            hdr_words=geo["hdr_words"], out_scale=1.0, done_counter=self.combine_done[ring], **window)
+            out_scale=1.0, done_counter=self.combine_done[ring], **replies)
         return {name: kernels.PackedLaunch(spec) for name, spec in
                 (("plan", plan), ("scatter", scatter), ("wait", wait), ("combine", combine))}
 
     def _init_ffn(self) -> None:
         cp, layout = self.cp, self.layout
         self.scan_start = cp.zeros(1, cp.int32)
-        self.doorbell = PinnedInt64(kernels.DB_HEADER + -(-layout.header_words // 2))
+        self.doorbell = PinnedInt64(wire.DB_HEADER + -(-layout.header_words // 2))
         self.ticket = 0
         self.poll_stream = cp.cuda.Stream(non_blocking=True)
         # one pinned header staging row per (attention peer, ring): one reply in flight each
@@ -147,12 +179,9 @@ class CudaDataPath:
                       for ring in range(layout.ring_depth)]
         self.empty_rows = torch.empty(0, layout.hidden_size, dtype=self.conn.torch_dtype,
                                       device=torch.device("cuda", self.device_id))
-        geo = self.geometry
         self.wait_any_launch = kernels.PackedLaunch(kernels.wait_any_spec(
-            window_ptr=self.own_window, num_slots=layout.num_slots, last_seen=self.last_seen,
-            scan_start=self.scan_start, off_header=geo["off_header"], flags_bytes=geo["flags_bytes"],
-            slot_bytes=geo["slot_bytes"], hdr_words=geo["hdr_words"], timeout_ns=0,
-            doorbell_ptr=self.doorbell.ptr, ticket=0))
+            window=self.own_window, geo=self.geometry, last_seen=self.last_seen,
+            scan_start=self.scan_start, timeout_ns=0, doorbell=self.doorbell.ptr, ticket=0))
         self.reply_launches: dict[tuple, kernels.PackedLaunch] = {}  # (attn_rank, ring) -> launch
 
     def _slot_views(self, region: int, ring: int) -> dict:
@@ -189,7 +218,7 @@ class CudaDataPath:
     # --- Attention side ---------------------------------------------------------------------
     def dispatch(self, hidden, topk_ids, *, layer_idx: int, stage_idx: int, ring: int) -> CudaSendState:
         conn, layout = self.conn, self.layout
-        self.raise_latched()
+        self.status.raise_latched()
         num_tokens = hidden.shape[0]
         hidden = hidden.contiguous()
         ids = topk_ids.to(torch.int32).reshape(-1).contiguous()
@@ -199,15 +228,21 @@ class CudaDataPath:
         plan = launches["plan"]
         plan.set("topk_ids", ids.data_ptr())
         plan.set("num_partials", num_partials)
-        plan.launch(stream, max(1, kernels.dispatch_num_chunks(num_partials)))
+        plan.launch(stream, kernels.plan_grid(num_partials))
         scatter = launches["scatter"]
-        scatter.set("hidden_ptr", hidden.data_ptr())
+        scatter.set("hidden", hidden.data_ptr())
         scatter.set("num_tokens", num_tokens)
         scatter.set("topk_ids", ids.data_ptr())
         scatter.set("num_partials", num_partials)
         scatter.set("layer_idx", layer_idx)
         scatter.set("stage_idx", stage_idx)
         scatter.launch(stream, kernels.scatter_grid(num_tokens, layout.top_k, int(conn.has_shared)))
+        # what this ring's replies must echo, checked by the wait and combine kernels
+        wait, combine = launches["wait"], launches["combine"]
+        wait.set("layer_idx", layer_idx)
+        wait.set("stage_idx", stage_idx)
+        combine.set("layer_idx", layer_idx)
+        combine.set("stage_idx", stage_idx)
         return CudaSendState(scratch, expected, ids, hidden, num_tokens)
 
     def combine(self, state: CudaSendState, topk_ids, topk_weights, *, ring: int, layer_idx: int,
@@ -223,19 +258,19 @@ class CudaDataPath:
         else:
             launches["wait"].launch(stream)
         combine = launches["combine"]
-        combine.set("out_ptr", out.data_ptr())
+        combine.set("out", out.data_ptr())
         combine.set("num_tokens", num_tokens)
         combine.set("topk_ids", state.topk_ids.data_ptr())
         combine.set("topk_weights", weights.data_ptr())
         combine.set("out_scale", out_scale)
         combine.launch(stream, kernels.combine_grid(num_tokens))
         if blocking:
-            self._sync_and_raise(layer_idx=layer_idx)
+            self.status.sync_and_raise(layer_idx=layer_idx)
         return out
 
     def _host_wait_replies(self, state: CudaSendState, ring: int, layer_idx: int) -> None:
         """poll_mode="host": wait for the reply flags with host copies (no spinning kernel)."""
-        self._sync_and_raise(layer_idx=layer_idx)
+        self.status.sync_and_raise(layer_idx=layer_idx)
         expected = state.expected.get()
         deadline = time.monotonic() + self.conn.peer_timeout_s
         for j in np.flatnonzero(expected):
@@ -249,31 +284,7 @@ class CudaDataPath:
                 time.sleep(0)
 
     def check_errors(self) -> None:
-        self._sync_and_raise()
-
-    def _sync_and_raise(self, *, layer_idx: int | None = None) -> None:
-        """Mirror the device status to the host, synchronize the stream, raise what it holds."""
-        stream = self.stream()
-        self.status.enqueue_mirror(stream.ptr)
-        stream.synchronize()
-        self.raise_latched(layer_idx=layer_idx)
-
-    def raise_latched(self, *, layer_idx: int | None = None) -> None:
-        """Raise the first error in the host mirror of the status block, and clear both copies.
-
-        The mirror is as fresh as the last :meth:`_sync_and_raise`: without one, this sees no
-        error latched since (``dispatch`` calls it as a cheap safety net, not as a check).
-        NOTE: the device words are cleared in stream order and the stream is synchronized
-        (error path only), so the next launch on any stream starts from a clean status, as the
-        immediate clear of the former pinned status block did.
-        """
-        if self.status.host[kernels.ST_CODE] == kernels.STATUS_OK:  # the common case, no dict
-            return
-        status = self.status.read()
-        stream = self.stream()
-        self.status.clear(stream.ptr)
-        stream.synchronize()
-        raise status.error(layer_idx=layer_idx, timeout_s=self.conn.peer_timeout_s)
+        self.status.sync_and_raise()
 
     # --- FFN side ---------------------------------------------------------------------------
     def wait_any(self, timeout_s: float):
@@ -295,18 +306,18 @@ class CudaDataPath:
         launch.launch(self.poll_stream.ptr)
         deadline = time.monotonic() + timeout_s + _HOST_GRACE_S
         spins = 0
-        while bell[kernels.DB_TICKET] != self.ticket:
+        while bell[wire.DB_TICKET] != self.ticket:
             spins += 1
             if spins % 4096 == 0 and time.monotonic() > deadline:
                 # NOTE: the kernel may not have started (GPU busy); waiting for it is bounded by
                 # its own timeout once it runs, and it must not consume an arrival unseen.
                 self.poll_stream.synchronize()
-                if bell[kernels.DB_TICKET] != self.ticket:
+                if bell[wire.DB_TICKET] != self.ticket:
                     raise PeerTimeoutError(f"wait_any kernel did not report ticket {self.ticket}")
-        if bell[kernels.DB_STATUS] != kernels.STATUS_OK:
+        if bell[wire.DB_STATUS] != wire.STATUS_OK:
             return None
-        slot = int(bell[kernels.DB_SLOT])
-        words = bell[kernels.DB_HEADER:].view(np.int32)[:layout.header_words].copy()
+        slot = int(bell[wire.DB_SLOT])
+        words = bell[wire.DB_HEADER:].view(np.int32)[:layout.header_words].copy()
         region, ring = divmod(slot, layout.ring_depth)
         return region, ring, words
 
@@ -330,9 +341,9 @@ class CudaDataPath:
         launch = self.reply_launches.get((attn_rank, ring))
         if launch is None:
             launch = self.reply_launches[(attn_rank, ring)] = self._reply_launch(attn_rank, ring)
-        launch.set("routed_out_ptr", routed_out.data_ptr() if num_routed else 0)
+        launch.set("routed_out", routed_out.data_ptr() if num_routed else 0)
         launch.set("num_routed", num_routed)
-        launch.set("shared_out_ptr", shared_out.contiguous().data_ptr() if num_shared else 0)
+        launch.set("shared_out", shared_out.contiguous().data_ptr() if num_shared else 0)
         launch.set("num_shared", num_shared)
         launch.set("seq", seq)
         # NOTE: a copy made by .contiguous() may be freed on return: torch's allocator reuses
@@ -341,17 +352,15 @@ class CudaDataPath:
 
     def _reply_launch(self, attn_rank: int, ring: int) -> kernels.PackedLaunch:
         """The reply kernel of one (Attention rank, ring), checked and packed once."""
-        layout, geo, conn = self.layout, self.geometry, self.conn
+        layout, conn = self.layout, self.conn
         slot = layout.slot_index(attn_rank, ring)
         row_words = -(-layout.header_words // 2) * 2
         return kernels.PackedLaunch(kernels.reply_spec(
-            dtype_code=self.dtype_code, dst_window_ptr=self.window.peer_ptr(conn.attn_pe(attn_rank)),
-            slot_offset=layout.slot_offset(conn.role_rank, ring),
-            flags_index=layout.slot_index(conn.role_rank, ring), off_header=geo["off_header"],
-            off_routed_x=geo["off_routed_x"], off_shared_x=geo["off_shared_x"],
-            routed_out_ptr=0, num_routed=0, shared_out_ptr=0, num_shared=0,
-            hidden_size=layout.hidden_size, header_src_ptr=self.staging.ptr + slot * row_words * 4,
-            hdr_words=layout.header_words, seq=0, done_counter=self.reply_done[slot]))
+            dtype_code=self.dtype_code, dst_window=self.window.peer_ptr(conn.attn_pe(attn_rank)),
+            geo=self.geometry, src_rank=conn.role_rank, ring=ring, routed_out=0, num_routed=0,
+            shared_out=0, num_shared=0, hidden_size=layout.hidden_size,
+            header_src=self.staging.ptr + slot * row_words * 4, seq=0,
+            done_counter=self.reply_done[slot]))
 
     # --- both -------------------------------------------------------------------------------
     def send_control(self, pe: int, ring: int, header_words: np.ndarray, seq: int) -> None:

@@ -1,0 +1,40 @@
+"""The CuPy RawKernels of ``raw_kernels/*.cu``: loader, checked launches, status (DESIGN §7).
+
+- :mod:`~afd_cupy.kernels.loader`: one cached loader. :func:`load_module` compiles a ``.cu``
+  file once per (file, options, name expressions, device) with NVRTC (``-std=c++17
+  -I raw_kernels``, no jitify); the cache key covers the contents of the file and of every
+  header it includes, and the same digest is passed as ``-DAFD_SOURCE_KEY=...`` so that CuPy's
+  on-disk cache is invalidated by a header edit too. ``AFD_KERNEL_CACHE=0`` disables the
+  in-process cache. Probes (``raw_kernels/probes/``) have their own registry.
+- :mod:`~afd_cupy.kernels.specs`: one spec builder per kernel, keyword names equal to the C
+  parameter names; window geometry as one ``geo`` value (``WindowLayout.kernel_geometry()``,
+  ``struct SlotGeometry`` in ``wire.cuh``); the kernels' limits (:data:`KERNEL_LIMITS`).
+- :mod:`~afd_cupy.kernels.launches`: :class:`LaunchSpec` and :class:`PackedLaunch` (one
+  ``cuLaunchKernel`` per launch, arguments rewritten in place). None of the launches
+  synchronizes.
+- :mod:`~afd_cupy.kernels.status`: :class:`PinnedInt64`, the device :class:`StatusBlock` and the
+  :class:`StatusChannel` that raises what the kernels latched. The status and doorbell words
+  themselves are protocol: :mod:`afd_cupy.wire`.
+
+Importing this package does not import CuPy.
+"""
+from afd_cupy.kernels.launches import LaunchSpec, PackedLaunch
+from afd_cupy.kernels.loader import (DTYPE_CODES, FILE_KERNELS, KERNEL_DIR, PROBE_KERNELS,
+                                     clear_cache, get_kernel, kernel_name_expressions, load_module,
+                                     source_key)
+from afd_cupy.kernels.specs import (CHUNK, KERNEL_LIMITS, MAX_BLOCKS, MAX_EXPERTS, MAX_FFN_RANKS,
+                                    MAX_TOP_K, ROWS_PER_BLOCK, combine_grid, combine_spec,
+                                    dispatch_num_chunks, dispatch_plan_spec, dispatch_scatter_spec,
+                                    plan_grid, reply_grid, reply_spec, scatter_grid, wait_any_spec,
+                                    wait_replies_spec)
+from afd_cupy.kernels.status import PinnedInt64, StatusBlock, StatusChannel
+
+__all__ = [
+    "CHUNK", "DTYPE_CODES", "FILE_KERNELS", "KERNEL_DIR", "KERNEL_LIMITS", "LaunchSpec",
+    "MAX_BLOCKS", "MAX_EXPERTS", "MAX_FFN_RANKS", "MAX_TOP_K", "PROBE_KERNELS", "PackedLaunch",
+    "PinnedInt64", "ROWS_PER_BLOCK", "StatusBlock", "StatusChannel", "clear_cache",
+    "combine_grid", "combine_spec", "dispatch_num_chunks", "dispatch_plan_spec",
+    "dispatch_scatter_spec", "get_kernel", "kernel_name_expressions", "load_module", "plan_grid",
+    "reply_grid", "reply_spec", "scatter_grid", "source_key", "wait_any_spec",
+    "wait_replies_spec",
+]

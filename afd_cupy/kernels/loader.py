@@ -1,0 +1,140 @@
+"""One cached loader for ``raw_kernels/*.cu`` (DESIGN §7).
+
+:func:`load_module` compiles a ``.cu`` file once per (file, options, name expressions, device)
+with NVRTC (``-std=c++17 -I raw_kernels``, no jitify). The cache key covers the contents of the
+file and of every header it includes (``#include "..."``, transitively); the same digest is
+passed to NVRTC as ``-DAFD_SOURCE_KEY=...`` so that CuPy's on-disk cache, which only hashes the
+top-level source, is invalidated by a header edit too. ``AFD_KERNEL_CACHE=0``
+(:func:`afd_cupy.env.kernel_cache_enabled`) disables the in-process cache.
+
+Importing this module does not import CuPy.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+
+from afd_cupy import env
+
+KERNEL_DIR = Path(__file__).resolve().parent.parent.parent / "raw_kernels"
+BASE_OPTIONS = ("-std=c++17",)
+
+#: payload dtype name -> template argument DT of the payload kernels (wire.cuh DT_*)
+DTYPE_CODES = {"bfloat16": 0, "float16": 1, "float32": 2}
+
+#: production kernels of each file (relative to KERNEL_DIR); True marks a template over the
+#: payload dtype code
+FILE_KERNELS = {
+    "dispatch.cu": (("afd_dispatch_plan", False), ("afd_dispatch_scatter", True)),
+    "combine.cu": (("afd_wait_replies", False), ("afd_combine", True)),
+    "wait_any.cu": (("afd_wait_any", False),),
+    "reply.cu": (("afd_reply", True),),
+}
+
+#: probes for tests and tools only (same format as FILE_KERNELS)
+PROBE_KERNELS = {
+    "probes/wire_constants.cu": (("afd_read_wire_constants", False),),
+    "probes/bench.cu": (("afd_bench_stamp", False), ("afd_bench_clock", False)),
+}
+
+_INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+_MODULE_CACHE: dict = {}
+_KERNEL_CACHE: dict = {}
+
+
+def kernel_path(filename) -> Path:
+    """Absolute path of a kernel source: ``filename`` itself if absolute, else in KERNEL_DIR."""
+    path = Path(filename)
+    return path if path.is_absolute() else KERNEL_DIR / path
+
+
+def _resolve_include(name: str, including: Path) -> Path:
+    for directory in (including.parent, KERNEL_DIR):
+        candidate = directory / name
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(f'#include "{name}" in {including} not found in '
+                            f"{including.parent} or {KERNEL_DIR}")
+
+
+def source_key(filename) -> str:
+    """sha256 hex digest of a source and of every header it includes, transitively."""
+    digest = hashlib.sha256()
+    pending, seen = [kernel_path(filename).resolve()], set()
+    while pending:
+        path = pending.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        text = path.read_bytes()
+        digest.update(path.name.encode() + b"\0" + text + b"\0")
+        includes = _INCLUDE_RE.findall(text.decode("utf-8", errors="replace"))
+        pending.extend(reversed([_resolve_include(name, path).resolve() for name in includes]))
+    return digest.hexdigest()
+
+
+def _registered(filename) -> tuple:
+    """The (name, is_template) entries of a file in FILE_KERNELS or PROBE_KERNELS."""
+    path = kernel_path(filename)
+    try:
+        key = path.relative_to(KERNEL_DIR).as_posix()
+    except ValueError:
+        key = path.name
+    return FILE_KERNELS.get(key) or PROBE_KERNELS.get(key, ())
+
+
+def kernel_name_expressions(filename) -> tuple:
+    """Name expressions compiled for a file: every kernel, templates for every dtype code."""
+    exprs = []
+    for name, is_template in _registered(filename):
+        if is_template:
+            exprs.extend(f"{name}<{code}>" for code in sorted(DTYPE_CODES.values()))
+        else:
+            exprs.append(name)
+    return tuple(exprs)
+
+
+def load_module(filename, *, options=(), name_expressions=()):
+    """``cupy.RawModule`` of ``raw_kernels/<filename>``, compiled once per (file, options,
+    name_expressions, device, contents of the file and its headers)."""
+    import cupy
+
+    path = kernel_path(filename)
+    key_digest = source_key(path)
+    key = (str(path), tuple(options), tuple(name_expressions), cupy.cuda.runtime.getDevice(),
+           key_digest)
+    use_cache = env.kernel_cache_enabled()
+    if use_cache and key in _MODULE_CACHE:
+        return _MODULE_CACHE[key]
+    full_options = BASE_OPTIONS + (f"-I{KERNEL_DIR}", f"-I{path.parent}",
+                                   f"-DAFD_SOURCE_KEY=0x{key_digest[:16]}") + tuple(options)
+    module = cupy.RawModule(code=path.read_text(), options=full_options,
+                            name_expressions=tuple(name_expressions) or None)
+    if use_cache:
+        _MODULE_CACHE[key] = module
+    return module
+
+
+def get_kernel(filename, name: str, *, dtype_code=None):
+    """``cupy.RawKernel`` ``name`` (``name<dtype_code>`` for a template) of a kernel file."""
+    import cupy
+
+    key = (str(filename), name, dtype_code, cupy.cuda.runtime.getDevice())
+    use_cache = env.kernel_cache_enabled()
+    if use_cache and key in _KERNEL_CACHE:
+        return _KERNEL_CACHE[key]
+    expr = name if dtype_code is None else f"{name}<{int(dtype_code)}>"
+    exprs = kernel_name_expressions(filename)
+    if expr not in exprs:
+        exprs = exprs + (expr,)
+    kernel = load_module(filename, name_expressions=exprs).get_function(expr)
+    if use_cache:
+        _KERNEL_CACHE[key] = kernel
+    return kernel
+
+
+def clear_cache() -> None:
+    """Forget every compiled module and kernel of this process."""
+    _MODULE_CACHE.clear()
+    _KERNEL_CACHE.clear()

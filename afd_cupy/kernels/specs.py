@@ -1,0 +1,276 @@
+"""One spec builder and one grid function per kernel of ``raw_kernels/``.
+
+Every builder takes keyword arguments named exactly like the kernel's C parameters (plus
+``dtype_code`` for the payload templates and ``max_blocks``), checks them cheaply (dtype and
+size of the arrays, signs of the sizes, the limits below), raises ``ValueError`` naming the
+argument and returns a :class:`LaunchSpec`. Raw addresses (windows, peer mappings, pinned host
+memory) are ``int``; scratch buffers are CuPy arrays; ``geo`` is
+``WindowLayout.kernel_geometry()``. Kernels that use a ``done_counter`` (uint32 [1], zero,
+device) leave it at zero again; one counter per kernel in flight.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from afd_cupy import wire
+from afd_cupy.kernels.launches import (LaunchSpec, _address, _array, _count, _dtype, _geometry,
+                                       _i64, _spec)
+from afd_cupy.kernels.loader import get_kernel
+
+#: Limits and block sizes compiled into the kernels: the one Python copy of the constants of
+#: raw_kernels/wire.cuh (a CPU test parses wire.cuh, the GPU probe reads them back).
+KERNEL_LIMITS = {
+    "CHUNK": 256,           # partials per afd_dispatch_plan block
+    "MAX_BLOCKS": 1024,     # grid cap of the row-copy and combine kernels
+    "MAX_FFN_RANKS": 256,   # static shared arrays of afd_dispatch_scatter
+    "MAX_TOP_K": 64,        # static shared arrays of afd_combine
+    "MAX_EXPERTS": 8192,    # dynamic shared memory of afd_dispatch_plan (4 B per expert)
+    "ROWS_PER_BLOCK": 8,    # warps (one row each) of afd_dispatch_scatter and afd_reply
+    "PLAN_THREADS": 256,
+    "SCATTER_THREADS": 256,
+    "WAIT_REPLIES_THREADS": 32,
+    "COMBINE_THREADS": 256,
+    "WAIT_ANY_THREADS": 32,
+    "REPLY_THREADS": 256,
+}
+CHUNK = KERNEL_LIMITS["CHUNK"]
+MAX_BLOCKS = KERNEL_LIMITS["MAX_BLOCKS"]
+MAX_FFN_RANKS = KERNEL_LIMITS["MAX_FFN_RANKS"]
+MAX_TOP_K = KERNEL_LIMITS["MAX_TOP_K"]
+MAX_EXPERTS = KERNEL_LIMITS["MAX_EXPERTS"]
+ROWS_PER_BLOCK = KERNEL_LIMITS["ROWS_PER_BLOCK"]
+
+
+def dispatch_num_chunks(num_partials: int) -> int:
+    """Blocks (chunks of CHUNK partials) of afd_dispatch_plan for ``num_partials``; 0 for 0."""
+    return -(-int(num_partials) // CHUNK)
+
+
+def _row_grid(num_rows: int, max_blocks: int) -> int:
+    return max(1, min(-(-num_rows // ROWS_PER_BLOCK), max_blocks))
+
+
+def dispatch_plan_spec(*, topk_ids, num_partials, num_ffn_ranks, expert_per_rank, routed_cap,
+                       chunk_hist, local_rank, expert_counts, expert_start, rank_offsets,
+                       verdict, done_counter, status) -> LaunchSpec:
+    """Device routing plan of ``num_partials = T * K`` flat partials (afd_dispatch_plan).
+
+    ``topk_ids`` int32 [NK] (flat ``t*K+k``); scratch int32 ``chunk_hist`` [chunks, E] (after:
+    per-chunk bases), ``local_rank`` [NK]; outputs int32 ``expert_counts``/``expert_start`` [E],
+    ``rank_offsets`` [F+1] and ``verdict`` [1]: STATUS_OK, or the status code that stops this
+    dispatch (the scatter reads only this word). Latches STATUS_CAPACITY (peer, count, cap) if a
+    rank gets more than ``routed_cap`` partials, STATUS_BAD_EXPERT on an id outside [0, E), in
+    the status block ``status``. Safe in CUDA graph capture. Grid: :func:`plan_grid`.
+    """
+    num_partials = _count("num_partials", num_partials)
+    num_ffn = _count("num_ffn_ranks", num_ffn_ranks, low=1, high=MAX_FFN_RANKS)
+    epr = _count("expert_per_rank", expert_per_rank, low=1)
+    num_experts = int(num_ffn) * int(epr)
+    if num_experts > MAX_EXPERTS:
+        raise ValueError(f"num_ffn_ranks * expert_per_rank = {num_experts} > {MAX_EXPERTS}")
+    num_chunks = dispatch_num_chunks(num_partials)
+    args = {"topk_ids": _array("topk_ids", topk_ids, np.int32, num_partials),
+            "num_partials": num_partials, "num_experts": np.int32(num_experts),
+            "expert_per_rank": epr, "num_ffn_ranks": num_ffn,
+            "routed_cap": _count("routed_cap", routed_cap),
+            "chunk_hist": _array("chunk_hist", chunk_hist, np.int32, num_chunks * num_experts),
+            "local_rank": _array("local_rank", local_rank, np.int32, num_partials),
+            "expert_counts": _array("expert_counts", expert_counts, np.int32, num_experts),
+            "expert_start": _array("expert_start", expert_start, np.int32, num_experts),
+            "rank_offsets": _array("rank_offsets", rank_offsets, np.int32, int(num_ffn) + 1),
+            "verdict": _array("verdict", verdict, np.int32, 1),
+            "done_counter": _array("done_counter", done_counter, np.uint32, 1),
+            "status": _address("status", status)}
+    return _spec(get_kernel("dispatch.cu", "afd_dispatch_plan"), plan_grid(num_partials),
+                 KERNEL_LIMITS["PLAN_THREADS"], args, shared_mem=4 * num_experts)
+
+
+def plan_grid(num_partials: int) -> int:
+    """Blocks of afd_dispatch_plan: one per CHUNK partials, at least 1."""
+    return max(1, dispatch_num_chunks(num_partials))
+
+
+def dispatch_scatter_spec(*, dtype_code, hidden, num_tokens, hidden_size, topk_ids, num_partials,
+                          top_k, expert_per_rank, num_ffn_ranks, chunk_hist, local_rank,
+                          expert_start, rank_offsets, expert_counts, verdict, peer_windows, geo,
+                          ring, has_shared, pos_out, src_rank, layer_idx, stage_idx, hdr_flags,
+                          seq_counters, expected, expected_counts, done_counter, always_send=0,
+                          max_blocks=MAX_BLOCKS) -> LaunchSpec:
+    """Write every non-empty FFN rank's message, flags last (afd_dispatch_scatter<DT>).
+
+    ``hidden``: payload [T, H] row-major; plan arrays and ``verdict`` from
+    :func:`dispatch_plan_spec`; ``peer_windows`` uint64 [F] (device) base address of each FFN
+    rank's window as mapped here; the message goes to slot (region = ``src_rank``, ``ring``).
+    Outputs: ``pos_out`` int32 [NK] (row of each partial in its destination's segment),
+    ``expected`` int64 [F] (seq sent to each rank, 0 = not sent), ``expected_counts`` int32
+    [F, 2] (routed, shared rows sent: what the reply must echo); ``seq_counters`` int64 [F]
+    (this ring's row) is incremented for non-empty ranks only, or for every rank when
+    ``always_send`` is 1 (header-only messages to empty ranks, for lockstep). If the verdict is
+    not STATUS_OK nothing is written to any peer and ``expected`` is all 0.
+    Grid: :func:`scatter_grid`.
+    """
+    num_partials = _count("num_partials", num_partials)
+    num_tokens = _count("num_tokens", num_tokens)
+    top_k = _count("top_k", top_k, low=1)
+    if int(num_partials) != int(num_tokens) * int(top_k):
+        raise ValueError(f"num_partials={num_partials} != num_tokens * top_k = "
+                         f"{num_tokens} * {top_k}")
+    num_ffn = _count("num_ffn_ranks", num_ffn_ranks, low=1, high=MAX_FFN_RANKS)
+    epr = _count("expert_per_rank", expert_per_rank, low=1)
+    num_experts = int(num_ffn) * int(epr)
+    geo = _geometry("geo", geo, header_words=wire.HDR_FIXED_WORDS + int(epr))
+    has_shared = _count("has_shared", has_shared, high=1)
+    args = {"hidden": _address("hidden", hidden, allow_null=num_tokens == 0),
+            "num_tokens": num_tokens, "hidden_size": _count("hidden_size", hidden_size, low=1),
+            "topk_ids": _array("topk_ids", topk_ids, np.int32, num_partials),
+            "num_partials": num_partials, "top_k": top_k, "expert_per_rank": epr,
+            "num_ffn_ranks": num_ffn,
+            "chunk_hist": _array("chunk_hist", chunk_hist, np.int32,
+                                 dispatch_num_chunks(num_partials) * num_experts),
+            "local_rank": _array("local_rank", local_rank, np.int32, num_partials),
+            "expert_start": _array("expert_start", expert_start, np.int32, num_experts),
+            "rank_offsets": _array("rank_offsets", rank_offsets, np.int32, int(num_ffn) + 1),
+            "expert_counts": _array("expert_counts", expert_counts, np.int32, num_experts),
+            "verdict": _array("verdict", verdict, np.int32, 1),
+            "peer_windows": _array("peer_windows", peer_windows, np.uint64, int(num_ffn)),
+            "geo": geo, "ring": _count("ring", ring, high=int(geo["ring_depth"]) - 1),
+            "has_shared": has_shared, "always_send": _count("always_send", always_send, high=1),
+            "pos_out": _array("pos_out", pos_out, np.int32, num_partials),
+            "src_rank": _count("src_rank", src_rank, high=int(geo["num_regions"]) - 1),
+            "layer_idx": np.int32(layer_idx), "stage_idx": np.int32(stage_idx),
+            "hdr_flags": np.int32(hdr_flags),
+            "seq_counters": _array("seq_counters", seq_counters, np.int64, int(num_ffn)),
+            "expected": _array("expected", expected, np.int64, int(num_ffn)),
+            "expected_counts": _array("expected_counts", expected_counts, np.int32, 2 * int(num_ffn)),
+            "done_counter": _array("done_counter", done_counter, np.uint32, 1)}
+    kernel = get_kernel("dispatch.cu", "afd_dispatch_scatter", dtype_code=_dtype(dtype_code))
+    return _spec(kernel, scatter_grid(int(num_tokens), int(top_k), int(has_shared), max_blocks),
+                 KERNEL_LIMITS["SCATTER_THREADS"], args)
+
+
+def scatter_grid(num_tokens: int, top_k: int, has_shared: int, max_blocks: int = MAX_BLOCKS) -> int:
+    """Blocks of afd_dispatch_scatter: one warp per routed partial and per shared row."""
+    return _row_grid(num_tokens * top_k + (num_tokens if has_shared else 0), max_blocks)
+
+
+def _reply_wait_args(*, window, geo, num_ffn_ranks, ring, expected, expected_counts, layer_idx,
+                     stage_idx, last_seen) -> dict:
+    """Checked arguments shared by afd_wait_replies and afd_combine, in their C order."""
+    num_ffn = _count("num_ffn_ranks", num_ffn_ranks, low=1, high=int(geo["num_regions"]))
+    return {"window": _address("window", window), "geo": geo,
+            "num_ffn_ranks": num_ffn, "ring": _count("ring", ring, high=int(geo["ring_depth"]) - 1),
+            "expected": _array("expected", expected, np.int64, int(num_ffn)),
+            "expected_counts": _array("expected_counts", expected_counts, np.int32, 2 * int(num_ffn)),
+            "layer_idx": np.int32(layer_idx), "stage_idx": np.int32(stage_idx),
+            "last_seen": _array("last_seen", last_seen, np.int64,
+                                int(geo["num_regions"]) * int(geo["ring_depth"]))}
+
+
+def wait_replies_spec(*, window, geo, num_ffn_ranks, ring, expected, expected_counts, layer_idx,
+                      stage_idx, last_seen, timeout_ns, status) -> LaunchSpec:
+    """One-warp spin until every rank with ``expected[j] != 0`` replied (afd_wait_replies).
+
+    Launch right before the combine on the same stream with the same arguments: only this
+    kernel spins, so a large combine never holds every SM while it waits. Checks each reply like
+    ``wire.decode_header`` + ``wire.check_reply`` against ``expected``, ``expected_counts``
+    (the scatter's outputs), ``layer_idx`` and ``stage_idx``; errors (TIMEOUT, BAD_HEADER,
+    SHUTDOWN, REPLY_MISMATCH; ST_COUNT = the failing header word) are latched in ``status``.
+    ``last_seen`` int64 [num_slots] is read only (the combine updates it).
+    """
+    geo = _geometry("geo", geo)
+    args = _reply_wait_args(window=window, geo=geo, num_ffn_ranks=num_ffn_ranks, ring=ring,
+                            expected=expected, expected_counts=expected_counts,
+                            layer_idx=layer_idx, stage_idx=stage_idx, last_seen=last_seen)
+    args.update(timeout_ns=_i64("timeout_ns", timeout_ns, low=0), status=_address("status", status))
+    return _spec(get_kernel("combine.cu", "afd_wait_replies"), 1,
+                 KERNEL_LIMITS["WAIT_REPLIES_THREADS"], args)
+
+
+def combine_spec(*, dtype_code, out, num_tokens, hidden_size, topk_ids, topk_weights, pos, top_k,
+                 expert_per_rank, num_ffn_ranks, has_shared, window, geo, ring, expected,
+                 expected_counts, layer_idx, stage_idx, last_seen, timeout_ns, out_scale,
+                 done_counter, status, max_blocks=MAX_BLOCKS) -> LaunchSpec:
+    """Wait for and check the replies (as :func:`wait_replies_spec`), then combine
+    (afd_combine<DT>).
+
+    ``out``: payload [T, H]; ``topk_ids`` int32 [T*K]; ``topk_weights`` float32 [T*K];
+    ``pos`` int32 [T*K] (``pos_out`` of the scatter); ``window``: this rank's own window;
+    ``last_seen`` is updated on success. Bounded by ``timeout_ns``; on an error the output
+    rows are NaN. Grid: :func:`combine_grid`.
+    """
+    num_tokens = _count("num_tokens", num_tokens)
+    top_k = _count("top_k", top_k, low=1, high=MAX_TOP_K)
+    geo = _geometry("geo", geo)
+    num_partials = int(num_tokens) * int(top_k)
+    wait = _reply_wait_args(window=window, geo=geo, num_ffn_ranks=num_ffn_ranks, ring=ring,
+                            expected=expected, expected_counts=expected_counts,
+                            layer_idx=layer_idx, stage_idx=stage_idx, last_seen=last_seen)
+    args = {"out": _address("out", out, allow_null=num_tokens == 0),
+            "num_tokens": num_tokens, "hidden_size": _count("hidden_size", hidden_size, low=1),
+            "topk_ids": _array("topk_ids", topk_ids, np.int32, num_partials),
+            "topk_weights": _array("topk_weights", topk_weights, np.float32, num_partials),
+            "pos": _array("pos", pos, np.int32, num_partials), "top_k": top_k,
+            "expert_per_rank": _count("expert_per_rank", expert_per_rank, low=1),
+            "num_ffn_ranks": wait.pop("num_ffn_ranks"),
+            "has_shared": _count("has_shared", has_shared, high=1), **wait}
+    args.update(timeout_ns=_i64("timeout_ns", timeout_ns, low=0), out_scale=np.float32(out_scale),
+                done_counter=_array("done_counter", done_counter, np.uint32, 1),
+                status=_address("status", status))
+    kernel = get_kernel("combine.cu", "afd_combine", dtype_code=_dtype(dtype_code))
+    return _spec(kernel, combine_grid(int(num_tokens), max_blocks), KERNEL_LIMITS["COMBINE_THREADS"], args)
+
+
+def combine_grid(num_tokens: int, max_blocks: int = MAX_BLOCKS) -> int:
+    """Blocks of afd_combine: one per token, at most ``max_blocks``, at least 1."""
+    return max(1, min(num_tokens, max_blocks))
+
+
+def wait_any_spec(*, window, geo, last_seen, scan_start, timeout_ns, doorbell, ticket) -> LaunchSpec:
+    """FFN arrival detection over every slot flag of the own window (afd_wait_any).
+
+    ``last_seen`` int64 [num_slots] and ``scan_start`` int32 [1] live on the device and are
+    updated on arrival. ``doorbell``: pinned int64 [DB_HEADER + ceil(header_words / 2)]; the
+    kernel writes slot, flag, status (STATUS_OK / STATUS_TIMEOUT) and header words, then
+    ``ticket`` into word DB_TICKET last: the host spins on that word. One block, one warp.
+    """
+    geo = _geometry("geo", geo)
+    num_slots = int(geo["num_regions"]) * int(geo["ring_depth"])
+    args = {"window": _address("window", window), "geo": geo,
+            "last_seen": _array("last_seen", last_seen, np.int64, num_slots),
+            "scan_start": _array("scan_start", scan_start, np.int32, 1),
+            "timeout_ns": _i64("timeout_ns", timeout_ns, low=0),
+            "doorbell": _address("doorbell", doorbell), "ticket": np.int64(ticket)}
+    return _spec(get_kernel("wait_any.cu", "afd_wait_any"), 1, KERNEL_LIMITS["WAIT_ANY_THREADS"], args)
+
+
+def reply_spec(*, dtype_code, dst_window, geo, src_rank, ring, routed_out, num_routed, shared_out,
+               num_shared, hidden_size, header_src, seq, done_counter,
+               max_blocks=MAX_BLOCKS) -> LaunchSpec:
+    """Write ``num_routed`` + ``num_shared`` output rows, then header and flag = ``seq``, into
+    slot (region = ``src_rank``, the own FFN rank; ``ring``) of an Attention peer's window
+    (afd_reply<DT>).
+
+    ``routed_out`` / ``shared_out``: payload [R, H] / [S, H] (may be 0 when the count is 0);
+    ``header_src``: pinned int32 [header_words] prepared by the host; it must stay unchanged
+    until the kernel has run (one buffer per in-flight reply). Grid: :func:`reply_grid`.
+    """
+    num_routed = _count("num_routed", num_routed)
+    num_shared = _count("num_shared", num_shared)
+    geo = _geometry("geo", geo)
+    args = {"dst_window": _address("dst_window", dst_window), "geo": geo,
+            "src_rank": _count("src_rank", src_rank, high=int(geo["num_regions"]) - 1),
+            "ring": _count("ring", ring, high=int(geo["ring_depth"]) - 1),
+            "routed_out": _address("routed_out", routed_out, allow_null=num_routed == 0),
+            "num_routed": num_routed,
+            "shared_out": _address("shared_out", shared_out, allow_null=num_shared == 0),
+            "num_shared": num_shared, "hidden_size": _count("hidden_size", hidden_size, low=1),
+            "header_src": _address("header_src", header_src), "seq": np.int64(seq),
+            "done_counter": _array("done_counter", done_counter, np.uint32, 1)}
+    kernel = get_kernel("reply.cu", "afd_reply", dtype_code=_dtype(dtype_code))
+    return _spec(kernel, reply_grid(int(num_routed) + int(num_shared), max_blocks),
+                 KERNEL_LIMITS["REPLY_THREADS"], args)
+
+
+def reply_grid(num_rows: int, max_blocks: int = MAX_BLOCKS) -> int:
+    """Blocks of afd_reply: one warp per output row, at least 1."""
+    return _row_grid(num_rows, max_blocks)

@@ -1,0 +1,135 @@
+"""Test-only kernel helpers: launch wrappers, the constants probe's table, a reply-check model.
+
+- ``launch_*``: check and launch one kernel on ``stream`` (default: CuPy's current stream),
+  with the keyword arguments of its spec builder in :mod:`afd_cupy.kernels.specs`.
+- :data:`WIRE_CONSTANT_NAMES`, :func:`expected_wire_constants`, :func:`read_wire_constants`: what
+  ``raw_kernels/probes/wire_constants.cu`` writes, and what it must write.
+- :func:`reference_check_reply`: numpy model of the reply checks of ``afd_wait_replies``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from afd_cupy import kernels, wire
+
+
+# --- launch wrappers ---------------------------------------------------------------------------
+def launch_dispatch_plan(*, stream=None, **kwargs) -> None:
+    kernels.dispatch_plan_spec(**kwargs).launch(stream)
+
+
+def launch_dispatch_scatter(*, stream=None, **kwargs) -> None:
+    kernels.dispatch_scatter_spec(**kwargs).launch(stream)
+
+
+def launch_wait_replies(*, stream=None, **kwargs) -> None:
+    kernels.wait_replies_spec(**kwargs).launch(stream)
+
+
+def launch_combine(*, stream=None, **kwargs) -> None:
+    kernels.combine_spec(**kwargs).launch(stream)
+
+
+def launch_wait_any(*, stream=None, **kwargs) -> None:
+    kernels.wait_any_spec(**kwargs).launch(stream)
+
+
+def launch_reply(*, stream=None, **kwargs) -> None:
+    kernels.reply_spec(**kwargs).launch(stream)
+
+
+def dtype_code(dtype) -> int:
+    """Payload dtype code of a name, numpy/cupy dtype or torch dtype."""
+    name = getattr(dtype, "name", None) if not isinstance(dtype, str) else dtype
+    name = str(name if name is not None else dtype).replace("torch.", "")
+    if name not in kernels.DTYPE_CODES:
+        raise ValueError(f"dtype must be one of {sorted(kernels.DTYPE_CODES)}, got {dtype!r}")
+    return kernels.DTYPE_CODES[name]
+
+
+# --- the constants probe -----------------------------------------------------------------------
+_WIRE_NAMES = ("MAGIC", "VERSION", "ALIGN", "FLAG_SHUTDOWN",
+               "HDR_MAGIC", "HDR_VERSION", "HDR_SEQ", "HDR_SRC_RANK", "HDR_LAYER", "HDR_STAGE",
+               "HDR_NUM_TOKENS", "HDR_ROUTED_TOKENS", "HDR_SHARED_TOKENS", "HDR_TOPK",
+               "HDR_FLAGS", "HDR_ECHO_SEQ", "HDR_FIXED_WORDS",
+               "STATUS_OK", "STATUS_CAPACITY", "STATUS_TIMEOUT", "STATUS_BAD_HEADER",
+               "STATUS_REPLY_MISMATCH", "STATUS_SHUTDOWN", "STATUS_BAD_EXPERT",
+               "ST_CODE", "ST_PEER", "ST_SLOT", "ST_RING", "ST_EXPECTED", "ST_OBSERVED",
+               "ST_COUNT", "ST_CAP", "STATUS_WORDS",
+               "DB_TICKET", "DB_STATUS", "DB_SLOT", "DB_FLAG", "DB_HEADER")
+_DTYPE_NAMES = {"DT_BF16": "bfloat16", "DT_F16": "float16", "DT_F32": "float32"}
+#: probes of the device dtype helpers (not constants of wire.cuh), with their expected values
+PROBES = {"PROBE_ITEMSIZE_BF16": 2, "PROBE_ITEMSIZE_F16": 2, "PROBE_ITEMSIZE_F32": 4,
+          "PROBE_BF16_BITS_OF_1_5": 0x3FC0, "PROBE_F16_BITS_OF_1_5": 0x3E00,
+          "PROBE_4_TIMES_BF16_0xC010": -9, "PROBE_4_TIMES_F16_0xC080": -9}
+#: sizeof(SlotGeometry), then the offset of each field (layout probes, not constants)
+GEOMETRY_NAMES = ("GEO_SIZEOF",) + tuple(
+    f"GEO_{name.upper()}" for name in wire.WindowLayout.KERNEL_GEOMETRY_DTYPE.names)
+
+#: order of the values written by afd_read_wire_constants (raw_kernels/probes/wire_constants.cu)
+WIRE_CONSTANT_NAMES = (_WIRE_NAMES + tuple(_DTYPE_NAMES) + tuple(kernels.KERNEL_LIMITS)
+                       + tuple(PROBES) + GEOMETRY_NAMES)
+
+
+def is_mirrored_constant(name: str) -> bool:
+    """True for the names that are constants of wire.cuh (not probes of helpers or layout)."""
+    return not name.startswith(("PROBE_", "GEO_"))
+
+
+def expected_wire_constants() -> dict:
+    """name -> value that afd_read_wire_constants must return (from wire.py and kernels)."""
+    values = {name: getattr(wire, name) for name in _WIRE_NAMES}
+    values.update({name: kernels.DTYPE_CODES[dtype] for name, dtype in _DTYPE_NAMES.items()})
+    values.update(kernels.KERNEL_LIMITS)
+    values.update(PROBES)
+    dtype = wire.WindowLayout.KERNEL_GEOMETRY_DTYPE
+    values["GEO_SIZEOF"] = dtype.itemsize
+    values.update({f"GEO_{name.upper()}": dtype.fields[name][1] for name in dtype.names})
+    assert list(values) == list(WIRE_CONSTANT_NAMES)
+    return values
+
+
+def read_wire_constants() -> dict:
+    """name -> value of the constants compiled into the kernels (synchronizes)."""
+    import cupy
+
+    out = cupy.full(len(WIRE_CONSTANT_NAMES), -12345, dtype=cupy.int64)
+    kernels.get_kernel("probes/wire_constants.cu", "afd_read_wire_constants")((1,), (1,), (out,))
+    return dict(zip(WIRE_CONSTANT_NAMES, (int(v) for v in out.get())))
+
+
+# --- the reply checks of afd_wait_replies, in numpy --------------------------------------------
+def reference_check_reply(header_words, *, seq: int, layer_idx: int, stage_idx: int,
+                          routed_tokens: int, shared_tokens: int, flag: int = -1) -> tuple:
+    """``(code, count, expected, observed)`` that ``afd_wait_replies`` latches for a reply
+    with int32 ``header_words`` to a dispatch with these values; ``(STATUS_OK, -1, -1, -1)``
+    when it passes. ``count`` is the failing header word (HDR_*); a shutdown reports -1, the
+    dispatch ``seq`` and the reply's ``flag`` value.
+
+    Same checks, same order as ``raw_kernels/combine.cu`` ``check_reply`` (and as
+    ``wire.decode_header`` then ``wire.check_reply``).
+    """
+    w = [int(v) for v in np.asarray(header_words, np.int32)]
+    counts = w[wire.HDR_FIXED_WORDS:]
+    counts_sum = sum(counts)
+    magic = w[wire.HDR_MAGIC] & 0xFFFFFFFF
+    if magic != wire.MAGIC:
+        return wire.STATUS_BAD_HEADER, wire.HDR_MAGIC, wire.MAGIC, magic
+    if w[wire.HDR_VERSION] != wire.VERSION:
+        return wire.STATUS_BAD_HEADER, wire.HDR_VERSION, wire.VERSION, w[wire.HDR_VERSION]
+    routed, shared = w[wire.HDR_ROUTED_TOKENS], w[wire.HDR_SHARED_TOKENS]
+    if routed < 0 or min(counts, default=0) < 0:
+        return wire.STATUS_BAD_HEADER, wire.HDR_ROUTED_TOKENS, routed, counts_sum
+    if shared < 0:
+        return wire.STATUS_BAD_HEADER, wire.HDR_SHARED_TOKENS, shared_tokens, shared
+    if counts_sum != routed:
+        return wire.STATUS_BAD_HEADER, wire.HDR_ROUTED_TOKENS, routed, counts_sum
+    if w[wire.HDR_FLAGS] & wire.FLAG_SHUTDOWN:
+        return wire.STATUS_SHUTDOWN, -1, seq, flag
+    for word, want in ((wire.HDR_ECHO_SEQ, seq & 0xFFFFFFFF), (wire.HDR_LAYER, layer_idx),
+                       (wire.HDR_STAGE, stage_idx), (wire.HDR_ROUTED_TOKENS, routed_tokens),
+                       (wire.HDR_SHARED_TOKENS, shared_tokens)):
+        observed = w[word] & 0xFFFFFFFF if word == wire.HDR_ECHO_SEQ else w[word]
+        if observed != want:
+            return wire.STATUS_REPLY_MISMATCH, word, want, observed
+    return wire.STATUS_OK, -1, -1, -1
