@@ -17,9 +17,8 @@ import json
 import logging
 import numpy as np
 
-from afd_cupy import wire
-from afd_cupy.errors import CapacityError, GeometryMismatchError
-from afd_cupy.store import Store
+from afd_cupy.errors import CapacityError
+from afd_cupy.store import Store, store_fetch, store_publish
 from afd_cupy.wire import WindowLayout
 
 logger = logging.getLogger("afd_cupy")
@@ -46,11 +45,12 @@ class Window:
     # --- geometry ---------------------------------------------------------------------------
     def _exchange_geometry(self, store: Store, name: str, timeout_s: float) -> None:
         rank = self.heap.rank
-        store.set(f"geometry/{name}/{rank}", json.dumps(self.layout.as_dict()).encode())
+        store_publish(store, f"geometry/{name}/{rank}", json.dumps(self.layout.as_dict()).encode())
         for other in range(self.heap.world_size):
             if other == rank:
                 continue
-            theirs = json.loads(bytes(store.get(f"geometry/{name}/{other}")).decode())
+            theirs = json.loads(bytes(store_fetch(store, f"geometry/{name}/{other}", timeout_s,
+                                                  peer=other)).decode())
             self.layout.check_same(theirs, my_rank=rank, other_rank=other)
 
     # --- views ------------------------------------------------------------------------------

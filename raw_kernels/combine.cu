@@ -65,7 +65,7 @@ __device__ bool check_reply(const afd_i32* header, afd_i64 counts_sum, bool coun
 __device__ bool wait_replies(afd_u64 window, const SlotGeometry& geo, afd_i32 num_ffn_ranks,
                              afd_i32 ring, const afd_i64* expected, const afd_i32* expected_counts,
                              afd_i32 layer_idx, afd_i32 stage_idx, const afd_i64* last_seen,
-                             afd_i64 timeout_ns, afd_i64* status) {
+                             afd_i64* reply_flags, afd_i64 timeout_ns, afd_i64* status) {
   constexpr unsigned int ALL = 0xffffffffu;
   const int lane = threadIdx.x & 31;
   int ok = (lane == 0) ? status_code(status) == STATUS_OK : 0;
@@ -76,26 +76,29 @@ __device__ bool wait_replies(afd_u64 window, const SlotGeometry& geo, afd_i32 nu
     if (want_seq == 0) continue;
     const afd_i64 slot = geo.slot_index(j, ring);
     afd_i64 flag = 0;
+    const afd_i32* header = geo.header(geo.slot_at(window, slot));
     if (lane == 0) {
-      const afd_i64 seen = last_seen[slot];
+      afd_i64 seen = last_seen[slot];
       const afd_i64* flag_word = geo.flag_at(window, slot);
-      flag = load_volatile(flag_word);
-      for (int spin = 1; ok && flag == seen; ++spin) {
+      for (int spin = 1; ok; ++spin) {
+        flag = load_volatile(flag_word);
+        if (flag != seen) {
+          __threadfence_system();  // acquire: header and rows were written before the flag
+          if (!is_late_reply(header, want_seq)) break;
+          seen = flag;  // answers a dispatch whose wait timed out: dropped, keep waiting
+          continue;
+        }
         if (globaltimer_ns() - start > timeout_ns) {
           report_status(status, STATUS_TIMEOUT, j, slot, ring, want_seq, flag, -1, -1);
           ok = 0;
         } else if (spin % STATUS_POLL_EVERY == 0 && status_code(status) != STATUS_OK) {
           ok = 0;
-        } else {
-          flag = load_volatile(flag_word);
         }
       }
-      __threadfence_system();  // acquire: header and rows were written before the flag
     }
     __syncwarp();  // shares lane 0's acquire with the lanes that read the header below
     if (!__shfl_sync(ALL, ok, 0)) return false;
 
-    const afd_i32* header = geo.header(geo.slot_at(window, slot));
     afd_i64 counts_sum = 0;
     bool negative = false;
     for (int w = HDR_FIXED_WORDS + lane; w < geo.header_words; w += 32) {
@@ -110,6 +113,7 @@ __device__ bool wait_replies(afd_u64 window, const SlotGeometry& geo, afd_i32 nu
       const ReplyWant want{j, slot, ring, want_seq, flag, layer_idx, stage_idx,
                            expected_counts[2 * j], expected_counts[2 * j + 1]};
       ok = check_reply(header, counts_sum, negative, want, status);
+      if (ok) reply_flags[j] = flag;  // the flag consumed: the combine's last block records it
     }
     if (!__shfl_sync(ALL, ok, 0)) return false;
   }
@@ -130,10 +134,11 @@ afd_wait_replies(afd_u64 window,  // this rank's own window
                  const afd_i32* __restrict__ expected_counts,  // [num_ffn_ranks, 2]
                  afd_i32 layer_idx, afd_i32 stage_idx,
                  const afd_i64* __restrict__ last_seen,  // [num_slots], read only
+                 afd_i64* reply_flags,                   // [num_ffn_ranks] out: flags consumed
                  afd_i64 timeout_ns, afd_i64* status) {
   if (blockIdx.x != 0 || threadIdx.x >= 32) return;
   wait_replies(window, geo, num_ffn_ranks, ring, expected, expected_counts, layer_idx, stage_idx,
-               last_seen, timeout_ns, status);
+               last_seen, reply_flags, timeout_ns, status);
 }
 
 // grid = max(1, min(T, MAX_BLOCKS)), block = COMBINE_THREADS; blocks stride over tokens,
@@ -151,7 +156,8 @@ afd_combine(afd_u64 out,  // payload [num_tokens, hidden_size]
             const afd_i64* __restrict__ expected,         // [num_ffn_ranks]
             const afd_i32* __restrict__ expected_counts,  // [num_ffn_ranks, 2]
             afd_i32 layer_idx, afd_i32 stage_idx,
-            afd_i64* last_seen,  // [num_slots]
+            afd_i64* last_seen,    // [num_slots]
+            afd_i64* reply_flags,  // [num_ffn_ranks]: the flags the wait consumed
             afd_i64 timeout_ns, float out_scale, unsigned int* done_counter, afd_i64* status) {
   __shared__ bool s_ok;
   __shared__ float s_weight[MAX_TOP_K];
@@ -162,7 +168,7 @@ afd_combine(afd_u64 out,  // payload [num_tokens, hidden_size]
 
   if (tid < 32) {
     const bool ok = wait_replies(window, geo, num_ffn_ranks, ring, expected, expected_counts,
-                                 layer_idx, stage_idx, last_seen, timeout_ns, status);
+                                 layer_idx, stage_idx, last_seen, reply_flags, timeout_ns, status);
     if (tid == 0) s_ok = ok;
   }
   __syncthreads();
@@ -230,7 +236,9 @@ afd_combine(afd_u64 out,  // payload [num_tokens, hidden_size]
     for (int j = tid; j < num_ffn_ranks; j += COMBINE_THREADS) {
       if (expected[j] != 0) {
         const afd_i64 slot = geo.slot_index(j, ring);
-        last_seen[slot] = load_volatile(geo.flag_at(window, slot));
+        // NOTE: the flag the wait accepted, not a re-read: a message landing since (e.g. a
+        // shutdown) must stay unseen for the next wait.
+        last_seen[slot] = reply_flags[j];
       }
     }
   }

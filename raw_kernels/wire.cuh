@@ -315,6 +315,15 @@ __device__ __forceinline__ bool last_block_done(unsigned int* counter, bool syst
   return s_is_last;
 }
 
+// wire.is_late_reply: a reply (not a shutdown) whose echo_seq lies in the 2**31 seqs before
+// `want_seq` (modulo 2**32) answers an earlier dispatch whose wait timed out; it is dropped.
+__device__ __forceinline__ bool is_late_reply(const afd_i32* header, afd_i64 want_seq) {
+  if (load_volatile32(header + HDR_FLAGS) & FLAG_SHUTDOWN) return false;
+  const afd_u32 echo = static_cast<afd_u32>(load_volatile32(header + HDR_ECHO_SEQ));
+  const afd_u32 behind = static_cast<afd_u32>(want_seq & 0xffffffffll) - echo;
+  return behind != 0u && behind < 0x80000000u;
+}
+
 __device__ __forceinline__ afd_i64 status_code(const afd_i64* status) {
   return load_volatile(status + ST_CODE);
 }

@@ -19,7 +19,7 @@ from afd_cupy import kernels, planner, wire
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.cuda
 
-from afd_cupy.backends.cuda import DispatchScratch  # noqa: E402 (imports torch)
+from afd_cupy.backends.cuda_attention import DispatchScratch  # noqa: E402 (imports torch)
 
 DTYPES = ("bfloat16", "float16", "float32")
 RAW = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.uint32}
@@ -457,7 +457,8 @@ class Combine:
         replies = dict(window=self.window.data.ptr, geo=self.layout.kernel_geometry(),
                        num_ffn_ranks=self.num_ffn, ring=self.ring, expected=cp.asarray(self.expected),
                        expected_counts=cp.asarray(self.expected_counts), layer_idx=self.layer_idx,
-                       stage_idx=self.stage_idx, last_seen=self.last_seen, timeout_ns=timeout_ns,
+                       stage_idx=self.stage_idx, last_seen=self.last_seen,
+                       reply_flags=cp.zeros(self.num_ffn, cp.int64), timeout_ns=timeout_ns,
                        status=self.status.ptr)
         sync()
         start = time.perf_counter()
@@ -543,6 +544,26 @@ def test_combine_timeout_names_peer_and_writes_nan(request, wait_kernel):
     assert int(c.done.get()[0]) == 0
 
 
+@pytest.mark.parametrize("wait_kernel", [True, False], ids=["wait+combine", "combine-alone"])
+def test_combine_drops_a_late_reply_and_keeps_waiting(request, wait_kernel):
+    """A reply echoing an earlier dispatch (its wait timed out) is skipped like wire.is_late_reply
+    says: the wait goes on and ends in TIMEOUT (never REPLY_MISMATCH), last_seen untouched."""
+    c = _two_rank_combine(request)
+    c.write_reply(0)
+    late_echo = (int(c.expected[1]) - 1) & 0xFFFFFFFF
+    words = c.reply_words(1, echo_seq=late_echo)
+    header = wire.decode_header(words, c.epr)
+    assert wire.is_late_reply(header, int(c.expected[1]))
+    c.write_reply(1, words=words)
+    elapsed = c.run(timeout_ns=int(0.05 * 1e9), wait_kernel=wait_kernel)
+    slot = c.layout.slot_index(1, c.ring)
+    assert status_of(c.status.array) == wire.StatusRecord(
+        wire.STATUS_TIMEOUT, 1, slot, c.ring, int(c.expected[1]), c.new_flags[slot], -1, -1)
+    assert elapsed < 5.0
+    c.assert_rows_nan()
+    c.assert_last_seen_unchanged()
+
+
 def _corrupt_counts(c, j, *, first_count=None, routed_delta=0):
     """Reply words of rank ``j`` with the first expert count replaced, or routed_tokens and one
     count shifted together by ``routed_delta`` (consistent counts, wrong total)."""
@@ -602,7 +623,14 @@ def test_combine_header_faults(request, fault, wait_kernel):
         routed_tokens=int(c.expected_counts[1, 0]), shared_tokens=int(c.expected_counts[1, 1]),
         flag=c.new_flags[slot])
     assert (code, count) == REPLY_FAULT_RECORDS[fault]
-    assert status_of(c.status.array) == wire.StatusRecord(code, 1, slot, c.ring, expected, observed, count, -1)
+    record = status_of(c.status.array)
+    assert record == wire.StatusRecord(code, 1, slot, c.ring, expected, observed, count, -1)
+    # the host backend, fed the same bytes, raises the same typed error
+    want = wire.ReplyExpectation(peer=1, seq=int(c.expected[1]), layer_idx=c.layer_idx,
+                                 stage_idx=c.stage_idx, routed_tokens=int(c.expected_counts[1, 0]),
+                                 shared_tokens=int(c.expected_counts[1, 1]))
+    with pytest.raises(type(record.error(layer_idx=c.layer_idx))):
+        wire.check_reply(wire.decode_header(words, c.epr), want)
     c.assert_rows_nan()
     c.assert_last_seen_unchanged()
 
@@ -798,7 +826,8 @@ def test_round_trip_through_all_kernels(request, dtype, num_ffn, num_tokens, top
     status = kernels.PinnedInt64(wire.STATUS_WORDS)
     replies = dict(window=attn_window.data.ptr, geo=geo, num_ffn_ranks=num_ffn, ring=d.ring,
                    expected=d.expected, expected_counts=d.expected_counts, layer_idx=d.layer_idx,
-                   stage_idx=d.stage_idx, last_seen=last_seen, timeout_ns=LONG_TIMEOUT_NS,
+                   stage_idx=d.stage_idx, last_seen=last_seen,
+                   reply_flags=cp.zeros(num_ffn, cp.int64), timeout_ns=LONG_TIMEOUT_NS,
                    status=status.ptr)
     kh.launch_wait_replies(**replies)
     kh.launch_combine(

@@ -55,7 +55,7 @@ _LAYOUT = wire.WindowLayout(num_regions=3, ring_depth=2, expert_per_rank=4, hidd
 def _specs() -> dict:
     arr, geo = _FakeArray(), _LAYOUT.kernel_geometry()
     replies = dict(window=0x3000, geo=geo, num_ffn_ranks=2, ring=1, expected=arr,
-                   expected_counts=arr, layer_idx=3, stage_idx=1, last_seen=arr,
+                   expected_counts=arr, layer_idx=3, stage_idx=1, last_seen=arr, reply_flags=arr,
                    timeout_ns=10**9, status=0x1000)
     return {
         ("dispatch.cu", "afd_dispatch_plan"): kernels.dispatch_plan_spec(
@@ -204,12 +204,14 @@ def test_packed_launch_rejects_untyped_arguments():
 
 def test_backend_sets_only_arguments_its_specs_have(fake_specs):
     """Every ``<launch>.set("name", ...)`` of the cuda backend names an argument of that kernel."""
-    source = (kernels.KERNEL_DIR.parent / "afd_cupy" / "backends" / "cuda.py").read_text()
+    backends = kernels.KERNEL_DIR.parent / "afd_cupy" / "backends"
+    source = "\n".join((backends / name).read_text() for name in ("cuda_attention.py", "cuda_ffn.py"))
     by_var = {"plan": "afd_dispatch_plan", "scatter": "afd_dispatch_scatter",
               "wait": "afd_wait_replies", "combine": "afd_combine",
               "launch": None}  # `launch`: wait_any and reply
     names = {name: set(spec.names) for (_, name), spec in _specs().items()}
     sets = re.findall(r"\b(\w+)\.set\(\"(\w+)\"", source)
+    sets = [(var, arg) for var, arg in sets if var != "self"]
     assert len(sets) >= 19
     for var, arg in sets:
         kernel = by_var[var]

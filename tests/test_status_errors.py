@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from afd_cupy import wire
-from afd_cupy.errors import (CapacityError, ConnectorShutdown, PeerTimeoutError, ProtocolError,
+from afd_cupy.errors import (CapacityError, InvalidRoutingError, ConnectorShutdown, PeerTimeoutError, ProtocolError,
                              WireError)
 from afd_cupy.kernels import StatusBlock, StatusChannel
 
@@ -46,7 +46,7 @@ def test_timeout_names_peer_ring_layer_and_seqs():
     (wire.STATUS_BAD_HEADER, wire.HDR_VERSION, WireError, "version is 5, expected 7"),
     (wire.STATUS_BAD_HEADER, wire.HDR_ROUTED_TOKENS, WireError, "routed_tokens is 5, expected 7"),
     (wire.STATUS_BAD_HEADER, wire.HDR_SHARED_TOKENS, WireError, "shared_tokens is 5, expected 7"),
-    (wire.STATUS_BAD_EXPERT, -1, ProtocolError, "topk id 5 (partial 3) outside [0, 7) for layer 0"),
+    (wire.STATUS_BAD_EXPERT, -1, InvalidRoutingError, "topk id 5 (partial 3) outside [0, 7) for layer 0"),
 ])
 def test_other_codes(code, count, kind, text):
     err = _record(code, count=count).error(layer_idx=0, timeout_s=1.0)

@@ -3,7 +3,8 @@ import pytest
 
 from afd_cupy import wire
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig
-from afd_cupy.errors import CapacityError, GeometryMismatchError, WireError
+from afd_cupy.errors import (CapacityError, ConnectorShutdown, GeometryMismatchError, ProtocolError,
+                             WireError)
 
 
 def _layout(num_attn=2, num_ffn=3, dtype="bfloat16", shared=1, ring_depth=None, hidden=72, experts=10):
@@ -122,3 +123,61 @@ def test_check_capacity_messages():
         wire.check_capacity(layout, num_tokens=38, routed_tokens=0, shared_tokens=0, peer=0)
     with pytest.raises(CapacityError, match=r"14 shared rows for FFN rank 1 > shared_cap=13"):
         wire.check_capacity(layout, num_tokens=5, routed_tokens=0, shared_tokens=14, peer=1)
+
+
+# --- the protocol's messages and reply rules ---------------------------------------------------
+def _dispatch(seq=7, layer=3, stage=1):
+    return wire.dispatch_header(seq=seq, src_rank=1, layer_idx=layer, stage_idx=stage, num_tokens=5,
+                                shared_tokens=2, top_k=2, expert_counts=(3, 0, 1))
+
+
+def test_builders_round_trip_and_reply_echoes_the_dispatch():
+    dispatch = _dispatch()
+    assert dispatch.routed_tokens == 4 and not dispatch.is_shutdown
+    reply = wire.reply_header(dispatch, seq=11, src_rank=2)
+    decoded = wire.decode_header(wire.encode_header(reply, 3), 3)
+    assert decoded == reply and reply.echo_seq == 7 and reply.src_rank == 2
+    assert (reply.layer_idx, reply.stage_idx, reply.routed_tokens, reply.shared_tokens) == (3, 1, 4, 2)
+    down = wire.shutdown_header(src_rank=0, top_k=2, expert_per_rank=3)
+    assert down.is_shutdown and down.seq == wire.SHUTDOWN_SEQ and down.expert_counts == (0, 0, 0)
+
+
+def _want(**overrides):
+    fields = dict(peer=2, seq=7, layer_idx=3, stage_idx=1, routed_tokens=4, shared_tokens=2)
+    fields.update(overrides)
+    return wire.ReplyExpectation(**fields)
+
+
+@pytest.mark.parametrize("field,value", [("seq", 8), ("layer_idx", 4), ("stage_idx", 0),
+                                         ("routed_tokens", 5), ("shared_tokens", 1)])
+def test_check_reply_names_the_first_differing_field(field, value):
+    reply = wire.reply_header(_dispatch(), seq=11, src_rank=2)
+    wire.check_reply(reply, _want())  # the right reply passes
+    name = "echo_seq" if field == "seq" else field
+    with pytest.raises(ProtocolError, match=f"FFN rank 2 for layer .* echoes {name}=") as info:
+        wire.check_reply(reply, _want(**{field: value}))
+    assert info.value.field == name and info.value.peer == 2
+
+
+def test_check_reply_shutdown_is_connector_shutdown():
+    down = wire.shutdown_header(src_rank=2, top_k=2, expert_per_rank=3)
+    with pytest.raises(ConnectorShutdown, match="FFN rank 2 announced shutdown while a reply for layer 3"):
+        wire.check_reply(down, _want())
+
+
+@pytest.mark.parametrize("want,echo,late", [(7, 6, True), (7, 7, False), (7, 8, False),
+                                            (1, 0xFFFFFFFF, True), (2**32 + 3, 2, True),
+                                            (7, (7 - 2**31) & 0xFFFFFFFF, False)])
+def test_late_reply_is_an_earlier_seq_modulo_2_32(want, echo, late):
+    reply = wire.Header(seq=1, src_rank=0, layer_idx=0, stage_idx=0, num_tokens=0, routed_tokens=0,
+                        shared_tokens=0, top_k=1, flags=0, echo_seq=echo, expert_counts=(0,))
+    assert wire.is_late_reply(reply, want) is late
+    down = wire.shutdown_header(src_rank=0, top_k=1, expert_per_rank=1)
+    assert not wire.is_late_reply(down, want)
+
+
+def test_status_record_errors_match_the_host_types():
+    record = wire.StatusRecord(wire.STATUS_REPLY_MISMATCH, 1, 3, 1, 7, 6, wire.HDR_LAYER, -1)
+    err = record.error(layer_idx=6)
+    assert isinstance(err, ProtocolError) and err.field == "layer_idx" and "FFN rank 1 for layer 6" in str(err)
+    assert isinstance(wire.StatusRecord(wire.STATUS_SHUTDOWN, 1, 3, 1, 7, 9, -1, -1).error(), ConnectorShutdown)

@@ -154,7 +154,7 @@ def scatter_grid(num_tokens: int, top_k: int, has_shared: int, max_blocks: int =
 
 
 def _reply_wait_args(*, window, geo, num_ffn_ranks, ring, expected, expected_counts, layer_idx,
-                     stage_idx, last_seen) -> dict:
+                     stage_idx, last_seen, reply_flags) -> dict:
     """Checked arguments shared by afd_wait_replies and afd_combine, in their C order."""
     num_ffn = _count("num_ffn_ranks", num_ffn_ranks, low=1, high=int(geo["num_regions"]))
     return {"window": _address("window", window), "geo": geo,
@@ -163,11 +163,12 @@ def _reply_wait_args(*, window, geo, num_ffn_ranks, ring, expected, expected_cou
             "expected_counts": _array("expected_counts", expected_counts, np.int32, 2 * int(num_ffn)),
             "layer_idx": np.int32(layer_idx), "stage_idx": np.int32(stage_idx),
             "last_seen": _array("last_seen", last_seen, np.int64,
-                                int(geo["num_regions"]) * int(geo["ring_depth"]))}
+                                int(geo["num_regions"]) * int(geo["ring_depth"])),
+            "reply_flags": _array("reply_flags", reply_flags, np.int64, int(num_ffn))}
 
 
 def wait_replies_spec(*, window, geo, num_ffn_ranks, ring, expected, expected_counts, layer_idx,
-                      stage_idx, last_seen, timeout_ns, status) -> LaunchSpec:
+                      stage_idx, last_seen, reply_flags, timeout_ns, status) -> LaunchSpec:
     """One-warp spin until every rank with ``expected[j] != 0`` replied (afd_wait_replies).
 
     Launch right before the combine on the same stream with the same arguments: only this
@@ -175,12 +176,15 @@ def wait_replies_spec(*, window, geo, num_ffn_ranks, ring, expected, expected_co
     ``wire.decode_header`` + ``wire.check_reply`` against ``expected``, ``expected_counts``
     (the scatter's outputs), ``layer_idx`` and ``stage_idx``; errors (TIMEOUT, BAD_HEADER,
     SHUTDOWN, REPLY_MISMATCH; ST_COUNT = the failing header word) are latched in ``status``.
-    ``last_seen`` int64 [num_slots] is read only (the combine updates it).
+    ``last_seen`` int64 [num_slots] is read only (the combine updates it); a reply answering
+    an earlier dispatch (``wire.is_late_reply``) is skipped and the wait goes on. The flag of
+    each accepted reply is written to ``reply_flags`` int64 [num_ffn_ranks].
     """
     geo = _geometry("geo", geo)
     args = _reply_wait_args(window=window, geo=geo, num_ffn_ranks=num_ffn_ranks, ring=ring,
                             expected=expected, expected_counts=expected_counts,
-                            layer_idx=layer_idx, stage_idx=stage_idx, last_seen=last_seen)
+                            layer_idx=layer_idx, stage_idx=stage_idx, last_seen=last_seen,
+                            reply_flags=reply_flags)
     args.update(timeout_ns=_i64("timeout_ns", timeout_ns, low=0), status=_address("status", status))
     return _spec(get_kernel("combine.cu", "afd_wait_replies"), 1,
                  KERNEL_LIMITS["WAIT_REPLIES_THREADS"], args)
@@ -188,14 +192,14 @@ def wait_replies_spec(*, window, geo, num_ffn_ranks, ring, expected, expected_co
 
 def combine_spec(*, dtype_code, out, num_tokens, hidden_size, topk_ids, topk_weights, pos, top_k,
                  expert_per_rank, num_ffn_ranks, has_shared, window, geo, ring, expected,
-                 expected_counts, layer_idx, stage_idx, last_seen, timeout_ns, out_scale,
-                 done_counter, status, max_blocks=MAX_BLOCKS) -> LaunchSpec:
+                 expected_counts, layer_idx, stage_idx, last_seen, reply_flags, timeout_ns,
+                 out_scale, done_counter, status, max_blocks=MAX_BLOCKS) -> LaunchSpec:
     """Wait for and check the replies (as :func:`wait_replies_spec`), then combine
     (afd_combine<DT>).
 
     ``out``: payload [T, H]; ``topk_ids`` int32 [T*K]; ``topk_weights`` float32 [T*K];
     ``pos`` int32 [T*K] (``pos_out`` of the scatter); ``window``: this rank's own window;
-    ``last_seen`` is updated on success. Bounded by ``timeout_ns``; on an error the output
+    ``last_seen`` is set from ``reply_flags`` on success. Bounded by ``timeout_ns``; on an error the output
     rows are NaN. Grid: :func:`combine_grid`.
     """
     num_tokens = _count("num_tokens", num_tokens)
@@ -204,7 +208,8 @@ def combine_spec(*, dtype_code, out, num_tokens, hidden_size, topk_ids, topk_wei
     num_partials = int(num_tokens) * int(top_k)
     wait = _reply_wait_args(window=window, geo=geo, num_ffn_ranks=num_ffn_ranks, ring=ring,
                             expected=expected, expected_counts=expected_counts,
-                            layer_idx=layer_idx, stage_idx=stage_idx, last_seen=last_seen)
+                            layer_idx=layer_idx, stage_idx=stage_idx, last_seen=last_seen,
+                            reply_flags=reply_flags)
     args = {"out": _address("out", out, allow_null=num_tokens == 0),
             "num_tokens": num_tokens, "hidden_size": _count("hidden_size", hidden_size, low=1),
             "topk_ids": _array("topk_ids", topk_ids, np.int32, num_partials),

@@ -1,0 +1,210 @@
+"""cuda backend, Attention side: plan -> scatter on send, wait_replies -> combine on receive.
+
+A mixin of :class:`afd_cupy.backends.cuda.CudaDataPath` (it uses the path's context, window,
+status channel, streams and geometry). Four packed launches per ring, built once; per call
+only the token count, pointers, layer and stage are rewritten. Sequence numbers and what each
+reply must echo live on the device (``seq_counters``, ``expected``, ``expected_counts``).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from afd_cupy import kernels, wire
+from afd_cupy.errors import reply_timeout_error
+from afd_cupy.topology import Role
+
+
+@dataclass(frozen=True)
+class DispatchScratch:
+    """Device scratch of one dispatch in flight, sized for ``max_partials`` (CuPy arrays).
+
+    ``chunk_hist`` int32 [max(1, chunks), E]; ``local_rank``, ``pos`` int32 [max(1, NK)];
+    ``expert_counts``, ``expert_start`` int32 [E]; ``rank_offsets`` int32 [F + 1];
+    ``verdict`` int32 [1] (the plan's send decision, read by the scatter);
+    ``plan_done``, ``scatter_done`` uint32 [1] zeroed done counters.
+    """
+
+    chunk_hist: object
+    local_rank: object
+    pos: object
+    expert_counts: object
+    expert_start: object
+    rank_offsets: object
+    verdict: object
+    plan_done: object
+    scatter_done: object
+
+    @classmethod
+    def allocate(cls, max_partials: int, num_ffn_ranks: int, expert_per_rank: int) -> "DispatchScratch":
+        import cupy
+
+        num_experts = num_ffn_ranks * expert_per_rank
+        rows = max(1, kernels.dispatch_num_chunks(max_partials))
+        return cls(chunk_hist=cupy.zeros((rows, num_experts), cupy.int32),
+                   local_rank=cupy.zeros(max(1, max_partials), cupy.int32),
+                   pos=cupy.zeros(max(1, max_partials), cupy.int32),
+                   expert_counts=cupy.zeros(num_experts, cupy.int32),
+                   expert_start=cupy.zeros(num_experts, cupy.int32),
+                   rank_offsets=cupy.zeros(num_ffn_ranks + 1, cupy.int32),
+                   verdict=cupy.zeros(1, cupy.int32),
+                   plan_done=cupy.zeros(1, cupy.uint32), scatter_done=cupy.zeros(1, cupy.uint32))
+
+
+@dataclass
+class CudaSendState:
+    """One dispatch in flight: its ring's buffers and the tensors its kernels read."""
+
+    ring: int
+    expected: object  # cupy int64 [F]: seq sent to FFN rank j, 0 when nothing was sent
+    topk_ids: torch.Tensor  # int32 [T*K], kept alive for the combine
+    hidden: torch.Tensor
+    num_tokens: int
+
+
+#: pinned reply-header staging rows per (Attention rank, ring): replies in flight per slot
+class CudaAttentionSide:
+    """The Attention-side steps of the cuda data path (mixin)."""
+
+    def _init_attention(self) -> None:
+        cp, ctx, layout = self.cp, self.ctx, self.layout
+        num_ffn = ctx.num_ffn_ranks
+        max_partials = layout.token_cap * layout.top_k
+        self.peer_windows = cp.array([self.window.peer_ptr(ctx.peer_pe(Role.FFN, j))
+                                      for j in range(num_ffn)], dtype=cp.uint64)
+        self.seq_counters = cp.zeros((layout.ring_depth, num_ffn), cp.int64)
+        self.scratch = [DispatchScratch.allocate(max_partials, num_ffn, layout.expert_per_rank)
+                        for _ in range(layout.ring_depth)]
+        self.expected = [cp.zeros(num_ffn, cp.int64) for _ in range(layout.ring_depth)]
+        # (routed, shared) rows sent to each FFN rank: what its reply must echo
+        self.expected_counts = [cp.zeros((num_ffn, 2), cp.int32) for _ in range(layout.ring_depth)]
+        self.reply_flags = [cp.zeros(num_ffn, cp.int64) for _ in range(layout.ring_depth)]
+        self.combine_done = [cp.zeros(1, cp.uint32) for _ in range(layout.ring_depth)]
+        self.launches = [self._attention_launches(ring) for ring in range(layout.ring_depth)]
+        # expert ids outside [0, num_experts) must reach the plan kernel as invalid ids
+        self._mask_ids = ctx.num_experts != num_ffn * layout.expert_per_rank
+
+    def _attention_launches(self, ring: int) -> dict:
+        """The four Attention-side kernels of one ring, checked and packed once.
+
+        The specs are checked at full capacity (``token_cap`` tokens) with placeholders for
+        the per-call arguments (token count, hidden/ids/weights/output pointers, layer,
+        stage), which :meth:`dispatch` and :meth:`combine` rewrite before each launch.
+        NOTE: the connector checks ``num_tokens <= token_cap`` before every dispatch, so the
+        scratch buffers checked here fit every launch.
+        """
+        ctx, layout, geo = self.ctx, self.layout, self.geometry
+        scratch, expected = self.scratch[ring], self.expected[ring]
+        num_ffn, epr, cap = ctx.num_ffn_ranks, layout.expert_per_rank, layout.token_cap
+        placeholder_ids = scratch.local_rank  # int32 [token_cap * top_k]; replaced per call
+        plan = kernels.dispatch_plan_spec(
+            topk_ids=placeholder_ids, num_partials=cap * layout.top_k, num_ffn_ranks=num_ffn,
+            expert_per_rank=epr, routed_cap=layout.routed_cap, chunk_hist=scratch.chunk_hist,
+            local_rank=scratch.local_rank, expert_counts=scratch.expert_counts,
+            expert_start=scratch.expert_start, rank_offsets=scratch.rank_offsets,
+            verdict=scratch.verdict, done_counter=scratch.plan_done, status=self.status.ptr)
+        scatter = kernels.dispatch_scatter_spec(
+            dtype_code=self.dtype_code, hidden=self.own_window, num_tokens=cap,
+            hidden_size=layout.hidden_size, topk_ids=placeholder_ids, num_partials=cap * layout.top_k,
+            top_k=layout.top_k, expert_per_rank=epr, num_ffn_ranks=num_ffn,
+            chunk_hist=scratch.chunk_hist, local_rank=scratch.local_rank,
+            expert_start=scratch.expert_start, rank_offsets=scratch.rank_offsets,
+            expert_counts=scratch.expert_counts, verdict=scratch.verdict,
+            peer_windows=self.peer_windows, geo=geo, ring=ring, has_shared=int(ctx.has_shared),
+            always_send=int(ctx.always_send), pos_out=scratch.pos, src_rank=ctx.role_rank,
+            layer_idx=0, stage_idx=0, hdr_flags=0, seq_counters=self.seq_counters[ring],
+            expected=expected, expected_counts=self.expected_counts[ring],
+            done_counter=scratch.scatter_done)
+        replies = dict(window=self.own_window, geo=geo, num_ffn_ranks=num_ffn, ring=ring,
+                       expected=expected, expected_counts=self.expected_counts[ring], layer_idx=0,
+                       stage_idx=0, last_seen=self.last_seen, reply_flags=self.reply_flags[ring],
+                       timeout_ns=self.timeout_ns, status=self.status.ptr)
+        wait = kernels.wait_replies_spec(**replies)
+        combine = kernels.combine_spec(
+            dtype_code=self.dtype_code, out=self.own_window, num_tokens=cap,
+            hidden_size=layout.hidden_size, topk_ids=placeholder_ids,
+            topk_weights=placeholder_ids.view(self.cp.float32), pos=scratch.pos,
+            top_k=layout.top_k, expert_per_rank=epr, has_shared=int(ctx.has_shared),
+            out_scale=1.0, done_counter=self.combine_done[ring], **replies)
+        return {name: kernels.PackedLaunch(spec) for name, spec in
+                (("plan", plan), ("scatter", scatter), ("wait", wait), ("combine", combine))}
+
+    def dispatch(self, hidden, topk_ids, *, layer_idx: int, stage_idx: int, ring: int) -> CudaSendState:
+        ctx, layout = self.ctx, self.layout
+        self._use_device()
+        self.status.raise_latched()
+        num_tokens = hidden.shape[0]
+        hidden = hidden.contiguous()
+        if topk_ids.dtype != torch.int32 or self._mask_ids:
+            # an id that an int32 cast would wrap, or that names a padding expert, becomes -1:
+            # the plan kernel rejects it (BAD_EXPERT) and nothing is sent
+            topk_ids = topk_ids.masked_fill((topk_ids < 0) | (topk_ids >= ctx.num_experts), -1)
+        ids = topk_ids.to(torch.int32).reshape(-1).contiguous()
+        launches, stream = self.launches[ring], self.stream_ptr()
+        num_partials = num_tokens * layout.top_k
+        plan = launches["plan"]
+        plan.set("topk_ids", ids.data_ptr())
+        plan.set("num_partials", num_partials)
+        plan.launch(stream, kernels.plan_grid(num_partials))
+        scatter = launches["scatter"]
+        scatter.set("hidden", hidden.data_ptr())
+        scatter.set("num_tokens", num_tokens)
+        scatter.set("topk_ids", ids.data_ptr())
+        scatter.set("num_partials", num_partials)
+        scatter.set("layer_idx", layer_idx)
+        scatter.set("stage_idx", stage_idx)
+        scatter.launch(stream, kernels.scatter_grid(num_tokens, layout.top_k, int(ctx.has_shared)))
+        return CudaSendState(ring, self.expected[ring], ids, hidden, num_tokens)
+
+    def sent_to(self, state: CudaSendState) -> list[int]:
+        return [int(j) for j in np.flatnonzero(state.expected.get())]
+
+    # --- Attention side: wait_replies -> combine --------------------------------------------
+    def combine(self, state: CudaSendState, topk_ids, topk_weights, *, ring: int, layer_idx: int,
+                stage_idx: int, out_scale: float, blocking: bool = True) -> torch.Tensor:
+        layout, ctx = self.layout, self.ctx
+        self._use_device()
+        if blocking:
+            self._no_capture("recv_ffn_output(blocking=True)")
+        num_tokens = state.num_tokens
+        weights = topk_weights.detach().to(torch.float32).reshape(-1).contiguous()
+        out = torch.empty(num_tokens, layout.hidden_size, dtype=ctx.torch_dtype, device=self.device)
+        launches, stream = self.launches[ring], self.stream_ptr()
+        wait, combine = launches["wait"], launches["combine"]
+        wait.set("layer_idx", layer_idx)  # what this ring's replies must echo
+        wait.set("stage_idx", stage_idx)
+        combine.set("layer_idx", layer_idx)
+        combine.set("stage_idx", stage_idx)
+        if self.host_polling is not None:
+            self._host_wait_replies(state, ring, layer_idx, stage_idx)
+        else:
+            wait.launch(stream)
+        combine.set("out", out.data_ptr())
+        combine.set("num_tokens", num_tokens)
+        combine.set("topk_ids", state.topk_ids.data_ptr())
+        combine.set("topk_weights", weights.data_ptr())
+        combine.set("out_scale", out_scale)
+        combine.launch(stream, kernels.combine_grid(num_tokens))
+        if blocking:
+            self.status.sync_and_raise(layer_idx=layer_idx)
+        return out
+
+    def _host_wait_replies(self, state: CudaSendState, ring: int, layer_idx: int, stage_idx: int) -> None:
+        """poll_mode="host": wait for the replies with host copies of the flags (no spinning
+        kernel); late replies are dropped here as on the device, the combine re-checks."""
+        self._no_capture("poll_mode='host'")
+        self.status.sync_and_raise(layer_idx=layer_idx)
+        expected = state.expected.get()
+        deadline = time.monotonic() + self.ctx.peer_timeout_s
+        polling = self.host_polling
+        for j in np.flatnonzero(expected):
+            want_seq = int(expected[j])
+            while True:
+                if polling.wait_flag(int(j), ring, deadline) is None:
+                    raise reply_timeout_error(int(j), ring, layer_idx, want_seq,
+                                              polling.last_seen(int(j), ring), self.ctx.peer_timeout_s)
+                if not wire.is_late_reply(polling.read_header(int(j), ring), want_seq):
+                    break

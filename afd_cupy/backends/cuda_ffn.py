@@ -1,0 +1,170 @@
+"""cuda backend, FFN side: wait_any (device spin ringing a pinned doorbell, or host polling),
+zero-copy item views, and the reply kernel with its header staged in pinned memory.
+
+A mixin of :class:`afd_cupy.backends.cuda.CudaDataPath` (it uses the path's context, window,
+streams and geometry). Reply sequence numbers are this side's own (one counter per slot).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from afd_cupy import kernels, wire
+from afd_cupy.backends.base import Arrival, ItemViews
+from afd_cupy.dtypes import payload_dtype
+from afd_cupy.errors import PeerTimeoutError
+from afd_cupy.kernels import PinnedInt64
+from afd_cupy.topology import Role
+
+#: extra host-side wait beyond a kernel's own timeout before the host stops trusting it
+_HOST_GRACE_S = 5.0
+#: pinned reply-header staging rows per (Attention rank, ring): replies in flight per slot
+STAGING_DEPTH = 4
+
+
+class CudaFFNSide:
+    """The FFN-side steps of the cuda data path (mixin)."""
+
+    def _init_ffn(self) -> None:
+        cp, layout = self.cp, self.layout
+        self.scan_start = cp.zeros(1, cp.int32)
+        self.doorbell = PinnedInt64(wire.DB_HEADER + -(-layout.header_words // 2))
+        self.ticket = 0
+        self.poll_stream = cp.cuda.Stream(non_blocking=True)
+        # Reply headers are staged in pinned memory and read by the reply kernel when it runs;
+        # STAGING_DEPTH rows per slot, each reused only once the reply that read it has run.
+        self.row_words = -(-layout.header_words // 2) * 2
+        self.staging = PinnedInt64(layout.num_slots * STAGING_DEPTH * self.row_words // 2)
+        self.staging_events = [[None] * STAGING_DEPTH for _ in range(layout.num_slots)]
+        self.staging_next = [0] * layout.num_slots
+        self.reply_seqs = np.zeros(layout.num_slots, np.int64)  # this rank's reply seq per slot
+        self.reply_done = [cp.zeros(1, cp.uint32) for _ in range(layout.num_slots)]
+        self.views = [self._slot_views(region, ring) for region in range(layout.num_regions)
+                      for ring in range(layout.ring_depth)]
+        self.empty_rows = torch.empty(0, layout.hidden_size, dtype=self.ctx.torch_dtype, device=self.device)
+        self.wait_any_launch = kernels.PackedLaunch(kernels.wait_any_spec(
+            window=self.own_window, geo=self.geometry, last_seen=self.last_seen,
+            scan_start=self.scan_start, timeout_ns=0, doorbell=self.doorbell.ptr, ticket=0))
+        self.reply_launches: dict[tuple, kernels.PackedLaunch] = {}  # (attn_rank, ring) -> launch
+
+    def _slot_views(self, region: int, ring: int) -> dict:
+        """Full-capacity torch views of one slot of the own window (created once)."""
+        layout, window, pe = self.layout, self.window, self.ctx.world_rank
+        words = payload_dtype(self.ctx.dtype).raw_word
+        views = {"counts": self._as_torch(window.header_view(pe, region, ring)[wire.HDR_FIXED_WORDS:])}
+        for name, cap in (("routed_x", layout.routed_cap), ("shared_x", layout.shared_cap)):
+            if cap:
+                raw = window.field(pe, region, ring, name, words, (cap, layout.hidden_size))
+                views[name] = self._as_torch(raw).view(self.ctx.torch_dtype)
+        if layout.routed_cap:
+            views["route_table"] = self._as_torch(
+                window.field(pe, region, ring, "route_table", np.int32, (layout.routed_cap, 2)))
+        return views
+
+    def wait_any(self, timeout_s: float) -> Arrival | None:
+        self._use_device()
+        if self.host_polling is not None:
+            found = self.host_polling.wait_any(timeout_s)
+            if found is None:
+                return None
+            header = self.host_polling.read_header(found.region, found.ring)
+            return Arrival(found.region, found.ring, header)
+        return self._device_wait_any(timeout_s)
+
+    def _device_wait_any(self, timeout_s: float) -> Arrival | None:
+        layout = self.layout
+        self.ticket += 1
+        bell = self.doorbell.array
+        launch = self.wait_any_launch
+        launch.set("timeout_ns", int(timeout_s * 1e9))
+        launch.set("ticket", self.ticket)
+        launch.launch(self.poll_stream.ptr)
+        deadline = time.monotonic() + timeout_s + _HOST_GRACE_S
+        spins = 0
+        # NOTE: reading the doorbell after its ticket relies on x86-64 load ordering (TSO);
+        # a weakly ordered host would need an acquire fence here.
+        while bell[wire.DB_TICKET] != self.ticket:
+            spins += 1
+            if spins % 4096 == 0 and time.monotonic() > deadline:
+                # NOTE: the kernel may not have started (GPU busy); waiting for it is bounded by
+                # its own timeout once it runs, and it must not consume an arrival unseen.
+                self.poll_stream.synchronize()
+                if bell[wire.DB_TICKET] != self.ticket:
+                    raise PeerTimeoutError(f"wait_any kernel did not report ticket {self.ticket}")
+        if bell[wire.DB_STATUS] != wire.STATUS_OK:
+            return None
+        slot = int(bell[wire.DB_SLOT])
+        words = bell[wire.DB_HEADER:].view(np.int32)[:layout.header_words].copy()
+        region, ring = divmod(slot, layout.ring_depth)
+        return Arrival(region, ring, wire.decode_header(words, layout.expert_per_rank))
+
+    def item_views(self, arrival: Arrival) -> ItemViews:
+        header = arrival.header
+        views = self.views[self.layout.slot_index(arrival.region, arrival.ring)]
+        empty = self.empty_rows
+        routed = views["routed_x"][:header.routed_tokens] if header.routed_tokens else empty
+        shared = views["shared_x"][:header.shared_tokens] if header.shared_tokens else empty
+        route = views["route_table"][:header.routed_tokens] if "route_table" in views else None
+        return ItemViews(routed, shared, route, views["counts"])
+
+    def reply(self, arrival: Arrival, routed_out, shared_out) -> None:
+        """Write the outputs, the reply header and the flag into the sender's window."""
+        layout = self.layout
+        self._use_device()
+        slot = layout.slot_index(arrival.region, arrival.ring)
+        self.reply_seqs[slot] += 1
+        seq = int(self.reply_seqs[slot])
+        header = wire.reply_header(arrival.header, seq=seq, src_rank=self.ctx.role_rank)
+        row = self._staging_row(slot)
+        start = row * self.row_words
+        self.staging.int32[start:start + layout.header_words] = wire.header_word_list(
+            header, layout.expert_per_rank)
+        routed_out = routed_out.contiguous()
+        num_routed = routed_out.shape[0]
+        num_shared = 0 if shared_out is None else shared_out.shape[0]
+        launch = self.reply_launches.get((arrival.region, arrival.ring))
+        if launch is None:
+            launch = self.reply_launches[(arrival.region, arrival.ring)] = self._reply_launch(
+                arrival.region, arrival.ring)
+        launch.set("routed_out", routed_out.data_ptr() if num_routed else 0)
+        launch.set("num_routed", num_routed)
+        launch.set("shared_out", shared_out.contiguous().data_ptr() if num_shared else 0)
+        launch.set("num_shared", num_shared)
+        launch.set("header_src", self.staging.ptr + start * 4)
+        launch.set("seq", seq)
+        # NOTE: a copy made by .contiguous() may be freed on return: torch's allocator reuses
+        # it only for work queued later on this same stream, after the kernel has read it.
+        stream = self.stream_ptr()
+        launch.launch(stream, kernels.reply_grid(num_routed + num_shared))
+        event = self.staging_events[slot][row % STAGING_DEPTH]
+        if event is None:
+            event = self.staging_events[slot][row % STAGING_DEPTH] = self.cp.cuda.Event(disable_timing=True)
+        event.record(self.stream())
+
+    def _staging_row(self, slot: int) -> int:
+        """The next pinned header row of ``slot`` that no queued reply still has to read.
+
+        Normally the row's previous reply ran long ago; after a timeout the Attention side may
+        send again on the slot while replies are still queued here, and then this waits
+        (bounded by the reply kernels, which do not spin)."""
+        k = self.staging_next[slot]
+        self.staging_next[slot] = (k + 1) % STAGING_DEPTH
+        event = self.staging_events[slot][k]
+        if event is not None and not event.done:
+            event.synchronize()
+        return slot * STAGING_DEPTH + k
+
+    def _reply_launch(self, attn_rank: int, ring: int) -> kernels.PackedLaunch:
+        """The reply kernel of one (Attention rank, ring), checked and packed once."""
+        layout, ctx = self.layout, self.ctx
+        slot = layout.slot_index(attn_rank, ring)
+        return kernels.PackedLaunch(kernels.reply_spec(
+            dtype_code=self.dtype_code,
+            dst_window=self.window.peer_ptr(ctx.peer_pe(Role.ATTENTION, attn_rank)),
+            geo=self.geometry, src_rank=ctx.role_rank, ring=ring, routed_out=0, num_routed=0,
+            shared_out=0, num_shared=0, hidden_size=layout.hidden_size,
+            header_src=self.staging.ptr, seq=0, done_counter=self.reply_done[slot]))
+
+    # --- both -------------------------------------------------------------------------------
