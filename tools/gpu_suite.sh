@@ -41,8 +41,10 @@ run_step() {  # name, timeout, command...   (NO_MPS=1 run_step ...: with MPS sto
 }
 
 # single-process kernel tests first, multi-process end-to-end tests last
+# (the fault tests kill processes mid-run, which can leave MPS refusing clients: they go last)
 TEST_FILES=$(ls tests/test_kernels_cuda.py tests/test_moe.py tests/test_nvshmem_binding.py 2>/dev/null; \
-  ls tests/test_*.py | grep -v -e test_kernels_cuda -e test_moe.py -e test_nvshmem_binding)
+  ls tests/test_*.py | grep -v -e test_kernels_cuda -e test_moe.py -e test_nvshmem_binding -e test_faults; \
+  ls tests/test_faults.py)
 if [ "$MODE" != bench ]; then
 run_step pytest_cuda "$SUITE_TIMEOUT" python3 -m pytest -m cuda -q -p no:cacheprovider \
   --timeout=${TEST_TIMEOUT:-90} -rfEs $TEST_FILES

@@ -112,12 +112,12 @@ class CudaDataPath(CudaAttentionSide, CudaFFNSide):
             raise ValueError(f"{what} synchronizes with the host and cannot be captured in a CUDA "
                              "graph: capture recv_ffn_output(blocking=False) with poll_mode='device'")
 
-    # --- Attention side: plan -> scatter ----------------------------------------------------    # --- both -------------------------------------------------------------------------------
+    # --- both -------------------------------------------------------------------------------
     def check_errors(self) -> None:
         self._use_device()
         self.status.sync_and_raise()
 
-    # --- FFN side ---------------------------------------------------------------------------    def announce_shutdown(self) -> None:
+    def announce_shutdown(self) -> None:
         """Shutdown headers to every ring of every opposite peer: ordered copies on the current
         stream (payload-free, header then flag), then a synchronization."""
         ctx, layout = self.ctx, self.layout
