@@ -1,4 +1,4 @@
-"""The AFD connector: one object per process, Attention side or FFN side (DESIGN §6).
+"""The AFD connector: one object per process, Attention side or FFN side (docs/design.md §4).
 
 Attention side::
 

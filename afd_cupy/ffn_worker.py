@@ -1,4 +1,4 @@
-"""The self-driven FFN loop (DESIGN §6, FFN side), with two schedules.
+"""The self-driven FFN loop (docs/design.md §4.4, FFN side), with two schedules.
 
 - ``schedule="async"`` (the default, the point of the library): the worker pulls work items as
   they arrive, from any Attention replica and any layer, and answers each one on its own.

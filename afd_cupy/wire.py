@@ -1,4 +1,4 @@
-"""Window and slot layout, header encode/decode: the single source of truth (DESIGN §4).
+"""Window and slot layout, header encode/decode: the single source of truth (docs/design.md §3, §4).
 
 ``raw_kernels/wire.cuh`` mirrors the constants here and takes the offsets as kernel
 arguments from :class:`WindowLayout`; ``tests`` check the mirror with a tiny kernel.
@@ -234,7 +234,7 @@ def window_size_hint(model, topology, connector) -> int:
 # --- header ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Header:
-    """Decoded slot header (DESIGN §4). ``expert_counts`` is a tuple of ints."""
+    """Decoded slot header (docs/design.md §3.2). ``expert_counts`` is a tuple of ints."""
 
     seq: int
     src_rank: int
@@ -275,11 +275,12 @@ def encode_header(header: Header, expert_per_rank: int) -> np.ndarray:
     return np.array(header_word_list(header, expert_per_rank), dtype=np.int32)
 
 
-def decode_header(words, expert_per_rank: int) -> Header:
+def decode_header(words, expert_per_rank: int, layout: "WindowLayout | None" = None) -> Header:
     """Validate and decode int32 header words (numpy array or sequence).
 
     Raises WireError with the observed values on a bad magic, version, length, negative
-    sizes or ``sum(expert_counts) != routed_tokens``.
+    sizes or ``sum(expert_counts) != routed_tokens``, and, given the receiving window's
+    ``layout``, on sizes over its capacities (views of them would read past the slot).
     """
     array = np.asarray(words)
     expected_len = HDR_FIXED_WORDS + expert_per_rank
@@ -300,6 +301,12 @@ def decode_header(words, expert_per_rank: int) -> Header:
     if sum(counts) != routed:
         raise WireError(f"header expert_counts sum to {sum(counts)} but routed_tokens={routed} "
                         f"(counts={counts})")
+    if layout is not None:
+        for name, value, cap in (("num_tokens", w[HDR_NUM_TOKENS], layout.token_cap),
+                                 ("routed_tokens", routed, layout.routed_cap),
+                                 ("shared_tokens", shared, layout.shared_cap)):
+            if value > cap:
+                raise WireError(f"header {name}={value} exceeds this window's capacity {cap}")
     return Header(
         seq=w[HDR_SEQ] & 0xFFFFFFFF, src_rank=w[HDR_SRC_RANK], layer_idx=w[HDR_LAYER],
         stage_idx=w[HDR_STAGE], num_tokens=w[HDR_NUM_TOKENS], routed_tokens=routed,

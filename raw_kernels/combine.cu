@@ -1,4 +1,4 @@
-// combine.cu: Attention-side wait for the expected FFN replies + weighted combine (DESIGN §6).
+// combine.cu: Attention-side wait for the expected FFN replies + weighted combine (docs/design.md §5).
 //
 //   out[t] = out_scale * ( sum_k w[t,k] * routed_x[region dest(t,k)][pos[t,k]]
 //                          + (has_shared ? shared_x[region t % F][t / F] : 0) )

@@ -1,4 +1,4 @@
-// dispatch.cu: Attention-side routing plan and one-sided scatter to every FFN rank (DESIGN §6).
+// dispatch.cu: Attention-side routing plan and one-sided scatter to every FFN rank (docs/design.md §5).
 //
 // afd_dispatch_plan computes, on the device and without a host round trip, the same wire order
 // as planner.plan_dispatch_reference (a stable sort of the flat partials by global expert):

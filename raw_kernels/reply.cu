@@ -1,5 +1,5 @@
 // reply.cu: FFN-side one-sided write of the expert outputs back into the Attention sender's
-// window (DESIGN §6): routed rows, shared rows, then (last block, after a system fence) the
+// window (docs/design.md §5): routed rows, shared rows, then (last block, after a system fence) the
 // header prepared by the host in pinned memory, a second fence, and the flag = seq.
 #include "wire.cuh"
 

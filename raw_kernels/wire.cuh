@@ -1,4 +1,4 @@
-// wire.cuh: device mirror of afd_cupy/wire.py (DESIGN §4) and helpers shared by every kernel.
+// wire.cuh: device mirror of afd_cupy/wire.py (docs/design.md §3) and helpers shared by every kernel.
 //
 // The constants below mirror wire.py and the limit table of afd_cupy/kernels/specs.py;
 // tests/test_kernels_cpu.py parses this file and tests/test_kernels_cuda.py reads them back

@@ -1,4 +1,4 @@
-"""Fault injection: slow, dead, duplicate and misconfigured peers, bad input (docs/design.md,
+"""Fault injection: slow, dead, duplicate and misconfigured peers, bad input (docs/design.md §7,
 "Fault model"). Every case bounds its own run time and asserts the error type and what it
 names; the same cases run on the host backend (CI) and the cuda backend (GPU suite)."""
 from __future__ import annotations

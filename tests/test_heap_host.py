@@ -147,3 +147,18 @@ def test_solo_heap_views_and_reuse_errors(solo_heap):
     solo_heap.close()
     with pytest.raises(HeapError, match="closed"):
         solo_heap.alloc(256, "late")
+
+
+def test_full_shm_is_a_heap_error_at_alloc_not_a_sigbus_later(solo_heap, monkeypatch):
+    """A segment's pages are reserved at alloc: a full /dev/shm (Docker's default is 64 MB)
+    raises HeapError naming the size and how to get room, and leaves no segment behind."""
+    import errno
+
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    with pytest.raises(HeapError, match=r"cannot reserve 1048576 B \(1.0 MiB\) of shared memory") as info:
+        solo_heap.alloc(1 << 20, "too_big")
+    assert "window_size_hint" in str(info.value) and "--shm-size" in str(info.value)
+    assert _job_segments(solo_heap.job_id) == []

@@ -181,3 +181,22 @@ def test_status_record_errors_match_the_host_types():
     err = record.error(layer_idx=6)
     assert isinstance(err, ProtocolError) and err.field == "layer_idx" and "FFN rank 1 for layer 6" in str(err)
     assert isinstance(wire.StatusRecord(wire.STATUS_SHUTDOWN, 1, 3, 1, 7, 9, -1, -1).error(), ConnectorShutdown)
+
+
+@pytest.mark.parametrize("field,cap_name", [("num_tokens", "token_cap"), ("routed_tokens", "routed_cap"),
+                                            ("shared_tokens", "shared_cap")])
+def test_decode_header_bounds_sizes_by_the_window_capacities(field, cap_name):
+    layout = wire.WindowLayout(num_regions=2, ring_depth=1, expert_per_rank=3, hidden_size=8,
+                               itemsize=2, top_k=2, token_cap=5, routed_cap=6, shared_cap=3)
+    cap = getattr(layout, cap_name)
+    fields = dict(seq=1, src_rank=0, layer_idx=0, stage_idx=0, num_tokens=5, routed_tokens=6,
+                  shared_tokens=3, top_k=2, flags=0, echo_seq=0, expert_counts=(2, 2, 2))
+    at_cap = wire.encode_header(wire.Header(**fields), 3)
+    assert wire.decode_header(at_cap, 3, layout).routed_tokens == 6  # at the cap is fine
+    fields[field] = cap + 1
+    if field == "routed_tokens":
+        fields["expert_counts"] = (3, 2, 2)
+    over = wire.encode_header(wire.Header(**fields), 3)
+    wire.decode_header(over, 3)  # without a layout only self-consistency is checked
+    with pytest.raises(WireError, match=f"header {field}={cap + 1} exceeds this window's capacity {cap}"):
+        wire.decode_header(over, 3, layout)

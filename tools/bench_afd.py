@@ -30,7 +30,7 @@ schedules (equal overhead).
 
 Reported per (workload, schedule): tokens/s = Σ over replicas of tokens / own measured wall
 time; per-replica median (and p90) batch latency; the async/lockstep ratio per workload with
-the DESIGN §10 targets (>= 1.9x skewed, >= 0.97x uniform), reported, never asserted.
+the shared DESIGN.md §10 targets (>= 1.9x skewed, >= 0.97x uniform), reported, never asserted.
 
 GPU placement: with at least A+F GPUs, one process per GPU. On fewer GPUs every process runs
 on GPU 0 under CUDA MPS (start it first; tools/gpu_suite.sh does) with

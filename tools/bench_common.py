@@ -276,7 +276,7 @@ def _cell(value) -> str:
 
 def target_row(name: str, target: str, measured: float | None, unit: str,
                passed: Callable[[float], bool], note: str = "") -> dict:
-    """One DESIGN §10 target next to its measurement: PASS / MISS, or NOT MEASURED.
+    """One shared DESIGN.md §10 target next to its measurement: PASS / MISS, or NOT MEASURED.
     Reported, never asserted."""
     if measured is None or (isinstance(measured, float) and math.isnan(measured)):
         status = "NOT MEASURED"
@@ -288,4 +288,4 @@ def target_row(name: str, target: str, measured: float | None, unit: str,
 
 def targets_table(targets: Sequence[dict]) -> str:
     rows = [(t["name"], t["target"], t["measured"], t["unit"], t["status"], t["note"]) for t in targets]
-    return format_table(("target (DESIGN §10)", "goal", "measured", "unit", "status", "note"), rows)
+    return format_table(("target (shared DESIGN.md §10)", "goal", "measured", "unit", "status", "note"), rows)

@@ -35,7 +35,7 @@ shape runs inside it.
       sends each FFN rank its routed + shared rows, combine = each FFN rank sends them back;
       run after the connector's part (the FFN ranks leave ``FFNWorker.run()`` first), CUDA
       events on the Attention rank around each call after a barrier.
-(c) the DESIGN §10 targets next to the numbers, PASS/MISS (reported, never asserted).
+(c) the shared DESIGN.md §10 targets next to the numbers, PASS/MISS (reported, never asserted).
 
 On the host backend everything is numpy/shared memory at a tiny size: the numbers measure the
 host protocol (and are labelled so), not a GPU transport; times are wall times.

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Soak: N Attention round trips with random sizes, layers and stages, random FFN stalls
 longer than the peer timeout, every output checked against its expected value (docs/design.md,
-fault model).
+§7, fault model).
 
 Identity experts make the expected output exact to compute on the Attention side:
 ``out = (hidden * sum_k w[t,k] + hidden) * out_scale`` (routed rows plus the shared row).
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import glob
 import json
 import os
 import random
@@ -60,7 +61,15 @@ def _rss_kib() -> int:
 
 
 def _shm_entries() -> int:
+    """Entries in /dev/shm (all owners: NVSHMEM, MPS and multiprocessing keep some too)."""
     return len(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else -1
+
+
+def _afd_segments(job_id: str) -> list[str]:
+    """This job's own shared-memory segments (host backend); none may outlive the run."""
+    from afd_cupy.heap.host import segment_glob
+
+    return sorted(glob.glob(segment_glob(job_id)))
 
 
 def _connect(ctx, args, model):
@@ -154,7 +163,7 @@ def _rank(ctx, args):
         conn.close()
     report.update(role=role.value, role_rank=role_rank, wall_s=time.perf_counter() - start,
                   rss_kib_before=rss0, rss_kib_after=_rss_kib(), shm_before=shm0,
-                  shm_after=_shm_entries())
+                  shm_after=_shm_entries(), afd_segments_after_close=_afd_segments(ctx.job_id))
     return report
 
 
@@ -189,11 +198,13 @@ def main(argv=None) -> int:
     timeouts = errors.get("PeerTimeoutError", 0)
     # A stall delays what waits behind it at that FFN rank: at most one item per (Attention
     # rank, stage) can be caught, so every timeout must be explained by a stall.
+    leaked = sorted({path for r in reports for path in r["afd_segments_after_close"]})
+    summary["afd_segments_left"] = leaked
     ok = (summary["mismatches"] == 0 and not unexpected and timeouts <= stalls * args.attn * 2
-          and shm_after <= shm_before)
+          and not leaked)
     print(f"SOAK {'PASS' if ok else 'FAIL'} backend={args.backend} round_trips={summary['round_trips']} "
           f"mismatches={summary['mismatches']} errors={dict(errors)} stalls={stalls} "
-          f"/dev/shm entries {shm_before}->{shm_after}")
+          f"afd segments left {len(leaked)}, /dev/shm entries (all owners) {shm_before}->{shm_after}")
     return 0 if ok else 1
 
 

@@ -1,4 +1,4 @@
-"""The data-path seam: what a backend implements and what it may know (DESIGN §2, §6).
+"""The data-path seam: what a backend implements and what it may know (docs/design.md §1.3, §6).
 
 ::
 

@@ -98,7 +98,7 @@ class CudaFFNSide:
         slot = int(bell[wire.DB_SLOT])
         words = bell[wire.DB_HEADER:].view(np.int32)[:layout.header_words].copy()
         region, ring = divmod(slot, layout.ring_depth)
-        return Arrival(region, ring, wire.decode_header(words, layout.expert_per_rank))
+        return Arrival(region, ring, wire.decode_header(words, layout.expert_per_rank, layout))
 
     def item_views(self, arrival: Arrival) -> ItemViews:
         header = arrival.header

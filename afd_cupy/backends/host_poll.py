@@ -1,4 +1,4 @@
-"""Host polling of a window's flags: the one host-side flag wait (DESIGN §5, §6).
+"""Host polling of a window's flags: the one host-side flag wait (docs/design.md §4.2, §4.3).
 
 Used by the host backend for everything and by the cuda backend with ``poll_mode="host"``
 (one device-to-host copy of the flags per poll, no spinning kernel, no MPS needed).
@@ -32,7 +32,7 @@ class HostPolling:
     NOTE: on the host backend the flags are plain loads of shared memory; x86-64 keeps load
     order (TSO), so a header read after the flag read sees the writer's header. A weakly
     ordered host (Grace/ARM) needs an acquire fence between the two (numpy has none; see
-    ``docs/design.md``, fault model).
+    ``docs/design.md`` §4.3, §7).
     """
 
     def __init__(self, window):
@@ -89,4 +89,4 @@ class HostPolling:
     def read_header(self, region: int, ring: int) -> wire.Header:
         """Decode the header of slot (region, ring) of the own window (WireError if bad)."""
         words = self.window.to_host(self.window.header_view(self.window.own_pe, region, ring))
-        return wire.decode_header(words, self.layout.expert_per_rank)
+        return wire.decode_header(words, self.layout.expert_per_rank, self.layout)

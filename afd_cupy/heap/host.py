@@ -43,13 +43,18 @@ def segment_path(job_id: str, name: str, rank: int) -> str:
     return os.path.join(SHM_DIR, f"{_SEGMENT_PREFIX}{_sanitize(job_id)}_{_sanitize(name)}_{rank}")
 
 
+def segment_glob(job_id: str) -> str:
+    """glob pattern of every segment of job ``job_id``."""
+    return os.path.join(SHM_DIR, f"{_SEGMENT_PREFIX}{glob.escape(_sanitize(job_id))}_*")
+
+
 def cleanup_job_segments(job_id: str) -> list[str]:
     """Unlink every ``/dev/shm/afd_{job_id}_*`` left behind (e.g. by killed processes).
 
     Not collective; meant for the launcher's ``finally``. Returns the paths removed.
     NOTE: job ids must not be prefixes of one another (the launcher uses random hex ids).
     """
-    pattern = os.path.join(SHM_DIR, f"{_SEGMENT_PREFIX}{glob.escape(_sanitize(job_id))}_*")
+    pattern = segment_glob(job_id)
     removed = []
     for path in glob.glob(pattern):
         try:
