@@ -20,103 +20,20 @@ from __future__ import annotations
 import logging
 import math
 import numbers
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from afd_cupy import handshake, moe, wire
+from afd_cupy import handshake, moe
 from afd_cupy.backends.base import POLL_MODES, Arrival, PathContext, open_path, require_backend
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig
+from afd_cupy.dtypes import torch_dtype
 from afd_cupy.errors import (ConfigError, ConnectorShutdown, PeerLostError, PeerTimeoutError,
                              ProtocolError, RingExhaustedError, token_cap_error)
-from afd_cupy.dtypes import torch_dtype
+from afd_cupy.handles import DispatchHandle, FFNWorkItem  # noqa: F401 - part of this module's API
 from afd_cupy.topology import Role, Topology
 from afd_cupy.wire import WindowLayout
 
 logger = logging.getLogger("afd_cupy")
-
-
-@dataclass(frozen=True)
-class DispatchHandle:
-    """What ``send_attn_output`` returns; pass it to ``recv_ffn_output``.
-
-    ``topk_ids``/``topk_weights`` never travel: they stay here for the combine, which reads
-    them when it runs (keep them unchanged until ``recv_ffn_output`` returns).
-    """
-
-    layer_idx: int
-    stage_idx: int
-    ring: int
-    num_tokens: int
-    topk_ids: Any = field(repr=False)
-    topk_weights: Any = field(repr=False)
-    state: Any = field(repr=False, compare=False)
-
-
-@dataclass(frozen=True)
-class FFNWorkItem:
-    """One received dispatch, as zero-copy views into this FFN rank's window.
-
-    - ``routed_x``: [routed_tokens, hidden] payload dtype, rows grouped by local expert.
-    - ``group_counts``: int32 [expert_per_rank] on the payload's device, rows per local
-      expert (sums to routed_tokens); ``group_counts_host`` the same as a tuple.
-    - ``shared_x``: [shared_tokens, hidden] rows of this rank's round-robin shared slice, or
-      None when the item has no shared rows.
-    - ``route_table``: int32 [routed_tokens, 2] (token index, top-k slot) per row.
-    The views stay valid until this item is answered with ``send_ffn_work_item_output``.
-    """
-
-    arrival: Arrival = field(repr=False)
-    routed_x: Any = field(repr=False)
-    group_counts: Any = field(repr=False)
-    shared_x: Any = field(repr=False)
-    route_table: Any = field(repr=False)
-
-    @property
-    def header(self) -> wire.Header:
-        return self.arrival.header
-
-    @property
-    def src_rank(self) -> int:
-        return self.arrival.region
-
-    @property
-    def ring(self) -> int:
-        return self.arrival.ring
-
-    @property
-    def seq(self) -> int:
-        return self.header.seq
-
-    @property
-    def layer_idx(self) -> int:
-        return self.header.layer_idx
-
-    @property
-    def stage_idx(self) -> int:
-        return self.header.stage_idx
-
-    @property
-    def num_tokens(self) -> int:
-        return self.header.num_tokens
-
-    @property
-    def routed_tokens(self) -> int:
-        return self.header.routed_tokens
-
-    @property
-    def shared_tokens(self) -> int:
-        return self.header.shared_tokens
-
-    @property
-    def group_counts_host(self) -> tuple:
-        return self.header.expert_counts
-
-    def __repr__(self) -> str:
-        return (f"FFNWorkItem(src_rank={self.src_rank}, layer_idx={self.layer_idx}, "
-                f"stage_idx={self.stage_idx}, ring={self.ring}, seq={self.seq}, "
-                f"routed_tokens={self.routed_tokens}, shared_tokens={self.shared_tokens})")
 
 
 def _check_timeout(name: str, value) -> float:
@@ -153,6 +70,9 @@ class AFDConnector:
 
     Raises ConfigError for invalid arguments and BackendUnavailableError when ``backend``
     cannot run here. Construction and :meth:`close` are collective over the AFD world.
+
+    ``path`` is the backend's :class:`~afd_cupy.backends.base.DataPath` (public so that tools
+    can time its steps; the connector's own methods are the API).
     """
 
     def __init__(self, model: ModelConfig, topology: TopologyConfig,
