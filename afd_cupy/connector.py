@@ -119,8 +119,12 @@ class AFDConnector:
                           has_shared=model.num_shared_experts > 0,
                           peer_timeout_s=self.peer_timeout_s, always_send=bool(always_send),
                           poll_mode=poll_mode)
-        self.path = open_path(backend, ctx, store=store, job_id=job_id, device_id=device_id,
-                              startup_timeout_s=self.startup_timeout_s, instance=self.instance)
+        try:
+            self.path = open_path(backend, ctx, store=store, job_id=job_id, device_id=device_id,
+                                  startup_timeout_s=self.startup_timeout_s, instance=self.instance)
+        except BaseException:
+            self._closed = True  # nothing to close: no "not closed" warning from __del__
+            raise
         logger.info("afd_cupy %s rank %d (world rank %d/%d) up: backend=%s window=%.1f MiB",
                     self.role.value, role_rank, self.world_rank, self.topology.world_size,
                     backend, self.layout.window_bytes / 2**20)
