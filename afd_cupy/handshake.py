@@ -8,8 +8,8 @@ or two ranks with different ``routed_scaling_factor``, would otherwise produce g
 
 Records are keyed by an instance number: the n-th connector a rank creates in a store pairs
 with the n-th connector of every other rank, so connectors created one after another in the
-same job never read each other's records. Each record also carries the process id and host
-name of its rank, which the FFN side uses to notice that an Attention rank died.
+same job never read each other's records. Each record also carries the process id, host name
+and PID namespace of its rank, which the FFN side uses to notice that an Attention rank died.
 """
 from __future__ import annotations
 
@@ -24,17 +24,29 @@ from afd_cupy.errors import GeometryMismatchError
 from afd_cupy.store import store_fetch, store_publish
 
 
+def _pid_namespace() -> str:
+    """This process's PID namespace ("" where /proc does not tell): pids are comparable only
+    inside one namespace (two containers of one pod can share a host name but not pids)."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
 @dataclass(frozen=True)
 class PeerProcess:
-    """Where a peer rank runs: enough to ask the OS whether it is alive (same host only)."""
+    """Where a peer rank runs: enough to ask the OS whether it is alive (same host and PID
+    namespace only)."""
 
     world_rank: int
     pid: int
     host: str
+    pid_namespace: str
 
     def is_alive(self) -> bool | None:
-        """True/False for a process on this host; None when it runs elsewhere (unknown)."""
-        if self.host != socket.gethostname():
+        """True/False for a process whose pid this process can see; None otherwise (unknown)."""
+        if (self.host != socket.gethostname() or not self.pid_namespace
+                or self.pid_namespace != _pid_namespace()):
             return None
         try:
             os.kill(self.pid, 0)
@@ -67,7 +79,8 @@ def exchange(store, *, world_rank: int, world_size: int, record: dict,
     """
     record = json.loads(json.dumps(record))  # compare what a peer sees after the round trip
     instance = _next_instance(store, world_rank)
-    mine = {"config": record, "pid": os.getpid(), "host": socket.gethostname()}
+    mine = {"config": record, "pid": os.getpid(), "host": socket.gethostname(),
+            "pid_namespace": _pid_namespace()}
     store_publish(store, f"handshake/{instance}/{world_rank}", json.dumps(mine).encode())
     peers = []
     for other in range(world_size):
@@ -76,7 +89,8 @@ def exchange(store, *, world_rank: int, world_size: int, record: dict,
         theirs = json.loads(bytes(store_fetch(store, f"handshake/{instance}/{other}", timeout_s,
                                               peer=other)).decode())
         _compare(record, theirs["config"], world_rank, other)
-        peers.append(PeerProcess(other, int(theirs["pid"]), str(theirs["host"])))
+        peers.append(PeerProcess(other, int(theirs["pid"]), str(theirs["host"]),
+                                 str(theirs["pid_namespace"])))
     return instance, peers
 
 

@@ -324,3 +324,15 @@ def test_attention_error_before_shutdown_releases_the_ffn_and_surfaces(backend):
     assert attn["error"] == "attention model failed at layer 1"  # the original error surfaces
     assert attn["elapsed"] < 5.0, attn  # close() did not wait out a barrier timeout
     assert ffn["served"] == 1  # the FFN loop ended (shutdown announced by close)
+
+
+def test_liveness_is_unknown_outside_this_host_and_pid_namespace():
+    from afd_cupy import handshake
+
+    here = handshake.PeerProcess(0, os.getpid(), handshake.socket.gethostname(),
+                                 handshake._pid_namespace())
+    assert here.is_alive() is True
+    assert handshake.PeerProcess(0, os.getpid(), "another-host", here.pid_namespace).is_alive() is None
+    assert handshake.PeerProcess(0, os.getpid(), here.host, "pid:[1]").is_alive() is None
+    gone = handshake.PeerProcess(0, 2**22 + 12345, here.host, here.pid_namespace)  # above pid_max
+    assert gone.is_alive() is False

@@ -73,9 +73,10 @@ class HostPolling:
         at ``deadline`` (``time.monotonic()`` seconds)."""
         slot = self.layout.slot_index(region, ring)
         view = self.window.flag_view(self.window.own_pe, region, ring)
+        read = (lambda: int(view[0])) if isinstance(view, np.ndarray) else (lambda: int(view.get()[0]))
         seen = int(self.seen[slot])
         while True:
-            flag = int(self.window.to_host(view)[0])
+            flag = read()
             if flag != seen:
                 self.seen[slot] = flag
                 return flag
