@@ -111,6 +111,7 @@ class AFDConnector:
             store, world_rank=self.world_rank, world_size=self.topology.world_size,
             record=handshake.config_record(model, topology, self.config, backend=backend),
             timeout_s=self.startup_timeout_s)
+        self._peer_processes = peers
         self._attn_processes = {p.world_rank: p for p in peers
                                 if self.topology.role_of(p.world_rank)[0] is Role.ATTENTION}
         ctx = PathContext(layout=self.layout, topology=self.topology, role=self.role,
@@ -369,7 +370,9 @@ class AFDConnector:
         """Collective: every rank of the world calls it; frees the window. Idempotent.
 
         An Attention rank that has not announced shutdown does so first (best effort), so the
-        FFN ranks leave their loops even when this rank closes from an exception path.
+        FFN ranks leave their loops even when this rank closes from an exception path. After a
+        peer failure (a timed-out wait, or a peer process found dead) the closing barrier is
+        short and its timeout is logged, not raised.
         """
         if self._closed:
             return
@@ -382,7 +385,12 @@ class AFDConnector:
                                    "failed: %s", self.role_rank, exc)
         finally:
             self._closed = True
-            self.path.close(peers_healthy=not self._peer_failed)
+            # a peer this rank never waited on may have died too: ask the OS where it can tell
+            dead = [p.world_rank for p in self._peer_processes if p.is_alive() is False]
+            if dead:
+                logger.warning("afd_cupy %s rank %d: world rank(s) %s are gone; closing without them",
+                               self.role.value, self.role_rank, dead)
+            self.path.close(peers_healthy=not (self._peer_failed or dead))
 
     def __enter__(self) -> "AFDConnector":
         return self

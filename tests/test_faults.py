@@ -336,3 +336,69 @@ def test_liveness_is_unknown_outside_this_host_and_pid_namespace():
     assert handshake.PeerProcess(0, os.getpid(), here.host, "pid:[1]").is_alive() is None
     gone = handshake.PeerProcess(0, 2**22 + 12345, here.host, here.pid_namespace)  # above pid_max
     assert gone.is_alive() is False
+
+
+# --- 2A2F: one rank of a role dies, its peers of the other role keep serving the survivors ---
+def _ids_for(conn, num_tokens, ffn_rank, seed):
+    """Inputs whose top-k experts all live on ``ffn_rank``."""
+    hidden, _, _ = _inputs(conn, num_tokens, seed)
+    owned = conn.topology.owned_experts(ffn_rank)
+    logits = torch.randn(num_tokens, conn.model.num_experts, generator=torch.Generator().manual_seed(seed))
+    logits[:, owned.start:owned.stop] += 50.0
+    weights, ids = conn.select_experts(logits.to(conn.device))
+    return hidden, ids, weights
+
+
+def _partial_death_program(ctx, backend, victim):
+    model = ModelConfig(**{**{f: getattr(MODEL, f) for f in MODEL.__dataclass_fields__},
+                           "num_shared_experts": 0})
+    conn, role, role_rank = _connect(ctx, backend, 2, 2, model=model)
+    out = {"rank": ctx.rank}
+    try:
+        if ctx.rank == victim:
+            if role is Role.FFN:
+                FFNWorker(conn, expert_fn=lambda item: os.kill(os.getpid(), signal.SIGKILL)).run()
+            else:
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(30)
+        if role is Role.FFN:
+            try:
+                out["served"] = FFNWorker(conn, expert_fn=_identity).run()
+            except PeerLostError as err:
+                out["lost"] = tuple(err.peers)
+            return out
+        errors = []
+        for layer in range(4):  # tokens routed only to FFN rank 1 (the survivor when victim is FFN 0)
+            hidden, ids, weights = _ids_for(conn, 6, ffn_rank=1, seed=10 * ctx.rank + layer)
+            out_rows = conn.recv_ffn_output(conn.send_attn_output(hidden, ids, weights, layer))
+            errors.append(float((out_rows.float() - hidden.float() * weights.sum(1, keepdim=True)).abs().max()))
+        out["errors"] = errors
+        if victim == 2:  # FFN rank 0 died: a layer routed to it times out, naming it
+            hidden, ids, weights = _ids_for(conn, 6, ffn_rank=0, seed=99)
+            try:
+                conn.recv_ffn_output(conn.send_attn_output(hidden, ids, weights, 5))
+            except PeerTimeoutError as err:
+                out["timeout_peer"] = err.peer
+        conn.announce_shutdown()
+        return out
+    finally:
+        conn.close()
+        out["segments"] = _job_segments(ctx.job_id)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("victim", [0, 2], ids=["attention0", "ffn0"])
+def test_2a2f_one_rank_dies_and_the_others_keep_serving(backend, victim):
+    results = launch(_partial_death_program, 4, args=(backend, victim), timeout_s=90,
+                     expected_deaths={victim})
+    assert isinstance(results[victim], DiedAsExpected)
+    attn = [r for r in results[:2] if not isinstance(r, DiedAsExpected)]
+    ffn = [r for r in results[2:] if not isinstance(r, DiedAsExpected)]
+    for a in attn:  # every surviving replica's layers on the surviving FFN rank are right
+        assert len(a["errors"]) == 4 and max(a["errors"]) < 0.1, a
+        assert a["segments"] == []
+    if victim == 0:  # both FFN ranks served replica 1, then report replica 0 as lost
+        assert [f.get("lost") for f in ffn] == [(0,), (0,)], ffn
+    else:
+        assert attn[0]["timeout_peer"] == 0 and attn[1]["timeout_peer"] == 0, attn
+        assert ffn[0]["served"] >= 8, ffn  # FFN rank 1 served both replicas
