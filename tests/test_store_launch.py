@@ -185,3 +185,25 @@ def test_detect_backend_override_and_cpu_fallback(monkeypatch):
     monkeypatch.delenv("AFD_BACKEND")
     monkeypatch.setattr(launch_mod, "_detect_num_gpus", lambda: 0)
     assert launch_mod.detect_backend() == "host"
+
+
+def _thread_env(ctx):
+    import torch
+
+    from afd_cupy.launch import THREAD_POOL_VARS
+    return {var: os.environ.get(var) for var in THREAD_POOL_VARS}, torch.get_num_threads()
+
+
+def test_launched_processes_share_the_cores_unless_told_otherwise(monkeypatch):
+    from afd_cupy.launch import THREAD_POOL_VARS, thread_limits
+
+    for var in THREAD_POOL_VARS:
+        monkeypatch.delenv(var, raising=False)
+    share = str(max(1, (os.cpu_count() or 1) // 2))
+    assert thread_limits(2) == {var: share for var in THREAD_POOL_VARS}
+    results = launch(_thread_env, 2, timeout_s=60, num_gpus=0, env={"NUMBA_NUM_THREADS": "1"})
+    for env, torch_threads in results:
+        assert env["OMP_NUM_THREADS"] == share and env["NUMBA_NUM_THREADS"] == "1"  # env= wins
+        assert torch_threads == int(share)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the caller's environment wins too
+    assert "OMP_NUM_THREADS" not in thread_limits(2)
