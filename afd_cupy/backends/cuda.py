@@ -46,6 +46,7 @@ def open_path(ctx: PathContext, *, store, job_id: str, device_id, startup_timeou
         raise
     return CudaDataPath(ctx, heap, window)
 
+
 class CudaDataPath(CudaAttentionSide, CudaFFNSide):
     """Dispatch/combine (Attention) and wait_any/reply (FFN) through the RawKernels.
 

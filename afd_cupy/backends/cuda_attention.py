@@ -65,7 +65,6 @@ class CudaSendState:
     num_tokens: int
 
 
-#: pinned reply-header staging rows per (Attention rank, ring): replies in flight per slot
 class CudaAttentionSide:
     """The Attention-side steps of the cuda data path (mixin)."""
 
