@@ -16,6 +16,8 @@ from afd_cupy.errors import ConfigError
 
 #: gate scoring functions of ``ModelConfig.scoring_func`` and ``moe.select_experts``
 SCORING_FUNCS = ("softmax", "sigmoid")
+#: DeepSeek's gate names (None: group_limited_greedy with n_group, greedy without)
+TOPK_METHODS = (None, "greedy", "group_limited_greedy", "noaux_tc")
 MOE_SPLITS = ("even",)
 
 
@@ -55,7 +57,9 @@ class ModelConfig:
     """MoE layer dimensions as the connector and the experts see them.
 
     ``dtype`` is the payload dtype on the wire and of the expert weights.
-    ``n_group``/``topk_group`` enable DeepSeek grouped top-k in ``select_experts``.
+    The gate (``moe.model_gate``): ``scoring_func`` softmax or sigmoid, ``renormalize``
+    (``norm_topk_prob``), ``n_group``/``topk_group`` for DeepSeek grouped top-k, and
+    ``topk_method`` (DeepSeek's names, see ``TOPK_METHODS``; "noaux_tc" is V3's gate).
     """
 
     hidden_size: int
@@ -71,6 +75,7 @@ class ModelConfig:
     renormalize: bool = True
     n_group: int | None = None
     topk_group: int | None = None
+    topk_method: str | None = None
 
     def __post_init__(self) -> None:
         owner = "ModelConfig"
@@ -87,6 +92,15 @@ class ModelConfig:
         if self.top_k > self.num_experts:
             raise ConfigError(f"ModelConfig.top_k={self.top_k} > num_experts={self.num_experts}")
         self._check_groups()
+        self._check_topk_method()
+
+    def _check_topk_method(self) -> None:
+        if self.topk_method not in TOPK_METHODS:
+            raise ConfigError(f"ModelConfig.topk_method must be one of {TOPK_METHODS}, got "
+                              f"{self.topk_method!r}")
+        if self.topk_method in ("group_limited_greedy", "noaux_tc") and self.n_group is None:
+            raise ConfigError(f"ModelConfig.topk_method={self.topk_method!r} needs n_group and "
+                              "topk_group")
 
     def _check_groups(self) -> None:
         if (self.n_group is None) != (self.topk_group is None):

@@ -136,20 +136,20 @@ class AFDConnector:
         return self.path.device
 
     # --- Attention side ---------------------------------------------------------------------
-    def select_experts(self, router_logits: torch.Tensor):
-        """Gate with the model's scoring: ``(topk_weights fp32 [T,K], topk_ids int32 [T,K])``.
+    def select_experts(self, router_logits: torch.Tensor,
+                       e_score_correction_bias: torch.Tensor | None = None):
+        """Gate with the model's gate (``moe.model_gate``): ``(topk_weights fp32 [T,K],
+        topk_ids int32 [T,K])``.
 
-        ``router_logits``: float [T, num_experts]. The weights exclude
-        ``routed_scaling_factor``: the FFN side applies it (see ``moe.apply_routed_scaling``).
+        ``router_logits``: float [T, num_experts]; ``e_score_correction_bias``: float
+        [num_experts] (DeepSeek-V3's selection bias), same device, or None. The weights
+        exclude ``routed_scaling_factor``: the FFN side applies it (``moe.apply_routed_scaling``).
         """
         model = self.model
         if router_logits.dim() != 2 or router_logits.shape[1] != model.num_experts:
             raise ValueError(f"router_logits must be [num_tokens, {model.num_experts}], got "
                              f"{tuple(router_logits.shape)}")
-        return moe.select_experts(
-            router_logits, model.top_k, use_grouped_topk=model.n_group is not None,
-            num_expert_group=model.n_group, topk_group=model.topk_group,
-            scoring_func=model.scoring_func, renormalize=model.renormalize)
+        return moe.model_gate(model, router_logits, e_score_correction_bias)
 
     def send_attn_output(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
                          topk_weights: torch.Tensor, layer_idx: int, stage_idx: int = 0) -> DispatchHandle:

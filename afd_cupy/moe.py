@@ -43,7 +43,8 @@ def select_experts(router_logits: torch.Tensor, top_k: int, *, use_grouped_topk:
                    num_expert_group: int | None = None, topk_group: int | None = None,
                    scoring_func: str = "softmax",
                    e_score_correction_bias: torch.Tensor | None = None,
-                   renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                   renormalize: bool = True,
+                   group_score: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Route each token to `top_k` experts.
 
     router_logits: [num_tokens, num_experts] fp32/bf16/fp16, any device.
@@ -54,8 +55,9 @@ def select_experts(router_logits: torch.Tensor, top_k: int, *, use_grouped_topk:
     - Plain top-k (Mixtral, Qwen): scores = softmax (or sigmoid) of the logits in fp32,
       the `top_k` best experts.
     - `use_grouped_topk` (DeepSeek-V2/V3): experts form `num_expert_group` equal groups;
-      only the `topk_group` best groups compete. A group's score is its best expert's score,
-      or, with `e_score_correction_bias`, the sum of its two best biased scores (V3).
+      only the `topk_group` best groups compete. A group's score is `group_score`: "max"
+      (its best expert's score, V2 group_limited_greedy) or "top2_sum" (the sum of its two
+      best selection scores, V3 noaux_tc); None picks "top2_sum" when a bias is given.
     - The bias only steers the selection: weights are always the unbiased scores.
     - `renormalize` divides the weights by their sum per token.
     `num_expert_group` and `topk_group` are ignored unless `use_grouped_topk`.
@@ -63,18 +65,50 @@ def select_experts(router_logits: torch.Tensor, top_k: int, *, use_grouped_topk:
     """
     _check_gate_args(router_logits, top_k, use_grouped_topk, num_expert_group, topk_group,
                      scoring_func, e_score_correction_bias)
+    if group_score is None:
+        group_score = "top2_sum" if e_score_correction_bias is not None else "max"
+    if group_score not in GROUP_SCORES:
+        raise ValueError(f"group_score must be one of {GROUP_SCORES}, got {group_score!r}")
     scores = _expert_scores(router_logits.float(), scoring_func)
     selection = scores
     if e_score_correction_bias is not None:
         selection = scores + e_score_correction_bias.float()
     if use_grouped_topk:
         selection = _mask_losing_groups(selection, num_expert_group, topk_group,
-                                        use_top2_sum=e_score_correction_bias is not None)
+                                        use_top2_sum=group_score == "top2_sum")
     topk_ids = torch.topk(selection, top_k, dim=-1, sorted=True).indices
     topk_weights = scores.gather(1, topk_ids)
     if renormalize:
         topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
     return topk_weights, topk_ids.to(torch.int32)
+
+
+#: how a group of experts is scored by the grouped gates
+GROUP_SCORES = ("max", "top2_sum")
+
+
+def model_gate(model, router_logits: torch.Tensor,
+               e_score_correction_bias: torch.Tensor | None = None):
+    """``select_experts`` with the gate ``model`` (a ModelConfig) describes.
+
+    ``model.topk_method``: "greedy" (plain top-k, groups ignored), "group_limited_greedy"
+    (DeepSeek-V2: groups scored by their best expert), "noaux_tc" (DeepSeek-V3: groups scored
+    by the sum of their two best biased scores; a missing bias counts as zeros), or None
+    (group_limited_greedy when ``n_group`` is set, else greedy). ``renormalize`` is
+    ``norm_topk_prob``. The weights exclude ``routed_scaling_factor`` (the FFN side applies
+    it). Returns (weights fp32 [T, K], ids int32 [T, K]) on the logits' device; no host sync.
+    """
+    method = model.topk_method or ("group_limited_greedy" if model.n_group else "greedy")
+    grouped = method != "greedy"
+    bias = e_score_correction_bias
+    if method == "noaux_tc" and bias is None:
+        bias = torch.zeros(model.num_experts, device=router_logits.device)
+    return select_experts(
+        router_logits, model.top_k, use_grouped_topk=grouped,
+        num_expert_group=model.n_group if grouped else None,
+        topk_group=model.topk_group if grouped else None, scoring_func=model.scoring_func,
+        e_score_correction_bias=bias, renormalize=model.renormalize,
+        group_score={"greedy": None, "group_limited_greedy": "max", "noaux_tc": "top2_sum"}[method])
 
 
 def _expert_scores(logits_fp32: torch.Tensor, scoring_func: str) -> torch.Tensor:
@@ -142,12 +176,15 @@ class ExpertWeights:
          the up projection w3. w2: [num_experts, hidden, intermediate]. Same dtype and device.
     num_experts: experts held (a local set includes its zero padded tail).
     first_expert: global id of expert 0 of this set (0 for a global set).
+    gate: shared experts only: [1, hidden] weight of a per-token sigmoid gate on their output
+          (Qwen2-MoE's ``shared_expert_gate``), or None.
     """
 
     w13: torch.Tensor
     w2: torch.Tensor
     num_experts: int
     first_expert: int = 0
+    gate: torch.Tensor | None = None
 
     def __post_init__(self):
         w13, w2 = self.w13, self.w2
@@ -165,6 +202,11 @@ class ExpertWeights:
                              f"{w2.device}) must share dtype and device")
         if self.first_expert < 0:
             raise ValueError(f"first_expert must be >= 0, got {self.first_expert}")
+        gate = self.gate
+        if gate is not None and (tuple(gate.shape) != (1, hidden) or gate.dtype != w13.dtype
+                                 or gate.device != w13.device):
+            raise ValueError(f"gate must be [1, {hidden}] {w13.dtype} on {w13.device}, got "
+                             f"{tuple(gate.shape)} {gate.dtype} on {gate.device}")
 
     @property
     def hidden_size(self) -> int:
@@ -226,7 +268,7 @@ def shared_mlp(x: torch.Tensor, shared_weights: ExpertWeights) -> torch.Tensor:
     """The shared experts on every row: x [n, H] (any device) -> [n, H] in x.dtype.
 
     shared_weights: one fused shared MLP (num_experts == 1: w13 [1, 2*S*I, H], w2 [1, H, S*I]),
-    on x's device.
+    on x's device; with a ``gate`` the output is scaled per token by sigmoid(x · gate), in fp32.
     On CUDA the GEMMs run in x.dtype (tensor cores, fp32 accumulation); elsewhere in fp32.
     Zero rows return an empty [0, H] tensor without launching anything.
     """
@@ -239,6 +281,9 @@ def shared_mlp(x: torch.Tensor, shared_weights: ExpertWeights) -> torch.Tensor:
         return x.new_empty((0, x.shape[1]))
     compute_dtype = x.dtype if x.is_cuda else torch.float32
     out = _dense_mlp(x, shared_weights.w13[0], shared_weights.w2[0], compute_dtype)
+    if shared_weights.gate is not None:
+        factor = torch.sigmoid(F.linear(x.float(), shared_weights.gate.float()))  # [n, 1]
+        return (out.float() * factor).to(x.dtype)
     return out.to(x.dtype)
 
 

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from afd_cupy import moe
+from afd_cupy.config import ModelConfig
+from afd_cupy.errors import ConfigError
 from afd_cupy.testing.reference import make_expert_weights, make_shared_weights, reference_moe
 
 HIDDEN = 64
@@ -469,3 +471,111 @@ def test_disaggregated_pipeline_matches_reference(dtype, num_ffn):
     out = _disaggregated_moe(hidden, ids, weights, glob, shared, 2.5, num_ffn)
     ref = reference_moe(hidden, ids, weights, glob, shared, 2.5)
     torch.testing.assert_close(out, ref, rtol=3e-2, atol=3e-2)
+
+
+# --------------------------------------------------------------------------- model gates
+
+def _np_select_grouped(logits, top_k, num_groups, topk_group, *, bias, use_top2_sum, renormalize):
+    """float64 loops of a grouped gate with the group score chosen explicitly."""
+    num_tokens, num_experts = logits.shape
+    ids, weights = np.zeros((num_tokens, top_k), np.int64), np.zeros((num_tokens, top_k))
+    for t in range(num_tokens):
+        scores = 1.0 / (1.0 + np.exp(-logits[t].astype(np.float64)))
+        selection = scores + bias
+        allowed = _np_allowed_experts(selection, num_groups, topk_group, use_top2_sum)
+        chosen = sorted(allowed, key=lambda e: -selection[e])[:top_k]
+        ids[t], weights[t] = chosen, scores[chosen]
+        if renormalize:
+            weights[t] /= weights[t].sum()
+    return weights, ids
+
+
+def _gate_model(**overrides):
+    fields = dict(hidden_size=16, num_experts=32, top_k=4, moe_intermediate_size=8,
+                  scoring_func="sigmoid", n_group=8, topk_group=3, topk_method="noaux_tc")
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_noaux_tc_gate_scores_groups_by_their_top2_sum_with_or_without_bias(with_bias, renormalize):
+    rng = _rng(7)
+    logits = _distinct_logits(29, 32, torch.float32, rng)
+    bias = rng.normal(0.0, 0.2, 32) if with_bias else np.zeros(32)
+    model = _gate_model(renormalize=renormalize)
+    weights, ids = moe.model_gate(model, logits, torch.tensor(bias, dtype=torch.float32) if with_bias else None)
+    ref_w, ref_ids = _np_select_grouped(logits.double().numpy(), 4, 8, 3, bias=bias,
+                                        use_top2_sum=True, renormalize=renormalize)
+    _check_gate(weights, ids, ref_w, ref_ids, 29, 4)
+
+
+def test_gate_methods_differ_where_they_should():
+    rng = _rng(8)
+    logits = _distinct_logits(64, 32, torch.float32, rng)
+    v2 = moe.model_gate(_gate_model(topk_method="group_limited_greedy"), logits)
+    v3 = moe.model_gate(_gate_model(topk_method="noaux_tc"), logits)
+    greedy = moe.model_gate(_gate_model(topk_method="greedy"), logits)
+    ref_v2 = _np_select_grouped(logits.double().numpy(), 4, 8, 3, bias=np.zeros(32),
+                                use_top2_sum=False, renormalize=True)
+    ref_greedy = _np_select(logits.double().numpy(), 4, scoring_func="sigmoid")
+    _check_gate(*v2, *ref_v2, 64, 4)
+    _check_gate(*greedy, *ref_greedy, 64, 4)
+    assert not torch.equal(v2[1], v3[1])  # max vs top-2 sum group scores pick other groups
+    default = moe.model_gate(_gate_model(topk_method=None), logits)  # n_group set: V2
+    assert torch.equal(default[1], v2[1])
+
+
+def test_gate_with_ties_picks_a_set_of_maximal_scores():
+    """Ties may be broken either way, for groups and for experts: the gate must keep some
+    valid top-`topk_group` set of groups (every group scoring above the cut, the rest among
+    those tied at it) and pick a top-k of the experts in it."""
+    import itertools
+
+    rng = _rng(9)
+    logits = torch.tensor(rng.integers(-2, 3, size=(50, 32)) / 2.0, dtype=torch.float32)  # many ties
+    weights, ids = moe.model_gate(_gate_model(topk_method="noaux_tc"), logits)
+    scores = torch.sigmoid(logits.double())
+    for t in range(50):
+        grouped = scores[t].view(8, 4)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+        cut = group_scores.topk(3).values[-1]
+        above = [g for g in range(8) if group_scores[g] > cut + 1e-12]
+        tied = [g for g in range(8) if abs(group_scores[g] - cut) <= 1e-12]
+        chosen = sorted(int(e) for e in ids[t])
+        got = scores[t][chosen].sort(descending=True).values
+        valid = False
+        for extra in itertools.combinations(tied, 3 - len(above)):
+            kept = set(above) | set(extra)
+            if not all(e // 4 in kept for e in chosen):
+                continue
+            best = torch.cat([grouped[g] for g in sorted(kept)]).topk(4).values
+            valid |= bool(torch.allclose(got, best))
+        assert valid, (t, chosen, group_scores)
+        np.testing.assert_allclose(float(weights[t].sum()), 1.0, rtol=1e-6)
+
+
+def test_topk_method_validation():
+    with pytest.raises(ConfigError, match="topk_method must be one of"):
+        _gate_model(topk_method="aux_loss")
+    with pytest.raises(ConfigError, match="topk_method='noaux_tc' needs n_group"):
+        _gate_model(n_group=None, topk_group=None)
+
+
+def test_qwen2_shared_expert_gate_matches_the_float64_formula():
+    torch.manual_seed(0)
+    shared = make_shared_weights(1, 16, 8, dtype=torch.float32, device="cpu", seed=3)
+    gate = torch.randn(1, 16)
+    gated = moe.ExpertWeights(w13=shared.w13, w2=shared.w2, num_experts=1, gate=gate)
+    x = torch.randn(9, 16)
+    got = moe.shared_mlp(x, gated)
+    plain = moe.shared_mlp(x, shared)
+    factor = torch.sigmoid(x.double() @ gate[0].double())
+    np.testing.assert_allclose(got.double().numpy(), (plain.double() * factor[:, None]).numpy(),
+                               rtol=1e-5, atol=1e-6)
+    ids = torch.zeros(9, 2, dtype=torch.int64)
+    experts = make_expert_weights(2, 16, 8, dtype=torch.float32, device="cpu", seed=4)
+    ref = reference_moe(x, ids, torch.zeros(9, 2), experts, gated, 1.0)  # shared part only
+    np.testing.assert_allclose(got.numpy(), ref.numpy(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"gate must be \[1, 16\]"):
+        moe.ExpertWeights(w13=shared.w13, w2=shared.w2, num_experts=1, gate=torch.randn(2, 16))

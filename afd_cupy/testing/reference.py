@@ -79,6 +79,7 @@ def reference_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     topk_weights: [T, k] float; global_weights: first_expert == 0; shared_weights or None.
     Returns [T, H] fp32 on the CPU:
         out[t] = f * sum_k w[t,k] * expert_{ids[t,k]}(x_t) + shared(x_t)
+    (shared(x_t) scaled by sigmoid(x_t . gate) when the shared weights carry a gate)
     computed in float64 from the given (already rounded) inputs and weights, so that the
     reference adds no error of its own. Slow: keep T, H, I small.
     """
@@ -94,7 +95,10 @@ def reference_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
             out[t] += gate_weights[t, k] * experts.apply(int(ids[t, k]), x[t])
         out[t] *= routed_scaling_factor
         if shared is not None:
-            out[t] += shared.apply(0, x[t])
+            row = shared.apply(0, x[t])
+            if shared_weights.gate is not None:  # Qwen2-MoE: sigmoid(x . gate) * shared(x)
+                row = row * torch.sigmoid(shared_weights.gate[0].to("cpu", torch.float64) @ x[t])
+            out[t] += row
     return out.float()
 
 
