@@ -102,3 +102,20 @@ def test_soak_short_host_run_checks_every_output(tmp_path):
     assert set(report["errors"]) <= {"PeerTimeoutError"}
     assert report["ffn_stalls"] > 0  # the stalls happened and every later layer was right
     assert "SOAK PASS backend=host" in proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_hf_generate_tool_host(tmp_path):
+    pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), AFD_BACKEND="host")
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "hf_generate.py"), "--backend", "host",
+                           "--families", "mixtral", "deepseek_v3", "--steps", "3", "--ffn", "1",
+                           "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, f"hf_generate failed:\n{proc.stdout}\n{proc.stderr}"
+    report = json.loads((tmp_path / "hf_generate.json").read_text())
+    assert [row["family"] for row in report["families"]] == ["mixtral", "deepseek_v3"]
+    for row in report["families"]:
+        assert row["tokens"] == row["ref_tokens"] and len(row["tokens"]) == 3
+        assert row["tokens_per_s"] > 0 and row["ref_tokens_per_s"] > 0
+    assert "HF_GENERATE PASS backend=host 1A1F" in proc.stdout
