@@ -30,7 +30,7 @@ import torch
 
 from afd_cupy import moe
 from afd_cupy.connector import AFDConnector, FFNWorkItem
-from afd_cupy.errors import ConnectorShutdown
+from afd_cupy.errors import ConfigError, ConnectorShutdown
 
 logger = logging.getLogger("afd_cupy")
 
@@ -145,6 +145,8 @@ class FFNWorker:
         self.connector = connector
         self.experts = experts
         self.shared = shared
+        if experts is not None:
+            _check_weights(connector, experts, shared)
         self.expert_fn = expert_fn or self._moe_outputs
         self.schedule = schedule
         self.num_served = 0
@@ -281,6 +283,37 @@ class FFNWorker:
                        "(protocol violation: some Attention rank skipped a layer; was it built "
                        "with always_send=True?); held per (layer, stage) by rank: %s",
                        self.connector.role_rank, self.num_waiting, held)
+
+
+def _per_layer(weights, num_layers: int) -> list:
+    if weights is None or isinstance(weights, moe.ExpertWeights):
+        return [weights] * num_layers
+    return list(weights)
+
+
+def _check_weights(connector: AFDConnector, experts, shared) -> None:
+    """The weights must be what the connector's ModelConfig says: this rank's
+    ``expert_per_rank`` experts of ``moe_intermediate_size`` x ``hidden_size`` in the payload
+    dtype, per layer, and shared experts exactly when ``num_shared_experts > 0``."""
+    model, layout = connector.model, connector.layout
+    routed, fused = _per_layer(experts, model.num_layers), _per_layer(shared, model.num_layers)
+    if len(routed) != model.num_layers or len(fused) != model.num_layers:
+        raise ConfigError(f"weights for {len(routed)} routed / {len(fused)} shared layers, "
+                          f"ModelConfig.num_layers={model.num_layers}")
+    for layer, (w, s) in enumerate(zip(routed, fused)):
+        got = (w.num_experts, w.hidden_size, w.intermediate_size, w.dtype)
+        want = (layout.expert_per_rank, model.hidden_size, model.moe_intermediate_size,
+                connector.torch_dtype)
+        if got != want:
+            raise ConfigError(f"layer {layer}: routed experts are (num_experts, hidden, intermediate, "
+                              f"dtype) = {got}, the ModelConfig says {want}")
+        if (s is None) != (model.num_shared_experts == 0):
+            raise ConfigError(f"layer {layer}: shared expert weights {'missing' if s is None else 'given'} "
+                              f"but ModelConfig.num_shared_experts={model.num_shared_experts}")
+        if s is not None and (s.hidden_size, s.dtype) != (model.hidden_size, connector.torch_dtype):
+            raise ConfigError(f"layer {layer}: shared experts are (hidden, dtype) = "
+                              f"{(s.hidden_size, s.dtype)}, the ModelConfig says "
+                              f"{(model.hidden_size, connector.torch_dtype)}")
 
 
 def attention_connector_kwargs(schedule: str) -> dict:

@@ -17,7 +17,7 @@ import torch
 from afd_cupy import moe, wire
 from afd_cupy.config import ModelConfig, TopologyConfig
 from afd_cupy.connector import AFDConnector, FFNWorkItem
-from afd_cupy.errors import ConnectorShutdown
+from afd_cupy.errors import ConfigError, ConnectorShutdown
 from afd_cupy.ffn_worker import (FFNWorker, attention_connector_kwargs, merge_items, merge_order,
                                  split_outputs)
 from afd_cupy.backends.base import Arrival
@@ -47,8 +47,9 @@ def _item(src_rank, counts, num_shared, layer_idx=0, stage_idx=0, *, dtype=torch
                        route_table=torch.zeros(num_routed, 2, dtype=torch.int32))
 
 
-def _stub_connector(num_attn=2, num_layers=2, routed_scaling_factor=1.0, items=()):
-    """Just what FFNWorker reads: model, topology, role_rank, and a scripted receive."""
+def _stub_connector(num_attn=2, num_layers=2, routed_scaling_factor=1.0, items=(), *,
+                    dtype=torch.float32, experts_per_rank=4, intermediate=16, num_shared=2):
+    """Just what FFNWorker reads: model, layout, dtype, topology, role_rank, a scripted receive."""
     script = list(items)
     sent = []
 
@@ -61,7 +62,10 @@ def _stub_connector(num_attn=2, num_layers=2, routed_scaling_factor=1.0, items=(
         return nxt
 
     return SimpleNamespace(
-        model=SimpleNamespace(num_layers=num_layers, routed_scaling_factor=routed_scaling_factor),
+        model=SimpleNamespace(num_layers=num_layers, routed_scaling_factor=routed_scaling_factor,
+                              hidden_size=HIDDEN, moe_intermediate_size=intermediate,
+                              num_shared_experts=num_shared),
+        layout=SimpleNamespace(expert_per_rank=experts_per_rank), torch_dtype=dtype,
         topology=SimpleNamespace(num_attn_ranks=num_attn), role_rank=0,
         recv_ffn_work_item=recv_ffn_work_item,
         send_ffn_work_item_output=lambda item, routed, shared: sent.append((item, routed, shared)),
@@ -118,8 +122,8 @@ def test_merged_batch_equals_per_item_compute(seed, dtype, scale):
     shared = make_shared_weights(2, HIDDEN, 16, dtype=dtype, device="cpu", seed=seed + 1)
     counts = _random_counts(rng, num_items, num_experts)
     items = [_item(i, counts[i], int(rng.integers(0, 4)), dtype=dtype, seed=seed) for i in range(num_items)]
-    worker = FFNWorker(_stub_connector(num_items, routed_scaling_factor=scale), experts, shared,
-                       schedule="lockstep")
+    worker = FFNWorker(_stub_connector(num_items, routed_scaling_factor=scale, dtype=dtype), experts,
+                       shared, schedule="lockstep")
     merged = worker._merged_outputs(items)
     tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
     for item, (routed, shared_out) in zip(items, merged):
@@ -284,3 +288,15 @@ def test_lockstep_2a2f_with_empty_and_one_token_layers():
     for report in ffn:
         _check_lockstep_history(report["history"], 2, MODEL.num_layers)
     assert attn[1]["elapsed"] >= 0.9 * SLEEP_S * (MODEL.num_layers - 1), attn
+
+
+def test_worker_weights_must_match_the_model_config():
+    experts = make_expert_weights(4, HIDDEN, 16, dtype=torch.float32, device="cpu", seed=0)
+    shared = make_shared_weights(2, HIDDEN, 16, dtype=torch.float32, device="cpu", seed=1)
+    with pytest.raises(ConfigError, match=r"routed experts are \(num_experts, hidden, intermediate, dtype\) "
+                                          r"= \(4, 32, 16, torch.float32\), the ModelConfig says \(4, 32, 24"):
+        FFNWorker(_stub_connector(intermediate=24), experts, shared)
+    with pytest.raises(ConfigError, match="shared expert weights missing but ModelConfig.num_shared_experts=2"):
+        FFNWorker(_stub_connector(), experts, None)
+    with pytest.raises(ConfigError, match="weights for 3 routed / 2 shared layers"):
+        FFNWorker(_stub_connector(num_layers=2), [experts] * 3, shared)
