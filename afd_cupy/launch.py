@@ -52,6 +52,44 @@ def device_for_rank(rank: int, nprocs: int, num_gpus: int) -> int | None:
 
 
 @dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where one rank runs: ``gpu`` (None: the default of :func:`device_for_rank`) and its
+    CUDA MPS SM share ``sm_percent`` (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``; None: no limit)."""
+
+    gpu: int | None = None
+    sm_percent: int | None = None
+
+    def __post_init__(self):
+        if self.gpu is not None and self.gpu < 0:
+            raise ValueError(f"placement gpu must be >= 0, got {self.gpu}")
+        if self.sm_percent is not None and not 1 <= self.sm_percent <= 100:
+            raise ValueError(f"placement sm_percent must be in [1, 100], got {self.sm_percent}")
+
+    def __str__(self) -> str:
+        where = "default GPU" if self.gpu is None else f"GPU {self.gpu}"
+        return where + ("" if self.sm_percent is None else f" at {self.sm_percent}% of its SMs")
+
+
+def parse_placement(text: str, nprocs: int) -> list[Placement]:
+    """``"0:50,0:50,1"`` -> one Placement per rank (``GPU[:SM percent]``, comma separated).
+
+    A single entry applies to every rank. Raises ValueError naming the bad entry."""
+    entries = [e.strip() for e in text.split(",") if e.strip()]
+    if len(entries) == 1:
+        entries = entries * nprocs
+    if len(entries) != nprocs:
+        raise ValueError(f"placement {text!r} has {len(entries)} entries for {nprocs} ranks")
+    placements = []
+    for entry in entries:
+        gpu, _, pct = entry.partition(":")
+        try:
+            placements.append(Placement(int(gpu) if gpu else None, int(pct) if pct else None))
+        except ValueError as exc:
+            raise ValueError(f"placement entry {entry!r}: expected GPU[:SM percent] ({exc})") from None
+    return placements
+
+
+@dataclasses.dataclass(frozen=True)
 class ProcessContext:
     """What a launched process knows about its job. Picklable; passed as ``fn``'s first arg."""
 
@@ -62,6 +100,7 @@ class ProcessContext:
     store_port: int
     device_id: int | None
     store_timeout_s: float = 120.0
+    sm_percent: int | None = None  # this rank's MPS SM share, when the launch placed it
 
     def store(self) -> NamespacedStore:
         """This process's client of the job's store, namespaced by ``job_id``.
@@ -256,7 +295,8 @@ class DiedAsExpected:
 
 def launch(fn: Callable, nprocs: int, *, args: tuple = (), timeout_s: float = 120.0,
            num_gpus: int | None = None, env: dict[str, str] | None = None,
-           job_id: str | None = None, expected_deaths=()) -> list:
+           job_id: str | None = None, expected_deaths=(),
+           placement: "list[Placement] | None" = None) -> list:
     """Run ``fn(ctx, *args)`` in ``nprocs`` spawned processes; return results by rank.
 
     ``fn``, ``args`` and results must be picklable (``fn`` a top-level function). ``env``
@@ -264,7 +304,8 @@ def launch(fn: Callable, nprocs: int, *, args: tuple = (), timeout_s: float = 12
     None detects the visible GPUs; placement follows :func:`device_for_rank`. ``job_id``
     (default: random) namespaces store keys and shared-memory segments. Each child's thread
     pools get an equal share of the cores (:func:`thread_limits`) unless the environment or
-    ``env`` sets them. Ranks in
+    ``env`` sets them. ``placement`` (one :class:`Placement` per rank) puts each rank on a
+    GPU and gives it an MPS SM share (start MPS first for shares to apply). Ranks in
     ``expected_deaths`` may die without reporting (fault-injection tests): their result is a
     :class:`DiedAsExpected`, and the other ranks run on to their own end.
 
@@ -273,6 +314,8 @@ def launch(fn: Callable, nprocs: int, *, args: tuple = (), timeout_s: float = 12
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    if placement is not None and len(placement) != nprocs:
+        raise ValueError(f"placement has {len(placement)} entries for {nprocs} ranks")
     job_id = job_id or uuid.uuid4().hex[:12]
     num_gpus = _detect_num_gpus() if num_gpus is None else num_gpus
     fn_args_blob = pickle.dumps((fn, tuple(args)))
@@ -284,10 +327,15 @@ def launch(fn: Callable, nprocs: int, *, args: tuple = (), timeout_s: float = 12
     try:
         store, port = _start_store(nprocs, timeout_s)
         for rank in range(nprocs):
-            ctx = ProcessContext(rank, nprocs, job_id, STORE_HOST, port,
-                                 device_for_rank(rank, nprocs, num_gpus), timeout_s)
+            where = placement[rank] if placement is not None else Placement()
+            device = device_for_rank(rank, nprocs, num_gpus) if where.gpu is None else where.gpu
+            rank_env = dict(child_env)
+            if where.sm_percent is not None:
+                rank_env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(where.sm_percent)
+            ctx = ProcessContext(rank, nprocs, job_id, STORE_HOST, port, device, timeout_s,
+                                 where.sm_percent)
             proc = spawn.Process(target=_child_main, name=f"afd-{job_id}-rank{rank}",
-                                 args=(rank, fn_args_blob, ctx, child_env, results))
+                                 args=(rank, fn_args_blob, ctx, rank_env, results))
             proc.start()
             processes.append(proc)
         job = _Job(nprocs, processes, results, expected_deaths)

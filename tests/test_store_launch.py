@@ -207,3 +207,23 @@ def test_launched_processes_share_the_cores_unless_told_otherwise(monkeypatch):
         assert torch_threads == int(share)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the caller's environment wins too
     assert "OMP_NUM_THREADS" not in thread_limits(2)
+
+
+def _placed(ctx):
+    return ctx.device_id, ctx.sm_percent, os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+
+
+def test_placement_puts_each_rank_on_its_gpu_with_its_sm_share():
+    from afd_cupy.launch import Placement, parse_placement
+
+    placement = parse_placement("0:50, 0:50, 1", 3)
+    assert placement == [Placement(0, 50), Placement(0, 50), Placement(1, None)]
+    assert str(placement[0]) == "GPU 0 at 50% of its SMs" and parse_placement("2", 2) == [Placement(2)] * 2
+    results = launch(_placed, 3, timeout_s=60, num_gpus=0, placement=placement)
+    assert results == [(0, 50, "50"), (0, 50, "50"), (1, None, None)]
+    with pytest.raises(ValueError, match="placement '0,1' has 2 entries for 3 ranks"):
+        parse_placement("0,1", 3)
+    with pytest.raises(ValueError, match=r"placement entry 'x:5'"):
+        parse_placement("x:5", 1)
+    with pytest.raises(ValueError, match=r"sm_percent must be in \[1, 100\], got 0"):
+        Placement(0, 0)

@@ -56,7 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_common as bc  # noqa: E402
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig  # noqa: E402
-from afd_cupy.launch import launch  # noqa: E402
+from afd_cupy.launch import launch, parse_placement  # noqa: E402
 from afd_cupy.wire import window_size_hint  # noqa: E402
 
 SCHEDULES = ("async", "lockstep")
@@ -111,6 +111,7 @@ class Spec:
     mps_ffn_pct: int | None
     peer_timeout_s: float = 120.0
     seed: int = 0
+    placement: tuple = ()  # one afd_cupy.launch.Placement per rank, or () for the default split
 
     def model(self) -> ModelConfig:
         d = self.dims
@@ -128,7 +129,7 @@ def _rank(ctx, spec: Spec) -> dict:
 
     is_attn = ctx.rank < spec.num_attn
     pct = spec.mps_attn_pct if is_attn else spec.mps_ffn_pct
-    if spec.backend == "cuda" and pct is not None:
+    if spec.backend == "cuda" and pct is not None and ctx.sm_percent is None:
         # NOTE: read by the CUDA driver when this process creates its context (just below)
         os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(pct)
     device = bc.set_device(spec.backend, ctx)
@@ -351,7 +352,8 @@ def run_schedule(spec: Spec, timeout_s: float) -> list:
     same_pct = spec.mps_attn_pct if spec.mps_attn_pct == spec.mps_ffn_pct else None
     child_env = bc.launch_env(spec.backend, world, window, mps_percentage=same_pct)
     return launch(_rank, world, args=(spec,), timeout_s=timeout_s, env=child_env,
-                  num_gpus=None if spec.backend == "cuda" else 0)
+                  num_gpus=None if spec.backend == "cuda" else 0,
+                  placement=list(spec.placement) or None)
 
 
 def summarize(spec: Spec, results: list) -> list:
@@ -447,6 +449,10 @@ def parse_args(argv=None):
             ("mps-attn-pct", int, "MPS SM share of each Attention process (one GPU)"),
             ("mps-ffn-pct", int, "MPS SM share of each FFN process (one GPU)")):
         parser.add_argument(f"--{name}", type=kind, default=None, help=text)
+    parser.add_argument("--placement", default=None,
+                        help="per rank GPU[:SM percent], Attention ranks first, e.g. '0:50,0:50,1' "
+                             "(both replicas on GPU 0 at half its SMs, the FFN on GPU 1); "
+                             "overrides --mps-attn-pct/--mps-ffn-pct")
     parser.add_argument("--max-batches", type=int, default=100_000)
     parser.add_argument("--timeout", type=float, default=None, help="per launch, seconds")
     return parser.parse_args(argv)
@@ -461,11 +467,17 @@ def main(argv=None) -> int:
     workloads = make_workloads(args, args.attn)
     world = args.attn + args.ffn
     mps = mps_split(args, backend, world)
+    placement = tuple(parse_placement(args.placement, world)) if args.placement else ()
+    if placement:
+        mps["placement"] = "; ".join(f"rank {r} ({'attention' if r < args.attn else 'ffn'}): {p}"
+                                     for r, p in enumerate(placement))
+    print(f"placement: {mps['placement']}", flush=True)
     timeout = args.timeout or (120.0 + len(workloads) * (args.duration * 3 + 60.0))
     started = time.perf_counter()
     rows, devices = [], set()
     specs = [Spec(backend, args.poll_mode, schedule, dims, args.attn, args.ffn, workloads, args.duration,
-                  args.warmup, args.max_batches, mps["attention_pct"], mps["ffn_pct"])
+                  args.warmup, args.max_batches, mps["attention_pct"], mps["ffn_pct"],
+                  placement=placement)
              for schedule in args.schedules]
     for spec in bc.progress(specs, "bench_afd", lambda s: f"schedule={s.schedule} {args.attn}A{args.ffn}F"):
         results = run_schedule(spec, timeout)
