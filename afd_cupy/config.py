@@ -14,7 +14,7 @@ from typing import Any, Mapping
 from afd_cupy.dtypes import PAYLOAD_DTYPES
 from afd_cupy.errors import ConfigError
 
-#: gate scoring functions of ``ModelConfig.scoring_func`` and ``moe.select_experts``
+#: gate scoring functions of ``ModelConfig.scoring_func`` and ``gates.select_experts``
 SCORING_FUNCS = ("softmax", "sigmoid")
 #: DeepSeek's gate names (None: group_limited_greedy with n_group, greedy without)
 TOPK_METHODS = (None, "greedy", "group_limited_greedy", "noaux_tc")
@@ -57,7 +57,7 @@ class ModelConfig:
     """MoE layer dimensions as the connector and the experts see them.
 
     ``dtype`` is the payload dtype on the wire and of the expert weights.
-    The gate (``moe.model_gate``): ``scoring_func`` softmax or sigmoid, ``renormalize``
+    The gate (``gates.model_gate``): ``scoring_func`` softmax or sigmoid, ``renormalize``
     (``norm_topk_prob``), ``n_group``/``topk_group`` for DeepSeek grouped top-k, and
     ``topk_method`` (DeepSeek's names, see ``TOPK_METHODS``; "noaux_tc" is V3's gate).
     """

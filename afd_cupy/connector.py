@@ -23,7 +23,7 @@ import numbers
 
 import torch
 
-from afd_cupy import handshake, moe
+from afd_cupy import gates, handshake, moe
 from afd_cupy.backends.base import POLL_MODES, Arrival, PathContext, open_path, require_backend
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig
 from afd_cupy.dtypes import torch_dtype
@@ -138,7 +138,7 @@ class AFDConnector:
     # --- Attention side ---------------------------------------------------------------------
     def select_experts(self, router_logits: torch.Tensor,
                        e_score_correction_bias: torch.Tensor | None = None):
-        """Gate with the model's gate (``moe.model_gate``): ``(topk_weights fp32 [T,K],
+        """Gate with the model's gate (``gates.model_gate``): ``(topk_weights fp32 [T,K],
         topk_ids int32 [T,K])``.
 
         ``router_logits``: float [T, num_experts]; ``e_score_correction_bias``: float
@@ -149,7 +149,7 @@ class AFDConnector:
         if router_logits.dim() != 2 or router_logits.shape[1] != model.num_experts:
             raise ValueError(f"router_logits must be [num_tokens, {model.num_experts}], got "
                              f"{tuple(router_logits.shape)}")
-        return moe.model_gate(model, router_logits, e_score_correction_bias)
+        return gates.model_gate(model, router_logits, e_score_correction_bias)
 
     def send_attn_output(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
                          topk_weights: torch.Tensor, layer_idx: int, stage_idx: int = 0) -> DispatchHandle:

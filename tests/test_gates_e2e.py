@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from afd_cupy import moe
+from afd_cupy import gates, moe
 from afd_cupy.config import ModelConfig, TopologyConfig
 from afd_cupy.connector import AFDConnector
 from afd_cupy.dtypes import torch_dtype
@@ -65,7 +65,7 @@ def _program(ctx, backend, family, dtype, num_attn, num_ffn):
             logits = torch.randn(20, model.num_experts, generator=gen).to(device)
             use_bias = bias if family == "deepseek_v3" else None
             weights, ids = conn.select_experts(logits, use_bias)
-            direct = moe.model_gate(model, logits, use_bias)
+            direct = gates.model_gate(model, logits, use_bias)
             assert torch.equal(ids, direct[1]) and torch.equal(weights, direct[0])
             # layer 1: weights that require grad (a training-style caller) must work as well
             sent = weights.clone().requires_grad_(layer == 1)

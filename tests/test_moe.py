@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from afd_cupy import moe
+from afd_cupy import gates, moe
 from afd_cupy.config import ModelConfig
 from afd_cupy.errors import ConfigError
 from afd_cupy.testing.reference import make_expert_weights, make_shared_weights, reference_moe
@@ -84,7 +84,7 @@ def _check_gate(weights, ids, ref_weights, ref_ids, num_tokens, top_k):
 def test_softmax_topk_matches_reference(dtype, renormalize):
     rng = _rng(1)
     logits = _distinct_logits(37, 16, dtype, rng)
-    weights, ids = moe.select_experts(logits, 4, renormalize=renormalize)
+    weights, ids = gates.select_experts(logits, 4, renormalize=renormalize)
     ref_w, ref_ids = _np_select(logits.double().numpy(), 4, renormalize=renormalize)
     _check_gate(weights, ids, ref_w, ref_ids, 37, 4)
 
@@ -94,7 +94,7 @@ def test_softmax_topk_matches_reference(dtype, renormalize):
 def test_grouped_topk_deepseek_v2(renormalize, num_groups, topk_group, top_k):
     rng = _rng(2)
     logits = _distinct_logits(41, 32, torch.float32, rng)
-    weights, ids = moe.select_experts(
+    weights, ids = gates.select_experts(
         logits, top_k, use_grouped_topk=True, num_expert_group=num_groups,
         topk_group=topk_group, renormalize=renormalize)
     ref_w, ref_ids = _np_select(logits.double().numpy(), top_k, grouped=True,
@@ -109,7 +109,7 @@ def test_grouped_topk_deepseek_v3_sigmoid_bias(renormalize, logits_dtype):
     rng = _rng(3)
     logits = _distinct_logits(53, 64, logits_dtype, rng)
     bias = torch.tensor(rng.normal(0.0, 0.3, 64), dtype=torch.float32)
-    weights, ids = moe.select_experts(
+    weights, ids = gates.select_experts(
         logits, 8, use_grouped_topk=True, num_expert_group=8, topk_group=4,
         scoring_func="sigmoid", e_score_correction_bias=bias, renormalize=renormalize)
     ref_w, ref_ids = _np_select(logits.double().numpy(), 8, grouped=True, num_groups=8,
@@ -121,14 +121,14 @@ def test_grouped_topk_deepseek_v3_sigmoid_bias(renormalize, logits_dtype):
 def test_bias_steers_selection_but_not_weights():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     bias = torch.tensor([0.0, 0.0, 0.0, 5.0])
-    weights, ids = moe.select_experts(logits, 1, scoring_func="sigmoid",
+    weights, ids = gates.select_experts(logits, 1, scoring_func="sigmoid",
                                       e_score_correction_bias=bias, renormalize=False)
     assert ids.tolist() == [[3]]
     assert weights.item() == pytest.approx(1.0 / (1.0 + math.exp(1.0)), rel=1e-6)
 
 
 def test_select_experts_zero_tokens():
-    weights, ids = moe.select_experts(torch.empty((0, 8)), 2)
+    weights, ids = gates.select_experts(torch.empty((0, 8)), 2)
     assert weights.shape == ids.shape == (0, 2)
 
 
@@ -156,7 +156,7 @@ def test_select_experts_validation(kwargs, match):
     args.update(kwargs)
     logits, top_k = args.pop("router_logits"), args.pop("top_k")
     with pytest.raises(ValueError, match=match):
-        moe.select_experts(logits, top_k, **args)
+        gates.select_experts(logits, top_k, **args)
 
 
 # --------------------------------------------------------------------------- expert weights
@@ -414,7 +414,7 @@ def test_reference_moe_matches_vectorized(with_shared):
     shared = (make_shared_weights(1, 32, 16, dtype=torch.bfloat16, device="cpu", seed=21)
               if with_shared else None)
     hidden = torch.randn(13, 32).bfloat16()
-    weights, ids = moe.select_experts(_distinct_logits(13, 8, torch.float32, rng), 3)
+    weights, ids = gates.select_experts(_distinct_logits(13, 8, torch.float32, rng), 3)
     out = reference_moe(hidden, ids, weights, glob, shared, 2.5)
     assert out.dtype == torch.float32 and out.shape == (13, 32)
     torch.testing.assert_close(out.double(),
@@ -466,7 +466,7 @@ def test_disaggregated_pipeline_matches_reference(dtype, num_ffn):
     shared = make_shared_weights(2, 32, 16, dtype=dtype, device="cpu", seed=31)
     hidden = torch.randn(17, 32).to(dtype)
     logits = _distinct_logits(17, 10, torch.float32, rng)
-    weights, ids = moe.select_experts(logits, 4, use_grouped_topk=True, num_expert_group=5,
+    weights, ids = gates.select_experts(logits, 4, use_grouped_topk=True, num_expert_group=5,
                                       topk_group=3)
     out = _disaggregated_moe(hidden, ids, weights, glob, shared, 2.5, num_ffn)
     ref = reference_moe(hidden, ids, weights, glob, shared, 2.5)
@@ -504,7 +504,7 @@ def test_noaux_tc_gate_scores_groups_by_their_top2_sum_with_or_without_bias(with
     logits = _distinct_logits(29, 32, torch.float32, rng)
     bias = rng.normal(0.0, 0.2, 32) if with_bias else np.zeros(32)
     model = _gate_model(renormalize=renormalize)
-    weights, ids = moe.model_gate(model, logits, torch.tensor(bias, dtype=torch.float32) if with_bias else None)
+    weights, ids = gates.model_gate(model, logits, torch.tensor(bias, dtype=torch.float32) if with_bias else None)
     ref_w, ref_ids = _np_select_grouped(logits.double().numpy(), 4, 8, 3, bias=bias,
                                         use_top2_sum=True, renormalize=renormalize)
     _check_gate(weights, ids, ref_w, ref_ids, 29, 4)
@@ -513,16 +513,16 @@ def test_noaux_tc_gate_scores_groups_by_their_top2_sum_with_or_without_bias(with
 def test_gate_methods_differ_where_they_should():
     rng = _rng(8)
     logits = _distinct_logits(64, 32, torch.float32, rng)
-    v2 = moe.model_gate(_gate_model(topk_method="group_limited_greedy"), logits)
-    v3 = moe.model_gate(_gate_model(topk_method="noaux_tc"), logits)
-    greedy = moe.model_gate(_gate_model(topk_method="greedy"), logits)
+    v2 = gates.model_gate(_gate_model(topk_method="group_limited_greedy"), logits)
+    v3 = gates.model_gate(_gate_model(topk_method="noaux_tc"), logits)
+    greedy = gates.model_gate(_gate_model(topk_method="greedy"), logits)
     ref_v2 = _np_select_grouped(logits.double().numpy(), 4, 8, 3, bias=np.zeros(32),
                                 use_top2_sum=False, renormalize=True)
     ref_greedy = _np_select(logits.double().numpy(), 4, scoring_func="sigmoid")
     _check_gate(*v2, *ref_v2, 64, 4)
     _check_gate(*greedy, *ref_greedy, 64, 4)
     assert not torch.equal(v2[1], v3[1])  # max vs top-2 sum group scores pick other groups
-    default = moe.model_gate(_gate_model(topk_method=None), logits)  # n_group set: V2
+    default = gates.model_gate(_gate_model(topk_method=None), logits)  # n_group set: V2
     assert torch.equal(default[1], v2[1])
 
 
@@ -534,7 +534,7 @@ def test_gate_with_ties_picks_a_set_of_maximal_scores():
 
     rng = _rng(9)
     logits = torch.tensor(rng.integers(-2, 3, size=(50, 32)) / 2.0, dtype=torch.float32)  # many ties
-    weights, ids = moe.model_gate(_gate_model(topk_method="noaux_tc"), logits)
+    weights, ids = gates.model_gate(_gate_model(topk_method="noaux_tc"), logits)
     scores = torch.sigmoid(logits.double())
     for t in range(50):
         grouped = scores[t].view(8, 4)
