@@ -18,7 +18,8 @@ block can follow):
   (the Hugging Face routers return ``(logits, weights, ids)``) and whose ``weight`` is
   [E, H]; optionally ``gate.e_score_correction_bias`` [E] (DeepSeek-V3).
 - ``block.experts``: fused ``gate_up_proj`` [E, 2I, H] (gate rows first) and ``down_proj``
-  [E, H, I] with a SiLU ``act_fn`` (the transformers 5 layout, and afd_cupy's own).
+  [E, H, I] with a SiLU or GELU (erf or tanh) ``act_fn`` (the transformers 5 layout, and
+  afd_cupy's own).
 - optionally ``block.shared_experts`` / ``block.shared_expert``: an MLP with ``gate_proj``,
   ``up_proj``, ``down_proj`` linears, and ``block.shared_expert_gate`` [1, H] (Qwen2-MoE).
 
@@ -82,6 +83,21 @@ def model_config(hf_config, *, dtype: str, max_num_batched_tokens: int,
         topk_method="noaux_tc" if family == "deepseek_v3" else c.topk_method, **common)
 
 
+#: Hugging Face ``hidden_act`` names -> ExpertWeights.activation
+_HF_ACTS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+            "gelu_new": "gelu_tanh"}
+
+
+def config_activation(hf_config) -> str:
+    """The experts' gated activation named by ``hf_config.hidden_act`` (for ``ffn_weights`` of
+    a state dict); UnsupportedModelError for anything but SiLU and GELU."""
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act not in _HF_ACTS:
+        raise UnsupportedModelError(f"hidden_act {act!r}: only SiLU- and GELU-gated experts are "
+                                    f"supported ({sorted(_HF_ACTS)})")
+    return _HF_ACTS[act]
+
+
 def _num_moe_layers(c, family: str) -> int:
     if family.startswith("deepseek"):
         return c.num_hidden_layers - (c.first_k_dense_replace or 0)
@@ -103,12 +119,27 @@ def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if is_sparse_moe_block(m)]
 
 
+#: activation modules (by class name) -> ExpertWeights.activation
+_ACTIVATIONS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUActivation": "gelu",
+                "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh", "NewGELUActivation": "gelu_tanh"}
+
+
+def _activation_of(block: nn.Module) -> str:
+    act = getattr(block.experts, "act_fn", None)
+    if act is None:
+        return "silu"
+    kind = type(act).__name__
+    if kind == "GELU":  # torch.nn.GELU: erf or tanh by its attribute
+        return "gelu_tanh" if getattr(act, "approximate", "none") == "tanh" else "gelu"
+    if kind not in _ACTIVATIONS:
+        raise UnsupportedModelError(f"{type(block).__name__}: expert activation {kind} (supported: "
+                                    f"SiLU and GELU-gated experts: {sorted(_ACTIVATIONS)} or torch.nn.GELU)")
+    return _ACTIVATIONS[kind]
+
+
 def _check_block(block: nn.Module) -> None:
     name = type(block).__name__
-    act = getattr(block.experts, "act_fn", None)
-    if act is not None and type(act).__name__ not in ("SiLU", "SiLUActivation"):
-        raise UnsupportedModelError(f"{name}: expert activation {type(act).__name__} (only SiLU-gated "
-                                    "experts are supported)")
+    _activation_of(block)
     for part in ("gate_up_proj_bias", "down_proj_bias"):
         if getattr(block.experts, part, None) is not None:
             raise UnsupportedModelError(f"{name}: expert biases ({part}) are not supported")
@@ -180,35 +211,41 @@ def disaggregate_attention(model: nn.Module, connector, *, blocking: bool = True
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def ffn_weights(source, *, ffn_rank: int, num_ffn_ranks: int, num_experts: int):
+def ffn_weights(source, *, ffn_rank: int, num_ffn_ranks: int, num_experts: int,
+                activation: str = "silu"):
     """(local experts per MoE layer, shared experts per MoE layer or None) for FFN rank
     ``ffn_rank``, in layer order, from a model (``nn.Module``) or a state dict.
 
     Only this rank's experts are copied out (``moe.local_experts``); a state dict may be a
     memory-mapped one (``torch.load(..., mmap=True)`` / safetensors), so the whole model is
-    never materialised here. ``num_experts``: the routed experts per layer.
+    never materialised here. ``num_experts``: the routed experts per layer; ``activation``:
+    the experts' gated activation when ``source`` is a state dict (a model tells its own).
     """
     epr = -(-num_experts // num_ffn_ranks)
-    layers = _layers_from_module(source) if isinstance(source, nn.Module) else _layers_from_state(source)
+    layers = (_layers_from_module(source) if isinstance(source, nn.Module)
+              else _layers_from_state(source, activation))
     experts, shared = [], []
-    for gate_up, down, shared_parts in layers:
+    for gate_up, down, shared_parts, activation in layers:
         if gate_up.shape[0] != num_experts:
             raise UnsupportedModelError(f"expert weights hold {gate_up.shape[0]} experts, expected {num_experts}")
-        global_set = moe.ExpertWeights(w13=gate_up, w2=down, num_experts=num_experts)
+        global_set = moe.ExpertWeights(w13=gate_up, w2=down, num_experts=num_experts,
+                                       activation=activation)
         experts.append(moe.local_experts(global_set, ffn_rank, epr))
         shared.append(None if shared_parts is None else moe.ExpertWeights(
             w13=shared_parts.w13.unsqueeze(0).clone(), w2=shared_parts.w2.unsqueeze(0).clone(),
-            num_experts=1, gate=None if shared_parts.gate is None else shared_parts.gate.clone()))
+            num_experts=1, gate=None if shared_parts.gate is None else shared_parts.gate.clone(),
+            activation=activation))
     return experts, shared
 
 
 def _layers_from_module(model: nn.Module):
     for _, block in moe_blocks(model):
         _check_block(block)
-        yield block.experts.gate_up_proj.detach(), block.experts.down_proj.detach(), _shared_of(block)
+        yield (block.experts.gate_up_proj.detach(), block.experts.down_proj.detach(), _shared_of(block),
+               _activation_of(block))
 
 
-def _layers_from_state(state: dict):
+def _layers_from_state(state: dict, activation: str):
     prefixes = sorted({key[:-len("experts.gate_up_proj")] for key in state
                        if key.endswith("experts.gate_up_proj")}, key=_layer_number)
     if not prefixes:
@@ -222,7 +259,7 @@ def _layers_from_state(state: dict):
                                  state[prefix + name + "up_proj.weight"]], dim=0)
                 gate = state.get(prefix + "shared_expert_gate.weight")
                 shared = _Shared(w13, state[prefix + name + "down_proj.weight"], gate)
-        yield state[prefix + "experts.gate_up_proj"], state[prefix + "experts.down_proj"], shared
+        yield state[prefix + "experts.gate_up_proj"], state[prefix + "experts.down_proj"], shared, activation
 
 
 def _layer_number(prefix: str) -> int:

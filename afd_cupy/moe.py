@@ -7,7 +7,8 @@ local expert (the wire format's `routed_x`), `shared_mlp` runs the shared expert
 side's combine multiplies by `combine_scale` at the end. Test fixtures (deterministic
 weights, the naive fp64 reference) live in :mod:`afd_cupy.testing.reference`.
 
-Experts are SiLU-gated MLPs, ``out = (silu(x @ w1.T) * (x @ w3.T)) @ w2.T``, stored with
+Experts are gated MLPs, ``out = (act(x @ w1.T) * (x @ w3.T)) @ w2.T`` with act SiLU (default)
+or GELU (``ExpertWeights.activation``), stored with
 fused gate/up weights ``w13 = cat([w1, w3])`` of shape [E, 2*I, H] and ``w2`` [E, H, I]
 (torch.nn.Linear layout: out_features first).
 
@@ -47,6 +48,8 @@ class ExpertWeights:
     first_expert: global id of expert 0 of this set (0 for a global set).
     gate: shared experts only: [1, hidden] weight of a per-token sigmoid gate on their output
           (Qwen2-MoE's ``shared_expert_gate``), or None.
+    activation: the gated activation ``act(gate) * up``: "silu" (default), "gelu" (erf) or
+          "gelu_tanh" (the tanh approximation).
     """
 
     w13: torch.Tensor
@@ -54,6 +57,7 @@ class ExpertWeights:
     num_experts: int
     first_expert: int = 0
     gate: torch.Tensor | None = None
+    activation: str = "silu"
 
     def __post_init__(self):
         w13, w2 = self.w13, self.w2
@@ -71,6 +75,8 @@ class ExpertWeights:
                              f"{w2.device}) must share dtype and device")
         if self.first_expert < 0:
             raise ValueError(f"first_expert must be >= 0, got {self.first_expert}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got {self.activation!r}")
         gate = self.gate
         if gate is not None and (tuple(gate.shape) != (1, hidden) or gate.dtype != w13.dtype
                                  or gate.device != w13.device):
@@ -114,23 +120,29 @@ def local_experts(global_weights: ExpertWeights, ffn_rank: int,
     w2 = global_weights.w2.new_zeros((expert_per_rank,) + tuple(global_weights.w2.shape[1:]))
     w13[:num_owned].copy_(global_weights.w13[first:first + num_owned])
     w2[:num_owned].copy_(global_weights.w2[first:first + num_owned])
-    return ExpertWeights(w13=w13, w2=w2, num_experts=expert_per_rank, first_expert=first)
+    return ExpertWeights(w13=w13, w2=w2, num_experts=expert_per_rank, first_expert=first,
+                         activation=global_weights.activation)
 
 
 # --------------------------------------------------------------------------- expert math
 
-def _silu_and_mul(gate_up: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """gate_up [n, 2I] -> silu(gate) * up [n, I] in out_dtype, computed in fp32 (one rounding,
+#: the gated activations of ``ExpertWeights.activation``
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu,
+               "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
+
+
+def _act_and_mul(gate_up: torch.Tensor, out_dtype: torch.dtype, activation: str = "silu") -> torch.Tensor:
+    """gate_up [n, 2I] -> act(gate) * up [n, I] in out_dtype, computed in fp32 (one rounding,
     like vLLM's fused silu_and_mul)."""
     gate, up = gate_up.float().chunk(2, dim=-1)
-    return (F.silu(gate) * up).to(out_dtype)
+    return (ACTIVATIONS[activation](gate) * up).to(out_dtype)
 
 
 def _dense_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-               compute_dtype: torch.dtype) -> torch.Tensor:
+               compute_dtype: torch.dtype, activation: str = "silu") -> torch.Tensor:
     """One expert: x [n, H], w13 [2I, H], w2 [H, I] -> [n, H] in compute_dtype."""
     gate_up = F.linear(x.to(compute_dtype), w13.to(compute_dtype))
-    return F.linear(_silu_and_mul(gate_up, compute_dtype), w2.to(compute_dtype))
+    return F.linear(_act_and_mul(gate_up, compute_dtype, activation), w2.to(compute_dtype))
 
 
 def shared_mlp(x: torch.Tensor, shared_weights: ExpertWeights) -> torch.Tensor:
@@ -149,7 +161,8 @@ def shared_mlp(x: torch.Tensor, shared_weights: ExpertWeights) -> torch.Tensor:
     if x.shape[0] == 0:
         return x.new_empty((0, x.shape[1]))
     compute_dtype = x.dtype if x.is_cuda else torch.float32
-    out = _dense_mlp(x, shared_weights.w13[0], shared_weights.w2[0], compute_dtype)
+    out = _dense_mlp(x, shared_weights.w13[0], shared_weights.w2[0], compute_dtype,
+                     shared_weights.activation)
     if shared_weights.gate is not None:
         factor = torch.sigmoid(F.linear(x.float(), shared_weights.gate.float()))  # [n, 1]
         return (out.float() * factor).to(x.dtype)
@@ -238,7 +251,7 @@ def _grouped_mlp_fused(x: torch.Tensor, group_counts: torch.Tensor,
     # repeats the previous offset.
     offs = torch.cumsum(group_counts, dim=0, dtype=torch.int32).to(x.device, non_blocking=True)
     gate_up = torch._grouped_mm(x, weights.w13.transpose(1, 2), offs=offs)
-    hidden = _silu_and_mul(gate_up, x.dtype)
+    hidden = _act_and_mul(gate_up, x.dtype, weights.activation)
     return torch._grouped_mm(hidden, weights.w2.transpose(1, 2), offs=offs)
 
 
@@ -249,7 +262,8 @@ def _grouped_mlp_loop(x: torch.Tensor, counts: list[int], weights: ExpertWeights
         if num_rows == 0:
             continue
         rows = slice(start, start + num_rows)
-        out[rows] = _dense_mlp(x[rows], weights.w13[expert], weights.w2[expert], torch.float32)
+        out[rows] = _dense_mlp(x[rows], weights.w13[expert], weights.w2[expert], torch.float32,
+                               weights.activation)
         start += num_rows
     return out
 

@@ -49,9 +49,11 @@ def test_ffn_weights_from_a_state_dict_equal_those_from_the_model(family):
 def test_unsupported_blocks_are_named():
     model = tiny_model("mixtral", seed=0)
     _, block = adapters.moe_blocks(model)[0]
-    block.experts.act_fn = torch.nn.GELU()
-    with pytest.raises(adapters.UnsupportedModelError, match="MixtralSparseMoeBlock: expert activation GELU"):
+    block.experts.act_fn = torch.nn.ReLU()
+    with pytest.raises(adapters.UnsupportedModelError, match="MixtralSparseMoeBlock: expert activation ReLU"):
         adapters.ffn_weights(model, ffn_rank=0, num_ffn_ranks=1, num_experts=8)
+    with pytest.raises(adapters.UnsupportedModelError, match="hidden_act 'relu'"):
+        adapters.config_activation(tiny_config("mixtral", hidden_act="relu"))
     with pytest.raises(adapters.UnsupportedModelError, match="model_type 'llama'"):
         adapters.model_config(transformers.AutoConfig.for_model("llama"), dtype="float32",
                               max_num_batched_tokens=8)
@@ -112,3 +114,13 @@ def test_every_moe_block_matches_its_hf_block(backend, family, dtype, num_attn, 
     for report in results[:num_attn]:
         assert len(report["errors"]) >= 2 and max(report["errors"]) < TOLERANCE[dtype], report
         assert report["dtypes"] == [f"torch.{dtype}"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("hidden_act", ["gelu", "gelu_pytorch_tanh"])
+def test_gelu_gated_experts_generate_like_one_process(backend, hidden_act):
+    rank_fn = functools.partial(generation_rank, backend=backend, num_ffn=2, steps=5,
+                                overrides={"hidden_act": hidden_act})
+    attn = launch(rank_fn, 3, args=("qwen2_moe",), timeout_s=240)[0]  # routed and shared experts
+    assert attn["tokens"] == attn["ref_tokens"], attn
+    assert max(attn["errors"]) < TOLERANCE["float32"], attn["errors"]

@@ -579,3 +579,19 @@ def test_qwen2_shared_expert_gate_matches_the_float64_formula():
     np.testing.assert_allclose(got.numpy(), ref.numpy(), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match=r"gate must be \[1, 16\]"):
         moe.ExpertWeights(w13=shared.w13, w2=shared.w2, num_experts=1, gate=torch.randn(2, 16))
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
+def test_grouped_and_shared_mlp_apply_the_activation_like_the_reference(activation):
+    experts = make_expert_weights(3, 16, 8, dtype=torch.float32, device="cpu", seed=5)
+    experts = moe.ExpertWeights(w13=experts.w13, w2=experts.w2, num_experts=3, activation=activation)
+    x = torch.randn(7, 16, generator=torch.Generator().manual_seed(6))
+    counts = torch.tensor([3, 0, 4], dtype=torch.int32)
+    got = moe.grouped_mlp(x, counts, experts)
+    ids = torch.tensor([[0], [0], [0], [2], [2], [2], [2]])
+    ref = reference_moe(x, ids, torch.ones(7, 1), experts, None, 1.0)
+    np.testing.assert_allclose(got.numpy(), ref.numpy(), rtol=1e-5, atol=1e-6)
+    local = moe.local_experts(experts, 0, 2)
+    assert local.activation == activation
+    with pytest.raises(ValueError, match="activation must be one of"):
+        moe.ExpertWeights(w13=experts.w13, w2=experts.w2, num_experts=3, activation="relu")

@@ -28,14 +28,15 @@ _FAMILY = {
 }
 
 
-def tiny_config(family: str):
-    """A small config of ``family`` (3 layers, hidden 64, 8 experts, top-2)."""
+def tiny_config(family: str, **overrides):
+    """A small config of ``family`` (3 layers, hidden 64, 8 experts, top-2), ``overrides``
+    applied last (e.g. ``hidden_act="gelu"``)."""
     from transformers import AutoConfig
 
-    return AutoConfig.for_model(family, **{**_COMMON, **_FAMILY[family]})
+    return AutoConfig.for_model(family, **{**_COMMON, **_FAMILY[family], **overrides})
 
 
-def tiny_model(family: str, *, seed: int, dtype=torch.float32):
+def tiny_model(family: str, *, seed: int, dtype=torch.float32, **overrides):
     """A ``*ForCausalLM`` of ``tiny_config(family)`` with seeded random weights, eval mode.
 
     Router weights and DeepSeek-V3's selection bias are drawn wide enough that routing
@@ -44,7 +45,7 @@ def tiny_model(family: str, *, seed: int, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(family), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -58,7 +59,8 @@ def tiny_model(family: str, *, seed: int, dtype=torch.float32):
 
 
 def generation_rank(ctx, family: str, *, backend: str, num_ffn: int, steps: int,
-                    prompt_len: int = 6, dtype: str = "float32", seed: int = 0) -> dict:
+                    prompt_len: int = 6, dtype: str = "float32", seed: int = 0,
+                    overrides: dict | None = None) -> dict:
     """One rank of a disaggregated greedy generation (rank 0: Attention, the model minus its
     experts; ranks 1..F: FFN ranks holding only their experts, taken from a state dict).
 
@@ -74,7 +76,7 @@ def generation_rank(ctx, family: str, *, backend: str, num_ffn: int, steps: int,
     device = torch.device("cuda", ctx.device_id or 0) if backend == "cuda" else torch.device("cpu")
     if backend == "cuda":
         torch.cuda.set_device(device)
-    model = tiny_model(family, seed=seed, dtype=torch_dtype(dtype)).to(device)
+    model = tiny_model(family, seed=seed, dtype=torch_dtype(dtype), **(overrides or {})).to(device)
     config = adapters.model_config(model.config, dtype=dtype,
                                    max_num_batched_tokens=prompt_len + steps)
     role = "attention" if ctx.rank == 0 else "ffn"
@@ -84,10 +86,11 @@ def generation_rank(ctx, family: str, *, backend: str, num_ffn: int, steps: int,
                         peer_timeout_s=60.0)
     try:
         if role == "ffn":
-            state = model.state_dict()  # stands for a memory-mapped checkpoint
+            state, hf_config = model.state_dict(), model.config  # a (memory-mapped) checkpoint
             del model
             experts, shared = adapters.ffn_weights(state, ffn_rank=ctx.rank - 1, num_ffn_ranks=num_ffn,
-                                                   num_experts=config.num_experts)
+                                                   num_experts=config.num_experts,
+                                                   activation=adapters.config_activation(hf_config))
             return {"served": FFNWorker(conn, experts, shared if any(s is not None for s in shared) else None).run()}
         prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len),
                                generator=torch.Generator().manual_seed(seed + 7)).to(device)

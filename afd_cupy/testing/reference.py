@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
+from afd_cupy import moe
 from afd_cupy.moe import ExpertWeights
 
 # Salt mixed into the shared experts' seed so that one seed never makes a shared expert
@@ -115,7 +115,7 @@ class _ExpertCacheF64:
                                    self._weights.w2[expert].to("cpu", torch.float64))
         w13, w2 = self._cache[expert]
         gate, up = (w13 @ x_row).chunk(2)
-        return w2 @ (F.silu(gate) * up)
+        return w2 @ (moe.ACTIVATIONS[self._weights.activation](gate) * up)
 
 
 def _check_reference_args(hidden, topk_ids, topk_weights, global_weights) -> None:
