@@ -284,12 +284,8 @@ class AFDConnector:
         self._shutdown_from.add(src_rank)
         logger.info("afd_cupy ffn rank %d: attention rank %d announced shutdown (%d/%d)",
                     self.role_rank, src_rank, len(self._shutdown_from), self.topology.num_attn_ranks)
+        self._raise_if_lost()
         if len(self._shutdown_from) == self.topology.num_attn_ranks:
-            if self._lost:
-                self._peer_failed = True
-                raise PeerLostError(f"attention rank(s) {sorted(self._lost)} died without announcing "
-                                    "shutdown; every other attention rank has shut down",
-                                    peers=sorted(self._lost))
             raise ConnectorShutdown("every Attention rank announced shutdown", src_rank=src_rank)
 
     def _check_attention_alive(self) -> None:
@@ -302,10 +298,15 @@ class AFDConnector:
                                self.role_rank, rank)
                 self._shutdown_from.add(rank)
                 self._lost.add(rank)
+        self._raise_if_lost()
+
+    def _raise_if_lost(self) -> None:
+        """PeerLostError once every Attention rank is done and some of them died."""
         if self._lost and len(self._shutdown_from) == self.topology.num_attn_ranks:
             self._peer_failed = True
             raise PeerLostError(f"attention rank(s) {sorted(self._lost)} died without announcing "
-                                "shutdown; every other attention rank has shut down", peers=sorted(self._lost))
+                                "shutdown; every other attention rank has shut down",
+                                peers=sorted(self._lost))
 
     def _work_item(self, arrival: Arrival) -> FFNWorkItem:
         header = arrival.header

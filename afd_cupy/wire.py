@@ -315,12 +315,14 @@ def decode_header(words, expert_per_rank: int, layout: "WindowLayout | None" = N
 
 
 def check_capacity(layout: WindowLayout, *, num_tokens: int, routed_tokens: int,
-                   shared_tokens: int, peer: int) -> None:
-    """Raise CapacityError (nothing written yet) if a message does not fit its slot."""
+                   shared_tokens: int, peer: int, nothing_sent: bool = False) -> None:
+    """Raise CapacityError (nothing written yet) if a message does not fit its slot;
+    ``nothing_sent``: the whole dispatch is dropped, and the routed error says so."""
     if num_tokens > layout.token_cap:
         raise errors.token_cap_error(num_tokens, layout.token_cap)
     if routed_tokens > layout.routed_cap:
-        raise errors.routed_capacity_error(routed_tokens, peer, layout.routed_cap)
+        raise errors.routed_capacity_error(routed_tokens, peer, layout.routed_cap,
+                                           nothing_sent=nothing_sent)
     if shared_tokens > layout.shared_cap:
         raise errors.shared_capacity_error(shared_tokens, peer, layout.shared_cap)
 

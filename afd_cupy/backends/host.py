@@ -32,7 +32,6 @@ class HostSendState:
     plan: planner.DispatchPlan | None
     expected: np.ndarray
     shared_counts: np.ndarray
-    stage_idx: int
     error: AfdError | None = None
 
 
@@ -89,23 +88,22 @@ class HostDataPath:
         if bad.size:  # like the plan kernel: nothing is sent, the combine raises
             error = errors.bad_expert_error(int(ids.flat[bad[0]]), int(bad[0]),
                                             ctx.num_experts, layer_idx)
-            return HostSendState(None, expected, shared, stage_idx, error=error)
+            return HostSendState(None, expected, shared, error=error)
         plan = planner.plan_dispatch(ids.astype(np.int32), num_ffn, layout.expert_per_rank,
                                      ctx.num_experts)
         try:  # every check before any write: an overflowing dispatch sends nothing
             for j in range(num_ffn):
                 wire.check_capacity(layout, num_tokens=num_tokens, routed_tokens=plan.routed_count(j),
-                                    shared_tokens=int(shared[j]), peer=j)
+                                    shared_tokens=int(shared[j]), peer=j, nothing_sent=True)
         except errors.CapacityError as exc:
-            exc.args = (exc.args[0] + "; nothing was sent",)
-            return HostSendState(None, expected, shared, stage_idx, error=exc)
+            return HostSendState(None, expected, shared, error=exc)
         raw = torch_to_raw(hidden.detach(), ctx.dtype).reshape(num_tokens, layout.hidden_size)
         for j in range(num_ffn):
             if plan.routed_count(j) == 0 and shared[j] == 0 and not ctx.always_send:
                 continue  # empty message: not sent, not waited on
             expected[j] = self._next_seq(j, ring)
             self._scatter(j, plan, raw, int(shared[j]), ring, int(expected[j]), layer_idx, stage_idx)
-        return HostSendState(plan, expected, shared, stage_idx)
+        return HostSendState(plan, expected, shared)
 
     def _scatter(self, ffn_rank, plan, raw, num_shared, ring, seq, layer_idx, stage_idx) -> None:
         ctx = self.ctx
