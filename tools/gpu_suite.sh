@@ -4,7 +4,7 @@
 # short benchmarks, stop MPS, print a summary table last. Logs go to $OUT (or ./gpu_out).
 #
 #   bash tools/gpu_suite.sh [full|quick|bench]  # quick: tests + smoke only; bench: benchmarks only
-# Knobs (environment): SUITE_TIMEOUT, TEST_TIMEOUT (per test), SMOKE_ARGS, SKIP_SMOKE_2A2F=1,
+# Knobs (environment): SUITE_TIMEOUT, TEST_TIMEOUT (per test), SMOKE_ARGS, SKIP_SMOKE_1A1F=1, SKIP_SMOKE_2A2F=1,
 # SKIP_HOSTPOLL=1 / HOSTPOLL_TIMEOUT (the e2e cases with host polling and no MPS),
 # SKIP_SOAK=1 / SOAK_N / SOAK_TIMEOUT / SOAK_ARGS (tools/soak.py),
 # BENCHES (names of tools/*.py run with --quick), BENCH_TIMEOUT, AFD_COMMIT (for the table).
@@ -51,7 +51,7 @@ run_step pytest_cuda "$SUITE_TIMEOUT" python3 -m pytest -m cuda -q -p no:cachepr
 # the end-to-end cases again with host polling and WITHOUT MPS (no spinning kernels at all)
 [ "${SKIP_HOSTPOLL:-0}" = 1 ] || AFD_TEST_POLL_MODE=host NO_MPS=1 run_step pytest_hostpoll "${HOSTPOLL_TIMEOUT:-300}" \
   python3 -m pytest -m cuda -q -p no:cacheprovider --timeout=${TEST_TIMEOUT:-90} -rfEs tests/test_e2e.py tests/test_e2e_errors.py tests/test_faults.py
-run_step smoke_1a1f 120 python3 tools/smoke.py --layers 4 ${SMOKE_ARGS:-}
+[ "${SKIP_SMOKE_1A1F:-0}" = 1 ] || run_step smoke_1a1f 120 python3 tools/smoke.py --layers 4 ${SMOKE_ARGS:-}
 [ "${SKIP_SMOKE_2A2F:-0}" = 1 ] || run_step smoke_2a2f 150 python3 tools/smoke.py --2a2f --layers 4 ${SMOKE_ARGS:-}
 # random sizes, layers, stages and stalls, every output checked (the fault model's soak)
 [ "${SKIP_SOAK:-0}" = 1 ] || run_step soak "${SOAK_TIMEOUT:-300}" python3 tools/soak.py \
