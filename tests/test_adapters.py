@@ -78,7 +78,10 @@ def _block_program(ctx, backend, family, dtype, num_attn, num_ffn):
     from afd_cupy.ffn_worker import FFNWorker
     from afd_cupy.topology import Topology
 
-    model = tiny_model(family, seed=5, dtype=torch_dtype(dtype))
+    device = torch.device("cuda", ctx.device_id or 0) if backend == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model = tiny_model(family, seed=5, dtype=torch_dtype(dtype)).to(device)
     config = adapters.model_config(model.config, dtype=dtype, max_num_batched_tokens=24)
     role, role_rank = Topology(num_attn, num_ffn, config.num_experts).role_of(ctx.rank)
     conn = AFDConnector(config, TopologyConfig(num_attn, num_ffn), role=role, role_rank=role_rank,
@@ -91,7 +94,7 @@ def _block_program(ctx, backend, family, dtype, num_attn, num_ffn):
             return {"served": FFNWorker(conn, experts, shared if shared[0] is not None else None).run()}
         blocks = [block for _, block in adapters.moe_blocks(model)]
         x = torch.randn(2, 12, config.hidden_size, generator=torch.Generator().manual_seed(role_rank))
-        x = x.to(torch_dtype(dtype))
+        x = x.to(device=device, dtype=torch_dtype(dtype))
         with torch.no_grad():
             refs = [block(x) for block in blocks]
             adapters.disaggregate_attention(model, conn)

@@ -4,7 +4,7 @@
 # short benchmarks, stop MPS, print a summary table last. Logs go to $OUT (or ./gpu_out).
 #
 #   bash tools/gpu_suite.sh [full|quick|bench]  # quick: tests + smoke only; bench: benchmarks only
-# Knobs (environment): SUITE_TIMEOUT, TEST_TIMEOUT (per test), SMOKE_ARGS, SKIP_SMOKE_1A1F=1, SKIP_SMOKE_2A2F=1,
+# Knobs (environment): SUITE_TESTS (test files or ids instead of all), SUITE_TIMEOUT, TEST_TIMEOUT (per test), SMOKE_ARGS, SKIP_SMOKE_1A1F=1, SKIP_SMOKE_2A2F=1,
 # SKIP_HOSTPOLL=1 / HOSTPOLL_TIMEOUT (the e2e cases with host polling and no MPS),
 # SKIP_SOAK=1 / SOAK_N / SOAK_TIMEOUT / SOAK_ARGS (tools/soak.py),
 # BENCHES (names of tools/*.py run with --quick), BENCH_TIMEOUT, AFD_COMMIT (for the table).
@@ -42,7 +42,8 @@ run_step() {  # name, timeout, command...   (NO_MPS=1 run_step ...: with MPS sto
 
 # single-process kernel tests first, multi-process end-to-end tests last
 # (the fault tests kill processes mid-run, which can leave MPS refusing clients: they go last)
-TEST_FILES=$(ls tests/test_kernels_cuda.py tests/test_moe.py tests/test_nvshmem_binding.py 2>/dev/null; \
+TEST_FILES=${SUITE_TESTS:-}
+[ -n "$TEST_FILES" ] || TEST_FILES=$(ls tests/test_kernels_cuda.py tests/test_moe.py tests/test_nvshmem_binding.py 2>/dev/null; \
   ls tests/test_*.py | grep -v -e test_kernels_cuda -e test_moe.py -e test_nvshmem_binding -e test_faults; \
   ls tests/test_faults.py)
 if [ "$MODE" != bench ]; then
