@@ -55,10 +55,11 @@ class ProtocolError(AfdError):
 class CapacityError(AfdError):
     """A message does not fit its slot. Nothing of the message was written."""
 
-    def __init__(self, message: str, *, counts=None, cap: int | None = None):
+    def __init__(self, message: str, *, counts=None, cap: int | None = None, layer_idx=None):
         super().__init__(message)
         self.counts = counts
         self.cap = cap
+        self.layer_idx = layer_idx
 
 
 def token_cap_error(num_tokens: int, cap: int) -> CapacityError:
@@ -73,12 +74,14 @@ def shared_capacity_error(count: int, peer: int, cap: int) -> CapacityError:
                          counts=count, cap=cap)
 
 
-def routed_capacity_error(count: int, peer: int, cap: int, *, nothing_sent: bool = False) -> CapacityError:
+def routed_capacity_error(count: int, peer: int, cap: int, *, nothing_sent: bool = False,
+                          layer_idx=None) -> CapacityError:
     """The CapacityError of ``count`` routed partials for FFN rank ``peer`` over ``cap``."""
     suffix = "; nothing was sent" if nothing_sent else ""
     return CapacityError(
-        f"{count} routed partials for FFN rank {peer} > routed_cap={cap}; raise "
-        f"routed_cap_multiplier (worst case = number of FFN ranks){suffix}", counts=count, cap=cap)
+        f"{count} routed partials for FFN rank {peer}{_for_layer(layer_idx)} > routed_cap={cap}; raise "
+        f"routed_cap_multiplier (worst case = number of FFN ranks){suffix}", counts=count, cap=cap,
+        layer_idx=layer_idx)
 
 
 class InvalidRoutingError(AfdError, ValueError):

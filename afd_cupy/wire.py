@@ -70,8 +70,9 @@ ST_EXPECTED = 4
 ST_OBSERVED = 5
 ST_COUNT = 6
 ST_CAP = 7
-STATUS_WORDS = 8
-STATUS_FIELDS = ("code", "peer", "slot", "ring", "expected", "observed", "count", "cap")
+ST_LAYER = 8  # layer of the dispatch (plan) or receive (wait, combine) that failed
+STATUS_WORDS = 9
+STATUS_FIELDS = ("code", "peer", "slot", "ring", "expected", "observed", "count", "cap", "layer")
 
 # Word indices of the FFN wait_any doorbell (int64, pinned host); header words follow as int32.
 DB_TICKET = 0
@@ -315,14 +316,15 @@ def decode_header(words, expert_per_rank: int, layout: "WindowLayout | None" = N
 
 
 def check_capacity(layout: WindowLayout, *, num_tokens: int, routed_tokens: int,
-                   shared_tokens: int, peer: int, nothing_sent: bool = False) -> None:
+                   shared_tokens: int, peer: int, nothing_sent: bool = False,
+                   layer_idx: int | None = None) -> None:
     """Raise CapacityError (nothing written yet) if a message does not fit its slot;
     ``nothing_sent``: the whole dispatch is dropped, and the routed error says so."""
     if num_tokens > layout.token_cap:
         raise errors.token_cap_error(num_tokens, layout.token_cap)
     if routed_tokens > layout.routed_cap:
         raise errors.routed_capacity_error(routed_tokens, peer, layout.routed_cap,
-                                           nothing_sent=nothing_sent)
+                                           nothing_sent=nothing_sent, layer_idx=layer_idx)
     if shared_tokens > layout.shared_cap:
         raise errors.shared_capacity_error(shared_tokens, peer, layout.shared_cap)
 
@@ -413,6 +415,7 @@ class StatusRecord:
     observed: int
     count: int
     cap: int
+    layer: int = -1
 
     @classmethod
     def decode(cls, words) -> "StatusRecord":
@@ -429,10 +432,18 @@ class StatusRecord:
         return self.code == STATUS_OK
 
     def error(self, *, layer_idx=None, timeout_s: float | None = None) -> Exception:
-        """The exception the host backend raises for the same fault (code must not be OK)."""
+        """The exception the host backend raises for the same fault (code must not be OK).
+
+        The layer named is the one the kernel latched (the failing dispatch or receive, which
+        with ``blocking=False`` receives can be older than the call that synchronised);
+        ``layer_idx`` only stands in when the record has none (-1).
+        """
         code, peer = self.code, self.peer
+        if self.layer >= 0:
+            layer_idx = self.layer
         if code == STATUS_CAPACITY:
-            return errors.routed_capacity_error(self.count, peer, self.cap, nothing_sent=True)
+            return errors.routed_capacity_error(self.count, peer, self.cap, nothing_sent=True,
+                                                layer_idx=layer_idx)
         if code == STATUS_TIMEOUT:
             return errors.reply_timeout_error(peer, self.ring, layer_idx, self.expected,
                                               self.observed, timeout_s)

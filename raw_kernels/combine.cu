@@ -27,7 +27,8 @@ struct ReplyWant {
 __device__ bool check_reply(const afd_i32* header, afd_i64 counts_sum, bool counts_negative,
                             const ReplyWant& want, afd_i64* status) {
   const auto fail = [&](afd_i64 code, afd_i64 word, afd_i64 expected, afd_i64 observed) {
-    report_status(status, code, want.peer, want.slot, want.ring, expected, observed, word, -1);
+    report_status(status, code, want.peer, want.slot, want.ring, expected, observed, word, -1,
+                  want.layer_idx);
     return false;
   };
   const afd_i64 magic = static_cast<afd_u32>(load_volatile32(header + HDR_MAGIC));
@@ -43,7 +44,7 @@ __device__ bool check_reply(const afd_i32* header, afd_i64 counts_sum, bool coun
   if (counts_sum != routed) return fail(STATUS_BAD_HEADER, HDR_ROUTED_TOKENS, routed, counts_sum);
   if (load_volatile32(header + HDR_FLAGS) & FLAG_SHUTDOWN) {
     report_status(status, STATUS_SHUTDOWN, want.peer, want.slot, want.ring, want.seq,
-                  want.seen_flag, -1, -1);
+                  want.seen_flag, -1, -1, want.layer_idx);
     return false;
   }
   const afd_i64 echo = static_cast<afd_u32>(load_volatile32(header + HDR_ECHO_SEQ));
@@ -89,7 +90,7 @@ __device__ bool wait_replies(afd_u64 window, const SlotGeometry& geo, afd_i32 nu
           continue;
         }
         if (globaltimer_ns() - start > timeout_ns) {
-          report_status(status, STATUS_TIMEOUT, j, slot, ring, want_seq, flag, -1, -1);
+          report_status(status, STATUS_TIMEOUT, j, slot, ring, want_seq, flag, -1, -1, layer_idx);
           ok = 0;
         } else if (spin % STATUS_POLL_EVERY == 0 && status_code(status) != STATUS_OK) {
           ok = 0;

@@ -18,6 +18,7 @@ afd_dispatch_plan(const afd_i32* __restrict__ topk_ids,  // [num_partials], flat
                   afd_i32 num_partials,
                   afd_i32 num_experts,  // num_ffn_ranks * expert_per_rank (padded)
                   afd_i32 expert_per_rank, afd_i32 num_ffn_ranks, afd_i32 routed_cap,
+                  afd_i32 layer_idx,  // named in a latched error
                   afd_i32* __restrict__ chunk_hist,     // [num_chunks, num_experts]
                   afd_i32* __restrict__ local_rank,     // [num_partials]
                   afd_i32* __restrict__ expert_counts,  // [num_experts]
@@ -38,7 +39,7 @@ afd_dispatch_plan(const afd_i32* __restrict__ topk_ids,  // [num_partials], flat
   if (chunk < num_chunks && i < num_partials) {
     expert = topk_ids[i];
     if (expert < 0 || expert >= num_experts) {
-      report_status(status, STATUS_BAD_EXPERT, -1, i, -1, num_experts, expert, -1, -1);
+      report_status(status, STATUS_BAD_EXPERT, -1, i, -1, num_experts, expert, -1, -1, layer_idx);
       expert = -1;  // not counted: keeps every index below in bounds
     }
   }
@@ -113,7 +114,7 @@ afd_dispatch_plan(const afd_i32* __restrict__ topk_ids,  // [num_partials], flat
       const afd_i32 end = (r + 1 < num_ffn_ranks) ? s_hist[(r + 1) * expert_per_rank] : total;
       const afd_i32 count = end - s_hist[r * expert_per_rank];
       if (count > routed_cap) {
-        report_status(status, STATUS_CAPACITY, r, -1, -1, -1, -1, count, routed_cap);
+        report_status(status, STATUS_CAPACITY, r, -1, -1, -1, -1, count, routed_cap, layer_idx);
         code = STATUS_CAPACITY;
       }
     }

@@ -54,7 +54,8 @@ constexpr int ST_EXPECTED = 4;
 constexpr int ST_OBSERVED = 5;
 constexpr int ST_COUNT = 6;
 constexpr int ST_CAP = 7;
-constexpr int STATUS_WORDS = 8;
+constexpr int ST_LAYER = 8;  // layer of the dispatch or receive that failed, -1 if none
+constexpr int STATUS_WORDS = 9;
 
 // ---- wait_any doorbell: int64 words in pinned host memory ------------------------------------
 constexpr int DB_TICKET = 0;
@@ -332,7 +333,8 @@ __device__ __forceinline__ afd_i64 status_code(const afd_i64* status) {
 // Returns true if this call recorded the error.
 __device__ __forceinline__ bool report_status(afd_i64* status, afd_i64 code, afd_i64 peer,
                                               afd_i64 slot, afd_i64 ring, afd_i64 expected,
-                                              afd_i64 observed, afd_i64 count, afd_i64 cap) {
+                                              afd_i64 observed, afd_i64 count, afd_i64 cap,
+                                              afd_i64 layer) {
   const afd_u64 prev = atomicCAS(reinterpret_cast<afd_u64*>(status + ST_CODE), 0ull,
                                  static_cast<afd_u64>(code));
   if (prev != 0ull) return false;
@@ -343,6 +345,7 @@ __device__ __forceinline__ bool report_status(afd_i64* status, afd_i64 code, afd
   store_volatile(status + ST_OBSERVED, observed);
   store_volatile(status + ST_COUNT, count);
   store_volatile(status + ST_CAP, cap);
+  store_volatile(status + ST_LAYER, layer);
   __threadfence_system();
   return true;
 }

@@ -55,7 +55,7 @@ _WIRE_NAMES = ("MAGIC", "VERSION", "ALIGN", "FLAG_SHUTDOWN",
                "STATUS_OK", "STATUS_CAPACITY", "STATUS_TIMEOUT", "STATUS_BAD_HEADER",
                "STATUS_REPLY_MISMATCH", "STATUS_SHUTDOWN", "STATUS_BAD_EXPERT",
                "ST_CODE", "ST_PEER", "ST_SLOT", "ST_RING", "ST_EXPECTED", "ST_OBSERVED",
-               "ST_COUNT", "ST_CAP", "STATUS_WORDS",
+               "ST_COUNT", "ST_CAP", "ST_LAYER", "STATUS_WORDS",
                "DB_TICKET", "DB_STATUS", "DB_SLOT", "DB_FLAG", "DB_HEADER")
 _DTYPE_NAMES = {"DT_BF16": "bfloat16", "DT_F16": "float16", "DT_F32": "float32"}
 #: probes of the device dtype helpers (not constants of wire.cuh), with their expected values

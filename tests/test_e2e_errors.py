@@ -113,10 +113,14 @@ def _capacity_program(ctx, backend):
         if role_rank == 0:
             hidden, ids, weights = _inputs(conn, 8, favor_rank=0)
             try:
-                handle = conn.send_attn_output(hidden, ids, weights, 0)
-                conn.recv_ffn_output(handle)
+                # cuda: a non-blocking receive raises nothing; the error latched by layer 5's
+                # dispatch surfaces at the next blocking call (layer 0) and names layer 5
+                handle = conn.send_attn_output(hidden, ids, weights, 5)
+                conn.recv_ffn_output(handle, blocking=False)
+                small = _inputs(conn, 5, seed=99)
+                conn.recv_ffn_output(conn.send_attn_output(*small, 0))
             except CapacityError as err:
-                out["error"] = (str(err), err.counts, err.cap)
+                out["error"] = (str(err), err.counts, err.cap, err.layer_idx)
         for layer in range(3):  # both replicas keep being served afterwards
             hidden, ids, weights = _inputs(conn, 5, seed=layer + 10 * role_rank)
             result = conn.recv_ffn_output(conn.send_attn_output(hidden, ids, weights, layer))
@@ -131,9 +135,9 @@ def _capacity_program(ctx, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_capacity_overflow_raises_writes_nothing_and_service_continues(backend):
     a0, a1, f0, f1 = launch(_capacity_program, 4, args=(backend,), timeout_s=120)
-    message, counts, cap = a0["error"]
-    assert counts == 16 and cap == 8
-    assert re.search(r"16 routed partials for FFN rank 0 > routed_cap=8", message)
+    message, counts, cap, layer = a0["error"]
+    assert counts == 16 and cap == 8 and layer == 5
+    assert re.search(r"16 routed partials for FFN rank 0 for layer 5 > routed_cap=8", message)
     assert all(num_tokens == 5 for _, num_tokens in f0["history"] + f1["history"])  # nothing of the 8
     assert len(f0["history"]) == 6 and max(a0["max_err"] + a1["max_err"]) < 0.05
 

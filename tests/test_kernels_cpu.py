@@ -157,10 +157,10 @@ def test_dtype_and_status_constants_consistent():
 
 
 def test_status_record_decodes_words():
-    words = np.array([wire.STATUS_CAPACITY, 2, -1, -1, -1, -1, 77, 64], np.int64)
-    assert wire.StatusRecord.decode(words) == wire.StatusRecord(1, 2, -1, -1, -1, -1, 77, 64)
+    words = np.array([wire.STATUS_CAPACITY, 2, -1, -1, -1, -1, 77, 64, 5], np.int64)
+    assert wire.StatusRecord.decode(words) == wire.StatusRecord(1, 2, -1, -1, -1, -1, 77, 64, 5)
     assert wire.StatusRecord.decode(words).name == "CAPACITY"
-    assert wire.StatusRecord.decode(np.zeros(8, np.int64)).ok
+    assert wire.StatusRecord.decode(np.zeros(wire.STATUS_WORDS, np.int64)).ok
 
 
 def test_cache_key_follows_included_header(tmp_path):

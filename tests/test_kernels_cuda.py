@@ -149,7 +149,8 @@ class Dispatch:
         scratch = self.scratch
         kh.launch_dispatch_plan(
             topk_ids=self.topk_ids, num_partials=self.num_partials, num_ffn_ranks=self.num_ffn,
-            expert_per_rank=self.epr, routed_cap=self.layout.routed_cap, chunk_hist=scratch.chunk_hist,
+            expert_per_rank=self.epr, routed_cap=self.layout.routed_cap, layer_idx=self.layer_idx,
+            chunk_hist=scratch.chunk_hist,
             local_rank=scratch.local_rank, expert_counts=scratch.expert_counts,
             expert_start=scratch.expert_start, rank_offsets=scratch.rank_offsets,
             verdict=scratch.verdict, done_counter=scratch.plan_done, status=self.status.ptr)
@@ -312,7 +313,7 @@ def test_dispatch_capacity_writes_nothing(request, dtype):
                  has_shared=1, ids=ids, routed_cap=cap)
     d.run()
     assert status_of(d.status.array) == wire.StatusRecord(
-        wire.STATUS_CAPACITY, first_over, -1, -1, -1, -1, counts[first_over], cap)
+        wire.STATUS_CAPACITY, first_over, -1, -1, -1, -1, counts[first_over], cap, d.layer_idx)
     _assert_nothing_sent(d, wire.STATUS_CAPACITY)
 
 
@@ -342,9 +343,9 @@ def test_dispatch_after_latched_error_writes_nothing(request):
     rng = _rng(request)
     ids = skewed_ids(rng, 20, 2, np.arange(NUM_EXPERTS))
     d = Dispatch(rng, dtype="bfloat16", num_ffn=2, num_tokens=20, top_k=2, hidden=64, has_shared=1, ids=ids)
-    d.status.array[:] = [wire.STATUS_TIMEOUT, 1, 3, 1, 9, 8, -1, -1]
+    d.status.array[:] = [wire.STATUS_TIMEOUT, 1, 3, 1, 9, 8, -1, -1, 7]
     d.run()
-    assert d.status.array.tolist() == [wire.STATUS_TIMEOUT, 1, 3, 1, 9, 8, -1, -1]
+    assert d.status.array.tolist() == [wire.STATUS_TIMEOUT, 1, 3, 1, 9, 8, -1, -1, 7]
     _assert_nothing_sent(d, wire.STATUS_TIMEOUT)
     np.testing.assert_array_equal(d.scratch.rank_offsets.get(), d.reference().rank_offsets)
 
@@ -357,14 +358,14 @@ def test_scatter_follows_the_plan_verdict_not_the_status_block(request):
     d = Dispatch(rng, dtype="bfloat16", num_ffn=2, num_tokens=20, top_k=2, hidden=64, has_shared=1, ids=ids)
     d.run_plan()
     assert int(d.scratch.verdict.get()[0]) == wire.STATUS_OK
-    d.status.array[:] = [wire.STATUS_TIMEOUT, 1, 3, 1, 9, 8, -1, -1]  # latched after the plan
+    d.status.array[:] = [wire.STATUS_TIMEOUT, 1, 3, 1, 9, 8, -1, -1, 7]  # latched after the plan
     d.run_scatter()
     plan = d.reference()
     for j in range(2):  # sent completely: rows, header and flag
         assert_window_equal(d.windows[j].get(), d.expected_window(j, plan, int(d.seq_before[j]) + 1),
                             d.layout, f"peer {j}")
     e = Dispatch(rng, dtype="bfloat16", num_ffn=2, num_tokens=20, top_k=2, hidden=64, has_shared=1, ids=ids)
-    e.status.array[:] = [wire.STATUS_TIMEOUT, 1, 3, 1, 9, 8, -1, -1]
+    e.status.array[:] = [wire.STATUS_TIMEOUT, 1, 3, 1, 9, 8, -1, -1, 7]
     e.run_plan()
     e.status.array[:] = 0  # cleared after the plan decided
     e.run_scatter()
@@ -382,6 +383,7 @@ def test_dispatch_bad_expert_id_writes_nothing(request):
     status = status_of(d.status.array)
     assert status.name == "BAD_EXPERT"
     assert (status.slot, status.expected, status.observed) == (17 * 2 + 1, num_ffn * epr, num_ffn * epr)
+    assert status.layer == d.layer_idx  # the failing dispatch's layer, latched by the plan
     _assert_nothing_sent(d, wire.STATUS_BAD_EXPERT)
 
 
@@ -537,7 +539,8 @@ def test_combine_timeout_names_peer_and_writes_nan(request, wait_kernel):
     elapsed = c.run(timeout_ns=int(timeout_s * 1e9), wait_kernel=wait_kernel)
     slot = c.layout.slot_index(1, c.ring)
     assert status_of(c.status.array) == wire.StatusRecord(
-        wire.STATUS_TIMEOUT, 1, slot, c.ring, int(c.expected[1]), int(c.last_seen_before[slot]), -1, -1)
+        wire.STATUS_TIMEOUT, 1, slot, c.ring, int(c.expected[1]), int(c.last_seen_before[slot]), -1, -1,
+        c.layer_idx)
     assert elapsed < 5.0, f"combine took {elapsed:.3f} s with a {timeout_s} s timeout"
     c.assert_rows_nan()
     c.assert_last_seen_unchanged()
@@ -558,7 +561,7 @@ def test_combine_drops_a_late_reply_and_keeps_waiting(request, wait_kernel):
     elapsed = c.run(timeout_ns=int(0.05 * 1e9), wait_kernel=wait_kernel)
     slot = c.layout.slot_index(1, c.ring)
     assert status_of(c.status.array) == wire.StatusRecord(
-        wire.STATUS_TIMEOUT, 1, slot, c.ring, int(c.expected[1]), c.new_flags[slot], -1, -1)
+        wire.STATUS_TIMEOUT, 1, slot, c.ring, int(c.expected[1]), c.new_flags[slot], -1, -1, c.layer_idx)
     assert elapsed < 5.0
     c.assert_rows_nan()
     c.assert_last_seen_unchanged()
@@ -624,7 +627,7 @@ def test_combine_header_faults(request, fault, wait_kernel):
         flag=c.new_flags[slot])
     assert (code, count) == REPLY_FAULT_RECORDS[fault]
     record = status_of(c.status.array)
-    assert record == wire.StatusRecord(code, 1, slot, c.ring, expected, observed, count, -1)
+    assert record == wire.StatusRecord(code, 1, slot, c.ring, expected, observed, count, -1, c.layer_idx)
     # the host backend, fed the same bytes, raises the same typed error
     want = wire.ReplyExpectation(peer=1, seq=int(c.expected[1]), layer_idx=c.layer_idx,
                                  stage_idx=c.stage_idx, routed_tokens=int(c.expected_counts[1, 0]),
@@ -637,10 +640,10 @@ def test_combine_header_faults(request, fault, wait_kernel):
 
 def test_combine_after_latched_error_returns_nan_without_waiting(request):
     c = _two_rank_combine(request)  # no reply ever arrives
-    c.status.array[:] = [wire.STATUS_CAPACITY, 0, -1, -1, -1, -1, 99, 98]
+    c.status.array[:] = [wire.STATUS_CAPACITY, 0, -1, -1, -1, -1, 99, 98, 7]
     elapsed = c.run(timeout_ns=LONG_TIMEOUT_NS)
     assert elapsed < 2.0
-    assert c.status.array.tolist() == [wire.STATUS_CAPACITY, 0, -1, -1, -1, -1, 99, 98]
+    assert c.status.array.tolist() == [wire.STATUS_CAPACITY, 0, -1, -1, -1, -1, 99, 98, 7]
     c.assert_rows_nan()
     c.assert_last_seen_unchanged()
 

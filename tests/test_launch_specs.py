@@ -60,7 +60,7 @@ def _specs() -> dict:
     return {
         ("dispatch.cu", "afd_dispatch_plan"): kernels.dispatch_plan_spec(
             topk_ids=arr, num_partials=64, num_ffn_ranks=2, expert_per_rank=4, routed_cap=64,
-            chunk_hist=arr, local_rank=arr, expert_counts=arr, expert_start=arr, rank_offsets=arr,
+            layer_idx=3, chunk_hist=arr, local_rank=arr, expert_counts=arr, expert_start=arr, rank_offsets=arr,
             verdict=arr, done_counter=arr, status=0x1000),
         ("dispatch.cu", "afd_dispatch_scatter"): kernels.dispatch_scatter_spec(
             dtype_code=0, hidden=0x2000, num_tokens=8, hidden_size=64, topk_ids=arr,

@@ -24,8 +24,22 @@ def _record(code, **fields):
 def test_capacity_names_counts_and_cap():
     err = _record(wire.STATUS_CAPACITY, count=40, cap=32).error(layer_idx=2, timeout_s=60.0)
     assert isinstance(err, CapacityError) and (err.counts, err.cap) == (40, 32)
-    assert str(err).startswith("40 routed partials for FFN rank 1 > routed_cap=32")
-    assert str(err).endswith("nothing was sent")
+    assert str(err).startswith("40 routed partials for FFN rank 1 for layer 2 > routed_cap=32")
+    assert str(err).endswith("nothing was sent") and err.layer_idx == 2
+
+
+@pytest.mark.parametrize("code", [wire.STATUS_CAPACITY, wire.STATUS_TIMEOUT, wire.STATUS_SHUTDOWN,
+                                  wire.STATUS_REPLY_MISMATCH, wire.STATUS_BAD_HEADER, wire.STATUS_BAD_EXPERT])
+def test_latched_layer_wins_over_the_synchronising_call(code):
+    """A kernel latches the layer of the dispatch or receive that failed (ST_LAYER); an error
+    found by a later call's synchronisation names that layer, not the caller's."""
+    count = wire.HDR_LAYER if code in (wire.STATUS_REPLY_MISMATCH, wire.STATUS_BAD_HEADER) else 40
+    err = _record(code, count=count, cap=32, layer=6).error(layer_idx=2, timeout_s=1.0)
+    assert "layer 6" in str(err) and "layer 2" not in str(err), str(err)
+    if hasattr(err, "layer_idx"):
+        assert err.layer_idx == 6
+    fallback = _record(code, count=count, cap=32).error(layer_idx=2, timeout_s=1.0)  # layer -1
+    assert "layer 2" in str(fallback), str(fallback)
 
 
 def test_timeout_names_peer_ring_layer_and_seqs():
@@ -106,7 +120,7 @@ def test_channel_ptr_is_the_device_block():
 
 def test_device_error_is_seen_only_through_the_mirror_before_a_sync():
     channel, device, log = _channel()
-    device[:] = [wire.STATUS_TIMEOUT, 1, 3, 1, 7, 5, -1, -1]
+    device[:] = [wire.STATUS_TIMEOUT, 1, 3, 1, 7, 5, -1, -1, -1]
     channel.raise_latched(layer_idx=4)  # no mirror yet: the host sees nothing, touches nothing
     assert log == [] and channel.block.host.tolist() == [0] * wire.STATUS_WORDS
     with pytest.raises(PeerTimeoutError, match="FFN rank 1 .* layer 4") as info:
@@ -122,7 +136,7 @@ def test_sync_and_raise_raises_a_latched_error_once():
     channel, device, log = _channel()
     channel.sync_and_raise()  # clean: one mirror and one sync, nothing cleared
     assert log == [("mirror", _FakeStream.ptr), ("sync", _FakeStream.ptr)]
-    device[:] = [wire.STATUS_CAPACITY, 2, -1, -1, -1, -1, 40, 32]
+    device[:] = [wire.STATUS_CAPACITY, 2, -1, -1, -1, -1, 40, 32, -1]
     with pytest.raises(CapacityError, match="40 routed partials for FFN rank 2 > routed_cap=32"):
         channel.sync_and_raise()
     channel.sync_and_raise()  # cleared on raise
@@ -131,7 +145,7 @@ def test_sync_and_raise_raises_a_latched_error_once():
 
 def test_reply_mismatch_through_the_channel_names_the_field():
     channel, device, _ = _channel()
-    device[:] = [wire.STATUS_REPLY_MISMATCH, 3, 7, 1, 9, 10, wire.HDR_LAYER, -1]
+    device[:] = [wire.STATUS_REPLY_MISMATCH, 3, 7, 1, 9, 10, wire.HDR_LAYER, -1, -1]
     with pytest.raises(ProtocolError, match="FFN rank 3 for layer 9 echoes layer_idx=10") as info:
         channel.sync_and_raise(layer_idx=9)
     assert (info.value.field, info.value.expected, info.value.observed) == ("layer_idx", 9, 10)

@@ -139,6 +139,8 @@ class CudaDataPath(CudaAttentionSide, CudaFFNSide):
         self._use_device()
         try:
             torch.cuda.synchronize(self.device_id)
+            for event in getattr(self, "_ring_event", ()):
+                self.cp.cuda.runtime.eventDestroy(event)
         finally:
             self.window.close()
             self.heap.close(peers_healthy=peers_healthy)

@@ -83,6 +83,11 @@ class CudaAttentionSide:
         self.reply_flags = [cp.zeros(num_ffn, cp.int64) for _ in range(layout.ring_depth)]
         self.combine_done = [cp.zeros(1, cp.uint32) for _ in range(layout.ring_depth)]
         self.launches = [self._attention_launches(ring) for ring in range(layout.ring_depth)]
+        # ring reuse across streams: the stream of each ring's last send/receive, and an event
+        # recorded on it only when the next use of the ring comes from another stream
+        self._ring_stream = [None] * layout.ring_depth
+        self._ring_event = [cp.cuda.runtime.eventCreateWithFlags(cp.cuda.runtime.eventDisableTiming)
+                            for _ in range(layout.ring_depth)]
         # expert ids outside [0, num_experts) must reach the plan kernel as invalid ids
         self._mask_ids = ctx.num_experts != num_ffn * layout.expert_per_rank
 
@@ -101,7 +106,7 @@ class CudaAttentionSide:
         placeholder_ids = scratch.local_rank  # int32 [token_cap * top_k]; replaced per call
         plan = kernels.dispatch_plan_spec(
             topk_ids=placeholder_ids, num_partials=cap * layout.top_k, num_ffn_ranks=num_ffn,
-            expert_per_rank=epr, routed_cap=layout.routed_cap, chunk_hist=scratch.chunk_hist,
+            expert_per_rank=epr, routed_cap=layout.routed_cap, layer_idx=0, chunk_hist=scratch.chunk_hist,
             local_rank=scratch.local_rank, expert_counts=scratch.expert_counts,
             expert_start=scratch.expert_start, rank_offsets=scratch.rank_offsets,
             verdict=scratch.verdict, done_counter=scratch.plan_done, status=self.status.ptr)
@@ -131,6 +136,28 @@ class CudaAttentionSide:
         return {name: kernels.PackedLaunch(spec) for name, spec in
                 (("plan", plan), ("scatter", scatter), ("wait", wait), ("combine", combine))}
 
+    def _order_ring(self, ring: int, stream: int) -> None:
+        """Order this use of ``ring`` on ``stream`` after its previous use on another stream.
+
+        A ring's scratch, ``expected`` words and reply slot are rewritten by every send on it
+        and read by the receive: a receive on stream A followed by a send on stream B (or a
+        send on A and its receive on B) must not overlap. Same stream (the common case): stream
+        order suffices and this costs nothing. On a switch, an event recorded now on the old
+        stream (after everything queued there, the ring's last kernels included) is waited on
+        by the new one. NOTE: skipped when either stream is capturing a CUDA graph (an event
+        across the capture boundary is a capture error): a graph is ordered by the stream it
+        is replayed on.
+        """
+        previous = self._ring_stream[ring]
+        self._ring_stream[ring] = stream
+        if previous is None or previous == stream:
+            return
+        runtime = self.cp.cuda.runtime
+        if runtime.streamIsCapturing(stream) or runtime.streamIsCapturing(previous):
+            return
+        runtime.eventRecord(self._ring_event[ring], previous)
+        runtime.streamWaitEvent(stream, self._ring_event[ring])
+
     def dispatch(self, hidden, topk_ids, *, layer_idx: int, stage_idx: int, ring: int) -> CudaSendState:
         ctx, layout = self.ctx, self.layout
         self._use_device()
@@ -143,10 +170,12 @@ class CudaAttentionSide:
             topk_ids = topk_ids.masked_fill((topk_ids < 0) | (topk_ids >= ctx.num_experts), -1)
         ids = topk_ids.to(torch.int32).reshape(-1).contiguous()
         launches, stream = self.launches[ring], self.stream_ptr()
+        self._order_ring(ring, stream)
         num_partials = num_tokens * layout.top_k
         plan = launches["plan"]
         plan.set("topk_ids", ids.data_ptr())
         plan.set("num_partials", num_partials)
+        plan.set("layer_idx", layer_idx)  # named by a latched capacity or bad-expert error
         plan.launch(stream, kernels.plan_grid(num_partials))
         scatter = launches["scatter"]
         scatter.set("hidden", hidden.data_ptr())
@@ -172,6 +201,7 @@ class CudaAttentionSide:
         weights = topk_weights.detach().to(torch.float32).reshape(-1).contiguous()
         out = torch.empty(num_tokens, layout.hidden_size, dtype=ctx.torch_dtype, device=self.device)
         launches, stream = self.launches[ring], self.stream_ptr()
+        self._order_ring(ring, stream)
         wait, combine = launches["wait"], launches["combine"]
         wait.set("layer_idx", layer_idx)  # what this ring's replies must echo
         wait.set("stage_idx", stage_idx)

@@ -94,7 +94,8 @@ class HostDataPath:
         try:  # every check before any write: an overflowing dispatch sends nothing
             for j in range(num_ffn):
                 wire.check_capacity(layout, num_tokens=num_tokens, routed_tokens=plan.routed_count(j),
-                                    shared_tokens=int(shared[j]), peer=j, nothing_sent=True)
+                                    shared_tokens=int(shared[j]), peer=j, nothing_sent=True,
+                                    layer_idx=layer_idx)
         except errors.CapacityError as exc:
             return HostSendState(None, expected, shared, error=exc)
         raw = torch_to_raw(hidden.detach(), ctx.dtype).reshape(num_tokens, layout.hidden_size)

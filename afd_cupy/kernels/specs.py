@@ -51,7 +51,7 @@ def _row_grid(num_rows: int, max_blocks: int) -> int:
 
 
 def dispatch_plan_spec(*, topk_ids, num_partials, num_ffn_ranks, expert_per_rank, routed_cap,
-                       chunk_hist, local_rank, expert_counts, expert_start, rank_offsets,
+                       layer_idx, chunk_hist, local_rank, expert_counts, expert_start, rank_offsets,
                        verdict, done_counter, status) -> LaunchSpec:
     """Device routing plan of ``num_partials = T * K`` flat partials (afd_dispatch_plan).
 
@@ -60,7 +60,7 @@ def dispatch_plan_spec(*, topk_ids, num_partials, num_ffn_ranks, expert_per_rank
     ``rank_offsets`` [F+1] and ``verdict`` [1]: STATUS_OK, or the status code that stops this
     dispatch (the scatter reads only this word). Latches STATUS_CAPACITY (peer, count, cap) if a
     rank gets more than ``routed_cap`` partials, STATUS_BAD_EXPERT on an id outside [0, E), in
-    the status block ``status``. Safe in CUDA graph capture. Grid: :func:`plan_grid`.
+    the status block ``status``, with ``layer_idx`` (ST_LAYER). Safe in CUDA graph capture. Grid: :func:`plan_grid`.
     """
     num_partials = _count("num_partials", num_partials)
     num_ffn = _count("num_ffn_ranks", num_ffn_ranks, low=1, high=MAX_FFN_RANKS)
@@ -73,6 +73,7 @@ def dispatch_plan_spec(*, topk_ids, num_partials, num_ffn_ranks, expert_per_rank
             "num_partials": num_partials, "num_experts": np.int32(num_experts),
             "expert_per_rank": epr, "num_ffn_ranks": num_ffn,
             "routed_cap": _count("routed_cap", routed_cap),
+            "layer_idx": np.int32(layer_idx),
             "chunk_hist": _array("chunk_hist", chunk_hist, np.int32, num_chunks * num_experts),
             "local_rank": _array("local_rank", local_rank, np.int32, num_partials),
             "expert_counts": _array("expert_counts", expert_counts, np.int32, num_experts),
