@@ -109,6 +109,44 @@ def test_one_ring_used_from_two_streams_is_ordered():
     assert ffn["served"] == 3
 
 
+# --- an FFN wait interrupted after its kernel was queued: the arrival is not lost (cuda) -------
+def _interrupted_wait_program(ctx):
+    conn, role, _ = _connect(ctx, "cuda", timeout_s=10.0)
+    store = ctx.store()
+    try:
+        if role is Role.FFN:
+            def interrupt(signum, frame):
+                raise KeyboardInterrupt
+
+            previous = signal.signal(signal.SIGALRM, interrupt)
+            signal.setitimer(signal.ITIMER_REAL, 0.3)
+            try:
+                conn.recv_ffn_work_item(5000)  # its wait_any kernel keeps spinning for 5 s
+                interrupted = False
+            except KeyboardInterrupt:
+                interrupted = True
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous)
+            store.set("interrupted", b"1")
+            time.sleep(0.5)  # the dispatch lands while only the interrupted kernel watches
+            return {"interrupted": interrupted, "served": FFNWorker(conn, expert_fn=_identity).run()}
+        store.get("interrupted")
+        error = _round_trip_error(conn, 0, seed=4)
+        conn.announce_shutdown()
+        return {"error": error}
+    finally:
+        conn.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(POLL_MODE != "device", reason="the doorbell exists with device polling only")
+def test_arrival_consumed_by_an_interrupted_wait_is_returned_by_the_next():
+    attn, ffn = launch(_interrupted_wait_program, 2, timeout_s=120)
+    assert ffn["interrupted"] and ffn["served"] == 1, ffn
+    assert attn["error"] < 0.1, attn
+
+
 # --- a slow FFN: the late layer raises, the next layers on the same connector are right -------
 def _slow_program(ctx, backend):
     conn, role, _ = _connect(ctx, backend)

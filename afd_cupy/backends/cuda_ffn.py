@@ -32,6 +32,9 @@ class CudaFFNSide:
         self.scan_start = cp.zeros(1, cp.int32)
         self.doorbell = PinnedInt64(wire.DB_HEADER + -(-layout.header_words // 2))
         self.ticket = 0
+        # (ticket, kernel timeout s) of a wait_any kernel whose host wait was interrupted
+        # (KeyboardInterrupt...): the next wait claims its doorbell instead of launching
+        self.unclaimed = None
         self.poll_stream = cp.cuda.Stream(non_blocking=True)
         # Reply headers are staged in pinned memory and read by the reply kernel when it runs;
         # STAGING_DEPTH rows per slot, each reused only once the reply that read it has run.
@@ -74,14 +77,24 @@ class CudaFFNSide:
         return self._device_wait_any(timeout_s)
 
     def _device_wait_any(self, timeout_s: float) -> Arrival | None:
+        """Launch ``afd_wait_any`` and spin on its doorbell ticket.
+
+        The kernel consumes the arrival it finds (advances ``last_seen``) before it rings, so
+        a host wait interrupted in between (KeyboardInterrupt, any exception from a signal
+        handler) leaves the kernel's ticket *unclaimed*: the next call waits for that ticket
+        instead of launching, and returns its arrival. Nothing a kernel consumed is lost.
+        """
         layout = self.layout
-        self.ticket += 1
         bell = self.doorbell.array
-        launch = self.wait_any_launch
-        launch.set("timeout_ns", int(timeout_s * 1e9))
-        launch.set("ticket", self.ticket)
-        launch.launch(self.poll_stream.ptr)
-        deadline = time.monotonic() + timeout_s + _HOST_GRACE_S
+        if self.unclaimed is None:
+            self.ticket += 1
+            launch = self.wait_any_launch
+            launch.set("timeout_ns", int(timeout_s * 1e9))
+            launch.set("ticket", self.ticket)
+            launch.launch(self.poll_stream.ptr)
+            self.unclaimed = (self.ticket, timeout_s)
+        kernel_timeout_s = self.unclaimed[1]  # bounds the kernel once it runs
+        deadline = time.monotonic() + kernel_timeout_s + _HOST_GRACE_S
         spins = 0
         # NOTE: reading the doorbell after its ticket relies on x86-64 load ordering (TSO);
         # a weakly ordered host would need an acquire fence here.
@@ -92,7 +105,9 @@ class CudaFFNSide:
                 # its own timeout once it runs, and it must not consume an arrival unseen.
                 self.poll_stream.synchronize()
                 if bell[wire.DB_TICKET] != self.ticket:
+                    self.unclaimed = None
                     raise PeerTimeoutError(f"wait_any kernel did not report ticket {self.ticket}")
+        self.unclaimed = None
         if bell[wire.DB_STATUS] != wire.STATUS_OK:
             return None
         slot = int(bell[wire.DB_SLOT])
