@@ -2,6 +2,9 @@
 // (docs/design.md §5). One warp scans the flags in rotated order from *scan_start; the first slot
 // whose flag differs from last_seen wins, its header is copied into a doorbell in pinned host
 // memory, and the ticket is written last: the host spins on doorbell[DB_TICKET] == ticket.
+// The header's expert counts go, from the same loads, into counts_snapshot[slot] (device): the
+// FFN's grouped GEMM reads its group sizes there, i.e. exactly the counts the host validated in
+// the doorbell, never the live window header a sender could rewrite after a timeout.
 #include "wire.cuh"
 
 using namespace afd;
@@ -12,6 +15,7 @@ afd_wait_any(afd_u64 window,  // own window
              SlotGeometry geo,
              afd_i64* last_seen,   // [num_slots], device
              afd_i32* scan_start,  // [1], device
+             afd_i32* counts_snapshot,  // [num_slots, header_words - HDR_FIXED_WORDS], device
              afd_i64 timeout_ns,
              afd_u64 doorbell,  // pinned host: int64 [DB_HEADER + ceil(header_words / 2)]
              afd_i64 ticket) {
@@ -62,7 +66,13 @@ afd_wait_any(afd_u64 window,  // own window
   __threadfence_system();  // acquire: the header was written before the flag
   const afd_i32* header = geo.header(geo.slot_at(window, won_slot));
   volatile afd_i32* bell_words = reinterpret_cast<volatile afd_i32*>(bell + DB_HEADER);
-  for (int w = lane; w < geo.header_words; w += 32) bell_words[w] = load_volatile32(header + w);
+  const int num_counts = static_cast<int>(geo.header_words) - HDR_FIXED_WORDS;
+  afd_i32* snapshot = counts_snapshot + static_cast<afd_i64>(won_slot) * num_counts;
+  for (int w = lane; w < geo.header_words; w += 32) {
+    const afd_i32 word = load_volatile32(header + w);
+    bell_words[w] = word;
+    if (w >= HDR_FIXED_WORDS) snapshot[w - HDR_FIXED_WORDS] = word;
+  }
   if (lane == 0) {
     store_volatile(bell + DB_SLOT, won_slot);
     store_volatile(bell + DB_FLAG, won_flag);

@@ -661,8 +661,10 @@ class WaitAny:
         self.last_seen = self.window[:self.layout.num_slots * 8].view(cp.int64).copy()
         self.scan_start = cp.zeros(1, cp.int32)
         self.hdr_words = self.layout.header_words
+        self.counts_snapshot = cp.full((self.layout.num_slots, epr), -7, cp.int32)
         self.doorbell = kernels.PinnedInt64(wire.DB_HEADER + -(-self.hdr_words // 2))
         self.headers = {}
+        self.snapshot_rows_written = set()
         self.ticket = 100
 
     def arrive(self, slot):
@@ -684,7 +686,8 @@ class WaitAny:
         start = time.perf_counter()
         kh.launch_wait_any(
             window=self.window.data.ptr, geo=layout.kernel_geometry(), last_seen=self.last_seen,
-            scan_start=self.scan_start, timeout_ns=timeout_ns, doorbell=self.doorbell.ptr,
+            scan_start=self.scan_start, counts_snapshot=self.counts_snapshot, timeout_ns=timeout_ns,
+            doorbell=self.doorbell.ptr,
             ticket=self.ticket)
         while self.doorbell.array[wire.DB_TICKET] != self.ticket:
             assert time.perf_counter() - start < 10.0, "doorbell never rang"
@@ -699,6 +702,12 @@ class WaitAny:
         assert bell[wire.DB_FLAG] == flag
         header = bell.view(np.int32)[2 * wire.DB_HEADER:2 * wire.DB_HEADER + self.hdr_words]
         np.testing.assert_array_equal(header, words)
+        # the GEMM's group sizes: this slot's row holds the header's counts, no other row moved
+        snapshot = self.counts_snapshot.get()
+        np.testing.assert_array_equal(snapshot[slot], words[wire.HDR_FIXED_WORDS:])
+        self.snapshot_rows_written.add(slot)
+        untouched = [s for s in range(self.layout.num_slots) if s not in self.snapshot_rows_written]
+        assert (snapshot[untouched] == -7).all()
         assert int(self.last_seen.get()[slot]) == flag
         assert int(self.scan_start.get()[0]) == (slot + 1) % self.layout.num_slots
         return slot

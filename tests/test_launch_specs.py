@@ -75,7 +75,7 @@ def _specs() -> dict:
             topk_weights=arr, pos=arr, top_k=8, expert_per_rank=4, has_shared=1, out_scale=1.0,
             done_counter=arr, **replies),
         ("wait_any.cu", "afd_wait_any"): kernels.wait_any_spec(
-            window=0x3000, geo=geo, last_seen=arr, scan_start=arr, timeout_ns=10**9,
+            window=0x3000, geo=geo, last_seen=arr, scan_start=arr, counts_snapshot=arr, timeout_ns=10**9,
             doorbell=0x5000, ticket=7),
         ("reply.cu", "afd_reply"): kernels.reply_spec(
             dtype_code=1, dst_window=0x3000, geo=geo, src_rank=1, ring=1, routed_out=0,
@@ -119,7 +119,7 @@ def test_specs_reject_a_geometry_that_does_not_fit(fake_specs):
     arr = _FakeArray()
     with pytest.raises(ValueError, match="geo must be a WindowLayout.kernel_geometry"):
         kernels.wait_any_spec(window=1, geo={"flags_bytes": 0}, last_seen=arr, scan_start=arr,
-                              timeout_ns=1, doorbell=1, ticket=1)
+                              counts_snapshot=arr, timeout_ns=1, doorbell=1, ticket=1)
     other = wire.WindowLayout(**{**_LAYOUT.as_dict(), "expert_per_rank": 5}).kernel_geometry()
     with pytest.raises(ValueError, match="header_words = 17, expected 16"):
         kernels.dispatch_scatter_spec(

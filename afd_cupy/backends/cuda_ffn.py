@@ -30,6 +30,9 @@ class CudaFFNSide:
     def _init_ffn(self) -> None:
         cp, layout = self.cp, self.layout
         self.scan_start = cp.zeros(1, cp.int32)
+        # the group sizes the GEMM reads: the validated counts of each slot's last arrival,
+        # written by wait_any (or, with host polling, copied from the decoded header)
+        self.counts_snapshot = cp.zeros((layout.num_slots, layout.expert_per_rank), cp.int32)
         self.doorbell = PinnedInt64(wire.DB_HEADER + -(-layout.header_words // 2))
         self.ticket = 0
         # (ticket, kernel timeout s) of a wait_any kernel whose host wait was interrupted
@@ -49,14 +52,14 @@ class CudaFFNSide:
         self.empty_rows = torch.empty(0, layout.hidden_size, dtype=self.ctx.torch_dtype, device=self.device)
         self.wait_any_launch = kernels.PackedLaunch(kernels.wait_any_spec(
             window=self.own_window, geo=self.geometry, last_seen=self.last_seen,
-            scan_start=self.scan_start, timeout_ns=0, doorbell=self.doorbell.ptr, ticket=0))
+            scan_start=self.scan_start, counts_snapshot=self.counts_snapshot, timeout_ns=0, doorbell=self.doorbell.ptr, ticket=0))
         self.reply_launches: dict[tuple, kernels.PackedLaunch] = {}  # (attn_rank, ring) -> launch
 
     def _slot_views(self, region: int, ring: int) -> dict:
         """Full-capacity torch views of one slot of the own window (created once)."""
         layout, window, pe = self.layout, self.window, self.ctx.world_rank
         words = payload_dtype(self.ctx.dtype).raw_word
-        views = {"counts": self._as_torch(window.header_view(pe, region, ring)[wire.HDR_FIXED_WORDS:])}
+        views = {"counts": self._as_torch(self.counts_snapshot[layout.slot_index(region, ring)])}
         for name, cap in (("routed_x", layout.routed_cap), ("shared_x", layout.shared_cap)):
             if cap:
                 raw = window.field(pe, region, ring, name, words, (cap, layout.hidden_size))
@@ -118,6 +121,8 @@ class CudaFFNSide:
     def item_views(self, arrival: Arrival) -> ItemViews:
         header = arrival.header
         views = self.views[self.layout.slot_index(arrival.region, arrival.ring)]
+        if self.host_polling is not None:  # wait_any did not run: snapshot the decoded counts
+            views["counts"].copy_(torch.tensor(header.expert_counts, dtype=torch.int32))
         empty = self.empty_rows
         routed = views["routed_x"][:header.routed_tokens] if header.routed_tokens else empty
         shared = views["shared_x"][:header.shared_tokens] if header.shared_tokens else empty

@@ -231,11 +231,14 @@ def combine_grid(num_tokens: int, max_blocks: int = MAX_BLOCKS) -> int:
     return max(1, min(num_tokens, max_blocks))
 
 
-def wait_any_spec(*, window, geo, last_seen, scan_start, timeout_ns, doorbell, ticket) -> LaunchSpec:
+def wait_any_spec(*, window, geo, last_seen, scan_start, counts_snapshot, timeout_ns, doorbell,
+                  ticket) -> LaunchSpec:
     """FFN arrival detection over every slot flag of the own window (afd_wait_any).
 
     ``last_seen`` int64 [num_slots] and ``scan_start`` int32 [1] live on the device and are
-    updated on arrival. ``doorbell``: pinned int64 [DB_HEADER + ceil(header_words / 2)]; the
+    updated on arrival; ``counts_snapshot`` int32 [num_slots, expert_per_rank] (device) gets
+    the arrived header's expert counts in the won slot's row, from the same loads as the
+    doorbell's header words. ``doorbell``: pinned int64 [DB_HEADER + ceil(header_words / 2)]; the
     kernel writes slot, flag, status (STATUS_OK / STATUS_TIMEOUT) and header words, then
     ``ticket`` into word DB_TICKET last: the host spins on that word. One block, one warp.
     """
@@ -244,6 +247,8 @@ def wait_any_spec(*, window, geo, last_seen, scan_start, timeout_ns, doorbell, t
     args = {"window": _address("window", window), "geo": geo,
             "last_seen": _array("last_seen", last_seen, np.int64, num_slots),
             "scan_start": _array("scan_start", scan_start, np.int32, 1),
+            "counts_snapshot": _array("counts_snapshot", counts_snapshot, np.int32,
+                                      num_slots * (int(geo["header_words"]) - wire.HDR_FIXED_WORDS)),
             "timeout_ns": _i64("timeout_ns", timeout_ns, low=0),
             "doorbell": _address("doorbell", doorbell), "ticket": np.int64(ticket)}
     return _spec(get_kernel("wait_any.cu", "afd_wait_any"), 1, KERNEL_LIMITS["WAIT_ANY_THREADS"], args)
