@@ -147,6 +147,69 @@ def test_arrival_consumed_by_an_interrupted_wait_is_returned_by_the_next():
     assert attn["error"] < 0.1, attn
 
 
+# --- a peer that nvshmem_ptr cannot map: every PE raises, NVSHMEM is finalized, restart works -
+class _UnreachablePeer:
+    """The NVSHMEM binding with ``nvshmem_ptr`` returning NULL for PE 0 (as on another node)."""
+
+    def __init__(self, lib):
+        self._lib = lib
+
+    def __getattr__(self, name):
+        return getattr(self._lib, name)
+
+    def nvshmem_ptr(self, base_ptr, pe):
+        return 0 if pe == 0 else self._lib.nvshmem_ptr(base_ptr, pe)
+
+
+def _unreachable_program(ctx):
+    from afd_cupy.errors import HeapError
+    from afd_cupy.heap import nvshmem as heap_module
+
+    real_load = heap_module.load_library
+    if ctx.rank == 1:
+        heap_module.load_library = lambda *a, **kw: _UnreachablePeer(real_load(*a, **kw))
+    try:
+        start = time.monotonic()
+        try:
+            _connect(ctx, "cuda", timeout_s=10.0)[0].close()
+            first = None
+        except HeapError as err:
+            first = str(err)
+        first_s = time.monotonic() - start
+    finally:
+        heap_module.load_library = real_load
+    # a window larger than the device's free memory: refused on every PE before nvshmem_malloc
+    from afd_cupy.errors import NvshmemError
+    huge = ModelConfig(hidden_size=8192, num_experts=4, top_k=2, moe_intermediate_size=16,
+                       num_shared_experts=1, dtype="bfloat16", max_num_batched_tokens=6_000_000,
+                       num_layers=8)
+    try:
+        _connect(ctx, "cuda", model=huge, timeout_s=10.0)[0].close()
+        too_big = None
+    except NvshmemError as err:
+        too_big = str(err)
+    conn, role, _ = _connect(ctx, "cuda", timeout_s=10.0)  # NVSHMEM starts again: it was finalized
+    try:
+        if role is Role.FFN:
+            return {"first": first, "too_big": too_big,
+                    "served": FFNWorker(conn, expert_fn=_identity).run()}
+        error = _round_trip_error(conn, 0, seed=5)
+        conn.announce_shutdown()
+        return {"first": first, "too_big": too_big, "first_s": first_s, "error": error}
+    finally:
+        conn.close()
+
+
+@pytest.mark.cuda
+def test_unreachable_peer_or_oversized_heap_raises_on_every_pe_and_nvshmem_restarts():
+    attn, ffn = launch(_unreachable_program, 2, timeout_s=120)
+    for report in (attn, ffn):
+        assert report["first"] is not None and "PE 0 on PE 1" in report["first"], report
+        assert report["too_big"] is not None and "does not fit" in report["too_big"], report
+        assert "PE 0" in report["too_big"] and "PE 1" in report["too_big"], report
+    assert attn["first_s"] < 30.0 and attn["error"] < 0.1 and ffn["served"] == 1, attn
+
+
 # --- a slow FFN: the late layer raises, the next layers on the same connector are right -------
 def _slow_program(ctx, backend):
     conn, role, _ = _connect(ctx, backend)

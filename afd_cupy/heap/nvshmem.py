@@ -185,7 +185,8 @@ class NvshmemHeap(SymmetricHeap):
                 f"nvshmem_malloc({nbytes}) for {name!r} returned NULL: symmetric heap exhausted; "
                 f"raise NVSHMEM_SYMMETRIC_SIZE (bytes per PE; with CUDA VMM the heap grows up "
                 f"to NVSHMEM_MAX_MEMORY_PER_GPU)", call="nvshmem_malloc")
-        peer_ptrs = [self._peer_ptr(base_ptr, pe) for pe in range(self.world_size)]
+        peer_ptrs = [self._lib.nvshmem_ptr(base_ptr, pe) for pe in range(self.world_size)]
+        self._agree_reachable(name, [pe for pe, ptr in enumerate(peer_ptrs) if not ptr], base_ptr)
         views = [self._wrap(ptr, nbytes) for ptr in peer_ptrs]
         self._zero(views[self.rank])
         buffer = NvshmemBuffer(name, nbytes, self.rank, base_ptr, peer_ptrs, views)
@@ -195,26 +196,50 @@ class NvshmemHeap(SymmetricHeap):
         return buffer
 
     def _check_fits_device(self, nbytes: int, name: str) -> None:
-        """Refuse a request larger than the whole device before NVSHMEM sees it.
+        """Collective: refuse a request larger than the free memory of any PE's device
+        before NVSHMEM sees it, with the same NvshmemError on every PE.
 
         NOTE: NVSHMEM 3.4 does not return NULL when it cannot back the heap with physical
         memory: it fails inside nvshmem_malloc's barrier and exits the process (observed on
-        H200). Every PE sees the same total, so this check agrees across ranks.
+        H200). Free memory differs between PEs, so the verdict is exchanged (``_every_pe_says``)
+        and every PE raises or none does. PEs sharing one GPU each see the memory free before
+        any of them allocates: their sum can still exceed it (then NVSHMEM's own failure).
         """
-        _, total_bytes = self._cupy.cuda.runtime.memGetInfo()
-        if nbytes > total_bytes:
-            raise NvshmemError(
-                f"alloc({name!r}) of {nbytes} bytes exceeds device {self.device_id}'s "
-                f"{total_bytes} bytes", call="nvshmem_malloc")
+        free_bytes, total_bytes = self._cupy.cuda.runtime.memGetInfo()
+        mine = ""
+        if nbytes > free_bytes:
+            mine = (f"PE {self.rank} (device {self.device_id}): {nbytes} bytes requested, "
+                    f"{free_bytes} free of {total_bytes}")
+        problems = self._every_pe_says(f"fits/{name}", mine)
+        if problems:
+            raise NvshmemError(f"alloc({name!r}) does not fit: {'; '.join(problems)}; lower "
+                               f"max_num_batched_tokens or routed_cap_multiplier, or free device "
+                               f"memory", call="nvshmem_malloc")
 
-    def _peer_ptr(self, base_ptr: int, pe: int) -> int:
-        ptr = self._lib.nvshmem_ptr(base_ptr, pe)
-        if not ptr:
-            raise HeapError(
-                f"nvshmem_ptr returned NULL for PE {pe} on PE {self.rank}: PE {pe} is not "
-                f"reachable by load/store; the cuda backend supports a single node with "
-                f"NVLink/P2P only")
-        return ptr
+    def _agree_reachable(self, name: str, unreachable: list[int], base_ptr: int) -> None:
+        """Collective: every PE publishes which PEs its ``nvshmem_ptr`` could not map, and
+        every PE raises the same HeapError if any PE found one (a NULL mapping on one PE must
+        not leave the others inside a barrier). The buffer is then freed collectively and the
+        heap stays healthy: ``close()`` finalizes NVSHMEM as usual.
+        """
+        problems = self._every_pe_says(f"reach/{name}", "; ".join(
+            f"PE {other} on PE {self.rank}" for other in unreachable))
+        if not problems:
+            return
+        self._lib.nvshmem_free(base_ptr)  # collective: every PE is here, on the same verdict
+        raise HeapError(
+            f"nvshmem_ptr returned NULL for {'; '.join(problems)}: not reachable by load/store; "
+            f"the cuda backend supports peers on one node with NVLink/P2P only")
+
+    def _every_pe_says(self, topic: str, problem: str) -> list[str]:
+        """Collective (bounded by ``timeout_s``): publish this PE's ``problem`` ("" = none)
+        and return every PE's non-empty one, in PE order: the same list on every PE, so
+        every PE takes the same branch before the next NVSHMEM collective."""
+        key = f"{self._barrier_name}/{topic}"
+        store_publish(self._store, f"{key}/{self.rank}", problem.encode())
+        said = [store_fetch(self._store, f"{key}/{pe}", self.timeout_s, peer=pe).decode()
+                for pe in range(self.world_size)]
+        return [text for text in said if text]
 
     def _wrap(self, ptr: int, nbytes: int):
         cupy = self._cupy
