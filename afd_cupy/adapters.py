@@ -8,28 +8,41 @@
                         TopologyConfig(A, F), role="attention", role_rank=i, store=store, ...)
     adapters.disaggregate_attention(model, conn)              # forward() now round-trips to the FFN
     # FFN rank j: only its local experts and the shared experts, from a state dict
-    experts, shared = adapters.ffn_weights(state_dict, cfg, ffn_rank=j, num_ffn_ranks=F)
+    experts, shared = adapters.ffn_weights(state_dict, ffn_rank=j, num_ffn_ranks=F,
+                                           num_experts=conn.model.num_experts, hf_config=cfg)
     FFNWorker(conn, experts, shared).run()
 
 A sparse-MoE block is recognised by its parts, whatever its class (the protocol any torch MoE
 block can follow):
 
-- ``block.gate``: a router module whose ``forward(x [T, H])`` returns ``router_logits`` first
-  (the Hugging Face routers return ``(logits, weights, ids)``) and whose ``weight`` is
-  [E, H]; optionally ``gate.e_score_correction_bias`` [E] (DeepSeek-V3).
-- ``block.experts``: fused ``gate_up_proj`` [E, 2I, H] (gate rows first) and ``down_proj``
-  [E, H, I] with a SiLU or GELU (erf or tanh) ``act_fn`` (the transformers 5 layout, and
-  afd_cupy's own).
+- a router ``block.gate`` (or ``block.router``, gpt-oss): a module whose ``forward(x [T, H])``
+  returns ``router_logits`` first (the Hugging Face routers return ``(logits, weights, ids)``)
+  and whose ``weight`` is [E, H]; its own forward computes the logits, a router bias
+  included; optionally ``e_score_correction_bias`` [E] (DeepSeek-V3).
+- ``block.experts``: fused ``gate_up_proj`` and ``down_proj``, either [E, 2I, H] and
+  [E, H, I] (transformers 5, afd_cupy's own) or transposed, [E, H, 2I] and [E, I, H]
+  (gpt-oss); the two layouts are told apart by the shapes (they cannot both fit). Optional
+  ``gate_up_proj_bias`` [E, 2I] and ``down_proj_bias`` [E, H]. The gated activation: an
+  ``act_fn`` (SiLU, GELU erf or tanh) on gate rows first; or, for experts with an
+  ``_apply_gate(gate_up)`` method (transformers' experts), whichever of those or of the
+  clamped SwiGLU of their ``limit`` and ``alpha`` (gpt-oss), with gate and up rows
+  concatenated or interleaved, reproduces ``_apply_gate`` on a probe: detected, not assumed.
+  Interleaved weights are de-interleaved when extracted, so the FFN hot path always sees
+  ``[gate | up]``.
 - optionally ``block.shared_experts`` / ``block.shared_expert``: an MLP with ``gate_proj``,
-  ``up_proj``, ``down_proj`` linears, and ``block.shared_expert_gate`` [1, H] (Qwen2-MoE).
+  ``up_proj``, ``down_proj`` linears (biases taken if present), and
+  ``block.shared_expert_gate`` [1, H] (Qwen2-MoE).
 
 The gate itself is not taken from the block: ``model_config`` maps the family's config to
 ``ModelConfig`` fields (scoring, top-k, groups, ``topk_method``, renormalisation, routed
 scaling), and the connector's ``select_experts`` applies them to the router's logits.
-Anything else raises UnsupportedModelError naming the block class and the feature.
+gpt-oss's router (top-k of the logits, softmax over the k) is softmax top-k renormalised:
+the same ids and weights. Anything else raises UnsupportedModelError naming the block class
+and the feature.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -41,7 +54,11 @@ from afd_cupy.config import ModelConfig
 from afd_cupy.errors import ConfigError
 
 #: model_type -> how its config maps to ModelConfig (experts, intermediate size, gate)
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss")
+#: families whose MoE block returns ``(hidden, router_scores)`` instead of ``hidden``
+_BLOCK_RETURNS_SCORES = ("gpt_oss",)
+#: gpt-oss's clamped SwiGLU, as transformers' GptOssExperts hard-codes it (limit, alpha)
+_GPT_OSS_SWIGLU = (7.0, 1.702)
 
 
 class UnsupportedModelError(ConfigError):
@@ -63,7 +80,8 @@ def model_config(hf_config, *, dtype: str, max_num_batched_tokens: int,
     layers = num_layers if num_layers is not None else _num_moe_layers(c, family)
     common = dict(hidden_size=c.hidden_size, top_k=c.num_experts_per_tok, dtype=dtype,
                   max_num_batched_tokens=max_num_batched_tokens, num_layers=layers)
-    if family == "mixtral":
+    if family in ("mixtral", "gpt_oss"):
+        # gpt-oss: softmax over the top-k logits == softmax top-k renormalised
         return ModelConfig(num_experts=c.num_local_experts, moe_intermediate_size=c.intermediate_size,
                            renormalize=True, **common)
     if family in ("qwen2_moe", "qwen3_moe", "olmoe"):
@@ -88,14 +106,48 @@ _HF_ACTS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh"
             "gelu_new": "gelu_tanh"}
 
 
+@dataclass(frozen=True)
+class _Format:
+    """How a family's fused experts compute: the gated activation (``ExpertWeights``'
+    names and clamp parameters) and whether gate and up rows are interleaved
+    (g0, u0, g1, u1, ...: gpt-oss) instead of concatenated ([gate | up])."""
+
+    activation: str = "silu"
+    interleaved: bool = False
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+
+    def weights_kwargs(self) -> dict:
+        return dict(activation=self.activation, swiglu_limit=self.swiglu_limit,
+                    swiglu_alpha=self.swiglu_alpha)
+
+
 def config_activation(hf_config) -> str:
-    """The experts' gated activation named by ``hf_config.hidden_act`` (for ``ffn_weights`` of
-    a state dict); UnsupportedModelError for anything but SiLU and GELU."""
+    """The experts' gated activation named by ``hf_config.hidden_act``; UnsupportedModelError
+    for anything but SiLU and GELU, and for gpt-oss, whose experts need more than a name
+    (pass ``hf_config=`` to ``ffn_weights`` instead)."""
+    if getattr(hf_config, "model_type", None) == "gpt_oss":
+        raise UnsupportedModelError("gpt_oss: the experts' clamped SwiGLU with interleaved gate/up rows "
+                                    "is more than an activation name; pass hf_config= to ffn_weights")
     act = getattr(hf_config, "hidden_act", "silu")
     if act not in _HF_ACTS:
         raise UnsupportedModelError(f"hidden_act {act!r}: only SiLU- and GELU-gated experts are "
                                     f"supported ({sorted(_HF_ACTS)})")
     return _HF_ACTS[act]
+
+
+def _config_format(hf_config) -> _Format:
+    """The experts' format a Hugging Face config describes (for a state dict)."""
+    if getattr(hf_config, "model_type", None) != "gpt_oss":
+        return _Format(config_activation(hf_config))
+    limit, alpha = _GPT_OSS_SWIGLU
+    configured = getattr(hf_config, "swiglu_limit", limit)
+    if configured != limit:
+        # NOTE: transformers 5's GptOssExperts ignores the config and clamps at 7.0; rather
+        # than pick one of two answers, refuse.
+        raise UnsupportedModelError(f"gpt_oss: swiglu_limit={configured!r} in the config, but "
+                                    f"transformers' GptOssExperts clamps at {limit}")
+    return _Format("clamped_swiglu", interleaved=True, swiglu_limit=limit, swiglu_alpha=alpha)
 
 
 def _num_moe_layers(c, family: str) -> int:
@@ -107,10 +159,20 @@ def _num_moe_layers(c, family: str) -> int:
 
 
 # --- blocks ----------------------------------------------------------------------------
+def _router_of(module: nn.Module) -> nn.Module | None:
+    """The router of a block: ``gate`` or ``router`` with a ``weight``, or None."""
+    for name in ("gate", "router"):
+        router = getattr(module, name, None)
+        if isinstance(router, nn.Module) and hasattr(router, "weight"):
+            return router
+    return None
+
+
 def is_sparse_moe_block(module: nn.Module) -> bool:
-    """Whether ``module`` has a router ``gate`` and fused ``experts`` (see the module doc)."""
+    """Whether ``module`` has a router (``gate`` or ``router``) and fused ``experts`` (see the
+    module doc)."""
     experts = getattr(module, "experts", None)
-    return (hasattr(getattr(module, "gate", None), "weight") and experts is not None
+    return (_router_of(module) is not None and experts is not None
             and hasattr(experts, "gate_up_proj") and hasattr(experts, "down_proj"))
 
 
@@ -137,14 +199,76 @@ def _activation_of(block: nn.Module) -> str:
     return _ACTIVATIONS[kind]
 
 
-def _check_block(block: nn.Module) -> None:
-    name = type(block).__name__
-    _activation_of(block)
-    for part in ("gate_up_proj_bias", "down_proj_bias"):
-        if getattr(block.experts, part, None) is not None:
-            raise UnsupportedModelError(f"{name}: expert biases ({part}) are not supported")
-    if getattr(block.gate, "bias", None) is not None:
-        raise UnsupportedModelError(f"{name}: a router bias is not supported")
+def _format_of(block: nn.Module) -> _Format:
+    """The experts' format, read from the block (see the module doc): ``act_fn`` alone, or the
+    candidate that reproduces the experts' ``_apply_gate`` on a float64 probe."""
+    experts = block.experts
+    apply_gate = getattr(experts, "_apply_gate", None)
+    has_act = getattr(experts, "act_fn", None) is not None
+    if apply_gate is None:
+        return _Format(_activation_of(block))
+    candidates = []
+    if has_act:
+        candidates += [_Format(_activation_of(block), interleaved) for interleaved in (False, True)]
+    limit, alpha = getattr(experts, "limit", None), getattr(experts, "alpha", None)
+    if limit is not None and alpha is not None:
+        candidates += [_Format("clamped_swiglu", interleaved, float(limit), float(alpha))
+                       for interleaved in (False, True)]
+    inter = _shapes_of(block)[1]
+    gen = torch.Generator().manual_seed(0)
+    # values out to +-16: beyond any clamp limit of a real model, on both sides
+    probe = torch.randn((8, 2 * inter), generator=gen, dtype=torch.float64) * 6.0
+    with torch.no_grad():
+        got = apply_gate(probe)
+    for fmt in candidates:
+        gate_up = _deinterleave(probe, dim=1) if fmt.interleaved else probe
+        want = moe.gated_activation(gate_up, fmt.activation, swiglu_limit=fmt.swiglu_limit,
+                                    swiglu_alpha=fmt.swiglu_alpha)
+        if got.shape == want.shape and torch.allclose(got, want, rtol=1e-9, atol=1e-12):
+            return fmt
+    raise UnsupportedModelError(
+        f"{type(block).__name__}: the experts' gate {type(experts).__name__}._apply_gate matches none "
+        f"of the supported gated activations (act_fn: SiLU or GELU; clamped SwiGLU of the experts' "
+        f"limit and alpha; gate/up concatenated or interleaved)")
+
+
+def _deinterleave(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    """Rows (g0, u0, g1, u1, ...) along ``dim`` -> [g0, g1, ... | u0, u1, ...] (a new tensor)."""
+    index = torch.arange(tensor.shape[dim], device=tensor.device)
+    return torch.cat([tensor.index_select(dim, index[0::2]), tensor.index_select(dim, index[1::2])], dim=dim)
+
+
+def _layout(gate_up_shape, down_shape, owner: str) -> tuple[bool, int, int]:
+    """(transposed, intermediate, hidden) of fused expert weights, from their shapes:
+    [E, 2I, H] + [E, H, I], or transposed [E, H, 2I] + [E, I, H] (never both)."""
+    (_, a, b), (_, c, d) = tuple(gate_up_shape), tuple(down_shape)
+    if a == 2 * d and b == c:
+        return False, d, b
+    if b == 2 * c and a == d:
+        return True, c, a
+    raise UnsupportedModelError(f"{owner}: expert weights gate_up_proj {tuple(gate_up_shape)} and "
+                                f"down_proj {tuple(down_shape)} are neither [E, 2I, H] + [E, H, I] "
+                                "nor [E, H, 2I] + [E, I, H]")
+
+
+def _shapes_of(block: nn.Module) -> tuple[bool, int, int]:
+    experts, name = block.experts, type(block).__name__
+    if experts.gate_up_proj.dim() != 3 or experts.down_proj.dim() != 3:
+        raise UnsupportedModelError(f"{name}: expert weights must be fused 3-D tensors, got gate_up_proj "
+                                    f"{tuple(experts.gate_up_proj.shape)}, down_proj {tuple(experts.down_proj.shape)}")
+    transposed, inter, hidden = _layout(experts.gate_up_proj.shape, experts.down_proj.shape, name)
+    flag = getattr(experts, "is_transposed", None)
+    if flag is not None and bool(flag) != transposed:
+        raise UnsupportedModelError(f"{name}: experts.is_transposed={flag} contradicts the weight shapes "
+                                    f"gate_up_proj {tuple(experts.gate_up_proj.shape)}, "
+                                    f"down_proj {tuple(experts.down_proj.shape)}")
+    return transposed, inter, hidden
+
+
+def _check_block(block: nn.Module) -> _Format:
+    """The block's experts' format; UnsupportedModelError for anything we cannot run."""
+    _shapes_of(block)
+    return _format_of(block)
 
 
 @dataclass(frozen=True)
@@ -152,15 +276,29 @@ class _Shared:
     w13: torch.Tensor
     w2: torch.Tensor
     gate: torch.Tensor | None
+    w13_bias: torch.Tensor | None = None
+    w2_bias: torch.Tensor | None = None
+
+
+def _shared_from(gate_w, up_w, down_w, gate_b, up_b, down_b, shared_gate) -> _Shared:
+    """The fused shared MLP of its linears' weights and (optional) biases; a missing bias of
+    gate or up next to a present one counts as zeros."""
+    w13_bias = None
+    if gate_b is not None or up_b is not None:
+        w13_bias = torch.cat([gate_w.new_zeros(gate_w.shape[0]) if gate_b is None else gate_b,
+                              up_w.new_zeros(up_w.shape[0]) if up_b is None else up_b])
+    return _Shared(torch.cat([gate_w, up_w], dim=0), down_w, shared_gate, w13_bias, down_b)
 
 
 def _shared_of(block: nn.Module) -> _Shared | None:
     mlp = getattr(block, "shared_experts", None) or getattr(block, "shared_expert", None)
     if mlp is None:
         return None
-    w13 = torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()], dim=0)
     gate = getattr(block, "shared_expert_gate", None)
-    return _Shared(w13, mlp.down_proj.weight.detach(), None if gate is None else gate.weight.detach())
+    parts = [getattr(getattr(mlp, name), attr) for attr in ("weight", "bias")
+             for name in ("gate_proj", "up_proj", "down_proj")]
+    return _shared_from(*(None if t is None else t.detach() for t in parts),
+                        None if gate is None else gate.weight.detach())
 
 
 class DisaggregatedMoE(nn.Module):
@@ -170,15 +308,19 @@ class DisaggregatedMoE(nn.Module):
     The router's logits come from the original router module (so they are computed exactly as
     the model does); the gate is the connector's (``ModelConfig``). With ``blocking=False``
     (cuda) the call enqueues without a host synchronization and can be captured in a CUDA
-    graph; errors then surface at ``connector.check_errors()``.
+    graph; errors then surface at ``connector.check_errors()``. With ``return_scores`` (blocks
+    that return ``(hidden, router_scores)``, gpt-oss) it returns ``(out, topk_weights)``, the
+    weights fp32 [T, K] as ``select_experts`` gave them.
     """
 
-    def __init__(self, router: nn.Module, connector, layer_idx: int, *, blocking: bool = True):
+    def __init__(self, router: nn.Module, connector, layer_idx: int, *, blocking: bool = True,
+                 return_scores: bool = False):
         super().__init__()
         self.router = router
         self.connector = connector
         self.layer_idx = layer_idx
         self.blocking = blocking
+        self.return_scores = return_scores
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
@@ -188,22 +330,26 @@ class DisaggregatedMoE(nn.Module):
         bias = getattr(self.router, "e_score_correction_bias", None)
         weights, ids = self.connector.select_experts(logits.reshape(x.shape[0], -1), bias)
         handle = self.connector.send_attn_output(x, ids, weights, self.layer_idx)
-        return self.connector.recv_ffn_output(handle, blocking=self.blocking).view(shape)
+        out = self.connector.recv_ffn_output(handle, blocking=self.blocking).view(shape)
+        return (out, weights) if self.return_scores else out
 
 
 def disaggregate_attention(model: nn.Module, connector, *, blocking: bool = True) -> int:
     """Replace every sparse-MoE block of ``model`` (in place) by a :class:`DisaggregatedMoE`
     numbered in layer order; frees the experts' weights on this rank. Returns the number of
-    blocks replaced, which must equal ``connector.model.num_layers``."""
+    blocks replaced, which must equal ``connector.model.num_layers``. The proxies of a family
+    whose blocks return ``(hidden, router_scores)`` (gpt-oss) return the same pair."""
     blocks = moe_blocks(model)
     if len(blocks) != connector.model.num_layers:
         raise UnsupportedModelError(f"{type(model).__name__} has {len(blocks)} sparse-MoE blocks, "
                                     f"the connector's ModelConfig.num_layers is {connector.model.num_layers}")
+    return_scores = getattr(getattr(model, "config", None), "model_type", None) in _BLOCK_RETURNS_SCORES
     for layer_idx, (name, block) in enumerate(blocks):
         _check_block(block)
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, DisaggregatedMoE(block.gate, connector, layer_idx, blocking=blocking))
+        setattr(parent, attr, DisaggregatedMoE(_router_of(block), connector, layer_idx, blocking=blocking,
+                                               return_scores=return_scores))
     return len(blocks)
 
 
@@ -211,41 +357,94 @@ def disaggregate_attention(model: nn.Module, connector, *, blocking: bool = True
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
+@dataclass(frozen=True)
+class _Layer:
+    """One MoE layer's expert tensors as stored (any layout), and how they compute."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+    shared: _Shared | None
+    format: _Format
+    owner: str  # for error messages: the block class or the state-dict prefix
+
+
 def ffn_weights(source, *, ffn_rank: int, num_ffn_ranks: int, num_experts: int,
-                activation: str = "silu"):
+                activation: str | None = None, hf_config=None):
     """(local experts per MoE layer, shared experts per MoE layer or None) for FFN rank
     ``ffn_rank``, in layer order, from a model (``nn.Module``) or a state dict.
 
-    Only this rank's experts are copied out (``moe.local_experts``); a state dict may be a
-    memory-mapped one (``torch.load(..., mmap=True)`` / safetensors), so the whole model is
-    never materialised here. ``num_experts``: the routed experts per layer; ``activation``:
-    the experts' gated activation when ``source`` is a state dict (a model tells its own).
+    Only this rank's experts are copied out; a state dict may be a memory-mapped one
+    (``torch.load(..., mmap=True)`` / safetensors), so the whole model is never materialised
+    here. ``num_experts``: the routed experts per layer. Transposed weights ([E, H, 2I],
+    gpt-oss) are transposed and interleaved gate/up rows de-interleaved while copying, so
+    every returned ``ExpertWeights`` has the canonical layout; expert biases come along.
+
+    How the experts compute: a model tells its own (module doc). For a state dict pass
+    ``hf_config`` (its family's activation, clamp and gate/up order; required for gpt-oss),
+    or ``activation`` (an ``ExpertWeights.activation``, gate/up rows concatenated; default
+    "silu"), not both.
     """
+    if isinstance(source, nn.Module):
+        layers = _layers_from_module(source)
+    else:
+        if hf_config is not None and activation is not None:
+            raise ValueError(f"pass activation ({activation!r}) or hf_config, not both: the config "
+                             "names the experts' activation")
+        fmt = _config_format(hf_config) if hf_config is not None else _Format(activation or "silu")
+        layers = _layers_from_state(source, fmt)
     epr = -(-num_experts // num_ffn_ranks)
-    layers = (_layers_from_module(source) if isinstance(source, nn.Module)
-              else _layers_from_state(source, activation))
     experts, shared = [], []
-    for gate_up, down, shared_parts, activation in layers:
-        if gate_up.shape[0] != num_experts:
-            raise UnsupportedModelError(f"expert weights hold {gate_up.shape[0]} experts, expected {num_experts}")
-        global_set = moe.ExpertWeights(w13=gate_up, w2=down, num_experts=num_experts,
-                                       activation=activation)
-        experts.append(moe.local_experts(global_set, ffn_rank, epr))
-        shared.append(None if shared_parts is None else moe.ExpertWeights(
-            w13=shared_parts.w13.unsqueeze(0).clone(), w2=shared_parts.w2.unsqueeze(0).clone(),
-            num_experts=1, gate=None if shared_parts.gate is None else shared_parts.gate.clone(),
-            activation=activation))
+    for layer in layers:
+        experts.append(_local_set(layer, ffn_rank, epr, num_experts))
+        parts = layer.shared
+        shared.append(None if parts is None else moe.ExpertWeights(
+            w13=parts.w13.unsqueeze(0).clone(), w2=parts.w2.unsqueeze(0).clone(), num_experts=1,
+            gate=None if parts.gate is None else parts.gate.clone(),
+            w13_bias=None if parts.w13_bias is None else parts.w13_bias.unsqueeze(0).clone(),
+            w2_bias=None if parts.w2_bias is None else parts.w2_bias.unsqueeze(0).clone(),
+            **layer.format.weights_kwargs()))
     return experts, shared
+
+
+def _local_set(layer: _Layer, ffn_rank: int, epr: int, num_experts: int) -> moe.ExpertWeights:
+    """FFN rank ``ffn_rank``'s experts of ``layer`` (padded to ``epr``), canonical layout.
+    Only the owned experts are read: sliced first, then transposed / de-interleaved."""
+    if layer.gate_up.shape[0] != num_experts:
+        raise UnsupportedModelError(f"{layer.owner}: expert weights hold {layer.gate_up.shape[0]} experts, "
+                                    f"expected {num_experts}")
+    transposed, inter, hidden = _layout(layer.gate_up.shape, layer.down.shape, layer.owner)
+    for name, bias, shape in (("gate_up_proj_bias", layer.gate_up_bias, (num_experts, 2 * inter)),
+                              ("down_proj_bias", layer.down_bias, (num_experts, hidden))):
+        if bias is not None and tuple(bias.shape) != shape:
+            raise UnsupportedModelError(f"{layer.owner}: {name} is {tuple(bias.shape)}, expected {shape}")
+    first = ffn_rank * epr
+    owned = slice(first, first + max(0, min(epr, num_experts - first)))
+    w13, w2 = layer.gate_up[owned], layer.down[owned]
+    if transposed:
+        w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
+    b13 = None if layer.gate_up_bias is None else layer.gate_up_bias[owned]
+    if layer.format.interleaved:
+        w13 = _deinterleave(w13, dim=1)
+        b13 = None if b13 is None else _deinterleave(b13, dim=1)
+    mine = moe.ExpertWeights(w13=w13, w2=w2, num_experts=w13.shape[0], w13_bias=b13,
+                             w2_bias=None if layer.down_bias is None else layer.down_bias[owned],
+                             **layer.format.weights_kwargs())
+    return dataclasses.replace(moe.local_experts(mine, 0, epr), first_expert=first)
 
 
 def _layers_from_module(model: nn.Module):
     for _, block in moe_blocks(model):
-        _check_block(block)
-        yield (block.experts.gate_up_proj.detach(), block.experts.down_proj.detach(), _shared_of(block),
-               _activation_of(block))
+        fmt = _check_block(block)
+        experts = block.experts
+        biases = [getattr(experts, name, None) for name in ("gate_up_proj_bias", "down_proj_bias")]
+        yield _Layer(experts.gate_up_proj.detach(), experts.down_proj.detach(),
+                     *(None if b is None else b.detach() for b in biases), _shared_of(block), fmt,
+                     type(block).__name__)
 
 
-def _layers_from_state(state: dict, activation: str):
+def _layers_from_state(state: dict, fmt: _Format):
     prefixes = sorted({key[:-len("experts.gate_up_proj")] for key in state
                        if key.endswith("experts.gate_up_proj")}, key=_layer_number)
     if not prefixes:
@@ -255,11 +454,12 @@ def _layers_from_state(state: dict, activation: str):
         shared = None
         for name in ("shared_experts.", "shared_expert."):
             if prefix + name + "gate_proj.weight" in state:
-                w13 = torch.cat([state[prefix + name + "gate_proj.weight"],
-                                 state[prefix + name + "up_proj.weight"]], dim=0)
-                gate = state.get(prefix + "shared_expert_gate.weight")
-                shared = _Shared(w13, state[prefix + name + "down_proj.weight"], gate)
-        yield state[prefix + "experts.gate_up_proj"], state[prefix + "experts.down_proj"], shared, activation
+                shared = _shared_from(*(state.get(f"{prefix}{name}{proj}.{attr}") for attr in ("weight", "bias")
+                                        for proj in ("gate_proj", "up_proj", "down_proj")),
+                                      state.get(prefix + "shared_expert_gate.weight"))
+        yield _Layer(state[prefix + "experts.gate_up_proj"], state[prefix + "experts.down_proj"],
+                     state.get(prefix + "experts.gate_up_proj_bias"), state.get(prefix + "experts.down_proj_bias"),
+                     shared, fmt, prefix + "experts")
 
 
 def _layer_number(prefix: str) -> int:

@@ -7,15 +7,18 @@ local expert (the wire format's `routed_x`), `shared_mlp` runs the shared expert
 side's combine multiplies by `combine_scale` at the end. Test fixtures (deterministic
 weights, the naive fp64 reference) live in :mod:`afd_cupy.testing.reference`.
 
-Experts are gated MLPs, ``out = (act(x @ w1.T) * (x @ w3.T)) @ w2.T`` with act SiLU (default)
-or GELU (``ExpertWeights.activation``), stored with
+Experts are gated MLPs, ``out = glu(x @ w1.T + b1, x @ w3.T + b3) @ w2.T + b2``, stored with
 fused gate/up weights ``w13 = cat([w1, w3])`` of shape [E, 2*I, H] and ``w2`` [E, H, I]
-(torch.nn.Linear layout: out_features first).
+(torch.nn.Linear layout: out_features first); the biases are optional
+(``ExpertWeights.w13_bias`` [E, 2*I] = cat([b1, b3]), ``w2_bias`` [E, H]). The gated
+activation ``glu(gate, up)`` (``ExpertWeights.activation``, see ``gated_activation``) is
+``act(gate) * up`` with act SiLU (default) or GELU (erf or tanh), or gpt-oss's clamped SwiGLU.
 
 Only torch is used; nothing here touches CUDA at import time.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -24,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "ExpertWeights", "local_experts", "shared_mlp", "grouped_mlp", "grouped_mm_supported",
-    "apply_routed_scaling", "combine_scale",
+    "ExpertWeights", "local_experts", "gated_activation", "shared_mlp", "grouped_mlp",
+    "grouped_mm_supported", "apply_routed_scaling", "combine_scale",
 ]
 
 # NOTE: limits of torch._grouped_mm's CUTLASS path (aten/src/ATen/native/cuda/GroupMM.cu,
@@ -40,7 +43,7 @@ _GROUPED_MM_ARCH_MAJORS = (9, 10)
 
 @dataclass(frozen=True, eq=False)
 class ExpertWeights:
-    """The weights of a set of SiLU-gated MLP experts.
+    """The weights of a set of gated MLP experts.
 
     w13: [num_experts, 2 * intermediate, hidden]: rows [0, I) are the gate w1, rows [I, 2I)
          the up projection w3. w2: [num_experts, hidden, intermediate]. Same dtype and device.
@@ -48,8 +51,15 @@ class ExpertWeights:
     first_expert: global id of expert 0 of this set (0 for a global set).
     gate: shared experts only: [1, hidden] weight of a per-token sigmoid gate on their output
           (Qwen2-MoE's ``shared_expert_gate``), or None.
-    activation: the gated activation ``act(gate) * up``: "silu" (default), "gelu" (erf) or
-          "gelu_tanh" (the tanh approximation).
+    activation: the gated activation ``glu(gate, up)`` (``EXPERT_ACTIVATIONS``): "silu"
+          (default), "gelu" (erf) or "gelu_tanh" (the tanh approximation): ``act(gate) * up``;
+          "clamped_swiglu" (gpt-oss): ``(clamp(up, -L, L) + 1) * g * sigmoid(alpha * g)`` with
+          ``g = clamp(gate, max=L)``, L = ``swiglu_limit``, alpha = ``swiglu_alpha``.
+    w13_bias: [num_experts, 2 * intermediate] bias of the gate/up projection (gate entries
+          first, like w13's rows), or None. w2_bias: [num_experts, hidden] bias of the down
+          projection, or None. Same dtype and device as w13. None costs nothing.
+    swiglu_limit, swiglu_alpha: the clamp and the sigmoid slope of "clamped_swiglu" (gpt-oss:
+          7.0 and 1.702); finite and > 0, unused by the other activations.
     """
 
     w13: torch.Tensor
@@ -58,6 +68,10 @@ class ExpertWeights:
     first_expert: int = 0
     gate: torch.Tensor | None = None
     activation: str = "silu"
+    w13_bias: torch.Tensor | None = None
+    w2_bias: torch.Tensor | None = None
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self):
         w13, w2 = self.w13, self.w2
@@ -75,13 +89,25 @@ class ExpertWeights:
                              f"{w2.device}) must share dtype and device")
         if self.first_expert < 0:
             raise ValueError(f"first_expert must be >= 0, got {self.first_expert}")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got {self.activation!r}")
-        gate = self.gate
-        if gate is not None and (tuple(gate.shape) != (1, hidden) or gate.dtype != w13.dtype
-                                 or gate.device != w13.device):
-            raise ValueError(f"gate must be [1, {hidden}] {w13.dtype} on {w13.device}, got "
-                             f"{tuple(gate.shape)} {gate.dtype} on {gate.device}")
+        if self.activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"activation must be one of {EXPERT_ACTIVATIONS}, got {self.activation!r}")
+        for name in ("swiglu_limit", "swiglu_alpha"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        self._check_extra("gate", self.gate, (1, hidden))
+        self._check_extra("w13_bias", self.w13_bias, (num_experts, two_inter))
+        self._check_extra("w2_bias", self.w2_bias, (num_experts, hidden))
+
+    def _check_extra(self, name: str, tensor: torch.Tensor | None, shape: tuple) -> None:
+        """An optional tensor must have ``shape`` and w13's dtype and device."""
+        w13 = self.w13
+        if tensor is not None and (tuple(tensor.shape) != shape or tensor.dtype != w13.dtype
+                                   or tensor.device != w13.device):
+            raise ValueError(f"{name} must be [{', '.join(map(str, shape))}] {w13.dtype} on "
+                             f"{w13.device}, got {tuple(tensor.shape)} {tensor.dtype} on "
+                             f"{tensor.device}")
 
     @property
     def hidden_size(self) -> int:
@@ -99,6 +125,10 @@ class ExpertWeights:
     def device(self) -> torch.device:
         return self.w13.device
 
+    @property
+    def has_bias(self) -> bool:
+        return self.w13_bias is not None or self.w2_bias is not None
+
 
 def local_experts(global_weights: ExpertWeights, ffn_rank: int,
                   expert_per_rank: int) -> ExpertWeights:
@@ -106,7 +136,8 @@ def local_experts(global_weights: ExpertWeights, ffn_rank: int,
 
     global_weights: a global set (first_expert == 0). Ids past its num_experts become ZERO
     experts (the padded tail: they receive no tokens, and would output zeros if they did).
-    Returns new tensors (not views, so the global set can be freed), same dtype and device.
+    Returns new tensors (not views, so the global set can be freed), same dtype and device;
+    the activation, its parameters and the biases (zero for the padded tail) come along.
     """
     if global_weights.first_expert != 0:
         raise ValueError("local_experts slices a global set (first_expert == 0), got "
@@ -116,41 +147,76 @@ def local_experts(global_weights: ExpertWeights, ffn_rank: int,
                          f"ffn_rank={ffn_rank}, expert_per_rank={expert_per_rank}")
     first = ffn_rank * expert_per_rank
     num_owned = max(0, min(expert_per_rank, global_weights.num_experts - first))
-    w13 = global_weights.w13.new_zeros((expert_per_rank,) + tuple(global_weights.w13.shape[1:]))
-    w2 = global_weights.w2.new_zeros((expert_per_rank,) + tuple(global_weights.w2.shape[1:]))
-    w13[:num_owned].copy_(global_weights.w13[first:first + num_owned])
-    w2[:num_owned].copy_(global_weights.w2[first:first + num_owned])
-    return ExpertWeights(w13=w13, w2=w2, num_experts=expert_per_rank, first_expert=first,
-                         activation=global_weights.activation)
+    return dataclasses.replace(
+        global_weights, num_experts=expert_per_rank, first_expert=first,
+        **{name: _padded_slice(getattr(global_weights, name), first, num_owned, expert_per_rank)
+           for name in ("w13", "w2", "w13_bias", "w2_bias")})
+
+
+def _padded_slice(tensor: torch.Tensor | None, first: int, num_owned: int,
+                  num_rows: int) -> torch.Tensor | None:
+    """Rows [first, first + num_owned) of ``tensor`` copied into zeros of ``num_rows`` rows."""
+    if tensor is None:
+        return None
+    out = tensor.new_zeros((num_rows,) + tuple(tensor.shape[1:]))
+    out[:num_owned].copy_(tensor[first:first + num_owned])
+    return out
 
 
 # --------------------------------------------------------------------------- expert math
 
-#: the gated activations of ``ExpertWeights.activation``
+#: ``act`` of the gated activations ``act(gate) * up`` of ``ExpertWeights.activation``
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu,
                "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
+#: gpt-oss's clamped SwiGLU (see ``gated_activation``)
+CLAMPED_SWIGLU = "clamped_swiglu"
+#: every value of ``ExpertWeights.activation``
+EXPERT_ACTIVATIONS = tuple(ACTIVATIONS) + (CLAMPED_SWIGLU,)
 
 
-def _act_and_mul(gate_up: torch.Tensor, out_dtype: torch.dtype, activation: str = "silu") -> torch.Tensor:
-    """gate_up [n, 2I] -> act(gate) * up [n, I] in out_dtype, computed in fp32 (one rounding,
-    like vLLM's fused silu_and_mul)."""
-    gate, up = gate_up.float().chunk(2, dim=-1)
-    return (ACTIVATIONS[activation](gate) * up).to(out_dtype)
+def gated_activation(gate_up: torch.Tensor, activation: str, *, swiglu_limit: float = 7.0,
+                     swiglu_alpha: float = 1.702) -> torch.Tensor:
+    """glu(gate, up): gate_up [..., 2I] ([gate | up]) -> [..., I] in gate_up's dtype.
+
+    "silu" / "gelu" / "gelu_tanh": ``act(gate) * up``. "clamped_swiglu" (gpt-oss):
+    ``g = clamp(gate, max=L)``, ``u = clamp(up, -L, L)``, ``(u + 1) * g * sigmoid(alpha * g)``.
+    """
+    gate, up = gate_up.chunk(2, dim=-1)
+    if activation == CLAMPED_SWIGLU:
+        gate = gate.clamp(max=swiglu_limit)
+        up = up.clamp(min=-swiglu_limit, max=swiglu_limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * swiglu_alpha))
+    return ACTIVATIONS[activation](gate) * up
 
 
-def _dense_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-               compute_dtype: torch.dtype, activation: str = "silu") -> torch.Tensor:
-    """One expert: x [n, H], w13 [2I, H], w2 [H, I] -> [n, H] in compute_dtype."""
-    gate_up = F.linear(x.to(compute_dtype), w13.to(compute_dtype))
-    return F.linear(_act_and_mul(gate_up, compute_dtype, activation), w2.to(compute_dtype))
+def _act_and_mul(gate_up: torch.Tensor, out_dtype: torch.dtype, weights: ExpertWeights,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """gate_up [n, 2I] (+ bias [n, 2I], added in fp32) -> glu(gate, up) [n, I] in out_dtype,
+    computed in fp32 (one rounding, like vLLM's fused silu_and_mul)."""
+    gate_up = gate_up.float() if bias is None else torch.add(gate_up.float(), bias)
+    return gated_activation(gate_up, weights.activation, swiglu_limit=weights.swiglu_limit,
+                            swiglu_alpha=weights.swiglu_alpha).to(out_dtype)
+
+
+def _dense_mlp(x: torch.Tensor, weights: ExpertWeights, expert: int,
+               compute_dtype: torch.dtype) -> torch.Tensor:
+    """Expert ``expert`` of ``weights`` on x [n, H] -> [n, H] in compute_dtype (biases, if
+    any, added by the GEMMs in compute_dtype)."""
+    b13, b2 = weights.w13_bias, weights.w2_bias
+    gate_up = F.linear(x.to(compute_dtype), weights.w13[expert].to(compute_dtype),
+                       None if b13 is None else b13[expert].to(compute_dtype))
+    return F.linear(_act_and_mul(gate_up, compute_dtype, weights),
+                    weights.w2[expert].to(compute_dtype),
+                    None if b2 is None else b2[expert].to(compute_dtype))
 
 
 def shared_mlp(x: torch.Tensor, shared_weights: ExpertWeights) -> torch.Tensor:
     """The shared experts on every row: x [n, H] (any device) -> [n, H] in x.dtype.
 
     shared_weights: one fused shared MLP (num_experts == 1: w13 [1, 2*S*I, H], w2 [1, H, S*I]),
-    on x's device; with a ``gate`` the output is scaled per token by sigmoid(x · gate), in fp32.
-    On CUDA the GEMMs run in x.dtype (tensor cores, fp32 accumulation); elsewhere in fp32.
+    on x's device; its activation and biases apply as for routed experts; with a ``gate`` the
+    output is scaled per token by sigmoid(x · gate), in fp32. On CUDA the GEMMs run in
+    x.dtype (tensor cores, fp32 accumulation); elsewhere in fp32.
     Zero rows return an empty [0, H] tensor without launching anything.
     """
     if shared_weights.num_experts != 1 or x.dim() != 2 \
@@ -161,8 +227,7 @@ def shared_mlp(x: torch.Tensor, shared_weights: ExpertWeights) -> torch.Tensor:
     if x.shape[0] == 0:
         return x.new_empty((0, x.shape[1]))
     compute_dtype = x.dtype if x.is_cuda else torch.float32
-    out = _dense_mlp(x, shared_weights.w13[0], shared_weights.w2[0], compute_dtype,
-                     shared_weights.activation)
+    out = _dense_mlp(x, shared_weights, 0, compute_dtype)
     if shared_weights.gate is not None:
         factor = torch.sigmoid(F.linear(x.float(), shared_weights.gate.float()))  # [n, 1]
         return (out.float() * factor).to(x.dtype)
@@ -187,7 +252,9 @@ def grouped_mlp(x: torch.Tensor, group_counts: torch.Tensor, weights: ExpertWeig
     Paths:
     - `grouped_mm_supported(x, weights)` (CUDA SM90/SM100, bf16, 16-byte aligned): two
       `torch._grouped_mm` launches (w13, then w2) with int32 cumulative offsets computed on
-      the device: no host synchronization, safe inside CUDA graph capture.
+      the device: no host synchronization, safe inside CUDA graph capture. Expert biases
+      add a row -> expert index (`repeat_interleave` with `output_size`: no sync either),
+      a gather and an add per bias.
     - otherwise a per-expert loop over host counts, computed in fp32 (inputs and weights
       upcast per expert; reference-grade accuracy, slower), rounded once to x.dtype.
     Zero rows return an empty [0, H] tensor without launching anything.
@@ -246,13 +313,27 @@ def _device_arch_major(device: torch.device) -> int:
 def _grouped_mlp_fused(x: torch.Tensor, group_counts: torch.Tensor,
                        weights: ExpertWeights) -> torch.Tensor:
     """Two grouped GEMMs. NOTE: _grouped_mm leaves output rows past offs[-1] uninitialized;
-    the caller guarantees offs[-1] == x.shape[0]."""
+    the caller guarantees offs[-1] == x.shape[0].
+
+    Biases (``_grouped_mm`` takes none): each row's expert id comes from
+    ``repeat_interleave`` with ``output_size`` given (no host sync); the gate/up bias is added
+    in fp32 before the activation, the down bias to the x.dtype output. Without biases
+    nothing of this runs."""
     # offs[g] is the END row of group g (group g spans [offs[g-1], offs[g])); an empty group
     # repeats the previous offset.
     offs = torch.cumsum(group_counts, dim=0, dtype=torch.int32).to(x.device, non_blocking=True)
+    row_expert = None
+    if weights.has_bias:
+        row_expert = torch.repeat_interleave(
+            torch.arange(weights.num_experts, device=x.device),
+            group_counts.to(x.device, non_blocking=True), output_size=x.shape[0])
     gate_up = torch._grouped_mm(x, weights.w13.transpose(1, 2), offs=offs)
-    hidden = _act_and_mul(gate_up, x.dtype, weights.activation)
-    return torch._grouped_mm(hidden, weights.w2.transpose(1, 2), offs=offs)
+    b13 = None if weights.w13_bias is None else weights.w13_bias[row_expert]
+    hidden = _act_and_mul(gate_up, x.dtype, weights, b13)
+    out = torch._grouped_mm(hidden, weights.w2.transpose(1, 2), offs=offs)
+    if weights.w2_bias is not None:
+        out.add_(weights.w2_bias[row_expert])
+    return out
 
 
 def _grouped_mlp_loop(x: torch.Tensor, counts: list[int], weights: ExpertWeights) -> torch.Tensor:
@@ -262,8 +343,7 @@ def _grouped_mlp_loop(x: torch.Tensor, counts: list[int], weights: ExpertWeights
         if num_rows == 0:
             continue
         rows = slice(start, start + num_rows)
-        out[rows] = _dense_mlp(x[rows], weights.w13[expert], weights.w2[expert], torch.float32,
-                               weights.activation)
+        out[rows] = _dense_mlp(x[rows], weights, expert, torch.float32)
         start += num_rows
     return out
 

@@ -11,8 +11,9 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 
-from afd_cupy import adapters  # noqa: E402
+from afd_cupy import adapters, gates  # noqa: E402
 from afd_cupy.launch import launch  # noqa: E402
+from afd_cupy.testing.reference import reference_moe  # noqa: E402
 from afd_cupy.testing.hf_models import generation_rank, tiny_config, tiny_model  # noqa: E402
 
 BACKENDS = [pytest.param("host", id="host"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
@@ -31,19 +32,139 @@ def test_model_config_maps_each_family(family):
             config.num_shared_experts) == expect
 
 
+def _same_tensor(a, b) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
+
 @pytest.mark.parametrize("family", adapters.FAMILIES)
 def test_ffn_weights_from_a_state_dict_equal_those_from_the_model(family):
     model = tiny_model(family, seed=3)
     num_experts = adapters.model_config(model.config, dtype="float32", max_num_batched_tokens=8).num_experts
     from_model = adapters.ffn_weights(model, ffn_rank=1, num_ffn_ranks=2, num_experts=num_experts)
-    from_state = adapters.ffn_weights(model.state_dict(), ffn_rank=1, num_ffn_ranks=2, num_experts=num_experts)
+    from_state = adapters.ffn_weights(model.state_dict(), ffn_rank=1, num_ffn_ranks=2, num_experts=num_experts,
+                                      hf_config=model.config)
+    fields = ("w13", "w2", "w13_bias", "w2_bias", "gate")
     for (a, b) in zip(from_model[0], from_state[0]):
-        assert torch.equal(a.w13, b.w13) and torch.equal(a.w2, b.w2) and a.first_expert == 4
+        assert all(_same_tensor(getattr(a, f), getattr(b, f)) for f in fields) and a.first_expert == 4
+        assert (a.activation, a.swiglu_limit, a.swiglu_alpha) == (b.activation, b.swiglu_limit, b.swiglu_alpha)
+        assert a.has_bias == (family == "gpt_oss")
+        assert a.activation == ("clamped_swiglu" if family == "gpt_oss" else "silu")
     for (a, b) in zip(from_model[1], from_state[1]):
-        assert (a is None) == (b is None)
+        assert (a is None) == (b is None) == (family not in ("qwen2_moe", "deepseek_v2", "deepseek_v3"))
         if a is not None:
-            assert torch.equal(a.w13, b.w13) and torch.equal(a.w2, b.w2)
+            assert all(_same_tensor(getattr(a, f), getattr(b, f)) for f in fields)
             assert (a.gate is None) == (b.gate is None) == (family != "qwen2_moe")
+
+
+def test_gpt_oss_experts_are_transposed_and_deinterleaved_on_extraction():
+    """The FFN rank's ExpertWeights hold gpt-oss's experts in the canonical layout: w13 rows
+    [gate | up] from gate_up_proj's interleaved columns, transposed; biases likewise."""
+    model = tiny_model("gpt_oss", seed=4)
+    experts = adapters.moe_blocks(model)[1][1].experts
+    local = adapters.ffn_weights(model, ffn_rank=1, num_ffn_ranks=3, num_experts=8)[0][1]  # experts 3, 4, 5
+    assert (local.num_experts, local.first_expert) == (3, 3)
+    assert (local.swiglu_limit, local.swiglu_alpha) == (experts.limit, experts.alpha) == (7.0, 1.702)
+    for i, e in enumerate(range(3, 6)):
+        gate_up, bias = experts.gate_up_proj[e].detach(), experts.gate_up_proj_bias[e].detach()
+        assert torch.equal(local.w13[i, :32], gate_up[:, 0::2].T) and torch.equal(local.w13[i, 32:], gate_up[:, 1::2].T)
+        assert torch.equal(local.w13_bias[i], torch.cat([bias[0::2], bias[1::2]]))
+        assert torch.equal(local.w2[i], experts.down_proj[e].detach().T)
+        assert torch.equal(local.w2_bias[i], experts.down_proj_bias[e].detach())
+    assert local.w13.is_contiguous() and local.w2.is_contiguous()
+    padded = adapters.ffn_weights(model, ffn_rank=2, num_ffn_ranks=3, num_experts=8)[0][0]  # experts 6, 7, pad
+    assert not padded.w13[2].any() and not padded.w13_bias[2].any() and not padded.w2_bias[2].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpt_oss_router_through_model_gate_matches_the_hf_router(dtype):
+    """transformers' GptOssTopKRouter (top-k of the biased logits, softmax over the k) and the
+    ModelConfig gate model_config maps it to pick the same experts with the same weights."""
+    model = tiny_model("gpt_oss", seed=6, dtype=dtype)
+    config = adapters.model_config(model.config, dtype="float32", max_num_batched_tokens=8)
+    x = torch.randn(300, config.hidden_size, generator=torch.Generator().manual_seed(7)).to(dtype)
+    for _, block in adapters.moe_blocks(model):
+        with torch.no_grad():
+            logits, scores, ids = block.router(x)
+        weights, got_ids = gates.model_gate(config, logits)
+        assert torch.equal(got_ids.long(), ids)
+        tol = 1e-6 if dtype == torch.float32 else 8e-3  # HF's softmax runs in bf16
+        torch.testing.assert_close(weights, scores.float(), rtol=tol, atol=tol)
+
+
+def test_tiny_gpt_oss_reaches_the_swiglu_clamp():
+    """So that the block and generation tests below would see a wrong clamp limit."""
+    model = tiny_model("gpt_oss", seed=5)
+    seen = []
+    for _, block in adapters.moe_blocks(model):
+        apply_gate = block.experts._apply_gate
+        block.experts._apply_gate = lambda gate_up, f=apply_gate: seen.append(gate_up.detach()) or f(gate_up)
+    with torch.no_grad():
+        model(torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(8)))
+    gate_up = torch.cat([t.reshape(-1, t.shape[-1]) for t in seen])
+    assert (gate_up[:, 0::2] > 7.0).float().mean() > 0.01 and (gate_up[:, 1::2].abs() > 7.0).float().mean() > 0.01
+
+
+class _ProtocolMoE(torch.nn.Module):
+    """A torch MoE block that is no Hugging Face class, following the adapter protocol:
+    router ``gate``, fused experts in the given layout with biases, a biased shared MLP.
+    ``forward_f64`` is a float64 loop written from the tensors as stored."""
+
+    def __init__(self, transposed: bool, interleaved: bool, hidden=16, inter=8, num_experts=4):
+        super().__init__()
+        gen = torch.Generator().manual_seed(9)
+        self.transposed, self.interleaved = transposed, interleaved
+        self.gate = torch.nn.Linear(hidden, num_experts, bias=False)
+        self.experts = torch.nn.Module()
+        gate_up_shape = (num_experts, hidden, 2 * inter) if transposed else (num_experts, 2 * inter, hidden)
+        down_shape = (num_experts, inter, hidden) if transposed else (num_experts, hidden, inter)
+        self.experts.gate_up_proj = torch.nn.Parameter(torch.randn(gate_up_shape, generator=gen) / 4)
+        self.experts.down_proj = torch.nn.Parameter(torch.randn(down_shape, generator=gen) / 3)
+        self.experts.gate_up_proj_bias = torch.nn.Parameter(torch.randn(num_experts, 2 * inter, generator=gen))
+        self.experts.down_proj_bias = torch.nn.Parameter(torch.randn(num_experts, hidden, generator=gen))
+        self.experts.act_fn = torch.nn.SiLU()
+        if interleaved:  # an interleaved layout must say so through _apply_gate
+            self.experts._apply_gate = lambda gu: torch.nn.functional.silu(gu[..., 0::2]) * gu[..., 1::2]
+        self.shared_expert = torch.nn.Module()
+        self.shared_expert.gate_proj = torch.nn.Linear(hidden, 12, bias=True)
+        self.shared_expert.up_proj = torch.nn.Linear(hidden, 12, bias=False)
+        self.shared_expert.down_proj = torch.nn.Linear(12, hidden, bias=True)
+
+    def forward_f64(self, x, ids, weights):
+        out = torch.full(x.shape, float("nan"), dtype=torch.float64)
+        ex, sh = self.experts, self.shared_expert
+        for t in range(x.shape[0]):
+            xt = x[t].double()
+            g = sh.gate_proj.weight.double() @ xt + sh.gate_proj.bias.double()
+            u = sh.up_proj.weight.double() @ xt
+            out[t] = sh.down_proj.weight.double() @ (g / (1 + torch.exp(-g)) * u) + sh.down_proj.bias.double()
+            for k in range(ids.shape[1]):
+                e = int(ids[t, k])
+                w = ex.gate_up_proj[e].double()
+                gate_up = (xt @ w if self.transposed else w @ xt) + ex.gate_up_proj_bias[e].double()
+                gate, up = (gate_up[0::2], gate_up[1::2]) if self.interleaved else gate_up.chunk(2)
+                h = gate / (1 + torch.exp(-gate)) * up
+                d = ex.down_proj[e].double()
+                expert_out = (h @ d if self.transposed else d @ h) + ex.down_proj_bias[e].double()
+                out[t] += weights[t, k].double() * expert_out
+        return out
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_a_protocol_block_with_any_layout_biases_and_a_biased_shared_mlp(transposed, interleaved):
+    block = _ProtocolMoE(transposed, interleaved)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.layers[0].mlp = block
+    experts, shared = adapters.ffn_weights(model, ffn_rank=0, num_ffn_ranks=1, num_experts=4)
+    assert experts[0].has_bias and shared[0].w13_bias is not None and shared[0].w2_bias is not None
+    assert not shared[0].w13_bias[0, 12:].any()  # up_proj has no bias: zeros
+    x = torch.randn(9, 16, generator=torch.Generator().manual_seed(10))
+    weights, ids = gates.select_experts(block.gate(x).detach(), 2)
+    got = reference_moe(x, ids, weights, experts[0], shared[0], 1.0)
+    with torch.no_grad():
+        want = block.forward_f64(x, ids, weights)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_unsupported_blocks_are_named():
@@ -57,6 +178,40 @@ def test_unsupported_blocks_are_named():
     with pytest.raises(adapters.UnsupportedModelError, match="model_type 'llama'"):
         adapters.model_config(transformers.AutoConfig.for_model("llama"), dtype="float32",
                               max_num_batched_tokens=8)
+
+
+def test_unsupported_gpt_oss_variants_are_named():
+    model = tiny_model("gpt_oss", seed=0)
+    _, block = adapters.moe_blocks(model)[0]
+    state = model.state_dict()
+    with pytest.raises(adapters.UnsupportedModelError, match=r"gpt_oss: swiglu_limit=5.0 in the config.*7.0"):
+        adapters.ffn_weights(state, ffn_rank=0, num_ffn_ranks=1, num_experts=8,
+                             hf_config=tiny_config("gpt_oss", swiglu_limit=5.0))
+    with pytest.raises(adapters.UnsupportedModelError, match=r"gpt_oss: .*pass hf_config= to ffn_weights"):
+        adapters.config_activation(model.config)
+    with pytest.raises(ValueError, match=r"pass activation \('silu'\) or hf_config, not both"):
+        adapters.ffn_weights(state, ffn_rank=0, num_ffn_ranks=1, num_experts=8, activation="silu",
+                             hf_config=model.config)
+    bad_bias = {**state, "model.layers.0.mlp.experts.down_proj_bias": torch.zeros(8, 63)}
+    with pytest.raises(adapters.UnsupportedModelError,
+                       match=r"model.layers.0.mlp.experts: down_proj_bias is \(8, 63\), expected \(8, 64\)"):
+        adapters.ffn_weights(bad_bias, ffn_rank=0, num_ffn_ranks=1, num_experts=8, hf_config=model.config)
+    block.experts.is_transposed = False
+    with pytest.raises(adapters.UnsupportedModelError,
+                       match=r"GptOssMLP: experts.is_transposed=False contradicts the weight shapes "
+                             r"gate_up_proj \(8, 64, 64\), down_proj \(8, 32, 64\)"):
+        adapters.ffn_weights(model, ffn_rank=0, num_ffn_ranks=1, num_experts=8)
+    block.experts.is_transposed = True
+    block.experts._apply_gate = lambda gate_up: torch.relu(gate_up[..., ::2]) * gate_up[..., 1::2]
+    with pytest.raises(adapters.UnsupportedModelError,
+                       match=r"GptOssMLP: the experts' gate GptOssExperts._apply_gate matches none"):
+        adapters.ffn_weights(model, ffn_rank=0, num_ffn_ranks=1, num_experts=8)
+    del block.experts._apply_gate
+    block.experts.down_proj = torch.nn.Parameter(torch.zeros(8, 31, 64))
+    with pytest.raises(adapters.UnsupportedModelError,
+                       match=r"GptOssMLP: expert weights gate_up_proj \(8, 64, 64\) and down_proj \(8, 31, 64\) "
+                             r"are neither"):
+        adapters.ffn_weights(model, ffn_rank=0, num_ffn_ranks=1, num_experts=8)
 
 
 def _generation_program(ctx, backend, num_ffn):
@@ -101,8 +256,8 @@ def _one_block_family(ctx, backend, family, dtype, num_attn, num_ffn):
                         peer_timeout_s=60.0)
     try:
         if role.value == "ffn":
-            experts, shared = adapters.ffn_weights(model.state_dict(), ffn_rank=role_rank,
-                                                   num_ffn_ranks=num_ffn, num_experts=config.num_experts)
+            experts, shared = adapters.ffn_weights(model.state_dict(), ffn_rank=role_rank, num_ffn_ranks=num_ffn,
+                                                   num_experts=config.num_experts, hf_config=model.config)
             return {"served": FFNWorker(conn, experts, shared if shared[0] is not None else None).run()}
         blocks = [block for _, block in adapters.moe_blocks(model)]
         x = torch.randn(2, 12, config.hidden_size, generator=torch.Generator().manual_seed(role_rank))
@@ -113,8 +268,14 @@ def _one_block_family(ctx, backend, family, dtype, num_attn, num_ffn):
             proxies = [block for _, block in model.named_modules() if isinstance(block, adapters.DisaggregatedMoE)]
             outs = [proxy(x) for proxy in proxies]
         conn.announce_shutdown()
+        # gpt-oss blocks return (hidden, router_scores): the proxies the same pair
+        structure = [(type(o).__name__, len(o) if isinstance(o, tuple) else 1) for o in outs + refs]
+        score_errors = [float((o[1].float() - r[1].float()).norm() / r[1].float().norm())
+                        for o, r in zip(outs, refs) if isinstance(r, tuple)]
+        outs = [o[0] if isinstance(o, tuple) else o for o in outs]
+        refs = [r[0] if isinstance(r, tuple) else r for r in refs]
         return {"errors": [float((o.float() - r.float()).norm() / r.float().norm()) for o, r in zip(outs, refs)],
-                "dtypes": sorted({str(o.dtype) for o in outs})}
+                "dtypes": sorted({str(o.dtype) for o in outs}), "structure": structure, "score_errors": score_errors}
     finally:
         conn.close()
 
@@ -130,6 +291,10 @@ def test_every_moe_block_matches_its_hf_block(backend, dtype, num_attn, num_ffn)
         for family, result in report.items():
             assert len(result["errors"]) >= 2 and max(result["errors"]) < TOLERANCE[dtype], (family, result)
             assert result["dtypes"] == [f"torch.{dtype}"], (family, result)
+            expected = ("tuple", 2) if family == "gpt_oss" else ("Tensor", 1)
+            assert set(result["structure"]) == {expected}, (family, result["structure"])
+            assert len(result["score_errors"]) == (len(result["errors"]) if family == "gpt_oss" else 0)
+            assert all(err < TOLERANCE[dtype] for err in result["score_errors"]), (family, result["score_errors"])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

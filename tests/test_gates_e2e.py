@@ -1,7 +1,10 @@
 """Model gates through the connector (docs/design.md §4.4): DeepSeek-V3's noaux_tc gate with a
-selection bias and a routed scaling factor, and Qwen2-MoE's gated shared expert, in 1A2F and
-2A1F, against the float64 reference MoE on fresh random inputs."""
+selection bias and a routed scaling factor, Qwen2-MoE's gated shared expert, and gpt-oss-style
+experts (biases, clamped SwiGLU, no shared expert), in 1A2F and 2A1F, against the float64
+reference MoE on fresh random inputs."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -21,13 +24,16 @@ FAMILIES = {
     "deepseek_v3": dict(scoring_func="sigmoid", n_group=4, topk_group=2, topk_method="noaux_tc",
                         routed_scaling_factor=2.5, renormalize=True),
     "qwen2_moe": dict(scoring_func="softmax", renormalize=False),
+    "gpt_oss": dict(scoring_func="softmax", renormalize=True),
 }
+#: gpt-oss-style experts: a clamp limit low enough that O(1) activations reach it
+_SWIGLU_LIMIT = 1.5
 
 
 def _model(family: str, dtype: str) -> ModelConfig:
     return ModelConfig(hidden_size=64, num_experts=16, top_k=4, moe_intermediate_size=32,
-                       num_shared_experts=1, dtype=dtype, max_num_batched_tokens=32, num_layers=2,
-                       **FAMILIES[family])
+                       num_shared_experts=0 if family == "gpt_oss" else 1, dtype=dtype,
+                       max_num_batched_tokens=32, num_layers=2, **FAMILIES[family])
 
 
 def _weights(model: ModelConfig, family: str, device):
@@ -40,6 +46,13 @@ def _weights(model: ModelConfig, family: str, device):
         gate = torch.randn(1, model.hidden_size, generator=torch.Generator().manual_seed(13))
         shared = moe.ExpertWeights(w13=shared.w13, w2=shared.w2, num_experts=1,
                                    gate=(gate * 0.5).to(dtype).to(device))
+    if family == "gpt_oss":
+        gen = torch.Generator().manual_seed(14)
+        biases = {"w13_bias": torch.randn(model.num_experts, 2 * model.moe_intermediate_size, generator=gen),
+                  "w2_bias": torch.randn(model.num_experts, model.hidden_size, generator=gen) * 0.5}
+        routed = dataclasses.replace(routed, activation="clamped_swiglu", swiglu_limit=_SWIGLU_LIMIT,
+                                     **{k: v.to(dtype).to(device) for k, v in biases.items()})
+        shared = None
     return routed, shared
 
 

@@ -6,6 +6,7 @@ comparison uses fresh random inputs and an independent reference written here.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -346,9 +347,27 @@ def test_grouped_mlp_cuda_bf16(counts):
     torch.testing.assert_close(out.cpu().double(), ref, rtol=3e-2, atol=3e-2)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("counts", [[37, 0, 91, 1, 0, 300, 0, 7], [0, 0, 0, 0, 0, 0, 0, 64]])
+def test_grouped_mlp_cuda_bf16_with_biases_and_clamped_swiglu(counts):
+    weights = make_expert_weights(8, 256, 128, dtype=torch.bfloat16, device="cuda", seed=2)
+    gen = torch.Generator().manual_seed(3)
+    weights = dataclasses.replace(weights, activation="clamped_swiglu", swiglu_limit=1.5,
+                                  w13_bias=torch.randn(8, 256, generator=gen).bfloat16().cuda(),
+                                  w2_bias=torch.randn(8, 256, generator=gen).bfloat16().cuda())
+    x = torch.randn(sum(counts), 256, device="cuda").bfloat16()
+    if torch.cuda.get_device_capability()[0] in (9, 10):
+        assert moe.grouped_mm_supported(x, weights)
+    out = moe.grouped_mlp(x, torch.tensor(counts, device="cuda"), weights)
+    ref = _grouped_reference_full(x.cpu(), counts, _to_cpu(weights))
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=3e-2, atol=3e-2 * ref.abs().max().item())
+
+
 def _to_cpu(weights: moe.ExpertWeights) -> moe.ExpertWeights:
-    return moe.ExpertWeights(w13=weights.w13.cpu(), w2=weights.w2.cpu(),
-                             num_experts=weights.num_experts, first_expert=weights.first_expert)
+    return dataclasses.replace(weights, **{name: getattr(weights, name).cpu()
+                                           for name in ("w13", "w2", "w13_bias", "w2_bias", "gate")
+                                           if getattr(weights, name) is not None})
 
 
 # --------------------------------------------------------------------------- scaling rule
@@ -595,3 +614,293 @@ def test_grouped_and_shared_mlp_apply_the_activation_like_the_reference(activati
     assert local.activation == activation
     with pytest.raises(ValueError, match="activation must be one of"):
         moe.ExpertWeights(w13=experts.w13, w2=experts.w2, num_experts=3, activation="relu")
+
+
+# --------------------------------------------------------------------------- expert biases, clamped SwiGLU
+
+def _biased(weights: moe.ExpertWeights, seed: int, *, w13_bias=True, w2_bias=True, **fields):
+    """``weights`` with random biases of O(1) (same dtype and device) and ``fields`` replaced."""
+    gen = torch.Generator().manual_seed(seed)
+    num, two_inter, hidden = weights.w13.shape
+    b13 = torch.randn(num, two_inter, generator=gen).to(weights.dtype) if w13_bias else None
+    b2 = torch.randn(num, hidden, generator=gen).to(weights.dtype) if w2_bias else None
+    return dataclasses.replace(weights, w13_bias=b13, w2_bias=b2, **fields)
+
+
+def _gpt_oss_expert_f64(x, gate_up, gate_up_bias, down, down_bias, limit=7.0, alpha=1.702):
+    """One gpt-oss expert in float64 exactly as transformers' GptOssExperts writes it:
+    gate_up [H, 2I] with gate and up columns INTERLEAVED, down [I, H] (x @ W layout)."""
+    out = x.double() @ gate_up.double() + gate_up_bias.double()
+    gate, up = out[..., ::2], out[..., 1::2]
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    glu = gate * torch.sigmoid(gate * alpha)
+    return ((up + 1) * glu) @ down.double() + down_bias.double()
+
+
+def _expert_f64_full(weights: moe.ExpertWeights, expert: int, x: torch.Tensor) -> torch.Tensor:
+    """One expert in float64 from the definition, biases and every activation included
+    (numpy, separate w1 / w3: independent of the torch code paths)."""
+    inter = weights.intermediate_size
+    w13 = weights.w13[expert].double().numpy()
+    x = x.double().numpy()
+    gate_up = x @ w13.T
+    if weights.w13_bias is not None:
+        gate_up = gate_up + weights.w13_bias[expert].double().numpy()
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    if weights.activation == "clamped_swiglu":
+        limit, alpha = weights.swiglu_limit, weights.swiglu_alpha
+        gate, up = np.minimum(gate, limit), np.clip(up, -limit, limit)
+        hidden = (up + 1.0) * gate / (1.0 + np.exp(-alpha * gate))
+    elif weights.activation == "silu":
+        hidden = gate / (1.0 + np.exp(-gate)) * up
+    else:  # gelu (erf)
+        hidden = 0.5 * gate * (1.0 + np.vectorize(math.erf)(gate / math.sqrt(2.0))) * up
+    out = hidden @ weights.w2[expert].double().numpy().T
+    if weights.w2_bias is not None:
+        out = out + weights.w2_bias[expert].double().numpy()
+    return torch.from_numpy(out)
+
+
+def _grouped_reference_full(x, counts, weights) -> torch.Tensor:
+    out = torch.full((x.shape[0], weights.hidden_size), float("nan"), dtype=torch.float64)
+    start = 0
+    for expert, num_rows in enumerate(counts):
+        out[start:start + num_rows] = _expert_f64_full(weights, expert, x[start:start + num_rows])
+        start += num_rows
+    assert not out.isnan().any()
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("activation", ["silu", "clamped_swiglu"])
+@pytest.mark.parametrize("which", ["both", "w13", "w2"])
+def test_grouped_mlp_with_expert_biases_matches_reference(dtype, activation, which):
+    weights = _biased(make_expert_weights(6, HIDDEN, INTER, dtype=dtype, device="cpu", seed=12), 13,
+                      w13_bias=which != "w2", w2_bias=which != "w13", activation=activation)
+    counts = [5, 0, 9, 1, 0, 3]
+    x = (torch.randn(sum(counts), HIDDEN, generator=torch.Generator().manual_seed(14)) * 3).to(dtype)
+    out = moe.grouped_mlp(x, torch.tensor(counts), weights)
+    assert out.dtype == dtype and out.shape == (sum(counts), HIDDEN)
+    ref = _grouped_reference_full(x, counts, weights)
+    tol = GROUPED_TOL[dtype]
+    atol = tol * ref.abs().max().item()
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=atol)
+    # the biases matter at this tolerance: the output without them would fail the check
+    plain = dataclasses.replace(weights, w13_bias=None, w2_bias=None)
+    assert not torch.allclose(_grouped_reference_full(x, counts, plain), ref, rtol=tol, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_clamped_swiglu_experts_match_the_gpt_oss_formula(dtype):
+    """ExpertWeights built from gpt-oss's interleaved, transposed tensors (de-interleaved here
+    by hand) compute what transformers' GptOssExperts computes, clamp included."""
+    gen = torch.Generator().manual_seed(21)
+    num, hidden, inter = 4, HIDDEN, INTER
+    gate_up = torch.randn(num, hidden, 2 * inter, generator=gen) / hidden ** 0.5 * 4  # reaches the clamp
+    gate_up_bias = torch.randn(num, 2 * inter, generator=gen)
+    down = torch.randn(num, inter, hidden, generator=gen) / inter ** 0.5
+    down_bias = torch.randn(num, hidden, generator=gen)
+    gate_up, gate_up_bias, down, down_bias = (t.to(dtype) for t in (gate_up, gate_up_bias, down, down_bias))
+    w13 = torch.cat([gate_up[:, :, 0::2], gate_up[:, :, 1::2]], dim=2).transpose(1, 2).contiguous()
+    b13 = torch.cat([gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]], dim=1)
+    weights = moe.ExpertWeights(w13=w13, w2=down.transpose(1, 2).contiguous(), num_experts=num,
+                                w13_bias=b13, w2_bias=down_bias, activation="clamped_swiglu")
+    counts = [6, 0, 11, 4]
+    x = torch.randn(sum(counts), hidden, generator=gen).to(dtype)
+    ref = torch.full((sum(counts), hidden), float("nan"), dtype=torch.float64)
+    start = 0
+    pre_activation = []
+    for e, n in enumerate(counts):
+        rows = slice(start, start + n)
+        ref[rows] = _gpt_oss_expert_f64(x[rows], gate_up[e], gate_up_bias[e], down[e], down_bias[e])
+        pre_activation.append(x[rows].double() @ gate_up[e].double() + gate_up_bias[e].double())
+        start += n
+    pre = torch.cat(pre_activation)
+    assert (pre[:, 0::2] > 7).any() and (pre[:, 1::2].abs() > 7).any()  # both clamps reached
+    tol = GROUPED_TOL[dtype]
+    scale = ref.abs().max().item()
+    got = moe.grouped_mlp(x, torch.tensor(counts), weights)
+    torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol * scale)
+    np.testing.assert_allclose(reference_moe(x, _ids_of_counts(counts), torch.ones(sum(counts), 1),
+                                             weights, None, 1.0).double().numpy(),
+                               ref.float().double().numpy(), rtol=1e-5, atol=1e-5 * scale)
+    unclamped = dataclasses.replace(weights, swiglu_limit=1e6)  # the clamp matters at this tolerance
+    assert not torch.allclose(moe.grouped_mlp(x, torch.tensor(counts), unclamped).double(), ref,
+                              rtol=tol, atol=tol * scale)
+
+
+def _ids_of_counts(counts) -> torch.Tensor:
+    """[rows, 1] global ids: expert e repeated counts[e] times (one expert per row)."""
+    return torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)).unsqueeze(1)
+
+
+@pytest.mark.parametrize("limit,alpha", [(7.0, 1.702), (2.5, 1.0)])
+def test_gated_activation_clamped_swiglu_matches_a_float64_formula(limit, alpha):
+    gate_up = torch.linspace(-12, 12, 2 * 97, dtype=torch.float64)[torch.randperm(2 * 97)].view(2, 97)
+    gate_up = torch.cat([gate_up, gate_up.flip(-1)], dim=-1)  # [2, 194]: gate | up
+    got = moe.gated_activation(gate_up, "clamped_swiglu", swiglu_limit=limit, swiglu_alpha=alpha)
+    gate, up = gate_up[:, :97].numpy(), gate_up[:, 97:].numpy()
+    g = np.where(gate > limit, limit, gate)
+    u = np.where(up > limit, limit, np.where(up < -limit, -limit, up))
+    np.testing.assert_allclose(got.numpy(), (u + 1) * g / (1 + np.exp(-alpha * g)), rtol=1e-12, atol=1e-12)
+
+
+def test_shared_mlp_with_biases_and_clamped_swiglu():
+    shared = _biased(make_shared_weights(2, HIDDEN, INTER, dtype=torch.float32, device="cpu", seed=15), 16,
+                     activation="clamped_swiglu", swiglu_limit=3.0)
+    x = torch.randn(11, HIDDEN, generator=torch.Generator().manual_seed(17)) * 2
+    out = moe.shared_mlp(x, shared)
+    torch.testing.assert_close(out.double(), _expert_f64_full(shared, 0, x), rtol=1e-5, atol=1e-5)
+    ref = reference_moe(x, torch.zeros(11, 1, dtype=torch.int64), torch.zeros(11, 1),
+                        make_expert_weights(1, HIDDEN, INTER, dtype=torch.float32, device="cpu", seed=1),
+                        shared, 1.0)  # the shared part only
+    torch.testing.assert_close(ref.double(), _expert_f64_full(shared, 0, x), rtol=1e-5, atol=1e-5)
+
+
+def test_reference_moe_applies_biases_per_expert():
+    glob = _biased(make_expert_weights(5, 16, 8, dtype=torch.float32, device="cpu", seed=18), 19,
+                   activation="gelu")
+    hidden = torch.randn(7, 16, generator=torch.Generator().manual_seed(20))
+    weights, ids = gates.select_experts(_distinct_logits(7, 5, torch.float32, _rng(10)), 2)
+    out = reference_moe(hidden, ids, weights, glob, None, 1.5)
+    expect = torch.zeros(7, 16, dtype=torch.float64)
+    for t in range(7):
+        for k in range(2):
+            expect[t] += weights[t, k].double() * _expert_f64_full(glob, int(ids[t, k]), hidden[t:t + 1])[0]
+    torch.testing.assert_close(out.double(), expect * 1.5, rtol=1e-5, atol=1e-6)
+
+
+def test_local_experts_carry_biases_and_the_activation():
+    glob = _biased(make_expert_weights(5, 16, 8, dtype=torch.float32, device="cpu", seed=22), 23,
+                   activation="clamped_swiglu", swiglu_limit=5.0, swiglu_alpha=1.5)
+    local = moe.local_experts(glob, 1, 3)  # experts 3, 4 and one zero expert
+    assert (local.activation, local.swiglu_limit, local.swiglu_alpha) == ("clamped_swiglu", 5.0, 1.5)
+    assert torch.equal(local.w13_bias[:2], glob.w13_bias[3:]) and torch.equal(local.w2_bias[:2], glob.w2_bias[3:])
+    assert not local.w13_bias[2].any() and not local.w2_bias[2].any()
+    assert local.w13_bias.data_ptr() != glob.w13_bias[3].data_ptr()
+    x = torch.randn(6, 16) * 3
+    out = moe.grouped_mlp(x, torch.tensor([4, 2, 0]), local)
+    torch.testing.assert_close(out[:4].double(), _expert_f64_full(glob, 3, x[:4]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[4:].double(), _expert_f64_full(glob, 4, x[4:]), rtol=1e-5, atol=1e-5)
+    unbiased = moe.local_experts(make_expert_weights(5, 16, 8, dtype=torch.float32, device="cpu", seed=22), 1, 3)
+    assert unbiased.w13_bias is None and unbiased.w2_bias is None
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch has no _grouped_mm")
+@pytest.mark.parametrize("which", ["both", "w13", "w2"])
+@pytest.mark.parametrize("counts", [[5, 0, 9, 1, 0, 3], [0, 0, 18, 0, 0, 0]])
+def test_grouped_mm_path_with_biases_on_cpu_fallback(which, counts):
+    """The fused path's bias handling (row -> expert ids without a sync, gather, adds),
+    through torch's CPU fallback of _grouped_mm."""
+    weights = _biased(make_expert_weights(6, HIDDEN, INTER, dtype=torch.bfloat16, device="cpu", seed=24), 25,
+                      w13_bias=which != "w2", w2_bias=which != "w13", activation="clamped_swiglu")
+    x = (torch.randn(sum(counts), HIDDEN, generator=torch.Generator().manual_seed(26)) * 3).bfloat16()
+    out = moe._grouped_mlp_fused(x, torch.tensor(counts, dtype=torch.int32), weights)
+    ref = _grouped_reference_full(x, counts, weights)
+    torch.testing.assert_close(out.double(), ref, rtol=3e-2, atol=3e-2 * ref.abs().max().item())
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch has no _grouped_mm")
+def test_grouped_mm_path_without_biases_runs_no_bias_ops():
+    """No biases, no extra ops: the fused path runs the same aten ops as before biases existed."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    plain = make_expert_weights(3, HIDDEN, INTER, dtype=torch.bfloat16, device="cpu", seed=27)
+    x, counts = torch.randn(7, HIDDEN).bfloat16(), torch.tensor([2, 0, 5], dtype=torch.int32)
+    runs = {}
+    for name, weights in (("plain", plain), ("biased", _biased(plain, 28))):
+        with Ops() as ops:
+            moe._grouped_mlp_fused(x, counts, weights)
+        runs[name] = ops.names
+    bias_ops = {"repeat_interleave", "index", "add", "add_"}
+    assert not bias_ops & set(runs["plain"]), runs["plain"]
+    assert {"repeat_interleave", "index", "add_"} <= set(runs["biased"]), runs["biased"]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(w13_bias=torch.zeros(3, 15)), r"w13_bias must be \[3, 16\] torch.float32 on cpu, got \(3, 15\)"),
+    (dict(w13_bias=torch.zeros(2, 16)), r"w13_bias must be \[3, 16\].*got \(2, 16\)"),
+    (dict(w13_bias=torch.zeros(3, 16, dtype=torch.bfloat16)),
+     r"w13_bias must be \[3, 16\] torch.float32 on cpu, got \(3, 16\) torch.bfloat16 on cpu"),
+    (dict(w13_bias=torch.zeros(3, 16, device="meta")), r"w13_bias must be .* on cpu, got .* on meta"),
+    (dict(w2_bias=torch.zeros(3, 8, 1)), r"w2_bias must be \[3, 16\] torch.float32 on cpu, got \(3, 8, 1\)"),
+    (dict(w2_bias=torch.zeros(3, 8)), r"w2_bias must be \[3, 16\].*got \(3, 8\)"),
+    (dict(w2_bias=torch.zeros(3, 16, dtype=torch.float16)), r"w2_bias.*got \(3, 16\) torch.float16"),
+    (dict(swiglu_limit=0.0), r"swiglu_limit must be a finite number > 0, got 0.0"),
+    (dict(swiglu_limit=float("inf")), r"swiglu_limit must be a finite number > 0, got inf"),
+    (dict(swiglu_limit=True), r"swiglu_limit must be a finite number > 0, got True"),
+    (dict(swiglu_alpha=-1.702), r"swiglu_alpha must be a finite number > 0, got -1.702"),
+    (dict(swiglu_alpha=float("nan")), r"swiglu_alpha must be a finite number > 0, got nan"),
+    (dict(activation="swiglu"), r"activation must be one of \('silu', 'gelu', 'gelu_tanh', "
+                                r"'clamped_swiglu'\), got 'swiglu'"),
+])
+def test_expert_weights_validates_biases_and_activation_parameters(kwargs, match):
+    base = make_expert_weights(3, 16, 8, dtype=torch.float32, device="cpu", seed=29)
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(base, **kwargs)
+
+
+# --------------------------------------------------------------------------- gpt-oss router
+
+def _np_gpt_oss_router(logits: np.ndarray, top_k: int):
+    """gpt-oss's router in float64 loops: the top-k logits, then softmax over those k."""
+    ids = np.zeros((logits.shape[0], top_k), np.int64)
+    weights = np.zeros((logits.shape[0], top_k))
+    for t, row in enumerate(logits.astype(np.float64)):
+        chosen = sorted(range(len(row)), key=lambda e: -row[e])[:top_k]
+        top = np.exp(row[chosen] - row[chosen].max())
+        ids[t], weights[t] = chosen, top / top.sum()
+    return weights, ids
+
+
+def _gpt_oss_gate_model(num_experts=32, top_k=4):
+    return ModelConfig(hidden_size=16, num_experts=num_experts, top_k=top_k, moe_intermediate_size=8,
+                       scoring_func="softmax", renormalize=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpt_oss_router_is_softmax_topk_renormalised(dtype):
+    """top-k of the logits then softmax over the k == softmax, top-k, renormalise."""
+    logits = _distinct_logits(61, 32, dtype, _rng(30))
+    weights, ids = gates.model_gate(_gpt_oss_gate_model(), logits)
+    ref_w, ref_ids = _np_gpt_oss_router(logits.double().numpy(), 4)
+    _check_gate(weights, ids, ref_w, ref_ids, 61, 4)
+
+
+def test_gpt_oss_router_with_ties_picks_a_top_k_and_its_softmax():
+    """Tied logits may be broken either way: the ids must be some top-k of the logits (all
+    above the cut, the rest among those tied at it), the weights the softmax over them."""
+    rng = _rng(31)
+    logits = torch.tensor(rng.integers(-3, 4, size=(80, 16)) / 2.0, dtype=torch.float32)  # many ties
+    weights, ids = gates.model_gate(_gpt_oss_gate_model(16, 4), logits)
+    for t in range(80):
+        row = logits[t].double()
+        cut = row.topk(4).values[-1]
+        chosen = ids[t].long()
+        assert len(set(chosen.tolist())) == 4
+        assert (row[chosen] >= cut).all()
+        assert set(torch.nonzero(row > cut).flatten().tolist()) <= set(chosen.tolist())
+        expect = torch.softmax(row[chosen], dim=0)
+        np.testing.assert_allclose(weights[t].double().numpy(), expect.numpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_gpt_oss_router_far_below_the_best_logit_gets_zero_weight_either_way():
+    """Logits > ~100 below the best underflow to a zero softmax score in fp32; among those the
+    gate may pick other experts than the logits' order, but only with weight 0 (gpt-oss's
+    own weight there is below 1e-40: its output is the same)."""
+    logits = torch.tensor([[0.0, -200.0, -201.0, -202.0, 5.0, -203.0]])
+    weights, ids = gates.model_gate(_gpt_oss_gate_model(6, 3), logits)
+    ref_w, ref_ids = _np_gpt_oss_router(logits.double().numpy(), 3)
+    assert ids[0, :2].tolist() == ref_ids[0, :2].tolist() == [4, 0]
+    np.testing.assert_allclose(weights[0].double().numpy(), ref_w[0], rtol=1e-6, atol=1e-40)
+    assert weights[0, 2].item() == 0.0

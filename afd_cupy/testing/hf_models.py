@@ -25,7 +25,17 @@ _FAMILY = {
                         routed_scaling_factor=2.5, norm_topk_prob=True, kv_lora_rank=16,
                         q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
                         head_dim=8),
+    # attention sinks and a sliding window (every other layer) stay on the Attention rank; the
+    # YaRN factor matches max_position_embeddings / original_max_position_embeddings
+    "gpt_oss": dict(intermediate_size=32, num_local_experts=8, head_dim=16, sliding_window=4,
+                    rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0,
+                                         beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                         original_max_position_embeddings=4)),
 }
+#: gpt-oss: expert gate/up weights scaled up so that some gate/up values pass the clamp
+#: limit (7.0) of its SwiGLU, and router biases large enough to change the routing
+_GPT_OSS_GATE_UP_SCALE = 4.0
+_ROUTER_BIAS_STD = 0.5
 
 
 def tiny_config(family: str, **overrides):
@@ -40,8 +50,9 @@ def tiny_model(family: str, *, seed: int, dtype=torch.float32, **overrides):
     """A ``*ForCausalLM`` of ``tiny_config(family)`` with seeded random weights, eval mode.
 
     Router weights and DeepSeek-V3's selection bias are drawn wide enough that routing
-    differs between tokens; the fused expert weights are initialised explicitly (transformers
-    leaves them empty)."""
+    differs between tokens; the fused expert weights (and gpt-oss's expert biases) are
+    initialised explicitly (transformers leaves them empty or zero); gpt-oss's gate/up
+    weights are scaled so that its SwiGLU clamp is reached, its router biases drawn wide."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -52,6 +63,10 @@ def tiny_model(family: str, *, seed: int, dtype=torch.float32, **overrides):
             fan_in = param.shape[-1] if param.dim() > 1 else 1
             if param.dim() > 1:
                 param.copy_(torch.randn(param.shape, generator=gen) / fan_in ** 0.5)
+            if name.endswith("experts.gate_up_proj") and family == "gpt_oss":
+                param.mul_(_GPT_OSS_GATE_UP_SCALE)
+            if name.endswith("router.bias"):
+                param.copy_(torch.randn(param.shape, generator=gen) * _ROUTER_BIAS_STD)
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(torch.randn(buf.shape, generator=gen) * 0.1)
@@ -89,8 +104,7 @@ def generation_rank(ctx, family: str, *, backend: str, num_ffn: int, steps: int,
             state, hf_config = model.state_dict(), model.config  # a (memory-mapped) checkpoint
             del model
             experts, shared = adapters.ffn_weights(state, ffn_rank=ctx.rank - 1, num_ffn_ranks=num_ffn,
-                                                   num_experts=config.num_experts,
-                                                   activation=adapters.config_activation(hf_config))
+                                                   num_experts=config.num_experts, hf_config=hf_config)
             return {"served": FFNWorker(conn, experts, shared if any(s is not None for s in shared) else None).run()}
         prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len),
                                generator=torch.Generator().manual_seed(seed + 7)).to(device)

@@ -14,7 +14,6 @@ import math
 
 import torch
 
-from afd_cupy import moe
 from afd_cupy.moe import ExpertWeights
 
 # Salt mixed into the shared experts' seed so that one seed never makes a shared expert
@@ -79,6 +78,8 @@ def reference_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     topk_weights: [T, k] float; global_weights: first_expert == 0; shared_weights or None.
     Returns [T, H] fp32 on the CPU:
         out[t] = f * sum_k w[t,k] * expert_{ids[t,k]}(x_t) + shared(x_t)
+    expert_e(x) = w2_e @ glu(w13_e @ x + b13_e) + b2_e (biases when the weights carry them;
+    glu written out here per ``ExpertWeights.activation``),
     (shared(x_t) scaled by sigmoid(x_t . gate) when the shared weights carry a gate)
     computed in float64 from the given (already rounded) inputs and weights, so that the
     reference adds no error of its own. Slow: keep T, H, I small.
@@ -103,19 +104,44 @@ def reference_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
 
 
 class _ExpertCacheF64:
-    """Upcasts each expert's weights to float64 on the CPU once, on first use."""
+    """Upcasts each expert's weights (and biases) to float64 on the CPU once, on first use."""
 
     def __init__(self, weights: ExpertWeights):
         self._weights = weights
-        self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._cache: dict[int, tuple] = {}
 
     def apply(self, expert: int, x_row: torch.Tensor) -> torch.Tensor:
+        w = self._weights
         if expert not in self._cache:
-            self._cache[expert] = (self._weights.w13[expert].to("cpu", torch.float64),
-                                   self._weights.w2[expert].to("cpu", torch.float64))
-        w13, w2 = self._cache[expert]
-        gate, up = (w13 @ x_row).chunk(2)
-        return w2 @ (moe.ACTIVATIONS[self._weights.activation](gate) * up)
+            self._cache[expert] = tuple(
+                None if t is None else t[expert].to("cpu", torch.float64)
+                for t in (w.w13, w.w2, w.w13_bias, w.w2_bias))
+        w13, w2, b13, b2 = self._cache[expert]
+        gate_up = w13 @ x_row
+        if b13 is not None:
+            gate_up = gate_up + b13
+        out = w2 @ _glu_f64(gate_up, w)
+        return out if b2 is None else out + b2
+
+
+def _glu_f64(gate_up: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
+    """The gated activation of one row gate_up [2I] float64 ([gate | up]) -> [I]."""
+    inter = gate_up.shape[0] // 2
+    gate, up = gate_up[:inter], gate_up[inter:]
+    if weights.activation == "clamped_swiglu":  # gpt-oss
+        limit, alpha = weights.swiglu_limit, weights.swiglu_alpha
+        gate = torch.minimum(gate, torch.tensor(limit, dtype=torch.float64))
+        up = torch.maximum(torch.minimum(up, torch.tensor(limit, dtype=torch.float64)),
+                           torch.tensor(-limit, dtype=torch.float64))
+        return (up + 1.0) * gate / (1.0 + torch.exp(-alpha * gate))
+    if weights.activation == "silu":
+        return gate / (1.0 + torch.exp(-gate)) * up
+    if weights.activation == "gelu":
+        return 0.5 * gate * (1.0 + torch.erf(gate / math.sqrt(2.0))) * up
+    if weights.activation == "gelu_tanh":
+        inner = math.sqrt(2.0 / math.pi) * (gate + 0.044715 * gate ** 3)
+        return 0.5 * gate * (1.0 + torch.tanh(inner)) * up
+    raise ValueError(f"reference_moe: no reference for activation {weights.activation!r}")
 
 
 def _check_reference_args(hidden, topk_ids, topk_weights, global_weights) -> None:
