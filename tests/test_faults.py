@@ -210,6 +210,54 @@ def test_unreachable_peer_or_oversized_heap_raises_on_every_pe_and_nvshmem_resta
     assert attn["first_s"] < 30.0 and attn["error"] < 0.1 and ffn["served"] == 1, attn
 
 
+# --- tensors on another GPU than the connector's are rejected, on both sides (2 GPUs) ----------
+def _other_gpu_program(ctx):
+    conn, role, _ = _connect(ctx, "cuda", timeout_s=10.0)
+    other = torch.device("cuda", 1 - conn.device.index)
+    try:
+        if role is Role.FFN:
+            item = None
+            while item is None:
+                item = conn.recv_ffn_work_item(100)
+            routed, shared = _identity(item)
+            rejected = []
+            for name, args in (("routed_out", (routed.to(other), shared)),
+                               ("shared_out", (routed, shared.to(other)))):
+                try:
+                    conn.send_ffn_work_item_output(item, *args)
+                except ValueError as err:
+                    rejected.append((name, str(err)))
+            conn.send_ffn_work_item_output(item, routed, shared)
+            return {"rejected": rejected, "served": FFNWorker(conn, expert_fn=_identity).run() + 1}
+        hidden, ids, weights = _inputs(conn, 6, seed=6)
+        rejected = []
+        for name, args in (("hidden", (hidden.to(other), ids, weights)),
+                           ("topk_ids", (hidden, ids.to(other), weights)),
+                           ("topk_weights", (hidden, ids, weights.to(other)))):
+            try:
+                conn.send_attn_output(*args, 0)
+            except ValueError as err:
+                rejected.append((name, str(err)))
+        out = conn.recv_ffn_output(conn.send_attn_output(hidden, ids, weights, 0))
+        expect = hidden.float() * (weights.float().sum(dim=1, keepdim=True) + 1.0)
+        conn.announce_shutdown()
+        return {"rejected": rejected, "error": float((out.float() - expect).abs().max()),
+                "device": conn.device.index}
+    finally:
+        conn.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.multigpu
+def test_tensors_on_another_gpu_are_rejected_on_both_sides():
+    attn, ffn = launch(_other_gpu_program, 2, timeout_s=120)
+    assert [name for name, _ in attn["rejected"]] == ["hidden", "topk_ids", "topk_weights"], attn
+    assert [name for name, _ in ffn["rejected"]] == ["routed_out", "shared_out"], ffn
+    for name, text in attn["rejected"] + ffn["rejected"]:
+        assert f"{name} is on cuda:" in text and "this connector's tensors live on cuda:" in text, text
+    assert attn["error"] < 0.1 and ffn["served"] == 1, (attn, ffn)
+
+
 # --- a slow FFN: the late layer raises, the next layers on the same connector are right -------
 def _slow_program(ctx, backend):
     conn, role, _ = _connect(ctx, backend)
