@@ -6,7 +6,7 @@
 #   bash tools/gpu_suite.sh [full|quick|bench]  # quick: tests + smoke only; bench: benchmarks only
 # Knobs (environment): SUITE_TESTS (test files or ids instead of all), SUITE_TIMEOUT, TEST_TIMEOUT (per test), SMOKE_ARGS, SKIP_SMOKE_1A1F=1, SKIP_SMOKE_2A2F=1,
 # SKIP_HOSTPOLL=1 / HOSTPOLL_TIMEOUT (the e2e cases with host polling and no MPS),
-# SKIP_SOAK=1 / SOAK_N / SOAK_TIMEOUT / SOAK_ARGS (tools/soak.py),
+# SKIP_HF=1 (tools/hf_generate.py), SKIP_SOAK=1 / SOAK_N / SOAK_TIMEOUT / SOAK_ARGS (tools/soak.py),
 # BENCHES (names of tools/*.py run with --quick), BENCH_TIMEOUT, AFD_COMMIT (for the table).
 set -u
 cd "$(dirname "$0")/.."
@@ -54,6 +54,9 @@ run_step pytest_cuda "$SUITE_TIMEOUT" python3 -m pytest -m cuda -q -p no:cachepr
   python3 -m pytest -m cuda -q -p no:cacheprovider --timeout=${TEST_TIMEOUT:-90} -rfEs tests/test_e2e.py tests/test_e2e_errors.py tests/test_faults.py
 [ "${SKIP_SMOKE_1A1F:-0}" = 1 ] || run_step smoke_1a1f 120 python3 tools/smoke.py --layers 4 ${SMOKE_ARGS:-}
 [ "${SKIP_SMOKE_2A2F:-0}" = 1 ] || run_step smoke_2a2f 150 python3 tools/smoke.py --2a2f --layers 4 ${SMOKE_ARGS:-}
+# a Hugging Face MoE model of every adapter family, disaggregated 1A2F vs one process (tokens/s)
+[ "${SKIP_HF:-0}" = 1 ] || ! python3 -c "import transformers" 2>/dev/null || run_step hf_generate 180 \
+  python3 tools/hf_generate.py --ffn 2 --steps 16 --out "$OUT"
 # random sizes, layers, stages and stalls, every output checked (the fault model's soak)
 [ "${SKIP_SOAK:-0}" = 1 ] || run_step soak "${SOAK_TIMEOUT:-300}" python3 tools/soak.py \
   --round-trips "${SOAK_N:-100000}" --out "$OUT" ${SOAK_ARGS:-}
@@ -73,7 +76,7 @@ done
 echo
 {
 echo "==== afd_cupy GPU suite summary (${AFD_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown-commit)}, $(head -1 "$OUT/gpu.txt")) ===="
-for name in pytest_cuda pytest_hostpoll smoke_1a1f smoke_2a2f soak bench_poll bench_transport bench_afd profile_roundtrip; do
+for name in pytest_cuda pytest_hostpoll smoke_1a1f smoke_2a2f hf_generate soak bench_poll bench_transport bench_afd profile_roundtrip; do
   [ -n "${RESULT[$name]:-}" ] && printf '%-17s %s\n' "$name" "${RESULT[$name]}"
 done
 } | tee "$OUT/summary.txt"
