@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 from afd_cupy.dtypes import PAYLOAD_DTYPES
 from afd_cupy.errors import ConfigError
+from afd_cupy.wire import WIRE_MODES
 
 #: gate scoring functions of ``ModelConfig.scoring_func`` and ``gates.select_experts``
 SCORING_FUNCS = ("softmax", "sigmoid")
@@ -143,7 +144,7 @@ class TopologyConfig:
 
 @dataclass(frozen=True)
 class ConnectorConfig:
-    """The connector's extra config: exactly the RFC's fields.
+    """The connector's extra config: the RFC's fields, plus ``wire_mode``.
 
     - ``attn_ranks_per_dp``: Attention ranks per data-parallel replica (tensor parallel
       inside a replica); only rank 0 of a replica sends when > 1.
@@ -152,6 +153,9 @@ class ConnectorConfig:
     - ``recv_poll_timeout_ms``: how long one FFN receive polls before returning None.
     - ``async_moe_ubatching`` / ``async_moe_num_ubatches``: micro-batch stages per layer.
     - ``async_moe_split``: how a batch is split into micro-batches (``"even"``).
+    - ``wire_mode``: ``"pair"`` (one row per (token, expert) partial: the RFC's format) or
+      ``"dedup"`` (one row per (token, FFN rank it goes to), expanded and reduced on the FFN
+      rank); docs/design.md §3.5. Every rank must use the same mode (checked at start-up).
     """
 
     attn_ranks_per_dp: int = 1
@@ -161,6 +165,7 @@ class ConnectorConfig:
     async_moe_ubatching: bool = False
     async_moe_num_ubatches: int = 2
     async_moe_split: str = "even"
+    wire_mode: str = "pair"
 
     def __post_init__(self) -> None:
         owner = "ConnectorConfig"
@@ -171,6 +176,8 @@ class ConnectorConfig:
         _require_int(owner, "async_moe_num_ubatches", self.async_moe_num_ubatches)
         if self.async_moe_split not in MOE_SPLITS:
             raise ConfigError(f"{owner}.async_moe_split must be one of {MOE_SPLITS}, got {self.async_moe_split!r}")
+        if self.wire_mode not in WIRE_MODES:
+            raise ConfigError(f"{owner}.wire_mode must be one of {WIRE_MODES}, got {self.wire_mode!r}")
         if self.ring_depth is None:
             object.__setattr__(self, "ring_depth", self.num_stages)
         _require_int(owner, "ring_depth", self.ring_depth)

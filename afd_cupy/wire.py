@@ -8,6 +8,12 @@ arguments from :class:`WindowLayout`; ``tests`` check the mirror with a tiny ker
     window = [ flags: int64[num_regions * ring_depth], padded to 256 B | slot(0,0) | slot(0,1) | ... ]
     slot   = [ header | route_table | routed_x | shared_idx | shared_x ]   every field 256-B aligned
 
+Two wire modes (``ConnectorConfig.wire_mode``, docs/design.md §3.5) share these field names:
+``"pair"`` sends one row per (token, expert) partial plus a round-robin shared slice;
+``"dedup"`` sends one row per (token, FFN rank it goes to) with a wider route table
+(``route_table`` [token_cap, 2 + 2*top_k], ``routed_x`` [token_cap, hidden], empty shared
+fields), marks its headers with ``FLAG_DEDUP`` and appends one header word, ``num_rows``.
+
 Slot ``(region, ring)`` is slot number ``region * ring_depth + ring``; its flag is flag word
 number ``region * ring_depth + ring``. A sender writes only ``region = its own role rank``.
 """
@@ -25,6 +31,10 @@ MAGIC = 0x41464447  # "AFDG"
 VERSION = 1
 ALIGN = 256
 FLAG_SHUTDOWN = 1 << 1
+#: header flag of every dedup-mode message (dispatch, reply, shutdown); never set in pair mode
+FLAG_DEDUP = 1 << 2
+#: ``ConnectorConfig.wire_mode`` values (docs/design.md §3.1, §3.5)
+WIRE_MODES = ("pair", "dedup")
 
 # Header words (int32). Keep in sync with raw_kernels/wire.cuh (checked by a test).
 HDR_MAGIC = 0
@@ -40,6 +50,14 @@ HDR_TOPK = 9
 HDR_FLAGS = 10
 HDR_ECHO_SEQ = 11
 HDR_FIXED_WORDS = 12  # expert_counts[expert_per_rank] follow
+# dedup only: one more word after expert_counts, num_rows (at HDR_FIXED_WORDS + expert_per_rank)
+
+# Dedup route table row (int32 words), one per message row: ROUTE_FIXED_WORDS + 2 * top_k words.
+ROUTE_TOKEN = 0    # token index in the sender's batch
+ROUTE_SHARED = 1   # 1: this rank runs the token's shared experts (such rows come first), else 0
+ROUTE_SLOTS = 2    # top_k staging rows of the token's partials on this rank, in top-k order, -1 pad;
+#                    then (from ROUTE_SLOTS + top_k) their fp32 gate weights as raw bits, 0 pad
+ROUTE_FIXED_WORDS = 2
 
 FIELD_NAMES = ("header", "route_table", "routed_x", "shared_idx", "shared_x")
 
@@ -104,11 +122,22 @@ def routed_capacity(max_num_batched_tokens: int, top_k: int, num_ffn_ranks: int,
     return min(int(math.ceil(even_split * multiplier)), max_num_batched_tokens * top_k)
 
 
-def shared_capacity(max_num_batched_tokens: int, num_ffn_ranks: int, num_shared_experts: int) -> int:
-    """Rows of one rank's round-robin shared slice: ``ceil(T / F)``, 0 without shared experts."""
+def shared_capacity(max_num_batched_tokens: int, num_ffn_ranks: int, num_shared_experts: int,
+                    wire_mode: str = "pair") -> int:
+    """Shared rows one rank can get: ``ceil(T / F)`` (pair: the round-robin slice) or ``T``
+    (dedup: a token's shared experts run on one of the ranks it goes to, so one rank may run
+    them all); 0 without shared experts."""
     if num_shared_experts == 0:
         return 0
+    if wire_mode == "dedup":
+        return max_num_batched_tokens
     return -(-max_num_batched_tokens // num_ffn_ranks)
+
+
+def route_width(top_k: int, wire_mode: str) -> int:
+    """int32 words per route-table row: 2 (token, top-k slot) in pair mode, 2 + 2 * top_k in
+    dedup mode (token, shared flag, top_k staging rows, top_k fp32 weight bits)."""
+    return ROUTE_FIXED_WORDS + 2 * top_k if wire_mode == "dedup" else 2
 
 
 @dataclass(frozen=True)
@@ -124,11 +153,17 @@ class WindowLayout:
     token_cap: int
     routed_cap: int
     shared_cap: int
+    wire_mode: str = "pair"
+
+    def __post_init__(self) -> None:
+        if self.wire_mode not in WIRE_MODES:
+            raise WireError(f"wire_mode must be one of {WIRE_MODES}, got {self.wire_mode!r}")
 
     @classmethod
     def from_configs(cls, model, topology, connector) -> "WindowLayout":
         """Layout for ``ModelConfig``, ``TopologyConfig`` (or ``Topology``) and ``ConnectorConfig``."""
         num_attn, num_ffn = topology.num_attn_ranks, topology.num_ffn_ranks
+        wire_mode = connector.wire_mode
         return cls(
             num_regions=max(num_attn, num_ffn),
             ring_depth=connector.ring_depth,
@@ -140,27 +175,66 @@ class WindowLayout:
             routed_cap=routed_capacity(model.max_num_batched_tokens, model.top_k, num_ffn,
                                        connector.routed_cap_multiplier),
             shared_cap=shared_capacity(model.max_num_batched_tokens, num_ffn,
-                                       model.num_shared_experts),
+                                       model.num_shared_experts, wire_mode),
+            wire_mode=wire_mode,
         )
 
     # --- field sizes (bytes, unaligned) -------------------------------------------------
     @property
+    def is_dedup(self) -> bool:
+        return self.wire_mode == "dedup"
+
+    @property
     def header_words(self) -> int:
+        """int32 header words: 12 + expert_per_rank, plus ``num_rows`` in dedup mode."""
+        return HDR_FIXED_WORDS + self.expert_per_rank + int(self.is_dedup)
+
+    @property
+    def num_rows_word(self) -> int:
+        """Header word index of ``num_rows`` (dedup mode only)."""
         return HDR_FIXED_WORDS + self.expert_per_rank
+
+    @property
+    def route_width(self) -> int:
+        """int32 words per route-table row (:func:`route_width`)."""
+        return route_width(self.top_k, self.wire_mode)
 
     @property
     def row_bytes(self) -> int:
         return self.hidden_size * self.itemsize
 
     def field_bytes(self, name: str) -> int:
+        """Bytes of field ``name``. Pair: routed_cap partial rows and shared_cap shared rows.
+        Dedup: token_cap rows (one per token at most) and their route table; no shared fields
+        (the shared rows are the first ``shared_tokens`` rows of ``routed_x``)."""
+        rows = self.token_cap if self.is_dedup else self.routed_cap
+        shared = 0 if self.is_dedup else self.shared_cap
         sizes = {
             "header": self.header_words * 4,
-            "route_table": self.routed_cap * 2 * 4,
-            "routed_x": self.routed_cap * self.row_bytes,
-            "shared_idx": self.shared_cap * 4,
-            "shared_x": self.shared_cap * self.row_bytes,
+            "route_table": rows * self.route_width * 4,
+            "routed_x": rows * self.row_bytes,
+            "shared_idx": shared * 4,
+            "shared_x": shared * self.row_bytes,
         }
         return sizes[name]
+
+    def message_bytes(self, *, reply: bool, num_rows: int = 0, routed_tokens: int = 0,
+                      shared_tokens: int = 0) -> int:
+        """Bytes one message writes into its receiver's window: fields, header, 8-byte flag.
+
+        Pair: dispatch = routed_tokens x (row + 8 B route entry) + shared_tokens x (row + 4 B
+        index); reply = (routed_tokens + shared_tokens) rows. Dedup (``num_rows`` rows; the
+        shared rows are among them): dispatch = num_rows x (row + 4 * route_width B); reply =
+        num_rows rows. A message that is not sent (empty, without ``always_send``) costs 0:
+        the caller decides.
+        """
+        fixed = self.header_words * 4 + 8
+        if self.is_dedup:
+            per_row = self.row_bytes + (0 if reply else self.route_width * 4)
+            return fixed + num_rows * per_row
+        routed = routed_tokens * (self.row_bytes + (0 if reply else 8))
+        shared = shared_tokens * (self.row_bytes + (0 if reply else 4))
+        return fixed + routed + shared
 
     def field_offset(self, name: str) -> int:
         """Offset of a field from the start of its slot (256-B aligned)."""
@@ -187,6 +261,17 @@ class WindowLayout:
     @property
     def window_bytes(self) -> int:
         return self.flags_bytes + self.num_slots * self.slot_bytes
+
+    @property
+    def ffn_staging_bytes(self) -> int:
+        """Bytes of an FFN rank's local (not symmetric) dedup staging with one buffer per slot:
+        the expanded rows grouped by local expert (``routed_cap`` rows, like pair mode's
+        ``routed_x``) and a copy of the route table. 0 in pair mode (the GEMM reads the window)."""
+        if not self.is_dedup:
+            return 0
+        per_slot = (align_up(self.routed_cap * self.row_bytes)
+                    + align_up(self.token_cap * self.route_width * 4))
+        return self.num_slots * per_slot
 
     def slot_index(self, region: int, ring: int) -> int:
         if not (0 <= region < self.num_regions and 0 <= ring < self.ring_depth):
@@ -228,14 +313,24 @@ class WindowLayout:
 
 
 def window_size_hint(model, topology, connector) -> int:
-    """Bytes of one window (the symmetric allocation per rank) for these configs."""
+    """Bytes of one window (the symmetric allocation per rank) for these configs, in the
+    connector's ``wire_mode``: pair slots hold ``routed_cap + shared_cap`` rows, dedup slots
+    ``token_cap`` rows (docs/design.md §3.4). In dedup mode each FFN rank also needs
+    :func:`ffn_staging_size_hint` bytes of ordinary (not symmetric) memory."""
     return WindowLayout.from_configs(model, topology, connector).window_bytes
+
+
+def ffn_staging_size_hint(model, topology, connector) -> int:
+    """Bytes of an FFN rank's local dedup staging (``WindowLayout.ffn_staging_bytes``); 0 in
+    pair mode."""
+    return WindowLayout.from_configs(model, topology, connector).ffn_staging_bytes
 
 
 # --- header ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Header:
-    """Decoded slot header (docs/design.md §3.2). ``expert_counts`` is a tuple of ints."""
+    """Decoded slot header (docs/design.md §3.2). ``expert_counts`` is a tuple of ints;
+    ``num_rows`` is the dedup trailer word (rows of the message; 0 in pair mode)."""
 
     seq: int
     src_rank: int
@@ -248,22 +343,37 @@ class Header:
     flags: int
     echo_seq: int
     expert_counts: tuple
+    num_rows: int = 0
 
     @property
     def is_shutdown(self) -> bool:
         return bool(self.flags & FLAG_SHUTDOWN)
 
+    @property
+    def is_dedup(self) -> bool:
+        return bool(self.flags & FLAG_DEDUP)
+
+    @property
+    def wire_mode(self) -> str:
+        return "dedup" if self.is_dedup else "pair"
+
 
 def header_word_list(header: Header, expert_per_rank: int) -> list:
     """The int32 header words of ``header`` as a list of Python ints (the hot path's encoder:
-    no numpy per field). :func:`encode_header` returns the same words as an array."""
+    no numpy per field). :func:`encode_header` returns the same words as an array. A dedup
+    header (``FLAG_DEDUP``) gets ``num_rows`` as one more word after ``expert_counts``."""
     if len(header.expert_counts) != expert_per_rank:
         raise WireError(f"expert_counts has {len(header.expert_counts)} entries, "
                         f"expected expert_per_rank={expert_per_rank}")
-    return [_as_int32(MAGIC), VERSION, _as_int32(header.seq & 0xFFFFFFFF), header.src_rank,
-            header.layer_idx, header.stage_idx, header.num_tokens, header.routed_tokens,
-            header.shared_tokens, header.top_k, header.flags, _as_int32(header.echo_seq & 0xFFFFFFFF),
-            *header.expert_counts]
+    if header.num_rows and not header.is_dedup:
+        raise WireError(f"num_rows={header.num_rows} in a pair-mode header (no FLAG_DEDUP)")
+    words = [_as_int32(MAGIC), VERSION, _as_int32(header.seq & 0xFFFFFFFF), header.src_rank,
+             header.layer_idx, header.stage_idx, header.num_tokens, header.routed_tokens,
+             header.shared_tokens, header.top_k, header.flags, _as_int32(header.echo_seq & 0xFFFFFFFF),
+             *header.expert_counts]
+    if header.is_dedup:
+        words.append(header.num_rows)
+    return words
 
 
 def _as_int32(u32: int) -> int:
@@ -272,54 +382,121 @@ def _as_int32(u32: int) -> int:
 
 
 def encode_header(header: Header, expert_per_rank: int) -> np.ndarray:
-    """int32 [HDR_FIXED_WORDS + expert_per_rank] words of ``header``."""
+    """int32 [HDR_FIXED_WORDS + expert_per_rank (+ 1 in dedup mode)] words of ``header``."""
     return np.array(header_word_list(header, expert_per_rank), dtype=np.int32)
 
 
-def decode_header(words, expert_per_rank: int, layout: "WindowLayout | None" = None) -> Header:
+def decode_header(words, expert_per_rank: int, layout: "WindowLayout | None" = None, *,
+                  wire_mode: str | None = None) -> Header:
     """Validate and decode int32 header words (numpy array or sequence).
 
-    Raises WireError with the observed values on a bad magic, version, length, negative
-    sizes or ``sum(expert_counts) != routed_tokens``, and, given the receiving window's
-    ``layout``, on sizes over its capacities (views of them would read past the slot).
+    ``wire_mode``: the receiver's mode (default: ``layout.wire_mode``, else "pair"); it sets
+    the expected length (one more word, ``num_rows``, in dedup mode) and a message of the
+    other mode (``FLAG_DEDUP`` set or not) is a WireError.
+
+    Raises WireError with the observed values on a bad magic, version, length, mode, negative
+    sizes, ``sum(expert_counts) != routed_tokens`` or (dedup) sizes no dedup message can have
+    (``shared_tokens > num_rows``, ``routed_tokens`` outside ``[num_rows, num_rows * top_k]``),
+    and, given the receiving window's ``layout``, on sizes over its capacities (views of them
+    would read past the slot).
     """
+    mode = wire_mode or (layout.wire_mode if layout is not None else "pair")
+    is_dedup = mode == "dedup"
     array = np.asarray(words)
-    expected_len = HDR_FIXED_WORDS + expert_per_rank
+    expected_len = HDR_FIXED_WORDS + expert_per_rank + int(is_dedup)
     if array.ndim != 1 or array.shape[0] != expected_len:
         raise WireError(f"header has shape {array.shape}, expected ({expected_len},) "
-                        f"for expert_per_rank={expert_per_rank}")
+                        f"for expert_per_rank={expert_per_rank} in wire_mode={mode!r}")
     w = array.tolist()  # Python ints: one conversion instead of one per field
     magic = w[HDR_MAGIC] & 0xFFFFFFFF
     if magic != MAGIC:
         raise WireError(f"bad header magic 0x{magic:08x}, expected 0x{MAGIC:08x}")
     if w[HDR_VERSION] != VERSION:
         raise WireError(f"unsupported wire version {w[HDR_VERSION]}, expected {VERSION}")
-    counts = tuple(w[HDR_FIXED_WORDS:])
+    flags = w[HDR_FLAGS]
+    if bool(flags & FLAG_DEDUP) != is_dedup:
+        sent = "dedup" if flags & FLAG_DEDUP else "pair"
+        raise WireError(f"header flags 0x{flags & 0xFFFFFFFF:x} mark a {sent}-mode message; this "
+                        f"receiver runs wire_mode={mode!r}")
+    counts = tuple(w[HDR_FIXED_WORDS:HDR_FIXED_WORDS + expert_per_rank])
     routed, shared = w[HDR_ROUTED_TOKENS], w[HDR_SHARED_TOKENS]
-    if min(counts, default=0) < 0 or routed < 0 or shared < 0:
+    num_rows = w[HDR_FIXED_WORDS + expert_per_rank] if is_dedup else 0
+    if min(counts, default=0) < 0 or routed < 0 or shared < 0 or num_rows < 0:
         raise WireError(f"negative sizes in header: routed_tokens={routed}, "
-                        f"shared_tokens={shared}, expert_counts={counts}")
+                        f"shared_tokens={shared}, expert_counts={counts}, num_rows={num_rows}")
     if sum(counts) != routed:
         raise WireError(f"header expert_counts sum to {sum(counts)} but routed_tokens={routed} "
                         f"(counts={counts})")
+    if is_dedup:
+        _check_dedup_sizes(num_rows, routed, shared, w[HDR_TOPK])
     if layout is not None:
         for name, value, cap in (("num_tokens", w[HDR_NUM_TOKENS], layout.token_cap),
                                  ("routed_tokens", routed, layout.routed_cap),
-                                 ("shared_tokens", shared, layout.shared_cap)):
+                                 ("shared_tokens", shared, layout.shared_cap),
+                                 ("num_rows", num_rows, layout.token_cap)):
             if value > cap:
                 raise WireError(f"header {name}={value} exceeds this window's capacity {cap}")
     return Header(
         seq=w[HDR_SEQ] & 0xFFFFFFFF, src_rank=w[HDR_SRC_RANK], layer_idx=w[HDR_LAYER],
         stage_idx=w[HDR_STAGE], num_tokens=w[HDR_NUM_TOKENS], routed_tokens=routed,
-        shared_tokens=shared, top_k=w[HDR_TOPK], flags=w[HDR_FLAGS],
-        echo_seq=w[HDR_ECHO_SEQ] & 0xFFFFFFFF, expert_counts=counts)
+        shared_tokens=shared, top_k=w[HDR_TOPK], flags=flags,
+        echo_seq=w[HDR_ECHO_SEQ] & 0xFFFFFFFF, expert_counts=counts, num_rows=num_rows)
+
+
+def _check_dedup_sizes(num_rows: int, routed: int, shared: int, top_k: int) -> None:
+    """Every dedup row carries 1..top_k partials and at most one shared token."""
+    if shared > num_rows or not num_rows <= routed <= num_rows * max(top_k, 0):
+        raise WireError(f"dedup header sizes inconsistent: num_rows={num_rows}, "
+                        f"routed_tokens={routed} (must lie in [num_rows, num_rows * top_k={top_k}]), "
+                        f"shared_tokens={shared} (must be <= num_rows)")
+
+
+def check_route_table(table: np.ndarray, *, num_tokens: int, routed_tokens: int,
+                      shared_tokens: int, top_k: int) -> None:
+    """Validate a received dedup route table (int32 [num_rows, 2 + 2 * top_k], host numpy)
+    before anything is written through it; raise WireError naming the first bad row.
+
+    Rules (docs/design.md §3.5): token indices in ``[0, num_tokens)``; the shared flag is 1
+    exactly on the first ``shared_tokens`` rows; each row has 1..top_k staging rows packed
+    first (-1 pad after); the staging rows of the message are each of ``[0, routed_tokens)``
+    exactly once (so the expansion writes every grouped row once).
+    """
+    num_rows = table.shape[0]
+    if table.ndim != 2 or table.shape[1] != ROUTE_FIXED_WORDS + 2 * top_k:
+        raise WireError(f"route table has shape {table.shape}, expected "
+                        f"({num_rows}, {ROUTE_FIXED_WORDS + 2 * top_k})")
+    tokens, flags = table[:, ROUTE_TOKEN], table[:, ROUTE_SHARED]
+    slots = table[:, ROUTE_SLOTS:ROUTE_SLOTS + top_k]
+    bad = np.flatnonzero((tokens < 0) | (tokens >= num_tokens))
+    if bad.size:
+        raise WireError(f"route table row {bad[0]}: token {tokens[bad[0]]} outside [0, {num_tokens})")
+    bad = np.flatnonzero(flags != (np.arange(num_rows) < shared_tokens))
+    if bad.size:
+        raise WireError(f"route table row {bad[0]}: shared flag {flags[bad[0]]}, expected "
+                        f"{int(bad[0] < shared_tokens)} (shared_tokens={shared_tokens})")
+    valid = slots >= 0
+    unpacked = ~valid[:, 0] | (valid[:, 1:] & ~valid[:, :-1]).any(axis=1)  # no slot, or one after a -1
+    bad = np.flatnonzero(unpacked)
+    if bad.size:
+        raise WireError(f"route table row {bad[0]}: staging rows {slots[bad[0]].tolist()} are not "
+                        "1..top_k rows followed by -1 padding")
+    rows = slots[valid]
+    if rows.size != routed_tokens or (rows.size and (rows.max() >= routed_tokens or
+                                                     np.bincount(rows, minlength=routed_tokens).max() > 1)):
+        raise WireError(f"route table staging rows are not a permutation of [0, {routed_tokens}) "
+                        f"(routed_tokens): {rows.size} slots, range "
+                        f"[{rows.min() if rows.size else '-'}, {rows.max() if rows.size else '-'}]")
 
 
 def check_capacity(layout: WindowLayout, *, num_tokens: int, routed_tokens: int,
                    shared_tokens: int, peer: int, nothing_sent: bool = False,
                    layer_idx: int | None = None) -> None:
     """Raise CapacityError (nothing written yet) if a message does not fit its slot;
-    ``nothing_sent``: the whole dispatch is dropped, and the routed error says so."""
+    ``nothing_sent``: the whole dispatch is dropped, and the routed error says so.
+
+    The same rule in both modes: ``routed_tokens`` (partials) <= ``routed_cap``. In dedup mode
+    it bounds the FFN rank's local grouped staging rather than the wire field (a dedup
+    message has at most ``num_tokens`` <= ``token_cap`` rows, so its rows always fit)."""
     if num_tokens > layout.token_cap:
         raise errors.token_cap_error(num_tokens, layout.token_cap)
     if routed_tokens > layout.routed_cap:
@@ -331,30 +508,38 @@ def check_capacity(layout: WindowLayout, *, num_tokens: int, routed_tokens: int,
 
 # --- the protocol's messages -----------------------------------------------------------
 def dispatch_header(*, seq: int, src_rank: int, layer_idx: int, stage_idx: int, num_tokens: int,
-                    shared_tokens: int, top_k: int, expert_counts) -> Header:
+                    shared_tokens: int, top_k: int, expert_counts, wire_mode: str = "pair",
+                    num_rows: int = 0) -> Header:
     """Header of a dispatch (Attention -> FFN); routed_tokens = sum(expert_counts).
 
+    Dedup mode: ``FLAG_DEDUP`` set and ``num_rows`` = the message's rows (pair: must be 0).
     The device builds the same words in ``afd_dispatch_scatter`` (order pinned by the probe).
     """
+    if wire_mode not in WIRE_MODES or (wire_mode == "pair" and num_rows):
+        raise WireError(f"dispatch_header: wire_mode={wire_mode!r} with num_rows={num_rows}")
     counts = tuple(int(c) for c in expert_counts)
     return Header(seq=int(seq), src_rank=src_rank, layer_idx=layer_idx, stage_idx=stage_idx,
                   num_tokens=num_tokens, routed_tokens=sum(counts), shared_tokens=shared_tokens,
-                  top_k=top_k, flags=0, echo_seq=0, expert_counts=counts)
+                  top_k=top_k, flags=FLAG_DEDUP if wire_mode == "dedup" else 0, echo_seq=0,
+                  expert_counts=counts, num_rows=int(num_rows))
 
 
 def reply_header(dispatch: Header, *, seq: int, src_rank: int) -> Header:
-    """Header of the reply (FFN -> Attention) to ``dispatch``: sizes and indices echoed."""
+    """Header of the reply (FFN -> Attention) to ``dispatch``: sizes, indices and mode echoed."""
     return Header(seq=int(seq), src_rank=src_rank, layer_idx=dispatch.layer_idx,
                   stage_idx=dispatch.stage_idx, num_tokens=dispatch.num_tokens,
                   routed_tokens=dispatch.routed_tokens, shared_tokens=dispatch.shared_tokens,
-                  top_k=dispatch.top_k, flags=0, echo_seq=dispatch.seq,
-                  expert_counts=dispatch.expert_counts)
+                  top_k=dispatch.top_k, flags=dispatch.flags & FLAG_DEDUP, echo_seq=dispatch.seq,
+                  expert_counts=dispatch.expert_counts, num_rows=dispatch.num_rows)
 
 
-def shutdown_header(*, src_rank: int, top_k: int, expert_per_rank: int) -> Header:
-    """Header of a shutdown announcement (either direction); its flag value is SHUTDOWN_SEQ."""
+def shutdown_header(*, src_rank: int, top_k: int, expert_per_rank: int,
+                    wire_mode: str = "pair") -> Header:
+    """Header of a shutdown announcement (either direction); its flag value is SHUTDOWN_SEQ.
+    In dedup mode it carries ``FLAG_DEDUP`` too (and ``num_rows`` = 0), like every message."""
+    flags = FLAG_SHUTDOWN | (FLAG_DEDUP if wire_mode == "dedup" else 0)
     return Header(seq=SHUTDOWN_SEQ, src_rank=src_rank, layer_idx=0, stage_idx=0, num_tokens=0,
-                  routed_tokens=0, shared_tokens=0, top_k=top_k, flags=FLAG_SHUTDOWN, echo_seq=0,
+                  routed_tokens=0, shared_tokens=0, top_k=top_k, flags=flags, echo_seq=0,
                   expert_counts=(0,) * expert_per_rank)
 
 
@@ -368,6 +553,7 @@ class ReplyExpectation:
     stage_idx: int
     routed_tokens: int
     shared_tokens: int
+    num_rows: int = 0  # dedup: rows of the dispatch (0 in pair mode)
 
 
 def is_late_reply(header: Header, want_seq: int) -> bool:
@@ -388,8 +574,9 @@ def check_reply(header: Header, want: ReplyExpectation) -> None:
 
     Checks, in this order (the device's ``afd_wait_replies`` checks the same words in the same
     order and latches the matching status): the shutdown flag (ConnectorShutdown), then the
-    echoed seq, layer, stage, routed and shared row counts (ProtocolError naming the field).
-    Magic, version and the expert-count sum were checked by :func:`decode_header` (WireError).
+    echoed seq, layer, stage, routed and shared row counts and (dedup) ``num_rows``
+    (ProtocolError naming the field). Magic, version, mode and the expert-count sum were
+    checked by :func:`decode_header` (WireError).
     """
     if header.is_shutdown:
         raise errors.shutdown_during_reply_error(want.peer, want.layer_idx)
@@ -397,7 +584,8 @@ def check_reply(header: Header, want: ReplyExpectation) -> None:
                                      ("layer_idx", header.layer_idx, want.layer_idx),
                                      ("stage_idx", header.stage_idx, want.stage_idx),
                                      ("routed_tokens", header.routed_tokens, want.routed_tokens),
-                                     ("shared_tokens", header.shared_tokens, want.shared_tokens)):
+                                     ("shared_tokens", header.shared_tokens, want.shared_tokens),
+                                     ("num_rows", header.num_rows, want.num_rows)):
         if observed != expected:
             raise errors.reply_mismatch_error(want.peer, name, expected, observed, want.layer_idx)
 

@@ -38,10 +38,16 @@ def test_unknown_keys_listed_sorted():
     ("async_moe_ubatching", 1, r"async_moe_ubatching must be a bool, got int 1"),
     ("async_moe_num_ubatches", 2.0, r"must be an int, got float 2.0"),
     ("async_moe_split", "odd", r"async_moe_split must be one of \('even',\), got 'odd'"),
+    ("wire_mode", "both", r"wire_mode must be one of \('pair', 'dedup'\), got 'both'"),
 ])
 def test_connector_rejects(key, value, pattern):
     with pytest.raises(ConfigError, match=pattern):
         ConnectorConfig.from_mapping({key: value})
+
+
+def test_wire_mode_default_and_from_mapping():
+    assert ConnectorConfig().wire_mode == "pair"
+    assert ConnectorConfig.from_mapping({"wire_mode": "dedup"}).wire_mode == "dedup"
 
 
 def test_ring_depth_below_stages():

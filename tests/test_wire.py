@@ -200,3 +200,174 @@ def test_decode_header_bounds_sizes_by_the_window_capacities(field, cap_name):
     wire.decode_header(over, 3)  # without a layout only self-consistency is checked
     with pytest.raises(WireError, match=f"header {field}={cap + 1} exceeds this window's capacity {cap}"):
         wire.decode_header(over, 3, layout)
+
+
+# --- dedup wire mode (docs/design.md §3.5) ------------------------------------------------------
+def _dedup_layout(**overrides):
+    fields = dict(num_regions=2, ring_depth=1, expert_per_rank=3, hidden_size=8, itemsize=2,
+                  top_k=2, token_cap=5, routed_cap=6, shared_cap=5, wire_mode="dedup")
+    fields.update(overrides)
+    return wire.WindowLayout(**fields)
+
+
+@pytest.mark.parametrize("num_attn,num_ffn", [(1, 1), (2, 3), (3, 2)])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("shared", [0, 2])
+def test_dedup_slot_holds_token_cap_rows_and_a_wide_route_table(num_attn, num_ffn, dtype, shared):
+    model = ModelConfig(hidden_size=72, num_experts=10, top_k=3, moe_intermediate_size=16,
+                        num_shared_experts=shared, dtype=dtype, max_num_batched_tokens=37)
+    topo, conn = TopologyConfig(num_attn, num_ffn), ConnectorConfig(wire_mode="dedup")
+    layout = wire.WindowLayout.from_configs(model, topo, conn)
+    pair = wire.WindowLayout.from_configs(model, topo, ConnectorConfig())
+    epr = -(-10 // num_ffn)
+    assert layout.wire_mode == "dedup" and layout.header_words == 12 + epr + 1 == pair.header_words + 1
+    assert layout.num_rows_word == 12 + epr and layout.route_width == 2 + 2 * 3 and pair.route_width == 2
+    assert layout.field_bytes("route_table") == 37 * 8 * 4
+    assert layout.field_bytes("routed_x") == 37 * 72 * model.itemsize
+    assert layout.field_bytes("shared_idx") == layout.field_bytes("shared_x") == 0
+    assert layout.shared_cap == (37 if shared else 0)  # one rank may run every shared row
+    assert layout.routed_cap == pair.routed_cap  # the same staging cap as pair's wire cap
+    offsets = [layout.field_offset(name) for name in wire.FIELD_NAMES]
+    assert all(o % wire.ALIGN == 0 for o in offsets) and offsets == sorted(offsets)
+    assert wire.window_size_hint(model, topo, conn) == layout.window_bytes
+    expected_staging = layout.num_slots * (wire.align_up(layout.routed_cap * 72 * model.itemsize)
+                                           + wire.align_up(37 * 8 * 4))
+    assert wire.ffn_staging_size_hint(model, topo, conn) == expected_staging == layout.ffn_staging_bytes
+    assert pair.ffn_staging_bytes == 0
+    geo = layout.kernel_geometry()
+    assert geo["off_route"] == layout.field_offset("route_table") and geo["header_words"] == 13 + epr
+
+
+def test_deepseek_example_sizes_of_design_doc():
+    """The numbers of docs/design.md §3.4 (hidden 7168, bf16, 256 experts, top-8, one shared
+    expert, T_cap 4096, 4A4F, ring depth 1)."""
+    model = ModelConfig(hidden_size=7168, num_experts=256, top_k=8, moe_intermediate_size=2048,
+                        num_shared_experts=1, max_num_batched_tokens=4096)
+    topo = TopologyConfig(4, 4)
+    pair = wire.window_size_hint(model, topo, ConnectorConfig())
+    dedup = wire.window_size_hint(model, topo, ConnectorConfig(wire_mode="dedup"))
+    staging = wire.ffn_staging_size_hint(model, topo, ConnectorConfig(wire_mode="dedup"))
+    assert (round(pair / 2**20, 1), round(dedup / 2**20, 1), round(staging / 2**20, 1)) == (952.5, 225.1, 897.1)
+
+
+def test_wire_mode_is_part_of_the_geometry_check():
+    a, b = _dedup_layout(), _dedup_layout(wire_mode="pair")
+    with pytest.raises(GeometryMismatchError, match=r"'wire_mode': rank 0 has 'dedup', rank 1 has 'pair'"):
+        a.check_same(b.as_dict(), my_rank=0, other_rank=1)
+    with pytest.raises(WireError, match="wire_mode must be one of"):
+        _dedup_layout(wire_mode="both")
+
+
+def _dedup_dispatch(**overrides):
+    fields = dict(seq=2**32 + 9, src_rank=1, layer_idx=3, stage_idx=1, num_tokens=5, shared_tokens=2,
+                  top_k=2, expert_counts=(3, 0, 2), wire_mode="dedup", num_rows=4)
+    fields.update(overrides)
+    return wire.dispatch_header(**fields)
+
+
+def test_dedup_header_round_trip_reply_and_shutdown():
+    dispatch = _dedup_dispatch()
+    assert dispatch.is_dedup and dispatch.wire_mode == "dedup" and dispatch.flags == wire.FLAG_DEDUP
+    words = wire.encode_header(dispatch, 3)
+    assert words.shape == (16,) and words[15] == 4 and words[wire.HDR_FLAGS] == wire.FLAG_DEDUP
+    as_pair = wire.encode_header(_dedup_dispatch(wire_mode="pair", num_rows=0), 3)
+    differ = np.flatnonzero(words[:15] != as_pair)
+    assert differ.tolist() == [wire.HDR_FLAGS]  # same words as pair mode, plus the flag bit
+    decoded = wire.decode_header(words, 3, _dedup_layout())
+    assert decoded == wire.Header(**{**dispatch.__dict__, "seq": 9})
+    reply = wire.reply_header(decoded, seq=4, src_rank=0)
+    assert reply.is_dedup and reply.num_rows == 4 and reply.echo_seq == 9
+    assert wire.decode_header(wire.encode_header(reply, 3), 3, wire_mode="dedup") == reply
+    wire.check_reply(reply, _want(seq=9, routed_tokens=5, num_rows=4))
+    with pytest.raises(ProtocolError, match="echoes num_rows=4, the pending dispatch has num_rows=3"):
+        wire.check_reply(reply, _want(seq=9, routed_tokens=5, num_rows=3))
+    down = wire.shutdown_header(src_rank=0, top_k=2, expert_per_rank=3, wire_mode="dedup")
+    decoded = wire.decode_header(wire.encode_header(down, 3), 3, _dedup_layout())
+    assert decoded.is_shutdown and decoded.is_dedup and decoded.num_rows == 0
+
+
+def test_pair_header_bytes_are_unchanged_by_dedup():
+    words = wire.encode_header(_dispatch(), 3)
+    assert words.shape == (15,) and words[wire.HDR_FLAGS] == 0 and words[wire.HDR_VERSION] == 1
+    assert wire.VERSION == 1
+    with pytest.raises(WireError, match="num_rows=2 in a pair-mode header"):
+        wire.encode_header(wire.Header(**{**_dispatch().__dict__, "num_rows": 2}), 3)
+    with pytest.raises(WireError, match="wire_mode='pair' with num_rows=3"):
+        wire.dispatch_header(seq=1, src_rank=0, layer_idx=0, stage_idx=0, num_tokens=5, shared_tokens=0,
+                             top_k=2, expert_counts=(1, 0, 0), num_rows=3)
+
+
+def test_a_message_of_the_other_mode_is_a_wire_error():
+    dedup_words = wire.encode_header(_dedup_dispatch(), 3)
+    pair_words = wire.encode_header(_dispatch(), 3)
+    # a pair receiver reads its own header length (15 words) of a dedup message
+    with pytest.raises(WireError, match=r"flags 0x4 mark a dedup-mode message; this receiver runs "
+                                        r"wire_mode='pair'"):
+        wire.decode_header(dedup_words[:15], 3)
+    # a dedup receiver reads 16 words: the pair header and one word past it
+    with pytest.raises(WireError, match=r"flags 0x0 mark a pair-mode message; this receiver runs "
+                                        r"wire_mode='dedup'"):
+        wire.decode_header(np.append(pair_words, 0), 3, _dedup_layout())
+    with pytest.raises(WireError, match=r"header has shape \(15,\), expected \(16,\) .*'dedup'"):
+        wire.decode_header(pair_words, 3, wire_mode="dedup")
+
+
+@pytest.mark.parametrize("word,value,pattern", [
+    (15, -1, "negative sizes"),
+    (15, 1, r"routed_tokens=5 \(must lie in \[num_rows, num_rows \* top_k=2\]\)"),  # 5 > 1 * 2
+    (15, 6, r"num_rows=6, routed_tokens=5 \(must lie"),  # fewer partials than rows
+    (wire.HDR_SHARED_TOKENS, 5, r"shared_tokens=5 \(must be <= num_rows\)"),
+])
+def test_dedup_header_sizes_are_checked(word, value, pattern):
+    words = wire.encode_header(_dedup_dispatch(), 3)
+    words[word] = value
+    with pytest.raises(WireError, match=pattern):
+        wire.decode_header(words, 3, wire_mode="dedup")
+
+
+def test_dedup_rows_bounded_by_token_cap():
+    words = wire.encode_header(_dedup_dispatch(num_rows=6, expert_counts=(3, 3, 0), num_tokens=5), 3)
+    wire.decode_header(words, 3, wire_mode="dedup")
+    with pytest.raises(WireError, match="header num_rows=6 exceeds this window's capacity 5"):
+        wire.decode_header(words, 3, _dedup_layout(routed_cap=8))
+
+
+def test_message_bytes_by_hand():
+    """hidden 8 x bf16 = 16 B rows, top-2, epr 3: pair header 15 words, dedup 16 words and a
+    route-table row of 2 + 2*2 = 6 words; + 8 B of flag per message."""
+    pair, dedup = _dedup_layout(wire_mode="pair"), _dedup_layout()
+    assert pair.message_bytes(reply=False, routed_tokens=7, shared_tokens=3) == 60 + 8 + 7 * (16 + 8) + 3 * (16 + 4)
+    assert pair.message_bytes(reply=True, routed_tokens=7, shared_tokens=3) == 60 + 8 + 10 * 16
+    assert dedup.message_bytes(reply=False, num_rows=4) == 64 + 8 + 4 * (16 + 24)
+    assert dedup.message_bytes(reply=True, num_rows=4) == 64 + 8 + 4 * 16
+    assert dedup.message_bytes(reply=True) == 72  # a header-only (always_send) message
+
+
+def _table(rows, top_k=2):
+    """Route table from (token, shared, [staging rows]) with unit weights."""
+    table = np.zeros((len(rows), 2 + 2 * top_k), np.int32)
+    for r, (token, shared, slots) in enumerate(rows):
+        table[r, :2] = token, shared
+        table[r, 2:2 + top_k] = list(slots) + [-1] * (top_k - len(slots))
+        table[r, 2 + top_k:2 + top_k + len(slots)] = np.ones(len(slots), np.float32).view(np.int32)
+    return table
+
+
+@pytest.mark.parametrize("rows,pattern", [
+    ([(0, 1, [1]), (7, 0, [0, 2])], r"row 1: token 7 outside \[0, 5\)"),
+    ([(0, 0, [1]), (3, 0, [0, 2])], r"row 0: shared flag 0, expected 1 \(shared_tokens=1\)"),
+    ([(0, 1, [1]), (3, 1, [0, 2])], r"row 1: shared flag 1, expected 0"),
+    ([(0, 1, []), (3, 0, [0, 1, 2][:2])], r"row 0: staging rows \[-1, -1\] are not 1..top_k rows"),
+    ([(0, 1, [1]), (3, 0, [0, 1])], r"not a permutation of \[0, 3\) .* 3 slots, range \[0, 1\]"),
+    ([(0, 1, [1]), (3, 0, [0])], r"not a permutation of \[0, 3\) .* 2 slots"),
+    ([(0, 1, [3]), (3, 0, [0, 2])], r"not a permutation .* range \[0, 3\]"),
+])
+def test_route_table_checks_name_the_bad_row(rows, pattern):
+    good = _table([(0, 1, [1]), (3, 0, [0, 2])])
+    wire.check_route_table(good, num_tokens=5, routed_tokens=3, shared_tokens=1, top_k=2)
+    with pytest.raises(WireError, match=pattern):
+        wire.check_route_table(_table(rows), num_tokens=5, routed_tokens=3, shared_tokens=1, top_k=2)
+    gap = good.copy()
+    gap[1, 2:4] = -1, 0
+    with pytest.raises(WireError, match=r"row 1: staging rows \[-1, 0\]"):
+        wire.check_route_table(gap, num_tokens=5, routed_tokens=3, shared_tokens=1, top_k=2)
