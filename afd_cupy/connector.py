@@ -93,7 +93,7 @@ class AFDConnector:
         self.peer_timeout_s = _check_timeout("peer_timeout_s", peer_timeout_s)
         self.startup_timeout_s = _check_timeout("startup_timeout_s", startup_timeout_s)
         self.world_rank = self.topology.world_rank(self.role, role_rank)
-        require_backend(backend)  # before any collective step: a rank that cannot run fails fast
+        require_backend(backend, self.config.wire_mode)  # before any collective step: fail fast
         if poll_mode not in POLL_MODES:
             raise ConfigError(f"poll_mode must be one of {POLL_MODES}, got {poll_mode!r}")
         self.layout = WindowLayout.from_configs(model, topology, self.config)
@@ -159,6 +159,9 @@ class AFDConnector:
         [T, top_k] (values in [0, num_experts)); topk_weights: float [T, top_k]; layer_idx in
         [0, num_layers); stage_idx in [0, num_stages). Not collective; never blocks on peers.
 
+        In dedup mode (``ConnectorConfig.wire_mode``) ``topk_weights`` travel and are read
+        here; in pair mode the combine reads them in ``recv_ffn_output``.
+
         Raises ValueError for bad arguments and CapacityError when T > token_cap, here. A
         rank's routed partials over routed_cap, or an expert id out of range found on the
         device, send nothing and raise from ``recv_ffn_output`` of this handle (on both
@@ -172,7 +175,7 @@ class AFDConnector:
         layer_idx, stage_idx = int(layer_idx), int(stage_idx)
         ring = self._acquire_ring(stage_idx)
         try:
-            state = self.path.dispatch(hidden, topk_ids, layer_idx=layer_idx,
+            state = self.path.dispatch(hidden, topk_ids, topk_weights, layer_idx=layer_idx,
                                        stage_idx=stage_idx, ring=ring)
         except BaseException:
             self._pending.pop(ring, None)

@@ -13,8 +13,10 @@ from afd_cupy.backends.base import Arrival
 class DispatchHandle:
     """What ``send_attn_output`` returns; pass it to ``recv_ffn_output``.
 
-    ``topk_ids``/``topk_weights`` never travel: they stay here for the combine, which reads
-    them when it runs (keep them unchanged until ``recv_ffn_output`` returns).
+    Pair mode: ``topk_ids``/``topk_weights`` never travel: they stay here for the combine,
+    which reads them when it runs (keep them unchanged until ``recv_ffn_output`` returns).
+    Dedup mode: the weights travel in the route tables (read at send time) and the combine
+    uses the send state's row map instead.
     """
 
     layer_idx: int
@@ -33,10 +35,14 @@ class FFNWorkItem:
     - ``routed_x``: [routed_tokens, hidden] payload dtype, rows grouped by local expert.
     - ``group_counts``: int32 [expert_per_rank] on the payload's device, rows per local
       expert (sums to routed_tokens); ``group_counts_host`` the same as a tuple.
-    - ``shared_x``: [shared_tokens, hidden] rows of this rank's round-robin shared slice, or
-      None when the item has no shared rows.
-    - ``route_table``: int32 [routed_tokens, 2] (token index, top-k slot) per row.
+    - ``shared_x``: [shared_tokens, hidden] rows whose shared experts run on this rank (pair:
+      the round-robin slice), or None when the item has no shared rows.
+    - ``route_table``: int32 [routed_tokens, 2] (token index, top-k slot) per row in pair
+      mode; int32 [num_rows, 2 + 2 * top_k] per received row in dedup mode (``wire.ROUTE_*``).
     The views stay valid until this item is answered with ``send_ffn_work_item_output``.
+    In dedup mode ``routed_x`` is the path's local staging (the received rows expanded into
+    expert groups) and the reply reduces the outputs to one row per received row; the
+    outputs passed to ``send_ffn_work_item_output`` have the same shapes in both modes.
     """
 
     arrival: Arrival = field(repr=False)
@@ -82,10 +88,16 @@ class FFNWorkItem:
         return self.header.shared_tokens
 
     @property
+    def num_rows(self) -> int:
+        """Rows received (dedup mode; 0 in pair mode)."""
+        return self.header.num_rows
+
+    @property
     def group_counts_host(self) -> tuple:
         return self.header.expert_counts
 
     def __repr__(self) -> str:
         return (f"FFNWorkItem(src_rank={self.src_rank}, layer_idx={self.layer_idx}, "
                 f"stage_idx={self.stage_idx}, ring={self.ring}, seq={self.seq}, "
-                f"routed_tokens={self.routed_tokens}, shared_tokens={self.shared_tokens})")
+                f"routed_tokens={self.routed_tokens}, shared_tokens={self.shared_tokens}, "
+                f"num_rows={self.num_rows})")

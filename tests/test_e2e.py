@@ -1,6 +1,8 @@
 """End-to-end AFD MoE runs through the real connector, in real processes, against a
-single-process fp64 per-token MoE reference. Host backend in CI; the same cases with the
-``cuda`` marker on a GPU (several processes on one GPU; device polling needs CUDA MPS)."""
+single-process fp64 per-token MoE reference. Host backend in CI, in both wire modes; the same
+cases with the ``cuda`` marker on a GPU (several processes on one GPU; device polling needs
+CUDA MPS), pair mode until the dedup kernels exist."""
+import dataclasses
 import os
 
 import pytest
@@ -10,6 +12,9 @@ from afd_cupy.launch import launch
 from afd_cupy.testing.scenario import Scenario, run_rank, tolerance
 
 BACKENDS = [pytest.param("host", id="host"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
+#: (backend, wire_mode); NOTE: add ("cuda", "dedup") once its kernels exist (design.md §3.5)
+PATHS = [pytest.param("host", "pair", id="host"), pytest.param("host", "dedup", id="host-dedup"),
+         pytest.param("cuda", "pair", id="cuda", marks=pytest.mark.cuda)]
 POLL_MODE = os.environ.get("AFD_TEST_POLL_MODE", "device")  # the GPU suite runs under MPS
 
 
@@ -33,34 +38,37 @@ def _run(scenario: Scenario, timeout_s=180):
     return attn, ffn
 
 
-def _scenario(backend, model, num_attn, num_ffn, **kw):
-    return Scenario(model, num_attn, num_ffn, backend=backend, poll_mode=POLL_MODE, **kw)
+def _scenario(backend, model, num_attn, num_ffn, wire_mode="pair", **kw):
+    connector = dataclasses.replace(kw.pop("connector", ConnectorConfig()), wire_mode=wire_mode)
+    return Scenario(model, num_attn, num_ffn, backend=backend, poll_mode=POLL_MODE,
+                    connector=connector, **kw)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend,wire_mode", PATHS)
 @pytest.mark.parametrize("num_attn,num_ffn", [(1, 1), (2, 2), (2, 1), (1, 2), (3, 2)])
-def test_topologies_match_reference(backend, num_attn, num_ffn):
-    attn, ffn = _run(_scenario(backend, _model(), num_attn, num_ffn, num_tokens=40))
+def test_topologies_match_reference(backend, wire_mode, num_attn, num_ffn):
+    attn, ffn = _run(_scenario(backend, _model(), num_attn, num_ffn, wire_mode, num_tokens=40))
     served = sum(r["served"] for r in ffn)
     assert served == num_attn * 2 * num_ffn  # 40 tokens reach every rank each layer
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)  # dedup: padded tails in test_dedup's plans
 def test_experts_not_divisible_by_ffn_ranks_no_shared(backend):
     model = _model(num_experts=10, top_k=3, num_shared_experts=0)
     _run(_scenario(backend, model, 2, 3, num_tokens=33))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_zero_one_and_many_tokens(backend):
+@pytest.mark.parametrize("backend,wire_mode", PATHS)
+def test_zero_one_and_many_tokens(backend, wire_mode):
+    # 512 tokens = token_cap: a full dedup slot (one row per token on a rank)
     model = _model(num_layers=3, max_num_batched_tokens=512)
     tokens = ((0, 1, 512), (1, 0, 300))
-    attn, ffn = _run(_scenario(backend, model, 2, 2, tokens=tokens))
+    attn, ffn = _run(_scenario(backend, model, 2, 2, wire_mode, tokens=tokens))
     layers_served = {(src, layer) for r in ffn for (src, layer, *_rest) in r["history"]}
     assert (0, 0) not in layers_served and (1, 1) not in layers_served  # empty: never sent
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)  # the schedule does not depend on the wire mode
 def test_replicas_at_different_layers_served_out_of_order(backend):
     model = _model(num_layers=4)
     attn, ffn = _run(_scenario(backend, model, 2, 1, num_tokens=24, sleep_s=(0.4, 0.0)))
@@ -71,29 +79,34 @@ def test_replicas_at_different_layers_served_out_of_order(backend):
     assert len(history) == 8
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend,wire_mode", PATHS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_dtypes_with_routed_scaling(backend, dtype):
+def test_dtypes_with_routed_scaling(backend, wire_mode, dtype):
     model = _model(dtype=dtype, routed_scaling_factor=2.5, num_shared_experts=2)
-    _run(_scenario(backend, model, 2, 2, num_tokens=31))
+    _run(_scenario(backend, model, 2, 2, wire_mode, num_tokens=31))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_rank_with_zero_routed_rows_fp16(backend):
-    # every token prefers FFN rank 0's experts: rank 1 gets shared rows only (fp16 rule)
+@pytest.mark.parametrize("backend,wire_mode", PATHS)
+def test_rank_with_zero_routed_rows_fp16(backend, wire_mode):
+    # every token prefers FFN rank 0's experts: in pair mode rank 1 gets shared rows only (the
+    # fp16 rule on a reply without routed rows); in dedup mode the shared experts run where the
+    # tokens go, so rank 1 gets nothing at all
     model = _model(dtype="float16", routed_scaling_factor=4.0, top_k=2)
-    attn, ffn = _run(_scenario(backend, model, 1, 2, num_tokens=12, favor_ffn_rank=0))
-    rank1 = [r for r in ffn if r["rank"] == 1][0]
-    assert rank1["history"] and all(routed == 0 and shared > 0 for _, _, routed, shared in rank1["history"])
+    attn, ffn = _run(_scenario(backend, model, 1, 2, wire_mode, num_tokens=12, favor_ffn_rank=0))
+    rank0, rank1 = sorted(ffn, key=lambda r: r["rank"])
+    if wire_mode == "pair":
+        assert rank1["history"] and all(routed == 0 and shared > 0 for _, _, routed, shared in rank1["history"])
+    else:
+        assert rank1["history"] == [] and all(shared == 12 for *_, shared in rank0["history"])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_micro_batch_stages_use_their_own_rings(backend):
+@pytest.mark.parametrize("backend,wire_mode", PATHS)
+def test_micro_batch_stages_use_their_own_rings(backend, wire_mode):
     cfg = ConnectorConfig(async_moe_ubatching=True, async_moe_num_ubatches=2)
-    _run(_scenario(backend, _model(), 2, 2, num_tokens=20, connector=cfg))
+    _run(_scenario(backend, _model(), 2, 2, wire_mode, num_tokens=20, connector=cfg))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)  # dedup: test_lockstep's 2A2F with empty layers
 def test_always_send_reaches_every_rank(backend):
     # 1 token, top-1: without always_send only one FFN rank would get a message per layer
     model = _model(top_k=1, num_shared_experts=0)

@@ -17,6 +17,9 @@ from afd_cupy.testing.reference import identity_experts
 from afd_cupy.topology import Role, Topology
 
 BACKENDS = [pytest.param("host", id="host"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
+#: (backend, wire_mode): the same failure paths in both modes (add cuda dedup with its kernels)
+PATHS = [pytest.param("host", "pair", id="host"), pytest.param("host", "dedup", id="host-dedup"),
+         pytest.param("cuda", "pair", id="cuda", marks=pytest.mark.cuda)]
 POLL_MODE = os.environ.get("AFD_TEST_POLL_MODE", "device")
 MODEL = ModelConfig(hidden_size=32, num_experts=4, top_k=2, moe_intermediate_size=16,
                     num_shared_experts=0, dtype="bfloat16", max_num_batched_tokens=16, num_layers=8)
@@ -98,9 +101,11 @@ def test_bad_input_raises_value_errors_naming_the_tensor(backend):
 
 
 # --- capacity --------------------------------------------------------------------------------
-def _capacity_program(ctx, backend):
-    # 2A1F... with F = 2: routed_cap = ceil(16*2/2 * 0.5) = 8; 8 tokens x top-2 all on rank 0 = 16
-    conn, role, role_rank = _connect(ctx, backend, 2, 2, ConnectorConfig(routed_cap_multiplier=0.5))
+def _capacity_program(ctx, backend, wire_mode):
+    # 2A1F... with F = 2: routed_cap = ceil(16*2/2 * 0.5) = 8; 8 tokens x top-2 all on rank 0 = 16,
+    # 4 tokens = 8 = exactly the cap (in dedup mode the cap bounds the FFN's expanded staging)
+    conn, role, role_rank = _connect(ctx, backend, 2, 2, ConnectorConfig(routed_cap_multiplier=0.5,
+                                                                         wire_mode=wire_mode))
     try:
         if role is Role.FFN:
             worker = FFNWorker(conn, expert_fn=identity_experts)
@@ -111,6 +116,9 @@ def _capacity_program(ctx, backend):
             return {"history": history}
         out = {}
         if role_rank == 0:
+            hidden, ids, weights = _inputs(conn, 4, favor_rank=0)
+            at_cap = conn.recv_ffn_output(conn.send_attn_output(hidden, ids, weights, 0))
+            out["at_cap_err"] = float((at_cap.float() - hidden.float() * weights.sum(1, keepdim=True)).abs().max())
             hidden, ids, weights = _inputs(conn, 8, favor_rank=0)
             try:
                 # cuda: a non-blocking receive raises nothing; the error latched by layer 5's
@@ -132,19 +140,21 @@ def _capacity_program(ctx, backend):
         conn.close()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_capacity_overflow_raises_writes_nothing_and_service_continues(backend):
-    a0, a1, f0, f1 = launch(_capacity_program, 4, args=(backend,), timeout_s=120)
+@pytest.mark.parametrize("backend,wire_mode", PATHS)
+def test_capacity_overflow_raises_writes_nothing_and_service_continues(backend, wire_mode):
+    a0, a1, f0, f1 = launch(_capacity_program, 4, args=(backend, wire_mode), timeout_s=120)
     message, counts, cap, layer = a0["error"]
     assert counts == 16 and cap == 8 and layer == 5
     assert re.search(r"16 routed partials for FFN rank 0 for layer 5 > routed_cap=8", message)
-    assert all(num_tokens == 5 for _, num_tokens in f0["history"] + f1["history"])  # nothing of the 8
-    assert len(f0["history"]) == 6 and max(a0["max_err"] + a1["max_err"]) < 0.05
+    assert a0["at_cap_err"] < 0.05  # exactly at the cap is fine
+    tokens = sorted(num_tokens for _, num_tokens in f0["history"] + f1["history"])
+    assert f0["history"].count((0, 4)) == 1 and tokens[0] == 4 and set(tokens[1:]) == {5}  # nothing of the 8
+    assert len(f0["history"]) == 7 and max(a0["max_err"] + a1["max_err"]) < 0.05
 
 
 # --- peer timeout and shutdown from the FFN side -----------------------------------------------
-def _silent_ffn_program(ctx, backend, mode):
-    conn, role, _ = _connect(ctx, backend, 1, 1, timeout_s=1.5)
+def _silent_ffn_program(ctx, backend, mode, wire_mode="pair"):
+    conn, role, _ = _connect(ctx, backend, 1, 1, ConnectorConfig(wire_mode=wire_mode), timeout_s=1.5)
     try:
         if role is Role.FFN:
             item = None
@@ -168,23 +178,23 @@ def _silent_ffn_program(ctx, backend, mode):
         conn.close()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_peer_timeout_names_peer_layer_and_seq(backend):
-    attn, ffn = launch(_silent_ffn_program, 2, args=(backend, "silent"), timeout_s=120)
+@pytest.mark.parametrize("backend,wire_mode", PATHS)
+def test_peer_timeout_names_peer_layer_and_seq(backend, wire_mode):
+    attn, ffn = launch(_silent_ffn_program, 2, args=(backend, "silent", wire_mode), timeout_s=120)
     assert attn["error"] == "PeerTimeoutError", attn
     assert "FFN rank 0" in attn["text"] and "layer 3" in attn["text"] and "seq 1" in attn["text"]
     assert attn["peer"] == 0 and attn["layer"] == 3 and ffn["got"] == 12
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_shutdown_from_ffn_side_ends_attention_wait(backend):
-    attn, _ = launch(_silent_ffn_program, 2, args=(backend, "shutdown"), timeout_s=120)
+@pytest.mark.parametrize("backend,wire_mode", PATHS)
+def test_shutdown_from_ffn_side_ends_attention_wait(backend, wire_mode):
+    attn, _ = launch(_silent_ffn_program, 2, args=(backend, "shutdown", wire_mode), timeout_s=120)
     assert attn["error"] == "ConnectorShutdown" and "FFN rank 0" in attn["text"]
 
 
 # --- shutdown from the Attention side, timeouts of the FFN poll, cleanup ------------------------
-def _shutdown_program(ctx, backend):
-    conn, role, role_rank = _connect(ctx, backend, 2, 1)
+def _shutdown_program(ctx, backend, wire_mode):
+    conn, role, role_rank = _connect(ctx, backend, 2, 1, ConnectorConfig(wire_mode=wire_mode))
     try:
         if role is Role.FFN:
             assert conn.recv_ffn_work_item(50) is None  # poll timeout returns None
@@ -200,8 +210,8 @@ def _shutdown_program(ctx, backend):
             assert not os.path.exists(segment_path(ctx.job_id, "window0", ctx.rank))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_shutdown_from_every_attention_rank_ends_ffn_loop_and_frees(backend):
-    results = launch(_shutdown_program, 3, args=(backend,), timeout_s=120, job_id="afdshut")
+@pytest.mark.parametrize("backend,wire_mode", PATHS)
+def test_shutdown_from_every_attention_rank_ends_ffn_loop_and_frees(backend, wire_mode):
+    results = launch(_shutdown_program, 3, args=(backend, wire_mode), timeout_s=120, job_id="afdshut")
     assert results[2]["served"] == 2
     assert not [p for p in os.listdir("/dev/shm") if p.startswith("afd_afdshut")]

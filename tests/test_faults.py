@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from afd_cupy.config import ModelConfig, TopologyConfig
+from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig
 from afd_cupy.connector import AFDConnector
 from afd_cupy.errors import (BackendUnavailableError, ConfigError, InvalidRoutingError,
                              PeerLostError, PeerTimeoutError, ProtocolError)
@@ -21,6 +21,9 @@ from afd_cupy.launch import DiedAsExpected, LaunchError, launch
 from afd_cupy.topology import Role, Topology
 
 BACKENDS = [pytest.param("host", id="host"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
+#: (backend, wire_mode): the protocol's rules hold in both modes (add cuda dedup with its kernels)
+PATHS = [pytest.param("host", "pair", id="host"), pytest.param("host", "dedup", id="host-dedup"),
+         pytest.param("cuda", "pair", id="cuda", marks=pytest.mark.cuda)]
 POLL_MODE = os.environ.get("AFD_TEST_POLL_MODE", "device")
 MODEL = ModelConfig(hidden_size=32, num_experts=4, top_k=2, moe_intermediate_size=16,
                     num_shared_experts=1, dtype="bfloat16", max_num_batched_tokens=16, num_layers=8)
@@ -259,8 +262,8 @@ def test_tensors_on_another_gpu_are_rejected_on_both_sides():
 
 
 # --- a slow FFN: the late layer raises, the next layers on the same connector are right -------
-def _slow_program(ctx, backend):
-    conn, role, _ = _connect(ctx, backend)
+def _slow_program(ctx, backend, wire_mode):
+    conn, role, _ = _connect(ctx, backend, connector=ConnectorConfig(wire_mode=wire_mode))
     try:
         if role is Role.FFN:
             slept = []
@@ -285,17 +288,17 @@ def _slow_program(ctx, backend):
         conn.close()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_slow_ffn_times_out_once_then_later_layers_are_correct(backend):
-    attn, ffn = launch(_slow_program, 2, args=(backend,), timeout_s=90)
+@pytest.mark.parametrize("backend,wire_mode", PATHS)
+def test_slow_ffn_times_out_once_then_later_layers_are_correct(backend, wire_mode):
+    attn, ffn = launch(_slow_program, 2, args=(backend, wire_mode), timeout_s=90)
     assert attn["timeout"] == (0, 0)
     assert max(attn["errors"]) < 0.1, attn  # bf16 identity round trip: right rows, right sum
     assert ffn["served"] == 6  # the late reply was written, then dropped by the Attention side
 
 
 # --- an FFN that answers the same item twice -------------------------------------------------
-def _duplicate_program(ctx, backend):
-    conn, role, _ = _connect(ctx, backend, timeout_s=10.0)
+def _duplicate_program(ctx, backend, wire_mode):
+    conn, role, _ = _connect(ctx, backend, timeout_s=10.0, connector=ConnectorConfig(wire_mode=wire_mode))
     try:
         if role is Role.FFN:
             item = None
@@ -317,9 +320,9 @@ def _duplicate_program(ctx, backend):
         conn.close()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_second_answer_to_one_item_raises_and_results_stay_right(backend):
-    attn, ffn = launch(_duplicate_program, 2, args=(backend,), timeout_s=90)
+@pytest.mark.parametrize("backend,wire_mode", PATHS)
+def test_second_answer_to_one_item_raises_and_results_stay_right(backend, wire_mode):
+    attn, ffn = launch(_duplicate_program, 2, args=(backend, wire_mode), timeout_s=90)
     assert ffn["second"] is not None and "already answered" in ffn["second"]
     assert max(attn["errors"]) < 0.1, attn
 
@@ -395,6 +398,20 @@ def test_config_mismatch_is_named_on_every_rank(backend, field, value):
         assert repr(getattr(MODEL, field)) in text and repr(value) in text
 
 
+def _wire_mode_mismatch_program(ctx):
+    connector = ConnectorConfig(wire_mode="dedup" if ctx.rank == 1 else "pair")
+    conn, _, _ = _connect(ctx, "host", connector=connector)
+    conn.close()
+
+
+def test_wire_mode_mismatch_is_named_on_every_rank():
+    with pytest.raises(LaunchError) as info:
+        launch(_wire_mode_mismatch_program, 2, timeout_s=60)
+    for rank, text in info.value.failures.items():
+        assert ("GeometryMismatchError: configuration mismatch in 'connector.wire_mode': rank "
+                f"{rank} has {['pair', 'dedup'][rank]!r}") in text, text
+
+
 # --- construction-time checks (no peer needed) -----------------------------------------------
 @pytest.mark.parametrize("name,value", [("peer_timeout_s", math.nan), ("peer_timeout_s", -1.0),
                                         ("peer_timeout_s", math.inf), ("startup_timeout_s", math.nan),
@@ -409,6 +426,14 @@ def test_dict_configs_are_rejected_with_a_hint():
     with pytest.raises(ConfigError, match="use ConnectorConfig.from_mapping"):
         AFDConnector(MODEL, TopologyConfig(1, 1), {"ring_depth": 2}, role="attention",
                      role_rank=0, store=None)
+
+
+def test_cuda_backend_refuses_dedup_before_any_collective_step():
+    # checked before CuPy is even looked for (store=None: no collective step is reached)
+    with pytest.raises(ConfigError, match=r"backend 'cuda' does not implement wire_mode='dedup' "
+                                          r"\(it implements \('pair',\)\)"):
+        AFDConnector(MODEL, TopologyConfig(1, 1), ConnectorConfig(wire_mode="dedup"), role="attention",
+                     role_rank=0, store=None, backend="cuda")
 
 
 def test_cuda_backend_without_cupy_is_backend_unavailable():

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from afd_cupy import moe, wire
-from afd_cupy.config import ModelConfig, TopologyConfig
+from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig
 from afd_cupy.connector import AFDConnector, FFNWorkItem
 from afd_cupy.errors import ConfigError, ConnectorShutdown
 from afd_cupy.ffn_worker import (FFNWorker, attention_connector_kwargs, merge_items, merge_order,
@@ -202,11 +202,12 @@ class _RecordingWorker(FFNWorker):
         super().serve(item)
 
 
-def _rank(ctx, num_attn, num_ffn, schedule, tokens):
+def _rank(ctx, num_attn, num_ffn, schedule, tokens, wire_mode):
     topo = Topology(num_attn, num_ffn, MODEL.num_experts)
     role, role_rank = topo.role_of(ctx.rank)
     extra = attention_connector_kwargs(schedule) if role is Role.ATTENTION else {}
-    conn = AFDConnector(MODEL, TopologyConfig(num_attn, num_ffn), role=role, role_rank=role_rank,
+    conn = AFDConnector(MODEL, TopologyConfig(num_attn, num_ffn), ConnectorConfig(wire_mode=wire_mode),
+                        role=role, role_rank=role_rank,
                         store=ctx.store(), job_id=ctx.job_id, backend="host", peer_timeout_s=30.0,
                         **extra)
     try:
@@ -251,8 +252,8 @@ def _attention_rank(conn, attn_rank, tokens):
             "elapsed": layer_done[-1] - layer_done[0]}
 
 
-def _launch(num_attn, num_ffn, schedule, tokens):
-    results = launch(_rank, num_attn + num_ffn, args=(num_attn, num_ffn, schedule, tokens),
+def _launch(num_attn, num_ffn, schedule, tokens, wire_mode="pair"):
+    results = launch(_rank, num_attn + num_ffn, args=(num_attn, num_ffn, schedule, tokens, wire_mode),
                      timeout_s=120)
     attn, ffn = results[:num_attn], results[num_attn:]
     for report in attn:
@@ -281,10 +282,12 @@ def test_async_2a1f_lets_the_fast_replica_run_ahead():
     assert attn[1]["elapsed"] < 0.5 * SLEEP_S * (MODEL.num_layers - 1), attn
 
 
-def test_lockstep_2a2f_with_empty_and_one_token_layers():
+@pytest.mark.parametrize("wire_mode", ["pair", "dedup"])
+def test_lockstep_2a2f_with_empty_and_one_token_layers(wire_mode):
     # replica 0 sends nothing at layer 1 and one token at layer 3 (so one FFN rank gets no
-    # rows from it): always_send keeps every FFN rank's batch complete.
-    attn, ffn = _launch(2, 2, "lockstep", ((20, 0, 33, 1), (11, 24, 1, 30)))
+    # rows from it): always_send keeps every FFN rank's batch complete. In dedup mode the
+    # merged batch runs on the expanded staging of every item.
+    attn, ffn = _launch(2, 2, "lockstep", ((20, 0, 33, 1), (11, 24, 1, 30)), wire_mode)
     for report in ffn:
         _check_lockstep_history(report["history"], 2, MODEL.num_layers)
     assert attn[1]["elapsed"] >= 0.9 * SLEEP_S * (MODEL.num_layers - 1), attn

@@ -63,6 +63,11 @@ class PathContext:
     def num_ffn_ranks(self) -> int:
         return self.topology.num_ffn_ranks
 
+    @property
+    def wire_mode(self) -> str:
+        """``"pair"`` or ``"dedup"`` (the layout's, from ``ConnectorConfig.wire_mode``)."""
+        return self.layout.wire_mode
+
     def peer_pe(self, role: Role, rank: int) -> int:
         """World rank of role rank ``rank`` of ``role``."""
         return self.topology.world_rank(role, rank)
@@ -86,9 +91,12 @@ class Arrival:
 class ItemViews:
     """Zero-copy views of a received dispatch (valid until it is answered).
 
-    - ``routed_x``: [routed_tokens, hidden] payload dtype, rows grouped by local expert.
-    - ``shared_x``: [shared_tokens, hidden] rows of this rank's round-robin shared slice.
-    - ``route_table``: int32 [routed_tokens, 2] (token index, top-k slot) per row, or None.
+    - ``routed_x``: [routed_tokens, hidden] payload dtype, rows grouped by local expert (in
+      dedup mode: the path's local staging the rows were expanded into, not the window).
+    - ``shared_x``: [shared_tokens, hidden] rows whose shared experts run on this rank (pair:
+      the round-robin slice; dedup: the first ``shared_tokens`` received rows).
+    - ``route_table``: int32 [routed_tokens, 2] (token index, top-k slot) per row in pair
+      mode; int32 [num_rows, 2 + 2 * top_k] (``wire.ROUTE_*``) in dedup mode; or None.
     - ``group_counts``: int32 [expert_per_rank] on the payload's device, rows per local expert.
     """
 
@@ -111,12 +119,14 @@ class DataPath(Protocol):
     #: True when ``combine(blocking=False)`` enqueues without a host synchronization
     supports_nonblocking: bool
 
-    def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor, *, layer_idx: int,
-                 stage_idx: int, ring: int) -> Any:
+    def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
+                 layer_idx: int, stage_idx: int, ring: int) -> Any:
         """Send one layer's rows; returns the path's opaque send state for :meth:`combine`.
 
-        A routed-capacity overflow sends nothing and is raised by :meth:`combine` of this
-        state (on cuda: at its next synchronization), on both backends."""
+        ``topk_weights`` travel in dedup mode (the FFN side reduces with them); pair mode
+        reads them only in :meth:`combine`. A routed-capacity overflow sends nothing and is
+        raised by :meth:`combine` of this state (on cuda: at its next synchronization), on
+        both backends."""
 
     def combine(self, state: Any, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
                 ring: int, layer_idx: int, stage_idx: int, out_scale: float,
@@ -147,16 +157,21 @@ class DataPath(Protocol):
         (a peer timed out or died) the closing barrier is short: close() returns promptly."""
 
 
-def require_backend(backend: str):
-    """The module of ``backend`` once it is known to be able to run here.
+def require_backend(backend: str, wire_mode: str = "pair"):
+    """The module of ``backend`` once it is known to be able to run ``wire_mode`` here.
 
-    Raises ConfigError for an unknown name, BackendUnavailableError when its libraries are
-    missing (checked before any collective step, so a misconfigured rank fails alone and fast).
+    Raises ConfigError for an unknown name or a wire mode the backend does not implement
+    (its module's ``WIRE_MODES``), BackendUnavailableError when its libraries are missing
+    (checked before any collective step, so a misconfigured rank fails alone and fast).
     """
     if backend not in BACKEND_MODULES:
         raise ConfigError(f"backend must be one of {tuple(BACKEND_MODULES)}, got {backend!r}")
+    module = importlib.import_module(BACKEND_MODULES[backend])
+    modes = getattr(module, "WIRE_MODES", ("pair",))
+    if wire_mode not in modes:
+        raise ConfigError(f"backend {backend!r} does not implement wire_mode={wire_mode!r} (it "
+                          f"implements {modes}); use wire_mode='pair' or backend='host'")
     try:
-        module = importlib.import_module(BACKEND_MODULES[backend])
         module.require_available()
     except ImportError as exc:
         raise BackendUnavailableError(f"backend {backend!r} cannot run here: {exc}") from exc
@@ -169,11 +184,11 @@ def open_path(backend: str, ctx: PathContext, *, store, job_id: str, device_id: 
 
     ``instance`` (from the start-up handshake) keeps consecutive connectors of one job apart.
 
-    Raises ConfigError for an unknown backend or poll mode and BackendUnavailableError when
-    the backend cannot run here (e.g. ``"cuda"`` without CuPy, a GPU or NVSHMEM).
+    Raises ConfigError for an unknown backend, poll mode or a wire mode the backend does not
+    implement, and BackendUnavailableError when the backend cannot run here (e.g. ``"cuda"`` without CuPy, a GPU or NVSHMEM).
     """
     if ctx.poll_mode not in POLL_MODES:
         raise ConfigError(f"poll_mode must be one of {POLL_MODES}, got {ctx.poll_mode!r}")
-    module = require_backend(backend)
+    module = require_backend(backend, ctx.wire_mode)
     return module.open_path(ctx, store=store, job_id=job_id, device_id=device_id,
                             startup_timeout_s=startup_timeout_s, instance=instance)

@@ -22,6 +22,7 @@ from afd_cupy.backends.cuda_attention import CudaAttentionSide
 from afd_cupy.backends.cuda_ffn import CudaFFNSide
 from afd_cupy.backends.host_poll import HostPolling
 from afd_cupy.dtypes import payload_dtype
+from afd_cupy.errors import ConfigError
 from afd_cupy.kernels import StatusChannel
 from afd_cupy.topology import Role
 
@@ -29,6 +30,11 @@ try:  # torch's raw current-stream getter: ~1 us instead of ~10 us for current_s
     from torch._C import _cuda_getCurrentRawStream as _raw_current_stream
 except ImportError:  # CPU-only torch builds
     _raw_current_stream = None
+
+#: wire modes this backend implements (``ConnectorConfig.wire_mode``). NOTE: dedup needs its
+#: own kernels (docs/design.md §3.5, "Device steps"); until they exist, asking for it is a
+#: ConfigError from ``require_backend`` before any collective step.
+WIRE_MODES = ("pair",)
 
 
 def open_path(ctx: PathContext, *, store, job_id: str, device_id, startup_timeout_s: float,
@@ -57,6 +63,9 @@ class CudaDataPath(CudaAttentionSide, CudaFFNSide):
     supports_nonblocking = True
 
     def __init__(self, ctx: PathContext, heap, window):
+        if ctx.wire_mode not in WIRE_MODES:
+            raise ConfigError(f"the cuda backend implements wire_mode {WIRE_MODES}, not "
+                              f"{ctx.wire_mode!r} (its dedup kernels do not exist yet)")
         import cupy
 
         self.cp = cupy

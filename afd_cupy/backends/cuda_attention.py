@@ -158,7 +158,9 @@ class CudaAttentionSide:
         runtime.eventRecord(self._ring_event[ring], previous)
         runtime.streamWaitEvent(stream, self._ring_event[ring])
 
-    def dispatch(self, hidden, topk_ids, *, layer_idx: int, stage_idx: int, ring: int) -> CudaSendState:
+    def dispatch(self, hidden, topk_ids, topk_weights, *, layer_idx: int, stage_idx: int,
+                 ring: int) -> CudaSendState:
+        """Pair mode: plan -> scatter; ``topk_weights`` are read by the combine, not here."""
         ctx, layout = self.ctx, self.layout
         self._use_device()
         self.status.raise_latched()

@@ -3,7 +3,8 @@
 Same wire format, protocol and step names as the cuda backend's RawKernels (plan -> scatter;
 wait_replies -> combine; wait_any; reply), real processes, every step on the calling thread.
 The rules both backends follow (headers, reply checks, capacities, late replies) are in
-``afd_cupy.wire``; this file only applies them.
+``afd_cupy.wire``; this file only applies them. Both wire modes: pair here, the dedup steps
+in :mod:`afd_cupy.backends.host_dedup` (the reference for its future kernels).
 """
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from afd_cupy import errors, planner, wire
+from afd_cupy import dedup, errors, planner, wire
 from afd_cupy.backends.base import Arrival, ItemViews, PathContext
+from afd_cupy.backends.host_dedup import HostDedupSteps
 from afd_cupy.backends.host_poll import HostPolling
 from afd_cupy.errors import AfdError, reply_timeout_error
 from afd_cupy.dtypes import raw_dtype, raw_to_f32, raw_to_torch, torch_to_raw
@@ -25,14 +27,21 @@ from afd_cupy.topology import Role
 class HostSendState:
     """What the combine of one dispatch needs (stays on the Attention side).
 
-    ``expected``: int64 [F], seq sent to FFN rank j, 0 when nothing was sent; ``error``: why
-    a dispatch sent nothing (CapacityError, InvalidRoutingError), raised by its combine.
+    ``plan``: a ``planner.DispatchPlan`` (pair) or ``dedup.DedupPlan`` (dedup; its ``row_map``
+    is the combine's map), None when nothing was sent. ``expected``: int64 [F], seq sent to
+    FFN rank j, 0 when nothing was sent; ``shared_counts``: int64 [F] shared rows per rank;
+    ``error``: why a dispatch sent nothing (CapacityError, InvalidRoutingError), raised by
+    its combine.
     """
 
-    plan: planner.DispatchPlan | None
+    plan: object
     expected: np.ndarray
     shared_counts: np.ndarray
     error: AfdError | None = None
+
+
+#: wire modes this backend implements (``ConnectorConfig.wire_mode``)
+WIRE_MODES = ("pair", "dedup")
 
 
 def require_available() -> None:
@@ -55,8 +64,9 @@ def open_path(ctx: PathContext, *, store, job_id: str, device_id, startup_timeou
     return HostDataPath(ctx, heap, window)
 
 
-class HostDataPath:
-    """Dispatch/combine (Attention) and wait_any/reply (FFN) on numpy windows."""
+class HostDataPath(HostDedupSteps):
+    """Dispatch/combine (Attention) and wait_any/reply (FFN) on numpy windows, in the
+    layout's wire mode (the dedup steps come from :class:`HostDedupSteps`)."""
 
     device = torch.device("cpu")
     supports_nonblocking = False
@@ -70,14 +80,18 @@ class HostDataPath:
         self.polling = HostPolling(window)
         # seq of this rank's last message to (peer role rank, ring); flags are these values
         self._seqs = np.zeros((self.layout.num_regions, self.layout.ring_depth), np.int64)
+        # dedup FFN: slot -> (seq, route table copy) of the item whose reply is pending
+        self._dedup_tables: dict[int, tuple] = {}
+        if self.layout.is_dedup:
+            dedup.warm_up()  # numba steps loaded now, not inside the first wait
 
     def _next_seq(self, peer: int, ring: int) -> int:
         self._seqs[peer, ring] += 1
         return int(self._seqs[peer, ring])
 
     # --- Attention side: plan -> scatter ------------------------------------------------
-    def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor, *, layer_idx: int,
-                 stage_idx: int, ring: int) -> HostSendState:
+    def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
+                 layer_idx: int, stage_idx: int, ring: int) -> HostSendState:
         ctx, layout = self.ctx, self.layout
         num_ffn, num_tokens = ctx.num_ffn_ranks, hidden.shape[0]
         shared = np.array([planner.shared_count(num_tokens, num_ffn, j) if ctx.has_shared else 0
@@ -89,6 +103,10 @@ class HostDataPath:
             error = errors.bad_expert_error(int(ids.flat[bad[0]]), int(bad[0]),
                                             ctx.num_experts, layer_idx)
             return HostSendState(None, expected, shared, error=error)
+        if layout.is_dedup:
+            return self._dispatch_dedup(HostSendState(None, expected, shared), ids.astype(np.int32),
+                                        hidden, topk_weights, layer_idx=layer_idx,
+                                        stage_idx=stage_idx, ring=ring)
         plan = planner.plan_dispatch(ids.astype(np.int32), num_ffn, layout.expert_per_rank,
                                      ctx.num_experts)
         try:  # every check before any write: an overflowing dispatch sends nothing
@@ -131,6 +149,9 @@ class HostDataPath:
                 blocking: bool = True) -> torch.Tensor:
         if state.error is not None:
             raise state.error
+        if self.layout.is_dedup:
+            return self._combine_dedup(state, ring=ring, layer_idx=layer_idx, stage_idx=stage_idx,
+                                       out_scale=out_scale)
         ctx, hidden = self.ctx, self.layout.hidden_size
         deadline = time.monotonic() + ctx.peer_timeout_s
         routed_rows, shared_rows = [], []
@@ -183,7 +204,9 @@ class HostDataPath:
         return Arrival(found.region, found.ring, self.polling.read_header(found.region, found.ring))
 
     def item_views(self, arrival: Arrival) -> ItemViews:
-        """Zero-copy torch views of a received slot."""
+        """Zero-copy torch views of a received slot (dedup: the rows expanded into staging)."""
+        if self.layout.is_dedup:
+            return self._item_views_dedup(arrival)
         header, hidden, name = arrival.header, self.layout.hidden_size, self.ctx.dtype
         region, ring, pe = arrival.region, arrival.ring, self.window.own_pe
         routed = raw_to_torch(self.window.field(pe, region, ring, "routed_x", self.raw,
@@ -198,6 +221,9 @@ class HostDataPath:
     def reply(self, arrival: Arrival, routed_out: torch.Tensor,
               shared_out: torch.Tensor | None) -> None:
         """Write the outputs, the reply header, then the flag (= this rank's reply seq)."""
+        if self.layout.is_dedup:
+            self._reply_dedup(arrival, routed_out, shared_out)
+            return
         ctx = self.ctx
         seq = self._next_seq(arrival.region, arrival.ring)
         header = wire.reply_header(arrival.header, seq=seq, src_rank=ctx.role_rank)
@@ -212,7 +238,8 @@ class HostDataPath:
     def announce_shutdown(self) -> None:
         ctx, layout = self.ctx, self.layout
         words = wire.encode_header(wire.shutdown_header(src_rank=ctx.role_rank, top_k=ctx.top_k,
-                                                        expert_per_rank=layout.expert_per_rank),
+                                                        expert_per_rank=layout.expert_per_rank,
+                                                        wire_mode=layout.wire_mode),
                                    layout.expert_per_rank)
         for pe in ctx.opposite_pes():
             for ring in range(layout.ring_depth):
