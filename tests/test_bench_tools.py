@@ -45,6 +45,27 @@ def test_bench_transport_quick_host(tmp_path):
 
 
 @pytest.mark.timeout(90)
+def test_bench_transport_both_wire_modes_side_by_side_host(tmp_path):
+    stdout = _run_tool("bench_transport.py", tmp_path, "--tokens", "8", "--prefill-tokens", "64",
+                       "--iters", "20", "--wire-mode", "both")
+    report = json.loads((tmp_path / "bench_transport.json").read_text())
+    assert report["wire_mode"] == "both"
+    assert [row["wire_mode"] for row in report["decode"]] == ["pair", "dedup"]
+    assert [row["wire_mode"] for row in report["prefill"]] == ["pair", "dedup"]
+    for row in report["decode"] + report["prefill"]:
+        assert row["dispatch_wire_bytes"] > 0 and row["reply_wire_bytes"] > 0 and row["dispatch_link_us"] > 0
+    assert report["decode"][0]["dispatch_us"] > 0
+    decode, prefill = report["side_by_side"]
+    assert (decode["kind"], prefill["kind"]) == ("decode", "prefill")
+    # hidden 128, top-8, F=2: a dedup row per (token, rank), pair rows per partial + shared
+    assert 0 < prefill["bytes_ratio"] < 0.5 and prefill["dedup_reply_bytes"] < prefill["pair_reply_bytes"]
+    assert report["prefill"][1]["bytes"] < report["prefill"][0]["bytes"]
+    names = [t["name"] for t in report["targets"]]
+    assert names[0].startswith("dedup / pair dispatch bytes") and names[-1].endswith("[dedup]")
+    assert "(d) wire modes side by side" in stdout and "bytes dedup/pair" in stdout
+
+
+@pytest.mark.timeout(90)
 def test_bench_transport_nccl_baseline_skipped_on_host(tmp_path):
     stdout = _run_tool("bench_transport.py", tmp_path, "--tokens", "1", "--prefill-tokens", "32",
                        "--iters", "20", "--nccl-baseline")

@@ -36,12 +36,19 @@ shape runs inside it.
       run after the connector's part (the FFN ranks leave ``FFNWorker.run()`` first), CUDA
       events on the Attention rank around each call after a barrier.
 (c) the shared DESIGN.md §10 targets next to the numbers, PASS/MISS (reported, never asserted).
+(d) ``--wire-mode both``: pair and dedup (docs/design.md §3.5) side by side, one launch per
+    mode and shape: bytes on the wire per direction (``dedup.wire_bytes``: rows, route tables,
+    headers, flags) and times, with the issue #12 targets. Every row carries its ``wire_mode``
+    and ``dispatch_wire_bytes`` / ``reply_wire_bytes`` and their time at the link's limit
+    (``LINK_GBPS``); decode rows also the dispatch alone (``dispatch_us``: CUDA events around
+    ``send_attn_output`` on cuda, wall time on host).
 
 On the host backend everything is numpy/shared memory at a tiny size: the numbers measure the
 host protocol (and are labelled so), not a GPU transport; times are wall times.
 
     python3 tools/bench_transport.py --quick --out OUT     # GPU (< 4 min on one H200, MPS)
     python3 tools/bench_transport.py --quick --backend host
+    python3 tools/bench_transport.py --quick --wire-mode both --ffn 1 2   # issue #12's table
 """
 from __future__ import annotations
 
@@ -56,6 +63,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_common as bc  # noqa: E402
+from afd_cupy import dedup  # noqa: E402
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig  # noqa: E402
 from afd_cupy.launch import launch  # noqa: E402
 from afd_cupy.planner import shared_count  # noqa: E402
@@ -65,6 +73,8 @@ from afd_cupy.wire import window_size_hint  # noqa: E402
 #: DeepSeek-like expert counts per top-k (V2/V2-Lite: 64 experts top-6, V3: 256 top-8)
 EXPERTS_FOR_TOPK = {6: 64, 8: 256}
 IDENTITY_CHECK_TOL = 2e-2  # out must equal 2 * hidden (sum of renormalized weights + shared)
+LINK_GBPS = 450.0  # one H200 NVLink pair, one direction (issue #12): bytes / LINK_GBPS = the floor
+WIRE_MODE_CHOICES = ("pair", "dedup", "both")
 RFC_LABEL = ("in-process torch-ops equivalent of the reference (RFC) connector: stable argsort + "
              "bincount + counts .cpu() + per-peer index_select/copy_ (+ header H2D, flag write) "
              "into F window-sized buffers on the same device; combine = .item() polling of the F "
@@ -99,6 +109,7 @@ class Group:
     prefill_warmup: int
     peer_timeout_s: float = 60.0
     nccl_baseline: bool = False
+    wire_mode: str = "pair"
 
     @property
     def num_experts(self) -> int:
@@ -110,9 +121,12 @@ class Group:
                            moe_intermediate_size=128, num_shared_experts=1, dtype="bfloat16",
                            max_num_batched_tokens=max_tokens, num_layers=1)
 
+    def connector(self) -> ConnectorConfig:
+        return ConnectorConfig(wire_mode=self.wire_mode)
+
     def describe(self) -> str:
-        return (f"hidden={self.hidden} top-{self.top_k} F={self.num_ffn} decode={list(self.decode_tokens)}"
-                f" prefill={list(self.prefill_tokens)}")
+        return (f"{self.wire_mode} hidden={self.hidden} top-{self.top_k} F={self.num_ffn} "
+                f"decode={list(self.decode_tokens)} prefill={list(self.prefill_tokens)}")
 
 
 # --------------------------------------------------------------------------- ranks
@@ -124,7 +138,7 @@ def _rank(ctx, group: Group) -> dict:
 
     device = bc.set_device(group.backend, ctx)
     role, role_rank = ("attention", 0) if ctx.rank == 0 else ("ffn", ctx.rank - 1)
-    conn = AFDConnector(group.model(), TopologyConfig(1, group.num_ffn), ConnectorConfig(),
+    conn = AFDConnector(group.model(), TopologyConfig(1, group.num_ffn), group.connector(),
                         role=role, role_rank=role_rank, store=ctx.store(), job_id=ctx.job_id,
                         backend=group.backend, device_id=ctx.device_id, poll_mode=group.poll_mode,
                         peer_timeout_s=group.peer_timeout_s)
@@ -186,6 +200,8 @@ def _decode_point(conn, group: Group, num_tokens: int, device, watch) -> dict:
     times_us = _wall_times_us(group, lambda: conn.recv_ffn_output(conn.send_attn_output(hidden, ids, weights, 0)))
     per_layer_us = _pipelined(conn, group, hidden, ids, weights, watch)
     row = {"tokens": num_tokens, "hidden": group.hidden, "top_k": group.top_k, "num_ffn": group.num_ffn,
+           "wire_mode": group.wire_mode, **_wire_bytes(conn, ids),
+           "dispatch_us": _decode_dispatch_us(conn, group, hidden, ids, weights, watch),
            "iters": len(times_us), "rt_median_us": bc.median(times_us),
            "rt_p99_us": bc.percentile(times_us, 99), "rt_min_us": min(times_us),
            "pipelined_us_per_layer": bc.median(per_layer_us),
@@ -194,6 +210,30 @@ def _decode_point(conn, group: Group, num_tokens: int, device, watch) -> dict:
     row["speedup_vs_rfc"] = (row["rfc_rt_median_us"] / row["rt_median_us"] if row["rt_median_us"] > 0
                              else float("nan"))
     return row
+
+
+def _wire_bytes(conn, ids) -> dict:
+    """Bytes of one dispatch of ``ids`` and its replies in the connector's wire mode, and their
+    time at the link's limit (``LINK_GBPS``)."""
+    sizes = dedup.wire_bytes(conn.layout, ids.cpu().numpy(), num_ffn_ranks=conn.topology.num_ffn_ranks,
+                             has_shared=conn.model.num_shared_experts > 0)
+    return {"dispatch_wire_bytes": sizes.dispatch, "reply_wire_bytes": sizes.reply,
+            "dispatch_link_us": sizes.dispatch / (LINK_GBPS * 1e3),
+            "reply_link_us": sizes.reply / (LINK_GBPS * 1e3)}
+
+
+def _decode_dispatch_us(conn, group: Group, hidden, ids, weights, watch) -> float:
+    """Median dispatch alone (µs): CUDA events around ``send_attn_output`` (its kernels), wall
+    time on host; each followed by its receive, outside the timed span."""
+    times_us = []
+    for i in range(group.warmup + group.iters):
+        start = watch.mark()
+        handle = conn.send_attn_output(hidden, ids, weights, 0)
+        elapsed_ms = watch.elapsed_ms(start, watch.mark())
+        conn.recv_ffn_output(handle)
+        if i >= group.warmup:
+            times_us.append(elapsed_ms * 1e3)
+    return bc.median(times_us)
 
 
 def _wall_times_us(group: Group, round_trip) -> list:
@@ -300,7 +340,8 @@ def _prefill_point(conn, group: Group, num_tokens: int, device, watch) -> dict:
             roundtrip_ms.append(round_trip)
     _check_identity(out, hidden, f"prefill {num_tokens} tokens")
     row = {"tokens": num_tokens, "hidden": group.hidden, "top_k": group.top_k, "num_ffn": group.num_ffn,
-           "iters": len(dispatch_ms), "bytes": _payload_bytes(conn, num_tokens),
+           "wire_mode": group.wire_mode, **_wire_bytes(conn, ids),
+           "iters": len(dispatch_ms), "bytes": _payload_bytes(conn, ids),
            "dispatch_ms": bc.median(dispatch_ms), "combine_ms": bc.median(combine_ms),
            "roundtrip_ms": bc.median(roundtrip_ms)}
     if group.nccl_baseline:
@@ -309,17 +350,22 @@ def _prefill_point(conn, group: Group, num_tokens: int, device, watch) -> dict:
     return _with_ratios(row)
 
 
-def _payload_bytes(conn, num_tokens: int) -> int:
-    model = conn.model
-    rows = num_tokens * model.top_k + (num_tokens if model.num_shared_experts else 0)
-    return rows * model.hidden_size * model.itemsize
+def _payload_bytes(conn, ids) -> int:
+    """Payload rows one way x row bytes: pair = one per partial + one shared per token; dedup =
+    one per (token, FFN rank it goes to)."""
+    return sum(_rows_per_ffn(conn, ids)) * conn.model.hidden_size * conn.model.itemsize
 
 
 def _rows_per_ffn(conn, ids) -> list:
-    """Rows the connector's dispatch writes to each FFN rank: its routed partials + its shared rows."""
+    """Rows the connector's dispatch writes to each FFN rank: pair = its routed partials + its
+    shared rows; dedup = its tokens."""
     import torch
 
     num_ffn, num_tokens = conn.topology.num_ffn_ranks, ids.shape[0]
+    if conn.layout.is_dedup:
+        plan = dedup.plan_dedup(ids.cpu().numpy(), num_ffn, conn.layout.expert_per_rank,
+                                has_shared=conn.model.num_shared_experts > 0)
+        return [int(n) for n in plan.num_rows]
     routed = torch.bincount(ids.reshape(-1).long() // conn.layout.expert_per_rank, minlength=num_ffn)
     return [int(n) + (shared_count(num_tokens, num_ffn, j) if conn.model.num_shared_experts else 0)
             for j, n in enumerate(routed.tolist())]
@@ -495,6 +541,9 @@ def _ratio(numerator: float, denominator: float) -> float:
 
 def _with_ratios(row: dict) -> dict:
     gb = row["bytes"] / 1e9
+    # fraction of the link's limit reached: bytes / LINK_GBPS over the measured time
+    row["dispatch_of_link"] = _ratio(row["dispatch_link_us"] / 1e3, row["dispatch_ms"])
+    row["combine_of_link"] = _ratio(row["reply_link_us"] / 1e3, row["combine_ms"])
     for name in ("dispatch", "combine", "copy", "rfc_dispatch", "rfc_combine"):
         row[f"{name}_GBps"] = _ratio(gb, row[f"{name}_ms"] / 1e3)
     pair = row["dispatch_ms"] + row["combine_ms"]
@@ -543,6 +592,16 @@ def plan_groups(args, backend: str) -> list[Group]:
         prefill_shape = (max(hiddens), max(topks), max(ffns))
     iters, warmup, layers, p_iters, p_warmup = ITERS[(backend, args.quick)]
     iters = args.iters or iters
+    modes = ("pair", "dedup") if args.wire_mode == "both" else (args.wire_mode,)
+    return [dataclasses.replace(group, wire_mode=mode) for group in
+            _shape_groups(args, backend, decode, hiddens, topks, ffns, prefill, prefill_shape,
+                          (iters, warmup, layers, p_iters, p_warmup)) for mode in modes]
+
+
+def _shape_groups(args, backend, decode, hiddens, topks, ffns, prefill, prefill_shape, counts) -> list:
+    """One Group per (hidden, top-k, F) (the caller sets its wire mode); prefill points on
+    ``prefill_shape``."""
+    iters, warmup, layers, p_iters, p_warmup = counts
     groups = []
     for hidden in hiddens:
         for top_k in topks:
@@ -574,7 +633,7 @@ def with_nccl_baseline(groups: list, backend: str) -> tuple[list, list]:
 def run_group(group: Group, timeout_s: float) -> dict:
     model = group.model()
     world = 1 + group.num_ffn
-    window = window_size_hint(model, TopologyConfig(1, group.num_ffn), ConnectorConfig())
+    window = window_size_hint(model, TopologyConfig(1, group.num_ffn), group.connector())
     child_env = bc.launch_env(group.backend, world, window, nccl=group.nccl_baseline)
     results = launch(_rank, world, args=(group,), timeout_s=timeout_s, env=child_env,
                      num_gpus=None if group.backend == "cuda" else 0)
@@ -582,40 +641,111 @@ def run_group(group: Group, timeout_s: float) -> dict:
 
 
 def targets(decode: list, prefill: list) -> list:
+    """The shared targets per wire mode measured (labelled with the mode when both ran), after
+    issue #12's dedup targets; the copy-bandwidth target stays last."""
+    modes = [m for m in ("pair", "dedup") if any(r["wire_mode"] == m for r in decode + prefill)] or ["pair"]
+    out = _dedup_targets(decode, prefill) if len(modes) == 2 else []
+    for mode in modes:
+        out += _mode_targets([r for r in decode if r["wire_mode"] == mode],
+                             [r for r in prefill if r["wire_mode"] == mode],
+                             f" [{mode}]" if len(modes) == 2 else "")
+    return out
+
+
+def _mode_targets(decode: list, prefill: list, label: str) -> list:
     out = []
     for num_ffn in sorted({row["num_ffn"] for row in decode}) or [None]:
         match = [r for r in decode if (r["tokens"], r["hidden"], r["top_k"], r["num_ffn"]) == (128, 7168, 8, num_ffn)]
         out.append(bc.target_row(
-            f"decode round trip, 128 tok, hidden 7168, top-8, 1A{num_ffn or '?'}F", "<= 30 us",
+            f"decode round trip, 128 tok, hidden 7168, top-8, 1A{num_ffn or '?'}F{label}", "<= 30 us",
             match[0]["rt_median_us"] if match else None, "us (median)", lambda v: v <= 30.0,
             "blocking send+recv, host wall time"))
     match = [r for r in prefill if (r["tokens"], r["hidden"], r["top_k"], r["num_ffn"]) == (4096, 7168, 8, 4)]
     out.append(bc.target_row(
-        "dispatch+combine vs plain copy, 4096 tok, hidden 7168, bf16, top-8, F=4", ">= 0.70",
+        f"dispatch+combine vs plain copy, 4096 tok, hidden 7168, bf16, top-8, F=4{label}", ">= 0.70",
         match[0]["pair_vs_copy"] if match else None, "x copy bandwidth", lambda v: v >= 0.70,
         "2*copy_ms/(dispatch_ms+combine_ms)"))
+    return out
+
+
+def side_by_side(decode: list, prefill: list) -> list:
+    """Pair and dedup rows of the same point next to each other: dicts with ``kind``, the
+    point, both modes' dispatch bytes and times (decode: round-trip median and dispatch;
+    prefill: dispatch + combine) and dedup/pair ratios."""
+    out = []
+    for kind, rows in (("decode", decode), ("prefill", prefill)):
+        by_point = {}
+        for row in rows:
+            point = (row["tokens"], row["hidden"], row["top_k"], row["num_ffn"])
+            by_point.setdefault(point, {})[row["wire_mode"]] = row
+        for point, modes in sorted(by_point.items()):
+            if set(modes) != {"pair", "dedup"}:
+                continue
+            pair, dd = modes["pair"], modes["dedup"]
+            times = [_point_time(kind, row) for row in (pair, dd)]
+            dispatch = [row["dispatch_us"] if kind == "decode" else row["dispatch_ms"] * 1e3 for row in (pair, dd)]
+            out.append({"kind": kind, "tokens": point[0], "hidden": point[1], "top_k": point[2],
+                        "num_ffn": point[3], "pair_dispatch_bytes": pair["dispatch_wire_bytes"],
+                        "dedup_dispatch_bytes": dd["dispatch_wire_bytes"],
+                        "pair_reply_bytes": pair["reply_wire_bytes"], "dedup_reply_bytes": dd["reply_wire_bytes"],
+                        "bytes_ratio": _ratio(dd["dispatch_wire_bytes"], pair["dispatch_wire_bytes"]),
+                        "pair_time": times[0], "dedup_time": times[1], "time_ratio": _ratio(times[1], times[0]),
+                        "time_unit": "us (rt median)" if kind == "decode" else "ms (dispatch+combine)",
+                        "pair_dispatch_us": dispatch[0], "dedup_dispatch_us": dispatch[1]})
+    return out
+
+
+def _point_time(kind: str, row: dict) -> float:
+    """decode: round-trip median (us); prefill: dispatch + combine (ms)."""
+    return row["rt_median_us"] if kind == "decode" else row["dispatch_ms"] + row["combine_ms"]
+
+
+def _dedup_targets(decode: list, prefill: list) -> list:
+    """Issue #12 (x2, hidden 7168, top-8, bf16): dedup bytes <= 1/6 of pair's at F = 1;
+    prefill dispatch + combine at 4096 tokens <= 0.3x pair's; decode dispatch at 128 tokens
+    <= 15 us (dedup), per F measured."""
+    rows = side_by_side(decode, prefill)
+    at_f1 = [r for r in rows if (r["kind"], r["tokens"], r["hidden"], r["top_k"], r["num_ffn"])
+             == ("decode", 128, 7168, 8, 1)]
+    out = [bc.target_row(
+        "dedup / pair dispatch bytes, 128 tok decode, hidden 7168, top-8, F=1", "<= 0.167",
+        at_f1[0]["bytes_ratio"] if at_f1 else None, "x pair bytes", lambda v: v <= 1 / 6,
+        "wire bytes incl. route tables and headers")]
+    for num_ffn in sorted({r["num_ffn"] for r in rows}) or [1]:
+        at = {(r["kind"], r["tokens"]): r for r in rows if (r["hidden"], r["top_k"], r["num_ffn"]) == (7168, 8, num_ffn)}
+        decode_128, prefill_4096 = at.get(("decode", 128)), at.get(("prefill", 4096))
+        out.append(bc.target_row(
+            f"dedup / pair prefill dispatch+combine, 4096 tok, hidden 7168, top-8, F={num_ffn}", "<= 0.3",
+            prefill_4096["time_ratio"] if prefill_4096 else None, "x pair time", lambda v: v <= 0.3,
+            "medians"))
+        out.append(bc.target_row(
+            f"dedup decode dispatch, 128 tok, hidden 7168, top-8, F={num_ffn}", "<= 15 us",
+            decode_128["dedup_dispatch_us"] if decode_128 else None, "us (median)", lambda v: v <= 15.0,
+            "CUDA events around send_attn_output"))
     return out
 
 
 def draw(decode: list, prefill: list, title: str):
     def _draw(plt):
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-        shapes = sorted({(r["hidden"], r["top_k"], r["num_ffn"]) for r in decode})
+        shapes = sorted({(r["hidden"], r["top_k"], r["num_ffn"], r["wire_mode"]) for r in decode})
         for shape in shapes:
-            rows = sorted((r for r in decode if (r["hidden"], r["top_k"], r["num_ffn"]) == shape),
+            rows = sorted((r for r in decode if (r["hidden"], r["top_k"], r["num_ffn"], r["wire_mode"]) == shape),
                           key=lambda r: r["tokens"])
             axes[0].plot([r["tokens"] for r in rows], [r["rt_median_us"] for r in rows], marker="o",
-                         label=f"H={shape[0]} top-{shape[1]} F={shape[2]}")
+                         label=f"H={shape[0]} top-{shape[1]} F={shape[2]} {shape[3]}")
         axes[0].axhline(30.0, color="gray", linestyle="--", label="target 30 us")
         axes[0].set(xscale="log", xlabel="tokens", ylabel="round trip median (us)", title="decode round trip")
         axes[0].legend(fontsize=7)
-        rows = sorted(prefill, key=lambda r: r["tokens"])
-        for key, label in (("dispatch_GBps", "AFD dispatch"), ("combine_GBps", "AFD combine"),
-                           ("copy_GBps", "plain copy_"), ("rfc_dispatch_GBps", "RFC-path dispatch"),
-                           ("rfc_combine_GBps", "RFC-path combine"), ("nccl_GBps", "NCCL all_to_all pair")):
-            if not all(key in r for r in rows):
-                continue
-            axes[1].plot([r["tokens"] for r in rows], [r[key] for r in rows], marker="o", label=label)
+        for mode in sorted({r["wire_mode"] for r in prefill}):
+            rows = sorted((r for r in prefill if r["wire_mode"] == mode), key=lambda r: r["tokens"])
+            for key, label in (("dispatch_GBps", "AFD dispatch"), ("combine_GBps", "AFD combine"),
+                               ("copy_GBps", "plain copy_"), ("rfc_dispatch_GBps", "RFC-path dispatch"),
+                               ("rfc_combine_GBps", "RFC-path combine"), ("nccl_GBps", "NCCL all_to_all pair")):
+                if not all(key in r for r in rows):
+                    continue
+                axes[1].plot([r["tokens"] for r in rows], [r[key] for r in rows], marker="o",
+                             label=f"{label} ({mode})")
         axes[1].set(xscale="log", xlabel="tokens", ylabel="GB/s", title="prefill bandwidth")
         axes[1].legend(fontsize=7)
         fig.suptitle(title, fontsize=9)
@@ -629,15 +759,16 @@ PREFILL_NCCL_COLUMNS = {"nccl_dispatch_ms": "NCCL d ms", "nccl_combine_ms": "NCC
 def print_summary(report: dict) -> None:
     print()
     print(f"==== bench_transport summary: backend={report['backend']} commit={report['run']['commit']} "
-          f"device={report['device']} ====")
+          f"device={report['device']} wire_mode={report['wire_mode']} ====")
     if report["label"]:
         print(report["label"])
-    print("\n(a) decode round trip (1 Attention rank, identity FFN; us)")
+    print("\n(a) decode round trip (1 Attention rank, identity FFN; us; KB = wire bytes per direction)")
     print(bc.format_table(
-        ("tokens", "hidden", "top-k", "F", "median", "p99", "min", "pipelined/layer", "RFC med", "x vs RFC",
-         "graph med", "graph p99"),
-        [(r["tokens"], r["hidden"], r["top_k"], r["num_ffn"], r["rt_median_us"], r["rt_p99_us"],
-          r["rt_min_us"], r["pipelined_us_per_layer"], r["rfc_rt_median_us"], r["speedup_vs_rfc"],
+        ("mode", "tokens", "hidden", "top-k", "F", "median", "p99", "min", "pipelined/layer", "dispatch",
+         "disp KB", "reply KB", "RFC med", "x vs RFC", "graph med", "graph p99"),
+        [(r["wire_mode"], r["tokens"], r["hidden"], r["top_k"], r["num_ffn"], r["rt_median_us"], r["rt_p99_us"],
+          r["rt_min_us"], r["pipelined_us_per_layer"], r["dispatch_us"], r["dispatch_wire_bytes"] / 1e3,
+          r["reply_wire_bytes"] / 1e3, r["rfc_rt_median_us"], r["speedup_vs_rfc"],
           r.get("graph_rt_median_us"), r.get("graph_rt_p99_us"))
          for r in report["decode"]]))
     print(f"RFC med = {report['rfc_baseline_kind']}, no second process (host wall time of its dispatch + "
@@ -647,18 +778,31 @@ def print_summary(report: dict) -> None:
     for r in report["decode"]:
         if "graph_error" in r:
             print(f"graph capture FAILED at {r['tokens']} tokens, F={r['num_ffn']}: {r['graph_error']}")
-    print("\n(b) prefill bandwidth (medians; GB/s = payload bytes / time; RFC = " + report["rfc_baseline_kind"] + ")")
+    print("\n(b) prefill bandwidth (medians; MB = payload rows one way in the row's mode; GB/s = MB / time; "
+          "RFC = " + report["rfc_baseline_kind"] + ")")
     nccl = [key for key in PREFILL_NCCL_COLUMNS if any(key in r for r in report["prefill"])]
     print(bc.format_table(
-        ("tokens", "F", "MB", "disp ms", "comb ms", "rt ms", "disp GB/s", "comb GB/s", "copy GB/s",
-         "pair/copy", "RFC d+c ms", "x vs RFC") + tuple(PREFILL_NCCL_COLUMNS[key] for key in nccl),
-        [(r["tokens"], r["num_ffn"], r["bytes"] / 1e6, r["dispatch_ms"], r["combine_ms"], r["roundtrip_ms"],
-          r["dispatch_GBps"], r["combine_GBps"], r["copy_GBps"], r["pair_vs_copy"],
-          r["rfc_dispatch_ms"] + r["rfc_combine_ms"], r["speedup_vs_rfc"]) + tuple(r.get(key) for key in nccl)
+        ("mode", "tokens", "F", "MB", "disp ms", "comb ms", "rt ms", "disp GB/s", "comb GB/s", "of link",
+         "copy GB/s", "pair/copy", "RFC d+c ms", "x vs RFC") + tuple(PREFILL_NCCL_COLUMNS[key] for key in nccl),
+        [(r["wire_mode"], r["tokens"], r["num_ffn"], r["bytes"] / 1e6, r["dispatch_ms"], r["combine_ms"],
+          r["roundtrip_ms"], r["dispatch_GBps"], r["combine_GBps"], r["dispatch_of_link"], r["copy_GBps"],
+          r["pair_vs_copy"], r["rfc_dispatch_ms"] + r["rfc_combine_ms"], r["speedup_vs_rfc"])
+         + tuple(r.get(key) for key in nccl)
          for r in report["prefill"]]))
+    print(f"of link = (dispatch wire bytes / {LINK_GBPS:.0f} GB/s) / disp ms")
     if nccl:
         print("NCCL = " + NCCL_NOTE + "; NCCL GB/s = 2 * bytes / (NCCL d + c); x vs NCCL = (NCCL d + c) / "
               "(disp + comb); rt x vs NCCL = (NCCL d + c) / rt")
+    if report["side_by_side"]:
+        print("\n(d) wire modes side by side (wire bytes per direction; time: decode = rt median us, "
+              "prefill = dispatch + combine ms)")
+        print(bc.format_table(
+            ("kind", "tokens", "F", "pair disp MB", "dedup disp MB", "pair reply MB", "dedup reply MB",
+             "bytes dedup/pair", "pair time", "dedup time", "time dedup/pair", "pair disp us", "dedup disp us"),
+            [(r["kind"], r["tokens"], r["num_ffn"], r["pair_dispatch_bytes"] / 1e6, r["dedup_dispatch_bytes"] / 1e6,
+              r["pair_reply_bytes"] / 1e6, r["dedup_reply_bytes"] / 1e6, r["bytes_ratio"], r["pair_time"],
+              r["dedup_time"], r["time_ratio"], r["pair_dispatch_us"], r["dedup_dispatch_us"])
+             for r in report["side_by_side"]]))
     print("\n(c) targets")
     print(bc.targets_table(report["targets"]))
 
@@ -673,6 +817,8 @@ def parse_args(argv=None):
     parser.add_argument("--ffn", type=int, nargs="+", help="numbers of FFN ranks")
     parser.add_argument("--iters", type=int, help="decode iterations after warm-up (>= 200)")
     parser.add_argument("--timeout", type=float, default=300.0, help="per launch, seconds")
+    parser.add_argument("--wire-mode", choices=WIRE_MODE_CHOICES, default="pair",
+                        help="ConnectorConfig.wire_mode; 'both': one launch per mode, side by side")
     parser.add_argument("--nccl-baseline", action="store_true",
                         help="prefill baseline 3: all_to_all_single over torch NCCL between the same "
                              "processes (cuda, one GPU per process; skipped with a message otherwise)")
@@ -693,7 +839,7 @@ def main(argv=None) -> int:
         decode += result["decode"]
         prefill += result["prefill"]
         devices.add(result["device"])
-    report = {"tool": "bench_transport", "backend": backend, "quick": args.quick,
+    report = {"tool": "bench_transport", "backend": backend, "quick": args.quick, "wire_mode": args.wire_mode,
               "label": HOST_LABEL if backend == "host" else "",
               "device": ", ".join(sorted(devices)), "run": bc.run_info(backend),
               "poll_mode": args.poll_mode if backend == "cuda" else "host",
@@ -707,10 +853,18 @@ def main(argv=None) -> int:
                               else "wall time of send_attn_output",
                   "combine": "replies landed first (host flag poll), then recv_ffn_output alone "
                              + ("(CUDA events)" if backend == "cuda" else "(wall time)"),
-                  "bytes": "tokens*top_k*hidden*2 + tokens*hidden*2 (shared rows)",
+                  "bytes": "payload rows one way x hidden x 2: pair = tokens*top_k + tokens (shared rows), "
+                           "dedup = one per (token, FFN rank it goes to)",
                   "pair_vs_copy": "2*copy_ms / (dispatch_ms + combine_ms)",
-                  "speedup_vs_rfc": "(rfc_dispatch_ms + rfc_combine_ms) / (dispatch_ms + combine_ms)"},
-              "decode": decode, "prefill": prefill, "targets": targets(decode, prefill),
+                  "speedup_vs_rfc": "(rfc_dispatch_ms + rfc_combine_ms) / (dispatch_ms + combine_ms)",
+                  "wire_bytes": "dedup.wire_bytes: fields + headers + 8-byte flags of every message "
+                                "sent, per direction, in the row's wire_mode",
+                  "link": f"bytes / {LINK_GBPS} GB/s (dispatch_link_us, reply_link_us); "
+                          "dispatch_of_link = link time / dispatch time",
+                  "dispatch_us": "decode: median of send_attn_output alone (CUDA events on cuda, wall on "
+                                 "host), each followed by an untimed receive"},
+              "decode": decode, "prefill": prefill, "side_by_side": side_by_side(decode, prefill),
+              "targets": targets(decode, prefill),
               "wall_s": time.perf_counter() - started}
     if args.nccl_baseline:
         report["nccl_baseline"] = {"kind": NCCL_NOTE, "skipped": nccl_skipped}
