@@ -231,12 +231,13 @@ def test_dedup_bytes_fraction_of_pair_deepseek_shape(num_ffn, limit):
 
 
 # --- numerics of both modes in one process, against the fp64 MoE ----------------------------
-def _modes_in_process(dtype, num_ffn, scale, seed=0, num_tokens=48):
+def _modes_in_process(dtype, num_ffn, scale, seed=0, num_tokens=48, hidden_size=64, num_experts=12,
+                      top_k=3, inter=32, reply_dtype=None):
     """One MoE layer through the pair and the dedup host steps (plan, scatter, expand, grouped
     GEMM + shared MLP + scaling rule as FFNWorker, reduce, combine) without processes; returns
-    (pair out, dedup out, fp64 reference), [T, H] each."""
+    (pair out, dedup out, fp64 reference), [T, H] each. ``reply_dtype``: the dedup reply rows'
+    dtype (default: the payload's; "float32" measures the fp32-reply option)."""
     torch_dtype = getattr(torch, dtype)
-    hidden_size, num_experts, top_k, inter = 64, 12, 3, 32
     epr = -(-num_experts // num_ffn)
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(num_tokens, hidden_size, generator=gen).to(torch_dtype)
@@ -277,8 +278,8 @@ def _modes_in_process(dtype, num_ffn, scale, seed=0, num_tokens=48):
         staging = dedup.expand(table, rows, plan.routed_count(j))
         routed, shared_out = ffn(j, raw_to_torch(staging, dtype), plan.rank_counts(j),
                                  raw_to_torch(rows[:plan.shared_rows[j]], dtype))
-        reply = torch.from_numpy(dedup.reduce_rows(table, f32(routed), f32(shared_out))).to(torch_dtype)
-        replies.append(f32(reply))
+        reply = torch.from_numpy(dedup.reduce_rows(table, f32(routed), f32(shared_out)))
+        replies.append(reply.to(getattr(torch, reply_dtype or dtype)).float().numpy())
     out_dedup = np.full((num_tokens, hidden_size), np.nan, np.float32)
     dedup.combine_rows(out_dedup, plan.row_map, replies, out_scale)
     expected = reference_moe(hidden, ids, weights, experts, shared, scale)
