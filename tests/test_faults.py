@@ -9,13 +9,15 @@ import os
 import signal
 import time
 
+import numpy as np
 import pytest
 import torch
 
+from afd_cupy import wire
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig
 from afd_cupy.connector import AFDConnector
 from afd_cupy.errors import (BackendUnavailableError, ConfigError, InvalidRoutingError,
-                             PeerLostError, PeerTimeoutError, ProtocolError)
+                             PeerLostError, PeerTimeoutError, ProtocolError, WireError)
 from afd_cupy.ffn_worker import FFNWorker
 from afd_cupy.launch import DiedAsExpected, LaunchError, launch
 from afd_cupy.topology import Role, Topology
@@ -374,6 +376,44 @@ def test_bad_input_is_rejected_and_the_connector_keeps_working(backend):
     assert attn["after"] < 0.1
     assert attn["after_shutdown"][0] == "ProtocolError" and "after announce_shutdown" in attn["after_shutdown"][1]
     assert ffn["served"] == 1
+
+
+# --- a corrupt dedup route table: WireError on the FFN side, the slot is consumed ------------
+def _bad_route_table_program(ctx):
+    conn, role, _ = _connect(ctx, "host", timeout_s=10.0, connector=ConnectorConfig(wire_mode="dedup"))
+    try:
+        if role is Role.FFN:
+            errors = []
+            while not errors:
+                try:
+                    assert conn.recv_ffn_work_item(100) is None
+                except WireError as err:
+                    errors.append(str(err))
+            ctx.store().set("ffn-saw-the-table", b"1")
+            return {"error": errors[0], "served": FFNWorker(conn, expert_fn=_identity).run()}
+        layout, path = conn.layout, conn.path
+        table = np.zeros((2, layout.route_width), np.int32)
+        table[:, wire.ROUTE_SLOTS:wire.ROUTE_SLOTS + MODEL.top_k] = [[0, -1], [0, -1]]  # row 0 twice
+        header = wire.dispatch_header(seq=1, src_rank=0, layer_idx=0, stage_idx=0, num_tokens=2,
+                                      shared_tokens=0, top_k=MODEL.top_k,
+                                      expert_counts=(2,) + (0,) * (layout.expert_per_rank - 1),
+                                      wire_mode="dedup", num_rows=2)
+        path._seqs[0, 0] = 1  # the path's next dispatch on this slot takes seq 2
+        path.window.write_message(path.ctx.peer_pe(Role.FFN, 0), 0, 0,
+                                  wire.encode_header(header, layout.expert_per_rank), 1,
+                                  {"route_table": table})
+        ctx.store().get("ffn-saw-the-table")  # before the next dispatch supersedes it
+        errors = [_round_trip_error(conn, layer, seed=layer) for layer in range(1, 3)]
+        conn.announce_shutdown()
+        return {"errors": errors}
+    finally:
+        conn.close()
+
+
+def test_bad_dedup_route_table_is_a_wire_error_and_the_connector_stays_usable():
+    attn, ffn = launch(_bad_route_table_program, 2, timeout_s=60)
+    assert "route table staging rows are not a permutation of [0, 2)" in ffn["error"], ffn
+    assert ffn["served"] == 2 and max(attn["errors"]) < 0.1, attn
 
 
 # --- configuration mismatches between ranks --------------------------------------------------
