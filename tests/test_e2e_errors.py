@@ -198,8 +198,10 @@ def _shutdown_program(ctx, backend, wire_mode):
     try:
         if role is Role.FFN:
             assert conn.recv_ffn_work_item(50) is None  # poll timeout returns None
+            ctx.store().set("ffn-polled", b"1")
             served = FFNWorker(conn, expert_fn=identity_experts).run()
             return {"served": served}
+        ctx.store().get("ffn-polled")  # no dispatch before the FFN's empty poll
         hidden, ids, weights = _inputs(conn, 3, seed=role_rank)
         conn.recv_ffn_output(conn.send_attn_output(hidden, ids, weights, 0))
         conn.announce_shutdown()
