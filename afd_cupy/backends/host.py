@@ -181,6 +181,9 @@ class HostDataPath:
             return None
         return Arrival(found.region, found.ring, self.polling.read_header(found.region, found.ring))
 
+    def pending_arrivals(self) -> int:
+        return self.polling.num_pending()
+
     def item_views(self, arrival: Arrival) -> ItemViews:
         """Zero-copy torch views of a received slot."""
         header, hidden, name = arrival.header, self.layout.hidden_size, self.ctx.dtype
