@@ -468,9 +468,17 @@ def mps_split(args, backend: str, world: int) -> dict:
             "ffn_pct": ffn_pct, "placement": placement}
 
 
-def describe_placement(placement: tuple, num_attn: int) -> str:
-    return "; ".join(f"rank {r} ({'attention' if r < num_attn else 'ffn'}): {p}"
-                     for r, p in enumerate(placement))
+def placement_split(args, backend: str, world: int, text: str | None) -> tuple[tuple, dict]:
+    """(one Placement per rank or (), the ``mps`` record) for a ``--placement`` string.
+
+    A placement replaces the per-role MPS defaults: a rank placed without an SM share runs
+    unlimited (e.g. the FFN alone on GPU 1 in ``0:50,0:50,1``), not at ``100 // (A + F)``."""
+    mps = mps_split(args, backend, world)
+    placement = tuple(parse_placement(text, world)) if text else ()
+    if placement:
+        mps.update(attention_pct=None, ffn_pct=None, placement="; ".join(
+            f"rank {r} ({'attention' if r < args.attn else 'ffn'}): {p}" for r, p in enumerate(placement)))
+    return placement, mps
 
 
 def run_schedule(spec: Spec, timeout_s: float) -> list:
@@ -832,10 +840,7 @@ def main(argv=None) -> int:
         return run_sweep(args, backend, dims)
     workloads = make_workloads(args, args.attn)
     world = args.attn + args.ffn
-    mps = mps_split(args, backend, world)
-    placement = tuple(parse_placement(args.placement, world)) if args.placement else ()
-    if placement:
-        mps["placement"] = describe_placement(placement, args.attn)
+    placement, mps = placement_split(args, backend, world, args.placement)
     print(f"placement: {mps['placement']}", flush=True)
     started = time.perf_counter()
     rows, devices, panels = run_launches(args, backend, dims, workloads, placement, mps, args.timeline)
@@ -868,11 +873,8 @@ def run_sweep(args, backend: str, dims: Dims) -> int:
     started = time.perf_counter()
     points, all_rows, devices, split_rows, mps = [], [], set(), [], None
     for split in splits:
-        mps = mps_split(args, backend, world)
-        placement = tuple(parse_placement(split, world)) if split else ()
+        placement, mps = placement_split(args, backend, world, split)
         label = split or "default"
-        if placement:
-            mps["placement"] = describe_placement(placement, args.attn)
         print(f"split {label}: {mps['placement']}", flush=True)
         split_rows.append({"label": label, "placement": mps["placement"]})
         rows, used, _ = run_launches(args, backend, dims, workloads, placement, mps)
