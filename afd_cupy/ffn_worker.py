@@ -12,6 +12,10 @@ re-routing: a grouped GEMM), the shared experts on the shared rows, applies
 ``routed_scaling_factor`` and writes the results back. No per-step device synchronization:
 ordering rides on the stream.
 
+Instrumentation is opt-in: ``FFNWorker(..., recorder=...)`` calls the :class:`FFNRecorder`
+hooks around each receive, compute and reply (benchmarks use it for busy time, queue depth and
+timelines); without a recorder each hook site costs one ``is None`` test.
+
 NOTE (lockstep): every replica must send every layer to every FFN rank, even when it has no
 rows for it, or the worker waits for a message that never comes (until the Attention side's
 peer timeout). Build the Attention-side connectors with ``AFDConnector(..., always_send=True)``.
@@ -23,7 +27,7 @@ import logging
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -116,6 +120,31 @@ def split_outputs(batch: MergedBatch, routed_out: torch.Tensor, shared_out: torc
             for routed, shared, size in zip(routed_parts, shared_parts, batch.shared_sizes)]
 
 
+# --------------------------------------------------------------------------- instrumentation
+
+class FFNRecorder(Protocol):
+    """Opt-in hooks of :class:`FFNWorker` (``recorder=``), called on the worker's thread.
+
+    Per receive: ``polling()`` before ``recv_ffn_work_item``, ``received(worker, item)`` when it
+    returned an item (before the item is served or, in lockstep, held). Per compute batch (one
+    item under async, one per (layer, stage) under lockstep): ``computing(items)`` before the
+    experts are called, ``replying(items)`` after them, before the first reply is written, and
+    ``served(items)`` after the last reply call returned. On cuda the expert and reply calls
+    only enqueue work on the current stream: a recorder that wants device time records events
+    there (and must not synchronize).
+    """
+
+    def polling(self) -> None: ...
+
+    def received(self, worker: "FFNWorker", item: FFNWorkItem) -> None: ...
+
+    def computing(self, items: Sequence[FFNWorkItem]) -> None: ...
+
+    def replying(self, items: Sequence[FFNWorkItem]) -> None: ...
+
+    def served(self, items: Sequence[FFNWorkItem]) -> None: ...
+
+
 # --------------------------------------------------------------------------- the worker
 
 class FFNWorker:
@@ -133,11 +162,13 @@ class FFNWorker:
     the lockstep schedule.
 
     Counters: ``num_served`` (items answered) and ``num_batches`` (compute batches: one per
-    item under async, one per (layer, stage) under lockstep).
+    item under async, one per (layer, stage) under lockstep). ``recorder``: an optional
+    :class:`FFNRecorder` (instrumentation hooks; None costs nothing but a test per hook site).
     """
 
     def __init__(self, connector: AFDConnector, experts=None, shared=None, *,
-                 expert_fn: ExpertFn | None = None, schedule: str = "async"):
+                 expert_fn: ExpertFn | None = None, schedule: str = "async",
+                 recorder: FFNRecorder | None = None):
         if (experts is None) == (expert_fn is None):
             raise ValueError("pass exactly one of experts= or expert_fn=")
         if schedule not in SCHEDULES:
@@ -149,6 +180,7 @@ class FFNWorker:
             _check_weights(connector, experts, shared)
         self.expert_fn = expert_fn or self._moe_outputs
         self.schedule = schedule
+        self.recorder = recorder
         self.num_served = 0
         self.num_batches = 0
         # lockstep: (layer_idx, stage_idx) -> {attention rank: items not yet served, oldest first}
@@ -194,21 +226,43 @@ class FFNWorker:
 
     def serve(self, item: FFNWorkItem) -> None:
         """Compute one item and send its outputs back."""
+        recorder = self.recorder
+        if recorder is not None:
+            recorder.computing((item,))
         routed, shared = self.expert_fn(item)
+        if recorder is not None:
+            recorder.replying((item,))
         self.connector.send_ffn_work_item_output(item, routed, shared)
+        if recorder is not None:
+            recorder.served((item,))
         self.num_served += 1
         self.num_batches += 1
 
     def serve_batch(self, items: list[FFNWorkItem]) -> None:
         """Compute the items of one (layer, stage) together and answer all of them."""
+        recorder = self.recorder
+        if recorder is not None:
+            recorder.computing(items)
         if len(items) == 1 or not self._uses_own_experts:
             outputs = [self.expert_fn(item) for item in items]
         else:
             outputs = self._merged_outputs(items)
+        if recorder is not None:
+            recorder.replying(items)
         for item, (routed, shared) in zip(items, outputs):
             self.connector.send_ffn_work_item_output(item, routed, shared)
+        if recorder is not None:
+            recorder.served(items)
         self.num_served += len(items)
         self.num_batches += 1
+
+    def _recorded_receive(self, timeout_ms: int | None) -> FFNWorkItem | None:
+        """``recv_ffn_work_item`` between the recorder's ``polling`` and ``received`` hooks."""
+        self.recorder.polling()
+        item = self.connector.recv_ffn_work_item(timeout_ms)
+        if item is not None:
+            self.recorder.received(self, item)
+        return item
 
     def step(self, timeout_ms: int | None = None) -> int:
         """Receive up to ``num_layers`` items (``num_layers * num_attn_ranks`` in lockstep)
@@ -220,7 +274,8 @@ class FFNWorker:
             return self._step_lockstep(timeout_ms)
         served = 0
         for _ in range(self.connector.model.num_layers):
-            item = self.connector.recv_ffn_work_item(timeout_ms)
+            item = (self.connector.recv_ffn_work_item(timeout_ms) if self.recorder is None
+                    else self._recorded_receive(timeout_ms))
             if item is None:
                 break
             self.serve(item)
@@ -231,7 +286,8 @@ class FFNWorker:
         served = 0
         num_attn = self.connector.topology.num_attn_ranks
         for _ in range(self.connector.model.num_layers * num_attn):
-            item = self.connector.recv_ffn_work_item(timeout_ms)
+            item = (self.connector.recv_ffn_work_item(timeout_ms) if self.recorder is None
+                    else self._recorded_receive(timeout_ms))
             if item is None:
                 break
             batch = self._hold(item, num_attn)

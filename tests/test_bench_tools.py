@@ -1,7 +1,10 @@
 """The benchmark tools keep working: each runs with ``--quick --backend host`` (its tiniest
 size) as a subprocess into a temporary folder; exit code, JSON keys and the printed summary
-are checked. Numbers are not checked: benchmarks are tools, not tests."""
+are checked. Numbers are not checked beyond sanity (a fraction in (0, 1], p50 <= p99):
+benchmarks are tools, not tests. The arithmetic the tools report (bench_afd's ideal ratio,
+bench_spans' span bookkeeping) is tested in-process on synthetic timings with known answers."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -10,6 +13,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+
+import bench_afd  # noqa: E402
+import bench_common  # noqa: E402
+import bench_spans  # noqa: E402
 
 
 def _run_tool(name: str, out_dir: Path, *extra: str) -> str:
@@ -77,10 +85,10 @@ def test_bench_transport_nccl_baseline_skipped_on_host(tmp_path):
 
 @pytest.mark.timeout(90)
 def test_bench_afd_quick_host(tmp_path):
-    stdout = _run_tool("bench_afd.py", tmp_path, "--duration", "0.5")
+    stdout = _run_tool("bench_afd.py", tmp_path, "--duration", "0.5", "--solo-duration", "0.2", "--timeline")
     report = json.loads((tmp_path / "bench_afd.json").read_text())
     for key in ("tool", "backend", "label", "run", "model", "topology", "mps", "workloads",
-                "results", "ratios", "targets"):
+                "results", "ratios", "comparison", "targets", "method"):
         assert key in report, key
     assert {(r["workload"], r["schedule"]) for r in report["results"]} == {
         (w, s) for w in ("uniform", "skewed") for s in ("async", "lockstep")}
@@ -88,8 +96,183 @@ def test_bench_afd_quick_host(tmp_path):
         assert row["tokens_per_s"] > 0 and len(row["replicas"]) == 2
         if row["schedule"] == "lockstep":  # same number of batches for every replica
             assert len({rep["batches"] for rep in row["replicas"]}) == 1, row
+        for rep in row["replicas"]:
+            assert rep["tokens_per_s"] > 0
+            assert 0 < rep["latency_p50_ms"] <= rep["latency_p90_ms"] <= rep["latency_p99_ms"], rep
+            solo = rep.get("solo")
+            if row["schedule"] == "async":  # each replica alone, after the phase
+                assert solo["batches"] >= 3 and solo["tokens_per_s"] > 0 and solo["batch_mean_ms"] > 0
+            else:
+                assert solo is None
+        ffn = row["ffn"]
+        assert 0 < ffn["busy_fraction"] <= 1, ffn
+        assert ffn["per_rank"][0]["items_taken"] > 0 and ffn["items_per_s"] > 0
+        assert 0 <= ffn["items_waiting_mean"] <= ffn["items_waiting_max"], ffn
     assert set(report["ratios"]) == {"uniform", "skewed"}
-    assert "bench_afd summary" in stdout and "async / lockstep" in stdout
+    for workload, entry in report["comparison"].items():
+        assert entry["ratio"] == report["ratios"][workload]
+        assert entry["ideal"] > 0 and entry["achieved_fraction"] > 0
+        assert math.isclose(entry["achieved_fraction"], entry["ratio"] / entry["ideal"])
+    names = {t["name"] for t in report["targets"]}
+    assert "async / lockstep, fraction of ideal, skewed" in names
+    assert "bench_afd summary" in stdout and "async / lockstep" in stdout and "fraction of ideal" in stdout
+    assert "FFN busy" in stdout and "p99 ms" in stdout
+
+    timeline = json.loads((tmp_path / "bench_afd_timeline.json").read_text())
+    assert [(p["schedule"], p["workload"]) for p in timeline["panels"]] == [
+        (s, w) for s in ("async", "lockstep") for w in ("uniform", "skewed")]
+    for panel in timeline["panels"]:
+        rows = {row["label"]: row["spans"] for row in panel["rows"]}
+        assert set(rows) == {"attn 0 stream", "attn 1 stream", "ffn 0 host", "ffn 0 stream"}
+        for label, lane in rows.items():  # per rank and lane: in order, never overlapping
+            bench_spans.check_lane([tuple(span) for span in lane])
+            assert all(0 <= span[1] <= span[2] <= panel["window_us"] for span in lane), label
+        attn0 = {span[0] for span in rows["attn 0 stream"]}
+        assert {"attention", "dispatch", "combine"} <= attn0, attn0
+        assert "compute" in {span[0] for span in rows["ffn 0 stream"]}
+        assert {span[0] for span in rows["ffn 0 host"]} <= {"wait"}
+        # the window holds --timeline-layers (4) layers of replica 0: 4 dispatches, from layer 0
+        dispatches = [span for span in rows["attn 0 stream"] if span[0] == "dispatch"]
+        assert [span[3][1] for span in dispatches] == [0, 1, 0, 1]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib not installed: plot bench_afd_timeline.png skipped" in stdout
+    else:
+        assert (tmp_path / "bench_afd_timeline.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(90)
+def test_bench_afd_sweep_host(tmp_path):
+    stdout = _run_tool("bench_afd.py", tmp_path, "--sweep", "--sweep-skews", "1", "16", "--duration", "0.3",
+                       "--solo-duration", "0.1", "--warmup", "1", "--sweep-placements", "0:50,0:50,1")
+    report = json.loads((tmp_path / "bench_afd_sweep.json").read_text())
+    assert report["mode"] == "sweep" and report["skews"] == [1, 16]
+    assert [(p["split"], p["skew"]) for p in report["points"]] == [("0:50,0:50,1", 1), ("0:50,0:50,1", 16)]
+    long_len = bench_afd.QUICK_DEFAULTS["host"]["long_len"]
+    assert [p["lengths"] for p in report["points"]] == [[[long_len], [long_len]], [[long_len], [long_len // 16]]]
+    for point in report["points"]:
+        assert point["ratio"] > 0 and point["ideal"] > 0 and point["achieved_fraction"] > 0
+        assert all(0 < b <= 1 for b in point["ffn_busy_fraction"].values()), point
+    assert "GPU 1" in report["splits"][0]["placement"]
+    assert "bench_afd sweep" in stdout and "fraction of ideal" in stdout
+
+
+# --------------------------------------------------------------------------- bench_afd arithmetic
+
+def test_ideal_ratio_known_answers():
+    # every replica at its solo pace under lockstep too: nothing to gain
+    assert bench_afd.ideal_ratio([32, 32], [2.0, 2.0], [2.0, 2.0]) == pytest.approx(1.0)
+    # 16x skew, cost linear in tokens: the short replica could run 16 batches per lockstep batch
+    assert bench_afd.ideal_ratio([16, 1], [16.0, 1.0], [16.0, 16.0]) == pytest.approx(32 / 17)
+    # lockstep slower than the slowest solo pace (merged FFN batch, waits): the ideal grows
+    assert bench_afd.ideal_ratio([64, 8], [4.0, 0.5], [4.2, 4.2]) == pytest.approx((16 + 16) / (72 / 4.2))
+    # a replica slower alone than under lockstep (noise) counts as measured, not clamped
+    assert bench_afd.ideal_ratio([10, 10], [2.0, 1.0], [1.5, 1.5]) == pytest.approx((5 + 10) / (20 / 1.5))
+    for bad in (([1], [1.0, 1.0], [1.0, 1.0]), ([], [], []), ([1, 1], [1.0, 0.0], [1.0, 1.0]),
+                ([1, 1], [1.0, 1.0], [1.0, -1.0]), ([0, 1], [1.0, 1.0], [1.0, 1.0])):
+        with pytest.raises(ValueError):
+            bench_afd.ideal_ratio(*bad)
+
+
+def _replica(rank, tokens, batch_ms, solo_ms=None):
+    rep = {"rank": rank, "tokens_per_batch": tokens, "batch_mean_ms": batch_ms,
+           "tokens_per_s": tokens * 1e3 / batch_ms}
+    if solo_ms is not None:
+        rep["solo"] = {"batch_mean_ms": solo_ms}
+    return rep
+
+
+def test_compare_uses_the_measured_lockstep_and_solo_paces():
+    fast = [_replica(0, 64, 4.4, solo_ms=4.0), _replica(1, 8, 0.8, solo_ms=0.5)]
+    slow = [_replica(0, 64, 4.2), _replica(1, 8, 4.2)]
+    rows = [{"schedule": "async", "workload": "skewed", "replicas": fast,
+             "tokens_per_s": sum(r["tokens_per_s"] for r in fast)},
+            {"schedule": "lockstep", "workload": "skewed", "replicas": slow,
+             "tokens_per_s": sum(r["tokens_per_s"] for r in slow)}]
+    entry = bench_afd.compare(rows)["skewed"]
+    assert entry["ratio"] == pytest.approx((64 / 4.4 + 8 / 0.8) / (72 / 4.2))
+    assert entry["ideal"] == pytest.approx((64 / 4.0 + 8 / 0.5) / (72 / 4.2))
+    # the lockstep measurement cancels: the fraction is async tokens/s over solo-paced tokens/s
+    assert entry["achieved_fraction"] == pytest.approx((64 / 4.4 + 8 / 0.8) / (64 / 4.0 + 8 / 0.5))
+    assert entry["ideal_async_tokens_per_s"] == pytest.approx(1e3 * (64 / 4.0 + 8 / 0.5))
+    assert entry["lockstep_vs_slowest_solo"] == pytest.approx(4.2 / 4.0)
+    # without solo runs (or without a lockstep row) no ideal is claimed
+    for rep in fast:
+        del rep["solo"]
+    assert "ideal" not in bench_afd.compare(rows)["skewed"]
+    assert bench_afd.compare(rows[:1]) == {}
+
+
+# --------------------------------------------------------------------------- bench_spans
+
+def test_span_recorder_lanes_are_ordered_and_disjoint():
+    recorder = bench_spans.SpanRecorder(None)  # CPU: perf_counter_ns on every lane
+    for layer in range(3):
+        recorder.mark(bench_spans.HOST, "wait")
+        recorder.mark(bench_spans.STREAM, "attention", (0, layer))
+        recorder.mark(bench_spans.HOST, None)
+        recorder.mark(bench_spans.STREAM, "dispatch", (0, layer))
+        recorder.mark(bench_spans.STREAM, "combine", (0, layer))
+    recorder.mark(bench_spans.HOST, "wait")  # left open: finish closes it
+    lanes = recorder.finish()
+    stream, host = lanes[bench_spans.STREAM], lanes[bench_spans.HOST]
+    assert [(name, tag) for name, _, _, tag in stream] == [
+        (name, (0, layer)) for layer in range(3) for name in ("attention", "dispatch", "combine")]
+    assert [name for name, *_ in host] == ["wait"] * 4
+    for lane in (stream, host):
+        bench_spans.check_lane(lane)
+    # consecutive spans of a lane share their boundary stamp
+    assert all(a[2] == b[1] for a, b in zip(stream, stream[1:]))
+    assert recorder.clock_info["kind"] == "host perf_counter_ns"
+    with pytest.raises(ValueError, match="before the previous span"):
+        bench_spans.check_lane([("a", 0, 10, None), ("b", 5, 20, None)])
+    with pytest.raises(ValueError, match="ends before it begins"):
+        bench_spans.check_lane([("a", 10, 5, None)])
+
+
+def test_split_waits_ends_the_wait_at_the_reply():
+    attn = [("attention", 0, 10, (0, 0)), ("dispatch", 10, 12, (0, 0)), ("combine", 12, 40, (0, 0)),
+            ("attention", 40, 50, (0, 1)), ("dispatch", 50, 52, (0, 1)), ("combine", 52, 60, (0, 1)),
+            ("attention", 60, 70, (1, 0)), ("dispatch", 70, 72, (1, 0)), ("combine", 72, 80, (1, 0))]
+    ffn0 = [("compute", 14, 25, ((0, 0),)), ("reply", 25, 30, ((0, 0),)),
+            ("compute", 53, 54, ((1, 1),)), ("reply", 54, 55, ((1, 1),)),  # another replica's reply
+            ("compute", 40, 45, ((0, 1),)), ("reply", 45, 51, ((0, 1),))]  # landed before the combine
+    ffn1 = [("compute", 15, 30, ((0, 0), (1, 0))), ("reply", 30, 35, ((0, 0), (1, 0)))]
+    out = bench_spans.split_waits(attn, 0, [ffn0, ffn1])
+    assert out == [("attention", 0, 10, (0, 0)), ("dispatch", 10, 12, (0, 0)), ("wait", 12, 35, (0, 0)),
+                   ("combine", 35, 40, (0, 0)), ("attention", 40, 50, (0, 1)), ("dispatch", 50, 52, (0, 1)),
+                   ("combine", 52, 60, (0, 1)),  # its reply landed at 51: no wait
+                   ("attention", 60, 70, (1, 0)), ("dispatch", 70, 72, (1, 0)),
+                   ("combine", 72, 80, (1, 0))]  # batch 1's layer 0: the replies at 30/35 were batch 0's
+    bench_spans.check_lane(out)
+
+
+def test_busy_fraction_queue_stats_and_clip():
+    spans = [(0, 10), (20, 30), (35, 50)]
+    assert bench_spans.busy_fraction(spans, (5, 45)) == pytest.approx((5 + 10 + 10) / 40)
+    assert bench_spans.busy_fraction(spans, (10, 20)) == 0.0
+    assert math.isnan(bench_spans.busy_fraction(spans, (5, 5)))
+    stats = bench_spans.queue_stats([1, 5, 9, 12], [4, 0, 2, 7], (5, 10))
+    assert stats == {"mean": 1.0, "max": 2, "samples": 2}
+    assert bench_spans.queue_stats([1], [3], (5, 10))["samples"] == 0
+    assert bench_spans.common_window([(0, 100), (10, 90), (5, 95)]) == (10, 90)
+    assert bench_spans.clip([("a", 0, 10, None), ("b", 10, 20, 1), ("c", 25, 30, None)], (5, 15)) == [
+        ("a", 5, 10, None), ("b", 10, 15, 1)]
+
+
+def test_sweep_and_timeline_plots(tmp_path):
+    pytest.importorskip("matplotlib", reason="the bench extra (matplotlib) is not installed")
+    points = [{"split": split, "skew": skew, "ratio": 1 + skew / 20 * k, "ideal": 1 + skew / 10 * k}
+              for k, split in ((1, "0:50,0:50,1"), (2, "0:25,0:25,0:50")) for skew in (1, 4, 16)]
+    path = bench_common.save_plot(tmp_path, "sweep.png", bench_afd.draw_sweep(points, "sweep"))
+    assert path.stat().st_size > 0
+    panel = {"title": "async / skewed", "window_ns": (1000, 9000),
+             "rows": [("attn 0 stream", [("attention", 1000, 3000, (1, 0)), ("wait", 3000, 6000, (1, 0))]),
+                      ("ffn 0 stream", [("compute", 3500, 5000, ((0, 0),)), ("reply", 5000, 6000, ((0, 0),))]),
+                      ("ffn 0 host", [])]}
+    path = bench_common.save_plot(tmp_path, "timeline.png", bench_spans.draw_timeline([panel, panel], "t"))
+    assert path.stat().st_size > 0
 
 
 @pytest.mark.timeout(90)

@@ -28,9 +28,57 @@ so replica 0 decides the stop (the batch after the one it starts past the deadli
 publishes it through the store; every replica reads that flag once per batch under both
 schedules (equal overhead).
 
+Solo (async launch only, after each measured phase): each replica in turn runs alone for
+``--solo-duration`` seconds (one warm-up batch first) while the others wait at a store barrier,
+reading the stop flag once per batch like the measured phase. That is the replica's own pace
+with the FFN ranks serving nobody else: the FFN is not saturated by the other replicas.
+
 Reported per (workload, schedule): tokens/s = Σ over replicas of tokens / own measured wall
-time; per-replica median (and p90) batch latency; the async/lockstep ratio per workload with
-the shared DESIGN.md §10 targets (>= 1.9x skewed, >= 0.97x uniform), reported, never asserted.
+time; per replica its tokens/s and batch latency p50/p90/p99; per FFN rank its busy fraction
+and the items waiting at it (below); the async/lockstep ratio per workload with the shared
+DESIGN.md §10 targets (>= 1.9x skewed, >= 0.97x uniform), reported, never asserted.
+
+Ideal async/lockstep ratio (per workload; :func:`ideal_ratio`). With ``n_a`` tokens per
+batch of replica ``a``, ``s_a`` its mean solo batch time and ``l_a`` its mean batch time
+under lockstep (all replicas run the same number of lockstep batches, so every ``l_a`` is the
+slowest replica's pace plus what lockstep adds: the merged FFN batch, the waits)::
+
+    ideal = (Σ_a n_a / s_a) / (Σ_a n_a / l_a)
+
+The denominator IS the measured lockstep tokens/s (Σ_a tokens / own wall time), the numerator
+is the tokens/s async would reach if every replica kept its solo pace. It is an upper bound
+of the achieved ratio because async tokens/s = Σ_a n_a / t_a with ``t_a`` the replica's mean
+async batch time, and running next to the other replicas can only add contention (queueing
+at the FFN ranks, shared SMs / cores / memory bandwidth): ``t_a >= s_a`` (up to measurement
+noise). ``achieved_fraction`` = achieved ratio / ideal = async tokens/s / ideal async tokens/s
+(the lockstep measurement cancels). The issue's target: >= 0.9 at every skew.
+
+FFN-side statistics (``FFNWorker(recorder=bench_spans.FFNStatsRecorder)``, taken in the
+measured window = the time every replica was inside its measured batches):
+- busy fraction: time the FFN rank spent computing compute batches (from before the expert
+  call to before the first reply; CUDA events on its stream on cuda, ``perf_counter_ns`` on
+  the host backend) / window length; mean over the FFN ranks in the table, per rank in JSON;
+- items waiting: at every item the FFN rank took from its window, the items that had arrived
+  and were not taken yet (``path.pending_arrivals()``) plus the items it held unserved
+  (lockstep: waiting for the other replicas' same layer); mean and max. Sampling it costs a
+  small device read-back per item on cuda with device polling (tens of µs).
+
+``--timeline``: the measured batches of every Attention rank are recorded as spans (attention
+= norm, QKV, attention, O, router and gate; dispatch = ``send_attn_output``; combine =
+``recv_ffn_output``, split into ``wait`` until the FFN's reply of that layer landed and the
+combine proper; CUDA events on the current stream on cuda, ``perf_counter_ns`` on the host
+backend), and every FFN rank records wait (host: polling for an arrival), compute and reply
+spans. The ranks return their spans with their results (``afd_cupy.launch``'s result
+channel); the parent cuts, per (schedule, workload), a window of ``--timeline-layers`` layers of
+replica 0 starting at its second measured batch and writes ``bench_afd_timeline.json`` and
+``bench_afd_timeline.png``. A timeline run records more than a plain one (the Attention
+marks, the FFN's wait and reply spans with their tags), so its numbers carry that small cost.
+
+Sweep (``--sweep``): for each placement of ``--sweep-placements`` (one Attention:FFN SM split
+each, ``GPU[:SM percent]`` per rank; on the host backend they are only labels) one async and
+one lockstep launch, each with one phase per skew of ``--sweep-skews`` (replica 0:
+``--long-len`` tokens, the others ``--long-len // skew``); writes ``bench_afd_sweep.json`` and
+``bench_afd_sweep.png`` (achieved and ideal async/lockstep vs skew, one colour per split).
 
 GPU placement: with at least A+F GPUs, one process per GPU. On fewer GPUs every process runs
 on GPU 0 under CUDA MPS (start it first; tools/gpu_suite.sh does) with
@@ -42,6 +90,8 @@ On the host backend it runs at a tiny size (hidden 64, 2 layers, short sequences
 
     python3 tools/bench_afd.py --quick --out OUT        # GPU (< 4 min on one H200, MPS)
     python3 tools/bench_afd.py --quick --backend host
+    python3 tools/bench_afd.py --quick --timeline --out OUT
+    python3 tools/bench_afd.py --quick --sweep --sweep-placements 0:50,0:50,1 0:25,0:25,0:50
 """
 from __future__ import annotations
 
@@ -55,6 +105,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_common as bc  # noqa: E402
+import bench_spans as spans  # noqa: E402
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig  # noqa: E402
 from afd_cupy.launch import launch, parse_placement  # noqa: E402
 from afd_cupy.wire import window_size_hint  # noqa: E402
@@ -112,6 +163,9 @@ class Spec:
     peer_timeout_s: float = 120.0
     seed: int = 0
     placement: tuple = ()  # one afd_cupy.launch.Placement per rank, or () for the default split
+    solo_duration_s: float = 0.0  # async: each replica alone after each phase (0: no solo runs)
+    timeline: bool = False  # record every rank's spans in the measured batches
+    ffn_stats: bool = True  # FFNWorker(recorder=...): busy fraction, items waiting
 
     def model(self) -> ModelConfig:
         d = self.dims
@@ -174,11 +228,13 @@ def _ffn(conn, spec: Spec, ffn_rank: int, device) -> dict:
         shared.append(moe.ExpertWeights(w13=_randn((1, 2 * inter, d.hidden), d.hidden, device, gen),
                                         w2=_randn((1, d.hidden, inter), inter, device, gen), num_experts=1)
                       if d.shared else None)
-    worker = FFNWorker(conn, experts, shared if d.shared else None, schedule=spec.schedule)
+    recorder = spans.FFNStatsRecorder(device, timeline=spec.timeline) if spec.ffn_stats else None
+    worker = FFNWorker(conn, experts, shared if d.shared else None, schedule=spec.schedule,
+                       recorder=recorder)
     start = time.monotonic()
     worker.run()
     return {"role": "ffn", "rank": ffn_rank, "served": worker.num_served, "batches": worker.num_batches,
-            "seconds": time.monotonic() - start}
+            "seconds": time.monotonic() - start, "stats": recorder.result() if recorder else None}
 
 
 class AttentionReplica:
@@ -218,14 +274,25 @@ class AttentionReplica:
         return normed, F.linear(normed, self.layers[layer_idx]["wgate"])
 
 
-def _batch(conn, replica: AttentionReplica, x, lengths) -> None:
-    """All layers of one batch; one synchronization at the end (raises latched errors)."""
+def _batch(conn, replica: AttentionReplica, x, lengths, recorder=None, batch_idx: int = 0) -> None:
+    """All layers of one batch; one synchronization at the end (raises latched errors).
+
+    ``recorder`` (a ``bench_spans.SpanRecorder``, timeline runs): attention, dispatch and
+    combine spans of every layer on its stream lane, tagged ``(batch_idx, layer)``."""
     for layer_idx in range(replica.dims.layers):
+        if recorder is not None:
+            recorder.mark(spans.STREAM, "attention", (batch_idx, layer_idx))
         x = x + replica.attention(layer_idx, x, lengths)
         normed, logits = replica.router_input(layer_idx, x)
         weights, ids = conn.select_experts(logits)
+        if recorder is not None:
+            recorder.mark(spans.STREAM, "dispatch", (batch_idx, layer_idx))
         handle = conn.send_attn_output(normed, ids, weights, layer_idx)
+        if recorder is not None:
+            recorder.mark(spans.STREAM, "combine", (batch_idx, layer_idx))
         x = x + conn.recv_ffn_output(handle, blocking=False)
+    if recorder is not None:
+        recorder.mark(spans.STREAM, None)
     conn.check_errors()
 
 
@@ -238,30 +305,71 @@ def _attention(conn, spec: Spec, attn_rank: int, device, store) -> dict:
         lengths = workload.lengths[attn_rank]
         gen = torch.Generator(device=device).manual_seed(spec.seed + 17 * attn_rank + phase_idx)
         x = torch.randn(sum(lengths), spec.dims.hidden, device=device, generator=gen).to(torch.bfloat16)
-        phases.append(_phase(conn, spec, attn_rank, store, phase_idx, workload, replica, x, lengths))
+        phases.append(_phase(conn, spec, attn_rank, store, phase_idx, workload, replica, x, lengths, device))
     return {"role": "attention", "rank": attn_rank, "device": bc.device_name(device), "phases": phases}
 
 
 def _phase(conn, spec: Spec, attn_rank: int, store, phase_idx: int, workload: Workload, replica, x,
-           lengths) -> dict:
+           lengths, device) -> dict:
     from afd_cupy.store import store_barrier
 
     for _ in range(spec.warmup_batches):
         _batch(conn, replica, x, lengths)
+    recorder = spans.SpanRecorder(device) if spec.timeline else None
     store_barrier(store, f"bench_afd/phase{phase_idx}", spec.num_attn, spec.peer_timeout_s)
     stopper = _Stopper(spec, attn_rank, store, phase_idx)
     latencies_ms = []
-    start = time.monotonic()
+    start_ns = time.perf_counter_ns()
     while not stopper.should_stop(len(latencies_ms)):
-        begin = time.monotonic()
-        _batch(conn, replica, x, lengths)
-        latencies_ms.append((time.monotonic() - begin) * 1e3)
-    elapsed = time.monotonic() - start
-    num_tokens = len(latencies_ms) * sum(lengths)
-    return {"workload": workload.name, "lengths": list(lengths), "batches": len(latencies_ms),
-            "tokens": num_tokens, "elapsed_s": elapsed,
-            "tokens_per_s": num_tokens / elapsed if elapsed > 0 else float("nan"),
-            "latency_median_ms": bc.median(latencies_ms), "latency_p90_ms": bc.percentile(latencies_ms, 90)}
+        begin = time.perf_counter_ns()
+        _batch(conn, replica, x, lengths, recorder, len(latencies_ms))
+        latencies_ms.append((time.perf_counter_ns() - begin) / 1e6)
+    end_ns = time.perf_counter_ns()
+    elapsed = (end_ns - start_ns) / 1e9
+    row = {"workload": workload.name, "lengths": list(lengths),
+           **_pace(latencies_ms, elapsed, sum(lengths)), "window_ns": (start_ns, end_ns)}
+    if recorder is not None:
+        row["lanes"] = recorder.finish()
+    if spec.schedule == "async" and spec.solo_duration_s > 0:
+        row["solo"] = _solo(conn, spec, attn_rank, store, phase_idx, replica, x, lengths)
+    return row
+
+
+def _pace(latencies_ms: list, elapsed_s: float, tokens_per_batch: int) -> dict:
+    """Batches, tokens, tokens/s and the batch-time statistics of one measured run."""
+    num_tokens = len(latencies_ms) * tokens_per_batch
+    return {"batches": len(latencies_ms), "tokens": num_tokens, "elapsed_s": elapsed_s,
+            "tokens_per_s": num_tokens / elapsed_s if elapsed_s > 0 else float("nan"),
+            "batch_mean_ms": elapsed_s * 1e3 / len(latencies_ms) if latencies_ms else float("nan"),
+            "latency_median_ms": bc.median(latencies_ms), "latency_p50_ms": bc.percentile(latencies_ms, 50),
+            "latency_p90_ms": bc.percentile(latencies_ms, 90), "latency_p99_ms": bc.percentile(latencies_ms, 99)}
+
+
+SOLO_MIN_BATCHES = 3
+
+
+def _solo(conn, spec: Spec, attn_rank: int, store, phase_idx: int, replica, x, lengths) -> dict:
+    """Every replica alone in turn (module doc); returns this replica's solo pace."""
+    from afd_cupy.store import store_barrier
+
+    flag_key = f"bench_afd/stop_flag/{phase_idx}"
+    mine = None
+    for turn in range(spec.num_attn):
+        store_barrier(store, f"bench_afd/solo{phase_idx}", spec.num_attn, spec.peer_timeout_s)
+        if turn != attn_rank:
+            continue
+        _batch(conn, replica, x, lengths)  # warm-up after the wait at the barrier
+        latencies_ms = []
+        start_ns = time.perf_counter_ns()
+        deadline = start_ns + int(spec.solo_duration_s * 1e9)
+        while len(latencies_ms) < SOLO_MIN_BATCHES or time.perf_counter_ns() < deadline:
+            store.add(flag_key, 0)  # the measured phase's per-batch store read
+            begin = time.perf_counter_ns()
+            _batch(conn, replica, x, lengths)
+            latencies_ms.append((time.perf_counter_ns() - begin) / 1e6)
+        mine = _pace(latencies_ms, (time.perf_counter_ns() - start_ns) / 1e9, sum(lengths))
+    store_barrier(store, f"bench_afd/solo{phase_idx}", spec.num_attn, spec.peer_timeout_s)
+    return mine
 
 
 class _Stopper:
@@ -307,15 +415,29 @@ def make_workloads(args, num_attn: int) -> tuple:
     return tuple(chosen[name] for name in args.workloads)
 
 
+def sweep_workloads(long_len: int, skews, requests: int, num_attn: int) -> tuple:
+    """One workload per skew: replica 0 gets ``long_len``-token requests, the others
+    ``long_len // skew`` (the token ratio between replica 0 and the others is ``skew``)."""
+    out = []
+    for skew in skews:
+        short = long_len // skew
+        if short < 1:
+            raise ValueError(f"--long-len {long_len} is too short for a {skew}x skew")
+        out.append(Workload(f"skew{skew}x", tuple((long_len if a == 0 else short,) * requests
+                                                  for a in range(num_attn))))
+    return tuple(out)
+
+
 QUICK_DEFAULTS = {  # backend -> defaults applied when the flag is not given
     "cuda": dict(layers=4, duration=6.0, warmup=3, attn=2, ffn=2, long_len=4096, short_len=256,
                  uniform_len=2048, requests=1, hidden=2048, heads=16, experts=64, top_k=6, shared=2,
-                 intermediate=1408),
+                 intermediate=1408, solo_duration=2.0),
     "host": dict(layers=2, duration=1.0, warmup=1, attn=2, ffn=1, long_len=64, short_len=8,
                  uniform_len=32, requests=1, hidden=64, heads=4, experts=8, top_k=2, shared=1,
-                 intermediate=32),
+                 intermediate=32, solo_duration=0.3),
 }
-FULL_OVERRIDES = {"cuda": dict(layers=26, duration=30.0, warmup=3), "host": dict(duration=3.0)}
+FULL_OVERRIDES = {"cuda": dict(layers=26, duration=30.0, warmup=3, solo_duration=10.0),
+                  "host": dict(duration=3.0, solo_duration=1.0)}
 
 
 def apply_defaults(args, backend: str):
@@ -346,6 +468,19 @@ def mps_split(args, backend: str, world: int) -> dict:
             "ffn_pct": ffn_pct, "placement": placement}
 
 
+def placement_split(args, backend: str, world: int, text: str | None) -> tuple[tuple, dict]:
+    """(one Placement per rank or (), the ``mps`` record) for a ``--placement`` string.
+
+    A placement replaces the per-role MPS defaults: a rank placed without an SM share runs
+    unlimited (e.g. the FFN alone on GPU 1 in ``0:50,0:50,1``), not at ``100 // (A + F)``."""
+    mps = mps_split(args, backend, world)
+    placement = tuple(parse_placement(text, world)) if text else ()
+    if placement:
+        mps.update(attention_pct=None, ffn_pct=None, placement="; ".join(
+            f"rank {r} ({'attention' if r < args.attn else 'ffn'}): {p}" for r, p in enumerate(placement)))
+    return placement, mps
+
+
 def run_schedule(spec: Spec, timeout_s: float) -> list:
     world = spec.num_attn + spec.num_ffn
     window = window_size_hint(spec.model(), TopologyConfig(spec.num_attn, spec.num_ffn), ConnectorConfig())
@@ -357,14 +492,19 @@ def run_schedule(spec: Spec, timeout_s: float) -> list:
 
 
 def summarize(spec: Spec, results: list) -> list:
-    """One row per workload of this schedule's launch."""
-    attn = [r for r in results if r["role"] == "attention"]
-    ffn = [r for r in results if r["role"] == "ffn"]
+    """One row per workload of this schedule's launch (the ranks' spans are left out)."""
+    attn = sorted((r for r in results if r["role"] == "attention"), key=lambda r: r["rank"])
+    ffn = sorted((r for r in results if r["role"] == "ffn"), key=lambda r: r["rank"])
     rows = []
     for phase_idx, workload in enumerate(spec.workloads):
-        replicas = [dict(rank=r["rank"], **r["phases"][phase_idx]) for r in attn]
+        replicas = []
+        for r in attn:
+            phase = {k: v for k, v in r["phases"][phase_idx].items() if k not in ("lanes", "window_ns")}
+            replicas.append(dict(rank=r["rank"], tokens_per_batch=sum(phase["lengths"]), **phase))
+        window = spans.common_window([r["phases"][phase_idx]["window_ns"] for r in attn])
         rows.append({"schedule": spec.schedule, "workload": workload.name,
-                     "tokens_per_s": sum(r["tokens_per_s"] for r in replicas), "replicas": replicas})
+                     "tokens_per_s": sum(r["tokens_per_s"] for r in replicas), "replicas": replicas,
+                     "ffn": ffn_phase_stats(ffn, window)})
     served = sum(r["served"] for r in ffn)
     batches = sum(r["batches"] for r in ffn)
     for row in rows:  # FFN counters span the whole launch (all workloads)
@@ -373,17 +513,144 @@ def summarize(spec: Spec, results: list) -> list:
     return rows
 
 
-def ratios_and_targets(rows: list) -> tuple[dict, list]:
-    ratios, targets = {}, []
+def ffn_phase_stats(ffn_results: list, window: tuple) -> dict:
+    """Busy fraction and items waiting of every FFN rank inside ``window`` (module doc)."""
+    length_s = (window[1] - window[0]) / 1e9
+    per_rank = []
+    for r in ffn_results:
+        stats = r["stats"]
+        if stats is None:  # --no-ffn-stats
+            continue
+        queue = spans.queue_stats(stats["queue_ns"], stats["queue_items"], window)
+        per_rank.append({"rank": r["rank"], "busy_fraction": spans.busy_fraction(stats["compute_ns"], window),
+                         "items_waiting_mean": queue["mean"], "items_waiting_max": queue["max"],
+                         "items_taken": queue["samples"]})
+    nan = float("nan")
+    sampled = [r for r in per_rank if r["items_taken"]]
+    taken = sum(r["items_taken"] for r in sampled)
+    return {"window_s": length_s,
+            "busy_fraction": sum(r["busy_fraction"] for r in per_rank) / len(per_rank) if per_rank else nan,
+            "items_waiting_mean": sum(r["items_waiting_mean"] * r["items_taken"] for r in sampled) / taken
+                                  if taken else nan,
+            "items_waiting_max": max((r["items_waiting_max"] for r in sampled), default=None),
+            "items_per_s": taken / length_s if per_rank and length_s > 0 else nan, "per_rank": per_rank}
+
+
+def ideal_ratio(tokens_per_batch, solo_batch_s, lockstep_batch_s) -> float:
+    """The ideal async/lockstep tokens/s ratio (module doc): ``(Σ_a n_a / s_a) / (Σ_a n_a / l_a)``
+    for ``n_a`` tokens per batch of replica ``a``, ``s_a`` its mean batch time alone (solo) and
+    ``l_a`` its mean batch time under lockstep. Raises ValueError for mismatched or
+    non-positive inputs."""
+    if not len(tokens_per_batch) == len(solo_batch_s) == len(lockstep_batch_s) or not tokens_per_batch:
+        raise ValueError("one tokens_per_batch, solo_batch_s and lockstep_batch_s entry per replica")
+    if min(list(tokens_per_batch) + list(solo_batch_s) + list(lockstep_batch_s)) <= 0:
+        raise ValueError("tokens per batch and batch times must be > 0")
+    solo = sum(n / s for n, s in zip(tokens_per_batch, solo_batch_s))
+    lockstep = sum(n / t for n, t in zip(tokens_per_batch, lockstep_batch_s))
+    return solo / lockstep
+
+
+def compare(rows: list) -> dict:
+    """Per workload measured under both schedules: the achieved ratio and, when the async
+    launch ran solo batches, the ideal ratio, the achieved fraction and their inputs."""
+    out = {}
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        by_schedule = {r["schedule"]: r for r in rows if r["workload"] == workload}
+        if not {"async", "lockstep"} <= by_schedule.keys() or by_schedule["lockstep"]["tokens_per_s"] <= 0:
+            continue
+        fast, slow = by_schedule["async"], by_schedule["lockstep"]
+        entry = {"ratio": fast["tokens_per_s"] / slow["tokens_per_s"]}
+        solo = [rep.get("solo") for rep in fast["replicas"]]
+        if solo and all(solo):
+            tokens = [rep["tokens_per_batch"] for rep in fast["replicas"]]
+            solo_ms = [s["batch_mean_ms"] for s in solo]
+            lockstep_ms = [rep["batch_mean_ms"] for rep in slow["replicas"]]
+            ideal = ideal_ratio(tokens, [m / 1e3 for m in solo_ms], [m / 1e3 for m in lockstep_ms])
+            entry.update(ideal=ideal, achieved_fraction=entry["ratio"] / ideal, tokens_per_batch=tokens,
+                         solo_batch_ms=solo_ms, async_batch_ms=[rep["batch_mean_ms"] for rep in fast["replicas"]],
+                         lockstep_batch_ms=lockstep_ms,
+                         ideal_async_tokens_per_s=sum(n * 1e3 / m for n, m in zip(tokens, solo_ms)),
+                         lockstep_vs_slowest_solo=max(lockstep_ms) / max(solo_ms))
+        out[workload] = entry
+    return out
+
+
+IDEAL_FRACTION_TARGET = 0.9
+
+
+def ratios_and_targets(rows: list, comparison: dict | None = None) -> tuple[dict, list]:
+    comparison = compare(rows) if comparison is None else comparison
+    ratios = {w: e["ratio"] for w, e in comparison.items()}
+    targets = []
     for workload in sorted({r["workload"] for r in rows}):
-        by_schedule = {r["schedule"]: r["tokens_per_s"] for r in rows if r["workload"] == workload}
-        if {"async", "lockstep"} <= by_schedule.keys() and by_schedule["lockstep"] > 0:
-            ratios[workload] = by_schedule["async"] / by_schedule["lockstep"]
         goal = TARGETS.get(workload)
         if goal is not None:
             targets.append(bc.target_row(f"async / lockstep tokens/s, {workload} mix", f">= {goal}x",
                                          ratios.get(workload), "x", lambda v, g=goal: v >= g))
+    for workload in sorted({r["workload"] for r in rows}):
+        targets.append(bc.target_row(f"async / lockstep, fraction of ideal, {workload}",
+                                     f">= {IDEAL_FRACTION_TARGET}",
+                                     comparison.get(workload, {}).get("achieved_fraction"), "",
+                                     lambda v: v >= IDEAL_FRACTION_TARGET, note="issue #15"))
     return ratios, targets
+
+
+def timeline_panels(spec: Spec, results: list, layers: int) -> list:
+    """Per workload of a ``spec.timeline`` launch: the spans of every rank (Attention: stream
+    lane with the combine split into wait + combine; FFN: host and stream lanes) in a window
+    of ``layers`` layers of replica 0 from its second measured batch."""
+    attn = sorted((r for r in results if r["role"] == "attention"), key=lambda r: r["rank"])
+    ffn = sorted((r for r in results if r["role"] == "ffn"), key=lambda r: r["rank"])
+    ffn_lanes = [r["stats"]["lanes"] if r["stats"] else {} for r in ffn]
+    panels = []
+    for phase_idx, workload in enumerate(spec.workloads):
+        window = timeline_window(attn[0]["phases"][phase_idx]["lanes"].get(spans.STREAM, []), layers)
+        if window is None:
+            continue
+        rows = []
+        for r in attn:
+            lane = r["phases"][phase_idx]["lanes"].get(spans.STREAM, [])
+            split = spans.split_waits(lane, r["rank"], [lanes.get(spans.STREAM, []) for lanes in ffn_lanes])
+            rows.append((f"attn {r['rank']} {spans.STREAM}", spans.clip(split, window)))
+        for r, lanes in zip(ffn, ffn_lanes):
+            for name in (spans.HOST, spans.STREAM):
+                rows.append((f"ffn {r['rank']} {name}", spans.clip(lanes.get(name, []), window)))
+        panels.append({"title": f"{spec.schedule} / {workload.name} "
+                                f"(lengths {[list(l) for l in workload.lengths]})",
+                       "schedule": spec.schedule, "workload": workload.name, "window_ns": window,
+                       "rows": rows})
+    return panels
+
+
+def timeline_window(lane: list, layers: int) -> tuple | None:
+    """(begin, end) ns of ``layers`` layers of an Attention stream lane (tags ``(batch, layer)``),
+    from the first layer of its second batch (of its first when it ran only one)."""
+    starts = [i for i, (name, _, _, tag) in enumerate(lane) if name == "attention" and tag[1] == 0]
+    if not starts:
+        return None
+    first = starts[1] if len(starts) > 1 else starts[0]
+    begin, end, seen = lane[first][1], lane[first][2], 0
+    for name, _, span_end, _ in lane[first:]:
+        end = span_end
+        if name == "combine":
+            seen += 1
+            if seen == layers:
+                break
+    return begin, end
+
+
+def timeline_json(panels: list) -> list:
+    """Panels with span times in µs from the window's start (the JSON form)."""
+    out = []
+    for panel in panels:
+        origin = panel["window_ns"][0]
+        out.append({"title": panel["title"], "schedule": panel["schedule"], "workload": panel["workload"],
+                    "window_us": (panel["window_ns"][1] - origin) / 1e3,
+                    "rows": [{"label": label, "spans": [[name, (b - origin) / 1e3, (e - origin) / 1e3,
+                                                         list(tag) if isinstance(tag, tuple) else tag]
+                                                        for name, b, e, tag in lane]}
+                             for label, lane in panel["rows"]]})
+    return out
 
 
 def draw(rows: list, title: str):
@@ -409,6 +676,29 @@ def draw(rows: list, title: str):
     return _draw
 
 
+def draw_sweep(points: list, title: str):
+    """``draw(plt)``: async/lockstep achieved (solid) and ideal (dashed) vs skew, one colour
+    per split."""
+    def _draw(plt):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for index, split in enumerate(dict.fromkeys(p["split"] for p in points)):
+            mine = sorted((p for p in points if p["split"] == split), key=lambda p: p["skew"])
+            color = f"C{index}"
+            skews = [p["skew"] for p in mine]
+            ax.plot(skews, [p["ratio"] for p in mine], "o-", color=color, label=f"{split}: achieved")
+            ideal = [(p["skew"], p["ideal"]) for p in mine if p.get("ideal") is not None]
+            if ideal:
+                ax.plot(*zip(*ideal), "x--", color=color, label=f"{split}: ideal")
+        ax.axhline(1.0, color="gray", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        skews = sorted({p["skew"] for p in points})
+        ax.set_xticks(skews, [f"{s}x" for s in skews])
+        ax.set(xlabel="token skew (replica 0 : the others)", ylabel="async / lockstep tokens/s")
+        ax.legend(fontsize=7)
+        ax.set_title(title, fontsize=8)
+    return _draw
+
+
 def print_summary(report: dict) -> None:
     model = report["model"]
     print()
@@ -419,18 +709,37 @@ def print_summary(report: dict) -> None:
     print(f"model: {model['layers']} layers, hidden {model['hidden']}, {model['heads']} heads, "
           f"{model['experts']} experts top-{model['top_k']}, {model['shared']} shared, inter "
           f"{model['intermediate']}; {report['topology']}; {report['mps']['placement']}; "
-          f"{report['duration_s']} s per phase")
+          f"{report['duration_s']} s per phase, solo {report['solo_duration_s']} s per replica")
     for w in report["workloads"]:
         print(f"workload {w['name']}: request lengths per replica {w['lengths']}")
-    rows = []
-    for r in report["results"]:
-        for rep in r["replicas"]:
-            rows.append((r["workload"], r["schedule"], r["tokens_per_s"], rep["rank"], rep["batches"],
-                         rep["tokens_per_s"], rep["latency_median_ms"], rep["latency_p90_ms"]))
-    print(bc.format_table(("workload", "schedule", "total tok/s", "replica", "batches", "replica tok/s",
-                           "median ms", "p90 ms"), rows))
+    print(results_tables(report["results"], report["comparison"]))
     print()
     print(bc.targets_table(report["targets"]))
+
+
+def results_tables(results: list, comparison: dict) -> str:
+    """Per replica, per FFN side, and the ideal-ratio table."""
+    rows = []
+    for r in results:
+        for rep in r["replicas"]:
+            solo = rep.get("solo")
+            rows.append((r["workload"], r["schedule"], r["tokens_per_s"], rep["rank"], rep["batches"],
+                         rep["tokens_per_s"], solo["tokens_per_s"] if solo else None, rep["latency_p50_ms"],
+                         rep["latency_p90_ms"], rep["latency_p99_ms"]))
+    parts = [bc.format_table(("workload", "schedule", "total tok/s", "replica", "batches", "replica tok/s",
+                              "solo tok/s", "p50 ms", "p90 ms", "p99 ms"), rows), ""]
+    ffn_rows = [(r["workload"], r["schedule"], r["ffn"]["busy_fraction"], r["ffn"]["items_waiting_mean"],
+                 r["ffn"]["items_waiting_max"], r["ffn"]["items_per_s"]) for r in results]
+    parts += [bc.format_table(("workload", "schedule", "FFN busy", "waiting mean", "waiting max",
+                               "FFN items/s"), ffn_rows), ""]
+    ideal_rows = [(w, e["ratio"], e.get("ideal"), e.get("achieved_fraction"),
+                   " / ".join(f"{m:.3g}" for m in e.get("solo_batch_ms", [])),
+                   " / ".join(f"{m:.3g}" for m in e.get("async_batch_ms", [])),
+                   " / ".join(f"{m:.3g}" for m in e.get("lockstep_batch_ms", [])))
+                  for w, e in comparison.items()]
+    parts.append(bc.format_table(("workload", "async/lockstep", "ideal", "fraction of ideal",
+                                  "solo batch ms", "async batch ms", "lockstep batch ms"), ideal_rows))
+    return "\n".join(parts)
 
 
 def parse_args(argv=None):
@@ -447,15 +756,78 @@ def parse_args(argv=None):
             ("hidden", int, None), ("heads", int, None), ("experts", int, None), ("top-k", int, None),
             ("shared", int, "shared experts"), ("intermediate", int, "expert intermediate size"),
             ("mps-attn-pct", int, "MPS SM share of each Attention process (one GPU)"),
-            ("mps-ffn-pct", int, "MPS SM share of each FFN process (one GPU)")):
+            ("mps-ffn-pct", int, "MPS SM share of each FFN process (one GPU)"),
+            ("solo-duration", float, "async: seconds each replica runs alone after each phase, for "
+                                     "the ideal ratio (0: skip; quick: 2 s cuda, 0.3 s host)")):
         parser.add_argument(f"--{name}", type=kind, default=None, help=text)
     parser.add_argument("--placement", default=None,
                         help="per rank GPU[:SM percent], Attention ranks first, e.g. '0:50,0:50,1' "
                              "(both replicas on GPU 0 at half its SMs, the FFN on GPU 1); "
                              "overrides --mps-attn-pct/--mps-ffn-pct")
+    parser.add_argument("--no-ffn-stats", dest="ffn_stats", action="store_false",
+                        help="run the FFN ranks without the recorder (no busy fraction / items waiting)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="record every rank's spans; write bench_afd_timeline.json/.png")
+    parser.add_argument("--timeline-layers", type=int, default=4, help="layers of replica 0 in the timeline")
+    parser.add_argument("--sweep", action="store_true",
+                        help="skew x split sweep (--sweep-skews, --sweep-placements); bench_afd_sweep.json/.png")
+    parser.add_argument("--sweep-skews", type=int, nargs="+", default=[1, 4, 16],
+                        help="token ratios replica 0 : the others (replica 0 keeps --long-len)")
+    parser.add_argument("--sweep-placements", nargs="+", default=None,
+                        help="one --placement string per Attention:FFN split (default: --placement, "
+                             "else the default split)")
     parser.add_argument("--max-batches", type=int, default=100_000)
     parser.add_argument("--timeout", type=float, default=None, help="per launch, seconds")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.sweep and args.timeline:
+        parser.error("--timeline records the plain run; run it without --sweep")
+    if args.timeline and not args.ffn_stats:
+        parser.error("--timeline needs the FFN recorder (drop --no-ffn-stats)")
+    return args
+
+
+def run_launches(args, backend: str, dims: Dims, workloads: tuple, placement: tuple, mps: dict,
+                 timeline: bool = False) -> tuple[list, set, list]:
+    """One launch per schedule: (rows, Attention devices, timeline panels)."""
+    solo = args.solo_duration * args.attn
+    timeout = args.timeout or (120.0 + len(workloads) * (args.duration * 3 + solo * 2 + 60.0))
+    rows, devices, panels = [], set(), []
+    specs = [Spec(backend, args.poll_mode, schedule, dims, args.attn, args.ffn, workloads, args.duration,
+                  args.warmup, args.max_batches, mps["attention_pct"], mps["ffn_pct"],
+                  placement=placement, solo_duration_s=args.solo_duration, timeline=timeline,
+                  ffn_stats=args.ffn_stats)
+             for schedule in args.schedules]
+    for spec in bc.progress(specs, "bench_afd", lambda s: f"schedule={s.schedule} {args.attn}A{args.ffn}F"):
+        results = run_schedule(spec, timeout)
+        devices.update(r["device"] for r in results if r["role"] == "attention")
+        rows += summarize(spec, results)
+        if timeline:
+            panels += timeline_panels(spec, results, args.timeline_layers)
+    return rows, devices, panels
+
+
+def base_report(args, backend: str, dims: Dims, mps: dict, devices: set) -> dict:
+    return {"tool": "bench_afd", "backend": backend, "quick": args.quick,
+            "label": HOST_LABEL if backend == "host" else "", "device": ", ".join(sorted(devices)),
+            "run": bc.run_info(backend), "poll_mode": args.poll_mode if backend == "cuda" else "host",
+            "model": dataclasses.asdict(dims), "topology": f"{args.attn}A{args.ffn}F", "mps": mps,
+            "duration_s": args.duration, "warmup_batches": args.warmup, "solo_duration_s": args.solo_duration,
+            "method": METHOD}
+
+
+METHOD = {"tokens_per_s": "sum over replicas of tokens / own measured wall time",
+          "latency": "wall time of one batch (all layers, one sync at the end); p50/p90/p99 nearest rank",
+          "stop": "async: own deadline; lockstep: same batch count, decided by replica 0",
+          "solo": "async launch, after each phase: each replica alone in turn (others at a barrier), "
+                  "one warm-up batch, then --solo-duration s; batch_mean_ms = wall / batches",
+          "ideal": "(sum_a n_a / solo_a) / (sum_a n_a / lockstep_a), n_a tokens per batch, solo_a / "
+                   "lockstep_a mean batch times; an upper bound of async/lockstep (a replica next to "
+                   "the others is no faster than alone)",
+          "achieved_fraction": "(async/lockstep) / ideal = async tokens/s / ideal async tokens/s",
+          "ffn_busy_fraction": "FFN compute-batch time (expert call start to first reply start; CUDA "
+                               "events on cuda) inside the window every replica was measuring / window",
+          "ffn_items_waiting": "per item taken: arrived-not-taken items in the window + items held "
+                               "unserved (lockstep), mean/max over the items taken in the window"}
 
 
 def main(argv=None) -> int:
@@ -464,42 +836,90 @@ def main(argv=None) -> int:
     args = apply_defaults(args, backend)
     dims = Dims(layers=args.layers, hidden=args.hidden, heads=args.heads, experts=args.experts,
                 top_k=args.top_k, shared=args.shared, intermediate=args.intermediate)
+    if args.sweep:
+        return run_sweep(args, backend, dims)
     workloads = make_workloads(args, args.attn)
     world = args.attn + args.ffn
-    mps = mps_split(args, backend, world)
-    placement = tuple(parse_placement(args.placement, world)) if args.placement else ()
-    if placement:
-        mps["placement"] = "; ".join(f"rank {r} ({'attention' if r < args.attn else 'ffn'}): {p}"
-                                     for r, p in enumerate(placement))
+    placement, mps = placement_split(args, backend, world, args.placement)
     print(f"placement: {mps['placement']}", flush=True)
-    timeout = args.timeout or (120.0 + len(workloads) * (args.duration * 3 + 60.0))
     started = time.perf_counter()
-    rows, devices = [], set()
-    specs = [Spec(backend, args.poll_mode, schedule, dims, args.attn, args.ffn, workloads, args.duration,
-                  args.warmup, args.max_batches, mps["attention_pct"], mps["ffn_pct"],
-                  placement=placement)
-             for schedule in args.schedules]
-    for spec in bc.progress(specs, "bench_afd", lambda s: f"schedule={s.schedule} {args.attn}A{args.ffn}F"):
-        results = run_schedule(spec, timeout)
-        devices.update(r["device"] for r in results if r["role"] == "attention")
-        rows += summarize(spec, results)
-    ratios, targets = ratios_and_targets(rows)
-    report = {"tool": "bench_afd", "backend": backend, "quick": args.quick,
-              "label": HOST_LABEL if backend == "host" else "", "device": ", ".join(sorted(devices)),
-              "run": bc.run_info(backend), "poll_mode": args.poll_mode if backend == "cuda" else "host",
-              "model": dataclasses.asdict(dims), "topology": f"{args.attn}A{args.ffn}F", "mps": mps,
+    rows, devices, panels = run_launches(args, backend, dims, workloads, placement, mps, args.timeline)
+    comparison = compare(rows)
+    ratios, targets = ratios_and_targets(rows, comparison)
+    report = {**base_report(args, backend, dims, mps, devices),
               "workloads": [{"name": w.name, "lengths": [list(l) for l in w.lengths]} for w in workloads],
-              "duration_s": args.duration, "warmup_batches": args.warmup,
-              "method": {"tokens_per_s": "sum over replicas of tokens / own measured wall time",
-                         "latency": "wall time of one batch (all layers, one sync at the end)",
-                         "stop": "async: own deadline; lockstep: same batch count, decided by replica 0"},
-              "results": rows, "ratios": ratios, "targets": targets,
+              "results": rows, "ratios": ratios, "comparison": comparison, "targets": targets,
               "wall_s": time.perf_counter() - started}
     json_path = bc.write_json(args.out, "bench_afd.json", report)
     title = f"afd_cupy bench_afd ({backend}, {report['device']}, {report['run']['commit']})"
     plot_path = bc.save_plot(args.out, "bench_afd.png", draw(rows, title))
     print(f"wrote {json_path}" + (f" and {plot_path}" if plot_path else "") + f" in {report['wall_s']:.1f} s")
+    if args.timeline:
+        timeline_path = bc.write_json(args.out, "bench_afd_timeline.json", {
+            "tool": "bench_afd", "backend": backend, "run": report["run"], "layers": args.timeline_layers,
+            "clocks": "perf_counter_ns of each rank (cuda: stream events mapped onto it)",
+            "panels": timeline_json(panels)})
+        png = bc.save_plot(args.out, "bench_afd_timeline.png", spans.draw_timeline(panels, title + " timeline"))
+        print(f"wrote {timeline_path}" + (f" and {png}" if png else ""))
     print_summary(report)
+    return 0
+
+
+def run_sweep(args, backend: str, dims: Dims) -> int:
+    """The skew x split sweep (module doc)."""
+    world = args.attn + args.ffn
+    workloads = sweep_workloads(args.long_len, args.sweep_skews, args.requests, args.attn)
+    splits = args.sweep_placements or [args.placement or ""]
+    started = time.perf_counter()
+    points, all_rows, devices, split_rows, mps = [], [], set(), [], None
+    for split in splits:
+        placement, mps = placement_split(args, backend, world, split)
+        label = split or "default"
+        print(f"split {label}: {mps['placement']}", flush=True)
+        split_rows.append({"label": label, "placement": mps["placement"]})
+        rows, used, _ = run_launches(args, backend, dims, workloads, placement, mps)
+        devices |= used
+        comparison = compare(rows)
+        for workload, skew in zip(workloads, args.sweep_skews):
+            entry = comparison.get(workload.name, {})
+            busy = {r["schedule"]: r["ffn"]["busy_fraction"] for r in rows if r["workload"] == workload.name}
+            waiting = {r["schedule"]: r["ffn"]["items_waiting_mean"] for r in rows
+                       if r["workload"] == workload.name}
+            points.append({"split": label, "skew": skew, "workload": workload.name,
+                           "lengths": [list(l) for l in workload.lengths], "ratio": entry.get("ratio"),
+                           "ideal": entry.get("ideal"), "achieved_fraction": entry.get("achieved_fraction"),
+                           "ffn_busy_fraction": busy, "ffn_items_waiting_mean": waiting})
+        all_rows += [dict(row, split=label) for row in rows]
+    targets = []
+    for p in points:
+        targets.append(bc.target_row(f"fraction of ideal, {p['split']}, {p['skew']}x",
+                                     f">= {IDEAL_FRACTION_TARGET}", p["achieved_fraction"], "",
+                                     lambda v: v >= IDEAL_FRACTION_TARGET, note="issue #15"))
+        if p["skew"] == 16:
+            busy = p["ffn_busy_fraction"].get("async")
+            targets.append(bc.target_row(f"async / lockstep, {p['split']}, 16x", ">= 1.8x", p["ratio"], "x",
+                                         lambda v: v >= 1.8, note="issue #15, where the FFN is not saturated"
+                                         + ("" if busy is None else f"; FFN busy {busy:.2f} (async)")))
+    report = {**base_report(args, backend, dims, mps, devices), "mode": "sweep",
+              "skews": list(args.sweep_skews), "splits": split_rows, "points": points,
+              "results": all_rows, "targets": targets, "wall_s": time.perf_counter() - started}
+    json_path = bc.write_json(args.out, "bench_afd_sweep.json", report)
+    title = (f"afd_cupy bench_afd sweep ({backend}, {report['device']}, {report['run']['commit']}; "
+             f"replica 0: {args.long_len} tokens/request)")
+    plot_path = bc.save_plot(args.out, "bench_afd_sweep.png", draw_sweep(points, title))
+    print(f"wrote {json_path}" + (f" and {plot_path}" if plot_path else "") + f" in {report['wall_s']:.1f} s")
+    print()
+    print(f"==== bench_afd sweep: backend={backend} commit={report['run']['commit']} "
+          f"device={report['device']} ====")
+    if report["label"]:
+        print(report["label"])
+    rows = [(p["split"], f"{p['skew']}x", p["ratio"], p["ideal"], p["achieved_fraction"],
+             p["ffn_busy_fraction"].get("async"), p["ffn_busy_fraction"].get("lockstep"),
+             p["ffn_items_waiting_mean"].get("async")) for p in points]
+    print(bc.format_table(("split", "skew", "async/lockstep", "ideal", "fraction of ideal", "FFN busy async",
+                           "FFN busy lockstep", "waiting async"), rows))
+    print()
+    print(bc.targets_table(targets))
     return 0
 
 

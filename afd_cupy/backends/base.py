@@ -142,6 +142,10 @@ class DataPath(Protocol):
     def wait_any(self, timeout_s: float) -> Optional[Arrival]:
         """Next arrival in this rank's window (fair over slots), or None after ``timeout_s``."""
 
+    def pending_arrivals(self) -> int:
+        """Messages that arrived in this rank's window and no ``wait_any`` has taken yet
+        (instrumentation: may synchronize a side stream; not for the hot path)."""
+
     def item_views(self, arrival: Arrival) -> ItemViews:
         """Zero-copy views of the dispatch in ``arrival``'s slot."""
 

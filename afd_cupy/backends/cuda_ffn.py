@@ -118,6 +118,16 @@ class CudaFFNSide:
         region, ring = divmod(slot, layout.ring_depth)
         return Arrival(region, ring, wire.decode_header(words, layout.expert_per_rank, layout))
 
+    def pending_arrivals(self) -> int:
+        """Own slots whose flag differs from its last-seen value. Device polling: two tiny
+        kernels on the poll stream (where ``wait_any`` updates ``last_seen``) and a read-back
+        that synchronizes that stream only (tens of µs; instrumentation, not the hot path)."""
+        self._use_device()
+        if self.host_polling is not None:
+            return self.host_polling.num_pending()
+        with self.poll_stream:
+            return int(self.cp.count_nonzero(self.window.flags != self.last_seen))
+
     def item_views(self, arrival: Arrival) -> ItemViews:
         header = arrival.header
         views = self.views[self.layout.slot_index(arrival.region, arrival.ring)]

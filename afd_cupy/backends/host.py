@@ -203,6 +203,9 @@ class HostDataPath(HostDedupSteps):
             return None
         return Arrival(found.region, found.ring, self.polling.read_header(found.region, found.ring))
 
+    def pending_arrivals(self) -> int:
+        return self.polling.num_pending()
+
     def item_views(self, arrival: Arrival) -> ItemViews:
         """Zero-copy torch views of a received slot (dedup: the rows expanded into staging)."""
         if self.layout.is_dedup:

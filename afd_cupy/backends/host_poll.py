@@ -84,6 +84,10 @@ class HostPolling:
                 return None
             time.sleep(0)
 
+    def num_pending(self) -> int:
+        """Slots whose flag changed since they were last consumed: arrivals not yet taken."""
+        return int(np.count_nonzero(self.window.read_flags() != self.seen))
+
     def last_seen(self, region: int, ring: int) -> int:
         return int(self.seen[self.layout.slot_index(region, ring)])
 
