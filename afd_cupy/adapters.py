@@ -51,20 +51,14 @@ from torch import nn
 
 from afd_cupy import moe
 from afd_cupy.config import ModelConfig
-from afd_cupy.errors import ConfigError
+from afd_cupy.expert_formats import (UnsupportedModelError, _Format, _Shared, _check_block,  # noqa: F401
+                                     _config_format, _deinterleave, _layout, _shared_from,
+                                     _shared_of, config_activation)
 
 #: model_type -> how its config maps to ModelConfig (experts, intermediate size, gate)
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss")
 #: families whose MoE block returns ``(hidden, router_scores)`` instead of ``hidden``
 _BLOCK_RETURNS_SCORES = ("gpt_oss",)
-#: gpt-oss's clamped SwiGLU, as transformers' GptOssExperts hard-codes it (limit, alpha)
-_GPT_OSS_SWIGLU = (7.0, 1.702)
-
-
-class UnsupportedModelError(ConfigError):
-    """A model or block afd_cupy cannot disaggregate; names the class and the feature."""
-
-
 def model_config(hf_config, *, dtype: str, max_num_batched_tokens: int,
                  num_layers: int | None = None) -> ModelConfig:
     """The ``ModelConfig`` of a Hugging Face config of one of ``FAMILIES``.
@@ -101,55 +95,6 @@ def model_config(hf_config, *, dtype: str, max_num_batched_tokens: int,
         topk_method="noaux_tc" if family == "deepseek_v3" else c.topk_method, **common)
 
 
-#: Hugging Face ``hidden_act`` names -> ExpertWeights.activation
-_HF_ACTS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
-            "gelu_new": "gelu_tanh"}
-
-
-@dataclass(frozen=True)
-class _Format:
-    """How a family's fused experts compute: the gated activation (``ExpertWeights``'
-    names and clamp parameters) and whether gate and up rows are interleaved
-    (g0, u0, g1, u1, ...: gpt-oss) instead of concatenated ([gate | up])."""
-
-    activation: str = "silu"
-    interleaved: bool = False
-    swiglu_limit: float = 7.0
-    swiglu_alpha: float = 1.702
-
-    def weights_kwargs(self) -> dict:
-        return dict(activation=self.activation, swiglu_limit=self.swiglu_limit,
-                    swiglu_alpha=self.swiglu_alpha)
-
-
-def config_activation(hf_config) -> str:
-    """The experts' gated activation named by ``hf_config.hidden_act``; UnsupportedModelError
-    for anything but SiLU and GELU, and for gpt-oss, whose experts need more than a name
-    (pass ``hf_config=`` to ``ffn_weights`` instead)."""
-    if getattr(hf_config, "model_type", None) == "gpt_oss":
-        raise UnsupportedModelError("gpt_oss: the experts' clamped SwiGLU with interleaved gate/up rows "
-                                    "is more than an activation name; pass hf_config= to ffn_weights")
-    act = getattr(hf_config, "hidden_act", "silu")
-    if act not in _HF_ACTS:
-        raise UnsupportedModelError(f"hidden_act {act!r}: only SiLU- and GELU-gated experts are "
-                                    f"supported ({sorted(_HF_ACTS)})")
-    return _HF_ACTS[act]
-
-
-def _config_format(hf_config) -> _Format:
-    """The experts' format a Hugging Face config describes (for a state dict)."""
-    if getattr(hf_config, "model_type", None) != "gpt_oss":
-        return _Format(config_activation(hf_config))
-    limit, alpha = _GPT_OSS_SWIGLU
-    configured = getattr(hf_config, "swiglu_limit", limit)
-    if configured != limit:
-        # NOTE: transformers 5's GptOssExperts ignores the config and clamps at 7.0; rather
-        # than pick one of two answers, refuse.
-        raise UnsupportedModelError(f"gpt_oss: swiglu_limit={configured!r} in the config, but "
-                                    f"transformers' GptOssExperts clamps at {limit}")
-    return _Format("clamped_swiglu", interleaved=True, swiglu_limit=limit, swiglu_alpha=alpha)
-
-
 def _num_moe_layers(c, family: str) -> int:
     if family.startswith("deepseek"):
         return c.num_hidden_layers - (c.first_k_dense_replace or 0)
@@ -182,125 +127,6 @@ def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 #: activation modules (by class name) -> ExpertWeights.activation
-_ACTIVATIONS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUActivation": "gelu",
-                "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh", "NewGELUActivation": "gelu_tanh"}
-
-
-def _activation_of(block: nn.Module) -> str:
-    act = getattr(block.experts, "act_fn", None)
-    if act is None:
-        return "silu"
-    kind = type(act).__name__
-    if kind == "GELU":  # torch.nn.GELU: erf or tanh by its attribute
-        return "gelu_tanh" if getattr(act, "approximate", "none") == "tanh" else "gelu"
-    if kind not in _ACTIVATIONS:
-        raise UnsupportedModelError(f"{type(block).__name__}: expert activation {kind} (supported: "
-                                    f"SiLU and GELU-gated experts: {sorted(_ACTIVATIONS)} or torch.nn.GELU)")
-    return _ACTIVATIONS[kind]
-
-
-def _format_of(block: nn.Module) -> _Format:
-    """The experts' format, read from the block (see the module doc): ``act_fn`` alone, or the
-    candidate that reproduces the experts' ``_apply_gate`` on a float64 probe."""
-    experts = block.experts
-    apply_gate = getattr(experts, "_apply_gate", None)
-    has_act = getattr(experts, "act_fn", None) is not None
-    if apply_gate is None:
-        return _Format(_activation_of(block))
-    candidates = []
-    if has_act:
-        candidates += [_Format(_activation_of(block), interleaved) for interleaved in (False, True)]
-    limit, alpha = getattr(experts, "limit", None), getattr(experts, "alpha", None)
-    if limit is not None and alpha is not None:
-        candidates += [_Format("clamped_swiglu", interleaved, float(limit), float(alpha))
-                       for interleaved in (False, True)]
-    inter = _shapes_of(block)[1]
-    gen = torch.Generator().manual_seed(0)
-    # values out to +-16: beyond any clamp limit of a real model, on both sides
-    probe = torch.randn((8, 2 * inter), generator=gen, dtype=torch.float64) * 6.0
-    with torch.no_grad():
-        got = apply_gate(probe)
-    for fmt in candidates:
-        gate_up = _deinterleave(probe, dim=1) if fmt.interleaved else probe
-        want = moe.gated_activation(gate_up, fmt.activation, swiglu_limit=fmt.swiglu_limit,
-                                    swiglu_alpha=fmt.swiglu_alpha)
-        if got.shape == want.shape and torch.allclose(got, want, rtol=1e-9, atol=1e-12):
-            return fmt
-    raise UnsupportedModelError(
-        f"{type(block).__name__}: the experts' gate {type(experts).__name__}._apply_gate matches none "
-        f"of the supported gated activations (act_fn: SiLU or GELU; clamped SwiGLU of the experts' "
-        f"limit and alpha; gate/up concatenated or interleaved)")
-
-
-def _deinterleave(tensor: torch.Tensor, dim: int) -> torch.Tensor:
-    """Rows (g0, u0, g1, u1, ...) along ``dim`` -> [g0, g1, ... | u0, u1, ...] (a new tensor)."""
-    index = torch.arange(tensor.shape[dim], device=tensor.device)
-    return torch.cat([tensor.index_select(dim, index[0::2]), tensor.index_select(dim, index[1::2])], dim=dim)
-
-
-def _layout(gate_up_shape, down_shape, owner: str) -> tuple[bool, int, int]:
-    """(transposed, intermediate, hidden) of fused expert weights, from their shapes:
-    [E, 2I, H] + [E, H, I], or transposed [E, H, 2I] + [E, I, H] (never both)."""
-    (_, a, b), (_, c, d) = tuple(gate_up_shape), tuple(down_shape)
-    if a == 2 * d and b == c:
-        return False, d, b
-    if b == 2 * c and a == d:
-        return True, c, a
-    raise UnsupportedModelError(f"{owner}: expert weights gate_up_proj {tuple(gate_up_shape)} and "
-                                f"down_proj {tuple(down_shape)} are neither [E, 2I, H] + [E, H, I] "
-                                "nor [E, H, 2I] + [E, I, H]")
-
-
-def _shapes_of(block: nn.Module) -> tuple[bool, int, int]:
-    experts, name = block.experts, type(block).__name__
-    if experts.gate_up_proj.dim() != 3 or experts.down_proj.dim() != 3:
-        raise UnsupportedModelError(f"{name}: expert weights must be fused 3-D tensors, got gate_up_proj "
-                                    f"{tuple(experts.gate_up_proj.shape)}, down_proj {tuple(experts.down_proj.shape)}")
-    transposed, inter, hidden = _layout(experts.gate_up_proj.shape, experts.down_proj.shape, name)
-    flag = getattr(experts, "is_transposed", None)
-    if flag is not None and bool(flag) != transposed:
-        raise UnsupportedModelError(f"{name}: experts.is_transposed={flag} contradicts the weight shapes "
-                                    f"gate_up_proj {tuple(experts.gate_up_proj.shape)}, "
-                                    f"down_proj {tuple(experts.down_proj.shape)}")
-    return transposed, inter, hidden
-
-
-def _check_block(block: nn.Module) -> _Format:
-    """The block's experts' format; UnsupportedModelError for anything we cannot run."""
-    _shapes_of(block)
-    return _format_of(block)
-
-
-@dataclass(frozen=True)
-class _Shared:
-    w13: torch.Tensor
-    w2: torch.Tensor
-    gate: torch.Tensor | None
-    w13_bias: torch.Tensor | None = None
-    w2_bias: torch.Tensor | None = None
-
-
-def _shared_from(gate_w, up_w, down_w, gate_b, up_b, down_b, shared_gate) -> _Shared:
-    """The fused shared MLP of its linears' weights and (optional) biases; a missing bias of
-    gate or up next to a present one counts as zeros."""
-    w13_bias = None
-    if gate_b is not None or up_b is not None:
-        w13_bias = torch.cat([gate_w.new_zeros(gate_w.shape[0]) if gate_b is None else gate_b,
-                              up_w.new_zeros(up_w.shape[0]) if up_b is None else up_b])
-    return _Shared(torch.cat([gate_w, up_w], dim=0), down_w, shared_gate, w13_bias, down_b)
-
-
-def _shared_of(block: nn.Module) -> _Shared | None:
-    mlp = getattr(block, "shared_experts", None) or getattr(block, "shared_expert", None)
-    if mlp is None:
-        return None
-    gate = getattr(block, "shared_expert_gate", None)
-    parts = [getattr(getattr(mlp, name), attr) for attr in ("weight", "bias")
-             for name in ("gate_proj", "up_proj", "down_proj")]
-    return _shared_from(*(None if t is None else t.detach() for t in parts),
-                        None if gate is None else gate.weight.detach())
-
-
 class DisaggregatedMoE(nn.Module):
     """Attention-side stand-in for one sparse-MoE block: router on this rank, experts on the
     FFN ranks through ``connector``. ``forward(hidden [..., H])`` -> [..., H], same dtype.
