@@ -1,6 +1,8 @@
 """The one launch helper shared by tests and tools: run ``fn(ctx, *args)`` in local processes.
 
-The parent process starts a TCPStore master on a free port, spawns ``nprocs`` children
+The parent process starts a TCPStore master on a free port (or joins a store given as
+``store_addr``, for a job whose ranks several launchers start: one launch per node, each
+running a contiguous block of world ranks), spawns ``nprocs`` children
 ("spawn" start method: no inherited CUDA state), places them on GPUs, collects their
 results in rank order and turns any failure (exception, crash, timeout) into a
 :class:`LaunchError` carrying every failing rank's story. Cleanup always runs: children are
@@ -101,6 +103,33 @@ class ProcessContext:
     device_id: int | None
     store_timeout_s: float = 120.0
     sm_percent: int | None = None  # this rank's MPS SM share, when the launch placed it
+
+    #: environment variables of :meth:`from_env` (a rank started by another launcher)
+    ENV_VARS = ("AFD_STORE_ADDR", "AFD_WORLD_SIZE", "AFD_RANK", "AFD_JOB_ID", "AFD_DEVICE")
+
+    @classmethod
+    def from_env(cls, environ=None, *, store_timeout_s: float = 120.0) -> "ProcessContext":
+        """The context of a rank started by another launcher (torchrun, SLURM, k8s...):
+        ``AFD_STORE_ADDR`` (``host:port`` of a TCPStore master the job shares),
+        ``AFD_WORLD_SIZE``, ``AFD_RANK`` (world rank: Attention ranks first), ``AFD_JOB_ID``
+        (the same on every rank) and optionally ``AFD_DEVICE`` (CUDA device index).
+        Raises ValueError naming a missing or malformed variable."""
+        environ = os.environ if environ is None else environ
+        missing = [name for name in cls.ENV_VARS[:4] if not environ.get(name)]
+        if missing:
+            raise ValueError(f"{', '.join(missing)} not set (a rank started outside afd_cupy.launch "
+                             f"needs {', '.join(cls.ENV_VARS[:4])})")
+        host, _, port = environ["AFD_STORE_ADDR"].rpartition(":")
+        try:
+            port_number, world_size, rank = int(port), int(environ["AFD_WORLD_SIZE"]), int(environ["AFD_RANK"])
+            device = int(environ["AFD_DEVICE"]) if environ.get("AFD_DEVICE") else None
+        except ValueError as err:
+            raise ValueError(f"malformed AFD_* variable: {err} (AFD_STORE_ADDR must be host:port; "
+                             f"AFD_WORLD_SIZE, AFD_RANK, AFD_DEVICE integers)") from None
+        if not host or not 0 <= rank < world_size:
+            raise ValueError(f"AFD_STORE_ADDR={environ['AFD_STORE_ADDR']!r}, AFD_RANK={rank}, "
+                             f"AFD_WORLD_SIZE={world_size}: need host:port and 0 <= rank < world size")
+        return cls(rank, world_size, environ["AFD_JOB_ID"], host, port_number, device, store_timeout_s)
 
     def store(self) -> NamespacedStore:
         """This process's client of the job's store, namespaced by ``job_id``.
@@ -296,8 +325,16 @@ class DiedAsExpected:
 def launch(fn: Callable, nprocs: int, *, args: tuple = (), timeout_s: float = 120.0,
            num_gpus: int | None = None, env: dict[str, str] | None = None,
            job_id: str | None = None, expected_deaths=(),
-           placement: "list[Placement] | None" = None) -> list:
+           placement: "list[Placement] | None" = None, world_size: int | None = None,
+           first_rank: int = 0, store_addr: "tuple[str, int] | None" = None) -> list:
     """Run ``fn(ctx, *args)`` in ``nprocs`` spawned processes; return results by rank.
+
+    One node of a larger job: ``world_size`` (default ``nprocs``) ranks in all, this launch
+    running world ranks ``first_rank .. first_rank + nprocs - 1`` and joining the TCPStore
+    master at ``store_addr`` (host, port) that every node's launch shares (``job_id``
+    must then be given, the same on every node). Without ``store_addr`` the launch starts
+    its own master and must run the whole job. Results (and ``expected_deaths``) are by
+    local index; GPUs are placed by local index too.
 
     ``fn``, ``args`` and results must be picklable (``fn`` a top-level function). ``env``
     entries are set in each child before ``fn`` (and its module) are loaded. ``num_gpus``
@@ -316,6 +353,13 @@ def launch(fn: Callable, nprocs: int, *, args: tuple = (), timeout_s: float = 12
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
     if placement is not None and len(placement) != nprocs:
         raise ValueError(f"placement has {len(placement)} entries for {nprocs} ranks")
+    world_size = nprocs if world_size is None else world_size
+    if not 0 <= first_rank or first_rank + nprocs > world_size:
+        raise ValueError(f"ranks {first_rank}..{first_rank + nprocs - 1} do not fit a world of "
+                         f"{world_size}")
+    if (world_size != nprocs or first_rank) and (store_addr is None or job_id is None):
+        raise ValueError("a launch running part of a job (world_size != nprocs) needs the shared "
+                         "store_addr=(host, port) and the job_id every node uses")
     job_id = job_id or uuid.uuid4().hex[:12]
     num_gpus = _detect_num_gpus() if num_gpus is None else num_gpus
     fn_args_blob = pickle.dumps((fn, tuple(args)))
@@ -325,15 +369,19 @@ def launch(fn: Callable, nprocs: int, *, args: tuple = (), timeout_s: float = 12
     processes: list = []
     store = None
     try:
-        store, port = _start_store(nprocs, timeout_s)
+        if store_addr is None:
+            store, port = _start_store(nprocs, timeout_s)
+            host = STORE_HOST
+        else:
+            host, port = store_addr
         for rank in range(nprocs):
             where = placement[rank] if placement is not None else Placement()
             device = device_for_rank(rank, nprocs, num_gpus) if where.gpu is None else where.gpu
             rank_env = dict(child_env)
             if where.sm_percent is not None:
                 rank_env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(where.sm_percent)
-            ctx = ProcessContext(rank, nprocs, job_id, STORE_HOST, port, device, timeout_s,
-                                 where.sm_percent)
+            ctx = ProcessContext(first_rank + rank, world_size, job_id, host, port, device,
+                                 timeout_s, where.sm_percent)
             proc = spawn.Process(target=_child_main, name=f"afd-{job_id}-rank{rank}",
                                  args=(rank, fn_args_blob, ctx, rank_env, results))
             proc.start()

@@ -227,3 +227,112 @@ def test_placement_puts_each_rank_on_its_gpu_with_its_sm_share():
         parse_placement("x:5", 1)
     with pytest.raises(ValueError, match=r"sm_percent must be in \[1, 100\], got 0"):
         Placement(0, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# A job whose ranks several launchers start ("nodes" sharing one TCPStore on a real port)
+# ---------------------------------------------------------------------------------------------
+def _lonely_attention(ctx: ProcessContext):
+    """The only rank that starts: its connector must give up within the start-up timeout."""
+    from afd_cupy.config import ModelConfig, TopologyConfig
+    from afd_cupy.connector import AFDConnector
+
+    model = ModelConfig(hidden_size=32, num_experts=4, top_k=2, moe_intermediate_size=16,
+                        num_shared_experts=0, dtype="float32", max_num_batched_tokens=8, num_layers=2)
+    start = time.monotonic()
+    try:
+        AFDConnector(model, TopologyConfig(1, 1), role="attention", role_rank=0, store=ctx.store(),
+                     job_id=ctx.job_id, backend="host", startup_timeout_s=3.0).close()
+        return {"error": None}
+    except PeerTimeoutError as err:
+        return {"error": str(err), "elapsed": time.monotonic() - start}
+
+
+def _run_nodes(nodes, port, job_id, args=(), fn=None, world_size=None):
+    """Run each (first_rank, nprocs) node as its own launch, concurrently; results by node."""
+    import threading
+
+    from afd_cupy.testing.scenario import run_rank
+
+    results, errors = {}, {}
+
+    def node(first, count):
+        try:
+            results[first] = launch(fn or run_rank, count, args=args, world_size=world_size,
+                                    first_rank=first, store_addr=("127.0.0.1", port),
+                                    job_id=job_id, timeout_s=120)
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors[first] = err
+
+    threads = [threading.Thread(target=node, args=node_spec) for node_spec in nodes]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    return results
+
+
+@pytest.mark.parametrize("num_attn,num_ffn,nodes", [(1, 1, ((0, 1), (1, 1))), (2, 2, ((0, 2), (2, 2)))],
+                         ids=["1A|1F", "2A|2F"])
+def test_two_launches_sharing_one_store_run_one_job(num_attn, num_ffn, nodes):
+    """Node A runs the Attention ranks, node B the FFN ranks: two launches, one TCPStore master
+    on a real port started by neither, one job id; every output matches the reference."""
+    import uuid
+
+    from afd_cupy.config import ModelConfig
+    from afd_cupy.testing.scenario import Scenario, tolerance
+
+    model = ModelConfig(hidden_size=64, num_experts=8, top_k=2, moe_intermediate_size=32,
+                        num_shared_experts=1, dtype="bfloat16", max_num_batched_tokens=32, num_layers=2)
+    scenario = Scenario(model, num_attn, num_ffn, backend="host", num_tokens=20)
+    port = free_port()
+    master = create_store("127.0.0.1", port, num_attn + num_ffn, is_master=True, timeout_s=60)
+    job_id = uuid.uuid4().hex[:12]
+    results = _run_nodes(nodes, port, job_id, args=(scenario,), world_size=num_attn + num_ffn)
+    del master
+    attn = results[0]
+    ffn = results[nodes[1][0]]
+    assert [r["role"] for r in attn] == ["attention"] * num_attn
+    assert [r["role"] for r in ffn] == ["ffn"] * num_ffn
+    for report in attn:
+        assert len(report["errors"]) == scenario.num_checks
+        for err in report["errors"]:
+            assert err["shape_ok"] and err["num_nan"] == 0 and err["rel_err"] <= tolerance("bfloat16"), err
+
+
+def test_a_node_that_never_starts_is_named_within_the_startup_timeout():
+    import uuid
+
+
+    port = free_port()
+    master = create_store("127.0.0.1", port, 2, is_master=True, timeout_s=60)
+    job_id = uuid.uuid4().hex[:12]
+    start = time.monotonic()
+    (lonely,) = _run_nodes(((0, 1),), port, job_id, fn=_lonely_attention, world_size=2)[0]
+    del master
+    assert lonely["error"] is not None and "peer 1" in lonely["error"], lonely
+    assert lonely["elapsed"] < 10.0 and time.monotonic() - start < 60.0
+
+
+def test_launch_refuses_a_partial_job_without_a_shared_store():
+    with pytest.raises(ValueError, match="needs the shared store_addr"):
+        launch(_report_identity, 1, args=(0,), world_size=2, first_rank=1)
+    with pytest.raises(ValueError, match=r"ranks 1..2 do not fit a world of 2"):
+        launch(_report_identity, 2, args=(0,), world_size=2, first_rank=1,
+               store_addr=("127.0.0.1", 1), job_id="x")
+
+
+def test_process_context_from_the_environment():
+    env = {"AFD_STORE_ADDR": "node0.example:29511", "AFD_WORLD_SIZE": "4", "AFD_RANK": "3",
+           "AFD_JOB_ID": "job7", "AFD_DEVICE": "1"}
+    ctx = ProcessContext.from_env(env)
+    assert (ctx.store_host, ctx.store_port, ctx.world_size, ctx.rank, ctx.job_id, ctx.device_id) == \
+        ("node0.example", 29511, 4, 3, "job7", 1)
+    assert ProcessContext.from_env({**env, "AFD_DEVICE": ""}).device_id is None
+    with pytest.raises(ValueError, match="AFD_RANK, AFD_JOB_ID not set"):
+        ProcessContext.from_env({"AFD_STORE_ADDR": "h:1", "AFD_WORLD_SIZE": "2"})
+    with pytest.raises(ValueError, match="malformed AFD_"):
+        ProcessContext.from_env({**env, "AFD_STORE_ADDR": "node0:port"})
+    with pytest.raises(ValueError, match="0 <= rank < world size"):
+        ProcessContext.from_env({**env, "AFD_RANK": "4"})
