@@ -64,6 +64,9 @@ class AFDConnector:
             process or CUDA MPS) or ``"host"`` (flags copied to the host per poll).
         peer_timeout_s: bound of every wait for a peer's reply (finite, > 0).
         startup_timeout_s: bound of the collective start-up (NVSHMEM bootstrap, heap barriers).
+        nvshmem_env: cuda backend: NVSHMEM's environment as one dict
+            (``afd_cupy.heap.nvshmem.nvshmem_env(remote_transport=..., symmetric_size=...)``),
+            set right before NVSHMEM initializes; default: afd_cupy's defaults only.
         always_send: Attention side: send a (header-only) message to every FFN rank even when
             it gets no rows. Needed by the lockstep FFN schedule, which waits for every
             replica's layer; off by default (empty messages never create a wait).
@@ -79,7 +82,7 @@ class AFDConnector:
                  connector: ConnectorConfig | None = None, *, role: str | Role, role_rank: int,
                  store, job_id: str = "afd", backend: str = "host", device_id: int | None = None,
                  poll_mode: str = "device", peer_timeout_s: float = 60.0, always_send: bool = False,
-                 startup_timeout_s: float = 120.0):
+                 startup_timeout_s: float = 120.0, nvshmem_env: dict | None = None):
         self.model = _check_config("model", model, ModelConfig)
         _check_config("topology", topology, TopologyConfig)
         self.config = _check_config("connector", connector or ConnectorConfig(), ConnectorConfig)
@@ -122,7 +125,8 @@ class AFDConnector:
                           poll_mode=poll_mode)
         try:
             self.path = open_path(backend, ctx, store=store, job_id=job_id, device_id=device_id,
-                                  startup_timeout_s=self.startup_timeout_s, instance=self.instance)
+                                  startup_timeout_s=self.startup_timeout_s, instance=self.instance,
+                                  nvshmem_env=nvshmem_env)
         except BaseException:
             self._closed = True  # nothing to close: no "not closed" warning from __del__
             raise

@@ -183,10 +183,13 @@ def require_backend(backend: str, wire_mode: str = "pair"):
 
 
 def open_path(backend: str, ctx: PathContext, *, store, job_id: str, device_id: int | None,
-              startup_timeout_s: float, instance: int = 0) -> DataPath:
+              startup_timeout_s: float, instance: int = 0,
+              nvshmem_env: dict | None = None) -> DataPath:
     """Allocate ``backend``'s heap and window (collective over the world) and return its path.
 
     ``instance`` (from the start-up handshake) keeps consecutive connectors of one job apart.
+    ``nvshmem_env`` (``afd_cupy.heap.nvshmem.nvshmem_env(...)``) is NVSHMEM's environment for
+    the cuda backend; the host backend has no NVSHMEM and ignores it.
 
     Raises ConfigError for an unknown backend, poll mode or a wire mode the backend does not
     implement, and BackendUnavailableError when the backend cannot run here (e.g. ``"cuda"`` without CuPy, a GPU or NVSHMEM).
@@ -195,4 +198,5 @@ def open_path(backend: str, ctx: PathContext, *, store, job_id: str, device_id: 
         raise ConfigError(f"poll_mode must be one of {POLL_MODES}, got {ctx.poll_mode!r}")
     module = require_backend(backend, ctx.wire_mode)
     return module.open_path(ctx, store=store, job_id=job_id, device_id=device_id,
-                            startup_timeout_s=startup_timeout_s, instance=instance)
+                            startup_timeout_s=startup_timeout_s, instance=instance,
+                            nvshmem_env=nvshmem_env)

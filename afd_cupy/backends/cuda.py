@@ -38,13 +38,13 @@ WIRE_MODES = ("pair",)
 
 
 def open_path(ctx: PathContext, *, store, job_id: str, device_id, startup_timeout_s: float,
-              instance: int = 0):
+              instance: int = 0, nvshmem_env: dict | None = None):
     """NVSHMEM heap and window of this rank (collective), and the cuda data path."""
     from afd_cupy.heap.nvshmem import NvshmemHeap
     from afd_cupy.window import Window
 
     heap = NvshmemHeap(ctx.world_rank, ctx.topology.world_size, store, job_id, device_id or 0,
-                       timeout_s=startup_timeout_s)
+                       timeout_s=startup_timeout_s, env=nvshmem_env)
     try:
         window = Window(heap, ctx.layout, store, name=f"window{instance}")
     except BaseException:

@@ -49,6 +49,7 @@ def require_available() -> None:
 
 
 def open_path(ctx: PathContext, *, store, job_id: str, device_id, startup_timeout_s: float,
+              nvshmem_env: dict | None = None,
               instance: int = 0):
     """Shared-memory heap and window of this rank (collective), and the host data path."""
     from afd_cupy.heap.host import HostHeap

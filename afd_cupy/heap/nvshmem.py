@@ -7,8 +7,9 @@ store, allocates symmetric buffers and maps every PE's copy as a cupy array
 runtime). Importing this module loads neither CuPy nor the library: both happen in the
 constructor.
 
-Environment: the constructor applies :func:`nvshmem_env` to ``os.environ`` before NVSHMEM
-initializes (a value the user set wins). ``NVSHMEM_SYMMETRIC_SIZE`` (NVSHMEM's own) bounds the
+Environment: the constructor applies ``env`` (default :func:`nvshmem_env`'s defaults) with
+:func:`apply_nvshmem_env` before NVSHMEM initializes: a variable already set wins over a
+default, and conflicts with a requested value raise. ``NVSHMEM_SYMMETRIC_SIZE`` (NVSHMEM's own) bounds the
 heap. ``AFD_NVSHMEM_LIB`` is read by the binding through :mod:`afd_cupy.env`.
 """
 from __future__ import annotations
@@ -17,7 +18,8 @@ import ctypes
 import logging
 import os
 
-from afd_cupy.errors import BackendUnavailableError, HeapError, NvshmemError, PeerTimeoutError
+from afd_cupy.errors import (BackendUnavailableError, ConfigError, HeapError, NvshmemError,
+                             PeerTimeoutError)
 from afd_cupy.heap.base import UNHEALTHY_CLOSE_S, SymmetricBuffer, SymmetricHeap
 from afd_cupy.heap.nvshmem_lib import (NVSHMEMX_INIT_WITH_UNIQUEID, STATUS_NOT_INITIALIZED,
                                        SUPPORTED_MAJOR, UniqueId, _check, library_version,
@@ -27,18 +29,60 @@ from afd_cupy.store import Store, store_barrier, store_fetch, store_publish
 logger = logging.getLogger("afd_cupy")
 
 
-def nvshmem_env() -> dict[str, str]:
-    """NVSHMEM's environment settings for afd_cupy: ``{variable: value}``.
+#: afd_cupy's defaults, applied unless the environment already sets the variable:
+#: - ``NVSHMEM_DISABLE_NCCL=1``: afd_cupy uses no NVSHMEM collectives that need NCCL, and
+#:   loading NCCL into several PEs sharing one GPU only costs start-up time and memory;
+#: - ``NVSHMEM_DISABLE_NVLS=1``: afd_cupy never uses NVLink multicast, and on shared
+#:   multi-GPU hosts it must stay off.
+NVSHMEM_DEFAULTS = {"NVSHMEM_DISABLE_NCCL": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+#: values of NVSHMEM_REMOTE_TRANSPORT (NVSHMEM's environment documentation); "none" for a
+#: single node
+REMOTE_TRANSPORTS = ("none", "ibrc", "ucx", "libfabric", "ibdevx")
 
-    NVSHMEM reads them at initialization, so they must be in ``os.environ`` before
-    ``nvshmemx_hostlib_init_attr``; the heap constructor applies them with ``setdefault``, so
-    a value the user set wins.
-    - ``NVSHMEM_DISABLE_NCCL=1``: afd_cupy uses no NVSHMEM collectives that need NCCL, and
-      loading NCCL into several PEs sharing one GPU only costs start-up time and memory.
-    - ``NVSHMEM_DISABLE_NVLS=1``: afd_cupy never uses NVLink multicast, and on shared
-      multi-GPU hosts it must stay off.
+
+def nvshmem_env(*, remote_transport: str | None = None, symmetric_size: int | None = None,
+                extra: dict | None = None) -> dict[str, str]:
+    """NVSHMEM's environment for one process, as one explicit, validated ``{variable: value}``.
+
+    ``remote_transport``: ``NVSHMEM_REMOTE_TRANSPORT`` (one of :data:`REMOTE_TRANSPORTS`);
+    ``symmetric_size``: ``NVSHMEM_SYMMETRIC_SIZE`` in bytes per PE (size it from
+    ``wire.window_size_hint`` plus headroom); ``extra``: any other ``NVSHMEM_*`` variable
+    (e.g. ``NVSHMEM_HCA_LIST``). The defaults :data:`NVSHMEM_DEFAULTS` are included. Pass the
+    result as ``AFDConnector(..., nvshmem_env=...)``; :func:`apply_nvshmem_env` sets it right
+    before NVSHMEM initializes. Raises ConfigError naming the argument and value.
     """
-    return {"NVSHMEM_DISABLE_NCCL": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+    env = dict(NVSHMEM_DEFAULTS)
+    if remote_transport is not None:
+        if remote_transport not in REMOTE_TRANSPORTS:
+            raise ConfigError(f"remote_transport must be one of {REMOTE_TRANSPORTS}, got {remote_transport!r}")
+        env["NVSHMEM_REMOTE_TRANSPORT"] = remote_transport
+    if symmetric_size is not None:
+        if isinstance(symmetric_size, bool) or not isinstance(symmetric_size, int) or symmetric_size <= 0:
+            raise ConfigError(f"symmetric_size must be a positive int (bytes), got {symmetric_size!r}")
+        env["NVSHMEM_SYMMETRIC_SIZE"] = str(symmetric_size)
+    for name, value in (extra or {}).items():
+        if not isinstance(name, str) or not name.startswith("NVSHMEM_"):
+            raise ConfigError(f"extra may only set NVSHMEM_* variables, got {name!r}")
+        env[name] = str(value)
+    return env
+
+
+def apply_nvshmem_env(env: dict[str, str], environ=None) -> None:
+    """Set ``env`` in ``environ`` (default ``os.environ``): the one place afd_cupy writes
+    NVSHMEM's environment, right before NVSHMEM initializes.
+
+    A variable the environment already sets wins when ``env`` only carries afd_cupy's
+    default for it; a value the caller asked for that differs from the environment's raises
+    ConfigError naming the variable and both values (never a silent choice).
+    """
+    environ = os.environ if environ is None else environ
+    for name, value in env.items():  # every check before any write
+        current = environ.get(name)
+        if current is not None and current != value and NVSHMEM_DEFAULTS.get(name) != value:
+            raise ConfigError(f"{name}={value!r} was requested, but the environment already has "
+                              f"{name}={current!r}; unset one of them")
+    for name, value in env.items():
+        environ.setdefault(name, value)
 
 
 _heap_alive = False  # one NVSHMEM runtime per process
@@ -89,7 +133,7 @@ class NvshmemHeap(SymmetricHeap):
     _unclosed_note = "NVSHMEM resources are released only at process exit"
 
     def __init__(self, rank: int, world_size: int, store: Store, job_id: str,
-                 device_id: int, timeout_s: float = 60.0):
+                 device_id: int, timeout_s: float = 60.0, env: dict[str, str] | None = None):
         global _heap_alive, _heap_count
         if _heap_alive:
             raise HeapError("an NvshmemHeap is already open in this process (one per process)")
@@ -104,8 +148,7 @@ class NvshmemHeap(SymmetricHeap):
         self._buffers: dict[str, NvshmemBuffer] = {}
         self._closed = True  # until init succeeds: __del__ and close() do nothing
         self._select_device()
-        for name, value in nvshmem_env().items():
-            os.environ.setdefault(name, value)  # NOTE: before NVSHMEM init; the user's value wins
+        apply_nvshmem_env(nvshmem_env() if env is None else env)  # NOTE: before NVSHMEM init
         self._lib = load_library()
         self._check_library()
         _heap_count += 1
