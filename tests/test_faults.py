@@ -54,6 +54,14 @@ def _inputs(conn, num_tokens, seed):
     return hidden.to(conn.device), ids, weights
 
 
+def _next_item(conn):
+    """The FFN's next work item, polling until one arrives (the launch bounds the test)."""
+    item = None
+    while item is None:
+        item = conn.recv_ffn_work_item(100)
+    return item
+
+
 def _round_trip_error(conn, layer, seed, num_tokens=6) -> float:
     """One layer through identity experts; max abs error against hidden * (sum w + 1)."""
     hidden, ids, weights = _inputs(conn, num_tokens, seed)
@@ -221,9 +229,7 @@ def _other_gpu_program(ctx):
     other = torch.device("cuda", 1 - conn.device.index)
     try:
         if role is Role.FFN:
-            item = None
-            while item is None:
-                item = conn.recv_ffn_work_item(100)
+            item = _next_item(conn)
             routed, shared = _identity(item)
             rejected = []
             for name, args in (("routed_out", (routed.to(other), shared)),
@@ -303,9 +309,7 @@ def _duplicate_program(ctx, backend, wire_mode):
     conn, role, _ = _connect(ctx, backend, timeout_s=10.0, connector=ConnectorConfig(wire_mode=wire_mode))
     try:
         if role is Role.FFN:
-            item = None
-            while item is None:
-                item = conn.recv_ffn_work_item(100)
+            item = _next_item(conn)
             routed, shared = _identity(item)
             conn.send_ffn_work_item_output(item, routed, shared)
             try:
