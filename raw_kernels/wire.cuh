@@ -22,6 +22,7 @@ constexpr afd_i64 MAGIC = 0x41464447;  // "AFDG"
 constexpr afd_i64 VERSION = 1;
 constexpr afd_i64 ALIGN = 256;
 constexpr afd_i64 FLAG_SHUTDOWN = 2;  // 1 << 1
+constexpr afd_i64 FLAG_DEDUP = 4;     // 1 << 2: a dedup-mode message (docs/design.md §3.5)
 
 constexpr int HDR_MAGIC = 0;
 constexpr int HDR_VERSION = 1;
@@ -36,6 +37,14 @@ constexpr int HDR_TOPK = 9;
 constexpr int HDR_FLAGS = 10;
 constexpr int HDR_ECHO_SEQ = 11;
 constexpr int HDR_FIXED_WORDS = 12;  // expert_counts[expert_per_rank] follow
+// (dedup mode: then one more word, num_rows, at HDR_FIXED_WORDS + expert_per_rank)
+
+// dedup route table row (int32): token, shared flag, top_k staging rows (-1 pad), top_k fp32
+// weight bit patterns (0 pad); ROUTE_FIXED_WORDS + 2 * top_k words
+constexpr int ROUTE_TOKEN = 0;
+constexpr int ROUTE_SHARED = 1;
+constexpr int ROUTE_SLOTS = 2;
+constexpr int ROUTE_FIXED_WORDS = 2;
 
 // ---- status block: int64 status[8] in device memory (afd_cupy/kernels/status.py) -----------
 constexpr int STATUS_OK = 0;

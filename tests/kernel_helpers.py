@@ -48,10 +48,11 @@ def dtype_code(dtype) -> int:
 
 
 # --- the constants probe -----------------------------------------------------------------------
-_WIRE_NAMES = ("MAGIC", "VERSION", "ALIGN", "FLAG_SHUTDOWN",
+_WIRE_NAMES = ("MAGIC", "VERSION", "ALIGN", "FLAG_SHUTDOWN", "FLAG_DEDUP",
                "HDR_MAGIC", "HDR_VERSION", "HDR_SEQ", "HDR_SRC_RANK", "HDR_LAYER", "HDR_STAGE",
                "HDR_NUM_TOKENS", "HDR_ROUTED_TOKENS", "HDR_SHARED_TOKENS", "HDR_TOPK",
                "HDR_FLAGS", "HDR_ECHO_SEQ", "HDR_FIXED_WORDS",
+               "ROUTE_TOKEN", "ROUTE_SHARED", "ROUTE_SLOTS", "ROUTE_FIXED_WORDS",
                "STATUS_OK", "STATUS_CAPACITY", "STATUS_TIMEOUT", "STATUS_BAD_HEADER",
                "STATUS_REPLY_MISMATCH", "STATUS_SHUTDOWN", "STATUS_BAD_EXPERT",
                "ST_CODE", "ST_PEER", "ST_SLOT", "ST_RING", "ST_EXPECTED", "ST_OBSERVED",
