@@ -21,6 +21,7 @@ pytestmark = pytest.mark.skipif(_LIB is None, reason="no libnvrtc (pip install n
 def test_kernel_file_compiles(filename):
     ok, log = nvrtc_check.check_file(nvrtc_check.Nvrtc(_LIB), filename, "compute_90")
     assert ok, f"{filename} does not compile:\n{log}"
+    assert "warning" not in log, log
 
 
 def test_a_broken_kernel_fails_with_its_log():
