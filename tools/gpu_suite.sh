@@ -52,8 +52,9 @@ run_step pytest_cuda "$SUITE_TIMEOUT" python3 -m pytest -m cuda -q -p no:cachepr
 # the end-to-end cases again with host polling and WITHOUT MPS (no spinning kernels at all)
 [ "${SKIP_HOSTPOLL:-0}" = 1 ] || AFD_TEST_POLL_MODE=host NO_MPS=1 run_step pytest_hostpoll "${HOSTPOLL_TIMEOUT:-300}" \
   python3 -m pytest -m cuda -q -p no:cacheprovider --timeout=${TEST_TIMEOUT:-90} -rfEs tests/test_e2e.py tests/test_e2e_errors.py tests/test_faults.py
-[ "${SKIP_SMOKE_1A1F:-0}" = 1 ] || run_step smoke_1a1f 120 python3 tools/smoke.py --layers 4 ${SMOKE_ARGS:-}
-[ "${SKIP_SMOKE_2A2F:-0}" = 1 ] || run_step smoke_2a2f 150 python3 tools/smoke.py --2a2f --layers 4 ${SMOKE_ARGS:-}
+# (timed: wall and CPU time of the whole main job go to the end of its log)
+[ "${SKIP_SMOKE_1A1F:-0}" = 1 ] || run_step smoke_1a1f 120 bash -c "time python3 tools/smoke.py --layers 4 ${SMOKE_ARGS:-}"
+[ "${SKIP_SMOKE_2A2F:-0}" = 1 ] || run_step smoke_2a2f 150 bash -c "time python3 tools/smoke.py --2a2f --layers 4 ${SMOKE_ARGS:-}"
 # a Hugging Face MoE model of every adapter family, disaggregated 1A2F vs one process (tokens/s)
 [ "${SKIP_HF:-0}" = 1 ] || ! python3 -c "import transformers" 2>/dev/null || run_step hf_generate 180 \
   python3 tools/hf_generate.py --ffn 2 --steps 16 --out "$OUT"
