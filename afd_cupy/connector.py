@@ -20,10 +20,11 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+import socket
 
 import torch
 
-from afd_cupy import gates, handshake, moe
+from afd_cupy import env, gates, handshake, moe
 from afd_cupy.backends.base import POLL_MODES, Arrival, PathContext, open_path, require_backend
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig
 from afd_cupy.dtypes import torch_dtype
@@ -70,6 +71,13 @@ class AFDConnector:
         always_send: Attention side: send a (header-only) message to every FFN rank even when
             it gets no rows. Needed by the lockstep FFN schedule, which waits for every
             replica's layer; off by default (empty messages never create a wait).
+        cpu_threads: this process's CPU thread pools (torch intra-op, OpenMP, MKL, OpenBLAS,
+            numba). ``"auto"`` (default): only when nothing set them (no
+            ``OMP_NUM_THREADS``/``MKL_NUM_THREADS``/``OPENBLAS_NUM_THREADS``/
+            ``NUMBA_NUM_THREADS``, as ``afd_cupy.launch`` sets for its children) and torch's
+            pool is larger, lower it to this host's cores divided by the job's ranks on this
+            host (from the handshake); an int: exactly that many
+            (``afd_cupy.env.limit_threads``); None: leave the process alone.
 
     Raises ConfigError for invalid arguments and BackendUnavailableError when ``backend``
     cannot run here. Construction and :meth:`close` are collective over the AFD world.
@@ -82,7 +90,8 @@ class AFDConnector:
                  connector: ConnectorConfig | None = None, *, role: str | Role, role_rank: int,
                  store, job_id: str = "afd", backend: str = "host", device_id: int | None = None,
                  poll_mode: str = "device", peer_timeout_s: float = 60.0, always_send: bool = False,
-                 startup_timeout_s: float = 120.0, nvshmem_env: dict | None = None):
+                 startup_timeout_s: float = 120.0, nvshmem_env: dict | None = None,
+                 cpu_threads: int | str | None = "auto"):
         self.model = _check_config("model", model, ModelConfig)
         _check_config("topology", topology, TopologyConfig)
         self.config = _check_config("connector", connector or ConnectorConfig(), ConnectorConfig)
@@ -99,6 +108,7 @@ class AFDConnector:
         require_backend(backend, self.config.wire_mode)  # before any collective step: fail fast
         if poll_mode not in POLL_MODES:
             raise ConfigError(f"poll_mode must be one of {POLL_MODES}, got {poll_mode!r}")
+        _check_cpu_threads(cpu_threads)
         self.layout = WindowLayout.from_configs(model, topology, self.config)
         self.torch_dtype = torch_dtype(model.dtype)
         self.out_scale = moe.combine_scale(self.torch_dtype, model.routed_scaling_factor)
@@ -115,6 +125,7 @@ class AFDConnector:
             record=handshake.config_record(model, topology, self.config, backend=backend),
             timeout_s=self.startup_timeout_s)
         self._peer_processes = peers
+        _apply_cpu_threads(cpu_threads, peers)
         self._attn_processes = {p.world_rank: p for p in peers
                                 if self.topology.role_of(p.world_rank)[0] is Role.ATTENTION}
         ctx = PathContext(layout=self.layout, topology=self.topology, role=self.role,
@@ -416,6 +427,36 @@ class AFDConnector:
             raise ProtocolError(f"{what} is a {role.value}-side call; this connector is {self.role.value}")
         if self._closed:
             raise ProtocolError(f"{what} on a closed connector")
+
+
+def _check_cpu_threads(value) -> None:
+    if value is None or value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ConfigError(f"cpu_threads must be 'auto', None or an int >= 1, got {value!r}")
+
+
+def _apply_cpu_threads(cpu_threads, peers) -> None:
+    """The ``cpu_threads`` policy of :class:`AFDConnector` (see its docstring).
+
+    NOTE: "auto" acts on torch's pool only: OpenMP/MKL/OpenBLAS/numba read their variables
+    when they load, which happened before any connector exists; numba starts no pool here
+    (afd_cupy has no parallel=True function)."""
+    if cpu_threads is None:
+        return
+    if cpu_threads != "auto":
+        env.limit_threads(int(cpu_threads), keep_user_settings=False)
+        return
+    if env.user_thread_vars():
+        return  # the user, or the launcher, decided
+    host = socket.gethostname()
+    num_local = 1 + sum(1 for peer in peers if peer.host == host)
+    share = env.thread_share(num_local)
+    if torch.get_num_threads() > share:
+        logger.info("afd_cupy: %d ranks of this job on this host: torch threads %d -> %d "
+                    "(AFDConnector(cpu_threads=None) keeps them)", num_local,
+                    torch.get_num_threads(), share)
+        env.limit_threads(share)
 
 
 def _check_index(name: str, value, bound: int) -> None:

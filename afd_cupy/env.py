@@ -7,10 +7,24 @@
 | ``AFD_KERNEL_CACHE`` | ``0`` disables the in-process RawModule cache (debugging) | ``1`` |
 
 Library code calls these functions; nothing reads ``os.environ`` at import time.
+
+Thread pools (not ``AFD_*``, read here too): every process of a job would size torch's
+intra-op pool, OpenMP, MKL, OpenBLAS and numba to all cores of the machine, and N processes
+oversubscribe it N-fold (idle OpenMP workers spin). :func:`thread_share` is one process's
+share of the cores, :func:`thread_env` the variables that give it before the libraries load
+(what ``afd_cupy.launch`` puts in each child), :func:`limit_threads` the same for a process
+started elsewhere (docs/design.md §4.5, "Threads").
 """
 from __future__ import annotations
 
+import logging
 import os
+import sys
+
+logger = logging.getLogger("afd_cupy")
+
+#: thread-pool sizes of the libraries a rank loads; read once, when each library loads
+THREAD_POOL_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS")
 
 
 def nvshmem_lib_override() -> str | None:
@@ -32,3 +46,61 @@ def backend_override() -> str | None:
 def kernel_cache_enabled() -> bool:
     """False when ``AFD_KERNEL_CACHE=0``."""
     return os.environ.get("AFD_KERNEL_CACHE", "1").strip() != "0"
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (``os.sched_getaffinity``; ``os.cpu_count`` where the
+    platform has no affinity call)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def thread_share(num_local_procs: int) -> int:
+    """One process's share of :func:`usable_cores` when ``num_local_procs`` share them, >= 1."""
+    return max(1, usable_cores() // max(1, int(num_local_procs)))
+
+
+def user_thread_vars(environ=None) -> dict[str, str]:
+    """The :data:`THREAD_POOL_VARS` set (non-empty) in ``environ`` (default ``os.environ``)."""
+    environ = os.environ if environ is None else environ
+    return {var: environ[var] for var in THREAD_POOL_VARS if environ.get(var, "").strip()}
+
+
+def thread_env(num_threads: int, environ=None) -> dict[str, str]:
+    """``{var: str(num_threads)}`` for each :data:`THREAD_POOL_VARS` entry that ``environ``
+    (default ``os.environ``) does not set: the user's setting wins, per variable."""
+    _check_threads(num_threads)
+    user = user_thread_vars(environ)
+    return {var: str(int(num_threads)) for var in THREAD_POOL_VARS if var not in user}
+
+
+def limit_threads(num_threads: int, *, keep_user_settings: bool = True) -> dict[str, int]:
+    """Cap this process's CPU thread pools at ``num_threads``; returns what was set.
+
+    For a rank started outside ``afd_cupy.launch`` (a serving stack's own process), ideally
+    before torch/numpy/numba are imported: sets the :data:`THREAD_POOL_VARS` (only those not
+    already set when ``keep_user_settings``), read by OpenMP, MKL, OpenBLAS and numba when
+    they load, and calls ``torch.set_num_threads`` when torch is already imported (torch
+    reads ``OMP_NUM_THREADS`` itself when imported later). With ``keep_user_settings`` and
+    ``OMP_NUM_THREADS`` set, torch keeps its count. Not collective; process-global.
+    NOTE: numba's pool starts only for ``parallel=True`` functions, which afd_cupy has none
+    of; a pool already started keeps its size.
+    """
+    _check_threads(num_threads)
+    env = thread_env(num_threads) if keep_user_settings else {v: str(int(num_threads))
+                                                                 for v in THREAD_POOL_VARS}
+    os.environ.update(env)
+    applied = {var: int(value) for var, value in env.items()}
+    if "OMP_NUM_THREADS" in env and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(num_threads))
+        applied["torch"] = int(num_threads)
+    if applied:
+        logger.debug("afd_cupy: thread pools limited to %d (%s)", num_threads, ", ".join(applied))
+    return applied
+
+
+def _check_threads(num_threads) -> None:
+    if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
+        raise ValueError(f"number of threads must be an int >= 1, got {num_threads!r}")

@@ -16,11 +16,14 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import sys
 import time
 import traceback
 import uuid
 from typing import Any, Callable
 
+from afd_cupy import env as env_mod
+from afd_cupy.env import THREAD_POOL_VARS  # noqa: F401 - re-exported (tests, tools)
 from afd_cupy.errors import AfdError
 from afd_cupy.heap.host import cleanup_job_segments
 from afd_cupy.store import NamespacedStore, Store, create_store, free_port
@@ -188,14 +191,25 @@ def _child_main(rank: int, fn_args_blob: bytes, ctx: ProcessContext, env: dict[s
     """Entry point of a child: set ``env``, then unpickle and run ``fn``; report to parent."""
     os.environ.update(env)
     try:
-        # Unpickled only now so that env (CUDA_VISIBLE_DEVICES, MPS...) is set before any
-        # import that fn's module triggers.
+        # Unpickled only now so that env (CUDA_VISIBLE_DEVICES, MPS, thread pools...) is set
+        # before any import that fn's module triggers.
         fn, args = pickle.loads(fn_args_blob)
+        _apply_torch_threads()
         payload = pickle.dumps(fn(ctx, *args))
     except BaseException:  # noqa: BLE001 - everything must reach the parent
         results.put((rank, False, traceback.format_exc()))
         return
     results.put((rank, True, payload))
+
+
+def _apply_torch_threads() -> None:
+    """torch imported by fn's module has read ``OMP_NUM_THREADS`` already; set it explicitly
+    anyway (a torch build that ignores the variable still gets the count). A torch imported
+    later reads the variable itself."""
+    torch = sys.modules.get("torch")
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    if torch is not None and value.isdigit() and int(value) >= 1:
+        torch.set_num_threads(int(value))
 
 
 def _start_store(nprocs: int, timeout_s: float) -> tuple[Store, int]:
@@ -298,20 +312,20 @@ def _stop_all(processes: list) -> None:
             proc.join()
 
 
-#: thread-pool sizes a launched process inherits unless the caller's environment sets them
-THREAD_POOL_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS")
-
-
-def thread_limits(nprocs: int) -> dict[str, str]:
-    """``{var: str(cores // nprocs)}`` for every thread-pool variable the caller did not set.
+def thread_limits(nprocs: int, threads_per_process: int | None = None) -> dict[str, str]:
+    """The thread-pool variables (:data:`afd_cupy.env.THREAD_POOL_VARS`) each of ``nprocs``
+    local children gets: all of them at ``threads_per_process`` when given, else at an equal
+    share of this process's cores (:func:`afd_cupy.env.thread_share`) for each variable the
+    caller's environment does not set.
 
     Every process of a local job would otherwise size torch's, OpenMP's and numba's pools to
     all cores of the machine; ``nprocs`` such processes oversubscribe it (and OpenMP workers
-    spin between parallel regions), which made a 2-process main job on a 32-core machine burn
+    spin between parallel regions), which made a 2-process main job on a 16-core machine burn
     25 CPU-minutes in under a minute of wall time.
     """
-    share = str(max(1, (os.cpu_count() or 1) // max(1, nprocs)))
-    return {var: share for var in THREAD_POOL_VARS if var not in os.environ}
+    if threads_per_process is not None:
+        return env_mod.thread_env(threads_per_process, environ={})  # validates: int >= 1
+    return env_mod.thread_env(env_mod.thread_share(nprocs))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,7 +340,8 @@ def launch(fn: Callable, nprocs: int, *, args: tuple = (), timeout_s: float = 12
            num_gpus: int | None = None, env: dict[str, str] | None = None,
            job_id: str | None = None, expected_deaths=(),
            placement: "list[Placement] | None" = None, world_size: int | None = None,
-           first_rank: int = 0, store_addr: "tuple[str, int] | None" = None) -> list:
+           first_rank: int = 0, store_addr: "tuple[str, int] | None" = None,
+           threads_per_process: int | None = None) -> list:
     """Run ``fn(ctx, *args)`` in ``nprocs`` spawned processes; return results by rank.
 
     One node of a larger job: ``world_size`` (default ``nprocs``) ranks in all, this launch
@@ -339,12 +354,15 @@ def launch(fn: Callable, nprocs: int, *, args: tuple = (), timeout_s: float = 12
     ``fn``, ``args`` and results must be picklable (``fn`` a top-level function). ``env``
     entries are set in each child before ``fn`` (and its module) are loaded. ``num_gpus``
     None detects the visible GPUs; placement follows :func:`device_for_rank`. ``job_id``
-    (default: random) namespaces store keys and shared-memory segments. Each child's thread
-    pools get an equal share of the cores (:func:`thread_limits`) unless the environment or
-    ``env`` sets them. ``placement`` (one :class:`Placement` per rank) puts each rank on a
-    GPU and gives it an MPS SM share (start MPS first for shares to apply). Ranks in
-    ``expected_deaths`` may die without reporting (fault-injection tests): their result is a
-    :class:`DiedAsExpected`, and the other ranks run on to their own end.
+    (default: random) namespaces store keys and shared-memory segments. Thread pools: each
+    child's OpenMP/MKL/OpenBLAS/numba variables and torch's intra-op pool get an equal share
+    of this process's cores (``os.sched_getaffinity`` // ``nprocs``, at least 1) unless set;
+    precedence, highest first: ``env``, ``threads_per_process`` (every pool of every child),
+    the caller's environment (per variable), the share (:func:`thread_limits`).
+    ``placement`` (one :class:`Placement` per rank) puts each rank on a GPU and gives it an
+    MPS SM share (start MPS first for shares to apply). Ranks in ``expected_deaths`` may die
+    without reporting (fault-injection tests): their result is a :class:`DiedAsExpected`,
+    and the other ranks run on to their own end.
 
     Raises LaunchError when any rank raises (with every failing rank's traceback), dies
     without reporting (with its exit code) or does not finish within ``timeout_s``.
@@ -363,7 +381,8 @@ def launch(fn: Callable, nprocs: int, *, args: tuple = (), timeout_s: float = 12
     job_id = job_id or uuid.uuid4().hex[:12]
     num_gpus = _detect_num_gpus() if num_gpus is None else num_gpus
     fn_args_blob = pickle.dumps((fn, tuple(args)))
-    child_env = {**thread_limits(nprocs), **{str(k): str(v) for k, v in (env or {}).items()}}
+    child_env = {**thread_limits(nprocs, threads_per_process),
+                 **{str(k): str(v) for k, v in (env or {}).items()}}
     spawn = mp.get_context("spawn")
     results = spawn.Queue()
     processes: list = []

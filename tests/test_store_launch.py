@@ -199,7 +199,7 @@ def test_launched_processes_share_the_cores_unless_told_otherwise(monkeypatch):
 
     for var in THREAD_POOL_VARS:
         monkeypatch.delenv(var, raising=False)
-    share = str(max(1, (os.cpu_count() or 1) // 2))
+    share = str(max(1, len(os.sched_getaffinity(0)) // 2))
     assert thread_limits(2) == {var: share for var in THREAD_POOL_VARS}
     results = launch(_thread_env, 2, timeout_s=60, num_gpus=0, env={"NUMBA_NUM_THREADS": "1"})
     for env, torch_threads in results:

@@ -37,16 +37,22 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    backend = args.backend or detect_backend()
+def build_scenario(args, backend: str) -> Scenario:
+    """The smoke run's Scenario from the parsed arguments (shared with startup_profile.py)."""
     num_attn = num_ffn = 2 if args.two else 1
     model = ModelConfig(hidden_size=args.hidden, num_experts=args.experts, top_k=args.top_k,
                         moe_intermediate_size=args.hidden // 2, num_shared_experts=1,
                         dtype=args.dtype, max_num_batched_tokens=max(args.tokens, 1),
                         routed_scaling_factor=2.5, num_layers=args.layers)
-    scenario = Scenario(model, num_attn, num_ffn, backend=backend, poll_mode=args.poll_mode,
-                        num_tokens=args.tokens)
+    return Scenario(model, num_attn, num_ffn, backend=backend, poll_mode=args.poll_mode,
+                    num_tokens=args.tokens)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    backend = args.backend or detect_backend()
+    scenario = build_scenario(args, backend)
+    num_attn, num_ffn = scenario.num_attn, scenario.num_ffn
     poll = f" poll={args.poll_mode}" if backend == "cuda" else ""
     print(f"afd_cupy smoke: {num_attn}A{num_ffn}F backend={backend}{poll} "
           f"layers={args.layers} tokens={args.tokens} hidden={args.hidden} experts={args.experts} "

@@ -85,6 +85,8 @@ class HostDataPath(HostDedupSteps):
         self._dedup_tables: dict[int, tuple] = {}
         if self.layout.is_dedup:
             dedup.warm_up()  # numba steps loaded now, not inside the first wait
+        elif ctx.role is Role.ATTENTION:
+            planner.warm_up()  # the FFN side of the pair mode runs no numba step
 
     def _next_seq(self, peer: int, ring: int) -> int:
         self._seqs[peer, ring] += 1

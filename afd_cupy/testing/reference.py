@@ -3,8 +3,8 @@ experts.
 
 - :func:`make_expert_weights` / :func:`make_shared_weights`: seeded weights, identical on
   every device and dtype for one seed.
-- :func:`reference_moe`: one MoE layer computed naively per token in float64 on the CPU, the
-  ground truth the tests compare the AFD output against.
+- :func:`reference_moe`: one MoE layer computed in float64 on the CPU (each expert once on
+  the tokens that picked it), the ground truth the tests compare the AFD output against.
 - :func:`identity_experts`: an ``FFNWorker`` ``expert_fn`` that replies the received rows
   unchanged (transport-only benchmarks and tests).
 """
@@ -72,7 +72,7 @@ def make_shared_weights(num_shared_experts: int, hidden_size: int, intermediate_
 def reference_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                   global_weights: ExpertWeights, shared_weights: ExpertWeights | None,
                   routed_scaling_factor: float) -> torch.Tensor:
-    """Ground truth of one MoE layer, naive per token, for tests.
+    """Ground truth of one MoE layer, in float64 on the CPU, for tests.
 
     hidden: [T, H] any float dtype and device; topk_ids: [T, k] int (global ids);
     topk_weights: [T, k] float; global_weights: first_expert == 0; shared_weights or None.
@@ -82,57 +82,47 @@ def reference_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     glu written out here per ``ExpertWeights.activation``),
     (shared(x_t) scaled by sigmoid(x_t . gate) when the shared weights carry a gate)
     computed in float64 from the given (already rounded) inputs and weights, so that the
-    reference adds no error of its own. Slow: keep T, H, I small.
+    reference adds no error of its own. Each expert runs once on the tokens that picked it
+    (a float64 matmul, rows picked with a boolean mask: none of the library's routing code),
+    and each token's k partials are summed in slot order k = 0..K-1.
     """
     _check_reference_args(hidden, topk_ids, topk_weights, global_weights)
     x = hidden.detach().to("cpu", torch.float64)
     ids = topk_ids.to("cpu", torch.int64)
     gate_weights = topk_weights.detach().to("cpu", torch.float64)
-    experts = _ExpertCacheF64(global_weights)
-    shared = None if shared_weights is None else _ExpertCacheF64(shared_weights)
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for k in range(ids.shape[1]):
-            out[t] += gate_weights[t, k] * experts.apply(int(ids[t, k]), x[t])
-        out[t] *= routed_scaling_factor
-        if shared is not None:
-            row = shared.apply(0, x[t])
-            if shared_weights.gate is not None:  # Qwen2-MoE: sigmoid(x . gate) * shared(x)
-                row = row * torch.sigmoid(shared_weights.gate[0].to("cpu", torch.float64) @ x[t])
-            out[t] += row
+    partials = torch.zeros((*ids.shape, x.shape[1]), dtype=torch.float64)  # [T, k, H]
+    for expert in torch.unique(ids).tolist():
+        picked = ids == expert  # [T, k]
+        token_idx = picked.nonzero()[:, 0]
+        partials[picked] = _expert_f64(global_weights, expert, x[token_idx])
+    out = (gate_weights.unsqueeze(-1) * partials).sum(dim=1) * routed_scaling_factor
+    if shared_weights is not None:
+        row = _expert_f64(shared_weights, 0, x)
+        if shared_weights.gate is not None:  # Qwen2-MoE: sigmoid(x . gate) * shared(x)
+            row = row * torch.sigmoid(x @ shared_weights.gate[0].to("cpu", torch.float64)).unsqueeze(-1)
+        out = out + row
     return out.float()
 
 
-class _ExpertCacheF64:
-    """Upcasts each expert's weights (and biases) to float64 on the CPU once, on first use."""
-
-    def __init__(self, weights: ExpertWeights):
-        self._weights = weights
-        self._cache: dict[int, tuple] = {}
-
-    def apply(self, expert: int, x_row: torch.Tensor) -> torch.Tensor:
-        w = self._weights
-        if expert not in self._cache:
-            self._cache[expert] = tuple(
-                None if t is None else t[expert].to("cpu", torch.float64)
-                for t in (w.w13, w.w2, w.w13_bias, w.w2_bias))
-        w13, w2, b13, b2 = self._cache[expert]
-        gate_up = w13 @ x_row
-        if b13 is not None:
-            gate_up = gate_up + b13
-        out = w2 @ _glu_f64(gate_up, w)
-        return out if b2 is None else out + b2
+def _expert_f64(weights: ExpertWeights, expert: int, x: torch.Tensor) -> torch.Tensor:
+    """Expert ``expert`` of ``weights`` on rows x [n, H] float64 -> [n, H] float64."""
+    w13, w2, b13, b2 = (None if t is None else t[expert].to("cpu", torch.float64)
+                        for t in (weights.w13, weights.w2, weights.w13_bias, weights.w2_bias))
+    gate_up = x @ w13.T
+    if b13 is not None:
+        gate_up = gate_up + b13
+    out = _glu_f64(gate_up, weights) @ w2.T
+    return out if b2 is None else out + b2
 
 
 def _glu_f64(gate_up: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
-    """The gated activation of one row gate_up [2I] float64 ([gate | up]) -> [I]."""
-    inter = gate_up.shape[0] // 2
-    gate, up = gate_up[:inter], gate_up[inter:]
+    """The gated activation of rows gate_up [n, 2I] float64 ([gate | up]) -> [n, I]."""
+    inter = gate_up.shape[-1] // 2
+    gate, up = gate_up[..., :inter], gate_up[..., inter:]
     if weights.activation == "clamped_swiglu":  # gpt-oss
         limit, alpha = weights.swiglu_limit, weights.swiglu_alpha
-        gate = torch.minimum(gate, torch.tensor(limit, dtype=torch.float64))
-        up = torch.maximum(torch.minimum(up, torch.tensor(limit, dtype=torch.float64)),
-                           torch.tensor(-limit, dtype=torch.float64))
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
         return (up + 1.0) * gate / (1.0 + torch.exp(-alpha * gate))
     if weights.activation == "silu":
         return gate / (1.0 + torch.exp(-gate)) * up

@@ -19,6 +19,7 @@ from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig
 from afd_cupy.connector import AFDConnector
 from afd_cupy.dtypes import torch_dtype
 from afd_cupy.ffn_worker import FFNWorker
+from afd_cupy.testing.phases import NO_PHASES
 from afd_cupy.testing.reference import make_expert_weights, make_shared_weights, reference_moe
 from afd_cupy.topology import Role, Topology
 
@@ -78,34 +79,44 @@ def _device(scenario: Scenario, ctx) -> torch.device:
     return torch.device("cuda", ctx.device_id or 0)
 
 
-def run_rank(ctx, scenario: Scenario) -> dict:
-    """Entry point of every process (see module doc). Returns a per-rank report dict."""
+def run_rank(ctx, scenario: Scenario, timer=NO_PHASES) -> dict:
+    """Entry point of every process (see module doc). Returns a per-rank report dict.
+
+    ``timer``: a :class:`~afd_cupy.testing.phases.PhaseTimer` that gets the start-up, run and
+    shutdown phases of this rank (``tools/startup_profile.py``)."""
     topo = Topology(scenario.num_attn, scenario.num_ffn, scenario.model.num_experts)
     role, role_rank = topo.role_of(ctx.rank)
     device = _device(scenario, ctx)
-    conn = AFDConnector(scenario.model, TopologyConfig(scenario.num_attn, scenario.num_ffn),
+    with timer.phase("connector init"):
+        conn = _connector(ctx, scenario, role, role_rank)
+    try:
+        if role is Role.ATTENTION:
+            report = _attention(conn, scenario, role_rank, device, timer)
+        else:
+            report = _ffn(conn, scenario, role_rank, device, timer)
+        return {**report, "device_id": ctx.device_id}
+    finally:
+        with timer.phase("shutdown"):
+            conn.close()
+
+
+def _connector(ctx, scenario: Scenario, role, role_rank: int) -> AFDConnector:
+    return AFDConnector(scenario.model, TopologyConfig(scenario.num_attn, scenario.num_ffn),
                         scenario.connector, role=role, role_rank=role_rank, store=ctx.store(),
                         job_id=ctx.job_id, backend=scenario.backend, device_id=ctx.device_id,
                         poll_mode=scenario.poll_mode, peer_timeout_s=scenario.peer_timeout_s,
                         always_send=scenario.always_send or scenario.schedule == "lockstep")
-    try:
-        if role is Role.ATTENTION:
-            report = _attention(conn, scenario, role_rank, device)
-        else:
-            report = _ffn(conn, scenario, role_rank, device)
-        return {**report, "device_id": ctx.device_id}
-    finally:
-        conn.close()
 
 
-def _ffn(conn: AFDConnector, scenario: Scenario, ffn_rank: int, device) -> dict:
+def _ffn(conn: AFDConnector, scenario: Scenario, ffn_rank: int, device, timer=NO_PHASES) -> dict:
     model = scenario.model
     epr = conn.topology.expert_per_rank
     routed, shared = [], []
-    for layer in range(model.num_layers):
-        global_routed, layer_shared = layer_weights(model, layer, scenario.seed, device)
-        routed.append(moe.local_experts(global_routed, ffn_rank, epr))
-        shared.append(layer_shared)
+    with timer.phase("weights"):
+        for layer in range(model.num_layers):
+            global_routed, layer_shared = layer_weights(model, layer, scenario.seed, device)
+            routed.append(moe.local_experts(global_routed, ffn_rank, epr))
+            shared.append(layer_shared)
     kwargs = {} if scenario.schedule == "async" else {"schedule": scenario.schedule}
     worker = FFNWorker(conn, routed, shared if model.num_shared_experts else None, **kwargs)
     history = []
@@ -117,25 +128,31 @@ def _ffn(conn: AFDConnector, scenario: Scenario, ffn_rank: int, device) -> dict:
 
     worker.expert_fn = recording
     start = time.perf_counter()
-    served = worker.run()
+    with timer.phase("serve (until shutdown)"):
+        served = worker.run()
     return {"role": "ffn", "rank": ffn_rank, "served": served, "history": history,
             "seconds": time.perf_counter() - start}
 
 
-def _attention(conn: AFDConnector, scenario: Scenario, attn_rank: int, device) -> dict:
+def _attention(conn: AFDConnector, scenario: Scenario, attn_rank: int, device,
+               timer=NO_PHASES) -> dict:
     if scenario.graph_replays:
         return _attention_graphs(conn, scenario, attn_rank, device)
     model = scenario.model
     errors, times = [], []
     gen = torch.Generator().manual_seed(scenario.seed * 7919 + attn_rank)
     for layer in range(model.num_layers):
-        hidden, weights, ids = _layer_inputs(conn, scenario, gen, scenario.tokens_for(attn_rank, layer), device)
-        start = time.perf_counter()
-        handle = conn.send_attn_output(hidden.to(device), ids, weights, layer)
-        out = conn.recv_ffn_output(handle)
-        times.append(time.perf_counter() - start)
+        with timer.phase("inputs + gate"):
+            hidden, weights, ids = _layer_inputs(conn, scenario, gen,
+                                                 scenario.tokens_for(attn_rank, layer), device)
+        with timer.phase("first round trip" if layer == 0 else "round trips"):
+            start = time.perf_counter()
+            handle = conn.send_attn_output(hidden.to(device), ids, weights, layer)
+            out = conn.recv_ffn_output(handle)
+            times.append(time.perf_counter() - start)
         if scenario.check:
-            errors.append(_compare(out, hidden, ids, weights, model, layer, scenario.seed))
+            with timer.phase("reference check"):
+                errors.append(_compare(out, hidden, ids, weights, model, layer, scenario.seed))
         if scenario.sleep_s and scenario.sleep_s[attn_rank]:
             time.sleep(scenario.sleep_s[attn_rank])
     conn.announce_shutdown()
