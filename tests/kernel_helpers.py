@@ -40,6 +40,14 @@ def launch_reply(*, stream=None, **kwargs) -> None:
     kernels.reply_spec(**kwargs).launch(stream)
 
 
+def launch_dedup_expand(*, stream=None, **kwargs) -> None:
+    kernels.dedup_expand_spec(**kwargs).launch(stream)
+
+
+def launch_dedup_reply(*, stream=None, **kwargs) -> None:
+    kernels.dedup_reply_spec(**kwargs).launch(stream)
+
+
 def dtype_code(dtype) -> int:
     """Payload dtype code of a name, numpy/cupy dtype or torch dtype."""
     name = getattr(dtype, "name", None) if not isinstance(dtype, str) else dtype
