@@ -269,6 +269,51 @@ def check_route_table(table: np.ndarray, *, num_tokens: int, routed_tokens: int,
                         f"[{rows.min() if rows.size else '-'}, {rows.max() if rows.size else '-'}]")
 
 
+# Route-table rules of the device check (afd_dedup_expand, raw_kernels/dedup_ffn.cu), in the
+# order check_route_table applies them; a latched record carries the rule in ST_CAP.
+ROUTE_FAULT_TOKEN = 1      # token outside [0, num_tokens)
+ROUTE_FAULT_SHARED = 2     # shared flag != (row < shared_tokens)
+ROUTE_FAULT_PACKING = 3    # no staging row, or one after a -1 pad
+ROUTE_FAULT_RANGE = 4      # staging row >= routed_tokens
+ROUTE_FAULT_DUPLICATE = 5  # staging row already taken by an earlier row (or slot)
+ROUTE_FAULT_COUNT = 6      # the table names fewer than routed_tokens staging rows
+
+
+def route_table_error(record: "StatusRecord", *, shared_tokens: int) -> WireError:
+    """The WireError of a route table the device check rejected (the host check raises the
+    same type, naming the same row, for the same table).
+
+    ``record``: the status latched by ``afd_dedup_expand``: code STATUS_BAD_HEADER, peer = the
+    sending Attention rank, slot = the route-table column (ROUTE_TOKEN, ROUTE_SHARED,
+    ROUTE_SLOTS + s; -1 for the count rule), count = the row (-1 for the count rule), cap = the
+    rule (ROUTE_FAULT_*), expected / observed as below, layer = the dispatch's layer.
+    """
+    row, rule, expected, observed = record.count, record.cap, record.expected, record.observed
+    slot = record.slot - ROUTE_SLOTS
+    where = (f"dedup dispatch from attention rank {record.peer} (ring {record.ring})"
+             f"{errors._for_layer(record.layer if record.layer >= 0 else None)}")
+    if rule == ROUTE_FAULT_TOKEN:
+        what = f"route table row {row}: token {observed} outside [0, {expected})"
+    elif rule == ROUTE_FAULT_SHARED:
+        what = (f"route table row {row}: shared flag {observed}, expected {expected} "
+                f"(shared_tokens={shared_tokens})")
+    elif rule == ROUTE_FAULT_PACKING:
+        what = (f"route table row {row}: staging rows are not 1..top_k rows followed by -1 "
+                f"padding (slot {slot} is {observed})")
+    elif rule == ROUTE_FAULT_RANGE:
+        what = (f"route table row {row}: staging row {observed} (slot {slot}) outside "
+                f"[0, {expected}) (routed_tokens): the staging rows are not a permutation")
+    elif rule == ROUTE_FAULT_DUPLICATE:
+        what = (f"route table row {row}: staging row {observed} (slot {slot}) is also named by "
+                f"row {expected}: the staging rows are not a permutation")
+    elif rule == ROUTE_FAULT_COUNT:
+        what = (f"route table staging rows are not a permutation of [0, {expected}) "
+                f"(routed_tokens): {observed} slots")
+    else:
+        what = f"route table rejected by the device, unknown rule: {record}"
+    return WireError(f"{where}: {what}")
+
+
 def check_capacity(layout: WindowLayout, *, num_tokens: int, routed_tokens: int,
                    shared_tokens: int, peer: int, nothing_sent: bool = False,
                    layer_idx: int | None = None) -> None:

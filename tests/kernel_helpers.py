@@ -5,6 +5,8 @@
 - :data:`WIRE_CONSTANT_NAMES`, :func:`expected_wire_constants`, :func:`read_wire_constants`: what
   ``raw_kernels/probes/wire_constants.cu`` writes, and what it must write.
 - :func:`reference_check_reply`: numpy model of the reply checks of ``afd_wait_replies``.
+- :data:`ROUTE_TABLE_FAULTS`: corruptions of a dedup route table that ``afd_dedup_expand`` (and
+  ``wire.check_route_table``) must reject, with the row the verdict names.
 """
 from __future__ import annotations
 
@@ -36,6 +38,14 @@ def launch_wait_any(*, stream=None, **kwargs) -> None:
 
 def launch_reply(*, stream=None, **kwargs) -> None:
     kernels.reply_spec(**kwargs).launch(stream)
+
+
+def launch_dedup_expand(*, stream=None, **kwargs) -> None:
+    kernels.dedup_expand_spec(**kwargs).launch(stream)
+
+
+def launch_dedup_reply(*, stream=None, **kwargs) -> None:
+    kernels.dedup_reply_spec(**kwargs).launch(stream)
 
 
 def dtype_code(dtype) -> int:
@@ -134,3 +144,90 @@ def reference_check_reply(header_words, *, seq: int, layer_idx: int, stage_idx: 
         if observed != want:
             return wire.STATUS_REPLY_MISMATCH, word, want, observed
     return wire.STATUS_OK, -1, -1, -1
+
+
+# --- dedup route-table faults (afd_dedup_expand) ----------------------------------------------
+def _slots(table: np.ndarray) -> np.ndarray:
+    top_k = (table.shape[1] - wire.ROUTE_FIXED_WORDS) // 2
+    return table[:, wire.ROUTE_SLOTS:wire.ROUTE_SLOTS + top_k]
+
+
+def _last_row_with(table: np.ndarray, min_slots: int) -> int | None:
+    rows = np.flatnonzero((_slots(table) >= 0).sum(axis=1) >= min_slots)
+    return int(rows[-1]) if rows.size else None
+
+
+def _fault_token(table, *, num_tokens, shared_tokens, routed_tokens, high: bool):
+    row = table.shape[0] // 2
+    table[row, wire.ROUTE_TOKEN] = num_tokens + 3 if high else -1
+    return row
+
+
+def _fault_shared(table, *, num_tokens, shared_tokens, routed_tokens):
+    row = shared_tokens - 1 if shared_tokens else table.shape[0] - 1  # the prefix's end, or a row after it
+    table[row, wire.ROUTE_SHARED] ^= 1
+    return row
+
+
+def _fault_no_slot(table, *, num_tokens, shared_tokens, routed_tokens):
+    row = table.shape[0] - 1
+    _slots(table)[row, 0] = -1
+    return row
+
+
+def _fault_slot_after_pad(table, *, num_tokens, shared_tokens, routed_tokens):
+    slots = _slots(table)
+    rows = np.flatnonzero((slots < 0).sum(axis=1) >= 2)  # a pad stays before the last slot
+    if not rows.size:
+        return None
+    row = int(rows[-1])
+    slots[row, -1] = routed_tokens - 1  # also a duplicate: the packing rule wins
+    return row
+
+
+def _fault_out_of_range(table, *, num_tokens, shared_tokens, routed_tokens):
+    row = _last_row_with(table, 1)
+    _slots(table)[row, 0] = routed_tokens
+    return row
+
+
+def _fault_duplicate(table, *, num_tokens, shared_tokens, routed_tokens):
+    if table.shape[0] < 2:
+        return None
+    slots = _slots(table)
+    later = table.shape[0] - 1
+    slots[later, 0] = slots[0, 0]  # row 0 names it first
+    return later
+
+
+def _fault_duplicate_in_row(table, *, num_tokens, shared_tokens, routed_tokens):
+    row = _last_row_with(table, 2)
+    if row is None:
+        return None
+    _slots(table)[row, 1] = _slots(table)[row, 0]
+    return row
+
+
+def _fault_missing_slot(table, *, num_tokens, shared_tokens, routed_tokens):
+    row = _last_row_with(table, 2)
+    if row is None:
+        return None
+    slots = _slots(table)
+    slots[row, int((slots[row] >= 0).sum()) - 1] = -1  # its last staging row: nobody names it
+    return -1
+
+
+#: fault name -> corrupt(table (in place), num_tokens=, shared_tokens=, routed_tokens=): the row
+#: the device must name (-1: the count rule, which names none), or None when the table has no
+#: row the fault can be applied to. Each is a table wire.check_route_table rejects.
+ROUTE_TABLE_FAULTS = {
+    "token_too_large": lambda table, **kw: _fault_token(table, high=True, **kw),
+    "token_negative": lambda table, **kw: _fault_token(table, high=False, **kw),
+    "shared_not_a_prefix": _fault_shared,
+    "no_staging_row": _fault_no_slot,
+    "staging_row_after_pad": _fault_slot_after_pad,
+    "staging_row_out_of_range": _fault_out_of_range,
+    "duplicate_staging_row": _fault_duplicate,
+    "duplicate_within_a_row": _fault_duplicate_in_row,
+    "staging_row_missing": _fault_missing_slot,
+}

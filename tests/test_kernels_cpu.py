@@ -19,7 +19,7 @@ import pytest
 import kernel_helpers as helpers
 from afd_cupy import config, errors, kernels, planner, wire
 
-KERNEL_FILES = ("wire.cuh", "dispatch.cu", "combine.cu", "wait_any.cu", "reply.cu",
+KERNEL_FILES = ("wire.cuh", "dispatch.cu", "combine.cu", "wait_any.cu", "reply.cu", "dedup_ffn.cu",
                 "probes/wire_constants.cu", "probes/bench.cu")
 ALL_KERNELS = {**kernels.FILE_KERNELS, **kernels.PROBE_KERNELS}
 _CONSTEXPR_RE = re.compile(r"constexpr\s+\w+\s+(\w+)\s*=\s*(-?(?:0x[0-9a-fA-F]+|\d+))\s*;")

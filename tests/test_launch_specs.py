@@ -81,6 +81,14 @@ def _specs() -> dict:
             dtype_code=1, dst_window=0x3000, geo=geo, src_rank=1, ring=1, routed_out=0,
             num_routed=0, shared_out=0x6000, num_shared=3, hidden_size=64, header_src=0x7000,
             seq=5, done_counter=arr),
+        ("dedup_ffn.cu", "afd_dedup_expand"): kernels.dedup_expand_spec(
+            dtype_code=2, window=0x3000, geo=geo, region=2, ring=1, num_rows=20, num_tokens=30,
+            num_routed=45, num_shared=7, top_k=8, hidden_size=64, staging=0x8000, route_copy=arr,
+            claims=arr, fault=arr, num_claimed=arr, layer_idx=4, status=0x1000, done_counter=arr),
+        ("dedup_ffn.cu", "afd_dedup_reply"): kernels.dedup_reply_spec(
+            dtype_code=0, dst_window=0x3000, geo=geo, src_rank=1, ring=0, route_copy=arr,
+            num_rows=20, top_k=8, routed_out=0x6000, num_routed=45, shared_out=0, num_shared=0,
+            hidden_size=64, header_src=0x7000, seq=9, done_counter=arr),
     }
 
 
@@ -108,7 +116,9 @@ def test_specs_use_the_block_sizes_of_the_limit_table(fake_specs):
     limits = kernels.KERNEL_LIMITS
     blocks = {"afd_dispatch_plan": "PLAN_THREADS", "afd_dispatch_scatter": "SCATTER_THREADS",
               "afd_wait_replies": "WAIT_REPLIES_THREADS", "afd_combine": "COMBINE_THREADS",
-              "afd_wait_any": "WAIT_ANY_THREADS", "afd_reply": "REPLY_THREADS"}
+              "afd_wait_any": "WAIT_ANY_THREADS", "afd_reply": "REPLY_THREADS",
+              # the FFN's dedup row kernels: a warp per row, like afd_reply
+              "afd_dedup_expand": "REPLY_THREADS", "afd_dedup_reply": "REPLY_THREADS"}
     for (filename, name), spec in built.items():
         assert spec.block == limits[blocks[name]], name
         text = (kernels.KERNEL_DIR / filename).read_text()
@@ -135,6 +145,35 @@ def test_specs_reject_a_geometry_that_does_not_fit(fake_specs):
                            hidden_size=8, header_src=1, seq=1, done_counter=arr)
 
 
+def test_dedup_specs_reject_impossible_sizes(fake_specs):
+    arr, geo = _FakeArray(), _LAYOUT.kernel_geometry()
+    expand = dict(dtype_code=0, window=0x3000, geo=geo, region=0, ring=0, num_rows=4, num_tokens=9,
+                  num_routed=6, num_shared=2, top_k=2, hidden_size=64, staging=0x8000,
+                  route_copy=arr, claims=arr, fault=arr, num_claimed=arr, layer_idx=0,
+                  status=0x1000, done_counter=arr)
+    kernels.dedup_expand_spec(**expand)
+    with pytest.raises(ValueError, match="num_shared must lie in \\[0, 4\\]"):
+        kernels.dedup_expand_spec(**{**expand, "num_shared": 5})
+    with pytest.raises(ValueError, match="top_k must lie in \\[1, 64\\]"):
+        kernels.dedup_expand_spec(**{**expand, "top_k": 65})
+    with pytest.raises(ValueError, match="staging must be a non-null"):
+        kernels.dedup_expand_spec(**{**expand, "staging": 0})
+    with pytest.raises(ValueError, match="region must lie in \\[0, 2\\]"):
+        kernels.dedup_expand_spec(**{**expand, "region": 3})
+    kernels.dedup_expand_spec(**{**expand, "num_rows": 0, "num_routed": 0, "num_shared": 0,
+                                 "staging": 0})  # a header-only message
+    reply = dict(dtype_code=1, dst_window=0x3000, geo=geo, src_rank=1, ring=1, route_copy=arr,
+                 num_rows=4, top_k=2, routed_out=0x6000, num_routed=6, shared_out=0x9000,
+                 num_shared=2, hidden_size=64, header_src=0x7000, seq=3, done_counter=arr)
+    kernels.dedup_reply_spec(**reply)
+    with pytest.raises(ValueError, match="shared_out must be a non-null"):
+        kernels.dedup_reply_spec(**{**reply, "shared_out": 0})
+    with pytest.raises(ValueError, match="num_shared must lie in \\[0, 4\\]"):
+        kernels.dedup_reply_spec(**{**reply, "num_shared": 5})
+    with pytest.raises(ValueError, match="dtype_code must be one of"):
+        kernels.dedup_reply_spec(**{**reply, "dtype_code": 3})
+
+
 def test_grids_of_the_specs(fake_specs):
     built = _specs()
     assert built[("dispatch.cu", "afd_dispatch_scatter")].grid == kernels.scatter_grid(8, 8, 1) == 9
@@ -145,6 +184,10 @@ def test_grids_of_the_specs(fake_specs):
     assert built[("dispatch.cu", "afd_dispatch_plan")].shared_mem == 4 * 8
     assert built[("dispatch.cu", "afd_dispatch_plan")].grid == kernels.plan_grid(64) == 1
     assert kernels.plan_grid(0) == 1 and kernels.plan_grid(257) == 2
+    assert built[("dedup_ffn.cu", "afd_dedup_expand")].grid == kernels.dedup_expand_grid(20) == 3
+    assert built[("dedup_ffn.cu", "afd_dedup_reply")].grid == kernels.dedup_reply_grid(20) == 3
+    assert kernels.dedup_expand_grid(0) == 1 and kernels.dedup_reply_grid(0) == 1
+    assert kernels.dedup_reply_grid(10**6) == kernels.MAX_BLOCKS
 
 
 class _Kernel:
@@ -205,17 +248,19 @@ def test_packed_launch_rejects_untyped_arguments():
 def test_backend_sets_only_arguments_its_specs_have(fake_specs):
     """Every ``<launch>.set("name", ...)`` of the cuda backend names an argument of that kernel."""
     backends = kernels.KERNEL_DIR.parent / "afd_cupy" / "backends"
-    source = "\n".join((backends / name).read_text() for name in ("cuda_attention.py", "cuda_ffn.py"))
+    source = "\n".join((backends / name).read_text()
+                       for name in ("cuda_attention.py", "cuda_ffn.py", "cuda_ffn_dedup.py"))
     by_var = {"plan": "afd_dispatch_plan", "scatter": "afd_dispatch_scatter",
               "wait": "afd_wait_replies", "combine": "afd_combine",
-              "launch": None}  # `launch`: wait_any and reply
+              "launch": None}  # `launch`: wait_any, reply and the dedup kernels of the FFN
     names = {name: set(spec.names) for (_, name), spec in _specs().items()}
     sets = re.findall(r"\b(\w+)\.set\(\"(\w+)\"", source)
     sets = [(var, arg) for var, arg in sets if var != "self"]
     assert len(sets) >= 19
     for var, arg in sets:
         kernel = by_var[var]
-        allowed = names[kernel] if kernel else names["afd_wait_any"] | names["afd_reply"]
+        allowed = names[kernel] if kernel else (names["afd_wait_any"] | names["afd_reply"]
+                                                | names["afd_dedup_expand"] | names["afd_dedup_reply"])
         assert arg in allowed, (var, arg)
 
 

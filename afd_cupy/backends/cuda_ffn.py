@@ -2,7 +2,10 @@
 zero-copy item views, and the reply kernel with its header staged in pinned memory.
 
 A mixin of :class:`afd_cupy.backends.cuda.CudaDataPath` (it uses the path's context, window,
-streams and geometry). Reply sequence numbers are this side's own (one counter per slot).
+streams and geometry). Reply sequence numbers are this side's own (one counter per slot). The
+dedup wire mode's expand and reduce+reply steps live in
+:mod:`~afd_cupy.backends.cuda_ffn_dedup`; wait_any, the header staging, seqs and events are
+shared by both modes.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import torch
 
 from afd_cupy import kernels, wire
 from afd_cupy.backends.base import Arrival, ItemViews
+from afd_cupy.backends.cuda_ffn_dedup import CudaFFNDedupSteps
 from afd_cupy.dtypes import payload_dtype
 from afd_cupy.errors import PeerTimeoutError
 from afd_cupy.kernels import PinnedInt64
@@ -24,15 +28,18 @@ _HOST_GRACE_S = 5.0
 STAGING_DEPTH = 4
 
 
-class CudaFFNSide:
+class CudaFFNSide(CudaFFNDedupSteps):
     """The FFN-side steps of the cuda data path (mixin)."""
 
     def _init_ffn(self) -> None:
         cp, layout = self.cp, self.layout
         self.scan_start = cp.zeros(1, cp.int32)
         # the group sizes the GEMM reads: the validated counts of each slot's last arrival,
-        # written by wait_any (or, with host polling, copied from the decoded header)
-        self.counts_snapshot = cp.zeros((layout.num_slots, layout.expert_per_rank), cp.int32)
+        # written by wait_any (or, with host polling, copied from the decoded header). NOTE:
+        # wait_any writes every header word from HDR_FIXED_WORDS on, so a dedup row also holds
+        # num_rows after the counts; the GEMM's view is the first expert_per_rank words.
+        self.counts_snapshot = cp.zeros((layout.num_slots, layout.header_words - wire.HDR_FIXED_WORDS),
+                                        cp.int32)
         self.doorbell = PinnedInt64(wire.DB_HEADER + -(-layout.header_words // 2))
         self.ticket = 0
         # (ticket, kernel timeout s) of a wait_any kernel whose host wait was interrupted
@@ -47,9 +54,11 @@ class CudaFFNSide:
         self.staging_next = [0] * layout.num_slots
         self.reply_seqs = np.zeros(layout.num_slots, np.int64)  # this rank's reply seq per slot
         self.reply_done = [cp.zeros(1, cp.uint32) for _ in range(layout.num_slots)]
+        self.empty_rows = torch.empty(0, layout.hidden_size, dtype=self.ctx.torch_dtype, device=self.device)
+        if layout.is_dedup:
+            self._init_ffn_dedup()
         self.views = [self._slot_views(region, ring) for region in range(layout.num_regions)
                       for ring in range(layout.ring_depth)]
-        self.empty_rows = torch.empty(0, layout.hidden_size, dtype=self.ctx.torch_dtype, device=self.device)
         self.wait_any_launch = kernels.PackedLaunch(kernels.wait_any_spec(
             window=self.own_window, geo=self.geometry, last_seen=self.last_seen,
             scan_start=self.scan_start, counts_snapshot=self.counts_snapshot, timeout_ns=0, doorbell=self.doorbell.ptr, ticket=0))
@@ -59,7 +68,10 @@ class CudaFFNSide:
         """Full-capacity torch views of one slot of the own window (created once)."""
         layout, window, pe = self.layout, self.window, self.ctx.world_rank
         words = payload_dtype(self.ctx.dtype).raw_word
-        views = {"counts": self._as_torch(self.counts_snapshot[layout.slot_index(region, ring)])}
+        counts = self.counts_snapshot[layout.slot_index(region, ring), :layout.expert_per_rank]
+        views = {"counts": self._as_torch(counts)}
+        if layout.is_dedup:
+            return self._dedup_slot_views(views, region, ring)
         for name, cap in (("routed_x", layout.routed_cap), ("shared_x", layout.shared_cap)):
             if cap:
                 raw = window.field(pe, region, ring, name, words, (cap, layout.hidden_size))
@@ -133,6 +145,8 @@ class CudaFFNSide:
         views = self.views[self.layout.slot_index(arrival.region, arrival.ring)]
         if self.host_polling is not None:  # wait_any did not run: snapshot the decoded counts
             views["counts"].copy_(torch.tensor(header.expert_counts, dtype=torch.int32))
+        if self.layout.is_dedup:
+            return self._item_views_dedup(arrival, views)
         empty = self.empty_rows
         routed = views["routed_x"][:header.routed_tokens] if header.routed_tokens else empty
         shared = views["shared_x"][:header.shared_tokens] if header.shared_tokens else empty
@@ -164,14 +178,21 @@ class CudaFFNSide:
         launch.set("num_shared", num_shared)
         launch.set("header_src", self.staging.ptr + start * 4)
         launch.set("seq", seq)
+        if layout.is_dedup:  # the fused reduce: one reply row per dispatch row
+            launch.set("num_rows", header.num_rows)
+            grid = kernels.dedup_reply_grid(header.num_rows)
+        else:
+            grid = kernels.reply_grid(num_routed + num_shared)
         # NOTE: a copy made by .contiguous() may be freed on return: torch's allocator reuses
         # it only for work queued later on this same stream, after the kernel has read it.
         stream = self.stream_ptr()
-        launch.launch(stream, kernels.reply_grid(num_routed + num_shared))
+        launch.launch(stream, grid)
         event = self.staging_events[slot][row % STAGING_DEPTH]
         if event is None:
             event = self.staging_events[slot][row % STAGING_DEPTH] = self.cp.cuda.Event(disable_timing=True)
         event.record(self.stream())
+        if layout.is_dedup:  # the next expansion into this slot waits for this reply
+            self.last_reply_event[slot] = event
 
     def _staging_row(self, slot: int) -> int:
         """The next pinned header row of ``slot`` that no queued reply still has to read.
@@ -190,9 +211,11 @@ class CudaFFNSide:
         """The reply kernel of one (Attention rank, ring), checked and packed once."""
         layout, ctx = self.layout, self.ctx
         slot = layout.slot_index(attn_rank, ring)
+        dst_window = self.window.peer_ptr(ctx.peer_pe(Role.ATTENTION, attn_rank))
+        if layout.is_dedup:
+            return self._dedup_reply_launch(attn_rank, ring, dst_window, self.reply_done[slot])
         return kernels.PackedLaunch(kernels.reply_spec(
-            dtype_code=self.dtype_code,
-            dst_window=self.window.peer_ptr(ctx.peer_pe(Role.ATTENTION, attn_rank)),
+            dtype_code=self.dtype_code, dst_window=dst_window,
             geo=self.geometry, src_rank=ctx.role_rank, ring=ring, routed_out=0, num_routed=0,
             shared_out=0, num_shared=0, hidden_size=layout.hidden_size,
             header_src=self.staging.ptr, seq=0, done_counter=self.reply_done[slot]))

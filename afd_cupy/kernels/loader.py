@@ -30,6 +30,7 @@ FILE_KERNELS = {
     "combine.cu": (("afd_wait_replies", False), ("afd_combine", True)),
     "wait_any.cu": (("afd_wait_any", False),),
     "reply.cu": (("afd_reply", True),),
+    "dedup_ffn.cu": (("afd_dedup_expand", True), ("afd_dedup_reply", True)),
 }
 
 #: probes for tests and tools only (same format as FILE_KERNELS)

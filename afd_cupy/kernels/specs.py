@@ -285,3 +285,90 @@ def reply_spec(*, dtype_code, dst_window, geo, src_rank, ring, routed_out, num_r
 def reply_grid(num_rows: int, max_blocks: int = MAX_BLOCKS) -> int:
     """Blocks of afd_reply: one warp per output row, at least 1."""
     return _row_grid(num_rows, max_blocks)
+
+
+def dedup_expand_spec(*, dtype_code, window, geo, region, ring, num_rows, num_tokens, num_routed,
+                      num_shared, top_k, hidden_size, staging, route_copy, claims, fault,
+                      num_claimed, layer_idx, status, done_counter,
+                      max_blocks=MAX_BLOCKS) -> LaunchSpec:
+    """Copy and check the route table of slot (``region``, ``ring``) of the own ``window``, and
+    expand its ``num_rows`` rows into grouped staging (afd_dedup_expand<DT>; dedup mode).
+
+    ``staging``: payload [>= num_routed, H] (device address); ``route_copy``: int32
+    [>= num_rows, 2 + 2 * top_k] (device), the copy the reply reduces through. Scratch, left as
+    found: ``claims`` int32 [>= num_routed] all ``0x7fffffff``, ``fault`` uint64 [1] all ones,
+    ``num_claimed`` and ``done_counter`` uint32 [1] zero. A table that
+    ``wire.check_route_table`` would reject latches STATUS_BAD_HEADER in ``status`` (ST_PEER =
+    ``region``, ST_SLOT = route-table column, ST_COUNT = row, ST_CAP = ``wire.ROUTE_FAULT_*``,
+    ST_LAYER = ``layer_idx``; ``wire.route_table_error`` decodes it); nothing is written outside
+    staging rows [0, num_routed) and route_copy rows [0, num_rows). Grid: :func:`dedup_expand_grid`.
+    """
+    geo = _geometry("geo", geo)
+    num_rows = _count("num_rows", num_rows)
+    top_k = _count("top_k", top_k, low=1, high=MAX_TOP_K)
+    num_routed = _count("num_routed", num_routed)
+    width = wire.ROUTE_FIXED_WORDS + 2 * int(top_k)
+    args = {"window": _address("window", window), "geo": geo,
+            "region": _count("region", region, high=int(geo["num_regions"]) - 1),
+            "ring": _count("ring", ring, high=int(geo["ring_depth"]) - 1),
+            "num_rows": num_rows, "num_tokens": _count("num_tokens", num_tokens),
+            "num_routed": num_routed,
+            "num_shared": _count("num_shared", num_shared, high=int(num_rows)),
+            "top_k": top_k, "hidden_size": _count("hidden_size", hidden_size, low=1),
+            "staging": _address("staging", staging, allow_null=num_routed == 0),
+            "route_copy": _array("route_copy", route_copy, np.int32, int(num_rows) * width),
+            "claims": _array("claims", claims, np.int32, int(num_routed)),
+            "fault": _array("fault", fault, np.uint64, 1),
+            "num_claimed": _array("num_claimed", num_claimed, np.uint32, 1),
+            "layer_idx": np.int32(layer_idx), "status": _address("status", status),
+            "done_counter": _array("done_counter", done_counter, np.uint32, 1)}
+    kernel = get_kernel("dedup_ffn.cu", "afd_dedup_expand", dtype_code=_dtype(dtype_code))
+    return _spec(kernel, dedup_expand_grid(int(num_rows), max_blocks),
+                 KERNEL_LIMITS["REPLY_THREADS"], args)
+
+
+def dedup_expand_grid(num_rows: int, max_blocks: int = MAX_BLOCKS) -> int:
+    """Blocks of afd_dedup_expand: one warp per route-table row, at least 1."""
+    return _row_grid(num_rows, max_blocks)
+
+
+def dedup_reply_spec(*, dtype_code, dst_window, geo, src_rank, ring, route_copy, num_rows, top_k,
+                     routed_out, num_routed, shared_out, num_shared, hidden_size, header_src, seq,
+                     done_counter, max_blocks=MAX_BLOCKS) -> LaunchSpec:
+    """Reduce the worker's outputs to one reply row per dispatch row and write them, then header
+    and flag = ``seq``, into slot (region = ``src_rank``, ``ring``) of an Attention peer's
+    window (afd_dedup_reply<DT>; dedup mode).
+
+    ``route_copy``: int32 [num_rows, 2 + 2 * top_k] (device), the table afd_dedup_expand
+    accepted; ``routed_out``: payload [num_routed, H] in staging order; ``shared_out``: payload
+    [num_shared, H] (0 when num_shared is 0); both after ``moe.apply_routed_scaling``. Reply row
+    r = round(sum_s w_s * routed_out[pos_s] (+ shared_out[r], r < num_shared)), fp32 in slot
+    order, lands in ``routed_x`` row r of the slot. ``header_src``: pinned int32
+    [header_words] (``wire.reply_header`` words with ``num_rows``), unchanged until the kernel
+    ran. Grid: :func:`dedup_reply_grid`.
+    """
+    geo = _geometry("geo", geo)
+    num_rows = _count("num_rows", num_rows)
+    top_k = _count("top_k", top_k, low=1, high=MAX_TOP_K)
+    num_routed = _count("num_routed", num_routed)
+    num_shared = _count("num_shared", num_shared, high=int(num_rows))
+    width = wire.ROUTE_FIXED_WORDS + 2 * int(top_k)
+    args = {"dst_window": _address("dst_window", dst_window), "geo": geo,
+            "src_rank": _count("src_rank", src_rank, high=int(geo["num_regions"]) - 1),
+            "ring": _count("ring", ring, high=int(geo["ring_depth"]) - 1),
+            "route_copy": _array("route_copy", route_copy, np.int32, int(num_rows) * width),
+            "num_rows": num_rows, "top_k": top_k,
+            "routed_out": _address("routed_out", routed_out, allow_null=num_routed == 0),
+            "num_routed": num_routed,
+            "shared_out": _address("shared_out", shared_out, allow_null=num_shared == 0),
+            "num_shared": num_shared, "hidden_size": _count("hidden_size", hidden_size, low=1),
+            "header_src": _address("header_src", header_src), "seq": np.int64(seq),
+            "done_counter": _array("done_counter", done_counter, np.uint32, 1)}
+    kernel = get_kernel("dedup_ffn.cu", "afd_dedup_reply", dtype_code=_dtype(dtype_code))
+    return _spec(kernel, dedup_reply_grid(int(num_rows), max_blocks),
+                 KERNEL_LIMITS["REPLY_THREADS"], args)
+
+
+def dedup_reply_grid(num_rows: int, max_blocks: int = MAX_BLOCKS) -> int:
+    """Blocks of afd_dedup_reply: one warp per reply row, at least 1."""
+    return _row_grid(num_rows, max_blocks)

@@ -12,6 +12,7 @@ raw words (int16 for bf16/fp16, int32 for fp32) on the wire; reductions take fp3
 | :func:`plan_reference` | Attention | plan (pos, counts, verdict: as ``afd_dispatch_plan``) + rows (row_map, shared_rank, num_rows, shared_rows) |
 | :func:`scatter_reference` | Attention | scatter: route table + one payload row per (token, rank) into the peer windows |
 | :func:`expand_reference` | FFN | expand: rows -> grouped staging (+ route table copy) |
+| :func:`expand_verdict_reference` | FFN | expand: the record its route-table check latches |
 | :func:`reduce_reference` | FFN | reduce + reply: grouped outputs -> one reply row per row |
 | :func:`combine_reference` | Attention | combine: <= F reply rows per token |
 """
@@ -92,6 +93,57 @@ def expand_reference(route_table: np.ndarray, rows: np.ndarray, routed_tokens: i
     out = np.zeros((routed_tokens, rows.shape[1]), rows.dtype)
     out[slots[src, slot]] = rows[src]
     return out
+
+
+def expand_verdict_reference(route_table: np.ndarray, *, num_tokens: int, routed_tokens: int,
+                             shared_tokens: int):
+    """What ``afd_dedup_expand`` latches for ``route_table`` (int32 [R, W]): None when
+    ``wire.check_route_table`` accepts it, else ``(rule, row, column, expected, observed)``
+    (``wire.ROUTE_FAULT_*``; -1 where a word does not apply), the record's ST_CAP, ST_COUNT,
+    ST_SLOT, ST_EXPECTED, ST_OBSERVED.
+
+    Per row: the token rule, else the shared rule; per slot s: a staging row after a -1 pad, or
+    none in slot 0 (packing), else one >= P (range), else the slot claims its staging row. The
+    verdict is the smallest (rule, row, column); a duplicate is reported at the second-smallest
+    row claiming a staging row (column: that row's first slot whose row was claimed by an
+    earlier row or an earlier slot); with no fault, fewer than P claimed slots is the count rule.
+    """
+    top_k = (route_table.shape[1] - wire.ROUTE_FIXED_WORDS) // 2
+    faults, claims = [], {}
+    for r, words in enumerate(np.asarray(route_table, np.int64)):
+        token, flag = words[wire.ROUTE_TOKEN], words[wire.ROUTE_SHARED]
+        if not 0 <= token < num_tokens:
+            faults.append((wire.ROUTE_FAULT_TOKEN, r, wire.ROUTE_TOKEN, num_tokens, int(token)))
+        elif flag != int(r < shared_tokens):
+            faults.append((wire.ROUTE_FAULT_SHARED, r, wire.ROUTE_SHARED, int(r < shared_tokens),
+                           int(flag)))
+        slots = words[wire.ROUTE_SLOTS:wire.ROUTE_SLOTS + top_k]
+        for s, pos in enumerate(slots):
+            column = wire.ROUTE_SLOTS + s
+            if (pos >= 0 and (slots[:s] < 0).any()) or (s == 0 and pos < 0):
+                faults.append((wire.ROUTE_FAULT_PACKING, r, column, -1, int(pos)))
+            elif pos >= routed_tokens:
+                faults.append((wire.ROUTE_FAULT_RANGE, r, column, routed_tokens, int(pos)))
+            elif pos >= 0:
+                claims.setdefault(int(pos), []).append(r)
+    duplicates = [sorted(rows)[1] for rows in claims.values() if len(rows) > 1]
+    if duplicates:
+        r = min(duplicates)
+        slots = route_table[r, wire.ROUTE_SLOTS:wire.ROUTE_SLOTS + top_k]
+        for s, pos in enumerate(slots):
+            if not 0 <= pos < routed_tokens:
+                break
+            owner = min(claims[int(pos)])
+            if owner < r or (slots[:s] == pos).any():
+                faults.append((wire.ROUTE_FAULT_DUPLICATE, r, wire.ROUTE_SLOTS + s, owner, int(pos)))
+                break
+    if faults:
+        return min(faults)
+    num_claimed = int(((route_table[:, wire.ROUTE_SLOTS:wire.ROUTE_SLOTS + top_k] >= 0)
+                       & (route_table[:, wire.ROUTE_SLOTS:wire.ROUTE_SLOTS + top_k] < routed_tokens)).sum())
+    if num_claimed != routed_tokens:
+        return (wire.ROUTE_FAULT_COUNT, -1, -1, routed_tokens, num_claimed)
+    return None
 
 
 def reduce_reference(route_table: np.ndarray, routed_out: np.ndarray,
