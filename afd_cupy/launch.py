@@ -383,6 +383,10 @@ def launch(fn: Callable, nprocs: int, *, args: tuple = (), timeout_s: float = 12
     fn_args_blob = pickle.dumps((fn, tuple(args)))
     child_env = {**thread_limits(nprocs, threads_per_process),
                  **{str(k): str(v) for k, v in (env or {}).items()}}
+    # OpenMP workers (torch's CPU ops) otherwise spin between parallel regions and burn the
+    # cores a rank's GPU work does not need; the caller's or env='s setting wins
+    if not os.environ.get("OMP_WAIT_POLICY"):
+        child_env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     spawn = mp.get_context("spawn")
     results = spawn.Queue()
     processes: list = []

@@ -110,3 +110,17 @@ def test_startup_profile_writes_json(tmp_path):
                   "reference check", "shutdown"):
         assert attn["phases"][phase]["wall_s"] >= 0 and attn["phases"][phase]["count"] >= 1
     assert attn["numba"]["_counting_plan"]["cache_hits"] + attn["numba"]["_counting_plan"]["cache_misses"] == 1
+
+
+def _child_wait_policy(ctx):
+    return os.environ.get("OMP_WAIT_POLICY")
+
+
+def test_children_get_passive_openmp_waits_unless_the_user_chose(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert launch(_child_wait_policy, 1, timeout_s=60, num_gpus=0) == ["PASSIVE"]
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the caller's environment wins
+    assert launch(_child_wait_policy, 1, timeout_s=60, num_gpus=0) == ["ACTIVE"]
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    assert launch(_child_wait_policy, 1, timeout_s=60, num_gpus=0,
+                  env={"OMP_WAIT_POLICY": "ACTIVE"}) == ["ACTIVE"]

@@ -19,7 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from afd_cupy.config import ModelConfig  # noqa: E402
 from afd_cupy.launch import detect_backend, launch  # noqa: E402
-from afd_cupy.testing.scenario import Scenario, run_rank, tolerance  # noqa: E402
+# the light half of the scenario: the parent only starts ranks, it never imports torch
+from afd_cupy.testing.scenario_spec import Scenario, run_scenario_rank, tolerance  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -58,7 +59,7 @@ def main(argv=None) -> int:
           f"layers={args.layers} tokens={args.tokens} hidden={args.hidden} experts={args.experts} "
           f"top_k={args.top_k} dtype={args.dtype}", flush=True)
     start = time.perf_counter()
-    results = launch(run_rank, scenario.world_size, args=(scenario,), timeout_s=args.timeout)
+    results = launch(run_scenario_rank, scenario.world_size, args=(scenario,), timeout_s=args.timeout)
     wall = time.perf_counter() - start
     ok = True
     tol = tolerance(args.dtype)

@@ -10,55 +10,20 @@ announced shutdown.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from afd_cupy import moe
-from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig
+from afd_cupy.config import ModelConfig, TopologyConfig
 from afd_cupy.connector import AFDConnector
 from afd_cupy.dtypes import torch_dtype
 from afd_cupy.ffn_worker import FFNWorker
 from afd_cupy.testing.phases import NO_PHASES
 from afd_cupy.testing.reference import make_expert_weights, make_shared_weights, reference_moe
+from afd_cupy.testing.scenario_spec import Scenario, tolerance
 from afd_cupy.topology import Role, Topology
 
-
-@dataclass(frozen=True)
-class Scenario:
-    """One run. ``tokens[a][layer]`` = tokens Attention rank a sends at that layer
-    (default: ``num_tokens`` everywhere); ``sleep_s[a]`` = pause of rank a between layers,
-    so replicas sit at different layers and the FFN serves them out of order."""
-
-    model: ModelConfig
-    num_attn: int
-    num_ffn: int
-    backend: str = "host"
-    poll_mode: str = "device"
-    num_tokens: int = 16
-    tokens: tuple | None = None
-    sleep_s: tuple | None = None
-    seed: int = 0
-    connector: ConnectorConfig = field(default_factory=ConnectorConfig)
-    peer_timeout_s: float = 60.0
-    check: bool = True
-    favor_ffn_rank: int | None = None  # gate logits pushed towards this FFN rank's experts
-    always_send: bool = False  # Attention sends to every FFN rank even when empty (lockstep)
-    schedule: str = "async"  # FFN worker schedule: "async" or "lockstep"
-    graph_replays: int = 0  # cuda: > 0 captures each layer's send + recv in a CUDA graph and
-    #                         replays every layer this many times with fresh inputs
-
-    @property
-    def num_checks(self) -> int:
-        """Reference comparisons each Attention rank reports."""
-        return self.model.num_layers * max(1, self.graph_replays)
-
-    def tokens_for(self, attn_rank: int, layer_idx: int) -> int:
-        return self.tokens[attn_rank][layer_idx] if self.tokens else self.num_tokens
-
-    @property
-    def world_size(self) -> int:
-        return self.num_attn + self.num_ffn
+__all__ = ("Scenario", "layer_weights", "run_rank", "tolerance")
 
 
 def layer_weights(model: ModelConfig, layer_idx: int, seed: int, device):
@@ -223,8 +188,3 @@ def _compare(out, hidden, ids, weights, model, layer, seed) -> dict:
     rel = float((got - ref).norm()) / denom if num_nan == 0 else float("inf")
     return {"layer": layer, "num_tokens": int(hidden.shape[0]), "rel_err": rel, "num_nan": num_nan,
             "shape_ok": tuple(got.shape) == tuple(ref.shape)}
-
-
-def tolerance(dtype: str) -> float:
-    """Relative-error bound against the fp64 reference per payload dtype."""
-    return {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}[dtype]
