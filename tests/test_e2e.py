@@ -140,3 +140,21 @@ def test_one_process_per_gpu_over_nvlink(num_attn, num_ffn):
         pytest.skip(f"{num_attn}A{num_ffn}F needs {world} GPUs, {_num_gpus()} visible")
     attn, ffn = _run(_scenario("cuda", _model(num_layers=3), num_attn, num_ffn, num_tokens=64))
     assert sorted(r["device_id"] for r in attn + ffn) == list(range(world))  # peers across GPUs
+
+
+@pytest.mark.parametrize("backend,wire_mode,schedule", [
+    pytest.param("host", "pair", "async", id="host"), pytest.param("host", "dedup", "async", id="host-dedup"),
+    pytest.param("host", "pair", "lockstep", id="host-lockstep"),
+    pytest.param("cuda", "pair", "async", id="cuda", marks=pytest.mark.cuda)])
+def test_ffn_overlap_gives_the_default_outputs(backend, wire_mode, schedule):
+    # FFNWorker(overlap=True): replies on a reply thread (host) / stream (cuda) while the next
+    # item is received and computed; replicas at different layers so items interleave
+    model = _model(num_layers=4)
+    runs = []
+    for overlap in (False, True):
+        scenario = _scenario(backend, model, 2, 2, wire_mode, num_tokens=24, sleep_s=(0.05, 0.0),
+                             schedule=schedule, ffn_overlap=overlap)
+        attn, ffn = _run(scenario)
+        assert sum(r["served"] for r in ffn) == 2 * model.num_layers * 2
+        runs.append({r["rank"]: [(e["layer"], e["rel_err"]) for e in r["errors"]] for r in attn})
+    assert runs[1] == runs[0]  # the same outputs, bit for bit (same inputs, same compute)

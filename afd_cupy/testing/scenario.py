@@ -44,6 +44,7 @@ class Scenario:
     favor_ffn_rank: int | None = None  # gate logits pushed towards this FFN rank's experts
     always_send: bool = False  # Attention sends to every FFN rank even when empty (lockstep)
     schedule: str = "async"  # FFN worker schedule: "async" or "lockstep"
+    ffn_overlap: bool = False  # FFNWorker(overlap=True): replies on a reply stream / thread
     graph_replays: int = 0  # cuda: > 0 captures each layer's send + recv in a CUDA graph and
     #                         replays every layer this many times with fresh inputs
 
@@ -107,6 +108,8 @@ def _ffn(conn: AFDConnector, scenario: Scenario, ffn_rank: int, device) -> dict:
         routed.append(moe.local_experts(global_routed, ffn_rank, epr))
         shared.append(layer_shared)
     kwargs = {} if scenario.schedule == "async" else {"schedule": scenario.schedule}
+    if scenario.ffn_overlap:
+        kwargs["overlap"] = True
     worker = FFNWorker(conn, routed, shared if model.num_shared_experts else None, **kwargs)
     history = []
     compute = worker.expert_fn
