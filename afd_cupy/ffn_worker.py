@@ -16,7 +16,7 @@ ordering rides on the stream.
 (:mod:`afd_cupy.ffn_overlap`): on cuda a communication stream that waits on an event of the
 compute stream, so item i's reply runs while the worker receives item i+1 and its GEMMs run;
 on the host backend a reply thread (the same ordering, emulated with real concurrency). The
-wire, the replies and their order per worker are unchanged; see docs/design.md §4.8.
+wire, the replies and their order per worker are unchanged; see docs/design.md §4.9.
 
 Instrumentation is opt-in: ``FFNWorker(..., recorder=...)`` calls the :class:`FFNRecorder`
 hooks around each receive, compute and reply (benchmarks use it for busy time, queue depth and
