@@ -20,7 +20,11 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+<<<<<<< HEAD
 import socket
+=======
+import threading
+>>>>>>> overlap
 
 import torch
 
@@ -115,6 +119,12 @@ class AFDConnector:
         self._pending: dict[int, DispatchHandle | None] = {}
         self._received: dict[tuple, int] = {}  # FFN: (src_rank, ring) -> seq of the newest item
         self._answered: set[tuple] = set()  # FFN: (src_rank, ring) whose newest item was answered
+        # FFN: one receiving and one replying thread may share the connector (FFNWorker(overlap=
+        # True) on the host backend). NOTE: the Attention rank may send the next item on a slot
+        # as soon as a reply's flag is written; without the lock the receiving thread could
+        # record that item before the replying thread marks the slot answered, and the new item
+        # would count as answered. Taking an item and answering one are atomic w.r.t. each other.
+        self._ffn_lock = threading.Lock()
         self._shutdown_from: set[int] = set()
         self._lost: set[int] = set()  # FFN: attention ranks found dead
         self._shutdown_announced = False
@@ -330,10 +340,11 @@ class AFDConnector:
         header = arrival.header
         if header.src_rank != arrival.region:
             raise ProtocolError(f"message in region {arrival.region} claims source rank {header.src_rank}")
-        views = self.path.item_views(arrival)
         key = (arrival.region, arrival.ring)
-        self._received[key] = header.seq
-        self._answered.discard(key)
+        with self._ffn_lock:  # NOTE: a reply on this slot may be completing on another thread
+            views = self.path.item_views(arrival)
+            self._received[key] = header.seq
+            self._answered.discard(key)
         return FFNWorkItem(arrival=arrival, routed_x=views.routed_x, group_counts=views.group_counts,
                            shared_x=views.shared_x if header.shared_tokens else None,
                            route_table=views.route_table)
@@ -351,17 +362,18 @@ class AFDConnector:
         self._require(Role.FFN, "send_ffn_work_item_output")
         self._check_outputs(item, routed_out, shared_out)
         key = (item.src_rank, item.ring)
-        newest = self._received.get(key)
-        if newest == item.seq and key in self._answered:
-            raise ProtocolError(f"work item from attention rank {item.src_rank} (layer {item.layer_idx}, "
-                                f"ring {item.ring}, seq {item.seq}) was already answered",
-                                peer=item.src_rank, layer_idx=item.layer_idx)
-        if newest != item.seq:
-            logger.warning("afd_cupy ffn rank %d: %r was superseded by seq %s on its slot; not answered",
-                           self.role_rank, item, newest)
-            return
-        self.path.reply(item.arrival, routed_out, shared_out if item.shared_tokens else None)
-        self._answered.add(key)
+        with self._ffn_lock:  # the flag write and the bookkeeping before the next item on the slot
+            newest = self._received.get(key)
+            if newest == item.seq and key in self._answered:
+                raise ProtocolError(f"work item from attention rank {item.src_rank} (layer {item.layer_idx}, "
+                                    f"ring {item.ring}, seq {item.seq}) was already answered",
+                                    peer=item.src_rank, layer_idx=item.layer_idx)
+            if newest != item.seq:
+                logger.warning("afd_cupy ffn rank %d: %r was superseded by seq %s on its slot; not answered",
+                               self.role_rank, item, newest)
+                return
+            self.path.reply(item.arrival, routed_out, shared_out if item.shared_tokens else None)
+            self._answered.add(key)
 
     def _check_outputs(self, item, routed_out, shared_out) -> None:
         hidden = self.model.hidden_size

@@ -12,6 +12,12 @@ re-routing: a grouped GEMM), the shared experts on the shared rows, applies
 ``routed_scaling_factor`` and writes the results back. No per-step device synchronization:
 ordering rides on the stream.
 
+``overlap=True`` (off by default) hands each item's replies to a reply lane
+(:mod:`afd_cupy.ffn_overlap`): on cuda a communication stream that waits on an event of the
+compute stream, so item i's reply runs while the worker receives item i+1 and its GEMMs run;
+on the host backend a reply thread (the same ordering, emulated with real concurrency). The
+wire, the replies and their order per worker are unchanged; see docs/design.md §4.9.
+
 Instrumentation is opt-in: ``FFNWorker(..., recorder=...)`` calls the :class:`FFNRecorder`
 hooks around each receive, compute and reply (benchmarks use it for busy time, queue depth and
 timelines); without a recorder each hook site costs one ``is None`` test.
@@ -35,6 +41,7 @@ import torch
 from afd_cupy import moe
 from afd_cupy.connector import AFDConnector, FFNWorkItem
 from afd_cupy.errors import ConfigError, ConnectorShutdown
+from afd_cupy.ffn_overlap import reply_lane
 
 logger = logging.getLogger("afd_cupy")
 
@@ -131,7 +138,9 @@ class FFNRecorder(Protocol):
     experts are called, ``replying(items)`` after them, before the first reply is written, and
     ``served(items)`` after the last reply call returned. On cuda the expert and reply calls
     only enqueue work on the current stream: a recorder that wants device time records events
-    there (and must not synchronize).
+    there (and must not synchronize). With ``overlap=True`` ``served`` runs once the replies
+    were handed to the reply lane: on cuda with the reply stream current (an event recorded
+    there completes when the replies have run), on the host right after the hand-off.
     """
 
     def polling(self) -> None: ...
@@ -161,14 +170,20 @@ class FFNWorker:
     (given here or assigned to ``self.expert_fn`` later) is called per item instead, still on
     the lockstep schedule.
 
-    Counters: ``num_served`` (items answered) and ``num_batches`` (compute batches: one per
-    item under async, one per (layer, stage) under lockstep). ``recorder``: an optional
-    :class:`FFNRecorder` (instrumentation hooks; None costs nothing but a test per hook site).
+    ``overlap``: hand the replies to a reply lane (module doc; cuda: a communication stream,
+    host backend: a reply thread) instead of writing them inline. The same replies in the same
+    order; :meth:`run` drains the lane before it returns, :meth:`flush` drains it on demand;
+    a reply's error is raised on this thread at the next hand-off or drain.
+
+    Counters: ``num_served`` (items answered, or handed to the reply lane) and
+    ``num_batches`` (compute batches: one per item under async, one per (layer, stage) under
+    lockstep). ``recorder``: an optional :class:`FFNRecorder` (instrumentation hooks; None
+    costs nothing but a test per hook site).
     """
 
     def __init__(self, connector: AFDConnector, experts=None, shared=None, *,
                  expert_fn: ExpertFn | None = None, schedule: str = "async",
-                 recorder: FFNRecorder | None = None):
+                 recorder: FFNRecorder | None = None, overlap: bool = False):
         if (experts is None) == (expert_fn is None):
             raise ValueError("pass exactly one of experts= or expert_fn=")
         if schedule not in SCHEDULES:
@@ -181,6 +196,10 @@ class FFNWorker:
         self.expert_fn = expert_fn or self._moe_outputs
         self.schedule = schedule
         self.recorder = recorder
+        if not isinstance(overlap, bool):
+            raise ValueError(f"overlap must be a bool, got {overlap!r}")
+        self.overlap = overlap
+        self._replies = reply_lane(connector, connector.send_ffn_work_item_output) if overlap else None
         self.num_served = 0
         self.num_batches = 0
         # lockstep: (layer_idx, stage_idx) -> {attention rank: items not yet served, oldest first}
@@ -232,9 +251,7 @@ class FFNWorker:
         routed, shared = self.expert_fn(item)
         if recorder is not None:
             recorder.replying((item,))
-        self.connector.send_ffn_work_item_output(item, routed, shared)
-        if recorder is not None:
-            recorder.served((item,))
+        self._reply((item,), ((routed, shared),))
         self.num_served += 1
         self.num_batches += 1
 
@@ -249,12 +266,27 @@ class FFNWorker:
             outputs = self._merged_outputs(items)
         if recorder is not None:
             recorder.replying(items)
-        for item, (routed, shared) in zip(items, outputs):
-            self.connector.send_ffn_work_item_output(item, routed, shared)
-        if recorder is not None:
-            recorder.served(items)
+        self._reply(items, outputs)
         self.num_served += len(items)
         self.num_batches += 1
+
+    def _reply(self, items, outputs) -> None:
+        """Answer ``items`` (``outputs[i]`` = (routed_out, shared_out)), then the recorder's
+        ``served``: inline by default, through the reply lane with ``overlap``."""
+        served = self.recorder.served if self.recorder is not None else None
+        if self._replies is not None:
+            self._replies.submit(items, outputs, after=served)
+            return
+        for item, (routed, shared) in zip(items, outputs):
+            self.connector.send_ffn_work_item_output(item, routed, shared)
+        if served is not None:
+            served(items)
+
+    def flush(self) -> None:
+        """``overlap``: wait (bounded) until every reply handed to the lane was written (cuda:
+        the reply stream synchronized) and raise a reply's error; no-op without overlap."""
+        if self._replies is not None:
+            self._replies.drain()
 
     def _recorded_receive(self, timeout_ms: int | None) -> FFNWorkItem | None:
         """``recv_ffn_work_item`` between the recorder's ``polling`` and ``received`` hooks."""
@@ -319,7 +351,9 @@ class FFNWorker:
     def run(self, stop_event: threading.Event | None = None, timeout_ms: int | None = None) -> int:
         """Serve until every Attention rank announced shutdown or ``stop_event`` is set.
 
-        ConnectorShutdown is a normal exit. Returns the number of items served.
+        ConnectorShutdown is a normal exit. Returns the number of items served. With
+        ``overlap`` the reply lane is drained and stopped first (its errors raised; on an
+        exception from the loop they are logged and the loop's exception propagates).
         """
         try:
             while stop_event is None or not stop_event.is_set():
@@ -328,7 +362,22 @@ class FFNWorker:
             logger.info("afd_cupy ffn rank %d: shutdown after %d items",
                         self.connector.role_rank, self.num_served)
             self._warn_unserved()
+        except BaseException:
+            self._close_replies(quiet=True)
+            raise
+        self._close_replies(quiet=False)
         return self.num_served
+
+    def _close_replies(self, *, quiet: bool) -> None:
+        if self._replies is None:
+            return
+        try:
+            self._replies.close()
+        except Exception as exc:
+            if not quiet:
+                raise
+            logger.warning("afd_cupy ffn rank %d: reply lane closed with an error after the loop "
+                           "failed: %r", self.connector.role_rank, exc)
 
     def _warn_unserved(self) -> None:
         if not self._waiting:

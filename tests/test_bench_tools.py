@@ -11,12 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
 import bench_afd  # noqa: E402
 import bench_common  # noqa: E402
+import bench_overlap  # noqa: E402
 import bench_spans  # noqa: E402
 
 
@@ -156,6 +158,134 @@ def test_bench_afd_sweep_host(tmp_path):
         assert all(0 < b <= 1 for b in point["ffn_busy_fraction"].values()), point
     assert "GPU 1" in report["splits"][0]["placement"]
     assert "bench_afd sweep" in stdout and "fraction of ideal" in stdout
+
+
+@pytest.mark.timeout(120)
+def test_bench_afd_overlap_all_host(tmp_path):
+    stdout = _run_tool("bench_afd.py", tmp_path, "--overlap", "all", "--duration", "0.3", "--warmup", "1")
+    report = json.loads((tmp_path / "bench_afd_overlap.json").read_text())
+    for key in ("tool", "backend", "label", "run", "model", "mps", "workloads", "results", "comparison",
+                "overlap_gains", "targets", "method", "variants"):
+        assert key in report, key
+    assert report["mode"] == "overlap" and report["overlap"] == "all"
+    assert report["variants"] == ["none", "attn", "ffn", "both"]
+    # --overlap all: async on the uniform workload, two requests of half the uniform length
+    half = bench_afd.QUICK_DEFAULTS["host"]["uniform_len"] // 2
+    assert report["workloads"] == [{"name": "uniform", "lengths": [[half, half], [half, half]]}]
+    assert [(r["overlap"], r["workload"], r["schedule"]) for r in report["results"]] == [
+        (v, "uniform", "async") for v in ("none", "attn", "ffn", "both")]
+    for row in report["results"]:
+        assert row["tokens_per_s"] > 0 and all(rep["batches"] > 0 for rep in row["replicas"])
+        assert row["ffn"]["per_rank"][0]["items_taken"] > 0
+    (entry,) = report["overlap_gains"]
+    assert (entry["workload"], entry["schedule"]) == ("uniform", "async")
+    assert entry["variants"]["none"]["gain"] == 1.0
+    by_overlap = {r["overlap"]: r["tokens_per_s"] for r in report["results"]}
+    for variant, v in entry["variants"].items():
+        assert v["gain"] == pytest.approx(by_overlap[variant] / by_overlap["none"])
+    assert [t["name"] for t in report["targets"]] == [
+        f"overlap {v} / none tokens/s, uniform, async" for v in ("attn", "ffn", "both")]
+    assert {t["status"] for t in report["targets"]} <= {"PASS", "MISS"}
+    assert "bench_afd overlap" in stdout and "gain vs none" in stdout and "HOST BACKEND" in stdout
+
+
+@pytest.mark.timeout(90)
+def test_bench_afd_overlap_both_timeline_host(tmp_path):
+    stdout = _run_tool("bench_afd.py", tmp_path, "--overlap", "both", "--schedules", "async", "--workloads",
+                       "uniform", "--duration", "0.4", "--solo-duration", "0", "--timeline")
+    report = json.loads((tmp_path / "bench_afd.json").read_text())
+    assert report["overlap"] == "both" and [r["overlap"] for r in report["results"]] == ["both"]
+    assert "overlap: both" in stdout
+    (panel,) = json.loads((tmp_path / "bench_afd_timeline.json").read_text())["panels"]
+    rows = {row["label"]: row["spans"] for row in panel["rows"]}
+    # one device lane per stage on every replica; the FFN's replies on their own lane
+    assert {"attn 0 stream", "attn 0 stream1", "attn 1 stream", "attn 1 stream1", "ffn 0 host",
+            "ffn 0 stream", "ffn 0 stream_reply"} == set(rows)
+    for label in ("attn 0 stream", "attn 0 stream1", "ffn 0 stream"):
+        bench_spans.check_lane([tuple(span) for span in rows[label]])
+        assert rows[label], label
+    assert {span[0] for span in rows["ffn 0 stream_reply"]} == {"reply"}
+    stages = {tag[2] for span in rows["ffn 0 stream"] for tag in span[3]}
+    assert stages == {0, 1}  # the FFN served both micro-batch stages
+
+
+# --------------------------------------------------------------------------- bench_afd overlap logic
+
+class _ScriptedConnector:
+    """Attention-side stand-in: a token-wise "FFN" (2 x + 1), at most one dispatch in flight per
+    stage (the connector's rule with ring_depth = num_stages); logs every call."""
+
+    def __init__(self):
+        self.calls, self.pending = [], {}
+
+    def select_experts(self, logits):
+        weights, ids = torch.topk(torch.softmax(logits.float(), -1), 2)
+        return weights, ids.to(torch.int32)
+
+    def send_attn_output(self, hidden, ids, weights, layer_idx, stage_idx=0):
+        assert stage_idx not in self.pending, f"stage {stage_idx} sent twice without a receive"
+        handle = self.pending[stage_idx] = (layer_idx, stage_idx, hidden)
+        self.calls.append(("send", layer_idx, stage_idx, hidden.shape[0]))
+        return handle
+
+    def recv_ffn_output(self, handle, blocking=True):
+        layer_idx, stage_idx, hidden = handle
+        assert self.pending.pop(stage_idx) is handle
+        self.calls.append(("recv", layer_idx, stage_idx))
+        return hidden * 2 + 1
+
+    def check_errors(self):
+        self.calls.append("check")
+
+
+def test_two_stage_pipeline_matches_one_stage_and_ping_pongs():
+    dims = bench_afd.Dims(layers=3, hidden=32, heads=4, experts=8, top_k=2, shared=0, intermediate=16)
+    replica = bench_afd.AttentionReplica(dims, torch.device("cpu"), seed=3)
+    lengths = (5, 7, 4)  # stage 0: requests of 5 and 7 tokens; stage 1: 4 tokens
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    (plain,) = bench_afd._batch(_ScriptedConnector(), replica, x, lengths)
+    replica.stages = bench_overlap.TwoStages(torch.device("cpu"))
+    conn = _ScriptedConnector()
+    halves = bench_afd._batch(conn, replica, x, lengths)
+    assert [h.shape[0] for h in halves] == [12, 4]
+    # the same per-request attention and token-wise layers: equal up to bf16 GEMM blocking
+    torch.testing.assert_close(torch.cat(halves), plain, rtol=2e-2, atol=2e-2)
+    assert conn.calls == [("send", 0, 0, 12), ("send", 0, 1, 4),
+                          ("recv", 0, 0), ("send", 1, 0, 12), ("recv", 0, 1), ("send", 1, 1, 4),
+                          ("recv", 1, 0), ("send", 2, 0, 12), ("recv", 1, 1), ("send", 2, 1, 4),
+                          ("recv", 2, 0), ("recv", 2, 1), "check"]
+
+
+def test_split_requests_and_variant_configs():
+    assert bench_overlap.split_requests([8, 8]) == ((8,), (8,))
+    assert bench_overlap.split_requests((3, 4, 5)) == ((3, 4), (5,))
+    with pytest.raises(ValueError, match="--requests >= 2"):
+        bench_overlap.split_requests([2048])
+    assert bench_overlap.connector_config("attn").num_stages == 2
+    assert bench_overlap.connector_config("both").ring_depth == 2
+    assert bench_overlap.connector_config("ffn").num_stages == 1
+    assert bench_overlap.connector_config("none") == bench_overlap.connector_config("ffn")
+
+
+def test_overlap_gains_and_targets_known_answers():
+    def row(overlap, workload, tokens_per_s, busy=0.5):
+        return {"overlap": overlap, "workload": workload, "schedule": "async", "tokens_per_s": tokens_per_s,
+                "replicas": [{"batch_mean_ms": 10.0, "latency_p50_ms": 9.0}], "ffn": {"busy_fraction": busy}}
+
+    rows = [row("none", "uniform", 100.0), row("attn", "uniform", 125.0), row("ffn", "uniform", 104.0),
+            row("both", "uniform", 130.0), row("none", "skewed", 50.0), row("attn", "skewed", 40.0)]
+    entries = bench_overlap.gains(rows)
+    uniform = next(e for e in entries if e["workload"] == "uniform")
+    assert {v: e["gain"] for v, e in uniform["variants"].items()} == pytest.approx(
+        {"none": 1.0, "attn": 1.25, "ffn": 1.04, "both": 1.3})
+    skewed = next(e for e in entries if e["workload"] == "skewed")
+    assert set(skewed["variants"]) == {"none", "attn"} and skewed["variants"]["attn"]["gain"] == 0.8
+    targets = bench_overlap.gain_targets(entries)  # uniform only
+    assert [(t["name"].split(" / ")[0], t["status"]) for t in targets] == [
+        ("overlap attn", "PASS"), ("overlap ffn", "MISS"), ("overlap both", "PASS")]
+    assert bench_overlap.gain_targets(bench_overlap.gains(rows[:1]))[0]["status"] == "NOT MEASURED"
+    table = bench_overlap.gains_table(entries)
+    assert "gain vs none" in table and "1.25" in table
 
 
 # --------------------------------------------------------------------------- bench_afd arithmetic

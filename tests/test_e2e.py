@@ -140,3 +140,35 @@ def test_one_process_per_gpu_over_nvlink(num_attn, num_ffn):
         pytest.skip(f"{num_attn}A{num_ffn}F needs {world} GPUs, {_num_gpus()} visible")
     attn, ffn = _run(_scenario("cuda", _model(num_layers=3), num_attn, num_ffn, num_tokens=64))
     assert sorted(r["device_id"] for r in attn + ffn) == list(range(world))  # peers across GPUs
+
+
+@pytest.mark.parametrize("backend,wire_mode,schedule", [
+    pytest.param("host", "pair", "async", id="host"), pytest.param("host", "dedup", "async", id="host-dedup"),
+    pytest.param("host", "pair", "lockstep", id="host-lockstep"),
+    pytest.param("cuda", "pair", "async", id="cuda", marks=pytest.mark.cuda)])
+def test_ffn_overlap_gives_the_default_outputs(backend, wire_mode, schedule):
+    # FFNWorker(overlap=True): replies on a reply thread (host) / stream (cuda) while the next
+    # item is received and computed; replicas at different layers so items interleave
+    model = _model(num_layers=4)
+    runs = []
+    for overlap in (False, True):
+        scenario = _scenario(backend, model, 2, 2, wire_mode, num_tokens=24, sleep_s=(0.05, 0.0),
+                             schedule=schedule, ffn_overlap=overlap)
+        attn, ffn = _run(scenario)
+        assert sum(r["served"] for r in ffn) == 2 * model.num_layers * 2
+        runs.append({r["rank"]: [(e["layer"], e["rel_err"]) for e in r["errors"]] for r in attn})
+    assert runs[1] == runs[0]  # the same outputs, bit for bit (same inputs, same compute)
+
+
+@pytest.mark.parametrize("backend,graph_replays", [
+    pytest.param("host", 0, id="host"), pytest.param("cuda", 0, id="cuda", marks=pytest.mark.cuda),
+    pytest.param("cuda", 3, id="cuda-graphs", marks=pytest.mark.cuda)])
+def test_two_stages_in_flight_on_two_streams(backend, graph_replays):
+    # both halves of a layer in flight at once (stage 0, stage 1; cuda: stage 1 on a second
+    # stream, events only, blocking=False receives), optionally captured in one graph per layer
+    cfg = ConnectorConfig(async_moe_ubatching=True, async_moe_num_ubatches=2)
+    model = _model(num_layers=3)
+    attn, ffn = _run(_scenario(backend, model, 2, 2, num_tokens=40, connector=cfg, stage_streams=True,
+                               graph_replays=graph_replays))
+    stages = {stage for r in ffn for stage in r["stages"]}
+    assert stages == {0, 1}

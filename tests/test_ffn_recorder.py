@@ -1,16 +1,21 @@
 """``FFNWorker(recorder=...)``: the opt-in instrumentation hooks are called in order, around
-the right work, under both schedules; and ``HostPolling.num_pending`` (what the benchmark's
-recorder samples as items waiting) counts arrivals not taken yet."""
+the right work, under both schedules; ``HostPolling.num_pending`` (what the benchmark's
+recorder samples as items waiting) counts arrivals not taken yet; and ``FFNWorker(overlap=True)``
+on a device-less connector (the host lane: a reply thread) computes the next item while a
+reply is pending, keeps the reply order, keeps a reply error's type and bounds its waits."""
+import threading
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from afd_cupy import wire
 from afd_cupy.backends.base import Arrival
 from afd_cupy.backends.host_poll import HostPolling
 from afd_cupy.connector import FFNWorkItem
-from afd_cupy.errors import ConnectorShutdown
+from afd_cupy.errors import ConnectorShutdown, PeerTimeoutError, ProtocolError
+from afd_cupy.ffn_overlap import ThreadReplies
 from afd_cupy.ffn_worker import FFNWorker
 
 HIDDEN = 8
@@ -105,3 +110,95 @@ def test_host_polling_counts_arrivals_not_taken():
     assert polling.num_pending() == 0
     flags[1] = 8  # a new message on a consumed slot
     assert polling.num_pending() == 1
+
+
+# --------------------------------------------------------------------------- overlap=True (reply thread)
+
+def _overlap_worker(items, schedule, recorder, reply):
+    script = list(items) + ["shutdown"]
+
+    def recv(timeout_ms=None):
+        nxt = script.pop(0)
+        if nxt == "shutdown":
+            raise ConnectorShutdown("scripted")
+        return nxt
+
+    conn = SimpleNamespace(model=SimpleNamespace(num_layers=2), topology=SimpleNamespace(num_attn_ranks=2),
+                           role_rank=0, peer_timeout_s=5.0, recv_ffn_work_item=recv,
+                           send_ffn_work_item_output=reply)
+    return FFNWorker(conn, expert_fn=lambda item: (item.routed_x * (item.src_rank + 2), None),
+                     schedule=schedule, recorder=recorder, overlap=True)
+
+
+def test_overlap_computes_the_next_item_while_a_reply_is_pending():
+    # the reply of item 0 cannot finish before the experts of item 1 ran: only a worker that
+    # hands replies off (the reply thread of the host backend) gets through
+    item1_computed, replies = threading.Event(), []
+
+    def reply(item, routed, shared):
+        if item.src_rank == 0:
+            assert item1_computed.wait(5.0), "the worker waited for reply 0 before computing item 1"
+        replies.append((item.src_rank, float(routed[0, 0])))
+
+    worker = _overlap_worker([_item(0, 0), _item(1, 0)], "async", None, reply)
+    compute = worker.expert_fn
+
+    def marking(item):
+        if item.src_rank == 1:
+            item1_computed.set()
+        return compute(item)
+
+    worker.expert_fn = marking
+    assert worker.run() == 2
+    assert replies == [(0, 2.0), (1, 3.0)]  # submission order, each with its own outputs
+    assert worker._replies._thread is None  # run() stopped the reply thread
+
+
+def test_overlap_hooks_and_reply_order():
+    log, replies = _Log(), []
+    worker = _overlap_worker([_item(0, 0), _item(1, 0), _item(0, 1)], "async", log,
+                             lambda item, routed, shared: replies.append((item.src_rank, item.layer_idx)))
+    assert worker.run() == 3
+    per_item = lambda r, layer: ["polling", ("received", r, layer, 0), ("computing", [r]),
+                                 ("replying", [r]), ("served", [r])]
+    assert log.events == per_item(0, 0) + per_item(1, 0) + per_item(0, 1) + ["polling"]
+    assert replies == [(0, 0), (1, 0), (0, 1)]
+
+
+def test_overlap_lockstep_answers_the_merged_batch_in_rank_order():
+    replies = []
+    worker = _overlap_worker([_item(1, 0), _item(0, 0)], "lockstep", None,
+                             lambda item, routed, shared: replies.append(item.src_rank))
+    assert worker.run() == 2 and worker.num_batches == 1
+    assert replies == [0, 1]
+
+
+def test_overlap_reply_error_keeps_its_type_and_later_replies_still_go():
+    item1_handed_off, replies = threading.Event(), []
+
+    class HandOff(_Log):
+        def served(self, items):
+            if items[0].src_rank == 1:
+                item1_handed_off.set()
+
+    def reply(item, routed, shared):
+        if item.src_rank == 0:
+            assert item1_handed_off.wait(5.0)
+            raise ProtocolError("scripted: already answered", peer=0)
+        replies.append(item.src_rank)
+
+    worker = _overlap_worker([_item(0, 0), _item(1, 0)], "async", HandOff(), reply)
+    with pytest.raises(ProtocolError, match="scripted: already answered"):
+        worker.run()  # raised on the worker thread by the final drain
+    assert replies == [1]  # the reply handed off before the failure was still written
+    worker.flush()  # the error was raised once
+
+
+def test_overlap_drain_is_bounded():
+    release = threading.Event()
+    lane = ThreadReplies(lambda item, routed, shared: release.wait(5.0), timeout_s=0.2)
+    lane.submit([_item(0, 0)], [(torch.ones(1), None)])
+    with pytest.raises(PeerTimeoutError, match="1 replies unwritten after 0.2 s"):
+        lane.drain()
+    release.set()
+    lane.close()

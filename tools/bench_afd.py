@@ -105,8 +105,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_common as bc  # noqa: E402
+import bench_overlap as ov  # noqa: E402
 import bench_spans as spans  # noqa: E402
-from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig  # noqa: E402
+from afd_cupy.config import ModelConfig, TopologyConfig  # noqa: E402
 from afd_cupy.launch import launch, parse_placement  # noqa: E402
 from afd_cupy.wire import window_size_hint  # noqa: E402
 
@@ -166,6 +167,7 @@ class Spec:
     solo_duration_s: float = 0.0  # async: each replica alone after each phase (0: no solo runs)
     timeline: bool = False  # record every rank's spans in the measured batches
     ffn_stats: bool = True  # FFNWorker(recorder=...): busy fraction, items waiting
+    overlap: str = "none"  # bench_overlap.VARIANTS: two-stage Attention pipeline, FFN reply lane
 
     def model(self) -> ModelConfig:
         d = self.dims
@@ -189,7 +191,8 @@ def _rank(ctx, spec: Spec) -> dict:
     device = bc.set_device(spec.backend, ctx)
     role, role_rank = ("attention", ctx.rank) if is_attn else ("ffn", ctx.rank - spec.num_attn)
     extra = attention_connector_kwargs(spec.schedule) if is_attn else {}
-    conn = AFDConnector(spec.model(), TopologyConfig(spec.num_attn, spec.num_ffn), ConnectorConfig(),
+    conn = AFDConnector(spec.model(), TopologyConfig(spec.num_attn, spec.num_ffn),
+                        ov.connector_config(spec.overlap),
                         role=role, role_rank=role_rank, store=ctx.store(), job_id=ctx.job_id,
                         backend=spec.backend, device_id=ctx.device_id, poll_mode=spec.poll_mode,
                         peer_timeout_s=spec.peer_timeout_s, **extra)
@@ -228,9 +231,11 @@ def _ffn(conn, spec: Spec, ffn_rank: int, device) -> dict:
         shared.append(moe.ExpertWeights(w13=_randn((1, 2 * inter, d.hidden), d.hidden, device, gen),
                                         w2=_randn((1, d.hidden, inter), inter, device, gen), num_experts=1)
                       if d.shared else None)
-    recorder = spans.FFNStatsRecorder(device, timeline=spec.timeline) if spec.ffn_stats else None
+    overlap = ov.uses_ffn(spec.overlap)
+    recorder = (spans.FFNStatsRecorder(device, timeline=spec.timeline, overlap=overlap)
+                if spec.ffn_stats else None)
     worker = FFNWorker(conn, experts, shared if d.shared else None, schedule=spec.schedule,
-                       recorder=recorder)
+                       recorder=recorder, overlap=overlap)
     start = time.monotonic()
     worker.run()
     return {"role": "ffn", "rank": ffn_rank, "served": worker.num_served, "batches": worker.num_batches,
@@ -246,6 +251,7 @@ class AttentionReplica:
         gen = torch.Generator(device=device).manual_seed(seed)
         h = dims.hidden
         self.dims = dims
+        self.stages = None  # bench_overlap.TwoStages: run batches as two micro-batch stages
         self.layers = [{"wqkv": _randn((3 * h, h), h, device, gen), "wo": _randn((h, h), h, device, gen),
                         "wgate": _randn((dims.experts, h), h, device, gen)} for _ in range(dims.layers)]
 
@@ -274,11 +280,16 @@ class AttentionReplica:
         return normed, F.linear(normed, self.layers[layer_idx]["wgate"])
 
 
-def _batch(conn, replica: AttentionReplica, x, lengths, recorder=None, batch_idx: int = 0) -> None:
+def _batch(conn, replica: AttentionReplica, x, lengths, recorder=None, batch_idx: int = 0) -> tuple:
     """All layers of one batch; one synchronization at the end (raises latched errors).
+    Returns the final hidden states as a tuple of row blocks in input order (one block; two
+    under ``--overlap attn``: the stages' halves).
 
     ``recorder`` (a ``bench_spans.SpanRecorder``, timeline runs): attention, dispatch and
-    combine spans of every layer on its stream lane, tagged ``(batch_idx, layer)``."""
+    combine spans of every layer on its stream lane, tagged ``(batch_idx, layer)``. A replica
+    with ``stages`` (``--overlap attn``) runs ``bench_overlap.pipelined_batch`` instead."""
+    if replica.stages is not None:
+        return ov.pipelined_batch(conn, replica, x, lengths, replica.stages, recorder, batch_idx)
     for layer_idx in range(replica.dims.layers):
         if recorder is not None:
             recorder.mark(spans.STREAM, "attention", (batch_idx, layer_idx))
@@ -294,12 +305,15 @@ def _batch(conn, replica: AttentionReplica, x, lengths, recorder=None, batch_idx
     if recorder is not None:
         recorder.mark(spans.STREAM, None)
     conn.check_errors()
+    return (x,)
 
 
 def _attention(conn, spec: Spec, attn_rank: int, device, store) -> dict:
     import torch
 
     replica = AttentionReplica(spec.dims, device, seed=spec.seed * 1000 + attn_rank)
+    if ov.uses_attn(spec.overlap):
+        replica.stages = ov.TwoStages(device)
     phases = []
     for phase_idx, workload in enumerate(spec.workloads):
         lengths = workload.lengths[attn_rank]
@@ -440,10 +454,21 @@ FULL_OVERRIDES = {"cuda": dict(layers=26, duration=30.0, warmup=3, solo_duration
                   "host": dict(duration=3.0, solo_duration=1.0)}
 
 
+#: with --overlap other than none: two requests of half the uniform length (the same tokens;
+#: the two-stage pipeline splits a batch by requests)
+OVERLAP_DEFAULTS = {"cuda": dict(requests=2, uniform_len=1024), "host": dict(requests=2, uniform_len=16)}
+
+
 def apply_defaults(args, backend: str):
     defaults = dict(QUICK_DEFAULTS[backend])
     if not args.quick:
         defaults.update(FULL_OVERRIDES[backend])
+    if args.overlap != "none":
+        defaults.update(OVERLAP_DEFAULTS[backend])
+    if args.overlap == "all":  # the issue's comparison: async, uniform; no solo runs (no ideal ratio)
+        defaults.update(schedules=["async"], workloads=["uniform"], solo_duration=0.0)
+    else:
+        defaults.update(schedules=list(SCHEDULES), workloads=["uniform", "skewed"])
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -483,7 +508,8 @@ def placement_split(args, backend: str, world: int, text: str | None) -> tuple[t
 
 def run_schedule(spec: Spec, timeout_s: float) -> list:
     world = spec.num_attn + spec.num_ffn
-    window = window_size_hint(spec.model(), TopologyConfig(spec.num_attn, spec.num_ffn), ConnectorConfig())
+    window = window_size_hint(spec.model(), TopologyConfig(spec.num_attn, spec.num_ffn),
+                              ov.connector_config(spec.overlap))
     same_pct = spec.mps_attn_pct if spec.mps_attn_pct == spec.mps_ffn_pct else None
     child_env = bc.launch_env(spec.backend, world, window, mps_percentage=same_pct)
     return launch(_rank, world, args=(spec,), timeout_s=timeout_s, env=child_env,
@@ -502,7 +528,7 @@ def summarize(spec: Spec, results: list) -> list:
             phase = {k: v for k, v in r["phases"][phase_idx].items() if k not in ("lanes", "window_ns")}
             replicas.append(dict(rank=r["rank"], tokens_per_batch=sum(phase["lengths"]), **phase))
         window = spans.common_window([r["phases"][phase_idx]["window_ns"] for r in attn])
-        rows.append({"schedule": spec.schedule, "workload": workload.name,
+        rows.append({"schedule": spec.schedule, "workload": workload.name, "overlap": spec.overlap,
                      "tokens_per_s": sum(r["tokens_per_s"] for r in replicas), "replicas": replicas,
                      "ffn": ffn_phase_stats(ffn, window)})
     served = sum(r["served"] for r in ffn)
@@ -608,14 +634,18 @@ def timeline_panels(spec: Spec, results: list, layers: int) -> list:
         if window is None:
             continue
         rows = []
+        replies = [lanes.get(spans.STREAM, []) + lanes.get(spans.REPLY_STREAM, []) for lanes in ffn_lanes]
         for r in attn:
-            lane = r["phases"][phase_idx]["lanes"].get(spans.STREAM, [])
-            split = spans.split_waits(lane, r["rank"], [lanes.get(spans.STREAM, []) for lanes in ffn_lanes])
-            rows.append((f"attn {r['rank']} {spans.STREAM}", spans.clip(split, window)))
+            for stage in range(ov.NUM_STAGES if ov.uses_attn(spec.overlap) else 1):
+                name = spans.stage_lane(stage)
+                lane = r["phases"][phase_idx]["lanes"].get(name, [])
+                split = spans.split_waits(lane, r["rank"], replies, stage=stage)
+                rows.append((f"attn {r['rank']} {name}", spans.clip(split, window)))
         for r, lanes in zip(ffn, ffn_lanes):
-            for name in (spans.HOST, spans.STREAM):
+            names = (spans.HOST, spans.STREAM) + ((spans.REPLY_STREAM,) if spans.REPLY_STREAM in lanes else ())
+            for name in names:
                 rows.append((f"ffn {r['rank']} {name}", spans.clip(lanes.get(name, []), window)))
-        panels.append({"title": f"{spec.schedule} / {workload.name} "
+        panels.append({"title": f"{spec.schedule} / {workload.name} / overlap {spec.overlap} "
                                 f"(lengths {[list(l) for l in workload.lengths]})",
                        "schedule": spec.schedule, "workload": workload.name, "window_ns": window,
                        "rows": rows})
@@ -712,6 +742,8 @@ def print_summary(report: dict) -> None:
           f"{report['duration_s']} s per phase, solo {report['solo_duration_s']} s per replica")
     for w in report["workloads"]:
         print(f"workload {w['name']}: request lengths per replica {w['lengths']}")
+    if report["overlap"] != "none":
+        print(f"overlap: {report['overlap']} ({METHOD['overlap']})")
     print(results_tables(report["results"], report["comparison"]))
     print()
     print(bc.targets_table(report["targets"]))
@@ -745,8 +777,14 @@ def results_tables(results: list, comparison: dict) -> str:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     bc.add_common_args(parser, quick_help="4 layers, short phases (< 4 min on one H200)")
-    parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
-    parser.add_argument("--workloads", nargs="+", choices=("uniform", "skewed"), default=["uniform", "skewed"])
+    parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=None,
+                        help="default: both (--overlap all: async)")
+    parser.add_argument("--workloads", nargs="+", choices=("uniform", "skewed"), default=None,
+                        help="default: both (--overlap all: uniform)")
+    parser.add_argument("--overlap", choices=ov.CHOICES, default="none",
+                        help="attn: two micro-batch stages on two streams; ffn: FFNWorker(overlap=True); "
+                             "both; all: each variant in turn, gains vs none (bench_afd_overlap.json). "
+                             "Not none: --requests defaults to 2 and --uniform-len to half its default")
     for name, kind, text in (
             ("layers", int, "layers (quick: 4, full: 26)"), ("duration", float, "seconds per phase"),
             ("warmup", int, "warm-up batches per phase"), ("attn", int, "Attention replicas"),
@@ -783,21 +821,29 @@ def parse_args(argv=None):
         parser.error("--timeline records the plain run; run it without --sweep")
     if args.timeline and not args.ffn_stats:
         parser.error("--timeline needs the FFN recorder (drop --no-ffn-stats)")
+    if args.overlap != "none" and args.sweep:
+        parser.error("--overlap runs the plain run; run it without --sweep")
+    if args.overlap == "all" and args.timeline:
+        parser.error("--timeline records one variant: pick --overlap none, attn, ffn or both")
+    if ov.uses_attn(args.overlap) or args.overlap == "all":
+        if args.requests is not None and args.requests < ov.NUM_STAGES:
+            parser.error(f"--overlap {args.overlap} splits each batch by requests: --requests must be >= 2")
     return args
 
 
 def run_launches(args, backend: str, dims: Dims, workloads: tuple, placement: tuple, mps: dict,
-                 timeline: bool = False) -> tuple[list, set, list]:
-    """One launch per schedule: (rows, Attention devices, timeline panels)."""
+                 timeline: bool = False, overlap: str = "none") -> tuple[list, set, list]:
+    """One launch per schedule, in the ``overlap`` variant: (rows, Attention devices, timeline panels)."""
     solo = args.solo_duration * args.attn
     timeout = args.timeout or (120.0 + len(workloads) * (args.duration * 3 + solo * 2 + 60.0))
     rows, devices, panels = [], set(), []
     specs = [Spec(backend, args.poll_mode, schedule, dims, args.attn, args.ffn, workloads, args.duration,
                   args.warmup, args.max_batches, mps["attention_pct"], mps["ffn_pct"],
                   placement=placement, solo_duration_s=args.solo_duration, timeline=timeline,
-                  ffn_stats=args.ffn_stats)
+                  ffn_stats=args.ffn_stats, overlap=overlap)
              for schedule in args.schedules]
-    for spec in bc.progress(specs, "bench_afd", lambda s: f"schedule={s.schedule} {args.attn}A{args.ffn}F"):
+    for spec in bc.progress(specs, "bench_afd", lambda s: f"schedule={s.schedule} overlap={s.overlap} "
+                                                          f"{args.attn}A{args.ffn}F"):
         results = run_schedule(spec, timeout)
         devices.update(r["device"] for r in results if r["role"] == "attention")
         rows += summarize(spec, results)
@@ -812,7 +858,7 @@ def base_report(args, backend: str, dims: Dims, mps: dict, devices: set) -> dict
             "run": bc.run_info(backend), "poll_mode": args.poll_mode if backend == "cuda" else "host",
             "model": dataclasses.asdict(dims), "topology": f"{args.attn}A{args.ffn}F", "mps": mps,
             "duration_s": args.duration, "warmup_batches": args.warmup, "solo_duration_s": args.solo_duration,
-            "method": METHOD}
+            "overlap": args.overlap, "method": METHOD}
 
 
 METHOD = {"tokens_per_s": "sum over replicas of tokens / own measured wall time",
@@ -827,7 +873,10 @@ METHOD = {"tokens_per_s": "sum over replicas of tokens / own measured wall time"
           "ffn_busy_fraction": "FFN compute-batch time (expert call start to first reply start; CUDA "
                                "events on cuda) inside the window every replica was measuring / window",
           "ffn_items_waiting": "per item taken: arrived-not-taken items in the window + items held "
-                               "unserved (lockstep), mean/max over the items taken in the window"}
+                               "unserved (lockstep), mean/max over the items taken in the window",
+          "overlap": "attn: two micro-batch stages (halves of the requests) on two streams, events only; "
+                     "ffn: FFNWorker(overlap=True), replies on a reply stream (host: a reply thread); "
+                     "gain = variant tokens/s / none tokens/s, same workload, one launch each"}
 
 
 def main(argv=None) -> int:
@@ -842,8 +891,11 @@ def main(argv=None) -> int:
     world = args.attn + args.ffn
     placement, mps = placement_split(args, backend, world, args.placement)
     print(f"placement: {mps['placement']}", flush=True)
+    if args.overlap == "all":
+        return run_overlap_all(args, backend, dims, workloads, placement, mps)
     started = time.perf_counter()
-    rows, devices, panels = run_launches(args, backend, dims, workloads, placement, mps, args.timeline)
+    rows, devices, panels = run_launches(args, backend, dims, workloads, placement, mps, args.timeline,
+                                         overlap=args.overlap)
     comparison = compare(rows)
     ratios, targets = ratios_and_targets(rows, comparison)
     report = {**base_report(args, backend, dims, mps, devices),
@@ -851,7 +903,8 @@ def main(argv=None) -> int:
               "results": rows, "ratios": ratios, "comparison": comparison, "targets": targets,
               "wall_s": time.perf_counter() - started}
     json_path = bc.write_json(args.out, "bench_afd.json", report)
-    title = f"afd_cupy bench_afd ({backend}, {report['device']}, {report['run']['commit']})"
+    title = (f"afd_cupy bench_afd ({backend}, {report['device']}, {report['run']['commit']}"
+             + (f", overlap {args.overlap})" if args.overlap != "none" else ")"))
     plot_path = bc.save_plot(args.out, "bench_afd.png", draw(rows, title))
     print(f"wrote {json_path}" + (f" and {plot_path}" if plot_path else "") + f" in {report['wall_s']:.1f} s")
     if args.timeline:
@@ -862,6 +915,39 @@ def main(argv=None) -> int:
         png = bc.save_plot(args.out, "bench_afd_timeline.png", spans.draw_timeline(panels, title + " timeline"))
         print(f"wrote {timeline_path}" + (f" and {png}" if png else ""))
     print_summary(report)
+    return 0
+
+
+def run_overlap_all(args, backend: str, dims: Dims, workloads: tuple, placement: tuple, mps: dict) -> int:
+    """``--overlap all``: every variant of ``bench_overlap.VARIANTS`` in turn (one launch per
+    schedule each), then each variant's gain over ``none``; writes bench_afd_overlap.json."""
+    started = time.perf_counter()
+    rows, devices = [], set()
+    for variant in ov.VARIANTS:
+        variant_rows, used, _ = run_launches(args, backend, dims, workloads, placement, mps, overlap=variant)
+        rows += variant_rows
+        devices |= used
+    comparison = {v: compare([r for r in rows if r["overlap"] == v]) for v in ov.VARIANTS}
+    entries = ov.gains(rows)
+    targets = ov.gain_targets(entries)
+    report = {**base_report(args, backend, dims, mps, devices), "mode": "overlap",
+              "variants": list(ov.VARIANTS),
+              "workloads": [{"name": w.name, "lengths": [list(l) for l in w.lengths]} for w in workloads],
+              "results": rows, "comparison": comparison, "overlap_gains": entries, "targets": targets,
+              "wall_s": time.perf_counter() - started}
+    json_path = bc.write_json(args.out, "bench_afd_overlap.json", report)
+    print(f"wrote {json_path} in {report['wall_s']:.1f} s")
+    print()
+    print(f"==== bench_afd overlap: backend={backend} commit={report['run']['commit']} "
+          f"device={report['device']} ====")
+    if report["label"]:
+        print(report["label"])
+    for w in workloads:
+        print(f"workload {w.name}: request lengths per replica {[list(l) for l in w.lengths]}; "
+              f"attn: stage 0 / stage 1 = {[[list(h) for h in ov.split_requests(l)] for l in w.lengths]}")
+    print(ov.gains_table(entries))
+    print()
+    print(bc.targets_table(targets))
     return 0
 
 

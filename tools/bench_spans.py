@@ -7,8 +7,8 @@ A :class:`SpanRecorder` keeps, per lane, a sequence of spans that never overlap:
 Clocks. Every span ends up in nanoseconds of ``time.perf_counter_ns()`` (CLOCK_MONOTONIC on
 Linux: one clock for every process of a machine, so spans of different ranks line up).
 - ``host`` lanes stamp with ``perf_counter_ns`` when the mark is called.
-- ``stream`` lanes stamp where the work runs. On the CPU (host backend) that is the calling
-  thread: ``perf_counter_ns`` too. On cuda a mark records a ``torch.cuda.Event``
+- ``stream`` lanes (and ``stream1``, stage 1's lane: :func:`stage_lane`) stamp where the work
+  runs. On the CPU (host backend) that is the calling thread: ``perf_counter_ns`` too. On cuda a mark records a ``torch.cuda.Event``
   (``enable_timing``) on the current stream: it completes when the stream reaches it, so a
   span is the device time from the work enqueued after one mark to the work enqueued before
   the next (including gaps where the stream waited for the host to enqueue). No mark
@@ -33,6 +33,20 @@ from typing import Sequence
 
 #: lane names used by bench_afd: device-ordered work, and host-thread waits
 STREAM, HOST = "stream", "host"
+
+
+def stage_lane(stage: int) -> str:
+    """The device lane of micro-batch stage ``stage`` (bench_afd ``--overlap attn``: one stream
+    per stage): ``stream`` for stage 0 (the one-stage lane), ``stream1`` for stage 1."""
+    return STREAM if stage == 0 else f"{STREAM}{stage}"
+
+
+#: the FFN rank's reply lane under ``FFNWorker(overlap=True)`` (replies on their own stream)
+REPLY_STREAM = f"{STREAM}_reply"
+
+
+def is_device_lane(lane: str) -> bool:
+    return lane.startswith(STREAM)
 
 #: colour of each span name in the timeline plot
 COLORS = {"attention": "tab:blue", "dispatch": "tab:orange", "combine": "tab:green",
@@ -132,7 +146,7 @@ class SpanRecorder:
         self.clock_info: dict | None = None
 
     def _clock(self, lane: str):
-        return self.device_clock if lane == STREAM else self.host_clock
+        return self.device_clock if is_device_lane(lane) else self.host_clock
 
     def mark(self, lane: str, name: str | None = None, tag=None) -> None:
         """End ``lane``'s open span now; open ``name`` (with ``tag``) unless it is None."""
@@ -166,12 +180,15 @@ class FFNStatsRecorder:
     plus the items the worker holds unserved (lockstep: waiting for the other replicas' same
     layer). With ``timeline``: also ``wait`` spans on the ``host`` lane (``polling`` ->
     ``received``) and ``reply`` spans (``replying`` -> ``served``), every span tagged with the
-    ``(attention rank, layer)`` of its items.
+    ``(attention rank, layer, stage)`` of its items. ``overlap`` (the worker's
+    ``overlap=True``): the reply spans go to the :data:`REPLY_STREAM` lane (from the end of the
+    compute to the end of the replies on the reply stream), since they overlap the next compute.
     """
 
-    def __init__(self, device=None, *, timeline: bool = False):
+    def __init__(self, device=None, *, timeline: bool = False, overlap: bool = False):
         self.spans = SpanRecorder(device)
         self.timeline = timeline
+        self.reply_lane = REPLY_STREAM if overlap else STREAM
         self.queue_ns: list = []
         self.queue_items: list = []
 
@@ -189,12 +206,17 @@ class FFNStatsRecorder:
         self.spans.mark(STREAM, "compute", _item_tags(items) if self.timeline else None)
 
     def replying(self, items) -> None:
-        self.spans.mark(STREAM, "reply" if self.timeline else None,
-                        _item_tags(items) if self.timeline else None)
+        if self.reply_lane == STREAM:
+            self.spans.mark(STREAM, "reply" if self.timeline else None,
+                            _item_tags(items) if self.timeline else None)
+            return
+        self.spans.mark(STREAM, None)
+        if self.timeline:
+            self.spans.mark(self.reply_lane, "reply", _item_tags(items))
 
     def served(self, items) -> None:
         if self.timeline:
-            self.spans.mark(STREAM, None)
+            self.spans.mark(self.reply_lane, None)
 
     def result(self) -> dict:
         lanes = self.spans.finish()
@@ -204,7 +226,7 @@ class FFNStatsRecorder:
 
 
 def _item_tags(items) -> tuple:
-    return tuple((item.src_rank, item.layer_idx) for item in items)
+    return tuple((item.src_rank, item.layer_idx, item.stage_idx) for item in items)
 
 
 # --------------------------------------------------------------------------- span arithmetic
@@ -240,11 +262,13 @@ def clip(spans: Sequence[tuple], window: tuple) -> list:
     return [(name, max(b, lo), min(e, hi), tag) for name, b, e, tag in spans if e > lo and b < hi]
 
 
-def split_waits(attn_spans: Sequence[tuple], attn_rank: int, ffn_lanes: Sequence[Sequence[tuple]]) -> list:
+def split_waits(attn_spans: Sequence[tuple], attn_rank: int, ffn_lanes: Sequence[Sequence[tuple]],
+                stage: int | None = None) -> list:
     """Split each ``combine`` span of Attention rank ``attn_rank`` (tag ``(batch, layer)``)
     into ``wait`` (until its replies landed) and ``combine`` (the rest).
 
-    The replies are the FFN ranks' ``reply`` spans tagged with ``(attn_rank, layer)`` that end
+    The replies are the FFN ranks' ``reply`` spans tagged with ``(attn_rank, layer[, stage])``
+    (only those of ``stage`` when it is given and the tags carry one) that end
     after the layer's ``dispatch`` began and no later than the combine's end; the wait ends at
     the latest such reply end (clamped into the span). The reply end is when the FFN rank's
     reply call returned (host backend) or its reply kernel completed (cuda): the moment the
@@ -256,8 +280,8 @@ def split_waits(attn_spans: Sequence[tuple], attn_rank: int, ffn_lanes: Sequence
     for lane in ffn_lanes:
         for name, _, end, tag in lane:
             if name == "reply":
-                for src, layer in tag or ():
-                    if src == attn_rank:
+                for src, layer, *rest in tag or ():
+                    if src == attn_rank and (stage is None or not rest or rest[0] == stage):
                         ends[layer].append(end)
     for layer_ends in ends.values():
         layer_ends.sort()

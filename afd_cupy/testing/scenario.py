@@ -9,6 +9,7 @@ announced shutdown.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -83,12 +84,17 @@ def _ffn(conn: AFDConnector, scenario: Scenario, ffn_rank: int, device, timer=NO
             routed.append(moe.local_experts(global_routed, ffn_rank, epr))
             shared.append(layer_shared)
     kwargs = {} if scenario.schedule == "async" else {"schedule": scenario.schedule}
+    if scenario.ffn_overlap:
+        kwargs["overlap"] = True
     worker = FFNWorker(conn, routed, shared if model.num_shared_experts else None, **kwargs)
     history = []
     compute = worker.expert_fn
 
+    stages = set()
+
     def recording(item):
         history.append((item.src_rank, item.layer_idx, item.routed_tokens, item.shared_tokens))
+        stages.add(item.stage_idx)
         return compute(item)
 
     worker.expert_fn = recording
@@ -96,11 +102,17 @@ def _ffn(conn: AFDConnector, scenario: Scenario, ffn_rank: int, device, timer=NO
     with timer.phase("serve (until shutdown)"):
         served = worker.run()
     return {"role": "ffn", "rank": ffn_rank, "served": served, "history": history,
-            "seconds": time.perf_counter() - start}
+            "stages": sorted(stages), "seconds": time.perf_counter() - start}
 
 
+<<<<<<< HEAD
 def _attention(conn: AFDConnector, scenario: Scenario, attn_rank: int, device,
                timer=NO_PHASES) -> dict:
+=======
+def _attention(conn: AFDConnector, scenario: Scenario, attn_rank: int, device) -> dict:
+    if scenario.stage_streams:
+        return _attention_two_stages(conn, scenario, attn_rank, device)
+>>>>>>> overlap
     if scenario.graph_replays:
         return _attention_graphs(conn, scenario, attn_rank, device)
     model = scenario.model
@@ -174,6 +186,82 @@ def _attention_graphs(conn: AFDConnector, scenario: Scenario, attn_rank: int, de
             times.append(time.perf_counter() - start)
             if scenario.check:
                 errors.append(_compare(outs[layer], hidden, ids, weights, model, layer, scenario.seed))
+    conn.announce_shutdown()
+    return {"role": "attention", "rank": attn_rank, "errors": errors, "times": times}
+
+
+def _two_stage_layer(conn: AFDConnector, layer: int, hidden, ids, weights, side) -> list:
+    """Send both halves (stage 0, then stage 1 on ``side`` when it is a stream), then receive
+    both (``blocking=False``); the current stream joins ``side`` at the end (events only, no
+    host synchronization: capturable). Returns the two outputs."""
+    current = torch.cuda.current_stream(hidden.device) if side is not None else None
+    split = hidden.shape[0] // 2
+    halves = (slice(0, split), slice(split, None))
+    streams = (current, side)
+    if side is not None:
+        side.wait_stream(current)  # the inputs were written on the current stream
+    handles, outs = [], []
+    for stage, rows in enumerate(halves):
+        with _on(streams[stage]):
+            handles.append(conn.send_attn_output(hidden[rows], ids[rows], weights[rows], layer, stage))
+    for stage, handle in enumerate(handles):
+        with _on(streams[stage]):
+            outs.append(conn.recv_ffn_output(handle, blocking=False))
+    if side is not None:
+        current.wait_stream(side)
+    return outs
+
+
+def _on(stream):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def _attention_two_stages(conn: AFDConnector, scenario: Scenario, attn_rank: int, device) -> dict:
+    """Every layer as two in-flight micro-batch stages (:func:`_two_stage_layer`), compared
+    with the reference; with ``graph_replays`` each layer's two-stream step is captured once in
+    a CUDA graph (the second stream forks from and joins the capture stream by events) and
+    replayed with fresh inputs and NaN-filled outputs."""
+    model = scenario.model
+    gen = torch.Generator().manual_seed(scenario.seed * 7919 + attn_rank)
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+    errors, times = [], []
+
+    def fresh():
+        hidden, weights, ids = _layer_inputs(conn, scenario, gen, scenario.num_tokens, device)
+        return hidden.to(device), weights, ids
+
+    if not scenario.graph_replays:
+        for layer in range(model.num_layers):
+            hidden, weights, ids = fresh()
+            start = time.perf_counter()
+            outs = _two_stage_layer(conn, layer, hidden, ids, weights, side)
+            conn.check_errors()
+            times.append(time.perf_counter() - start)
+            errors.append(_compare(torch.cat(outs), hidden.cpu(), ids, weights, model, layer, scenario.seed))
+        conn.announce_shutdown()
+        return {"role": "attention", "rank": attn_rank, "errors": errors, "times": times}
+    static = fresh()
+    _two_stage_layer(conn, 0, static[0], static[2], static[1], side)  # eager warm-up before capture
+    conn.check_errors()
+    graphs, outs = [], []
+    for layer in range(model.num_layers):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs.append(_two_stage_layer(conn, layer, static[0], static[2], static[1], side))
+        graphs.append(graph)
+    for _ in range(scenario.graph_replays):
+        for layer in range(model.num_layers):
+            hidden, weights, ids = fresh()
+            for target, value in zip(static, (hidden, weights, ids)):
+                target.copy_(value)
+            for out in outs[layer]:
+                out.fill_(float("nan"))
+            start = time.perf_counter()
+            graphs[layer].replay()
+            conn.check_errors()
+            times.append(time.perf_counter() - start)
+            errors.append(_compare(torch.cat(outs[layer]), hidden.cpu(), ids, weights, model, layer,
+                                   scenario.seed))
     conn.announce_shutdown()
     return {"role": "attention", "rank": attn_rank, "errors": errors, "times": times}
 

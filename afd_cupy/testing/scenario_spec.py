@@ -35,8 +35,12 @@ class Scenario:
     favor_ffn_rank: int | None = None  # gate logits pushed towards this FFN rank's experts
     always_send: bool = False  # Attention sends to every FFN rank even when empty (lockstep)
     schedule: str = "async"  # FFN worker schedule: "async" or "lockstep"
+    ffn_overlap: bool = False  # FFNWorker(overlap=True): replies on a reply stream / thread
     graph_replays: int = 0  # cuda: > 0 captures each layer's send + recv in a CUDA graph and
     #                         replays every layer this many times with fresh inputs
+    stage_streams: bool = False  # each layer as two in-flight stages (needs num_stages = 2): the
+    #                              first half of the tokens stage 0, the rest stage 1 (cuda: on
+    #                              a second stream, events only); combines with graph_replays
 
     @property
     def num_checks(self) -> int:
