@@ -105,14 +105,10 @@ def _ffn(conn: AFDConnector, scenario: Scenario, ffn_rank: int, device, timer=NO
             "stages": sorted(stages), "seconds": time.perf_counter() - start}
 
 
-<<<<<<< HEAD
 def _attention(conn: AFDConnector, scenario: Scenario, attn_rank: int, device,
                timer=NO_PHASES) -> dict:
-=======
-def _attention(conn: AFDConnector, scenario: Scenario, attn_rank: int, device) -> dict:
     if scenario.stage_streams:
         return _attention_two_stages(conn, scenario, attn_rank, device)
->>>>>>> overlap
     if scenario.graph_replays:
         return _attention_graphs(conn, scenario, attn_rank, device)
     model = scenario.model
