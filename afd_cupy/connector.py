@@ -20,11 +20,8 @@ from __future__ import annotations
 import logging
 import math
 import numbers
-<<<<<<< HEAD
 import socket
-=======
 import threading
->>>>>>> overlap
 
 import torch
 
