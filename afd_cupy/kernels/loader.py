@@ -30,6 +30,8 @@ FILE_KERNELS = {
     "combine.cu": (("afd_wait_replies", False), ("afd_combine", True)),
     "wait_any.cu": (("afd_wait_any", False),),
     "reply.cu": (("afd_reply", True),),
+    "dedup_attn.cu": (("afd_dedup_rows", False), ("afd_dedup_scatter", True),
+                      ("afd_dedup_combine", True)),
 }
 
 #: probes for tests and tools only (same format as FILE_KERNELS)
