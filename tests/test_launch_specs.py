@@ -293,3 +293,36 @@ def test_backend_sets_only_arguments_its_specs_have(fake_specs):
 
 def test_launches_module_has_no_cupy_import_at_module_level():
     assert launches.__dict__.get("cupy") is None and specs.__dict__.get("cupy") is None
+
+
+@pytest.mark.parametrize("wire_mode", ["pair", "dedup"])
+def test_backend_builds_the_launches_of_its_wire_mode(fake_specs, monkeypatch, wire_mode):
+    """CudaAttentionSide._attention_launches checks every spec of the layout's mode (a spec of
+    the other mode would refuse the geometry); numpy arrays stand in for the CuPy buffers."""
+    import types
+
+    from afd_cupy.backends import cuda_attention
+
+    monkeypatch.setattr(kernels, "PackedLaunch", lambda spec: spec)
+    layout = _DEDUP_LAYOUT if wire_mode == "dedup" else _LAYOUT
+    side = cuda_attention.CudaAttentionSide()
+    side.cp, side.layout, side.geometry, side.is_dedup = np, layout, layout.kernel_geometry(), layout.is_dedup
+    side.ctx = types.SimpleNamespace(num_ffn_ranks=2, has_shared=True, always_send=False, role_rank=0)
+    side.own_window, side.dtype_code, side.timeout_ns = 0x3000, 0, 10**9
+    side.status = types.SimpleNamespace(ptr=0x1000)
+    side.scratch = [types.SimpleNamespace(local_rank=np.zeros(64, np.int32), **{
+        name: _FakeArray() for name in ("chunk_hist", "pos", "expert_counts", "expert_start",
+                                        "rank_offsets", "verdict", "plan_done", "scatter_done")})] * 2
+    side.dedup_rows = [_FakeArray()] * 2
+    for name in ("row_map", "shared_rank", "num_rows", "shared_rows", "rows_hist", "rows_local", "rows_done"):
+        setattr(side.dedup_rows[0], name, _FakeArray())
+    side.expected = side.expected_counts = side.reply_flags = side.combine_done = [_FakeArray()] * 2
+    side.seq_counters, side.last_seen, side.peer_windows = [_FakeArray()] * 2, _FakeArray(), _FakeArray()
+    launches = side._attention_launches(1)
+    want = {"pair": ["dispatch_plan", "dispatch_scatter", "wait_replies", "combine"],
+            "dedup": ["dispatch_plan", "dedup_rows", "dedup_scatter", "wait_replies", "dedup_combine"]}
+    assert sorted(launches) == sorted(["plan", "scatter", "wait", "combine"] + (["rows"] if wire_mode == "dedup" else []))
+    names = {key: spec.names for key, spec in launches.items()}
+    assert ("row_map" in names["combine"]) == (wire_mode == "dedup")
+    assert launches["wait"].args[-1] == np.int32(wire_mode == "dedup")  # afd_wait_replies' dedup
+    assert len(launches) == len(want[wire_mode])

@@ -159,6 +159,12 @@ class CudaAttentionSide:
             local_rank=scratch.local_rank, expert_counts=scratch.expert_counts,
             expert_start=scratch.expert_start, rank_offsets=scratch.rank_offsets,
             verdict=scratch.verdict, done_counter=scratch.plan_done, status=self.status.ptr)
+        replies = dict(window=self.own_window, geo=geo, num_ffn_ranks=num_ffn, ring=ring,
+                       expected=expected, expected_counts=self.expected_counts[ring], layer_idx=0,
+                       stage_idx=0, last_seen=self.last_seen, reply_flags=self.reply_flags[ring],
+                       timeout_ns=self.timeout_ns, status=self.status.ptr)
+        if self.is_dedup:
+            return {"plan": kernels.PackedLaunch(plan), **self._dedup_launches(ring, replies)}
         scatter = kernels.dispatch_scatter_spec(
             dtype_code=self.dtype_code, hidden=self.own_window, num_tokens=cap,
             hidden_size=layout.hidden_size, topk_ids=placeholder_ids, num_partials=cap * layout.top_k,
@@ -171,12 +177,6 @@ class CudaAttentionSide:
             layer_idx=0, stage_idx=0, hdr_flags=0, seq_counters=self.seq_counters[ring],
             expected=expected, expected_counts=self.expected_counts[ring],
             done_counter=scratch.scatter_done)
-        replies = dict(window=self.own_window, geo=geo, num_ffn_ranks=num_ffn, ring=ring,
-                       expected=expected, expected_counts=self.expected_counts[ring], layer_idx=0,
-                       stage_idx=0, last_seen=self.last_seen, reply_flags=self.reply_flags[ring],
-                       timeout_ns=self.timeout_ns, status=self.status.ptr)
-        if self.is_dedup:
-            return {"plan": kernels.PackedLaunch(plan), **self._dedup_launches(ring, replies)}
         wait = kernels.wait_replies_spec(**replies)
         combine = kernels.combine_spec(
             dtype_code=self.dtype_code, out=self.own_window, num_tokens=cap,
