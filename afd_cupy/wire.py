@@ -441,16 +441,28 @@ class StatusRecord:
     def name(self) -> str:
         return STATUS_NAMES.get(self.code, f"UNKNOWN({self.code})")
 
+    def header_field(self, expert_per_rank: int | None = None) -> str:
+        """Name of the header word in ``count`` (BAD_HEADER, REPLY_MISMATCH): a fixed word, an
+        expert count, or (given ``expert_per_rank``) the dedup trailer ``num_rows``."""
+        if expert_per_rank is not None and self.count == HDR_FIXED_WORDS + expert_per_rank:
+            return "num_rows"
+        if self.count in HDR_WORD_NAMES:
+            return HDR_WORD_NAMES[self.count]
+        return "expert_counts" if self.count >= HDR_FIXED_WORDS else f"word {self.count}"
+
     @property
     def ok(self) -> bool:
         return self.code == STATUS_OK
 
-    def error(self, *, layer_idx=None, timeout_s: float | None = None) -> Exception:
+    def error(self, *, layer_idx=None, timeout_s: float | None = None,
+              expert_per_rank: int | None = None) -> Exception:
         """The exception the host backend raises for the same fault (code must not be OK).
 
         The layer named is the one the kernel latched (the failing dispatch or receive, which
         with ``blocking=False`` receives can be older than the call that synchronised);
-        ``layer_idx`` only stands in when the record has none (-1).
+        ``layer_idx`` only stands in when the record has none (-1). ``expert_per_rank``: the
+        window's, so that a header fault in word ``HDR_FIXED_WORDS + expert_per_rank`` (the
+        dedup trailer) is named ``num_rows``; without it such a word reads as an expert count.
         """
         code, peer = self.code, self.peer
         if self.layer >= 0:
@@ -463,8 +475,7 @@ class StatusRecord:
                                               self.observed, timeout_s)
         if code == STATUS_SHUTDOWN:
             return errors.shutdown_during_reply_error(peer, layer_idx)
-        field = HDR_WORD_NAMES.get(self.count, "expert_counts" if self.count >= HDR_FIXED_WORDS
-                                   else f"word {self.count}")
+        field = self.header_field(expert_per_rank)
         if code == STATUS_REPLY_MISMATCH:
             return errors.reply_mismatch_error(peer, field, self.expected, self.observed, layer_idx)
         if code == STATUS_BAD_HEADER:

@@ -19,8 +19,10 @@ import pytest
 import kernel_helpers as helpers
 from afd_cupy import config, errors, kernels, planner, wire
 
-KERNEL_FILES = ("wire.cuh", "dispatch.cu", "combine.cu", "wait_any.cu", "reply.cu", "dedup_ffn.cu",
-                "probes/wire_constants.cu", "probes/bench.cu")
+KERNEL_FILES = ("wire.cuh", "dispatch.cu", "combine.cu", "wait_any.cu", "reply.cu",
+                "reply_check.cuh", "dedup_attn.cu", "dedup_ffn.cu", "probes/wire_constants.cu", "probes/bench.cu")
+#: headers a kernel file may include (NVRTC runs without system headers)
+KERNEL_HEADERS = {"wire.cuh", "reply_check.cuh"}
 ALL_KERNELS = {**kernels.FILE_KERNELS, **kernels.PROBE_KERNELS}
 _CONSTEXPR_RE = re.compile(r"constexpr\s+\w+\s+(\w+)\s*=\s*(-?(?:0x[0-9a-fA-F]+|\d+))\s*;")
 
@@ -48,7 +50,7 @@ def test_no_forbidden_includes_or_jitify():
     for name in KERNEL_FILES:
         text = (kernels.KERNEL_DIR / name).read_text()
         includes = re.findall(r'#\s*include\s*[<"]([^>"]+)[>"]', text)
-        assert set(includes) <= {"wire.cuh"}, f"{name} includes {includes}"
+        assert set(includes) <= KERNEL_HEADERS, f"{name} includes {includes}"
     for module in (kernels.KERNEL_DIR.parent / "afd_cupy" / "kernels").glob("*.py"):
         assert "jitify" not in module.read_text().replace("no jitify", ""), module
 
@@ -189,6 +191,9 @@ def test_name_expressions_and_chunks():
     assert kernels.kernel_name_expressions("combine.cu") == ("afd_wait_replies", "afd_combine<0>", "afd_combine<1>", "afd_combine<2>")
     assert kernels.kernel_name_expressions("dispatch.cu")[0] == "afd_dispatch_plan"
     assert kernels.kernel_name_expressions("wait_any.cu") == ("afd_wait_any",)
+    assert kernels.kernel_name_expressions("dedup_attn.cu") == (
+        "afd_dedup_rows", "afd_dedup_scatter<0>", "afd_dedup_scatter<1>", "afd_dedup_scatter<2>",
+        "afd_dedup_combine<0>", "afd_dedup_combine<1>", "afd_dedup_combine<2>")
     assert kernels.kernel_name_expressions("probes/bench.cu") == ("afd_bench_stamp", "afd_bench_clock")
     assert kernels.kernel_name_expressions(kernels.KERNEL_DIR / "probes" / "wire_constants.cu") == (
         "afd_read_wire_constants",)
@@ -242,7 +247,8 @@ _REPLY_FAULTS = {  # name -> (header word or "count0", value)
     "negative_shared": (wire.HDR_SHARED_TOKENS, -3), "counts_sum": ("count0", 5),
     "shutdown": (wire.HDR_FLAGS, wire.FLAG_SHUTDOWN), "echo": (wire.HDR_ECHO_SEQ, 78),
     "layer": (wire.HDR_LAYER, 10), "stage": (wire.HDR_STAGE, 0),
-    "routed": ("routed", 7), "shared": (wire.HDR_SHARED_TOKENS, 4)}
+    "routed": ("routed", 7), "shared": (wire.HDR_SHARED_TOKENS, 4),
+    "dedup_flag": (wire.HDR_FLAGS, wire.FLAG_DEDUP)}  # a dedup reply to a pair receiver
 
 
 def _reply_words(fault: str) -> np.ndarray:
@@ -283,6 +289,7 @@ def test_reference_check_reply_agrees_with_the_host_checks(fault):
     device = record.error(layer_idx=_WANT.layer_idx, timeout_s=1.0)
     assert type(device) is type(host), (fault, record, host, device)
     want_code = {"magic": wire.STATUS_BAD_HEADER, "version": wire.STATUS_BAD_HEADER,
+                 "dedup_flag": wire.STATUS_BAD_HEADER,
                  "shutdown": wire.STATUS_SHUTDOWN}.get(fault, wire.STATUS_BAD_HEADER
                                                       if fault.startswith(("negative", "counts"))
                                                       else wire.STATUS_REPLY_MISMATCH)
@@ -292,4 +299,134 @@ def test_reference_check_reply_agrees_with_the_host_checks(fault):
         assert str(device) == str(host)
     if code == wire.STATUS_BAD_HEADER:
         assert count == {"magic": wire.HDR_MAGIC, "version": wire.HDR_VERSION,
+                         "dedup_flag": wire.HDR_FLAGS,
                          "negative_shared": wire.HDR_SHARED_TOKENS}.get(fault, wire.HDR_ROUTED_TOKENS)
+
+
+# --- the same, for the replies of a dedup dispatch (afd_wait_replies with dedup = 1) -------------
+# dispatch: 4 rows, routed 6 (counts 2, 0, 3, 1), 2 shared rows, top_k 2
+_DEDUP_WANT = wire.ReplyExpectation(peer=1, seq=2**32 + 77, layer_idx=9, stage_idx=1,
+                                    routed_tokens=6, shared_tokens=2, num_rows=4)
+_ROWS_WORD = wire.HDR_FIXED_WORDS + _EPR
+_DEDUP_FAULTS = {  # name -> (header word, value, (code, ST_COUNT))
+    "ok": (None, None, (wire.STATUS_OK, -1)),
+    "missing_flag": (wire.HDR_FLAGS, 0, (wire.STATUS_BAD_HEADER, wire.HDR_FLAGS)),
+    "pair_shutdown": (wire.HDR_FLAGS, wire.FLAG_SHUTDOWN, (wire.STATUS_BAD_HEADER, wire.HDR_FLAGS)),
+    "shutdown": (wire.HDR_FLAGS, wire.FLAG_SHUTDOWN | wire.FLAG_DEDUP, (wire.STATUS_SHUTDOWN, -1)),
+    "version": (wire.HDR_VERSION, 2, (wire.STATUS_BAD_HEADER, wire.HDR_VERSION)),
+    "negative_count": ("count0", -1, (wire.STATUS_BAD_HEADER, wire.HDR_ROUTED_TOKENS)),
+    "counts_sum": ("count0", 3, (wire.STATUS_BAD_HEADER, wire.HDR_ROUTED_TOKENS)),
+    "negative_rows": (_ROWS_WORD, -1, (wire.STATUS_BAD_HEADER, _ROWS_WORD)),
+    "rows_over_routed": (_ROWS_WORD, 7, (wire.STATUS_BAD_HEADER, _ROWS_WORD)),
+    "routed_over_rows_k": (_ROWS_WORD, 2, (wire.STATUS_BAD_HEADER, _ROWS_WORD)),
+    "shared_over_rows": (wire.HDR_SHARED_TOKENS, 5, (wire.STATUS_BAD_HEADER, _ROWS_WORD)),
+    "zero_topk": (wire.HDR_TOPK, 0, (wire.STATUS_BAD_HEADER, _ROWS_WORD)),
+    "echo": (wire.HDR_ECHO_SEQ, 78, (wire.STATUS_REPLY_MISMATCH, wire.HDR_ECHO_SEQ)),
+    "layer": (wire.HDR_LAYER, 10, (wire.STATUS_REPLY_MISMATCH, wire.HDR_LAYER)),
+    "routed": ("routed", 7, (wire.STATUS_REPLY_MISMATCH, wire.HDR_ROUTED_TOKENS)),
+    "shared": (wire.HDR_SHARED_TOKENS, 3, (wire.STATUS_REPLY_MISMATCH, wire.HDR_SHARED_TOKENS)),
+    "num_rows": (_ROWS_WORD, 5, (wire.STATUS_REPLY_MISMATCH, _ROWS_WORD)),
+}
+
+
+def _dedup_reply_words(fault: str) -> np.ndarray:
+    dispatch = wire.dispatch_header(seq=_DEDUP_WANT.seq, src_rank=0, layer_idx=_DEDUP_WANT.layer_idx,
+                                    stage_idx=_DEDUP_WANT.stage_idx, num_tokens=5, shared_tokens=2,
+                                    top_k=2, expert_counts=(2, 0, 3, 1), wire_mode="dedup", num_rows=4)
+    words = wire.encode_header(wire.reply_header(dispatch, seq=5, src_rank=_DEDUP_WANT.peer), _EPR)
+    word, value, _ = _DEDUP_FAULTS[fault]
+    if word == "count0":
+        words[wire.HDR_FIXED_WORDS] = value
+    elif word == "routed":  # consistent counts and sizes, but not what was sent
+        words[wire.HDR_ROUTED_TOKENS] = value
+        words[wire.HDR_FIXED_WORDS] += value - _DEDUP_WANT.routed_tokens
+    elif word is not None:
+        words[word] = value
+    return words
+
+
+@pytest.mark.parametrize("fault", sorted(_DEDUP_FAULTS))
+def test_reference_check_reply_agrees_with_the_host_checks_in_dedup_mode(fault):
+    words = _dedup_reply_words(fault)
+    assert words.size == _ROWS_WORD + 1
+    want = _DEDUP_WANT
+    code, count, expected, observed = helpers.reference_check_reply(
+        words, seq=want.seq, layer_idx=want.layer_idx, stage_idx=want.stage_idx,
+        routed_tokens=want.routed_tokens, shared_tokens=want.shared_tokens, flag=want.seq,
+        wire_mode="dedup", num_rows=want.num_rows)
+    assert (code, count) == _DEDUP_FAULTS[fault][2]
+    try:
+        wire.check_reply(wire.decode_header(words, _EPR, wire_mode="dedup"), want)
+        host = None
+    except errors.AfdError as err:
+        host = err
+    if fault == "ok":
+        assert host is None
+        return
+    record = wire.StatusRecord(code, want.peer, 3, 1, expected, observed, count, -1)
+    device = record.error(layer_idx=want.layer_idx, timeout_s=1.0, expert_per_rank=_EPR)
+    assert type(device) is type(host), (fault, record, host, device)
+    if code == wire.STATUS_REPLY_MISMATCH:  # same field and values as the host's ProtocolError
+        assert (device.field, device.expected, device.observed) == (host.field, host.expected, host.observed)
+        assert str(device) == str(host)
+    if count == _ROWS_WORD:
+        assert "num_rows" in str(device)
+
+
+def test_reference_check_reply_dedup_size_faults_report_the_nearest_valid_num_rows():
+    """ST_EXPECTED of an impossible dedup size: the num_rows the other sizes allow."""
+    def check(fault):
+        return helpers.reference_check_reply(
+            _dedup_reply_words(fault), seq=_DEDUP_WANT.seq, layer_idx=9, stage_idx=1,
+            routed_tokens=6, shared_tokens=2, wire_mode="dedup", num_rows=4)[2:]
+    assert check("rows_over_routed") == (6, 7)    # num_rows <= routed_tokens = 6
+    assert check("routed_over_rows_k") == (3, 2)  # routed 6 needs >= ceil(6 / top_k 2) = 3 rows
+    assert check("shared_over_rows") == (5, 4)    # shared_tokens 5 needs >= 5 rows
+    assert check("zero_topk") == (2, 4)         # no partials fit: only shared_tokens bounds it
+
+
+@pytest.mark.parametrize("num_tokens,top_k,num_ffn,num_experts,has_shared", [
+    (0, 2, 2, 8, 1), (1, 1, 1, 3, 1), (7, 6, 3, 10, 1), (300, 8, 4, 10, 0), (97, 4, 2, 5, 1),
+    (1000, 2, 3, 64, 1), (50, 40, 33, 99, 1)])
+def test_device_dedup_rows_formula_matches_reference(num_tokens, top_k, num_ffn, num_experts,
+                                                      has_shared):
+    """numpy model of afd_dedup_rows: one key per (token, rank) pair on the token's first partial
+    there (2j: shared here, 2j+1: not), chunk histograms of CHUNK partials, scan, and
+    row = (odd key ? shared_rows[j] : 0) + chunk base + rank among equal keys in the chunk."""
+    from afd_cupy.testing import dedup_reference
+
+    rng = np.random.default_rng(num_tokens * 7 + num_ffn)
+    epr = -(-num_experts // num_ffn)
+    ids = rng.integers(0, num_experts, (num_tokens, top_k)).astype(np.int32)
+    ref = dedup_reference.plan_reference(ids, num_ffn, epr, has_shared=bool(has_shared),
+                                         num_experts=num_experts)
+    ranks = ids // epr
+    num_keys, flat = 2 * num_ffn, ranks.reshape(-1)
+    shared_rank = np.full(num_tokens, -1)
+    for t in range(num_tokens):
+        if has_shared:  # the kernel's dedup_shared_rank: smallest cyclic distance from t % F
+            shared_rank[t] = ranks[t][np.argmin((ranks[t] - t % num_ffn) % num_ffn)]
+    keys = np.full(flat.size, -1)
+    for p in range(flat.size):
+        t, k = divmod(p, top_k)
+        if not (ranks[t, :k] == ranks[t, k]).any():
+            keys[p] = 2 * ranks[t, k] + (shared_rank[t] != ranks[t, k])
+    num_chunks = kernels.dispatch_num_chunks(flat.size)
+    hist = np.zeros((num_chunks, num_keys), np.int64)
+    local = np.zeros(flat.size, np.int64)
+    for c in range(num_chunks):
+        chunk = keys[c * kernels.CHUNK:(c + 1) * kernels.CHUNK]
+        for i, key in enumerate(chunk):
+            if key >= 0:
+                local[c * kernels.CHUNK + i] = np.count_nonzero(chunk[:i] == key)
+                hist[c, key] += 1
+    bases, totals = np.cumsum(hist, axis=0) - hist, hist.sum(axis=0)
+    row_map = np.full((num_tokens, num_ffn), -1)
+    for p in np.flatnonzero(keys >= 0):
+        key = keys[p]
+        row_map[p // top_k, key // 2] = (totals[key - 1] if key % 2 else 0) + bases[p // kernels.CHUNK, key] + local[p]
+    np.testing.assert_array_equal(shared_rank, ref.shared_rank)
+    np.testing.assert_array_equal(row_map, ref.row_map)
+    np.testing.assert_array_equal(totals[0::2], ref.shared_rows)
+    np.testing.assert_array_equal(totals[0::2] + totals[1::2], ref.num_rows)
+    assert hist.max(initial=0) <= kernels.CHUNK and num_keys <= 2 * kernels.MAX_FFN_RANKS  # packing

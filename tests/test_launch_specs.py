@@ -50,6 +50,7 @@ def fake_specs(monkeypatch):
 
 _LAYOUT = wire.WindowLayout(num_regions=3, ring_depth=2, expert_per_rank=4, hidden_size=64,
                             itemsize=2, top_k=8, token_cap=8, routed_cap=64, shared_cap=4)
+_DEDUP_LAYOUT = wire.WindowLayout(**{**_LAYOUT.as_dict(), "shared_cap": 8, "wire_mode": "dedup"})
 
 
 def _specs() -> dict:
@@ -89,7 +90,36 @@ def _specs() -> dict:
             dtype_code=0, dst_window=0x3000, geo=geo, src_rank=1, ring=0, route_copy=arr,
             num_rows=20, top_k=8, routed_out=0x6000, num_routed=45, shared_out=0, num_shared=0,
             hidden_size=64, header_src=0x7000, seq=9, done_counter=arr),
+        **_dedup_specs(),
     }
+
+
+def _dedup_specs() -> dict:
+    arr, geo = _FakeArray(), _DEDUP_LAYOUT.kernel_geometry()
+    replies = dict(window=0x3000, geo=geo, num_ffn_ranks=2, ring=1, expected=arr,
+                   expected_counts=arr, layer_idx=3, stage_idx=1, last_seen=arr, reply_flags=arr,
+                   timeout_ns=10**9, status=0x1000)
+    return {
+        ("dedup_attn.cu", "afd_dedup_rows"): kernels.dedup_rows_spec(
+            topk_ids=arr, num_tokens=8, top_k=8, expert_per_rank=4, num_ffn_ranks=2, has_shared=1,
+            verdict=arr, rows_hist=arr, rows_local=arr, row_map=arr, shared_rank=arr,
+            num_rows=arr, shared_rows=arr, done_counter=arr),
+        ("dedup_attn.cu", "afd_dedup_scatter"): kernels.dedup_scatter_spec(**_DEDUP_SCATTER),
+        ("dedup_attn.cu", "afd_dedup_combine"): kernels.dedup_combine_spec(
+            dtype_code=2, out=0x4000, num_tokens=8, hidden_size=64, row_map=arr, out_scale=1.0,
+            done_counter=arr, **replies),
+    }
+
+
+_DEDUP_SCATTER = dict(
+    dtype_code=1, hidden=0x2000, num_tokens=8, hidden_size=64, topk_ids=_FakeArray(),
+    topk_weights=_FakeArray(), top_k=8, expert_per_rank=4, num_ffn_ranks=2,
+    chunk_hist=_FakeArray(), local_rank=_FakeArray(), expert_start=_FakeArray(),
+    rank_offsets=_FakeArray(), expert_counts=_FakeArray(), verdict=_FakeArray(),
+    row_map=_FakeArray(), shared_rank=_FakeArray(), num_rows=_FakeArray(),
+    shared_rows=_FakeArray(), peer_windows=_FakeArray(), geo=_DEDUP_LAYOUT.kernel_geometry(),
+    ring=1, src_rank=0, layer_idx=3, stage_idx=0, seq_counters=_FakeArray(),
+    expected=_FakeArray(), expected_counts=_FakeArray(), done_counter=_FakeArray())
 
 
 def test_every_spec_matches_its_kernel_signature(fake_specs):
@@ -118,7 +148,9 @@ def test_specs_use_the_block_sizes_of_the_limit_table(fake_specs):
               "afd_wait_replies": "WAIT_REPLIES_THREADS", "afd_combine": "COMBINE_THREADS",
               "afd_wait_any": "WAIT_ANY_THREADS", "afd_reply": "REPLY_THREADS",
               # the FFN's dedup row kernels: a warp per row, like afd_reply
-              "afd_dedup_expand": "REPLY_THREADS", "afd_dedup_reply": "REPLY_THREADS"}
+              "afd_dedup_expand": "REPLY_THREADS", "afd_dedup_reply": "REPLY_THREADS",
+              "afd_dedup_rows": "PLAN_THREADS", "afd_dedup_scatter": "SCATTER_THREADS",
+              "afd_dedup_combine": "COMBINE_THREADS"}
     for (filename, name), spec in built.items():
         assert spec.block == limits[blocks[name]], name
         text = (kernels.KERNEL_DIR / filename).read_text()
@@ -190,6 +222,44 @@ def test_grids_of_the_specs(fake_specs):
     assert kernels.dedup_reply_grid(10**6) == kernels.MAX_BLOCKS
 
 
+def test_dedup_grids_and_mode_checks(fake_specs):
+    built = _dedup_specs()
+    assert built[("dedup_attn.cu", "afd_dedup_rows")].grid == kernels.dedup_rows_grid(8, 8) == 1
+    assert kernels.dedup_rows_grid(0, 8) == 1 and kernels.dedup_rows_grid(65, 4) == 2
+    assert built[("dedup_attn.cu", "afd_dedup_scatter")].grid == kernels.dedup_scatter_grid(8, 2) == 2
+    assert kernels.dedup_scatter_grid(0, 4) == 1 and kernels.dedup_scatter_grid(4096, 4) == kernels.MAX_BLOCKS
+    assert built[("dedup_attn.cu", "afd_dedup_combine")].grid == kernels.combine_grid(8)
+    # the dedup scatter needs the dedup header (one more word than pair mode)
+    with pytest.raises(ValueError, match="header_words = 16, expected 17"):
+        kernels.dedup_scatter_spec(**{**_DEDUP_SCATTER, "geo": _LAYOUT.kernel_geometry()})
+    arr = _FakeArray()
+    wait = dict(window=0x3000, geo=_DEDUP_LAYOUT.kernel_geometry(), num_ffn_ranks=2, ring=1,
+                expected=arr, expected_counts=arr, layer_idx=3, stage_idx=1, last_seen=arr,
+                reply_flags=arr, timeout_ns=1, status=0x1000)
+    assert kernels.wait_replies_spec(**wait, dedup=1).args[-1] == np.int32(1)
+    assert kernels.wait_replies_spec(**wait).args[-1] == np.int32(0)  # pair by default
+    with pytest.raises(ValueError, match="dedup must lie in"):
+        kernels.wait_replies_spec(**wait, dedup=2)
+
+
+def test_dedup_specs_size_expected_counts_with_three_columns(monkeypatch):
+    monkeypatch.setattr(specs, "get_kernel", lambda *a, **kw: "kernel")
+    seen = {}
+    monkeypatch.setattr(specs, "_array", lambda name, arr, dtype, min_size: seen.setdefault(
+        (len(seen), name), min_size))
+    arr = _FakeArray()
+    wait = dict(window=0x3000, geo=_DEDUP_LAYOUT.kernel_geometry(), num_ffn_ranks=2, ring=1,
+                expected=arr, expected_counts=arr, layer_idx=3, stage_idx=1, last_seen=arr,
+                reply_flags=arr, timeout_ns=1, status=0x1000)
+    kernels.wait_replies_spec(**wait, dedup=1)
+    kernels.wait_replies_spec(**wait)
+    kernels.dedup_scatter_spec(**_DEDUP_SCATTER)
+    sizes = [size for (_, name), size in seen.items() if name == "expected_counts"]
+    assert sizes == [6, 4, 6]  # [F, 3] in dedup mode, [F, 2] in pair mode
+    row_maps = [size for (_, name), size in seen.items() if name == "row_map"]
+    assert row_maps == [16]  # [T, F]
+
+
 class _Kernel:
     class kernel:
         ptr = 0xF00D
@@ -252,6 +322,8 @@ def test_backend_sets_only_arguments_its_specs_have(fake_specs):
                        for name in ("cuda_attention.py", "cuda_ffn.py", "cuda_ffn_dedup.py"))
     by_var = {"plan": "afd_dispatch_plan", "scatter": "afd_dispatch_scatter",
               "wait": "afd_wait_replies", "combine": "afd_combine",
+              "rows": "afd_dedup_rows", "dedup_scatter": "afd_dedup_scatter",
+              "dedup_combine": "afd_dedup_combine",
               "launch": None}  # `launch`: wait_any, reply and the dedup kernels of the FFN
     names = {name: set(spec.names) for (_, name), spec in _specs().items()}
     sets = re.findall(r"\b(\w+)\.set\(\"(\w+)\"", source)
@@ -266,3 +338,36 @@ def test_backend_sets_only_arguments_its_specs_have(fake_specs):
 
 def test_launches_module_has_no_cupy_import_at_module_level():
     assert launches.__dict__.get("cupy") is None and specs.__dict__.get("cupy") is None
+
+
+@pytest.mark.parametrize("wire_mode", ["pair", "dedup"])
+def test_backend_builds_the_launches_of_its_wire_mode(fake_specs, monkeypatch, wire_mode):
+    """CudaAttentionSide._attention_launches checks every spec of the layout's mode (a spec of
+    the other mode would refuse the geometry); numpy arrays stand in for the CuPy buffers."""
+    import types
+
+    from afd_cupy.backends import cuda_attention
+
+    monkeypatch.setattr(kernels, "PackedLaunch", lambda spec: spec)
+    layout = _DEDUP_LAYOUT if wire_mode == "dedup" else _LAYOUT
+    side = cuda_attention.CudaAttentionSide()
+    side.cp, side.layout, side.geometry, side.is_dedup = np, layout, layout.kernel_geometry(), layout.is_dedup
+    side.ctx = types.SimpleNamespace(num_ffn_ranks=2, has_shared=True, always_send=False, role_rank=0)
+    side.own_window, side.dtype_code, side.timeout_ns = 0x3000, 0, 10**9
+    side.status = types.SimpleNamespace(ptr=0x1000)
+    side.scratch = [types.SimpleNamespace(local_rank=np.zeros(64, np.int32), **{
+        name: _FakeArray() for name in ("chunk_hist", "pos", "expert_counts", "expert_start",
+                                        "rank_offsets", "verdict", "plan_done", "scatter_done")})] * 2
+    side.dedup_rows = [_FakeArray()] * 2
+    for name in ("row_map", "shared_rank", "num_rows", "shared_rows", "rows_hist", "rows_local", "rows_done"):
+        setattr(side.dedup_rows[0], name, _FakeArray())
+    side.expected = side.expected_counts = side.reply_flags = side.combine_done = [_FakeArray()] * 2
+    side.seq_counters, side.last_seen, side.peer_windows = [_FakeArray()] * 2, _FakeArray(), _FakeArray()
+    launches = side._attention_launches(1)
+    want = {"pair": ["dispatch_plan", "dispatch_scatter", "wait_replies", "combine"],
+            "dedup": ["dispatch_plan", "dedup_rows", "dedup_scatter", "wait_replies", "dedup_combine"]}
+    assert sorted(launches) == sorted(["plan", "scatter", "wait", "combine"] + (["rows"] if wire_mode == "dedup" else []))
+    names = {key: spec.names for key, spec in launches.items()}
+    assert ("row_map" in names["combine"]) == (wire_mode == "dedup")
+    assert launches["wait"].args[-1] == np.int32(wire_mode == "dedup")  # afd_wait_replies' dedup
+    assert len(launches) == len(want[wire_mode])

@@ -149,3 +149,27 @@ def test_reply_mismatch_through_the_channel_names_the_field():
     with pytest.raises(ProtocolError, match="FFN rank 3 for layer 9 echoes layer_idx=10") as info:
         channel.sync_and_raise(layer_idx=9)
     assert (info.value.field, info.value.expected, info.value.observed) == ("layer_idx", 9, 10)
+
+
+# --- dedup: the num_rows trailer word (HDR_FIXED_WORDS + expert_per_rank) -----------------------
+def test_dedup_num_rows_word_is_named_given_expert_per_rank():
+    word = wire.HDR_FIXED_WORDS + 4
+    mismatch = _record(wire.STATUS_REPLY_MISMATCH, count=word)
+    err = mismatch.error(layer_idx=0, expert_per_rank=4)
+    assert isinstance(err, ProtocolError) and (err.field, err.expected, err.observed) == ("num_rows", 7, 5)
+    assert "echoes num_rows=5, the pending dispatch has num_rows=7" in str(err)
+    # without the window's expert_per_rank the word reads as an expert count (pair mode's view)
+    assert mismatch.error(layer_idx=0).field == "expert_counts"
+    assert mismatch.error(layer_idx=0, expert_per_rank=5).field == "expert_counts"
+    bad = _record(wire.STATUS_BAD_HEADER, count=word).error(layer_idx=0, expert_per_rank=4)
+    assert isinstance(bad, WireError) and "num_rows is 5, expected 7" in str(bad)
+    assert _record(wire.STATUS_BAD_HEADER, count=wire.HDR_FLAGS).error(layer_idx=0).args[0].count("flags is 5")
+
+
+def test_channel_names_num_rows_with_its_expert_per_rank():
+    channel, device, _ = _channel()
+    channel.expert_per_rank = 3
+    device[:] = [wire.STATUS_REPLY_MISMATCH, 1, 2, 0, 9, 8, wire.HDR_FIXED_WORDS + 3, -1, 4]
+    with pytest.raises(ProtocolError, match="echoes num_rows=8, the pending dispatch has num_rows=9") as info:
+        channel.sync_and_raise()
+    assert info.value.field == "num_rows"

@@ -84,7 +84,8 @@ class CudaDataPath(CudaAttentionSide, CudaFFNSide):
         # NOTE: device memory, read by the host only after a synchronization (see StatusBlock);
         # the FFN doorbell and header staging below stay pinned: the host polls / writes them
         # without synchronizing.
-        self.status = StatusChannel.allocate(stream=self.stream, timeout_s=ctx.peer_timeout_s)
+        self.status = StatusChannel.allocate(stream=self.stream, timeout_s=ctx.peer_timeout_s,
+                                             expert_per_rank=layout.expert_per_rank)
         self.last_seen = cupy.zeros(layout.num_slots, cupy.int64)
         if ctx.role is Role.ATTENTION:
             self._init_attention()
@@ -133,7 +134,8 @@ class CudaDataPath(CudaAttentionSide, CudaFFNSide):
         ctx, layout = self.ctx, self.layout
         self._use_device()
         words = wire.encode_header(wire.shutdown_header(src_rank=ctx.role_rank, top_k=ctx.top_k,
-                                                        expert_per_rank=layout.expert_per_rank),
+                                                        expert_per_rank=layout.expert_per_rank,
+                                                        wire_mode=ctx.wire_mode),
                                    layout.expert_per_rank)
         stream = self.stream()
         with stream:

@@ -1,9 +1,15 @@
 """cuda backend, Attention side: plan -> scatter on send, wait_replies -> combine on receive.
 
 A mixin of :class:`afd_cupy.backends.cuda.CudaDataPath` (it uses the path's context, window,
-status channel, streams and geometry). Four packed launches per ring, built once; per call
-only the token count, pointers, layer and stage are rewritten. Sequence numbers and what each
-reply must echo live on the device (``seq_counters``, ``expected``, ``expected_counts``).
+status channel, streams and geometry). Four packed launches per ring (five in dedup mode),
+built once; per call only the token count, pointers, layer and stage are rewritten. Sequence
+numbers and what each reply must echo live on the device (``seq_counters``, ``expected``,
+``expected_counts``).
+
+Dedup wire mode (docs/design.md §3.5): plan -> rows (``afd_dedup_rows``) -> dedup scatter on
+send (``topk_weights`` read here: they travel in the route tables), wait_replies (``dedup=1``)
+-> dedup combine over the ring's ``row_map`` on receive. Every buffer is allocated per ring
+when the path opens, so both modes stay free of host syncs and allocations on the hot path.
 """
 from __future__ import annotations
 
@@ -54,6 +60,39 @@ class DispatchScratch:
                    plan_done=cupy.zeros(1, cupy.uint32), scatter_done=cupy.zeros(1, cupy.uint32))
 
 
+@dataclass(frozen=True)
+class DedupRowsScratch:
+    """Device buffers of one dedup dispatch in flight, sized for ``max_tokens`` (CuPy arrays).
+
+    Scratch int32 ``rows_hist`` [max(1, chunks) * 2F], ``rows_local`` [max(1, T*K)]; outputs of
+    ``afd_dedup_rows`` int32 ``row_map`` [max(1, T), F] (read again by the combine),
+    ``shared_rank`` [max(1, T)], ``num_rows``, ``shared_rows`` [F]; ``rows_done`` uint32 [1]
+    zeroed done counter.
+    """
+
+    rows_hist: object
+    rows_local: object
+    row_map: object
+    shared_rank: object
+    num_rows: object
+    shared_rows: object
+    rows_done: object
+
+    @classmethod
+    def allocate(cls, max_tokens: int, top_k: int, num_ffn_ranks: int) -> "DedupRowsScratch":
+        import cupy
+
+        max_partials = max_tokens * top_k
+        chunks = max(1, kernels.dispatch_num_chunks(max_partials))
+        return cls(rows_hist=cupy.zeros(chunks * 2 * num_ffn_ranks, cupy.int32),
+                   rows_local=cupy.zeros(max(1, max_partials), cupy.int32),
+                   row_map=cupy.full((max(1, max_tokens), num_ffn_ranks), -1, cupy.int32),
+                   shared_rank=cupy.full(max(1, max_tokens), -1, cupy.int32),
+                   num_rows=cupy.zeros(num_ffn_ranks, cupy.int32),
+                   shared_rows=cupy.zeros(num_ffn_ranks, cupy.int32),
+                   rows_done=cupy.zeros(1, cupy.uint32))
+
+
 @dataclass
 class CudaSendState:
     """One dispatch in flight: its ring's buffers and the tensors its kernels read."""
@@ -63,6 +102,10 @@ class CudaSendState:
     topk_ids: torch.Tensor  # int32 [T*K], kept alive for the combine
     hidden: torch.Tensor
     num_tokens: int
+    # dedup: the ring's row map (cupy int32 [token_cap, F], rows of the first num_tokens valid
+    # once the send's kernels ran), read by the combine; and the fp32 weights the scatter reads
+    row_map: object = None
+    topk_weights: torch.Tensor | None = None
 
 
 class CudaAttentionSide:
@@ -78,8 +121,14 @@ class CudaAttentionSide:
         self.scratch = [DispatchScratch.allocate(max_partials, num_ffn, layout.expert_per_rank)
                         for _ in range(layout.ring_depth)]
         self.expected = [cp.zeros(num_ffn, cp.int64) for _ in range(layout.ring_depth)]
-        # (routed, shared) rows sent to each FFN rank: what its reply must echo
-        self.expected_counts = [cp.zeros((num_ffn, 2), cp.int32) for _ in range(layout.ring_depth)]
+        # (routed, shared) rows sent to each FFN rank, + num_rows in dedup mode: what its reply
+        # must echo
+        self.is_dedup = layout.is_dedup
+        count_cols = 3 if self.is_dedup else 2
+        self.expected_counts = [cp.zeros((num_ffn, count_cols), cp.int32)
+                                for _ in range(layout.ring_depth)]
+        self.dedup_rows = [DedupRowsScratch.allocate(layout.token_cap, layout.top_k, num_ffn)
+                           for _ in range(layout.ring_depth)] if self.is_dedup else None
         self.reply_flags = [cp.zeros(num_ffn, cp.int64) for _ in range(layout.ring_depth)]
         self.combine_done = [cp.zeros(1, cp.uint32) for _ in range(layout.ring_depth)]
         self.launches = [self._attention_launches(ring) for ring in range(layout.ring_depth)]
@@ -110,6 +159,12 @@ class CudaAttentionSide:
             local_rank=scratch.local_rank, expert_counts=scratch.expert_counts,
             expert_start=scratch.expert_start, rank_offsets=scratch.rank_offsets,
             verdict=scratch.verdict, done_counter=scratch.plan_done, status=self.status.ptr)
+        replies = dict(window=self.own_window, geo=geo, num_ffn_ranks=num_ffn, ring=ring,
+                       expected=expected, expected_counts=self.expected_counts[ring], layer_idx=0,
+                       stage_idx=0, last_seen=self.last_seen, reply_flags=self.reply_flags[ring],
+                       timeout_ns=self.timeout_ns, status=self.status.ptr)
+        if self.is_dedup:
+            return {"plan": kernels.PackedLaunch(plan), **self._dedup_launches(ring, replies)}
         scatter = kernels.dispatch_scatter_spec(
             dtype_code=self.dtype_code, hidden=self.own_window, num_tokens=cap,
             hidden_size=layout.hidden_size, topk_ids=placeholder_ids, num_partials=cap * layout.top_k,
@@ -122,10 +177,6 @@ class CudaAttentionSide:
             layer_idx=0, stage_idx=0, hdr_flags=0, seq_counters=self.seq_counters[ring],
             expected=expected, expected_counts=self.expected_counts[ring],
             done_counter=scratch.scatter_done)
-        replies = dict(window=self.own_window, geo=geo, num_ffn_ranks=num_ffn, ring=ring,
-                       expected=expected, expected_counts=self.expected_counts[ring], layer_idx=0,
-                       stage_idx=0, last_seen=self.last_seen, reply_flags=self.reply_flags[ring],
-                       timeout_ns=self.timeout_ns, status=self.status.ptr)
         wait = kernels.wait_replies_spec(**replies)
         combine = kernels.combine_spec(
             dtype_code=self.dtype_code, out=self.own_window, num_tokens=cap,
@@ -135,6 +186,40 @@ class CudaAttentionSide:
             out_scale=1.0, done_counter=self.combine_done[ring], **replies)
         return {name: kernels.PackedLaunch(spec) for name, spec in
                 (("plan", plan), ("scatter", scatter), ("wait", wait), ("combine", combine))}
+
+    def _dedup_launches(self, ring: int, replies: dict) -> dict:
+        """The dedup-mode rows, scatter, wait and combine of one ring, checked and packed once
+        (placeholders as in :meth:`_attention_launches`)."""
+        ctx, layout = self.ctx, self.layout
+        scratch, rows = self.scratch[ring], self.dedup_rows[ring]
+        num_ffn, epr, cap, top_k = ctx.num_ffn_ranks, layout.expert_per_rank, layout.token_cap, layout.top_k
+        placeholder_ids = scratch.local_rank  # int32 [token_cap * top_k]; replaced per call
+        row_outputs = dict(row_map=rows.row_map, shared_rank=rows.shared_rank,
+                           num_rows=rows.num_rows, shared_rows=rows.shared_rows)
+        dedup_rows = kernels.dedup_rows_spec(
+            topk_ids=placeholder_ids, num_tokens=cap, top_k=top_k, expert_per_rank=epr,
+            num_ffn_ranks=num_ffn, has_shared=int(ctx.has_shared), verdict=scratch.verdict,
+            rows_hist=rows.rows_hist, rows_local=rows.rows_local, done_counter=rows.rows_done,
+            **row_outputs)
+        scatter = kernels.dedup_scatter_spec(
+            dtype_code=self.dtype_code, hidden=self.own_window, num_tokens=cap,
+            hidden_size=layout.hidden_size, topk_ids=placeholder_ids,
+            topk_weights=placeholder_ids.view(self.cp.float32), top_k=top_k, expert_per_rank=epr,
+            num_ffn_ranks=num_ffn, chunk_hist=scratch.chunk_hist, local_rank=scratch.local_rank,
+            expert_start=scratch.expert_start, rank_offsets=scratch.rank_offsets,
+            expert_counts=scratch.expert_counts, verdict=scratch.verdict,
+            peer_windows=self.peer_windows, geo=self.geometry, ring=ring,
+            always_send=int(ctx.always_send), src_rank=ctx.role_rank, layer_idx=0, stage_idx=0,
+            seq_counters=self.seq_counters[ring], expected=self.expected[ring],
+            expected_counts=self.expected_counts[ring], done_counter=scratch.scatter_done,
+            **row_outputs)
+        wait = kernels.wait_replies_spec(**replies, dedup=1)
+        combine = kernels.dedup_combine_spec(
+            dtype_code=self.dtype_code, out=self.own_window, num_tokens=cap,
+            hidden_size=layout.hidden_size, row_map=rows.row_map, out_scale=1.0,
+            done_counter=self.combine_done[ring], **replies)
+        return {name: kernels.PackedLaunch(spec) for name, spec in
+                (("rows", dedup_rows), ("scatter", scatter), ("wait", wait), ("combine", combine))}
 
     def _order_ring(self, ring: int, stream: int) -> None:
         """Order this use of ``ring`` on ``stream`` after its previous use on another stream.
@@ -179,6 +264,9 @@ class CudaAttentionSide:
         plan.set("num_partials", num_partials)
         plan.set("layer_idx", layer_idx)  # named by a latched capacity or bad-expert error
         plan.launch(stream, kernels.plan_grid(num_partials))
+        if self.is_dedup:
+            return self._dispatch_dedup(launches, stream, hidden, ids, topk_weights,
+                                        layer_idx=layer_idx, stage_idx=stage_idx, ring=ring)
         scatter = launches["scatter"]
         scatter.set("hidden", hidden.data_ptr())
         scatter.set("num_tokens", num_tokens)
@@ -188,6 +276,27 @@ class CudaAttentionSide:
         scatter.set("stage_idx", stage_idx)
         scatter.launch(stream, kernels.scatter_grid(num_tokens, layout.top_k, int(ctx.has_shared)))
         return CudaSendState(ring, self.expected[ring], ids, hidden, num_tokens)
+
+    def _dispatch_dedup(self, launches: dict, stream: int, hidden: torch.Tensor, ids: torch.Tensor,
+                        topk_weights: torch.Tensor, *, layer_idx: int, stage_idx: int,
+                        ring: int) -> CudaSendState:
+        """Dedup mode, after the plan: rows -> scatter (the weights travel: read here)."""
+        layout, num_tokens = self.layout, hidden.shape[0]
+        weights = topk_weights.detach().to(torch.float32).reshape(-1).contiguous()
+        rows = launches["rows"]
+        rows.set("topk_ids", ids.data_ptr())
+        rows.set("num_tokens", num_tokens)
+        rows.launch(stream, kernels.dedup_rows_grid(num_tokens, layout.top_k))
+        dedup_scatter = launches["scatter"]
+        dedup_scatter.set("hidden", hidden.data_ptr())
+        dedup_scatter.set("num_tokens", num_tokens)
+        dedup_scatter.set("topk_ids", ids.data_ptr())
+        dedup_scatter.set("topk_weights", weights.data_ptr())
+        dedup_scatter.set("layer_idx", layer_idx)
+        dedup_scatter.set("stage_idx", stage_idx)
+        dedup_scatter.launch(stream, kernels.dedup_scatter_grid(num_tokens, self.ctx.num_ffn_ranks))
+        return CudaSendState(ring, self.expected[ring], ids, hidden, num_tokens,
+                             row_map=self.dedup_rows[ring].row_map, topk_weights=weights)
 
     def sent_to(self, state: CudaSendState) -> list[int]:
         return [int(j) for j in np.flatnonzero(state.expected.get())]
@@ -200,7 +309,8 @@ class CudaAttentionSide:
         if blocking:
             self._no_capture("recv_ffn_output(blocking=True)")
         num_tokens = state.num_tokens
-        weights = topk_weights.detach().to(torch.float32).reshape(-1).contiguous()
+        weights = None if self.is_dedup else \
+            topk_weights.detach().to(torch.float32).reshape(-1).contiguous()
         out = torch.empty(num_tokens, layout.hidden_size, dtype=ctx.torch_dtype, device=self.device)
         launches, stream = self.launches[ring], self.stream_ptr()
         self._order_ring(ring, stream)
@@ -213,15 +323,28 @@ class CudaAttentionSide:
             self._host_wait_replies(state, ring, layer_idx, stage_idx)
         else:
             wait.launch(stream)
-        combine.set("out", out.data_ptr())
-        combine.set("num_tokens", num_tokens)
-        combine.set("topk_ids", state.topk_ids.data_ptr())
-        combine.set("topk_weights", weights.data_ptr())
-        combine.set("out_scale", out_scale)
-        combine.launch(stream, kernels.combine_grid(num_tokens))
+        if self.is_dedup:
+            self._launch_dedup_combine(combine, stream, state, out, out_scale)
+        else:
+            combine.set("out", out.data_ptr())
+            combine.set("num_tokens", num_tokens)
+            combine.set("topk_ids", state.topk_ids.data_ptr())
+            combine.set("topk_weights", weights.data_ptr())
+            combine.set("out_scale", out_scale)
+            combine.launch(stream, kernels.combine_grid(num_tokens))
         if blocking:
             self.status.sync_and_raise(layer_idx=layer_idx)
         return out
+
+    @staticmethod
+    def _launch_dedup_combine(dedup_combine, stream: int, state: CudaSendState, out: torch.Tensor,
+                              out_scale: float) -> None:
+        """Dedup mode: the combine reads neither ids nor weights, only the send's row map."""
+        dedup_combine.set("out", out.data_ptr())
+        dedup_combine.set("num_tokens", state.num_tokens)
+        dedup_combine.set("row_map", state.row_map.data.ptr)
+        dedup_combine.set("out_scale", out_scale)
+        dedup_combine.launch(stream, kernels.combine_grid(state.num_tokens))
 
     def _host_wait_replies(self, state: CudaSendState, ring: int, layer_idx: int, stage_idx: int) -> None:
         """poll_mode="host": wait for the replies with host copies of the flags (no spinning

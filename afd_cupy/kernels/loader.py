@@ -31,6 +31,8 @@ FILE_KERNELS = {
     "wait_any.cu": (("afd_wait_any", False),),
     "reply.cu": (("afd_reply", True),),
     "dedup_ffn.cu": (("afd_dedup_expand", True), ("afd_dedup_reply", True)),
+    "dedup_attn.cu": (("afd_dedup_rows", False), ("afd_dedup_scatter", True),
+                      ("afd_dedup_combine", True)),
 }
 
 #: probes for tests and tools only (same format as FILE_KERNELS)

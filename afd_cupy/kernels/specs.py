@@ -155,13 +155,19 @@ def scatter_grid(num_tokens: int, top_k: int, has_shared: int, max_blocks: int =
 
 
 def _reply_wait_args(*, window, geo, num_ffn_ranks, ring, expected, expected_counts, layer_idx,
-                     stage_idx, last_seen, reply_flags) -> dict:
-    """Checked arguments shared by afd_wait_replies and afd_combine, in their C order."""
+                     stage_idx, last_seen, reply_flags, dedup: bool = False) -> dict:
+    """Checked arguments shared by afd_wait_replies, afd_combine and afd_dedup_combine, in their
+    C order. ``dedup``: ``expected_counts`` has 3 columns (routed, shared, rows), else 2."""
     num_ffn = _count("num_ffn_ranks", num_ffn_ranks, low=1, high=int(geo["num_regions"]))
+    if dedup and int(geo["header_words"]) < wire.HDR_FIXED_WORDS + 2:
+        raise ValueError(f"geo.header_words = {int(geo['header_words'])} cannot hold a dedup "
+                         "header (HDR_FIXED_WORDS + expert_per_rank + num_rows)")
+    count_cols = 3 if dedup else 2
     return {"window": _address("window", window), "geo": geo,
             "num_ffn_ranks": num_ffn, "ring": _count("ring", ring, high=int(geo["ring_depth"]) - 1),
             "expected": _array("expected", expected, np.int64, int(num_ffn)),
-            "expected_counts": _array("expected_counts", expected_counts, np.int32, 2 * int(num_ffn)),
+            "expected_counts": _array("expected_counts", expected_counts, np.int32,
+                                      count_cols * int(num_ffn)),
             "layer_idx": np.int32(layer_idx), "stage_idx": np.int32(stage_idx),
             "last_seen": _array("last_seen", last_seen, np.int64,
                                 int(geo["num_regions"]) * int(geo["ring_depth"])),
@@ -169,7 +175,8 @@ def _reply_wait_args(*, window, geo, num_ffn_ranks, ring, expected, expected_cou
 
 
 def wait_replies_spec(*, window, geo, num_ffn_ranks, ring, expected, expected_counts, layer_idx,
-                      stage_idx, last_seen, reply_flags, timeout_ns, status) -> LaunchSpec:
+                      stage_idx, last_seen, reply_flags, timeout_ns, status,
+                      dedup=0) -> LaunchSpec:
     """One-warp spin until every rank with ``expected[j] != 0`` replied (afd_wait_replies).
 
     Launch right before the combine on the same stream with the same arguments: only this
@@ -180,13 +187,20 @@ def wait_replies_spec(*, window, geo, num_ffn_ranks, ring, expected, expected_co
     ``last_seen`` int64 [num_slots] is read only (the combine updates it); a reply answering
     an earlier dispatch (``wire.is_late_reply``) is skipped and the wait goes on. The flag of
     each accepted reply is written to ``reply_flags`` int64 [num_ffn_ranks].
+
+    ``dedup`` = 1: the replies of a dedup dispatch (docs/design.md §3.5): ``FLAG_DEDUP`` required
+    (and forbidden with 0), ``geo.header_words`` = HDR_FIXED_WORDS + epr + 1 with ``num_rows``
+    last, ``expected_counts`` int32 [F, 3] (routed, shared, rows: :func:`dedup_scatter_spec`'s);
+    a ``num_rows`` fault reports ST_COUNT = HDR_FIXED_WORDS + epr.
     """
     geo = _geometry("geo", geo)
+    dedup = _count("dedup", dedup, high=1)
     args = _reply_wait_args(window=window, geo=geo, num_ffn_ranks=num_ffn_ranks, ring=ring,
                             expected=expected, expected_counts=expected_counts,
                             layer_idx=layer_idx, stage_idx=stage_idx, last_seen=last_seen,
-                            reply_flags=reply_flags)
-    args.update(timeout_ns=_i64("timeout_ns", timeout_ns, low=0), status=_address("status", status))
+                            reply_flags=reply_flags, dedup=bool(dedup))
+    args.update(timeout_ns=_i64("timeout_ns", timeout_ns, low=0), status=_address("status", status),
+                dedup=dedup)
     return _spec(get_kernel("combine.cu", "afd_wait_replies"), 1,
                  KERNEL_LIMITS["WAIT_REPLIES_THREADS"], args)
 
@@ -372,3 +386,139 @@ def dedup_reply_spec(*, dtype_code, dst_window, geo, src_rank, ring, route_copy,
 def dedup_reply_grid(num_rows: int, max_blocks: int = MAX_BLOCKS) -> int:
     """Blocks of afd_dedup_reply: one warp per reply row, at least 1."""
     return _row_grid(num_rows, max_blocks)
+
+
+# --- dedup wire mode, Attention side (raw_kernels/dedup_attn.cu, docs/design.md §3.5) -----------
+def dedup_rows_spec(*, topk_ids, num_tokens, top_k, expert_per_rank, num_ffn_ranks, has_shared,
+                    verdict, rows_hist, rows_local, row_map, shared_rank, num_rows, shared_rows,
+                    done_counter) -> LaunchSpec:
+    """Rows of each FFN rank's dedup message (afd_dedup_rows), after :func:`dispatch_plan_spec`.
+
+    ``topk_ids`` int32 [T*K] (the plan's); ``verdict`` int32 [1] (the plan's: with anything but
+    STATUS_OK the ids are not read); scratch int32 ``rows_hist`` [chunks * 2F] and
+    ``rows_local`` [T*K]. Outputs int32: ``row_map`` [T, F] (row of token t in rank j's
+    message, -1 when t does not go to j), ``shared_rank`` [T] (rank running t's shared
+    experts, -1 without), ``num_rows`` [F], ``shared_rows`` [F]. Same values as
+    ``dedup_reference.plan_reference``. Safe in CUDA graph capture. Grid: :func:`dedup_rows_grid`.
+    """
+    num_tokens = _count("num_tokens", num_tokens)
+    top_k = _count("top_k", top_k, low=1, high=MAX_TOP_K)
+    num_ffn = _count("num_ffn_ranks", num_ffn_ranks, low=1, high=MAX_FFN_RANKS)
+    num_partials = int(num_tokens) * int(top_k)
+    args = {"topk_ids": _array("topk_ids", topk_ids, np.int32, num_partials),
+            "num_tokens": num_tokens, "top_k": top_k,
+            "expert_per_rank": _count("expert_per_rank", expert_per_rank, low=1),
+            "num_ffn_ranks": num_ffn, "has_shared": _count("has_shared", has_shared, high=1),
+            "verdict": _array("verdict", verdict, np.int32, 1),
+            "rows_hist": _array("rows_hist", rows_hist, np.int32,
+                                dispatch_num_chunks(num_partials) * 2 * int(num_ffn)),
+            "rows_local": _array("rows_local", rows_local, np.int32, num_partials),
+            "row_map": _array("row_map", row_map, np.int32, int(num_tokens) * int(num_ffn)),
+            "shared_rank": _array("shared_rank", shared_rank, np.int32, int(num_tokens)),
+            "num_rows": _array("num_rows", num_rows, np.int32, int(num_ffn)),
+            "shared_rows": _array("shared_rows", shared_rows, np.int32, int(num_ffn)),
+            "done_counter": _array("done_counter", done_counter, np.uint32, 1)}
+    return _spec(get_kernel("dedup_attn.cu", "afd_dedup_rows"),
+                 dedup_rows_grid(int(num_tokens), int(top_k)), KERNEL_LIMITS["PLAN_THREADS"], args)
+
+
+def dedup_rows_grid(num_tokens: int, top_k: int) -> int:
+    """Blocks of afd_dedup_rows: one per CHUNK partials, at least 1 (as the plan)."""
+    return plan_grid(num_tokens * top_k)
+
+
+def dedup_scatter_spec(*, dtype_code, hidden, num_tokens, hidden_size, topk_ids, topk_weights,
+                       top_k, expert_per_rank, num_ffn_ranks, chunk_hist, local_rank,
+                       expert_start, rank_offsets, expert_counts, verdict, row_map, shared_rank,
+                       num_rows, shared_rows, peer_windows, geo, ring, src_rank, layer_idx,
+                       stage_idx, seq_counters, expected, expected_counts, done_counter,
+                       hdr_flags=0, always_send=0, max_blocks=MAX_BLOCKS) -> LaunchSpec:
+    """Write every FFN rank's dedup message, flags last (afd_dedup_scatter<DT>).
+
+    ``hidden``: payload [T, H] row-major; ``topk_weights`` float32 [T*K] (read here: they
+    travel in the route tables); plan arrays and ``verdict`` from :func:`dispatch_plan_spec`,
+    ``row_map`` .. ``shared_rows`` from :func:`dedup_rows_spec`; ``geo`` of a dedup layout
+    (``header_words`` = HDR_FIXED_WORDS + epr + 1). Into slot (``src_rank``, ``ring``) of each
+    rank j with rows: route-table rows [R_j, 2 + 2K] and payload rows [R_j, H]
+    (``dedup_reference.scatter_reference``), the header (``wire.dispatch_header(...,
+    wire_mode="dedup")``; flags = ``hdr_flags | FLAG_DEDUP``), the flag. Outputs ``expected``
+    int64 [F] (seq sent, 0 = not sent) and ``expected_counts`` int32 [F, 3] = (routed, shared,
+    rows) per rank, what :func:`wait_replies_spec` (``dedup=1``) checks. If the verdict is
+    not STATUS_OK nothing is written to any peer and ``expected`` is all 0.
+    Grid: :func:`dedup_scatter_grid`.
+    """
+    num_tokens = _count("num_tokens", num_tokens)
+    top_k = _count("top_k", top_k, low=1, high=MAX_TOP_K)
+    num_ffn = _count("num_ffn_ranks", num_ffn_ranks, low=1, high=MAX_FFN_RANKS)
+    epr = _count("expert_per_rank", expert_per_rank, low=1)
+    num_experts = int(num_ffn) * int(epr)
+    num_partials = int(num_tokens) * int(top_k)
+    geo = _geometry("geo", geo, header_words=wire.HDR_FIXED_WORDS + int(epr) + 1)
+    args = {"hidden": _address("hidden", hidden, allow_null=num_tokens == 0),
+            "num_tokens": num_tokens, "hidden_size": _count("hidden_size", hidden_size, low=1),
+            "topk_ids": _array("topk_ids", topk_ids, np.int32, num_partials),
+            "topk_weights": _array("topk_weights", topk_weights, np.float32, num_partials),
+            "top_k": top_k, "expert_per_rank": epr, "num_ffn_ranks": num_ffn,
+            "chunk_hist": _array("chunk_hist", chunk_hist, np.int32,
+                                 dispatch_num_chunks(num_partials) * num_experts),
+            "local_rank": _array("local_rank", local_rank, np.int32, num_partials),
+            "expert_start": _array("expert_start", expert_start, np.int32, num_experts),
+            "rank_offsets": _array("rank_offsets", rank_offsets, np.int32, int(num_ffn) + 1),
+            "expert_counts": _array("expert_counts", expert_counts, np.int32, num_experts),
+            "verdict": _array("verdict", verdict, np.int32, 1),
+            "row_map": _array("row_map", row_map, np.int32, int(num_tokens) * int(num_ffn)),
+            "shared_rank": _array("shared_rank", shared_rank, np.int32, int(num_tokens)),
+            "num_rows": _array("num_rows", num_rows, np.int32, int(num_ffn)),
+            "shared_rows": _array("shared_rows", shared_rows, np.int32, int(num_ffn)),
+            "peer_windows": _array("peer_windows", peer_windows, np.uint64, int(num_ffn)),
+            "geo": geo, "ring": _count("ring", ring, high=int(geo["ring_depth"]) - 1),
+            "always_send": _count("always_send", always_send, high=1),
+            "src_rank": _count("src_rank", src_rank, high=int(geo["num_regions"]) - 1),
+            "layer_idx": np.int32(layer_idx), "stage_idx": np.int32(stage_idx),
+            "hdr_flags": np.int32(hdr_flags),
+            "seq_counters": _array("seq_counters", seq_counters, np.int64, int(num_ffn)),
+            "expected": _array("expected", expected, np.int64, int(num_ffn)),
+            "expected_counts": _array("expected_counts", expected_counts, np.int32, 3 * int(num_ffn)),
+            "done_counter": _array("done_counter", done_counter, np.uint32, 1)}
+    kernel = get_kernel("dedup_attn.cu", "afd_dedup_scatter", dtype_code=_dtype(dtype_code))
+    return _spec(kernel, dedup_scatter_grid(int(num_tokens), int(num_ffn), max_blocks),
+                 KERNEL_LIMITS["SCATTER_THREADS"], args)
+
+
+def dedup_scatter_grid(num_tokens: int, num_ffn_ranks: int, max_blocks: int = MAX_BLOCKS) -> int:
+    """Blocks of afd_dedup_scatter: one warp per (token, FFN rank) cell, at least 1."""
+    return _row_grid(num_tokens * num_ffn_ranks, max_blocks)
+
+
+def dedup_combine_spec(*, dtype_code, out, num_tokens, hidden_size, row_map, window, geo,
+                       num_ffn_ranks, ring, expected, expected_counts, layer_idx, stage_idx,
+                       last_seen, reply_flags, timeout_ns, out_scale, done_counter, status,
+                       max_blocks=MAX_BLOCKS) -> LaunchSpec:
+    """Wait for and check the dedup replies (as :func:`wait_replies_spec` with ``dedup=1``), then
+    combine (afd_dedup_combine<DT>).
+
+    ``out``: payload [T, H]; ``row_map`` int32 [T, F] (:func:`dedup_rows_spec`'s, of the same
+    dispatch); ``window``: this rank's own window (rank j's reply rows in region j's
+    ``routed_x``); ``expected_counts`` int32 [F, 3]. ``out[t] = out_scale * sum over j
+    ascending with row_map[t, j] >= 0 of reply_j[row_map[t, j]]`` in fp32, rounded once
+    (``dedup_reference.combine_reference``); ``last_seen`` is set from ``reply_flags`` on
+    success. Bounded by ``timeout_ns``; on an error the output rows are NaN.
+    Grid: :func:`combine_grid`.
+    """
+    num_tokens = _count("num_tokens", num_tokens)
+    geo = _geometry("geo", geo)
+    wait = _reply_wait_args(window=window, geo=geo, num_ffn_ranks=num_ffn_ranks, ring=ring,
+                            expected=expected, expected_counts=expected_counts,
+                            layer_idx=layer_idx, stage_idx=stage_idx, last_seen=last_seen,
+                            reply_flags=reply_flags, dedup=True)
+    if int(wait["num_ffn_ranks"]) > MAX_FFN_RANKS:
+        raise ValueError(f"num_ffn_ranks must be <= {MAX_FFN_RANKS}, got {int(wait['num_ffn_ranks'])}")
+    args = {"out": _address("out", out, allow_null=num_tokens == 0),
+            "num_tokens": num_tokens, "hidden_size": _count("hidden_size", hidden_size, low=1),
+            "row_map": _array("row_map", row_map, np.int32,
+                              int(num_tokens) * int(wait["num_ffn_ranks"])), **wait}
+    args.update(timeout_ns=_i64("timeout_ns", timeout_ns, low=0), out_scale=np.float32(out_scale),
+                done_counter=_array("done_counter", done_counter, np.uint32, 1),
+                status=_address("status", status))
+    kernel = get_kernel("dedup_attn.cu", "afd_dedup_combine", dtype_code=_dtype(dtype_code))
+    return _spec(kernel, combine_grid(int(num_tokens), max_blocks), KERNEL_LIMITS["COMBINE_THREADS"], args)

@@ -95,17 +95,22 @@ class StatusChannel:
 
     ``stream``: a callable returning the stream to order the copies on (an object with ``ptr``
     and ``synchronize()``, e.g. the cupy view of torch's current stream); ``timeout_s``: the
-    peer timeout the kernels were given, named in timeout errors.
+    peer timeout the kernels were given, named in timeout errors; ``expert_per_rank``: the
+    window's, so that a fault in the dedup header's ``num_rows`` word is named as such.
     """
 
-    def __init__(self, block: StatusBlock, *, stream, timeout_s: float):
+    def __init__(self, block: StatusBlock, *, stream, timeout_s: float,
+                 expert_per_rank: int | None = None):
         self.block = block
         self._stream = stream
         self.timeout_s = timeout_s
+        self.expert_per_rank = expert_per_rank
 
     @classmethod
-    def allocate(cls, *, stream, timeout_s: float) -> "StatusChannel":
-        return cls(StatusBlock.allocate(), stream=stream, timeout_s=timeout_s)
+    def allocate(cls, *, stream, timeout_s: float,
+                 expert_per_rank: int | None = None) -> "StatusChannel":
+        return cls(StatusBlock.allocate(), stream=stream, timeout_s=timeout_s,
+                   expert_per_rank=expert_per_rank)
 
     @property
     def ptr(self) -> int:
@@ -134,4 +139,5 @@ class StatusChannel:
         stream = self._stream()
         self.block.clear(stream.ptr)
         stream.synchronize()
-        raise record.error(layer_idx=layer_idx, timeout_s=self.timeout_s)
+        raise record.error(layer_idx=layer_idx, timeout_s=self.timeout_s,
+                           expert_per_rank=self.expert_per_rank)
