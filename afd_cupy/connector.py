@@ -30,6 +30,7 @@ from afd_cupy.dtypes import torch_dtype
 from afd_cupy.errors import (ConfigError, ConnectorShutdown, PeerLostError, PeerTimeoutError,
                              ProtocolError, RingExhaustedError, token_cap_error)
 from afd_cupy.handles import DispatchHandle, FFNWorkItem  # noqa: F401 - part of this module's API
+from afd_cupy.heap.nvshmem_env import check_nvshmem_env
 from afd_cupy.topology import Role, Topology
 from afd_cupy.wire import WindowLayout
 
@@ -65,8 +66,9 @@ class AFDConnector:
         peer_timeout_s: bound of every wait for a peer's reply (finite, > 0).
         startup_timeout_s: bound of the collective start-up (NVSHMEM bootstrap, heap barriers).
         nvshmem_env: cuda backend: NVSHMEM's environment as one dict
-            (``afd_cupy.heap.nvshmem.nvshmem_env(remote_transport=..., symmetric_size=...)``),
-            set right before NVSHMEM initializes; default: afd_cupy's defaults only.
+            (``afd_cupy.heap.nvshmem_env.nvshmem_env(remote_transport=..., symmetric_size=...)``;
+            checked here, before any collective step), set right before NVSHMEM initializes;
+            default: afd_cupy's defaults only. The host backend ignores it.
         always_send: Attention side: send a (header-only) message to every FFN rank even when
             it gets no rows. Needed by the lockstep FFN schedule, which waits for every
             replica's layer; off by default (empty messages never create a wait).
@@ -99,6 +101,8 @@ class AFDConnector:
         require_backend(backend, self.config.wire_mode)  # before any collective step: fail fast
         if poll_mode not in POLL_MODES:
             raise ConfigError(f"poll_mode must be one of {POLL_MODES}, got {poll_mode!r}")
+        if nvshmem_env is not None:  # checked here, so a bad dict fails before any collective step
+            nvshmem_env = check_nvshmem_env(nvshmem_env)
         self.layout = WindowLayout.from_configs(model, topology, self.config)
         self.torch_dtype = torch_dtype(model.dtype)
         self.out_scale = moe.combine_scale(self.torch_dtype, model.routed_scaling_factor)

@@ -157,38 +157,3 @@ def test_nvshmem_every_pe_writes_every_peer(nprocs):
         assert was_zero, f"rank {rank}: fresh buffers not zero"
         assert bad == [], f"rank {rank} saw wrong regions (buffer, source): {bad}"
         assert not still_alive, f"rank {rank}: heap still marked alive after close()"
-
-
-# --- NVSHMEM's environment: one explicit dict, applied in one place (CPU) ----------------------
-def test_nvshmem_env_builds_one_validated_dict():
-    from afd_cupy.errors import ConfigError
-    from afd_cupy.heap.nvshmem import NVSHMEM_DEFAULTS, nvshmem_env
-
-    assert nvshmem_env() == NVSHMEM_DEFAULTS == {"NVSHMEM_DISABLE_NCCL": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-    env = nvshmem_env(remote_transport="ibrc", symmetric_size=3 << 30,
-                      extra={"NVSHMEM_HCA_LIST": "mlx5_0:1"})
-    assert env == {**NVSHMEM_DEFAULTS, "NVSHMEM_REMOTE_TRANSPORT": "ibrc",
-                   "NVSHMEM_SYMMETRIC_SIZE": str(3 << 30), "NVSHMEM_HCA_LIST": "mlx5_0:1"}
-    with pytest.raises(ConfigError, match=r"remote_transport must be one of .* got 'rdma'"):
-        nvshmem_env(remote_transport="rdma")
-    for bad in (0, -5, 1.5, True):
-        with pytest.raises(ConfigError, match=rf"symmetric_size must be a positive int \(bytes\), got {bad!r}"):
-            nvshmem_env(symmetric_size=bad)
-    with pytest.raises(ConfigError, match="extra may only set NVSHMEM_\\* variables, got 'CUDA_VISIBLE_DEVICES'"):
-        nvshmem_env(extra={"CUDA_VISIBLE_DEVICES": "0"})
-
-
-def test_apply_nvshmem_env_sets_defaults_lets_the_user_win_and_refuses_conflicts():
-    from afd_cupy.errors import ConfigError
-    from afd_cupy.heap.nvshmem import apply_nvshmem_env, nvshmem_env
-
-    environ = {"NVSHMEM_DISABLE_NCCL": "0"}  # the user's choice beats afd_cupy's default
-    apply_nvshmem_env(nvshmem_env(symmetric_size=1 << 30), environ)
-    assert environ == {"NVSHMEM_DISABLE_NCCL": "0", "NVSHMEM_DISABLE_NVLS": "1",
-                       "NVSHMEM_SYMMETRIC_SIZE": str(1 << 30)}
-    apply_nvshmem_env(nvshmem_env(symmetric_size=1 << 30), environ)  # the same again: no change
-    assert environ["NVSHMEM_SYMMETRIC_SIZE"] == str(1 << 30)
-    with pytest.raises(ConfigError, match=r"NVSHMEM_SYMMETRIC_SIZE='2147483648' was requested, but the "
-                                          r"environment already has NVSHMEM_SYMMETRIC_SIZE='1073741824'"):
-        apply_nvshmem_env(nvshmem_env(symmetric_size=2 << 30), environ)
-    assert environ["NVSHMEM_SYMMETRIC_SIZE"] == str(1 << 30)
