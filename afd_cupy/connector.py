@@ -98,7 +98,7 @@ class AFDConnector:
         self.peer_timeout_s = _check_timeout("peer_timeout_s", peer_timeout_s)
         self.startup_timeout_s = _check_timeout("startup_timeout_s", startup_timeout_s)
         self.world_rank = self.topology.world_rank(self.role, role_rank)
-        require_backend(backend, self.config.wire_mode)  # before any collective step: fail fast
+        require_backend(backend, self.config.wire_mode, self.config.transport)  # before any collective step
         if poll_mode not in POLL_MODES:
             raise ConfigError(f"poll_mode must be one of {POLL_MODES}, got {poll_mode!r}")
         if nvshmem_env is not None:  # checked here, so a bad dict fails before any collective step
@@ -126,7 +126,7 @@ class AFDConnector:
                           top_k=model.top_k, num_experts=model.num_experts,
                           has_shared=model.num_shared_experts > 0,
                           peer_timeout_s=self.peer_timeout_s, always_send=bool(always_send),
-                          poll_mode=poll_mode)
+                          poll_mode=poll_mode, transport=self.config.transport)
         try:
             self.path = open_path(backend, ctx, store=store, job_id=job_id, device_id=device_id,
                                   startup_timeout_s=self.startup_timeout_s, instance=self.instance,

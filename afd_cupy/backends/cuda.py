@@ -35,6 +35,8 @@ except ImportError:  # CPU-only torch builds
 #: own kernels (docs/design.md §3.5, "Device steps"); until they exist, asking for it is a
 #: ConfigError from ``require_backend`` before any collective step.
 WIRE_MODES = ("pair",)
+#: transports (``ConnectorConfig.transport``, docs/design.md §6.1)
+TRANSPORTS = ("direct", "put", "auto")
 
 
 def open_path(ctx: PathContext, *, store, job_id: str, device_id, startup_timeout_s: float,
