@@ -112,6 +112,48 @@ def test_every_table_symbol_resolves():
     assert (major, minor) >= (3, 0), f"unexpected NVSHMEM version {major}.{minor}"
 
 
+def _installed_headers():
+    """``include/`` of the NVSHMEM install the binding would load (the wheel ships it next to
+    ``lib/``); skip when there is none."""
+    import os
+
+    path = nvshmem_lib.find_library()
+    include = None if path is None else os.path.join(os.path.dirname(os.path.dirname(path)), "include")
+    if include is None or not os.path.isdir(include):
+        pytest.skip("no NVSHMEM headers next to the library (nvidia-nvshmem wheel or AFD_NVSHMEM_LIB)")
+    return include
+
+
+_C_TYPES = {"void *": ctypes.c_void_p, "const void *": ctypes.c_void_p, "uint64_t *": ctypes.c_void_p,
+            "cudaStream_t": ctypes.c_void_p, "size_t": ctypes.c_size_t, "int": ctypes.c_int,
+            "uint64_t": ctypes.c_uint64}
+_PUT_SYMBOLS = ("nvshmemx_putmem_on_stream", "nvshmemx_putmem_signal_on_stream",
+                "nvshmemx_quiet_on_stream", "nvshmemx_signal_op_on_stream")
+
+
+def test_put_transport_prototypes_match_the_headers():
+    """The put transport's ctypes entries against ``host/nvshmemx_api.h`` of the installed
+    NVSHMEM (argument C types in order, void return), and the signal-op constants against
+    ``device_host_transport/nvshmem_common_transport.h``."""
+    import os
+    import re
+
+    include = _installed_headers()
+    with open(os.path.join(include, "host", "nvshmemx_api.h")) as f:
+        api = f.read()
+    for symbol in _PUT_SYMBOLS:
+        match = re.search(rf"\bvoid\s+{symbol}\s*\(([^)]*)\)", api)
+        assert match, f"{symbol} not declared in host/nvshmemx_api.h"
+        params = [" ".join(p.split()) for p in match.group(1).split(",")]
+        expected = [_C_TYPES[re.sub(r"\s*\*", " *", re.sub(r"\s*\w+$", "", p))] for p in params]
+        restype, argtypes = nvshmem_lib.PROTOTYPES[symbol]
+        assert restype is None and argtypes == expected, (symbol, params, argtypes)
+    with open(os.path.join(include, "device_host_transport", "nvshmem_common_transport.h")) as f:
+        common = f.read()
+    assert re.search(rf"NVSHMEM_SIGNAL_SET\s*=\s*{nvshmem_lib.NVSHMEM_SIGNAL_SET}\b", common)
+    assert re.search(rf"NVSHMEM_SIGNAL_ADD\s*=\s*{nvshmem_lib.NVSHMEM_SIGNAL_ADD}\b", common)
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: several PEs (processes) on one or more GPUs
 # ---------------------------------------------------------------------------------------------
