@@ -168,6 +168,9 @@ class CudaFFNSide:
         # it only for work queued later on this same stream, after the kernel has read it.
         stream = self.stream_ptr()
         launch.launch(stream, kernels.reply_grid(num_routed + num_shared))
+        if self.peer_is_put[arrival.region]:  # staging -> the sender's window, flag = seq (§6.1)
+            self.put.after_reply(stream, arrival.region, arrival.ring, routed_rows=num_routed,
+                                 shared_rows=num_shared, seq=seq)
         event = self.staging_events[slot][row % STAGING_DEPTH]
         if event is None:
             event = self.staging_events[slot][row % STAGING_DEPTH] = self.cp.cuda.Event(disable_timing=True)
@@ -192,7 +195,8 @@ class CudaFFNSide:
         slot = layout.slot_index(attn_rank, ring)
         return kernels.PackedLaunch(kernels.reply_spec(
             dtype_code=self.dtype_code,
-            dst_window=self.window.peer_ptr(ctx.peer_pe(Role.ATTENTION, attn_rank)),
+            dst_window=0 if self.peer_is_put[attn_rank] else self.window.peer_ptr(ctx.peer_pe(Role.ATTENTION, attn_rank)),
+            staging=self.put.staging_base if self.put else 0, dst_peer=attn_rank,
             geo=self.geometry, src_rank=ctx.role_rank, ring=ring, routed_out=0, num_routed=0,
             shared_out=0, num_shared=0, hidden_size=layout.hidden_size,
             header_src=self.staging.ptr, seq=0, done_counter=self.reply_done[slot]))

@@ -59,16 +59,19 @@ class NvshmemBuffer(SymmetricBuffer):
         return self._views[self._rank]
 
     def peer(self, pe: int):
-        """PE ``pe``'s copy through its ``nvshmem_ptr`` mapping: ``[nbytes] uint8``, cuda."""
+        """PE ``pe``'s copy through its ``nvshmem_ptr`` mapping: ``[nbytes] uint8``, cuda;
+        None for a PE that is not mapped (``alloc(allow_unmapped=True)``)."""
         return self._views[pe]
 
     def ptr(self, pe: int) -> int:
-        """Device address of PE ``pe``'s copy in this process (``nvshmem_ptr``)."""
+        """Device address of PE ``pe``'s copy in this process (``nvshmem_ptr``); 0 when not
+        mapped. The symmetric address NVSHMEM's puts take is ``base_ptr`` (this PE's copy)."""
         return self._peer_ptrs[pe]
 
 
 class NvshmemHeap(SymmetricHeap):
-    """NVSHMEM symmetric heap over the AFD world (PE == world rank), single node only.
+    """NVSHMEM symmetric heap over the AFD world (PE == world rank). Peers must be load/store
+    reachable unless a buffer is allocated with ``allow_unmapped`` (the put transport).
 
     Constructor (collective): writes ``env`` (a :func:`nvshmem_env` dict; None: the defaults)
     into ``os.environ`` with :func:`apply_nvshmem_env` (process-wide; a conflicting explicit
@@ -162,12 +165,14 @@ class NvshmemHeap(SymmetricHeap):
 
     # -- allocation ------------------------------------------------------------------------
 
-    def alloc(self, nbytes: int, name: str) -> NvshmemBuffer:
+    def alloc(self, nbytes: int, name: str, *, allow_unmapped: bool = False) -> NvshmemBuffer:
         """Collective: ``nvshmem_malloc(nbytes)``, zeroed, every PE mapped, then a barrier.
 
         Every rank must call with the same ``nbytes`` and ``name``, in the same order.
         Raises NvshmemError when the symmetric heap is exhausted, HeapError when a PE is not
-        reachable by load/store (``nvshmem_ptr`` NULL).
+        reachable by load/store (``nvshmem_ptr`` NULL), unless ``allow_unmapped`` (the put
+        transport, docs/design.md §6.1): then such a PE's ``ptr`` is 0 and its ``peer`` view
+        None, and only NVSHMEM puts reach it.
         """
         self._check_open()
         if nbytes <= 0:
@@ -181,9 +186,10 @@ class NvshmemHeap(SymmetricHeap):
                 f"nvshmem_malloc({nbytes}) for {name!r} returned NULL: symmetric heap exhausted; "
                 f"raise NVSHMEM_SYMMETRIC_SIZE (bytes per PE; with CUDA VMM the heap grows up "
                 f"to NVSHMEM_MAX_MEMORY_PER_GPU)", call="nvshmem_malloc")
-        peer_ptrs = [self._lib.nvshmem_ptr(base_ptr, pe) for pe in range(self.world_size)]
-        self._agree_reachable(name, [pe for pe, ptr in enumerate(peer_ptrs) if not ptr], base_ptr)
-        views = [self._wrap(ptr, nbytes) for ptr in peer_ptrs]
+        peer_ptrs = [self._lib.nvshmem_ptr(base_ptr, pe) or 0 for pe in range(self.world_size)]
+        if not allow_unmapped:
+            self._agree_reachable(name, [pe for pe, ptr in enumerate(peer_ptrs) if not ptr], base_ptr)
+        views = [self._wrap(ptr, nbytes) if ptr else None for ptr in peer_ptrs]
         self._zero(views[self.rank])
         buffer = NvshmemBuffer(name, nbytes, self.rank, base_ptr, peer_ptrs, views)
         self._buffers[name] = buffer
@@ -226,6 +232,12 @@ class NvshmemHeap(SymmetricHeap):
         raise HeapError(
             f"nvshmem_ptr returned NULL for {'; '.join(problems)}: not reachable by load/store; "
             f"the cuda backend supports peers on one node with NVLink/P2P only")
+
+    def any_pe(self, topic: str, mine: str) -> list[str]:
+        """Collective (bounded by ``timeout_s``): every PE's non-empty ``mine``, in PE order,
+        the same list on every PE (e.g. which PEs need a put staging buffer)."""
+        self._check_open()
+        return self._every_pe_says(topic, mine)
 
     def _every_pe_says(self, topic: str, problem: str) -> list[str]:
         """Collective (bounded by ``timeout_s``): publish this PE's ``problem`` ("" = none)
