@@ -143,3 +143,65 @@ def test_close_ranges_merge_far_ones_do_not():
     ranges = transport.dispatch_ranges(big, num_tokens=1, num_ffn_ranks=1, ffn_rank=0, has_shared=True)
     gaps = [b[0] - (a[0] + a[1]) for a, b in zip(ranges, ranges[1:])]
     assert len(ranges) > 1 and min(gaps) > transport.MERGE_GAP_BYTES
+
+
+# --- the cuda put channel's call sequence, with a recording stand-in for the library --------------
+class _RecordingLib:
+    def __init__(self):
+        self.calls = []
+
+    def nvshmemx_putmem_on_stream(self, dest, source, nbytes, pe, stream):
+        self.calls.append(("put", dest.value, source.value, nbytes, pe, stream.value))
+
+    def nvshmemx_putmem_signal_on_stream(self, dest, source, nbytes, sig_addr, signal, sig_op, pe, stream):
+        self.calls.append(("put_signal", dest.value, source.value, nbytes, sig_addr.value, signal.value,
+                           sig_op, pe, stream.value))
+
+    def nvshmemx_quiet_on_stream(self, stream):
+        self.calls.append(("quiet", stream.value))
+
+
+def _channel(layout, is_put):
+    from afd_cupy.backends.cuda_put import PutChannel
+
+    lib = _RecordingLib()
+    channel = PutChannel(lib, layout, window_base=1 << 40, staging_base=2 << 40, own_region=1,
+                         peer_pes=[10, 11, 12], is_put=is_put)
+    return channel, lib
+
+
+def test_dispatch_puts_every_put_peer_then_one_quiet_then_the_flag_words():
+    layout = _layout(num_ffn=3, epr=4, top_k=2, token_cap=32, hidden=64, wire_mode="pair", num_attn=2)
+    channel, lib = _channel(layout, [True, False, True])
+    channel.after_dispatch(stream=77, ring=1, num_tokens=20, num_ffn_ranks=3, has_shared=True)
+    kinds = [call[0] for call in lib.calls]
+    quiet = kinds.index("quiet")
+    assert kinds.count("quiet") == 1 and kinds[quiet + 1:] == ["put", "put"]  # flags after the quiet
+    remote_slot = (1 << 40) + layout.slot_offset(1, 1)  # own region 1, ring 1, in every peer
+    for peer, pe in ((0, 10), (2, 12)):
+        ranges = transport.dispatch_ranges(layout, num_tokens=20, num_ffn_ranks=3, ffn_rank=peer, has_shared=True)
+        data = [c for c in lib.calls[:quiet] if c[4] == pe]
+        assert [(c[1] - remote_slot, c[3]) for c in data] == ranges
+        assert all(c[2] - ((2 << 40) + layout.slot_offset(peer, 1)) == c[1] - remote_slot for c in data)
+        (flag,) = [c for c in lib.calls[quiet + 1:] if c[4] == pe]
+        assert flag[1:4] == ((1 << 40) + 8 * layout.slot_index(1, 1),
+                             (2 << 40) + 8 * layout.slot_index(peer, 1), 8)
+    assert not [c for c in lib.calls if c[0] == "put" and c[4] == 11]  # the direct peer: nothing
+    assert all(c[-1] == 77 for c in lib.calls)
+
+
+def test_reply_sets_the_flag_by_put_with_signal_after_its_data():
+    from afd_cupy.heap.nvshmem_lib import NVSHMEM_SIGNAL_SET
+
+    layout = _layout(num_ffn=2, epr=4, top_k=2, token_cap=256, hidden=512, wire_mode="pair", num_attn=3)
+    channel, lib = _channel(layout, [False, True, False])
+    channel.after_reply(5, peer=1, ring=0, routed_rows=9, shared_rows=4, seq=123)
+    ranges = transport.reply_ranges(layout, routed_rows=9, shared_rows=4)
+    assert len(ranges) > 1
+    assert [c[0] for c in lib.calls] == ["put"] * (len(ranges) - 1) + ["quiet", "put_signal"]
+    last = lib.calls[-1]
+    assert last[1] == (1 << 40) + layout.slot_offset(1, 0) + ranges[-1][0] and last[3] == ranges[-1][1]
+    assert last[4:8] == ((1 << 40) + 8 * layout.slot_index(1, 0), 123, NVSHMEM_SIGNAL_SET, 11)
+    lib.calls.clear()
+    channel.send_signaled(5, 1, 0, transport.control_ranges(layout), 2**63 - 1)  # shutdown: one call
+    assert [c[0] for c in lib.calls] == ["put_signal"] and lib.calls[0][5] == 2**63 - 1
