@@ -205,3 +205,51 @@ def test_reply_sets_the_flag_by_put_with_signal_after_its_data():
     lib.calls.clear()
     channel.send_signaled(5, 1, 0, transport.control_ranges(layout), 2**63 - 1)  # shutdown: one call
     assert [c[0] for c in lib.calls] == ["put_signal"] and lib.calls[0][5] == 2**63 - 1
+
+
+class _FakeHeap:
+    """What open_put_channel uses of NvshmemHeap: the agreement and the collective alloc."""
+
+    def __init__(self, others_need=()):
+        self.rank, self._lib, self.others_need = 0, _RecordingLib(), list(others_need)
+        self.topics, self.allocs = [], []
+
+    def any_pe(self, topic, mine):
+        self.topics.append(topic)
+        return ([mine] if mine else []) + self.others_need
+
+    def alloc(self, nbytes, name, *, allow_unmapped=False):
+        self.allocs.append((nbytes, name, allow_unmapped))
+        return type("Buffer", (), {"base_ptr": 3 << 40})()
+
+
+class _FakeWindow:
+    def __init__(self, ptrs):
+        self.ptrs, self.buffer = ptrs, type("Buffer", (), {"base_ptr": 1 << 40})()
+
+    def peer_ptr(self, pe):
+        return self.ptrs[pe]
+
+
+@pytest.mark.parametrize("mode,ptrs,others,expect_put,expect_alloc", [
+    ("direct", {1: 5, 2: 6}, [], [False, False], False),          # no exchange at all
+    ("auto", {1: 5, 2: 6}, [], [False, False], False),            # one node: nothing allocated
+    ("auto", {1: 5, 2: 6}, ["PE 2"], [False, False], True),       # another PE needs puts: allocate too
+    ("auto", {1: 0, 2: 6}, [], [True, False], True),              # mixed job
+    ("put", {1: 5, 2: 6}, [], [True, True], True)])
+def test_open_put_channel_agrees_before_the_collective_staging_alloc(mode, ptrs, others, expect_put, expect_alloc):
+    from afd_cupy.backends.cuda_put import open_put_channel
+    from afd_cupy.topology import Role, Topology
+
+    layout = _layout(num_ffn=2, epr=4, top_k=2, token_cap=16, hidden=32, wire_mode="pair", num_attn=1)
+    ctx = type("Ctx", (), {"transport": mode, "role_rank": 0,
+                           "opposite_pes": lambda self: [Topology(1, 2, 8).world_rank(Role.FFN, j) for j in range(2)]})()
+    heap = _FakeHeap(others)
+    channel, is_put = open_put_channel(heap, _FakeWindow(ptrs), layout, ctx, instance=4)
+    assert is_put == expect_put
+    assert heap.topics == ([] if mode == "direct" else ["put/window4"])
+    assert heap.allocs == ([(layout.window_bytes, "staging4", True)] if expect_alloc else [])
+    assert (channel is not None) == expect_alloc
+    if channel is not None:
+        assert channel.put_peers == [j for j, flag in enumerate(expect_put) if flag]
+        assert channel.staging_base == 3 << 40 and channel.peer_pes == [1, 2]

@@ -52,6 +52,9 @@ class PutChannel:
         self.own_region = own_region
         self.peer_pes = list(peer_pes)
         self.put_peers = [peer for peer, flag in enumerate(is_put) if flag]
+        # ctypes arguments of each (peer, ring, ranges) put sequence, built once: the hot path
+        # then makes only the library calls (a decode step has few distinct token counts)
+        self._prepared: dict[tuple, list[tuple]] = {}
 
     # --- addresses --------------------------------------------------------------------------
     def staging_slot(self, peer: int, ring: int) -> int:
@@ -68,11 +71,19 @@ class PutChannel:
         return self.staging_base + FLAG_BYTES * self.layout.slot_index(peer, ring)
 
     # --- sends ------------------------------------------------------------------------------
+    def _put_args(self, peer: int, ring: int, ranges) -> list[tuple]:
+        key = (peer, ring, tuple(ranges))
+        args = self._prepared.get(key)
+        if args is None:
+            src, dst = self.staging_slot(peer, ring), self._remote_slot(ring)
+            args = self._prepared[key] = [(ctypes.c_void_p(dst + offset), ctypes.c_void_p(src + offset),
+                                           nbytes, self.peer_pes[peer]) for offset, nbytes in ranges]
+        return args
+
     def _put_ranges(self, peer: int, ring: int, ranges, stream: int) -> None:
-        src, dst, pe = self.staging_slot(peer, ring), self._remote_slot(ring), self.peer_pes[peer]
-        for offset, nbytes in ranges:
-            self.lib.nvshmemx_putmem_on_stream(ctypes.c_void_p(dst + offset), ctypes.c_void_p(src + offset),
-                                               nbytes, pe, ctypes.c_void_p(stream))
+        stream = ctypes.c_void_p(stream)
+        for dst, src, nbytes, pe in self._put_args(peer, ring, ranges):
+            self.lib.nvshmemx_putmem_on_stream(dst, src, nbytes, pe, stream)
 
     def after_dispatch(self, stream: int, ring: int, num_tokens: int, *, num_ffn_ranks: int,
                        has_shared: bool) -> None:
@@ -81,15 +92,22 @@ class PutChannel:
         if not self.put_peers:
             return
         for peer in self.put_peers:
-            ranges = transport.dispatch_ranges(self.layout, num_tokens=num_tokens,
-                                               num_ffn_ranks=num_ffn_ranks, ffn_rank=peer,
-                                               has_shared=has_shared)
-            self._put_ranges(peer, ring, ranges, stream)
+            self._put_ranges(peer, ring, self._dispatch_ranges(num_tokens, num_ffn_ranks, peer, has_shared),
+                             stream)
         self.lib.nvshmemx_quiet_on_stream(ctypes.c_void_p(stream))
         for peer in self.put_peers:
             self.lib.nvshmemx_putmem_on_stream(
                 ctypes.c_void_p(self._remote_flag(ring)), ctypes.c_void_p(self._staging_flag(peer, ring)),
                 FLAG_BYTES, self.peer_pes[peer], ctypes.c_void_p(stream))
+
+    def _dispatch_ranges(self, num_tokens: int, num_ffn_ranks: int, peer: int, has_shared: bool):
+        key = ("dispatch", num_tokens, peer)
+        ranges = self._prepared.get(key)
+        if ranges is None:
+            ranges = self._prepared[key] = transport.dispatch_ranges(
+                self.layout, num_tokens=num_tokens, num_ffn_ranks=num_ffn_ranks, ffn_rank=peer,
+                has_shared=has_shared)
+        return ranges
 
     def send_signaled(self, stream: int, peer: int, ring: int, ranges, seq: int) -> None:
         """Enqueue the puts of ``ranges`` of staging slot (peer, ring) and set the peer's flag
@@ -120,6 +138,8 @@ def open_put_channel(heap, window, layout: WindowLayout, ctx, *, instance: int):
     else ``(None, [False] * peers)``. Raises ConfigError for ``"direct"`` with an unmapped
     peer (before the window would be used)."""
     pes = ctx.opposite_pes()
+    if ctx.transport == "direct":  # the same on every rank (handshake): nothing to agree on
+        return None, [False] * len(pes)
     mapped = [bool(window.peer_ptr(pe)) for pe in pes]
     is_put = [mode == "put" for mode in transport.peer_transports(ctx.transport, mapped)]
     wanted = heap.any_pe(f"put/window{instance}", f"PE {heap.rank}" if any(is_put) else "")
