@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 from afd_cupy.dtypes import PAYLOAD_DTYPES
 from afd_cupy.errors import ConfigError
+from afd_cupy.transport import TRANSPORTS
 from afd_cupy.wire import WIRE_MODES
 
 #: gate scoring functions of ``ModelConfig.scoring_func`` and ``gates.select_experts``
@@ -156,6 +157,11 @@ class ConnectorConfig:
     - ``wire_mode``: ``"pair"`` (one row per (token, expert) partial: the RFC's format) or
       ``"dedup"`` (one row per (token, FFN rank it goes to), expanded and reduced on the FFN
       rank); docs/design.md §3.5. Every rank must use the same mode (checked at start-up).
+    - ``transport``: how messages reach a peer (docs/design.md §6.1): ``"direct"`` (stores
+      through the peer's mapped window; every peer must be load/store reachable), ``"put"``
+      (NVSHMEM one-sided puts from a local staging slot, for every peer: the multi-node path,
+      testable on one node) or ``"auto"`` (direct where the peer's window maps, put
+      elsewhere). The host backend runs ``"direct"`` and ``"auto"`` (= direct).
     """
 
     attn_ranks_per_dp: int = 1
@@ -166,6 +172,7 @@ class ConnectorConfig:
     async_moe_num_ubatches: int = 2
     async_moe_split: str = "even"
     wire_mode: str = "pair"
+    transport: str = "direct"
 
     def __post_init__(self) -> None:
         owner = "ConnectorConfig"
@@ -178,6 +185,8 @@ class ConnectorConfig:
             raise ConfigError(f"{owner}.async_moe_split must be one of {MOE_SPLITS}, got {self.async_moe_split!r}")
         if self.wire_mode not in WIRE_MODES:
             raise ConfigError(f"{owner}.wire_mode must be one of {WIRE_MODES}, got {self.wire_mode!r}")
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"{owner}.transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.ring_depth is None:
             object.__setattr__(self, "ring_depth", self.num_stages)
         _require_int(owner, "ring_depth", self.ring_depth)

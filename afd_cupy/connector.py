@@ -32,6 +32,7 @@ from afd_cupy.dtypes import torch_dtype
 from afd_cupy.errors import (ConfigError, ConnectorShutdown, PeerLostError, PeerTimeoutError,
                              ProtocolError, RingExhaustedError, token_cap_error)
 from afd_cupy.handles import DispatchHandle, FFNWorkItem  # noqa: F401 - part of this module's API
+from afd_cupy.heap.nvshmem_env import check_nvshmem_env
 from afd_cupy.topology import Role, Topology
 from afd_cupy.wire import WindowLayout
 
@@ -67,8 +68,9 @@ class AFDConnector:
         peer_timeout_s: bound of every wait for a peer's reply (finite, > 0).
         startup_timeout_s: bound of the collective start-up (NVSHMEM bootstrap, heap barriers).
         nvshmem_env: cuda backend: NVSHMEM's environment as one dict
-            (``afd_cupy.heap.nvshmem.nvshmem_env(remote_transport=..., symmetric_size=...)``),
-            set right before NVSHMEM initializes; default: afd_cupy's defaults only.
+            (``afd_cupy.heap.nvshmem_env.nvshmem_env(remote_transport=..., symmetric_size=...)``;
+            checked here, before any collective step), set right before NVSHMEM initializes;
+            default: afd_cupy's defaults only. The host backend ignores it.
         always_send: Attention side: send a (header-only) message to every FFN rank even when
             it gets no rows. Needed by the lockstep FFN schedule, which waits for every
             replica's layer; off by default (empty messages never create a wait).
@@ -106,10 +108,12 @@ class AFDConnector:
         self.peer_timeout_s = _check_timeout("peer_timeout_s", peer_timeout_s)
         self.startup_timeout_s = _check_timeout("startup_timeout_s", startup_timeout_s)
         self.world_rank = self.topology.world_rank(self.role, role_rank)
-        require_backend(backend, self.config.wire_mode)  # before any collective step: fail fast
+        require_backend(backend, self.config.wire_mode, self.config.transport)  # before any collective step
         if poll_mode not in POLL_MODES:
             raise ConfigError(f"poll_mode must be one of {POLL_MODES}, got {poll_mode!r}")
         _check_cpu_threads(cpu_threads)
+        if nvshmem_env is not None:  # checked here, so a bad dict fails before any collective step
+            nvshmem_env = check_nvshmem_env(nvshmem_env)
         self.layout = WindowLayout.from_configs(model, topology, self.config)
         self.torch_dtype = torch_dtype(model.dtype)
         self.out_scale = moe.combine_scale(self.torch_dtype, model.routed_scaling_factor)
@@ -140,7 +144,7 @@ class AFDConnector:
                           top_k=model.top_k, num_experts=model.num_experts,
                           has_shared=model.num_shared_experts > 0,
                           peer_timeout_s=self.peer_timeout_s, always_send=bool(always_send),
-                          poll_mode=poll_mode)
+                          poll_mode=poll_mode, transport=self.config.transport)
         try:
             self.path = open_path(backend, ctx, store=store, job_id=job_id, device_id=device_id,
                                   startup_timeout_s=self.startup_timeout_s, instance=self.instance,

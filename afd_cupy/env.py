@@ -5,6 +5,11 @@
 | ``AFD_NVSHMEM_LIB`` | path of ``libnvshmem_host.so.3`` (overrides the wheel search) | unset |
 | ``AFD_BACKEND`` | backend the tools pick when none is given: ``cuda`` or ``host`` | ``cuda`` if a GPU is visible, else ``host`` |
 | ``AFD_KERNEL_CACHE`` | ``0`` disables the in-process RawModule cache (debugging) | ``1`` |
+| ``AFD_STORE_ADDR`` | ``host:port`` of the job's TCPStore master (``ProcessContext.from_env``) | required there |
+| ``AFD_WORLD_SIZE`` | ranks in the job (Attention + FFN) | required there |
+| ``AFD_RANK`` | this process's world rank (Attention ranks first) | required there |
+| ``AFD_JOB_ID`` | the job's id: the same on every rank, new for every run | required there |
+| ``AFD_DEVICE`` | CUDA device index of this process | unset: none |
 
 Library code calls these functions; nothing reads ``os.environ`` at import time.
 
@@ -20,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import Mapping
 
 logger = logging.getLogger("afd_cupy")
 
@@ -104,3 +110,31 @@ def limit_threads(num_threads: int, *, keep_user_settings: bool = True) -> dict[
 def _check_threads(num_threads) -> None:
     if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
         raise ValueError(f"number of threads must be an int >= 1, got {num_threads!r}")
+
+
+RANK_VARS = ("AFD_STORE_ADDR", "AFD_WORLD_SIZE", "AFD_RANK", "AFD_JOB_ID", "AFD_DEVICE")
+
+
+def rank_settings(environ: Mapping[str, str] | None = None) -> dict:
+    """The place in a job of a rank another launcher started (torchrun, SLURM, k8s...), from
+    ``AFD_STORE_ADDR``, ``AFD_WORLD_SIZE``, ``AFD_RANK``, ``AFD_JOB_ID`` and optionally
+    ``AFD_DEVICE`` of ``environ`` (default ``os.environ``): ``{"store_host": str,
+    "store_port": int, "world_size": int, "rank": int, "job_id": str, "device_id": int | None}``.
+    Raises ValueError naming a missing or malformed variable."""
+    environ = os.environ if environ is None else environ
+    missing = [name for name in RANK_VARS[:4] if not environ.get(name)]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} not set (a rank started outside afd_cupy.launch "
+                         f"needs {', '.join(RANK_VARS[:4])})")
+    host, _, port = environ["AFD_STORE_ADDR"].rpartition(":")
+    try:
+        port_number, world_size, rank = int(port), int(environ["AFD_WORLD_SIZE"]), int(environ["AFD_RANK"])
+        device = int(environ["AFD_DEVICE"]) if environ.get("AFD_DEVICE") else None
+    except ValueError as err:
+        raise ValueError(f"malformed AFD_* variable: {err} (AFD_STORE_ADDR must be host:port; "
+                         f"AFD_WORLD_SIZE, AFD_RANK, AFD_DEVICE integers)") from None
+    if not host or not 0 <= rank < world_size:
+        raise ValueError(f"AFD_STORE_ADDR={environ['AFD_STORE_ADDR']!r}, AFD_RANK={rank}, "
+                         f"AFD_WORLD_SIZE={world_size}: need host:port and 0 <= rank < world size")
+    return {"store_host": host, "store_port": port_number, "world_size": world_size, "rank": rank,
+            "job_id": environ["AFD_JOB_ID"], "device_id": device}

@@ -23,8 +23,9 @@ import uuid
 from typing import Any, Callable
 
 from afd_cupy import env as env_mod
+from afd_cupy import rendezvous
 from afd_cupy.env import THREAD_POOL_VARS  # noqa: F401 - re-exported (tests, tools)
-from afd_cupy.errors import AfdError
+from afd_cupy.errors import AfdError, ConfigError
 from afd_cupy.heap.host import cleanup_job_segments
 from afd_cupy.store import NamespacedStore, Store, create_store, free_port
 
@@ -34,6 +35,7 @@ STORE_HOST = "127.0.0.1"
 _PORT_ATTEMPTS = 8
 _TERMINATE_GRACE_S = 2.0
 _FAILURE_GRACE_S = 1.0  # after a first failure, time to collect the other ranks' reports
+_DONE_GRACE_S = 5.0  # least time a store host waits for the other launches' ranks to finish
 _POLL_S = 0.05
 
 
@@ -107,32 +109,76 @@ class ProcessContext:
     store_timeout_s: float = 120.0
     sm_percent: int | None = None  # this rank's MPS SM share, when the launch placed it
 
-    #: environment variables of :meth:`from_env` (a rank started by another launcher)
-    ENV_VARS = ("AFD_STORE_ADDR", "AFD_WORLD_SIZE", "AFD_RANK", "AFD_JOB_ID", "AFD_DEVICE")
-
     @classmethod
     def from_env(cls, environ=None, *, store_timeout_s: float = 120.0) -> "ProcessContext":
-        """The context of a rank started by another launcher (torchrun, SLURM, k8s...):
+        """The context of a rank started by another launcher (torchrun, SLURM, k8s...), from
         ``AFD_STORE_ADDR`` (``host:port`` of a TCPStore master the job shares),
         ``AFD_WORLD_SIZE``, ``AFD_RANK`` (world rank: Attention ranks first), ``AFD_JOB_ID``
-        (the same on every rank) and optionally ``AFD_DEVICE`` (CUDA device index).
+        (the same on every rank) and optionally ``AFD_DEVICE`` (read by
+        :func:`afd_cupy.env.rank_settings`). Connects nothing: call :meth:`join` next.
         Raises ValueError naming a missing or malformed variable."""
-        environ = os.environ if environ is None else environ
-        missing = [name for name in cls.ENV_VARS[:4] if not environ.get(name)]
-        if missing:
-            raise ValueError(f"{', '.join(missing)} not set (a rank started outside afd_cupy.launch "
-                             f"needs {', '.join(cls.ENV_VARS[:4])})")
-        host, _, port = environ["AFD_STORE_ADDR"].rpartition(":")
+        from afd_cupy import env
+
+        settings = env.rank_settings(environ)
+        return cls(settings["rank"], settings["world_size"], settings["job_id"],
+                   settings["store_host"], settings["store_port"], settings["device_id"],
+                   store_timeout_s)
+
+    def role(self, topology) -> tuple:
+        """``(Role, role_rank)`` of this rank in ``topology`` (a ``TopologyConfig``): world
+        ranks ``0 .. A-1`` are Attention, ``A .. A+F-1`` FFN. Raises ConfigError when the
+        topology's world size is not this job's."""
+        from afd_cupy.topology import Role
+
+        num_attn, num_ffn = topology.num_attn_ranks, topology.num_ffn_ranks
+        if num_attn + num_ffn != self.world_size:
+            raise ConfigError(f"topology of {num_attn} Attention + {num_ffn} FFN ranks does not "
+                              f"match job {self.job_id}'s world_size={self.world_size}")
+        return (Role.ATTENTION, self.rank) if self.rank < num_attn else (Role.FFN, self.rank - num_attn)
+
+    def join(self, *, host_store: bool = False, startup_timeout_s: float = 120.0) -> "ProcessContext":
+        """For a rank another launcher started: join the job's launch rendezvous
+        (:mod:`afd_cupy.rendezvous`) and return once every world rank joined. With
+        ``host_store=True`` this process starts the store master at its address (exactly one
+        process of the job does, and must call :meth:`close` last so that the store outlives
+        every rank). Host-blocking. Raises ConfigError for a rank joined twice or a world-size
+        disagreement, PeerTimeoutError naming the missing world ranks (``missing_ranks``)
+        when the master does not answer or the job is incomplete within ``startup_timeout_s``.
+        """
+        key = (self.store_host, self.store_port)
         try:
-            port_number, world_size, rank = int(port), int(environ["AFD_WORLD_SIZE"]), int(environ["AFD_RANK"])
-            device = int(environ["AFD_DEVICE"]) if environ.get("AFD_DEVICE") else None
-        except ValueError as err:
-            raise ValueError(f"malformed AFD_* variable: {err} (AFD_STORE_ADDR must be host:port; "
-                             f"AFD_WORLD_SIZE, AFD_RANK, AFD_DEVICE integers)") from None
-        if not host or not 0 <= rank < world_size:
-            raise ValueError(f"AFD_STORE_ADDR={environ['AFD_STORE_ADDR']!r}, AFD_RANK={rank}, "
-                             f"AFD_WORLD_SIZE={world_size}: need host:port and 0 <= rank < world size")
-        return cls(rank, world_size, environ["AFD_JOB_ID"], host, port_number, device, store_timeout_s)
+            if host_store:
+                _hosted_masters[key] = _start_store(self.world_size, self.store_timeout_s,
+                                                    self.store_host, self.store_port)[0]
+            else:
+                rendezvous.wait_for_master(self.store_host, self.store_port, startup_timeout_s,
+                                           job_id=self.job_id, world_size=self.world_size,
+                                           here=[self.rank])
+            rendezvous.join(self.store(), [self.rank], self.world_size, self.job_id)
+            rendezvous.Rendezvous(self.store(), self.world_size, self.job_id, startup_timeout_s,
+                                  [self.rank], f"by pid {os.getpid()}").wait()
+        except BaseException:
+            _client_stores.pop((*key, self.job_id), None)
+            _hosted_masters.pop(key, None)
+            raise
+        return self
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """For a :meth:`join`-ed rank: mark it done; in the process hosting the store master
+        also wait, bounded by ``timeout_s`` (default ``store_timeout_s``), until every rank is
+        done, then stop serving. Call it last, after the connector's ``close()``. Idempotent;
+        never raises (the launchers do this themselves for the ranks they start)."""
+        key = (self.store_host, self.store_port, self.job_id)
+        try:
+            rendezvous.mark_done(self.store(), [self.rank])
+        except Exception as exc:  # noqa: BLE001 - the store may already be gone
+            logger.debug("rank %d could not mark itself done: %s", self.rank, exc)
+        master = _hosted_masters.pop((self.store_host, self.store_port), None)
+        if master is not None and key in _client_stores:
+            rendezvous.await_done(_client_stores[key], self.world_size,
+                                  self.store_timeout_s if timeout_s is None else timeout_s, self.job_id)
+        _client_stores.pop(key, None)
+        del master  # a hosted master stops serving when dropped
 
     def store(self) -> NamespacedStore:
         """This process's client of the job's store, namespaced by ``job_id``.
@@ -151,6 +197,35 @@ class ProcessContext:
 
 # The store client of each job this process belongs to (see ProcessContext.store).
 _client_stores: dict[tuple[str, int, str], NamespacedStore] = {}
+# Store masters hosted by ProcessContext.join(host_store=True), until ProcessContext.close.
+_hosted_masters: dict[tuple[str, int], Store] = {}
+
+
+def connect(store_addr, *, rank: int, world_size: int, job_id: str, device_id: int | None = None,
+            host_store: bool = False, startup_timeout_s: float = 120.0,
+            store_timeout_s: float = 120.0) -> ProcessContext:
+    """The joined :class:`ProcessContext` of a rank another launcher started:
+    ``ProcessContext(...).join(...)`` with ``store_addr`` as ``"host:port"`` or
+    ``(host, port)``. Raises as :meth:`ProcessContext.join`; ConfigError for a bad address,
+    job id, rank or world size."""
+    host, port = rendezvous.parse_store_addr(store_addr)
+    _check_job(job_id, world_size, first_rank=rank, nprocs=1)
+    ctx = ProcessContext(rank, world_size, job_id, host, port, device_id, store_timeout_s)
+    return ctx.join(host_store=host_store, startup_timeout_s=startup_timeout_s)
+
+
+def _check_job(job_id, world_size, *, first_rank: int, nprocs: int) -> None:
+    """ConfigError for a job id that is not a plain non-empty string, a world size below 1 or
+    ranks ``first_rank .. first_rank + nprocs - 1`` outside ``[0, world_size)``."""
+    if not isinstance(job_id, str) or not job_id.replace("-", "").replace("_", "").isalnum():
+        raise ConfigError(f"job_id must be a non-empty string of letters, digits, '-' and '_', "
+                          f"got {job_id!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size must be an int >= 1, got {world_size!r}")
+    if isinstance(first_rank, bool) or not isinstance(first_rank, int) \
+            or not 0 <= first_rank or first_rank + nprocs > world_size:
+        raise ConfigError(f"ranks {first_rank}..{first_rank + nprocs - 1} do not fit a world of "
+                          f"{world_size}")
 
 
 def _detect_num_gpus() -> int:
@@ -212,19 +287,21 @@ def _apply_torch_threads() -> None:
         torch.set_num_threads(int(value))
 
 
-def _start_store(nprocs: int, timeout_s: float) -> tuple[Store, int]:
-    """Start the store master on a free port, retrying when another process took the port."""
+def _start_store(world_size: int, timeout_s: float, host: str = STORE_HOST,
+                 port: int | None = None) -> tuple[Store, int]:
+    """Start the store master at ``host:port``; ``port`` None: on a free port, retrying when
+    another process took it. Raises LaunchError when it cannot listen."""
     last_error: Exception | None = None
-    for _ in range(_PORT_ATTEMPTS):
-        port = free_port()
+    for _ in range(_PORT_ATTEMPTS if port is None else 1):
+        try_port = free_port() if port is None else port
         try:
-            return create_store(STORE_HOST, port, nprocs, is_master=True,
-                                timeout_s=timeout_s), port
+            return create_store(host, try_port, world_size, is_master=True,
+                                timeout_s=timeout_s), try_port
         except Exception as err:  # noqa: BLE001 - torch raises DistNetworkError/RuntimeError
             last_error = err
-            logger.debug("store master on port %d failed (%s); retrying", port, err)
-    raise LaunchError(f"could not start the store master after {_PORT_ATTEMPTS} attempts: "
-                      f"{last_error}")
+            logger.debug("store master on port %d failed (%s)", try_port, err)
+    where = f"{host}:{port}" if port is not None else f"a free port ({_PORT_ATTEMPTS} attempts)"
+    raise LaunchError(f"could not start the store master at {where}: {last_error}")
 
 
 class _Job:
@@ -271,8 +348,12 @@ class _Job:
                     self.failures[rank] = f"rank {rank} died without reporting (exit code {code})"
 
 
-def _wait(job: _Job, timeout_s: float) -> None:
-    """Wait for every rank, stopping shortly after the first failure or at the timeout."""
+def _wait(job: _Job, timeout_s: float, joining: "rendezvous.Rendezvous | None" = None) -> None:
+    """Wait for every rank, stopping shortly after the first failure or at the timeout.
+
+    Until ``joining`` is complete (every world rank of the job joined) its deadline applies
+    too: past it, its PeerTimeoutError naming the missing world ranks is raised, unless a
+    local rank failed first (then that failure is reported as usual)."""
     deadline = time.monotonic() + timeout_s
     failure_deadline = None
     while job.pending():
@@ -285,6 +366,9 @@ def _wait(job: _Job, timeout_s: float) -> None:
             failure_deadline = now + _FAILURE_GRACE_S
         if failure_deadline is not None and now >= failure_deadline:
             return
+        if joining is not None and failure_deadline is None and now >= joining.deadline \
+                and not joining.poll():
+            raise joining.error()
         job.drain(min(_POLL_S, deadline - now))
         job.note_silent_deaths()
 
@@ -340,16 +424,24 @@ def launch(fn: Callable, nprocs: int, *, args: tuple = (), timeout_s: float = 12
            num_gpus: int | None = None, env: dict[str, str] | None = None,
            job_id: str | None = None, expected_deaths=(),
            placement: "list[Placement] | None" = None, world_size: int | None = None,
-           first_rank: int = 0, store_addr: "tuple[str, int] | None" = None,
-           threads_per_process: int | None = None) -> list:
+           first_rank: int = 0, store_addr=None, host_store: bool = False,
+           startup_timeout_s: float | None = None, threads_per_process: int | None = None) -> list:
     """Run ``fn(ctx, *args)`` in ``nprocs`` spawned processes; return results by rank.
 
     One node of a larger job: ``world_size`` (default ``nprocs``) ranks in all, this launch
-    running world ranks ``first_rank .. first_rank + nprocs - 1`` and joining the TCPStore
-    master at ``store_addr`` (host, port) that every node's launch shares (``job_id``
-    must then be given, the same on every node). Without ``store_addr`` the launch starts
-    its own master and must run the whole job. Results (and ``expected_deaths``) are by
-    local index; GPUs are placed by local index too.
+    running world ranks ``first_rank .. first_rank + nprocs - 1`` and meeting the other
+    launches at the TCPStore master at ``store_addr`` (``"host:port"`` or ``(host, port)``,
+    reachable from every node; ``job_id`` must then be given, the same on every node and new
+    for every run). Exactly one launch of such a job either passes ``host_store=True`` (it
+    starts the master there and keeps it until every rank of the job is done, bounded by
+    ``timeout_s``) or the master is started by something else that outlives the job. Every
+    launch waits, bounded by ``startup_timeout_s`` (default ``timeout_s``), until all world
+    ranks joined (:mod:`afd_cupy.rendezvous`): a launch that never starts is a
+    PeerTimeoutError naming the missing world ranks, overlapping rank blocks or different
+    world sizes a ConfigError. Each launch unlinks only its own ranks' leftover shared-memory
+    segments. Without ``store_addr`` the launch starts its own master on a free port and must
+    run the whole job. Results (and ``expected_deaths``) are by local index; GPUs are placed by
+    local index too.
 
     ``fn``, ``args`` and results must be picklable (``fn`` a top-level function). ``env``
     entries are set in each child before ``fn`` (and its module) are loaded. ``num_gpus``
@@ -372,13 +464,16 @@ def launch(fn: Callable, nprocs: int, *, args: tuple = (), timeout_s: float = 12
     if placement is not None and len(placement) != nprocs:
         raise ValueError(f"placement has {len(placement)} entries for {nprocs} ranks")
     world_size = nprocs if world_size is None else world_size
-    if not 0 <= first_rank or first_rank + nprocs > world_size:
-        raise ValueError(f"ranks {first_rank}..{first_rank + nprocs - 1} do not fit a world of "
-                         f"{world_size}")
     if (world_size != nprocs or first_rank) and (store_addr is None or job_id is None):
         raise ValueError("a launch running part of a job (world_size != nprocs) needs the shared "
                          "store_addr=(host, port) and the job_id every node uses")
+    if host_store and store_addr is None:
+        raise ValueError("host_store=True needs the store_addr at which to start the master")
     job_id = job_id or uuid.uuid4().hex[:12]
+    _check_job(job_id, world_size, first_rank=first_rank, nprocs=nprocs)
+    ranks = list(range(first_rank, first_rank + nprocs))
+    start = time.monotonic()
+    startup_timeout_s = min(timeout_s, startup_timeout_s or timeout_s)
     num_gpus = _detect_num_gpus() if num_gpus is None else num_gpus
     fn_args_blob = pickle.dumps((fn, tuple(args)))
     child_env = {**thread_limits(nprocs, threads_per_process),
@@ -390,33 +485,76 @@ def launch(fn: Callable, nprocs: int, *, args: tuple = (), timeout_s: float = 12
     spawn = mp.get_context("spawn")
     results = spawn.Queue()
     processes: list = []
-    store = None
+    master = store = joining = None
+    ok = False
     try:
-        if store_addr is None:
-            store, port = _start_store(nprocs, timeout_s)
-            host = STORE_HOST
+        if store_addr is None or host_store:
+            host, port = (STORE_HOST, None) if store_addr is None else rendezvous.parse_store_addr(store_addr)
+            master, port = _start_store(world_size, timeout_s, host, port)
         else:
-            host, port = store_addr
-        for rank in range(nprocs):
-            where = placement[rank] if placement is not None else Placement()
-            device = device_for_rank(rank, nprocs, num_gpus) if where.gpu is None else where.gpu
+            host, port = rendezvous.parse_store_addr(store_addr)
+        if store_addr is not None:
+            joining = _join_job(host, port, master, ranks, world_size, job_id, startup_timeout_s,
+                                timeout_s)
+            store = joining.store
+        for local, rank in enumerate(ranks):
+            where = placement[local] if placement is not None else Placement()
+            device = device_for_rank(local, nprocs, num_gpus) if where.gpu is None else where.gpu
             rank_env = dict(child_env)
             if where.sm_percent is not None:
                 rank_env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(where.sm_percent)
-            ctx = ProcessContext(first_rank + rank, world_size, job_id, host, port, device,
-                                 timeout_s, where.sm_percent)
+            ctx = ProcessContext(rank, world_size, job_id, host, port, device, timeout_s,
+                                 where.sm_percent)
             proc = spawn.Process(target=_child_main, name=f"afd-{job_id}-rank{rank}",
-                                 args=(rank, fn_args_blob, ctx, rank_env, results))
+                                 args=(local, fn_args_blob, ctx, rank_env, results))
             proc.start()
             processes.append(proc)
         job = _Job(nprocs, processes, results, expected_deaths)
-        _wait(job, timeout_s)
+        _wait(job, max(0.0, timeout_s - (time.monotonic() - start)), joining)
         if job.failures:
             raise LaunchError(_failure_message(job, job_id), failures=job.failures)
-        return [job.values[rank] for rank in range(nprocs)]
+        if joining is not None:
+            joining.wait()  # ranks that never needed their peers: the job must still assemble
+        ok = True
+        return [job.values[local] for local in range(nprocs)]
     finally:
         _stop_all(processes)
         results.close()
         results.join_thread()
-        del store  # the master stops serving when dropped
-        cleanup_job_segments(job_id)
+        if store is not None:
+            _finish_node(store, master, ranks, world_size, job_id, ok=ok, joined=joining.complete,
+                         wait_s=max(0.0, timeout_s - (time.monotonic() - start)))
+        del store, master  # a hosted master stops serving when dropped
+        cleanup_job_segments(job_id, ranks=None if world_size == nprocs else ranks)
+
+
+def _join_job(host: str, port: int, master, ranks: list[int], world_size: int, job_id: str,
+              startup_timeout_s: float, timeout_s: float) -> "rendezvous.Rendezvous":
+    """Connect to the job's store (waiting, bounded, for a master hosted elsewhere), publish
+    this launch's ranks and return the (not yet waited) rendezvous; its ``store`` attribute is
+    the launcher's namespaced client."""
+    if master is None:
+        rendezvous.wait_for_master(host, port, startup_timeout_s, job_id=job_id,
+                                   world_size=world_size, here=ranks)
+        client = create_store(host, port, world_size, is_master=False, timeout_s=timeout_s)
+    else:
+        client = master
+    store = NamespacedStore(client, job_id)
+    rendezvous.join(store, ranks, world_size, job_id)
+    return rendezvous.Rendezvous(store, world_size, job_id, startup_timeout_s, ranks,
+                                 f"by the launcher with pid {os.getpid()}")
+
+
+def _finish_node(store, master, ranks: list[int], world_size: int, job_id: str, *, ok: bool,
+                 joined: bool, wait_s: float) -> None:
+    """Mark this launch's ranks done; the host of the store master waits (bounded) for the
+    other launches' ranks: the rest of the launch's timeout (at least ``_DONE_GRACE_S``) after
+    a clean run, ``_FAILURE_GRACE_S`` after a failure, not at all when the job never assembled."""
+    try:
+        rendezvous.mark_done(store, ranks)
+    except Exception as exc:  # noqa: BLE001 - the master may already be gone
+        logger.debug("job %s: could not mark ranks %s done: %s", job_id, ranks, exc)
+        return
+    if master is not None and joined and len(ranks) < world_size:
+        rendezvous.await_done(store, world_size, max(wait_s, _DONE_GRACE_S) if ok else _FAILURE_GRACE_S,
+                              job_id)

@@ -32,11 +32,14 @@ class Window:
     """
 
     def __init__(self, heap, layout: WindowLayout, store: Store, *, name: str = "window",
-                 geometry_timeout_s: float = 60.0):
+                 geometry_timeout_s: float = 60.0, allow_unmapped: bool = False):
         self.heap = heap
         self.layout = layout
         self.xp = heap.xp
-        self.buffer = heap.alloc(layout.window_bytes, name)
+        # allow_unmapped (cuda put transport): a peer that does not map has no view here
+        # (peer_bytes None, peer_ptr 0); only NVSHMEM puts reach it (docs/design.md §6.1)
+        self.buffer = (heap.alloc(layout.window_bytes, name, allow_unmapped=True) if allow_unmapped
+                       else heap.alloc(layout.window_bytes, name))
         self._exchange_geometry(store, name, geometry_timeout_s)
         self._bases = [self.buffer.peer(pe) for pe in range(heap.world_size)]
         self.flags = self.local_bytes[:layout.num_slots * 8].view(np.int64)

@@ -149,7 +149,8 @@ afd_dispatch_scatter(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-
                      const afd_i32* __restrict__ rank_offsets,
                      const afd_i32* __restrict__ expert_counts,
                      const afd_i32* __restrict__ verdict,       // [1] the plan's: STATUS_OK = send
-                     const afd_u64* __restrict__ peer_windows,  // [num_ffn_ranks]
+                     const afd_u64* __restrict__ peer_windows,  // [num_ffn_ranks], 0: put peer
+                     afd_u64 staging,  // own symmetric put staging (0 without put peers)
                      SlotGeometry geo,
                      afd_i32 ring,  // slot (region = src_rank, ring) of every peer
                      afd_i32 has_shared,
@@ -184,7 +185,7 @@ afd_dispatch_scatter(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-
                                  chunk_hist[(r / CHUNK) * num_experts + e] + local_rank[r];
         const afd_i32 pos = slot_pos - rank_offsets[dest];
         token = r / top_k;
-        char* slot = geo.slot(peer_windows[dest], src_rank, ring);
+        char* slot = geo.send_slot(peer_windows[dest], staging, dest, src_rank, ring);
         if (lane == 0) {
           pos_out[r] = pos;
           geo.route(slot)[pos] = make_int2(static_cast<afd_i32>(token), static_cast<afd_i32>(r % top_k));
@@ -194,7 +195,7 @@ afd_dispatch_scatter(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-
         token = r - num_partials;
         const afd_i32 dest = static_cast<afd_i32>(token % num_ffn_ranks);
         const afd_i64 j = token / num_ffn_ranks;
-        char* slot = geo.slot(peer_windows[dest], src_rank, ring);
+        char* slot = geo.send_slot(peer_windows[dest], staging, dest, src_rank, ring);
         if (lane == 0) geo.shared_idx(slot)[j] = static_cast<afd_i32>(token);
         dst_row = geo.shared_row(slot, j, row_bytes);
       }
@@ -246,15 +247,17 @@ afd_dispatch_scatter(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-
         case HDR_ECHO_SEQ: value = 0; break;
         default: value = expert_counts[j * expert_per_rank + (w - HDR_FIXED_WORDS)]; break;
       }
-      geo.header(geo.slot(peer_windows[j], src_rank, ring))[w] = value;
+      geo.header(geo.send_slot(peer_windows[j], staging, j, src_rank, ring))[w] = value;
     }
     __syncthreads();  // every header word of the block precedes the fences below
     for (int j = tid; j < num_ffn_ranks; j += SCATTER_THREADS) {
       if (s_seq[j] != 0) {
         // Release in the storing thread itself: cumulative over the headers (bar.sync above)
-        // and over every block's payload (last_block_done), so all precede the flag.
+        // and over every block's payload (last_block_done), so all precede the flag. A put
+        // peer's flag goes to the local staging flag word: the host's flag put, queued behind
+        // this kernel and a quiet, copies it (docs/design.md §6.1).
         __threadfence_system();
-        store_volatile(geo.flag(peer_windows[j], src_rank, ring), s_seq[j]);
+        store_volatile(geo.send_flag(peer_windows[j], staging, j, src_rank, ring), s_seq[j]);
       }
     }
   }

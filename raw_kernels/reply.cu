@@ -1,6 +1,8 @@
 // reply.cu: FFN-side one-sided write of the expert outputs back into the Attention sender's
 // window (docs/design.md §5): routed rows, shared rows, then (last block, after a system fence) the
-// header prepared by the host in pinned memory, a second fence, and the flag = seq.
+// header prepared by the host in pinned memory, a second fence, and the flag = seq. For a peer
+// reached by puts (dst_window 0) the same bytes go to the own staging slot and the host's
+// put-with-signal sets the flag (§6.1).
 #include "wire.cuh"
 
 using namespace afd;
@@ -9,7 +11,9 @@ using namespace afd;
 // a warp per row.
 template <int DT>
 __global__ void __launch_bounds__(REPLY_THREADS)
-afd_reply(afd_u64 dst_window,  // the Attention peer's window as mapped here
+afd_reply(afd_u64 dst_window,  // the Attention peer's window as mapped here; 0: put peer
+          afd_u64 staging,     // own symmetric put staging (used when dst_window is 0)
+          afd_i32 dst_peer,    // the Attention peer's role rank: its staging slot (dst_peer, ring)
           SlotGeometry geo,
           afd_i32 src_rank, afd_i32 ring,  // slot (region = src_rank, ring): own FFN rank
           afd_u64 routed_out, afd_i32 num_routed,  // payload [num_routed, hidden_size]
@@ -19,7 +23,7 @@ afd_reply(afd_u64 dst_window,  // the Attention peer's window as mapped here
           afd_i64 seq, unsigned int* done_counter) {
   const int tid = threadIdx.x, lane = tid & 31;
   const afd_i64 row_bytes = static_cast<afd_i64>(hidden_size) * itemsize<DT>();
-  char* slot = geo.slot(dst_window, src_rank, ring);
+  char* slot = geo.send_slot(dst_window, staging, dst_peer, src_rank, ring);
   const afd_i64 num_rows = static_cast<afd_i64>(num_routed) + num_shared;
   const afd_i64 warp_stride = static_cast<afd_i64>(gridDim.x) * ROWS_PER_BLOCK;
 
@@ -40,7 +44,8 @@ afd_reply(afd_u64 dst_window,  // the Attention peer's window as mapped here
   __syncthreads();  // every header word of the block precedes thread 0's fence
   if (tid == 0) {
     __threadfence_system();  // release, cumulative over the header and every block's rows
-    store_volatile(geo.flag(dst_window, src_rank, ring), seq);
+    // A put peer's flag is set by the host's put-with-signal queued behind this kernel.
+    if (dst_window) store_volatile(geo.flag(dst_window, src_rank, ring), seq);
     __threadfence();
     *done_counter = 0u;
   }

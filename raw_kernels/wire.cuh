@@ -133,6 +133,19 @@ struct SlotGeometry {
   __device__ __forceinline__ char* slot(afd_u64 base, afd_i32 region, afd_i32 ring) const {
     return slot_at(base, slot_index(region, ring));
   }
+  // Where a sender writes its message for `peer` (docs/design.md §6.1). A non-zero `window`
+  // is the peer's window mapped here (direct transport): slot (region = own role rank, ring)
+  // of it. A zero `window` marks a peer reached by NVSHMEM puts: the sender's own symmetric
+  // `staging`, slot (region = peer, ring), laid out like the receiver's slot; the host then
+  // copies it and the flag word (send_flag) to the peer.
+  __device__ __forceinline__ char* send_slot(afd_u64 window, afd_u64 staging, afd_i32 peer,
+                                             afd_i32 own_region, afd_i32 ring) const {
+    return window ? slot(window, own_region, ring) : slot(staging, peer, ring);
+  }
+  __device__ __forceinline__ afd_i64* send_flag(afd_u64 window, afd_u64 staging, afd_i32 peer,
+                                                afd_i32 own_region, afd_i32 ring) const {
+    return window ? flag(window, own_region, ring) : flag(staging, peer, ring);
+  }
   // Fields of a slot (`slot` from slot() / slot_at()).
   __device__ __forceinline__ afd_i32* header(char* slot) const {
     return reinterpret_cast<afd_i32*>(slot + off_header);

@@ -453,3 +453,21 @@ def test_hf_generate_tool_host(tmp_path):
         assert row["tokens"] == row["ref_tokens"] and len(row["tokens"]) == 3
         assert row["tokens_per_s"] > 0 and row["ref_tokens_per_s"] > 0
     assert "HF_GENERATE PASS backend=host 1A1F" in proc.stdout
+
+
+def test_bench_transport_puts_direct_and_put_side_by_side_with_issue_16_targets():
+    """Synthetic rows (the put transport runs on a GPU only): pairs per point, the two targets."""
+    import bench_transport as tool  # tools/ is on sys.path (above)
+    point = dict(wire_mode="pair", hidden=7168, top_k=8, num_ffn=2)
+    decode = [dict(point, tokens=128, transport="direct", rt_median_us=25.0),
+              dict(point, tokens=128, transport="put", rt_median_us=49.0)]
+    prefill = [dict(point, tokens=4096, transport=t, dispatch_ms=d, combine_ms=c)
+               for t, d, c in (("direct", 1.0, 1.0), ("put", 1.2, 1.2))]
+    pairs = tool.transport_side_by_side(decode, prefill)
+    assert [(r["kind"], r["put_minus_direct"], r["put_over_direct"]) for r in pairs] == \
+        [("decode", 24.0, 49.0 / 25.0), ("prefill", 2.4 - 2.0, 1.2)]
+    rows = tool._transport_targets(decode, prefill)
+    assert len(rows) == 2 and "decode" in rows[0]["name"] and "prefill" in rows[1]["name"]
+    assert [row["status"] for row in rows] == ["MISS", "PASS"], rows
+    with pytest.raises(SystemExit, match="the put transport runs on the cuda backend only"):
+        tool.plan_groups(tool.parse_args(["--quick", "--transport", "both"]), "host")

@@ -11,10 +11,15 @@ from afd_cupy.config import ConnectorConfig, ModelConfig
 from afd_cupy.launch import launch
 from afd_cupy.testing.scenario import Scenario, run_rank, tolerance
 
-BACKENDS = [pytest.param("host", id="host"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
+#: a backend, or "cuda-put": the cuda backend with ConnectorConfig(transport="put"), every
+#: peer reached by NVSHMEM puts from the staging (design.md §6.1), on one node
+BACKENDS = [pytest.param("host", id="host"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda),
+            pytest.param("cuda-put", id="cuda-put", marks=pytest.mark.cuda)]
 #: (backend, wire_mode); NOTE: add ("cuda", "dedup") once its kernels exist (design.md §3.5)
 PATHS = [pytest.param("host", "pair", id="host"), pytest.param("host", "dedup", id="host-dedup"),
-         pytest.param("cuda", "pair", id="cuda", marks=pytest.mark.cuda)]
+         pytest.param("cuda", "pair", id="cuda", marks=pytest.mark.cuda),
+         pytest.param("cuda-put", "pair", id="cuda-put", marks=pytest.mark.cuda)]
+CUDA_TRANSPORTS = [pytest.param("cuda", id="direct"), pytest.param("cuda-put", id="put")]
 POLL_MODE = os.environ.get("AFD_TEST_POLL_MODE", "device")  # the GPU suite runs under MPS
 
 
@@ -39,7 +44,9 @@ def _run(scenario: Scenario, timeout_s=180):
 
 
 def _scenario(backend, model, num_attn, num_ffn, wire_mode="pair", **kw):
-    connector = dataclasses.replace(kw.pop("connector", ConnectorConfig()), wire_mode=wire_mode)
+    backend, _, transport = backend.partition("-")  # "cuda-put": the put transport
+    connector = dataclasses.replace(kw.pop("connector", ConnectorConfig()), wire_mode=wire_mode,
+                                    transport=transport or "direct")
     return Scenario(model, num_attn, num_ffn, backend=backend, poll_mode=POLL_MODE,
                     connector=connector, **kw)
 
@@ -116,11 +123,12 @@ def test_always_send_reaches_every_rank(backend):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("backend", CUDA_TRANSPORTS)  # put: are NVSHMEM's on-stream puts capturable?
 @pytest.mark.parametrize("num_attn,num_ffn", [(1, 1), (2, 2)])
-def test_attention_layers_replayed_from_cuda_graphs(num_attn, num_ffn):
+def test_attention_layers_replayed_from_cuda_graphs(backend, num_attn, num_ffn):
     # each layer's send + recv captured once, replayed 3 times with fresh inputs and NaN outputs
     replays, model = 3, _model(num_layers=3)
-    attn, ffn = _run(_scenario("cuda", model, num_attn, num_ffn, num_tokens=40, graph_replays=replays))
+    attn, ffn = _run(_scenario(backend, model, num_attn, num_ffn, num_tokens=40, graph_replays=replays))
     # every replay really sent: 40 tokens reach every FFN rank at every layer (no stale outputs)
     assert sum(r["served"] for r in ffn) == num_attn * model.num_layers * replays * num_ffn
     assert {layer for r in ffn for _, layer, *_ in r["history"]} == set(range(model.num_layers))
@@ -133,12 +141,13 @@ def _num_gpus():
 
 @pytest.mark.cuda
 @pytest.mark.multigpu
+@pytest.mark.parametrize("backend", CUDA_TRANSPORTS)
 @pytest.mark.parametrize("num_attn,num_ffn", [(1, 1), (2, 2)])
-def test_one_process_per_gpu_over_nvlink(num_attn, num_ffn):
+def test_one_process_per_gpu_over_nvlink(backend, num_attn, num_ffn):
     world = num_attn + num_ffn
     if _num_gpus() < world:
         pytest.skip(f"{num_attn}A{num_ffn}F needs {world} GPUs, {_num_gpus()} visible")
-    attn, ffn = _run(_scenario("cuda", _model(num_layers=3), num_attn, num_ffn, num_tokens=64))
+    attn, ffn = _run(_scenario(backend, _model(num_layers=3), num_attn, num_ffn, num_tokens=64))
     assert sorted(r["device_id"] for r in attn + ffn) == list(range(world))  # peers across GPUs
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import math
+import dataclasses
 import os
 import signal
 import time
@@ -22,10 +23,14 @@ from afd_cupy.ffn_worker import FFNWorker
 from afd_cupy.launch import DiedAsExpected, LaunchError, launch
 from afd_cupy.topology import Role, Topology
 
-BACKENDS = [pytest.param("host", id="host"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
+#: "cuda-put": the cuda backend with ConnectorConfig(transport="put") (design.md §6.1): the
+#: fault model must hold unchanged over NVSHMEM puts (the receivers' waits are the same)
+BACKENDS = [pytest.param("host", id="host"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda),
+            pytest.param("cuda-put", id="cuda-put", marks=pytest.mark.cuda)]
 #: (backend, wire_mode): the protocol's rules hold in both modes (add cuda dedup with its kernels)
 PATHS = [pytest.param("host", "pair", id="host"), pytest.param("host", "dedup", id="host-dedup"),
-         pytest.param("cuda", "pair", id="cuda", marks=pytest.mark.cuda)]
+         pytest.param("cuda", "pair", id="cuda", marks=pytest.mark.cuda),
+         pytest.param("cuda-put", "pair", id="cuda-put", marks=pytest.mark.cuda)]
 POLL_MODE = os.environ.get("AFD_TEST_POLL_MODE", "device")
 MODEL = ModelConfig(hidden_size=32, num_experts=4, top_k=2, moe_intermediate_size=16,
                     num_shared_experts=1, dtype="bfloat16", max_num_batched_tokens=16, num_layers=8)
@@ -38,6 +43,8 @@ def _identity(item):
 
 def _connect(ctx, backend, num_attn=1, num_ffn=1, *, model=MODEL, timeout_s=TIMEOUT_S, connector=None):
     role, role_rank = Topology(num_attn, num_ffn, model.num_experts).role_of(ctx.rank)
+    if backend == "cuda-put":
+        backend, connector = "cuda", dataclasses.replace(connector or ConnectorConfig(), transport="put")
     if backend == "cuda":
         torch.cuda.set_device(ctx.device_id or 0)
     return AFDConnector(model, TopologyConfig(num_attn, num_ffn), connector, role=role,

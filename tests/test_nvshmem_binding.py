@@ -112,6 +112,48 @@ def test_every_table_symbol_resolves():
     assert (major, minor) >= (3, 0), f"unexpected NVSHMEM version {major}.{minor}"
 
 
+def _installed_headers():
+    """``include/`` of the NVSHMEM install the binding would load (the wheel ships it next to
+    ``lib/``); skip when there is none."""
+    import os
+
+    path = nvshmem_lib.find_library()
+    include = None if path is None else os.path.join(os.path.dirname(os.path.dirname(path)), "include")
+    if include is None or not os.path.isdir(include):
+        pytest.skip("no NVSHMEM headers next to the library (nvidia-nvshmem wheel or AFD_NVSHMEM_LIB)")
+    return include
+
+
+_C_TYPES = {"void *": ctypes.c_void_p, "const void *": ctypes.c_void_p, "uint64_t *": ctypes.c_void_p,
+            "cudaStream_t": ctypes.c_void_p, "size_t": ctypes.c_size_t, "int": ctypes.c_int,
+            "uint64_t": ctypes.c_uint64}
+_PUT_SYMBOLS = ("nvshmemx_putmem_on_stream", "nvshmemx_putmem_signal_on_stream",
+                "nvshmemx_quiet_on_stream", "nvshmemx_signal_op_on_stream")
+
+
+def test_put_transport_prototypes_match_the_headers():
+    """The put transport's ctypes entries against ``host/nvshmemx_api.h`` of the installed
+    NVSHMEM (argument C types in order, void return), and the signal-op constants against
+    ``device_host_transport/nvshmem_common_transport.h``."""
+    import os
+    import re
+
+    include = _installed_headers()
+    with open(os.path.join(include, "host", "nvshmemx_api.h")) as f:
+        api = f.read()
+    for symbol in _PUT_SYMBOLS:
+        match = re.search(rf"\bvoid\s+{symbol}\s*\(([^)]*)\)", api)
+        assert match, f"{symbol} not declared in host/nvshmemx_api.h"
+        params = [" ".join(p.split()) for p in match.group(1).split(",")]
+        expected = [_C_TYPES[re.sub(r"\s*\*", " *", re.sub(r"\s*\w+$", "", p))] for p in params]
+        restype, argtypes = nvshmem_lib.PROTOTYPES[symbol]
+        assert restype is None and argtypes == expected, (symbol, params, argtypes)
+    with open(os.path.join(include, "device_host_transport", "nvshmem_common_transport.h")) as f:
+        common = f.read()
+    assert re.search(rf"NVSHMEM_SIGNAL_SET\s*=\s*{nvshmem_lib.NVSHMEM_SIGNAL_SET}\b", common)
+    assert re.search(rf"NVSHMEM_SIGNAL_ADD\s*=\s*{nvshmem_lib.NVSHMEM_SIGNAL_ADD}\b", common)
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: several PEs (processes) on one or more GPUs
 # ---------------------------------------------------------------------------------------------
@@ -157,38 +199,3 @@ def test_nvshmem_every_pe_writes_every_peer(nprocs):
         assert was_zero, f"rank {rank}: fresh buffers not zero"
         assert bad == [], f"rank {rank} saw wrong regions (buffer, source): {bad}"
         assert not still_alive, f"rank {rank}: heap still marked alive after close()"
-
-
-# --- NVSHMEM's environment: one explicit dict, applied in one place (CPU) ----------------------
-def test_nvshmem_env_builds_one_validated_dict():
-    from afd_cupy.errors import ConfigError
-    from afd_cupy.heap.nvshmem import NVSHMEM_DEFAULTS, nvshmem_env
-
-    assert nvshmem_env() == NVSHMEM_DEFAULTS == {"NVSHMEM_DISABLE_NCCL": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-    env = nvshmem_env(remote_transport="ibrc", symmetric_size=3 << 30,
-                      extra={"NVSHMEM_HCA_LIST": "mlx5_0:1"})
-    assert env == {**NVSHMEM_DEFAULTS, "NVSHMEM_REMOTE_TRANSPORT": "ibrc",
-                   "NVSHMEM_SYMMETRIC_SIZE": str(3 << 30), "NVSHMEM_HCA_LIST": "mlx5_0:1"}
-    with pytest.raises(ConfigError, match=r"remote_transport must be one of .* got 'rdma'"):
-        nvshmem_env(remote_transport="rdma")
-    for bad in (0, -5, 1.5, True):
-        with pytest.raises(ConfigError, match=rf"symmetric_size must be a positive int \(bytes\), got {bad!r}"):
-            nvshmem_env(symmetric_size=bad)
-    with pytest.raises(ConfigError, match="extra may only set NVSHMEM_\\* variables, got 'CUDA_VISIBLE_DEVICES'"):
-        nvshmem_env(extra={"CUDA_VISIBLE_DEVICES": "0"})
-
-
-def test_apply_nvshmem_env_sets_defaults_lets_the_user_win_and_refuses_conflicts():
-    from afd_cupy.errors import ConfigError
-    from afd_cupy.heap.nvshmem import apply_nvshmem_env, nvshmem_env
-
-    environ = {"NVSHMEM_DISABLE_NCCL": "0"}  # the user's choice beats afd_cupy's default
-    apply_nvshmem_env(nvshmem_env(symmetric_size=1 << 30), environ)
-    assert environ == {"NVSHMEM_DISABLE_NCCL": "0", "NVSHMEM_DISABLE_NVLS": "1",
-                       "NVSHMEM_SYMMETRIC_SIZE": str(1 << 30)}
-    apply_nvshmem_env(nvshmem_env(symmetric_size=1 << 30), environ)  # the same again: no change
-    assert environ["NVSHMEM_SYMMETRIC_SIZE"] == str(1 << 30)
-    with pytest.raises(ConfigError, match=r"NVSHMEM_SYMMETRIC_SIZE='2147483648' was requested, but the "
-                                          r"environment already has NVSHMEM_SYMMETRIC_SIZE='1073741824'"):
-        apply_nvshmem_env(nvshmem_env(symmetric_size=2 << 30), environ)
-    assert environ["NVSHMEM_SYMMETRIC_SIZE"] == str(1 << 30)

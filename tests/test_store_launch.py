@@ -241,15 +241,16 @@ def _lonely_attention(ctx: ProcessContext):
                         num_shared_experts=0, dtype="float32", max_num_batched_tokens=8, num_layers=2)
     start = time.monotonic()
     try:
-        AFDConnector(model, TopologyConfig(1, 1), role="attention", role_rank=0, store=ctx.store(),
+        AFDConnector(model, TopologyConfig(1, 2), role="attention", role_rank=0, store=ctx.store(),
                      job_id=ctx.job_id, backend="host", startup_timeout_s=3.0).close()
         return {"error": None}
     except PeerTimeoutError as err:
         return {"error": str(err), "elapsed": time.monotonic() - start}
 
 
-def _run_nodes(nodes, port, job_id, args=(), fn=None, world_size=None):
-    """Run each (first_rank, nprocs) node as its own launch, concurrently; results by node."""
+def _run_nodes(nodes, port, job_id, args=(), fn=None, world_size=None, host_first=False, **kwargs):
+    """Run each (first_rank, nprocs) node as its own launch, concurrently; results by node.
+    ``host_first``: the first node hosts the store master (else one exists at ``port``)."""
     import threading
 
     from afd_cupy.testing.scenario import run_rank
@@ -260,7 +261,8 @@ def _run_nodes(nodes, port, job_id, args=(), fn=None, world_size=None):
         try:
             results[first] = launch(fn or run_rank, count, args=args, world_size=world_size,
                                     first_rank=first, store_addr=("127.0.0.1", port),
-                                    job_id=job_id, timeout_s=120)
+                                    job_id=job_id, timeout_s=120,
+                                    host_store=host_first and first == nodes[0][0], **kwargs)
         except BaseException as err:  # noqa: BLE001 - reported below
             errors[first] = err
 
@@ -273,11 +275,13 @@ def _run_nodes(nodes, port, job_id, args=(), fn=None, world_size=None):
     return results
 
 
-@pytest.mark.parametrize("num_attn,num_ffn,nodes", [(1, 1, ((0, 1), (1, 1))), (2, 2, ((0, 2), (2, 2)))],
-                         ids=["1A|1F", "2A|2F"])
-def test_two_launches_sharing_one_store_run_one_job(num_attn, num_ffn, nodes):
+@pytest.mark.parametrize("num_attn,num_ffn,nodes,host_first", [
+    (1, 1, ((0, 1), (1, 1)), False), (2, 2, ((0, 2), (2, 2)), False), (2, 2, ((0, 2), (2, 2)), True)],
+    ids=["1A|1F", "2A|2F", "2A|2F-hosted"])
+def test_two_launches_sharing_one_store_run_one_job(num_attn, num_ffn, nodes, host_first):
     """Node A runs the Attention ranks, node B the FFN ranks: two launches, one TCPStore master
-    on a real port started by neither, one job id; every output matches the reference."""
+    on a real port (started by neither, or hosted by node A, which then keeps it until node B's
+    ranks are done), one job id; every output matches the reference."""
     import uuid
 
     from afd_cupy.config import ModelConfig
@@ -287,9 +291,11 @@ def test_two_launches_sharing_one_store_run_one_job(num_attn, num_ffn, nodes):
                         num_shared_experts=1, dtype="bfloat16", max_num_batched_tokens=32, num_layers=2)
     scenario = Scenario(model, num_attn, num_ffn, backend="host", num_tokens=20)
     port = free_port()
-    master = create_store("127.0.0.1", port, num_attn + num_ffn, is_master=True, timeout_s=60)
+    master = None if host_first else create_store("127.0.0.1", port, num_attn + num_ffn,
+                                                  is_master=True, timeout_s=60)
     job_id = uuid.uuid4().hex[:12]
-    results = _run_nodes(nodes, port, job_id, args=(scenario,), world_size=num_attn + num_ffn)
+    results = _run_nodes(nodes, port, job_id, args=(scenario,), world_size=num_attn + num_ffn,
+                         host_first=host_first)
     del master
     attn = results[0]
     ffn = results[nodes[1][0]]
@@ -302,17 +308,34 @@ def test_two_launches_sharing_one_store_run_one_job(num_attn, num_ffn, nodes):
 
 
 def test_a_node_that_never_starts_is_named_within_the_startup_timeout():
+    """Only node A starts: its rank's connector gives up at its own start-up timeout naming the
+    missing peer, and the launch itself raises the rendezvous' PeerTimeoutError naming every
+    missing world rank, at the launch's startup_timeout_s."""
+    import threading
     import uuid
 
-
     port = free_port()
-    master = create_store("127.0.0.1", port, 2, is_master=True, timeout_s=60)
+    master = create_store("127.0.0.1", port, 3, is_master=True, timeout_s=60)
     job_id = uuid.uuid4().hex[:12]
     start = time.monotonic()
-    (lonely,) = _run_nodes(((0, 1),), port, job_id, fn=_lonely_attention, world_size=2)[0]
+    caught = {}
+
+    def node_a():
+        try:
+            launch(_lonely_attention, 1, world_size=3, store_addr=f"127.0.0.1:{port}",
+                   job_id=job_id, timeout_s=60, startup_timeout_s=5.0)
+        except BaseException as err:  # noqa: BLE001 - checked below
+            caught["err"] = err
+
+    thread = threading.Thread(target=node_a)
+    thread.start()
+    thread.join()
     del master
-    assert lonely["error"] is not None and "peer 1" in lonely["error"], lonely
-    assert lonely["elapsed"] < 10.0 and time.monotonic() - start < 60.0
+    err = caught.get("err")
+    assert isinstance(err, PeerTimeoutError), err
+    assert "world ranks [1, 2] of 3 did not join within 5.0 s" in str(err), err
+    assert err.missing_ranks == [1, 2] and err.peer == 1
+    assert time.monotonic() - start < 30.0
 
 
 def test_launch_refuses_a_partial_job_without_a_shared_store():

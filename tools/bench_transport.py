@@ -43,12 +43,18 @@ shape runs inside it.
     (``LINK_GBPS``); decode rows also the dispatch alone (``dispatch_us``: CUDA events around
     ``send_attn_output`` on cuda, wall time on host).
 
+(e) ``--transport both`` (cuda): direct stores and the put transport (docs/design.md §6.1,
+    every peer by NVSHMEM puts, on one node) side by side in the same run, with issue #16's
+    targets: put within 1.3x of direct for prefill (dispatch + combine), within 20 us of it for
+    the 128-token decode round trip. Every row carries its ``transport``.
+
 On the host backend everything is numpy/shared memory at a tiny size: the numbers measure the
 host protocol (and are labelled so), not a GPU transport; times are wall times.
 
     python3 tools/bench_transport.py --quick --out OUT     # GPU (< 4 min on one H200, MPS)
     python3 tools/bench_transport.py --quick --backend host
     python3 tools/bench_transport.py --quick --wire-mode both --ffn 1 2   # issue #12's table
+    python3 tools/bench_transport.py --quick --transport both --out OUT   # issue #16's table
 """
 from __future__ import annotations
 
@@ -75,6 +81,7 @@ EXPERTS_FOR_TOPK = {6: 64, 8: 256}
 IDENTITY_CHECK_TOL = 2e-2  # out must equal 2 * hidden (sum of renormalized weights + shared)
 LINK_GBPS = 450.0  # one H200 NVLink pair, one direction (issue #12): bytes / LINK_GBPS = the floor
 WIRE_MODE_CHOICES = ("pair", "dedup", "both")
+TRANSPORT_CHOICES = ("direct", "put", "both")
 RFC_LABEL = ("in-process torch-ops equivalent of the reference (RFC) connector: stable argsort + "
              "bincount + counts .cpu() + per-peer index_select/copy_ (+ header H2D, flag write) "
              "into F window-sized buffers on the same device; combine = .item() polling of the F "
@@ -110,6 +117,7 @@ class Group:
     peer_timeout_s: float = 60.0
     nccl_baseline: bool = False
     wire_mode: str = "pair"
+    transport: str = "direct"
 
     @property
     def num_experts(self) -> int:
@@ -122,10 +130,10 @@ class Group:
                            max_num_batched_tokens=max_tokens, num_layers=1)
 
     def connector(self) -> ConnectorConfig:
-        return ConnectorConfig(wire_mode=self.wire_mode)
+        return ConnectorConfig(wire_mode=self.wire_mode, transport=self.transport)
 
     def describe(self) -> str:
-        return (f"{self.wire_mode} hidden={self.hidden} top-{self.top_k} F={self.num_ffn} "
+        return (f"{self.wire_mode} {self.transport} hidden={self.hidden} top-{self.top_k} F={self.num_ffn} "
                 f"decode={list(self.decode_tokens)} prefill={list(self.prefill_tokens)}")
 
 
@@ -200,7 +208,7 @@ def _decode_point(conn, group: Group, num_tokens: int, device, watch) -> dict:
     times_us = _wall_times_us(group, lambda: conn.recv_ffn_output(conn.send_attn_output(hidden, ids, weights, 0)))
     per_layer_us = _pipelined(conn, group, hidden, ids, weights, watch)
     row = {"tokens": num_tokens, "hidden": group.hidden, "top_k": group.top_k, "num_ffn": group.num_ffn,
-           "wire_mode": group.wire_mode, **_wire_bytes(conn, ids),
+           "wire_mode": group.wire_mode, "transport": group.transport, **_wire_bytes(conn, ids),
            "dispatch_us": _decode_dispatch_us(conn, group, hidden, ids, weights, watch),
            "iters": len(times_us), "rt_median_us": bc.median(times_us),
            "rt_p99_us": bc.percentile(times_us, 99), "rt_min_us": min(times_us),
@@ -340,7 +348,7 @@ def _prefill_point(conn, group: Group, num_tokens: int, device, watch) -> dict:
             roundtrip_ms.append(round_trip)
     _check_identity(out, hidden, f"prefill {num_tokens} tokens")
     row = {"tokens": num_tokens, "hidden": group.hidden, "top_k": group.top_k, "num_ffn": group.num_ffn,
-           "wire_mode": group.wire_mode, **_wire_bytes(conn, ids),
+           "wire_mode": group.wire_mode, "transport": group.transport, **_wire_bytes(conn, ids),
            "iters": len(dispatch_ms), "bytes": _payload_bytes(conn, ids),
            "dispatch_ms": bc.median(dispatch_ms), "combine_ms": bc.median(combine_ms),
            "roundtrip_ms": bc.median(roundtrip_ms)}
@@ -593,9 +601,13 @@ def plan_groups(args, backend: str) -> list[Group]:
     iters, warmup, layers, p_iters, p_warmup = ITERS[(backend, args.quick)]
     iters = args.iters or iters
     modes = ("pair", "dedup") if args.wire_mode == "both" else (args.wire_mode,)
-    return [dataclasses.replace(group, wire_mode=mode) for group in
+    transports = ("direct", "put") if args.transport == "both" else (args.transport,)
+    if backend != "cuda" and transports != ("direct",):
+        raise SystemExit(f"--transport {args.transport}: the put transport runs on the cuda backend only")
+    return [dataclasses.replace(group, wire_mode=mode, transport=tr) for group in
             _shape_groups(args, backend, decode, hiddens, topks, ffns, prefill, prefill_shape,
-                          (iters, warmup, layers, p_iters, p_warmup)) for mode in modes]
+                          (iters, warmup, layers, p_iters, p_warmup)) for mode in modes
+            for tr in transports]
 
 
 def _shape_groups(args, backend, decode, hiddens, topks, ffns, prefill, prefill_shape, counts) -> list:
@@ -643,12 +655,59 @@ def run_group(group: Group, timeout_s: float) -> dict:
 def targets(decode: list, prefill: list) -> list:
     """The shared targets per wire mode measured (labelled with the mode when both ran), after
     issue #12's dedup targets; the copy-bandwidth target stays last."""
+    out = _transport_targets(decode, prefill)
+    if any(r.get("transport") == "direct" for r in decode + prefill):  # the shared targets: direct rows
+        decode = [r for r in decode if r.get("transport", "direct") == "direct"]
+        prefill = [r for r in prefill if r.get("transport", "direct") == "direct"]
     modes = [m for m in ("pair", "dedup") if any(r["wire_mode"] == m for r in decode + prefill)] or ["pair"]
-    out = _dedup_targets(decode, prefill) if len(modes) == 2 else []
+    out += _dedup_targets(decode, prefill) if len(modes) == 2 else []
     for mode in modes:
         out += _mode_targets([r for r in decode if r["wire_mode"] == mode],
                              [r for r in prefill if r["wire_mode"] == mode],
                              f" [{mode}]" if len(modes) == 2 else "")
+    return out
+
+
+def transport_side_by_side(decode: list, prefill: list) -> list:
+    """Direct and put rows of the same point and wire mode next to each other (issue #16):
+    decode: round-trip medians and put - direct (us); prefill: dispatch + combine (ms) and
+    put / direct."""
+    out = []
+    for kind, rows in (("decode", decode), ("prefill", prefill)):
+        by_point = {}
+        for row in rows:
+            point = (row["wire_mode"], row["tokens"], row["hidden"], row["top_k"], row["num_ffn"])
+            by_point.setdefault(point, {})[row.get("transport", "direct")] = row
+        for point, pair in sorted(by_point.items()):
+            if set(pair) != {"direct", "put"}:
+                continue
+            direct, put = (_point_time(kind, pair[t]) for t in ("direct", "put"))
+            out.append({"kind": kind, "wire_mode": point[0], "tokens": point[1], "hidden": point[2],
+                        "top_k": point[3], "num_ffn": point[4], "direct": direct, "put": put,
+                        "put_minus_direct": put - direct, "put_over_direct": _ratio(put, direct),
+                        "time_unit": "us (rt median)" if kind == "decode" else "ms (dispatch+combine)"})
+    return out
+
+
+def _transport_targets(decode: list, prefill: list) -> list:
+    """Issue #16's targets, when both transports ran: put within 1.3x of direct for prefill
+    (the largest prefill point of each F), within 20 us for the 128-token decode round trip."""
+    pairs = transport_side_by_side(decode, prefill)
+    if not pairs:
+        return []
+    out = []
+    for row in (r for r in pairs if r["kind"] == "decode" and r["tokens"] == 128):
+        out.append(bc.target_row(
+            f"put vs direct, decode round trip, 128 tok, hidden {row['hidden']}, top-{row['top_k']}, "
+            f"1A{row['num_ffn']}F [{row['wire_mode']}]", "<= +20 us", row["put_minus_direct"],
+            "us (put - direct, median)", lambda v: v <= 20.0, "same run, blocking send+recv"))
+    prefill_rows = [r for r in pairs if r["kind"] == "prefill"]
+    for num_ffn in sorted({r["num_ffn"] for r in prefill_rows}):
+        row = max((r for r in prefill_rows if r["num_ffn"] == num_ffn), key=lambda r: r["tokens"])
+        out.append(bc.target_row(
+            f"put vs direct, prefill {row['tokens']} tok, hidden {row['hidden']}, top-{row['top_k']}, "
+            f"F={num_ffn} [{row['wire_mode']}]", "<= 1.3x", row["put_over_direct"],
+            "x direct (dispatch+combine)", lambda v: v <= 1.3, "same run"))
     return out
 
 
@@ -676,7 +735,7 @@ def side_by_side(decode: list, prefill: list) -> list:
     for kind, rows in (("decode", decode), ("prefill", prefill)):
         by_point = {}
         for row in rows:
-            point = (row["tokens"], row["hidden"], row["top_k"], row["num_ffn"])
+            point = (row["tokens"], row["hidden"], row["top_k"], row["num_ffn"], row.get("transport", "direct"))
             by_point.setdefault(point, {})[row["wire_mode"]] = row
         for point, modes in sorted(by_point.items()):
             if set(modes) != {"pair", "dedup"}:
@@ -803,6 +862,12 @@ def print_summary(report: dict) -> None:
               r["pair_reply_bytes"] / 1e6, r["dedup_reply_bytes"] / 1e6, r["bytes_ratio"], r["pair_time"],
               r["dedup_time"], r["time_ratio"], r["pair_dispatch_us"], r["dedup_dispatch_us"])
              for r in report["side_by_side"]]))
+    if report.get("transport_side_by_side"):
+        print("\n(e) transports side by side (decode: rt median us; prefill: dispatch + combine ms)")
+        print(bc.format_table(
+            ("kind", "mode", "tokens", "hidden", "top-k", "F", "direct", "put", "put - direct", "put / direct"),
+            [(r["kind"], r["wire_mode"], r["tokens"], r["hidden"], r["top_k"], r["num_ffn"], r["direct"],
+              r["put"], r["put_minus_direct"], r["put_over_direct"]) for r in report["transport_side_by_side"]]))
     print("\n(c) targets")
     print(bc.targets_table(report["targets"]))
 
@@ -819,6 +884,9 @@ def parse_args(argv=None):
     parser.add_argument("--timeout", type=float, default=300.0, help="per launch, seconds")
     parser.add_argument("--wire-mode", choices=WIRE_MODE_CHOICES, default="pair",
                         help="ConnectorConfig.wire_mode; 'both': one launch per mode, side by side")
+    parser.add_argument("--transport", choices=TRANSPORT_CHOICES, default="direct",
+                        help="ConnectorConfig.transport (cuda): 'put' forces NVSHMEM puts for every "
+                             "peer; 'both': one launch per transport, side by side (issue #16)")
     parser.add_argument("--nccl-baseline", action="store_true",
                         help="prefill baseline 3: all_to_all_single over torch NCCL between the same "
                              "processes (cuda, one GPU per process; skipped with a message otherwise)")
@@ -840,6 +908,7 @@ def main(argv=None) -> int:
         prefill += result["prefill"]
         devices.add(result["device"])
     report = {"tool": "bench_transport", "backend": backend, "quick": args.quick, "wire_mode": args.wire_mode,
+              "transport": args.transport,
               "label": HOST_LABEL if backend == "host" else "",
               "device": ", ".join(sorted(devices)), "run": bc.run_info(backend),
               "poll_mode": args.poll_mode if backend == "cuda" else "host",
@@ -864,6 +933,7 @@ def main(argv=None) -> int:
                   "dispatch_us": "decode: median of send_attn_output alone (CUDA events on cuda, wall on "
                                  "host), each followed by an untimed receive"},
               "decode": decode, "prefill": prefill, "side_by_side": side_by_side(decode, prefill),
+              "transport_side_by_side": transport_side_by_side(decode, prefill),
               "targets": targets(decode, prefill),
               "wall_s": time.perf_counter() - started}
     if args.nccl_baseline:

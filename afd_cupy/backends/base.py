@@ -53,6 +53,7 @@ class PathContext:
     peer_timeout_s: float
     always_send: bool = False
     poll_mode: str = "device"
+    transport: str = "direct"  # ConnectorConfig.transport (docs/design.md §6.1)
 
     @property
     def world_rank(self) -> int:
@@ -161,11 +162,12 @@ class DataPath(Protocol):
         (a peer timed out or died) the closing barrier is short: close() returns promptly."""
 
 
-def require_backend(backend: str, wire_mode: str = "pair"):
-    """The module of ``backend`` once it is known to be able to run ``wire_mode`` here.
+def require_backend(backend: str, wire_mode: str = "pair", transport: str = "direct"):
+    """The module of ``backend`` once it is known to be able to run ``wire_mode`` over
+    ``transport`` here.
 
-    Raises ConfigError for an unknown name or a wire mode the backend does not implement
-    (its module's ``WIRE_MODES``), BackendUnavailableError when its libraries are missing
+    Raises ConfigError for an unknown name, a wire mode or a transport the backend does not
+    implement (its module's ``WIRE_MODES`` / ``TRANSPORTS``), BackendUnavailableError when its libraries are missing
     (checked before any collective step, so a misconfigured rank fails alone and fast).
     """
     if backend not in BACKEND_MODULES:
@@ -175,6 +177,10 @@ def require_backend(backend: str, wire_mode: str = "pair"):
     if wire_mode not in modes:
         raise ConfigError(f"backend {backend!r} does not implement wire_mode={wire_mode!r} (it "
                           f"implements {modes}); use wire_mode='pair' or backend='host'")
+    transports = getattr(module, "TRANSPORTS", ("direct", "auto"))
+    if transport not in transports:
+        raise ConfigError(f"backend {backend!r} does not implement transport={transport!r} (it "
+                          f"implements {transports})")
     try:
         module.require_available()
     except ImportError as exc:
@@ -196,7 +202,7 @@ def open_path(backend: str, ctx: PathContext, *, store, job_id: str, device_id: 
     """
     if ctx.poll_mode not in POLL_MODES:
         raise ConfigError(f"poll_mode must be one of {POLL_MODES}, got {ctx.poll_mode!r}")
-    module = require_backend(backend, ctx.wire_mode)
+    module = require_backend(backend, ctx.wire_mode, ctx.transport)
     return module.open_path(ctx, store=store, job_id=job_id, device_id=device_id,
                             startup_timeout_s=startup_timeout_s, instance=instance,
                             nvshmem_env=nvshmem_env)

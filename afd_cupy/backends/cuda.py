@@ -14,6 +14,7 @@ spinning kernels time-slice with the peers' kernels (correct, but ~100 ms per sw
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from afd_cupy import wire
@@ -35,6 +36,8 @@ except ImportError:  # CPU-only torch builds
 #: own kernels (docs/design.md §3.5, "Device steps"); until they exist, asking for it is a
 #: ConfigError from ``require_backend`` before any collective step.
 WIRE_MODES = ("pair",)
+#: transports (``ConnectorConfig.transport``, docs/design.md §6.1)
+TRANSPORTS = ("direct", "put", "auto")
 
 
 def open_path(ctx: PathContext, *, store, job_id: str, device_id, startup_timeout_s: float,
@@ -43,14 +46,18 @@ def open_path(ctx: PathContext, *, store, job_id: str, device_id, startup_timeou
     from afd_cupy.heap.nvshmem import NvshmemHeap
     from afd_cupy.window import Window
 
+    from afd_cupy.backends.cuda_put import open_put_channel
+
     heap = NvshmemHeap(ctx.world_rank, ctx.topology.world_size, store, job_id, device_id or 0,
                        timeout_s=startup_timeout_s, env=nvshmem_env)
     try:
-        window = Window(heap, ctx.layout, store, name=f"window{instance}")
+        window = Window(heap, ctx.layout, store, name=f"window{instance}",
+                        allow_unmapped=ctx.transport != "direct")
+        put, is_put = open_put_channel(heap, window, ctx.layout, ctx, instance=instance)
     except BaseException:
         heap.close(peers_healthy=False)
         raise
-    return CudaDataPath(ctx, heap, window)
+    return CudaDataPath(ctx, heap, window, put=put, peer_is_put=is_put)
 
 
 class CudaDataPath(CudaAttentionSide, CudaFFNSide):
@@ -62,7 +69,7 @@ class CudaDataPath(CudaAttentionSide, CudaFFNSide):
 
     supports_nonblocking = True
 
-    def __init__(self, ctx: PathContext, heap, window):
+    def __init__(self, ctx: PathContext, heap, window, *, put=None, peer_is_put=None):
         if ctx.wire_mode not in WIRE_MODES:
             raise ConfigError(f"the cuda backend implements wire_mode {WIRE_MODES}, not "
                               f"{ctx.wire_mode!r} (its dedup kernels do not exist yet)")
@@ -72,6 +79,10 @@ class CudaDataPath(CudaAttentionSide, CudaFFNSide):
         self.ctx = ctx
         self.heap = heap
         self.window = window
+        # the put transport (docs/design.md §6.1): a cuda_put.PutChannel when some opposite
+        # peer (by role rank) is reached by NVSHMEM puts, which peer_is_put names
+        self.put = put
+        self.peer_is_put = list(peer_is_put or [False] * len(ctx.opposite_pes()))
         self.layout = layout = ctx.layout
         self.device_id = heap.device_id
         self.device = torch.device("cuda", self.device_id)
@@ -139,10 +150,25 @@ class CudaDataPath(CudaAttentionSide, CudaFFNSide):
                                    layout.expert_per_rank)
         stream = self.stream()
         with stream:
-            for pe in ctx.opposite_pes():
+            for peer, pe in enumerate(ctx.opposite_pes()):
                 for ring in range(layout.ring_depth):
-                    self.window.write_message(pe, ctx.role_rank, ring, words, wire.SHUTDOWN_SEQ)
+                    if self.peer_is_put[peer]:
+                        self._put_control(stream, peer, ring, words, wire.SHUTDOWN_SEQ)
+                    else:
+                        self.window.write_message(pe, ctx.role_rank, ring, words, wire.SHUTDOWN_SEQ)
         stream.synchronize()
+
+    def _put_control(self, stream, peer: int, ring: int, words, seq: int) -> None:
+        """A header-only message to a put peer: the words into staging slot (peer, ring), then
+        a put-with-signal of the header setting the peer's flag to ``seq`` (§6.1)."""
+        from afd_cupy import transport
+
+        words = np.ascontiguousarray(words, np.int32)
+        runtime = self.cp.cuda.runtime
+        # NOTE: a pageable-source H2D copy has returned once the source was read
+        runtime.memcpyAsync(self.put.staging_slot(peer, ring) + self.layout.field_offset("header"),
+                            words.ctypes.data, words.nbytes, runtime.memcpyHostToDevice, stream.ptr)
+        self.put.send_signaled(stream.ptr, peer, ring, transport.control_ranges(self.layout), seq)
 
     def close(self, *, peers_healthy: bool = True) -> None:
         """Wait for this rank's queued kernels (all bounded by their timeouts), then release

@@ -115,7 +115,8 @@ class CudaAttentionSide:
         cp, ctx, layout = self.cp, self.ctx, self.layout
         num_ffn = ctx.num_ffn_ranks
         max_partials = layout.token_cap * layout.top_k
-        self.peer_windows = cp.array([self.window.peer_ptr(ctx.peer_pe(Role.FFN, j))
+        # 0 marks an FFN rank reached by puts: the scatter fills the staging instead (§6.1)
+        self.peer_windows = cp.array([0 if self.peer_is_put[j] else self.window.peer_ptr(ctx.peer_pe(Role.FFN, j))
                                       for j in range(num_ffn)], dtype=cp.uint64)
         self.seq_counters = cp.zeros((layout.ring_depth, num_ffn), cp.int64)
         self.scratch = [DispatchScratch.allocate(max_partials, num_ffn, layout.expert_per_rank)
@@ -176,7 +177,7 @@ class CudaAttentionSide:
             always_send=int(ctx.always_send), pos_out=scratch.pos, src_rank=ctx.role_rank,
             layer_idx=0, stage_idx=0, hdr_flags=0, seq_counters=self.seq_counters[ring],
             expected=expected, expected_counts=self.expected_counts[ring],
-            done_counter=scratch.scatter_done)
+            done_counter=scratch.scatter_done, staging=self.put.staging_base if self.put else 0)
         wait = kernels.wait_replies_spec(**replies)
         combine = kernels.combine_spec(
             dtype_code=self.dtype_code, out=self.own_window, num_tokens=cap,
@@ -275,6 +276,9 @@ class CudaAttentionSide:
         scatter.set("layer_idx", layer_idx)
         scatter.set("stage_idx", stage_idx)
         scatter.launch(stream, kernels.scatter_grid(num_tokens, layout.top_k, int(ctx.has_shared)))
+        if self.put is not None:  # put peers: staging -> their windows, flags last (§6.1)
+            self.put.after_dispatch(stream, ring, num_tokens, num_ffn_ranks=ctx.num_ffn_ranks,
+                                    has_shared=ctx.has_shared)
         return CudaSendState(ring, self.expected[ring], ids, hidden, num_tokens)
 
     def _dispatch_dedup(self, launches: dict, stream: int, hidden: torch.Tensor, ids: torch.Tensor,

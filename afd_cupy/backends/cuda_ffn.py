@@ -187,6 +187,9 @@ class CudaFFNSide(CudaFFNDedupSteps):
         # it only for work queued later on this same stream, after the kernel has read it.
         stream = self.stream_ptr()
         launch.launch(stream, grid)
+        if self.peer_is_put[arrival.region]:  # staging -> the sender's window, flag = seq (§6.1)
+            self.put.after_reply(stream, arrival.region, arrival.ring, routed_rows=num_routed,
+                                 shared_rows=num_shared, seq=seq)
         event = self.staging_events[slot][row % STAGING_DEPTH]
         if event is None:
             event = self.staging_events[slot][row % STAGING_DEPTH] = self.cp.cuda.Event(disable_timing=True)
@@ -211,11 +214,13 @@ class CudaFFNSide(CudaFFNDedupSteps):
         """The reply kernel of one (Attention rank, ring), checked and packed once."""
         layout, ctx = self.layout, self.ctx
         slot = layout.slot_index(attn_rank, ring)
-        dst_window = self.window.peer_ptr(ctx.peer_pe(Role.ATTENTION, attn_rank))
+        dst_window = (0 if self.peer_is_put[attn_rank]  # 0: the kernel writes the put staging
+                      else self.window.peer_ptr(ctx.peer_pe(Role.ATTENTION, attn_rank)))
         if layout.is_dedup:
             return self._dedup_reply_launch(attn_rank, ring, dst_window, self.reply_done[slot])
         return kernels.PackedLaunch(kernels.reply_spec(
             dtype_code=self.dtype_code, dst_window=dst_window,
+            staging=self.put.staging_base if self.put else 0, dst_peer=attn_rank,
             geo=self.geometry, src_rank=ctx.role_rank, ring=ring, routed_out=0, num_routed=0,
             shared_out=0, num_shared=0, hidden_size=layout.hidden_size,
             header_src=self.staging.ptr, seq=0, done_counter=self.reply_done[slot]))

@@ -40,6 +40,9 @@ class HostSendState:
     error: AfdError | None = None
 
 
+#: transports (``ConnectorConfig.transport``): shared memory maps every peer on the host, so
+#: ``"auto"`` is direct; ``"put"`` (NVSHMEM puts) exists on the cuda backend only
+TRANSPORTS = ("direct", "auto")
 #: wire modes this backend implements (``ConnectorConfig.wire_mode``)
 WIRE_MODES = ("pair", "dedup")
 

@@ -48,15 +48,20 @@ def segment_glob(job_id: str) -> str:
     return os.path.join(SHM_DIR, f"{_SEGMENT_PREFIX}{glob.escape(_sanitize(job_id))}_*")
 
 
-def cleanup_job_segments(job_id: str) -> list[str]:
-    """Unlink every ``/dev/shm/afd_{job_id}_*`` left behind (e.g. by killed processes).
+def cleanup_job_segments(job_id: str, ranks=None) -> list[str]:
+    """Unlink every ``/dev/shm/afd_{job_id}_*`` left behind (e.g. by killed processes), or
+    only those of world ranks ``ranks`` (a launch that started part of the job must not
+    unlink a segment another launch's live rank still has to map).
 
     Not collective; meant for the launcher's ``finally``. Returns the paths removed.
     NOTE: job ids must not be prefixes of one another (the launcher uses random hex ids).
     """
     pattern = segment_glob(job_id)
+    suffixes = None if ranks is None else tuple(f"_{int(rank)}" for rank in ranks)
     removed = []
     for path in glob.glob(pattern):
+        if suffixes is not None and not path.endswith(suffixes):
+            continue
         try:
             os.unlink(path)
             removed.append(path)

@@ -7,20 +7,22 @@ store, allocates symmetric buffers and maps every PE's copy as a cupy array
 runtime). Importing this module loads neither CuPy nor the library: both happen in the
 constructor.
 
-Environment: the constructor applies ``env`` (default :func:`nvshmem_env`'s defaults) with
-:func:`apply_nvshmem_env` before NVSHMEM initializes: a variable already set wins over a
-default, and conflicts with a requested value raise. ``NVSHMEM_SYMMETRIC_SIZE`` (NVSHMEM's own) bounds the
-heap. ``AFD_NVSHMEM_LIB`` is read by the binding through :mod:`afd_cupy.env`.
+Environment: the constructor applies ``env`` (default: afd_cupy's defaults) with
+:func:`~afd_cupy.heap.nvshmem_env.apply_nvshmem_env` before NVSHMEM initializes; the dict, its
+validation and its precedence rules live in :mod:`afd_cupy.heap.nvshmem_env` (re-exported
+here). ``NVSHMEM_SYMMETRIC_SIZE`` bounds the heap. ``AFD_NVSHMEM_LIB`` is read by the binding
+through :mod:`afd_cupy.env`.
 """
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
 
-from afd_cupy.errors import (BackendUnavailableError, ConfigError, HeapError, NvshmemError,
+from afd_cupy.errors import (BackendUnavailableError, HeapError, NvshmemError,
                              PeerTimeoutError)
 from afd_cupy.heap.base import UNHEALTHY_CLOSE_S, SymmetricBuffer, SymmetricHeap
+from afd_cupy.heap.nvshmem_env import (NVSHMEM_DEFAULTS, REMOTE_TRANSPORTS,  # noqa: F401 - re-exported
+                                       apply_nvshmem_env, nvshmem_env, nvshmem_heap_bytes)
 from afd_cupy.heap.nvshmem_lib import (NVSHMEMX_INIT_WITH_UNIQUEID, STATUS_NOT_INITIALIZED,
                                        SUPPORTED_MAJOR, UniqueId, _check, library_version,
                                        load_library, new_init_attr, new_unique_id)
@@ -28,61 +30,8 @@ from afd_cupy.store import Store, store_barrier, store_fetch, store_publish
 
 logger = logging.getLogger("afd_cupy")
 
-
-#: afd_cupy's defaults, applied unless the environment already sets the variable:
-#: - ``NVSHMEM_DISABLE_NCCL=1``: afd_cupy uses no NVSHMEM collectives that need NCCL, and
-#:   loading NCCL into several PEs sharing one GPU only costs start-up time and memory;
-#: - ``NVSHMEM_DISABLE_NVLS=1``: afd_cupy never uses NVLink multicast, and on shared
-#:   multi-GPU hosts it must stay off.
-NVSHMEM_DEFAULTS = {"NVSHMEM_DISABLE_NCCL": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-#: values of NVSHMEM_REMOTE_TRANSPORT (NVSHMEM's environment documentation); "none" for a
-#: single node
-REMOTE_TRANSPORTS = ("none", "ibrc", "ucx", "libfabric", "ibdevx")
-
-
-def nvshmem_env(*, remote_transport: str | None = None, symmetric_size: int | None = None,
-                extra: dict | None = None) -> dict[str, str]:
-    """NVSHMEM's environment for one process, as one explicit, validated ``{variable: value}``.
-
-    ``remote_transport``: ``NVSHMEM_REMOTE_TRANSPORT`` (one of :data:`REMOTE_TRANSPORTS`);
-    ``symmetric_size``: ``NVSHMEM_SYMMETRIC_SIZE`` in bytes per PE (size it from
-    ``wire.window_size_hint`` plus headroom); ``extra``: any other ``NVSHMEM_*`` variable
-    (e.g. ``NVSHMEM_HCA_LIST``). The defaults :data:`NVSHMEM_DEFAULTS` are included. Pass the
-    result as ``AFDConnector(..., nvshmem_env=...)``; :func:`apply_nvshmem_env` sets it right
-    before NVSHMEM initializes. Raises ConfigError naming the argument and value.
-    """
-    env = dict(NVSHMEM_DEFAULTS)
-    if remote_transport is not None:
-        if remote_transport not in REMOTE_TRANSPORTS:
-            raise ConfigError(f"remote_transport must be one of {REMOTE_TRANSPORTS}, got {remote_transport!r}")
-        env["NVSHMEM_REMOTE_TRANSPORT"] = remote_transport
-    if symmetric_size is not None:
-        if isinstance(symmetric_size, bool) or not isinstance(symmetric_size, int) or symmetric_size <= 0:
-            raise ConfigError(f"symmetric_size must be a positive int (bytes), got {symmetric_size!r}")
-        env["NVSHMEM_SYMMETRIC_SIZE"] = str(symmetric_size)
-    for name, value in (extra or {}).items():
-        if not isinstance(name, str) or not name.startswith("NVSHMEM_"):
-            raise ConfigError(f"extra may only set NVSHMEM_* variables, got {name!r}")
-        env[name] = str(value)
-    return env
-
-
-def apply_nvshmem_env(env: dict[str, str], environ=None) -> None:
-    """Set ``env`` in ``environ`` (default ``os.environ``): the one place afd_cupy writes
-    NVSHMEM's environment, right before NVSHMEM initializes.
-
-    A variable the environment already sets wins when ``env`` only carries afd_cupy's
-    default for it; a value the caller asked for that differs from the environment's raises
-    ConfigError naming the variable and both values (never a silent choice).
-    """
-    environ = os.environ if environ is None else environ
-    for name, value in env.items():  # every check before any write
-        current = environ.get(name)
-        if current is not None and current != value and NVSHMEM_DEFAULTS.get(name) != value:
-            raise ConfigError(f"{name}={value!r} was requested, but the environment already has "
-                              f"{name}={current!r}; unset one of them")
-    for name, value in env.items():
-        environ.setdefault(name, value)
+__all__ = ["NvshmemBuffer", "NvshmemHeap", "NVSHMEM_DEFAULTS", "REMOTE_TRANSPORTS",
+           "apply_nvshmem_env", "nvshmem_env", "nvshmem_heap_bytes"]
 
 
 _heap_alive = False  # one NVSHMEM runtime per process
@@ -110,19 +59,24 @@ class NvshmemBuffer(SymmetricBuffer):
         return self._views[self._rank]
 
     def peer(self, pe: int):
-        """PE ``pe``'s copy through its ``nvshmem_ptr`` mapping: ``[nbytes] uint8``, cuda."""
+        """PE ``pe``'s copy through its ``nvshmem_ptr`` mapping: ``[nbytes] uint8``, cuda;
+        None for a PE that is not mapped (``alloc(allow_unmapped=True)``)."""
         return self._views[pe]
 
     def ptr(self, pe: int) -> int:
-        """Device address of PE ``pe``'s copy in this process (``nvshmem_ptr``)."""
+        """Device address of PE ``pe``'s copy in this process (``nvshmem_ptr``); 0 when not
+        mapped. The symmetric address NVSHMEM's puts take is ``base_ptr`` (this PE's copy)."""
         return self._peer_ptrs[pe]
 
 
 class NvshmemHeap(SymmetricHeap):
-    """NVSHMEM symmetric heap over the AFD world (PE == world rank), single node only.
+    """NVSHMEM symmetric heap over the AFD world (PE == world rank). Peers must be load/store
+    reachable unless a buffer is allocated with ``allow_unmapped`` (the put transport).
 
-    Constructor (collective): selects CUDA device ``device_id``, sets :func:`nvshmem_env` in
-    ``os.environ`` (process-wide; a value the user set wins), exchanges the unique id through
+    Constructor (collective): writes ``env`` (a :func:`nvshmem_env` dict; None: the defaults)
+    into ``os.environ`` with :func:`apply_nvshmem_env` (process-wide; a conflicting explicit
+    value raises ConfigError before any CUDA call), selects CUDA device ``device_id``,
+    exchanges the unique id through
     ``store`` (rank 0 creates it; ``timeout_s`` bounds the wait) and initializes NVSHMEM with
     ``nvshmemx_hostlib_init_attr``. ``alloc``, ``barrier`` and ``close`` are
     collective and host-blocking; none is safe inside CUDA graph capture.
@@ -137,6 +91,9 @@ class NvshmemHeap(SymmetricHeap):
         global _heap_alive, _heap_count
         if _heap_alive:
             raise HeapError("an NvshmemHeap is already open in this process (one per process)")
+        # NOTE: first, so that a conflicting environment fails before any CUDA or NVSHMEM work;
+        # NVSHMEM reads these variables in nvshmemx_hostlib_init_attr (_init_runtime).
+        self.nvshmem_env = apply_nvshmem_env(env)
         import cupy
 
         self._cupy = cupy
@@ -148,7 +105,6 @@ class NvshmemHeap(SymmetricHeap):
         self._buffers: dict[str, NvshmemBuffer] = {}
         self._closed = True  # until init succeeds: __del__ and close() do nothing
         self._select_device()
-        apply_nvshmem_env(nvshmem_env() if env is None else env)  # NOTE: before NVSHMEM init
         self._lib = load_library()
         self._check_library()
         _heap_count += 1
@@ -209,12 +165,14 @@ class NvshmemHeap(SymmetricHeap):
 
     # -- allocation ------------------------------------------------------------------------
 
-    def alloc(self, nbytes: int, name: str) -> NvshmemBuffer:
+    def alloc(self, nbytes: int, name: str, *, allow_unmapped: bool = False) -> NvshmemBuffer:
         """Collective: ``nvshmem_malloc(nbytes)``, zeroed, every PE mapped, then a barrier.
 
         Every rank must call with the same ``nbytes`` and ``name``, in the same order.
         Raises NvshmemError when the symmetric heap is exhausted, HeapError when a PE is not
-        reachable by load/store (``nvshmem_ptr`` NULL).
+        reachable by load/store (``nvshmem_ptr`` NULL), unless ``allow_unmapped`` (the put
+        transport, docs/design.md §6.1): then such a PE's ``ptr`` is 0 and its ``peer`` view
+        None, and only NVSHMEM puts reach it.
         """
         self._check_open()
         if nbytes <= 0:
@@ -228,9 +186,10 @@ class NvshmemHeap(SymmetricHeap):
                 f"nvshmem_malloc({nbytes}) for {name!r} returned NULL: symmetric heap exhausted; "
                 f"raise NVSHMEM_SYMMETRIC_SIZE (bytes per PE; with CUDA VMM the heap grows up "
                 f"to NVSHMEM_MAX_MEMORY_PER_GPU)", call="nvshmem_malloc")
-        peer_ptrs = [self._lib.nvshmem_ptr(base_ptr, pe) for pe in range(self.world_size)]
-        self._agree_reachable(name, [pe for pe, ptr in enumerate(peer_ptrs) if not ptr], base_ptr)
-        views = [self._wrap(ptr, nbytes) for ptr in peer_ptrs]
+        peer_ptrs = [self._lib.nvshmem_ptr(base_ptr, pe) or 0 for pe in range(self.world_size)]
+        if not allow_unmapped:
+            self._agree_reachable(name, [pe for pe, ptr in enumerate(peer_ptrs) if not ptr], base_ptr)
+        views = [self._wrap(ptr, nbytes) if ptr else None for ptr in peer_ptrs]
         self._zero(views[self.rank])
         buffer = NvshmemBuffer(name, nbytes, self.rank, base_ptr, peer_ptrs, views)
         self._buffers[name] = buffer
@@ -273,6 +232,12 @@ class NvshmemHeap(SymmetricHeap):
         raise HeapError(
             f"nvshmem_ptr returned NULL for {'; '.join(problems)}: not reachable by load/store; "
             f"the cuda backend supports peers on one node with NVLink/P2P only")
+
+    def any_pe(self, topic: str, mine: str) -> list[str]:
+        """Collective (bounded by ``timeout_s``): every PE's non-empty ``mine``, in PE order,
+        the same list on every PE (e.g. which PEs need a put staging buffer)."""
+        self._check_open()
+        return self._every_pe_says(topic, mine)
 
     def _every_pe_says(self, topic: str, problem: str) -> list[str]:
         """Collective (bounded by ``timeout_s``): publish this PE's ``problem`` ("" = none)

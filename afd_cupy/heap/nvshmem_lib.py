@@ -1,7 +1,7 @@
 """The ctypes binding of NVSHMEM's host library (``libnvshmem_host.so.3``).
 
 Why ctypes: the handful of host calls we need (unique-id bootstrap, malloc/free, ptr,
-barrier, finalize) are plain C functions, so a ctypes table avoids shipping a compiled
+barrier, finalize, and the put transport's on-stream puts) are plain C functions, so a ctypes table avoids shipping a compiled
 extension per CUDA/Python version. The ABI risk is in the two structs passed by pointer;
 NVSHMEM pins those itself with version stamps (``(major << 16) + sizeof``) and static_asserts
 on their sizes, which this module mirrors and asserts at import. Checked against the 3.4.5
@@ -23,7 +23,7 @@ import ctypes
 import importlib.util
 import os
 import threading
-from ctypes import POINTER, c_char, c_int, c_size_t, c_void_p
+from ctypes import POINTER, c_char, c_int, c_size_t, c_uint64, c_void_p
 
 from afd_cupy import env
 from afd_cupy.errors import BackendUnavailableError, NvshmemError
@@ -127,7 +127,29 @@ PROTOTYPES: dict[str, tuple] = {
     "nvshmem_ptr": (c_void_p, [c_void_p, c_int]),
     # void nvshmem_barrier_all(void);
     "nvshmem_barrier_all": (None, []),
+    # The put transport (docs/design.md §6.1); host/nvshmemx_api.h. All return void: NVSHMEM
+    # reports a failure of an on-stream operation through the stream / its own abort.
+    # void nvshmemx_putmem_on_stream(void *dest, const void *source, size_t bytes, int pe,
+    #                                cudaStream_t cstrm);
+    "nvshmemx_putmem_on_stream": (None, [c_void_p, c_void_p, c_size_t, c_int, c_void_p]),
+    # void nvshmemx_putmem_signal_on_stream(void *dest, const void *source, size_t bytes,
+    #                                       uint64_t *sig_addr, uint64_t signal, int sig_op,
+    #                                       int pe, cudaStream_t cstrm);
+    "nvshmemx_putmem_signal_on_stream": (None, [c_void_p, c_void_p, c_size_t, c_void_p,
+                                                c_uint64, c_int, c_int, c_void_p]),
+    # void nvshmemx_quiet_on_stream(cudaStream_t cstrm);
+    "nvshmemx_quiet_on_stream": (None, [c_void_p]),
+    # void nvshmemx_signal_op_on_stream(uint64_t *sig_addr, uint64_t signal, int sig_op, int pe,
+    #                                   cudaStream_t cstrm);
+    "nvshmemx_signal_op_on_stream": (None, [c_void_p, c_uint64, c_int, c_int, c_void_p]),
 }
+
+# nvshmemx_signal_op_t (device_host_transport/nvshmem_common_transport.h, 3.4.5 and 3.8.0:
+# ``typedef enum { NVSHMEM_SIGNAL_SET = 9, NVSHMEM_SIGNAL_ADD = 10 } nvshmemx_signal_op_t``).
+# Signal words are ``uint64_t`` symmetric objects, 8-byte aligned: afd_cupy's flag words
+# (int64, at 8-byte offsets of a 256-B aligned window) qualify.
+NVSHMEM_SIGNAL_SET = 9
+NVSHMEM_SIGNAL_ADD = 10
 
 # enum nvshmemx_status (non_abi/nvshmemx_error.h), same in 3.4.5 and 3.8.0.
 _STATUS_NAMES = ("NVSHMEMX_SUCCESS", "NVSHMEMX_ERROR_INVALID_VALUE",

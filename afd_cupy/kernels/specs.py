@@ -96,12 +96,15 @@ def dispatch_scatter_spec(*, dtype_code, hidden, num_tokens, hidden_size, topk_i
                           expert_start, rank_offsets, expert_counts, verdict, peer_windows, geo,
                           ring, has_shared, pos_out, src_rank, layer_idx, stage_idx, hdr_flags,
                           seq_counters, expected, expected_counts, done_counter, always_send=0,
-                          max_blocks=MAX_BLOCKS) -> LaunchSpec:
+                          staging=0, max_blocks=MAX_BLOCKS) -> LaunchSpec:
     """Write every non-empty FFN rank's message, flags last (afd_dispatch_scatter<DT>).
 
     ``hidden``: payload [T, H] row-major; plan arrays and ``verdict`` from
     :func:`dispatch_plan_spec`; ``peer_windows`` uint64 [F] (device) base address of each FFN
     rank's window as mapped here; the message goes to slot (region = ``src_rank``, ``ring``).
+    A 0 entry marks an FFN rank reached by puts (docs/design.md §6.1): its message and flag go
+    to slot (region = that rank, ``ring``) of ``staging`` (this rank's symmetric put staging,
+    required non-zero then), and the host puts them.
     Outputs: ``pos_out`` int32 [NK] (row of each partial in its destination's segment),
     ``expected`` int64 [F] (seq sent to each rank, 0 = not sent), ``expected_counts`` int32
     [F, 2] (routed, shared rows sent: what the reply must echo); ``seq_counters`` int64 [F]
@@ -134,6 +137,7 @@ def dispatch_scatter_spec(*, dtype_code, hidden, num_tokens, hidden_size, topk_i
             "expert_counts": _array("expert_counts", expert_counts, np.int32, num_experts),
             "verdict": _array("verdict", verdict, np.int32, 1),
             "peer_windows": _array("peer_windows", peer_windows, np.uint64, int(num_ffn)),
+            "staging": _address("staging", staging, allow_null=True),
             "geo": geo, "ring": _count("ring", ring, high=int(geo["ring_depth"]) - 1),
             "has_shared": has_shared, "always_send": _count("always_send", always_send, high=1),
             "pos_out": _array("pos_out", pos_out, np.int32, num_partials),
@@ -269,7 +273,7 @@ def wait_any_spec(*, window, geo, last_seen, scan_start, counts_snapshot, timeou
 
 
 def reply_spec(*, dtype_code, dst_window, geo, src_rank, ring, routed_out, num_routed, shared_out,
-               num_shared, hidden_size, header_src, seq, done_counter,
+               num_shared, hidden_size, header_src, seq, done_counter, staging=0, dst_peer=0,
                max_blocks=MAX_BLOCKS) -> LaunchSpec:
     """Write ``num_routed`` + ``num_shared`` output rows, then header and flag = ``seq``, into
     slot (region = ``src_rank``, the own FFN rank; ``ring``) of an Attention peer's window
@@ -277,12 +281,19 @@ def reply_spec(*, dtype_code, dst_window, geo, src_rank, ring, routed_out, num_r
 
     ``routed_out`` / ``shared_out``: payload [R, H] / [S, H] (may be 0 when the count is 0);
     ``header_src``: pinned int32 [header_words] prepared by the host; it must stay unchanged
-    until the kernel has run (one buffer per in-flight reply). Grid: :func:`reply_grid`.
+    until the kernel has run (one buffer per in-flight reply). ``dst_window`` 0: the peer is
+    reached by puts: rows and header go to slot (region = ``dst_peer``, ``ring``) of
+    ``staging`` and no flag is stored (the host's put-with-signal sets it; §6.1).
+    Grid: :func:`reply_grid`.
     """
     num_routed = _count("num_routed", num_routed)
     num_shared = _count("num_shared", num_shared)
     geo = _geometry("geo", geo)
-    args = {"dst_window": _address("dst_window", dst_window), "geo": geo,
+    is_put = not int(dst_window or 0)
+    args = {"dst_window": _address("dst_window", dst_window, allow_null=True),
+            "staging": _address("staging", staging, allow_null=not is_put),
+            "dst_peer": _count("dst_peer", dst_peer, high=int(geo["num_regions"]) - 1),
+            "geo": geo,
             "src_rank": _count("src_rank", src_rank, high=int(geo["num_regions"]) - 1),
             "ring": _count("ring", ring, high=int(geo["ring_depth"]) - 1),
             "routed_out": _address("routed_out", routed_out, allow_null=num_routed == 0),
