@@ -15,9 +15,10 @@ from afd_cupy.testing.scenario import Scenario, run_rank, tolerance
 #: peer reached by NVSHMEM puts from the staging (design.md §6.1), on one node
 BACKENDS = [pytest.param("host", id="host"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda),
             pytest.param("cuda-put", id="cuda-put", marks=pytest.mark.cuda)]
-#: (backend, wire_mode); NOTE: add ("cuda", "dedup") once its kernels exist (design.md §3.5)
+#: (backend, wire_mode)
 PATHS = [pytest.param("host", "pair", id="host"), pytest.param("host", "dedup", id="host-dedup"),
          pytest.param("cuda", "pair", id="cuda", marks=pytest.mark.cuda),
+         pytest.param("cuda", "dedup", id="cuda-dedup", marks=pytest.mark.cuda),
          pytest.param("cuda-put", "pair", id="cuda-put", marks=pytest.mark.cuda)]
 CUDA_TRANSPORTS = [pytest.param("cuda", id="direct"), pytest.param("cuda-put", id="put")]
 POLL_MODE = os.environ.get("AFD_TEST_POLL_MODE", "device")  # the GPU suite runs under MPS

@@ -27,9 +27,10 @@ from afd_cupy.topology import Role, Topology
 #: fault model must hold unchanged over NVSHMEM puts (the receivers' waits are the same)
 BACKENDS = [pytest.param("host", id="host"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda),
             pytest.param("cuda-put", id="cuda-put", marks=pytest.mark.cuda)]
-#: (backend, wire_mode): the protocol's rules hold in both modes (add cuda dedup with its kernels)
+#: (backend, wire_mode): the protocol's rules hold in both modes
 PATHS = [pytest.param("host", "pair", id="host"), pytest.param("host", "dedup", id="host-dedup"),
          pytest.param("cuda", "pair", id="cuda", marks=pytest.mark.cuda),
+         pytest.param("cuda", "dedup", id="cuda-dedup", marks=pytest.mark.cuda),
          pytest.param("cuda-put", "pair", id="cuda-put", marks=pytest.mark.cuda)]
 POLL_MODE = os.environ.get("AFD_TEST_POLL_MODE", "device")
 MODEL = ModelConfig(hidden_size=32, num_experts=4, top_k=2, moe_intermediate_size=16,
@@ -479,12 +480,11 @@ def test_dict_configs_are_rejected_with_a_hint():
                      role_rank=0, store=None)
 
 
-def test_cuda_backend_refuses_dedup_before_any_collective_step():
+def test_dedup_over_puts_is_refused_before_any_collective_step():
     # checked before CuPy is even looked for (store=None: no collective step is reached)
-    with pytest.raises(ConfigError, match=r"backend 'cuda' does not implement wire_mode='dedup' "
-                                          r"\(it implements \('pair',\)\)"):
-        AFDConnector(MODEL, TopologyConfig(1, 1), ConnectorConfig(wire_mode="dedup"), role="attention",
-                     role_rank=0, store=None, backend="cuda")
+    with pytest.raises(ConfigError, match=r"wire_mode='dedup' with transport='put' is not implemented"):
+        AFDConnector(MODEL, TopologyConfig(1, 1), ConnectorConfig(wire_mode="dedup", transport="put"),
+                     role="attention", role_rank=0, store=None, backend="cuda")
 
 
 def test_cuda_backend_without_cupy_is_backend_unavailable():

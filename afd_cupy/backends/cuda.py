@@ -32,10 +32,9 @@ try:  # torch's raw current-stream getter: ~1 us instead of ~10 us for current_s
 except ImportError:  # CPU-only torch builds
     _raw_current_stream = None
 
-#: wire modes this backend implements (``ConnectorConfig.wire_mode``). NOTE: dedup needs its
-#: own kernels (docs/design.md §3.5, "Device steps"); until they exist, asking for it is a
-#: ConfigError from ``require_backend`` before any collective step.
-WIRE_MODES = ("pair",)
+#: wire modes this backend implements (``ConnectorConfig.wire_mode``; dedup: the kernels of
+#: docs/design.md §5, ``dedup_attn.cu`` and ``dedup_ffn.cu``)
+WIRE_MODES = ("pair", "dedup")
 #: transports (``ConnectorConfig.transport``, docs/design.md §6.1)
 TRANSPORTS = ("direct", "put", "auto")
 
@@ -72,7 +71,13 @@ class CudaDataPath(CudaAttentionSide, CudaFFNSide):
     def __init__(self, ctx: PathContext, heap, window, *, put=None, peer_is_put=None):
         if ctx.wire_mode not in WIRE_MODES:
             raise ConfigError(f"the cuda backend implements wire_mode {WIRE_MODES}, not "
-                              f"{ctx.wire_mode!r} (its dedup kernels do not exist yet)")
+                              f"{ctx.wire_mode!r}")
+        if put is not None and ctx.wire_mode == "dedup":
+            # NOTE: transport="auto" only learns here (after the collective heap set-up) that a
+            # peer needs puts; every rank of the job sees the same reachability and fails alike
+            raise ConfigError("wire_mode='dedup' over NVSHMEM puts is not implemented (the dedup "
+                              "kernels write peers' windows directly); a peer here is not "
+                              "load/store reachable: use wire_mode='pair'")
         import cupy
 
         self.cp = cupy
