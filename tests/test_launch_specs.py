@@ -81,6 +81,18 @@ def _specs() -> dict:
             dtype_code=1, dst_window=0x3000, geo=geo, src_rank=1, ring=1, routed_out=0,
             num_routed=0, shared_out=0x6000, num_shared=3, hidden_size=64, header_src=0x7000,
             seq=5, done_counter=arr),
+        ("ffn_graph.cu", "afd_graph_stage"): specs.graph_stage_spec(
+            doorbell=0x5000, geo=geo, expert_per_rank=4, is_dedup=0, src_rank=1, num_attn_ranks=3,
+            token_cap=8, routed_cap=64, shared_cap=4, routed_bucket=32, shared_bucket=4,
+            num_layers=3, layers_per_chunk=2, routed_offs=arr, shared_offs=0x6000, reply_seqs=arr,
+            state=arr, replay_counter=arr, records=0x7000, num_records=8, record_words=16),
+        ("ffn_graph.cu", "afd_graph_gather"): specs.graph_gather_spec(
+            dtype_code=0, window=0x3000, geo=geo, state=arr, hidden_size=64, routed_staging=0x8000,
+            shared_staging=0, routed_bucket=32, shared_bucket=4),
+        ("ffn_graph.cu", "afd_graph_reply"): specs.graph_reply_spec(
+            dtype_code=2, own_window=0x3000, peer_windows=arr, geo=geo, src_rank=1, state=arr,
+            routed_outs=arr, shared_out=0, hidden_size=64, done_counter=arr, routed_bucket=32,
+            shared_bucket=4, num_chunks=2),
     }
 
 
@@ -108,7 +120,9 @@ def test_specs_use_the_block_sizes_of_the_limit_table(fake_specs):
     limits = kernels.KERNEL_LIMITS
     blocks = {"afd_dispatch_plan": "PLAN_THREADS", "afd_dispatch_scatter": "SCATTER_THREADS",
               "afd_wait_replies": "WAIT_REPLIES_THREADS", "afd_combine": "COMBINE_THREADS",
-              "afd_wait_any": "WAIT_ANY_THREADS", "afd_reply": "REPLY_THREADS"}
+              "afd_wait_any": "WAIT_ANY_THREADS", "afd_reply": "REPLY_THREADS",
+              "afd_graph_stage": "REPLY_THREADS", "afd_graph_gather": "REPLY_THREADS",
+              "afd_graph_reply": "REPLY_THREADS"}
     for (filename, name), spec in built.items():
         assert spec.block == limits[blocks[name]], name
         text = (kernels.KERNEL_DIR / filename).read_text()

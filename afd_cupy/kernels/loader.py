@@ -30,6 +30,8 @@ FILE_KERNELS = {
     "combine.cu": (("afd_wait_replies", False), ("afd_combine", True)),
     "wait_any.cu": (("afd_wait_any", False),),
     "reply.cu": (("afd_reply", True),),
+    "ffn_graph.cu": (("afd_graph_stage", False), ("afd_graph_gather", True),
+                     ("afd_graph_reply", True)),
 }
 
 #: probes for tests and tools only (same format as FILE_KERNELS)
