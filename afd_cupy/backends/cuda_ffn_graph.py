@@ -283,10 +283,12 @@ class GraphFFNServer:
             self._launch_replay()
 
     def step(self) -> int:
-        """Collect the oldest replay, queue its successor, act on its record. Items served."""
+        """Collect the oldest replay, act on its record, queue a successor (in the bucket the
+        record may have moved the policy to; none when the record raised). Items served."""
         record = self._collect_oldest()
+        served = self._handle(record, raising=True)
         self._launch_replay()
-        return self._handle(record, raising=True)
+        return served
 
     def close(self) -> None:
         """Collect every queued replay (serving eager items, logging errors), then hand the
