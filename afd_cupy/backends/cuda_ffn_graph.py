@@ -354,7 +354,8 @@ class GraphFFNServer:
         if status == ffn_graph.GS_SHUTDOWN:
             self.connector._note_shutdown(int(words[wire.HDR_SRC_RANK]))  # may raise ConnectorShutdown
             return 0
-        self.policy.observe(int(words[wire.HDR_ROUTED_TOKENS]), int(words[wire.HDR_SHARED_TOKENS]))
+        if status in (ffn_graph.GS_SERVED, ffn_graph.GS_EAGER):
+            self.policy.observe(int(words[wire.HDR_ROUTED_TOKENS]), int(words[wire.HDR_SHARED_TOKENS]))
         if status == ffn_graph.GS_SERVED:
             self.num_served += 1
             return 1
