@@ -90,6 +90,18 @@ def _specs() -> dict:
             dtype_code=0, dst_window=0x3000, geo=geo, src_rank=1, ring=0, route_copy=arr,
             num_rows=20, top_k=8, routed_out=0x6000, num_routed=45, shared_out=0, num_shared=0,
             hidden_size=64, header_src=0x7000, seq=9, done_counter=arr),
+        ("ffn_graph.cu", "afd_graph_stage"): specs.graph_stage_spec(
+            doorbell=0x5000, geo=geo, expert_per_rank=4, is_dedup=0, src_rank=1, num_attn_ranks=3,
+            token_cap=8, routed_cap=64, shared_cap=4, routed_bucket=32, shared_bucket=4,
+            num_layers=3, layers_per_chunk=2, routed_offs=arr, shared_offs=0x6000, reply_seqs=arr,
+            state=arr, replay_counter=arr, records=0x7000, num_records=8, record_words=16),
+        ("ffn_graph.cu", "afd_graph_gather"): specs.graph_gather_spec(
+            dtype_code=0, window=0x3000, geo=geo, state=arr, hidden_size=64, routed_staging=0x8000,
+            shared_staging=0, routed_bucket=32, shared_bucket=4),
+        ("ffn_graph.cu", "afd_graph_reply"): specs.graph_reply_spec(
+            dtype_code=2, own_window=0x3000, peer_windows=arr, geo=geo, src_rank=1, state=arr,
+            routed_outs=arr, shared_out=0, hidden_size=64, done_counter=arr, routed_bucket=32,
+            shared_bucket=4, num_chunks=2),
         **_dedup_specs(),
     }
 
@@ -150,7 +162,9 @@ def test_specs_use_the_block_sizes_of_the_limit_table(fake_specs):
               # the FFN's dedup row kernels: a warp per row, like afd_reply
               "afd_dedup_expand": "REPLY_THREADS", "afd_dedup_reply": "REPLY_THREADS",
               "afd_dedup_rows": "PLAN_THREADS", "afd_dedup_scatter": "SCATTER_THREADS",
-              "afd_dedup_combine": "COMBINE_THREADS"}
+              "afd_dedup_combine": "COMBINE_THREADS",
+              "afd_graph_stage": "REPLY_THREADS", "afd_graph_gather": "REPLY_THREADS",
+              "afd_graph_reply": "REPLY_THREADS"}
     for (filename, name), spec in built.items():
         assert spec.block == limits[blocks[name]], name
         text = (kernels.KERNEL_DIR / filename).read_text()
@@ -353,7 +367,7 @@ def test_backend_builds_the_launches_of_its_wire_mode(fake_specs, monkeypatch, w
     side = cuda_attention.CudaAttentionSide()
     side.cp, side.layout, side.geometry, side.is_dedup = np, layout, layout.kernel_geometry(), layout.is_dedup
     side.ctx = types.SimpleNamespace(num_ffn_ranks=2, has_shared=True, always_send=False, role_rank=0)
-    side.own_window, side.dtype_code, side.timeout_ns = 0x3000, 0, 10**9
+    side.own_window, side.dtype_code, side.timeout_ns, side.put = 0x3000, 0, 10**9, None
     side.status = types.SimpleNamespace(ptr=0x1000)
     side.scratch = [types.SimpleNamespace(local_rank=np.zeros(64, np.int32), **{
         name: _FakeArray() for name in ("chunk_hist", "pos", "expert_counts", "expert_start",

@@ -533,3 +533,111 @@ def dedup_combine_spec(*, dtype_code, out, num_tokens, hidden_size, row_map, win
                 status=_address("status", status))
     kernel = get_kernel("dedup_attn.cu", "afd_dedup_combine", dtype_code=_dtype(dtype_code))
     return _spec(kernel, combine_grid(int(num_tokens), max_blocks), KERNEL_LIMITS["COMBINE_THREADS"], args)
+
+
+# --- the graph-driven FFN (raw_kernels/ffn_graph.cu, afd_cupy/ffn_graph.py) -------------------
+#: groups of one torch._grouped_mm problem list: fewer than 1024 (torch's CUTLASS path)
+GRAPH_MAX_GROUPS = 1023
+
+
+def graph_stage_spec(*, doorbell, geo, expert_per_rank, is_dedup, src_rank, num_attn_ranks,
+                     token_cap, routed_cap, shared_cap, routed_bucket, shared_bucket, num_layers,
+                     layers_per_chunk, routed_offs, shared_offs, reply_seqs, state,
+                     replay_counter, records, num_records, record_words) -> LaunchSpec:
+    """Decide what one graph replay does from the arrival ``afd_wait_any`` left in the DEVICE
+    ``doorbell`` (afd_graph_stage; one block). Capturable: every input is read from device
+    memory when the replay runs.
+
+    Writes ``routed_offs`` int32 [num_layers * expert_per_rank] and ``shared_offs`` int32
+    [num_layers] (or null): cumulative end rows per group of the stacked-layer problem lists
+    (``ffn_graph.routed_offsets_reference``); ``state`` int64 [ffn_graph.state_words(...)]:
+    what gather and reply read; increments ``reply_seqs[slot]`` (int64 [num_slots]) for a
+    served or eager item and ``replay_counter`` int64 [1]; one record of ``record_words``
+    int64 per replay into the pinned ring ``records`` [num_records, record_words].
+    """
+    geo = _geometry("geo", geo)
+    epr = _count("expert_per_rank", expert_per_rank, low=1)
+    is_dedup = _count("is_dedup", is_dedup, high=1)
+    if int(epr) + int(is_dedup) > GRAPH_MAX_GROUPS + 1 or \
+            int(geo["header_words"]) != wire.HDR_FIXED_WORDS + int(epr) + int(is_dedup):
+        raise ValueError(f"expert_per_rank={int(epr)} (is_dedup={int(is_dedup)}) must fit one "
+                         f"grouped GEMM ({GRAPH_MAX_GROUPS} groups) and geo.header_words="
+                         f"{int(geo['header_words'])}")
+    num_layers = _count("num_layers", num_layers, low=1)
+    layers_per_chunk = _count("layers_per_chunk", layers_per_chunk, low=1)
+    if int(layers_per_chunk) * int(epr) > GRAPH_MAX_GROUPS:
+        raise ValueError(f"layers_per_chunk * expert_per_rank = {int(layers_per_chunk) * int(epr)} "
+                         f"> {GRAPH_MAX_GROUPS} groups")
+    num_slots = int(geo["num_regions"]) * int(geo["ring_depth"])
+    record_words = _count("record_words", record_words,
+                          low=STAGE_RECORD_HEADER + -(-int(geo["header_words"]) // 2))
+    args = {"doorbell": _address("doorbell", doorbell), "geo": geo, "expert_per_rank": epr,
+            "is_dedup": is_dedup, "src_rank": _count("src_rank", src_rank),
+            "num_attn_ranks": _count("num_attn_ranks", num_attn_ranks, low=1,
+                                     high=int(geo["num_regions"])),
+            "token_cap": _count("token_cap", token_cap), "routed_cap": _count("routed_cap", routed_cap),
+            "shared_cap": _count("shared_cap", shared_cap),
+            "routed_bucket": _count("routed_bucket", routed_bucket),
+            "shared_bucket": _count("shared_bucket", shared_bucket),
+            "num_layers": num_layers, "layers_per_chunk": layers_per_chunk,
+            "routed_offs": _array("routed_offs", routed_offs, np.int32, int(num_layers) * int(epr)),
+            "shared_offs": _address("shared_offs", shared_offs, allow_null=True),
+            "reply_seqs": _array("reply_seqs", reply_seqs, np.int64, num_slots),
+            "state": _array("state", state, np.int64,
+                            STAGE_STATE_HEADER + -(-int(geo["header_words"]) // 2)),
+            "replay_counter": _array("replay_counter", replay_counter, np.int64, 1),
+            "records": _address("records", records),
+            "num_records": _count("num_records", num_records, low=1), "record_words": record_words}
+    return _spec(get_kernel("ffn_graph.cu", "afd_graph_stage"), 1, KERNEL_LIMITS["REPLY_THREADS"], args)
+
+
+#: int64 words before the header copy in the stage's state and record (ffn_graph.cu
+#: STATE_HEADER, REC_HEADER; afd_cupy.ffn_graph mirrors them and a CPU test parses the .cu)
+STAGE_STATE_HEADER = 8
+STAGE_RECORD_HEADER = 6
+
+
+def graph_gather_spec(*, dtype_code, window, geo, state, hidden_size, routed_staging,
+                      shared_staging, routed_bucket, shared_bucket,
+                      max_blocks=MAX_BLOCKS) -> LaunchSpec:
+    """Copy the served item's rows from its window slot into the fixed staging rows
+    (afd_graph_gather<DT>). ``routed_staging`` / ``shared_staging``: payload [bucket, H]
+    device addresses (shared 0 without shared experts). Grid for the bucket (frozen at capture).
+    """
+    geo = _geometry("geo", geo)
+    routed_bucket = _count("routed_bucket", routed_bucket)
+    shared_bucket = _count("shared_bucket", shared_bucket)
+    args = {"window": _address("window", window), "geo": geo,
+            "state": _array("state", state, np.int64, STAGE_STATE_HEADER),
+            "hidden_size": _count("hidden_size", hidden_size, low=1),
+            "routed_staging": _address("routed_staging", routed_staging),
+            "shared_staging": _address("shared_staging", shared_staging, allow_null=True)}
+    kernel = get_kernel("ffn_graph.cu", "afd_graph_gather", dtype_code=_dtype(dtype_code))
+    return _spec(kernel, reply_grid(int(routed_bucket) + int(shared_bucket), max_blocks),
+                 KERNEL_LIMITS["REPLY_THREADS"], args)
+
+
+def graph_reply_spec(*, dtype_code, own_window, peer_windows, geo, src_rank, state, routed_outs,
+                     shared_out, hidden_size, done_counter, routed_bucket, shared_bucket,
+                     num_chunks=1, max_blocks=MAX_BLOCKS) -> LaunchSpec:
+    """Reply of a graph replay (afd_graph_reply<DT>): rows, header built by the stage, flag.
+
+    ``peer_windows`` uint64 [num_regions] (device): Attention rank i's window as mapped here
+    (0 for regions without one); ``routed_outs`` uint64 [num_chunks] (device): the routed
+    output [routed_bucket, H] of each layer chunk, 0 = the own window slot's rows (identity);
+    ``shared_out``: [shared_bucket, H] or 0 (own window rows). Grid for the bucket.
+    """
+    geo = _geometry("geo", geo)
+    routed_bucket = _count("routed_bucket", routed_bucket)
+    shared_bucket = _count("shared_bucket", shared_bucket)
+    args = {"own_window": _address("own_window", own_window),
+            "peer_windows": _array("peer_windows", peer_windows, np.uint64, int(geo["num_regions"])),
+            "geo": geo, "src_rank": _count("src_rank", src_rank),
+            "state": _array("state", state, np.int64, STAGE_STATE_HEADER),
+            "routed_outs": _array("routed_outs", routed_outs, np.uint64, int(num_chunks)),
+            "shared_out": _address("shared_out", shared_out, allow_null=True),
+            "hidden_size": _count("hidden_size", hidden_size, low=1),
+            "done_counter": _array("done_counter", done_counter, np.uint32, 1)}
+    kernel = get_kernel("ffn_graph.cu", "afd_graph_reply", dtype_code=_dtype(dtype_code))
+    return _spec(kernel, reply_grid(int(routed_bucket) + int(shared_bucket), max_blocks),
+                 KERNEL_LIMITS["REPLY_THREADS"], args)

@@ -1,0 +1,296 @@
+// ffn_graph.cu: the device steps of the graph-driven FFN (docs/design.md §5.1). One CUDA graph
+// per size bucket replays, with no host step per item:
+//
+//   afd_wait_any (doorbell = a DEVICE buffer) -> afd_graph_stage -> afd_graph_gather<DT>
+//   -> grouped GEMMs over the stacked layers (torch) -> afd_graph_reply<DT>
+//
+// Nothing the graph needs is frozen at capture except buffers: the stage kernel reads which slot
+// arrived, its header and counts from the doorbell that wait_any wrote into device memory,
+// checks the header as wire.decode_header does, decides what this replay does (GS_*), writes
+// the grouped-GEMM group offsets of the stacked-layer problem list (zero-size groups for every
+// layer but the arrived one, all zero when nothing is served), reserves the reply seq of the
+// slot, builds the reply header as wire.reply_header does, and writes one record per replay
+// into a ring in pinned host memory (the host reads it after the replay's event completed).
+// The gather copies the arrived rows into the fixed staging rows the GEMMs read; the reply
+// copies the output rows into the sender's window, then header, system fence, flag = seq.
+// References: afd_cupy/ffn_graph.py (stage_reference, gather/reply in the cuda tests).
+#include "wire.cuh"
+
+using namespace afd;
+
+namespace {
+
+// What one replay did (REC_STATUS; afd_cupy/ffn_graph.py GS_*).
+constexpr int GS_IDLE = 0;      // wait_any timed out: nothing consumed
+constexpr int GS_SERVED = 1;    // computed and answered inside the graph
+constexpr int GS_SHUTDOWN = 2;  // a shutdown message was consumed (src rank in the header copy)
+constexpr int GS_EAGER = 3;     // a valid item the graph does not serve (larger than the bucket,
+                                // layer outside the stacked weights): the host serves it on the
+                                // eager path with the reply seq reserved in REC_SEQ
+constexpr int GS_REJECTED = 4;  // the header fails a check: the host decodes it and raises
+
+// Device state of the current replay, written by the stage, read by gather and reply
+// (int64 words; the reply header follows as int32 words from int64 word STATE_HEADER).
+constexpr int STATE_ACTIVE = 0;  // 1: gather and reply run
+constexpr int STATE_SLOT = 1;
+constexpr int STATE_REGION = 2;
+constexpr int STATE_RING = 3;
+constexpr int STATE_ROUTED = 4;
+constexpr int STATE_SHARED = 5;
+constexpr int STATE_SEQ = 6;
+constexpr int STATE_CHUNK = 7;  // layer chunk holding the arrived layer (its GEMM output is read)
+constexpr int STATE_HEADER = 8;
+
+// One record per replay in a pinned host ring (int64 words; header as int32 from REC_HEADER).
+constexpr int REC_REPLAY = 0;  // replay number (device counter), written last
+constexpr int REC_STATUS = 1;  // GS_*
+constexpr int REC_SLOT = 2;    // slot consumed, -1 when idle
+constexpr int REC_FLAG = 3;    // its flag value
+constexpr int REC_SEQ = 4;     // reply seq used (SERVED) or reserved for the host (EAGER), else 0
+constexpr int REC_DETAIL = 5;  // REJECTED: header word that failed (wire.HDR_*), else -1
+constexpr int REC_HEADER = 6;  // the dispatch header words as consumed
+
+// wire.decode_header's checks, in its order; returns -1 if the header passes, else the index of
+// the failing header word (the host re-decodes and raises the same WireError the eager path
+// raises). `counts` are words [HDR_FIXED_WORDS, HDR_FIXED_WORDS + epr).
+__device__ int check_header(const afd_i32* w, int epr, int is_dedup, int token_cap,
+                            int routed_cap, int shared_cap) {
+  if (static_cast<afd_u32>(w[HDR_MAGIC]) != static_cast<afd_u32>(MAGIC)) return HDR_MAGIC;
+  if (w[HDR_VERSION] != VERSION) return HDR_VERSION;
+  if (((w[HDR_FLAGS] & FLAG_DEDUP) != 0) != (is_dedup != 0)) return HDR_FLAGS;
+  const afd_i32 routed = w[HDR_ROUTED_TOKENS], shared = w[HDR_SHARED_TOKENS];
+  const afd_i32 num_rows = is_dedup ? w[HDR_FIXED_WORDS + epr] : 0;
+  afd_i64 sum = 0;
+  for (int e = 0; e < epr; ++e) {
+    const afd_i32 c = w[HDR_FIXED_WORDS + e];
+    if (c < 0) return HDR_FIXED_WORDS + e;
+    sum += c;
+  }
+  if (routed < 0) return HDR_ROUTED_TOKENS;
+  if (shared < 0) return HDR_SHARED_TOKENS;
+  if (num_rows < 0) return HDR_FIXED_WORDS + epr;
+  if (sum != routed) return HDR_ROUTED_TOKENS;
+  if (is_dedup) {
+    const afd_i64 top_k = w[HDR_TOPK] > 0 ? w[HDR_TOPK] : 0;
+    if (shared > num_rows || routed < num_rows || routed > num_rows * top_k) return HDR_FIXED_WORDS + epr;
+  }
+  if (w[HDR_NUM_TOKENS] > token_cap) return HDR_NUM_TOKENS;
+  if (routed > routed_cap) return HDR_ROUTED_TOKENS;
+  if (shared > shared_cap) return HDR_SHARED_TOKENS;
+  if (is_dedup && num_rows > token_cap) return HDR_FIXED_WORDS + epr;
+  return -1;
+}
+
+}  // namespace
+
+// grid = 1, block = REPLY_THREADS. Runs right after afd_wait_any in the graph.
+// Offsets: routed_offs int32 [num_layers * epr] in stacked-group order (layer-major); chunk c
+// owns layers [c * layers_per_chunk, ...) and its groups' offsets are cumulative end rows
+// WITHIN the chunk (one torch._grouped_mm per chunk, fewer than 1024 groups each). For the
+// chunk of the arrived layer: 0 for earlier layers, cumsum(counts) for the arrived one, R for
+// later ones; every other chunk and every non-served replay: all 0 (all groups empty).
+// shared_offs int32 [num_layers] (or 0 without shared experts): 0 before the layer, S from it.
+extern "C" __global__ void __launch_bounds__(REPLY_THREADS)
+afd_graph_stage(afd_u64 doorbell,  // device int64 [DB_HEADER + ...]: afd_wait_any's output
+                SlotGeometry geo,
+                afd_i32 expert_per_rank, afd_i32 is_dedup, afd_i32 src_rank, afd_i32 num_attn_ranks,
+                afd_i32 token_cap, afd_i32 routed_cap, afd_i32 shared_cap,
+                afd_i32 routed_bucket, afd_i32 shared_bucket,
+                afd_i32 num_layers, afd_i32 layers_per_chunk,
+                afd_i32* routed_offs,  // device int32 [num_layers * expert_per_rank]
+                afd_i32* shared_offs,  // device int32 [num_layers], or null
+                afd_i64* reply_seqs,   // device int64 [num_slots]: this rank's reply seq per slot
+                afd_i64* state,        // device int64 [STATE_HEADER + ceil(header_words / 2)]
+                afd_i64* replay_counter,  // device int64 [1]
+                afd_u64 records,       // pinned int64 [num_records, record_words]
+                afd_i32 num_records, afd_i32 record_words) {
+  __shared__ int s_status, s_layer, s_chunk, s_detail;
+  // NOTE: expert_per_rank + is_dedup <= 1024 (the spec checks it: a torch._grouped_mm problem
+  // list has fewer than 1024 groups, so one layer's experts must fit one).
+  __shared__ afd_i32 s_words[HDR_FIXED_WORDS + 1024];
+  const int tid = threadIdx.x;
+  const afd_i64* bell = reinterpret_cast<const afd_i64*>(doorbell);
+  const int hw = geo.header_words;
+  const afd_i32* bell_words = reinterpret_cast<const afd_i32*>(bell + DB_HEADER);
+  for (int i = tid; i < hw; i += blockDim.x) s_words[i] = bell_words[i];
+  __syncthreads();
+  const afd_i64 slot = bell[DB_SLOT];
+  const bool arrived = bell[DB_STATUS] == STATUS_OK && slot >= 0;
+  const afd_i32 routed = s_words[HDR_ROUTED_TOKENS], shared = s_words[HDR_SHARED_TOKENS];
+  if (tid == 0) {
+    int status = GS_IDLE, detail = -1, layer = -1;
+    if (arrived) {
+      const int region = static_cast<int>(slot / geo.ring_depth);
+      detail = check_header(s_words, expert_per_rank, is_dedup, token_cap, routed_cap, shared_cap);
+      layer = s_words[HDR_LAYER];
+      if (detail >= 0) {
+        status = GS_REJECTED;
+      } else if (s_words[HDR_FLAGS] & FLAG_SHUTDOWN) {
+        status = GS_SHUTDOWN;
+      } else if (s_words[HDR_SRC_RANK] != region || region >= num_attn_ranks) {
+        status = GS_REJECTED;
+        detail = HDR_SRC_RANK;
+      } else if (layer < 0 || layer >= num_layers || routed > routed_bucket || shared > shared_bucket) {
+        status = GS_EAGER;
+      } else {
+        status = GS_SERVED;
+      }
+    }
+    s_status = status;
+    s_detail = detail;
+    s_layer = layer;
+    s_chunk = (status == GS_SERVED) ? layer / layers_per_chunk : -1;
+  }
+  __syncthreads();
+  const int status = s_status, layer = s_layer, chunk = s_chunk;
+
+  // Group offsets: one thread per group, its cumulative end row computed from the counts.
+  const int epr = expert_per_rank;
+  for (int g = tid; g < num_layers * epr; g += blockDim.x) {
+    const int l = g / epr, e = g - l * epr;
+    afd_i32 end = 0;
+    if (status == GS_SERVED && l / layers_per_chunk == chunk && l >= layer) {
+      if (l > layer) {
+        end = routed;
+      } else {
+        for (int i = 0; i <= e; ++i) end += s_words[HDR_FIXED_WORDS + i];
+      }
+    }
+    routed_offs[g] = end;
+  }
+  if (shared_offs != nullptr) {
+    for (int l = tid; l < num_layers; l += blockDim.x) {
+      shared_offs[l] = (status == GS_SERVED && l >= layer) ? shared : 0;
+    }
+  }
+
+  // Reply header (wire.reply_header): echo everything but seq, src_rank, flags, echo_seq.
+  afd_i32* reply_words = reinterpret_cast<afd_i32*>(state + STATE_HEADER);
+  __shared__ afd_i64 s_seq;
+  if (tid == 0) {
+    afd_i64 seq = 0;
+    if (status == GS_SERVED || status == GS_EAGER) {
+      seq = reply_seqs[slot] + 1;
+      reply_seqs[slot] = seq;
+    }
+    s_seq = seq;
+    state[STATE_ACTIVE] = (status == GS_SERVED) ? 1 : 0;
+    state[STATE_SLOT] = slot;
+    state[STATE_REGION] = arrived ? slot / geo.ring_depth : -1;
+    state[STATE_RING] = arrived ? slot % geo.ring_depth : -1;
+    state[STATE_ROUTED] = (status == GS_SERVED) ? routed : 0;
+    state[STATE_SHARED] = (status == GS_SERVED) ? shared : 0;
+    state[STATE_SEQ] = seq;
+    state[STATE_CHUNK] = chunk;
+  }
+  __syncthreads();
+  for (int i = tid; i < hw; i += blockDim.x) {
+    afd_i32 word = s_words[i];
+    if (i == HDR_SEQ) word = static_cast<afd_i32>(s_seq & 0xffffffffll);
+    if (i == HDR_SRC_RANK) word = src_rank;
+    if (i == HDR_FLAGS) word = s_words[HDR_FLAGS] & static_cast<afd_i32>(FLAG_DEDUP);
+    if (i == HDR_ECHO_SEQ) word = s_words[HDR_SEQ];
+    if (i == HDR_MAGIC) word = static_cast<afd_i32>(MAGIC);
+    if (i == HDR_VERSION) word = static_cast<afd_i32>(VERSION);
+    reply_words[i] = word;
+  }
+
+  // The replay's record, into the pinned ring; the replay number last.
+  if (tid == 0) {
+    const afd_i64 replay = *replay_counter;
+    *replay_counter = replay + 1;
+    afd_i64* rec = reinterpret_cast<afd_i64*>(records) + (replay % num_records) * record_words;
+    store_volatile(rec + REC_STATUS, status);
+    store_volatile(rec + REC_SLOT, arrived ? slot : -1);
+    store_volatile(rec + REC_FLAG, arrived ? bell[DB_FLAG] : 0);
+    store_volatile(rec + REC_SEQ, s_seq);
+    store_volatile(rec + REC_DETAIL, s_detail);
+    volatile afd_i32* rec_words = reinterpret_cast<volatile afd_i32*>(rec + REC_HEADER);
+    for (int i = 0; i < hw; ++i) rec_words[i] = s_words[i];
+    __threadfence_system();
+    store_volatile(rec + REC_REPLAY, replay);
+  }
+}
+
+// grid = reply_grid(routed_bucket + shared_bucket) (frozen at capture), block = REPLY_THREADS;
+// a warp per row. Copies the served item's routed and shared rows from its window slot into
+// the fixed staging rows the grouped GEMMs read; nothing when the replay serves nothing.
+template <int DT>
+__global__ void __launch_bounds__(REPLY_THREADS)
+afd_graph_gather(afd_u64 window,  // own window
+                 SlotGeometry geo,
+                 const afd_i64* state,  // device: afd_graph_stage's output
+                 afd_i32 hidden_size,
+                 afd_u64 routed_staging,  // payload [routed_bucket, hidden_size], device
+                 afd_u64 shared_staging) {  // payload [shared_bucket, hidden_size], or 0
+  if (state[STATE_ACTIVE] == 0) return;
+  const int tid = threadIdx.x, lane = tid & 31;
+  const afd_i64 row_bytes = static_cast<afd_i64>(hidden_size) * itemsize<DT>();
+  char* slot = geo.slot_at(window, state[STATE_SLOT]);
+  const afd_i64 num_routed = state[STATE_ROUTED];
+  const afd_i64 num_rows = num_routed + (shared_staging != 0ull ? state[STATE_SHARED] : 0);
+  const afd_i64 warp_stride = static_cast<afd_i64>(gridDim.x) * ROWS_PER_BLOCK;
+  for (afd_i64 r = static_cast<afd_i64>(blockIdx.x) * ROWS_PER_BLOCK + (tid >> 5); r < num_rows;
+       r += warp_stride) {
+    const bool is_routed = r < num_routed;
+    const afd_i64 row = is_routed ? r : r - num_routed;
+    const char* src = is_routed ? geo.routed_row(slot, row, row_bytes) : geo.shared_row(slot, row, row_bytes);
+    char* dst = static_cast<char*>(byte_ptr(is_routed ? routed_staging : shared_staging, row * row_bytes));
+    warp_copy_row(dst, src, row_bytes, lane);
+  }
+}
+
+// grid = reply_grid(routed_bucket + shared_bucket) (frozen at capture), block = REPLY_THREADS;
+// a warp per row. afd_reply with everything it needs read from the stage's state: the served
+// item's rows, then (last block) the reply header built by the stage, a system fence and
+// flag = the reply seq, into slot (own FFN rank, ring) of the sender's window.
+// routed_outs[STATE_CHUNK] is the routed output of the arrived layer's chunk; an entry of 0 (and
+// shared_out = 0) means "the rows of the own window slot" (identity experts: nothing copied
+// before). Nothing is written when the replay serves nothing.
+template <int DT>
+__global__ void __launch_bounds__(REPLY_THREADS)
+afd_graph_reply(afd_u64 own_window,
+                const afd_u64* peer_windows,  // device [num_regions]: Attention rank i's window, 0 if none
+                SlotGeometry geo,
+                afd_i32 src_rank,  // own FFN rank: the region of the sender's window written
+                const afd_i64* state,
+                const afd_u64* routed_outs,  // device [num_chunks]: payload [routed_bucket, H] each
+                afd_u64 shared_out,  // payload [shared_bucket, H], or 0
+                afd_i32 hidden_size,
+                unsigned int* done_counter) {
+  if (state[STATE_ACTIVE] == 0) return;  // uniform: no block counts in
+  const afd_u64 dst_window = peer_windows[state[STATE_REGION]];
+  if (dst_window == 0ull) return;  // the stage never serves such a region (defensive)
+  const int tid = threadIdx.x, lane = tid & 31;
+  const afd_i64 row_bytes = static_cast<afd_i64>(hidden_size) * itemsize<DT>();
+  const afd_i32 ring = static_cast<afd_i32>(state[STATE_RING]);
+  char* own_slot = geo.slot_at(own_window, state[STATE_SLOT]);
+  char* slot = geo.slot(dst_window, src_rank, ring);
+  const afd_u64 routed_out = routed_outs[state[STATE_CHUNK]];
+  const afd_i64 num_routed = state[STATE_ROUTED];
+  const afd_i64 num_rows = num_routed + state[STATE_SHARED];
+  const afd_i64 warp_stride = static_cast<afd_i64>(gridDim.x) * ROWS_PER_BLOCK;
+  for (afd_i64 r = static_cast<afd_i64>(blockIdx.x) * ROWS_PER_BLOCK + (tid >> 5); r < num_rows;
+       r += warp_stride) {
+    const bool is_routed = r < num_routed;
+    const afd_i64 row = is_routed ? r : r - num_routed;
+    const afd_u64 src_base = is_routed ? routed_out : shared_out;
+    const char* src = src_base != 0ull ? static_cast<const char*>(byte_ptr(src_base, row * row_bytes))
+                      : (is_routed ? geo.routed_row(own_slot, row, row_bytes) : geo.shared_row(own_slot, row, row_bytes));
+    char* dst = is_routed ? geo.routed_row(slot, row, row_bytes) : geo.shared_row(slot, row, row_bytes);
+    warp_copy_row(dst, src, row_bytes, lane);
+  }
+
+  // Every block's rows are released at system scope here.
+  if (!last_block_done(done_counter, /*system_scope=*/true)) return;
+  const afd_i32* words = reinterpret_cast<const afd_i32*>(state + STATE_HEADER);
+  afd_i32* header = geo.header(slot);
+  for (int w = tid; w < geo.header_words; w += REPLY_THREADS) header[w] = words[w];
+  __syncthreads();  // every header word of the block precedes thread 0's fence
+  if (tid == 0) {
+    __threadfence_system();  // release, cumulative over the header and every block's rows
+    store_volatile(geo.flag(dst_window, src_rank, ring), state[STATE_SEQ]);
+    __threadfence();
+    *done_counter = 0u;
+  }
+}

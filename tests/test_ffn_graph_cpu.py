@@ -1,0 +1,164 @@
+"""CPU checks of the graph-driven FFN (afd_cupy/ffn_graph.py, raw_kernels/ffn_graph.cu): the
+mirrored words, the stage reference against the protocol's rules, the offsets against what
+torch._grouped_mm computes with them, and the bucket policy. No GPU, no CuPy."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from afd_cupy import ffn_graph, kernels, wire
+from afd_cupy.errors import ConfigError
+from afd_cupy.kernels import specs
+
+_CONSTEXPR_RE = re.compile(r"constexpr\s+int\s+(\w+)\s*=\s*(-?\d+)\s*;")
+LAYOUT = wire.WindowLayout(num_regions=2, ring_depth=2, expert_per_rank=4, hidden_size=64,
+                           itemsize=2, top_k=4, token_cap=16, routed_cap=40, shared_cap=8)
+
+
+def test_cu_words_match_the_python_mirror():
+    text = (kernels.KERNEL_DIR / "ffn_graph.cu").read_text()
+    parsed = {name: int(value) for name, value in _CONSTEXPR_RE.findall(text)}
+    names = [n for n in dir(ffn_graph) if re.match(r"(GS|STATE|REC)_[A-Z]+$", n) and n != "GS_NAMES"]
+    assert names and set(names) == set(parsed), set(names) ^ set(parsed)
+    for name in names:
+        assert parsed[name] == getattr(ffn_graph, name), name
+    assert specs.STAGE_STATE_HEADER == ffn_graph.STATE_HEADER
+    assert specs.STAGE_RECORD_HEADER == ffn_graph.REC_HEADER
+    assert specs.GRAPH_MAX_GROUPS == ffn_graph.MAX_GROUPS
+    assert '#include "wire.cuh"' in text and "__launch_bounds__(REPLY_THREADS)" in text
+
+
+def _dispatch(rng, *, layer=1, src=0, seq=7, counts=None, shared=3):
+    counts = rng.integers(0, 6, LAYOUT.expert_per_rank) if counts is None else counts
+    header = wire.dispatch_header(seq=seq, src_rank=src, layer_idx=layer, stage_idx=1,
+                                  num_tokens=12, shared_tokens=shared, top_k=4, expert_counts=counts)
+    return wire.encode_header(header, LAYOUT.expert_per_rank), header
+
+
+def _stage(words, region=0, **kw):
+    args = dict(layout=LAYOUT, src_rank=1, num_attn_ranks=2, num_layers=3, routed_bucket=24,
+                shared_bucket=8, prev_seq=41)
+    args.update(kw)
+    return ffn_graph.stage_reference(words, region=region, **args)
+
+
+def test_stage_reference_serves_a_fitting_item_with_the_wire_reply_header():
+    rng = np.random.default_rng(1)
+    words, header = _dispatch(rng)
+    got = _stage(words)
+    assert got.status == ffn_graph.GS_SERVED and got.seq == 42 and got.chunk == 0
+    reply = wire.decode_header(got.reply_words, LAYOUT.expert_per_rank, LAYOUT)
+    assert reply == wire.reply_header(header, seq=42, src_rank=1)
+    assert reply.echo_seq == 7 and reply.expert_counts == header.expert_counts
+    offs = got.routed_offs.reshape(3, -1)
+    assert (offs[0] == 0).all() and (offs[2] == header.routed_tokens).all()
+    assert offs[1].tolist() == np.cumsum(header.expert_counts).tolist()
+    assert got.shared_offs.tolist() == [0, 3, 3]
+
+
+@pytest.mark.parametrize("case", ["idle", "shutdown", "bad_magic", "bad_sum", "over_cap",
+                                  "wrong_src", "no_attn_rank", "too_large", "layer_out"])
+def test_stage_reference_statuses(case):
+    rng = np.random.default_rng(2)
+    words, _ = _dispatch(rng, counts=np.array([5, 5, 5, 5]))
+    region, kw = 0, {}
+    expected = {"idle": ffn_graph.GS_IDLE, "shutdown": ffn_graph.GS_SHUTDOWN,
+                "too_large": ffn_graph.GS_EAGER, "layer_out": ffn_graph.GS_EAGER}.get(case, ffn_graph.GS_REJECTED)
+    if case == "idle":
+        region = None
+    elif case == "shutdown":
+        words = wire.encode_header(wire.shutdown_header(src_rank=0, top_k=4, expert_per_rank=4), 4)
+    elif case == "bad_magic":
+        words[wire.HDR_MAGIC] = 1
+    elif case == "bad_sum":
+        words[wire.HDR_FIXED_WORDS] += 1
+    elif case == "over_cap":
+        words[wire.HDR_FIXED_WORDS:] = 11
+        words[wire.HDR_ROUTED_TOKENS] = 44  # > routed_cap 40
+    elif case == "wrong_src":
+        region = 1
+    elif case == "no_attn_rank":
+        words[wire.HDR_SRC_RANK] = region = 1
+        kw["num_attn_ranks"] = 1
+    elif case == "too_large":
+        kw["routed_bucket"] = 19
+    elif case == "layer_out":
+        words[wire.HDR_LAYER] = 3
+    got = _stage(words, region, **kw)
+    assert got.status == expected, ffn_graph.GS_NAMES[got.status]
+    assert not got.routed_offs.any() and not got.shared_offs.any(), "nothing served: all groups empty"
+    assert got.seq == (42 if expected == ffn_graph.GS_EAGER else 0)
+    assert got.reply_words is None
+
+
+def _grouped_rows(offs: np.ndarray) -> dict:
+    """group -> (start, end) rows as torch._grouped_mm's 2d x 3d path derives them from offs
+    (prepare_grouped_gemm_data: start = offs[g-1] or 0, size = offs[g] - start)."""
+    starts = np.concatenate(([0], offs[:-1]))
+    return {g: (int(s), int(e)) for g, (s, e) in enumerate(zip(starts, offs)) if e > s}
+
+
+@pytest.mark.parametrize("num_layers,epr", [(3, 4), (5, 300), (1, 1023), (61, 32)])
+def test_routed_offsets_give_gemm_work_to_the_arrived_layer_only(num_layers, epr):
+    rng = np.random.default_rng(num_layers * epr)
+    lpc = ffn_graph.layers_per_chunk(num_layers, epr)
+    assert lpc * epr <= ffn_graph.MAX_GROUPS
+    for layer in {0, num_layers // 2, num_layers - 1}:
+        counts = rng.integers(0, 4, epr)
+        counts[rng.integers(0, epr)] += 1
+        offs = ffn_graph.routed_offsets_reference(counts, layer, num_layers, epr).reshape(num_layers, epr)
+        work = {}
+        for chunk in range(ffn_graph.num_chunks(num_layers, epr)):
+            layers = range(chunk * lpc, min(num_layers, (chunk + 1) * lpc))
+            chunk_offs = offs[layers.start:layers.stop].ravel()
+            assert (np.diff(chunk_offs) >= 0).all() and chunk_offs[-1] <= counts.sum()
+            for g, rows in _grouped_rows(chunk_offs).items():
+                work[(layers.start + g // epr, g % epr)] = rows
+        starts = np.cumsum(counts) - counts
+        assert work == {(layer, e): (int(starts[e]), int(starts[e] + counts[e]))
+                        for e in range(epr) if counts[e]}
+    assert not ffn_graph.routed_offsets_reference(None, None, num_layers, epr).any()
+
+
+def test_layer_chunks_and_their_limit():
+    assert ffn_graph.layers_per_chunk(61, 32) == 31 and ffn_graph.num_chunks(61, 32) == 2
+    assert ffn_graph.layers_per_chunk(4, 8) == 4 and ffn_graph.num_chunks(4, 8) == 1
+    with pytest.raises(ConfigError, match="expert_per_rank=1024 > 1023"):
+        ffn_graph.layers_per_chunk(1, 1024)
+
+
+def test_buckets_and_policy():
+    buckets = ffn_graph.buckets_for_tokens((32, 1, 128, 32), LAYOUT, top_k=4, num_ffn_ranks=2)
+    assert buckets == (ffn_graph.Bucket(4, 1), ffn_graph.Bucket(40, 8))  # clipped at the caps
+    assert ffn_graph.choose_bucket(buckets, 4, 1) == 0
+    assert ffn_graph.choose_bucket(buckets, 5, 0) == 1
+    assert ffn_graph.choose_bucket(buckets, 41, 0) is None
+    policy = ffn_graph.BucketPolicy(buckets, window=3)
+    assert policy.current == 0
+    policy.observe(30, 2)
+    assert policy.current == 1  # up at once
+    for _ in range(2):
+        policy.observe(1, 1)
+    assert policy.current == 1  # the big item is still in the window
+    policy.observe(1, 1)
+    assert policy.current == 0
+    policy.observe(99, 0)
+    assert policy.current == 1  # nothing fits: the largest graph, the item itself went eager
+    with pytest.raises(ConfigError, match="must be >= 1"):
+        ffn_graph.buckets_for_tokens((0,), LAYOUT, top_k=4, num_ffn_ranks=1)
+
+
+def test_record_and_state_sizes():
+    assert ffn_graph.record_words(16) == 16 and ffn_graph.record_words(17) == 16
+    assert ffn_graph.record_words(21) == 24
+    assert ffn_graph.state_words(17) == ffn_graph.STATE_HEADER + 9
+
+
+def test_server_module_imports_without_cupy():
+    code = ("import sys, afd_cupy.backends.cuda_ffn_graph, afd_cupy.ffn_graph; "
+            "assert 'cupy' not in sys.modules, 'cupy imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=kernels.KERNEL_DIR.parent)
