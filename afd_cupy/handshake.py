@@ -54,7 +54,18 @@ class PeerProcess:
             return False
         except PermissionError:
             return True
-        return True
+        return not _is_zombie(self.pid)
+
+
+def _is_zombie(pid: int) -> bool:
+    """True when ``pid`` has exited but its parent has not reaped it yet (Linux ``/proc``; a
+    launcher polls its children only now and then, and ``kill(pid, 0)`` succeeds on a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            # "pid (comm) state ...": comm may hold spaces and parentheses, the state follows the last ")"
+            return stat.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
 
 
 def config_record(model, topology, connector, *, backend: str) -> dict:

@@ -611,6 +611,26 @@ def test_liveness_is_unknown_outside_this_host_and_pid_namespace():
     assert gone.is_alive() is False
 
 
+
+def test_an_exited_process_not_yet_reaped_is_dead():
+    # a launcher reaps its children only now and then: a killed rank stays a zombie meanwhile,
+    # and kill(pid, 0) still succeeds on it
+    import subprocess
+    import sys
+
+    from afd_cupy import handshake
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    peer = handshake.PeerProcess(0, child.pid, handshake.socket.gethostname(), handshake._pid_namespace())
+    try:
+        deadline = time.monotonic() + 30
+        while peer.is_alive() and time.monotonic() < deadline:  # exits within ~0.1 s, never reaped
+            time.sleep(0.01)
+        assert peer.is_alive() is False
+        assert child.poll() == 0  # it was a zombie until this reaped it
+    finally:
+        child.wait()
+
 # --- 2A2F: one rank of a role dies, its peers of the other role keep serving the survivors ---
 def _ids_for(conn, num_tokens, ffn_rank, seed):
     """Inputs whose top-k experts all live on ``ffn_rank``."""
