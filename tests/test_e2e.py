@@ -124,12 +124,15 @@ def test_always_send_reaches_every_rank(backend):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("backend", CUDA_TRANSPORTS)  # put: are NVSHMEM's on-stream puts capturable?
+@pytest.mark.parametrize("backend,wire_mode", [  # put: are NVSHMEM's on-stream puts capturable?
+    pytest.param("cuda", "pair", id="direct"), pytest.param("cuda-put", "pair", id="put"),
+    pytest.param("cuda", "dedup", id="dedup")])
 @pytest.mark.parametrize("num_attn,num_ffn", [(1, 1), (2, 2)])
-def test_attention_layers_replayed_from_cuda_graphs(backend, num_attn, num_ffn):
+def test_attention_layers_replayed_from_cuda_graphs(backend, wire_mode, num_attn, num_ffn):
     # each layer's send + recv captured once, replayed 3 times with fresh inputs and NaN outputs
     replays, model = 3, _model(num_layers=3)
-    attn, ffn = _run(_scenario(backend, model, num_attn, num_ffn, num_tokens=40, graph_replays=replays))
+    attn, ffn = _run(_scenario(backend, model, num_attn, num_ffn, wire_mode, num_tokens=40,
+                               graph_replays=replays))
     # every replay really sent: 40 tokens reach every FFN rank at every layer (no stale outputs)
     assert sum(r["served"] for r in ffn) == num_attn * model.num_layers * replays * num_ffn
     assert {layer for r in ffn for _, layer, *_ in r["history"]} == set(range(model.num_layers))
@@ -155,7 +158,8 @@ def test_one_process_per_gpu_over_nvlink(backend, num_attn, num_ffn):
 @pytest.mark.parametrize("backend,wire_mode,schedule", [
     pytest.param("host", "pair", "async", id="host"), pytest.param("host", "dedup", "async", id="host-dedup"),
     pytest.param("host", "pair", "lockstep", id="host-lockstep"),
-    pytest.param("cuda", "pair", "async", id="cuda", marks=pytest.mark.cuda)])
+    pytest.param("cuda", "pair", "async", id="cuda", marks=pytest.mark.cuda),
+    pytest.param("cuda", "dedup", "async", id="cuda-dedup", marks=pytest.mark.cuda)])
 def test_ffn_overlap_gives_the_default_outputs(backend, wire_mode, schedule):
     # FFNWorker(overlap=True): replies on a reply thread (host) / stream (cuda) while the next
     # item is received and computed; replicas at different layers so items interleave
