@@ -229,17 +229,67 @@ def _check_job(job_id, world_size, *, first_rank: int, nprocs: int) -> None:
 
 
 def _detect_num_gpus() -> int:
-    """Visible CUDA devices, 0 when torch/CUDA is unavailable.
+    """Visible CUDA devices, 0 when there is no usable GPU.
 
-    NOTE: ``torch.cuda.device_count`` queries NVML where it can and does not create a CUDA
-    context; children are spawned, so nothing CUDA-related is inherited anyway.
+    Asks NVML through ctypes (milliseconds, no CUDA context) and applies
+    ``CUDA_VISIBLE_DEVICES``; 0 without an NVIDIA driver (no ``/dev/nvidiactl``); only on a
+    driver host where NVML cannot be loaded, ``torch.cuda.device_count`` (importing torch
+    costs a launcher 2-4 s before its children even start). Children are
+    spawned, so nothing CUDA-related is inherited either way.
     """
+    count = _nvml_device_count()
+    if count is not None:
+        return visible_gpu_count(count, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if not os.path.exists("/dev/nvidiactl"):  # no NVIDIA driver on this machine at all
+        return 0
     try:
         import torch
 
         return int(torch.cuda.device_count())
     except Exception:  # noqa: BLE001 - any failure means "no usable GPU"
         return 0
+
+
+def _nvml_device_count() -> int | None:
+    """GPUs NVML sees (all of them, ``CUDA_VISIBLE_DEVICES`` not applied), or None when NVML
+    (the driver's ``libnvidia-ml.so.1``) cannot be loaded or initialized."""
+    import ctypes
+
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+    count = ctypes.c_uint(0)
+    if nvml.nvmlInit_v2() != 0:
+        return None
+    try:
+        return int(count.value) if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) == 0 else None
+    finally:
+        nvml.nvmlShutdown()
+
+
+def visible_gpu_count(num_devices: int, cuda_visible_devices: str | None) -> int:
+    """GPUs a CUDA process sees among ``num_devices`` under ``CUDA_VISIBLE_DEVICES``: unset,
+    all of them; else its comma-separated entries up to the first invalid one (an index
+    outside ``[0, num_devices)`` or a repeat; ``GPU-``/``MIG-`` UUIDs count as valid), as the
+    CUDA runtime reads it."""
+    if cuda_visible_devices is None:
+        return num_devices
+    seen: set = set()
+    for entry in (e.strip() for e in cuda_visible_devices.split(",")):
+        if entry.startswith(("GPU-", "MIG-")):
+            key = entry
+        else:
+            try:
+                key = int(entry)
+            except ValueError:
+                break
+            if not 0 <= key < num_devices:
+                break
+        if key in seen:
+            break
+        seen.add(key)
+    return min(len(seen), num_devices)
 
 
 def detect_backend() -> str:

@@ -124,3 +124,23 @@ def test_children_get_passive_openmp_waits_unless_the_user_chose(monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY")
     assert launch(_child_wait_policy, 1, timeout_s=60, num_gpus=0,
                   env={"OMP_WAIT_POLICY": "ACTIVE"}) == ["ACTIVE"]
+
+
+def test_visible_gpu_count_reads_cuda_visible_devices_as_the_runtime_does():
+    from afd_cupy.launch import visible_gpu_count
+
+    assert visible_gpu_count(4, None) == 4
+    assert visible_gpu_count(4, "") == 0
+    assert visible_gpu_count(4, "1,3") == 2
+    assert visible_gpu_count(4, "0,7,1") == 1  # the first invalid index ends the list
+    assert visible_gpu_count(2, "1,1") == 1  # so does a repeat
+    assert visible_gpu_count(2, "GPU-1a2b,GPU-3c4d,GPU-5e6f") == 2  # never more than exist
+    assert visible_gpu_count(0, "0") == 0
+
+
+def test_detecting_the_backend_does_not_import_torch():
+    code = ("import sys; from afd_cupy.launch import detect_backend; b = detect_backend(); "
+            "print(b, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": ROOT}).stdout.split()
+    assert out[1] == "False", out
