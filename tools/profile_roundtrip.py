@@ -85,10 +85,12 @@ def _instrument(conn, stamps: _Stamps, role: str) -> None:
         _wrap(conn, "recv_ffn_output", before=lambda: stamps.host("a_recv0"),
               after=lambda _: stamps.host("a_recv1"))
         if cuda:
-            _stamp_launches(kernels, stamps, {
+            _stamp_launches(kernels, stamps, {  # pair and dedup mode's kernels
                 "afd_dispatch_plan": ("g_disp0", None), "afd_dispatch_scatter": (None, "g_disp1"),
-                "afd_wait_replies": ("g_wait0", None), "afd_combine": ("g_comb0", "g_comb1")},
-                host_after={"afd_combine": "a_launched"})
+                "afd_dedup_scatter": (None, "g_disp1"),
+                "afd_wait_replies": ("g_wait0", None), "afd_combine": ("g_comb0", "g_comb1"),
+                "afd_dedup_combine": ("g_comb0", "g_comb1")},
+                host_after={"afd_combine": "a_launched", "afd_dedup_combine": "a_launched"})
         return
     # FFN: a row per item that arrived (a poll timeout returns None and is not a row)
     def arrived(arrival):
@@ -103,7 +105,9 @@ def _instrument(conn, stamps: _Stamps, role: str) -> None:
     _wrap(conn, "send_ffn_work_item_output", before=lambda: stamps.host("f_reply0"),
           after=lambda _: stamps.host("f_reply1"))
     if cuda:
-        _stamp_launches(kernels, stamps, {"afd_reply": ("g_reply0", "g_reply1")})
+        _stamp_launches(kernels, stamps, {"afd_reply": ("g_reply0", "g_reply1"),
+                                          "afd_dedup_reply": ("g_reply0", "g_reply1"),
+                                          "afd_dedup_expand": ("g_exp0", "g_exp1")})
 
 
 def _stamp_launches(kernels, stamps: _Stamps, events: dict, host_after: dict | None = None) -> None:
@@ -141,6 +145,7 @@ GPU_PHASES = (
     ("GPU dispatch plan+scatter", "g_disp0", "g_disp1", "attention"),
     ("GPU wait_replies (incl. waiting)", "g_wait0", "g_comb0", "attention"),
     ("GPU combine", "g_comb0", "g_comb1", "attention"),
+    ("GPU expand (dedup)", "g_exp0", "g_exp1", "ffn"),
     ("GPU reply", "g_reply0", "g_reply1", "ffn"),
 )
 
@@ -183,7 +188,8 @@ def _rank(ctx, args) -> dict:
                         moe_intermediate_size=256, num_shared_experts=1,
                         max_num_batched_tokens=max(args["tokens"], 1))
     role = "attention" if ctx.rank == 0 else "ffn"
-    conn = AFDConnector(model, TopologyConfig(1, 1), ConnectorConfig(), role=role, role_rank=0,
+    conn = AFDConnector(model, TopologyConfig(1, 1), ConnectorConfig(wire_mode=args["wire_mode"]),
+                        role=role, role_rank=0,
                         store=ctx.store(), job_id=ctx.job_id, backend=backend,
                         device_id=ctx.device_id)
     profiler = cProfile.Profile()
@@ -245,12 +251,14 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=None, help="default 300 (150 with --quick)")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="150 round trips")
+    parser.add_argument("--wire-mode", default="pair", choices=("pair", "dedup"))
     parser.add_argument("--out", default=".")
     args = parser.parse_args(argv)
     if args.iters is None:
         args.iters = 150 if args.quick else 300
     cfg = {"backend": args.backend, "tokens": args.tokens, "hidden": args.hidden,
-           "top_k": args.top_k, "iters": args.iters, "warmup": args.warmup}
+           "top_k": args.top_k, "iters": args.iters, "warmup": args.warmup,
+           "wire_mode": args.wire_mode}
     attn, ffn = launch(_rank, 2, args=(cfg,), timeout_s=300)
     os.makedirs(args.out, exist_ok=True)
     for rep in (attn, ffn):
@@ -269,7 +277,7 @@ def main(argv=None) -> int:
         med = "-" if row["median_us"] is None else f"{row['median_us']:.1f}"
         p90 = "-" if row["p90_us"] is None else f"{row['p90_us']:.1f}"
         print(f"{row['phase']:44s} {med:>9s} {p90:>9s} {row['n']:>5d}")
-    print(f"profile_roundtrip: backend={args.backend} tokens={args.tokens} hidden={args.hidden} "
+    print(f"profile_roundtrip: backend={args.backend} wire_mode={args.wire_mode} tokens={args.tokens} hidden={args.hidden} "
           f"top_k={args.top_k}: round trip median {attn['median_us']:.1f} us (min {attn['min_us']:.1f} us) "
           f"under cProfile; FFN served {ffn['served']}")
     return 0
