@@ -226,9 +226,22 @@ afd_dedup_expand(afd_u64 window,  // own window
   if (tid == 0) *done_counter = 0u;
 }
 
-// grid = max(1, min(ceil(R / ROWS_PER_BLOCK), MAX_BLOCKS)), block = REPLY_THREADS; a warp per
-// reply row. route_copy is the table afd_dedup_expand accepted (a staging row outside
-// [0, num_routed) ends the row's slots: never the case for an accepted table).
+// grid = max(1, min(ceil(R * reduce_parts(row bytes) / ROWS_PER_BLOCK), MAX_BLOCKS)), block =
+// REPLY_THREADS; a warp per (reply row, part): a wide row is cut into reduce_parts contiguous
+// column ranges so that a decode-size reply (R = 128 rows of 14 KiB) still keeps enough warps
+// in flight (one warp per row: 128 warps, ~225 GB/s). route_copy is the table afd_dedup_expand
+// accepted (a staging row outside [0, num_routed) ends the row's slots: never the case for an
+// accepted table).
+//
+// Parts a reply row of `row_bytes` is cut into (kernels.specs.dedup_reduce_parts mirrors it
+// for the grid): one per REDUCE_PART_BYTES, 1..REDUCE_MAX_PARTS.
+constexpr afd_i64 REDUCE_PART_BYTES = 4096;
+constexpr afd_i64 REDUCE_MAX_PARTS = 8;
+__host__ __device__ __forceinline__ afd_i64 reduce_parts(afd_i64 row_bytes) {
+  const afd_i64 parts = (row_bytes + REDUCE_PART_BYTES - 1) / REDUCE_PART_BYTES;
+  return parts < 1 ? 1 : (parts > REDUCE_MAX_PARTS ? REDUCE_MAX_PARTS : parts);
+}
+
 template <int DT>
 __global__ void __launch_bounds__(REPLY_THREADS)
 afd_dedup_reply(afd_u64 dst_window,  // the Attention peer's window as mapped here
@@ -253,8 +266,10 @@ afd_dedup_reply(afd_u64 dst_window,  // the Attention peer's window as mapped he
   const bool vectors = ((routed_out | shared_out | static_cast<afd_u64>(row_bytes) |
                          reinterpret_cast<afd_u64>(geo.routed_row(slot, 0, row_bytes))) & 15) == 0;
 
-  for (afd_i64 r = static_cast<afd_i64>(blockIdx.x) * ROWS_PER_BLOCK + warp; r < num_rows;
-       r += warp_stride) {
+  const afd_i64 parts = reduce_parts(row_bytes);
+  for (afd_i64 item = static_cast<afd_i64>(blockIdx.x) * ROWS_PER_BLOCK + warp;
+       item < static_cast<afd_i64>(num_rows) * parts; item += warp_stride) {
+    const afd_i64 r = item / parts, part = item % parts;
     const afd_i32* words = route_copy + r * width;
     int num_slots = top_k;
     for (int base = 0; base < top_k; base += 32) {
@@ -275,7 +290,9 @@ afd_dedup_reply(afd_u64 dst_window,  // the Attention peer's window as mapped he
     // dedup_reference.reduce_reference (and the host backend's numba reduce) rounded once.
     if (vectors) {
       constexpr int V = vec_elems<DT>();
-      for (afd_i64 i = lane; i < (row_bytes >> 4); i += 32) {
+      const afd_i64 vecs = row_bytes >> 4, per_part = (vecs + parts - 1) / parts;
+      const afd_i64 v_end = min(vecs, (part + 1) * per_part);
+      for (afd_i64 i = part * per_part + lane; i < v_end; i += 32) {
         float acc[V];
 #pragma unroll
         for (int e = 0; e < V; ++e) acc[e] = 0.0f;
@@ -295,7 +312,9 @@ afd_dedup_reply(afd_u64 dst_window,  // the Attention peer's window as mapped he
         reinterpret_cast<uint4*>(dst)[i] = pack16<DT>(acc);
       }
     } else {
-      for (afd_i64 h = lane; h < hidden_size; h += 32) {
+      const afd_i64 per_part = (static_cast<afd_i64>(hidden_size) + parts - 1) / parts;
+      const afd_i64 h_end = min(static_cast<afd_i64>(hidden_size), (part + 1) * per_part);
+      for (afd_i64 h = part * per_part + lane; h < h_end; h += 32) {
         float acc = 0.0f;
         for (int s = 0; s < num_slots; ++s) {
           const afd_i64 src = static_cast<afd_i64>(s_pos[warp][s]) * hidden_size + h;

@@ -231,9 +231,13 @@ def test_grids_of_the_specs(fake_specs):
     assert built[("dispatch.cu", "afd_dispatch_plan")].grid == kernels.plan_grid(64) == 1
     assert kernels.plan_grid(0) == 1 and kernels.plan_grid(257) == 2
     assert built[("dedup_ffn.cu", "afd_dedup_expand")].grid == kernels.dedup_expand_grid(20) == 3
-    assert built[("dedup_ffn.cu", "afd_dedup_reply")].grid == kernels.dedup_reply_grid(20) == 3
+    # hidden 64 bf16: 128-byte rows, one warp each; 14 KiB rows: 4 warps (4096 B per part)
+    assert built[("dedup_ffn.cu", "afd_dedup_reply")].grid == kernels.dedup_reply_grid(20, 128) == 3
+    assert kernels.dedup_reply_grid(128, 7168 * 2) == 128 * 4 // kernels.ROWS_PER_BLOCK
+    assert kernels.dedup_reduce_parts(4096) == 1 and kernels.dedup_reduce_parts(4097) == 2
+    assert kernels.dedup_reduce_parts(10**6) == 8 and kernels.dedup_reduce_parts(0) == 1
     assert kernels.dedup_expand_grid(0) == 1 and kernels.dedup_reply_grid(0) == 1
-    assert kernels.dedup_reply_grid(10**6) == kernels.MAX_BLOCKS
+    assert kernels.dedup_reply_grid(10**6, 7168 * 2) == kernels.MAX_BLOCKS
 
 
 def test_dedup_grids_and_mode_checks(fake_specs):
@@ -385,3 +389,10 @@ def test_backend_builds_the_launches_of_its_wire_mode(fake_specs, monkeypatch, w
     assert ("row_map" in names["combine"]) == (wire_mode == "dedup")
     assert launches["wait"].args[-1] == np.int32(wire_mode == "dedup")  # afd_wait_replies' dedup
     assert len(launches) == len(want[wire_mode])
+
+
+def test_dedup_reduce_parts_mirror_the_kernel():
+    text = (kernels.KERNEL_DIR / "dedup_ffn.cu").read_text()
+    values = dict(re.findall(r"constexpr afd_i64 (REDUCE_\w+) = (\d+);", text))
+    assert {k: int(v) for k, v in values.items()} == {
+        "REDUCE_PART_BYTES": specs.DEDUP_REDUCE_PART_BYTES, "REDUCE_MAX_PARTS": specs.DEDUP_REDUCE_MAX_PARTS}

@@ -15,7 +15,7 @@ import numpy as np
 from afd_cupy import wire
 from afd_cupy.kernels.launches import (LaunchSpec, _address, _array, _count, _dtype, _geometry,
                                        _i64, _spec)
-from afd_cupy.kernels.loader import get_kernel
+from afd_cupy.kernels.loader import DTYPE_CODES, get_kernel
 
 #: Limits and block sizes compiled into the kernels: the one Python copy of the constants of
 #: raw_kernels/wire.cuh (a CPU test parses wire.cuh, the GPU probe reads them back).
@@ -390,13 +390,27 @@ def dedup_reply_spec(*, dtype_code, dst_window, geo, src_rank, ring, route_copy,
             "header_src": _address("header_src", header_src), "seq": np.int64(seq),
             "done_counter": _array("done_counter", done_counter, np.uint32, 1)}
     kernel = get_kernel("dedup_ffn.cu", "afd_dedup_reply", dtype_code=_dtype(dtype_code))
-    return _spec(kernel, dedup_reply_grid(int(num_rows), max_blocks),
+    row_bytes = int(hidden_size) * (4 if _dtype(dtype_code) == DTYPE_CODES["float32"] else 2)
+    return _spec(kernel, dedup_reply_grid(int(num_rows), row_bytes, max_blocks),
                  KERNEL_LIMITS["REPLY_THREADS"], args)
 
 
-def dedup_reply_grid(num_rows: int, max_blocks: int = MAX_BLOCKS) -> int:
-    """Blocks of afd_dedup_reply: one warp per reply row, at least 1."""
-    return _row_grid(num_rows, max_blocks)
+#: afd_dedup_reply cuts a reply row into one part per this many bytes, at most
+#: DEDUP_REDUCE_MAX_PARTS (dedup_ffn.cu: REDUCE_PART_BYTES, REDUCE_MAX_PARTS, reduce_parts)
+DEDUP_REDUCE_PART_BYTES = 4096
+DEDUP_REDUCE_MAX_PARTS = 8
+
+
+def dedup_reduce_parts(row_bytes: int) -> int:
+    """Warps (column ranges) per reply row of afd_dedup_reply, as the kernel computes them."""
+    return max(1, min(-(-int(row_bytes) // DEDUP_REDUCE_PART_BYTES), DEDUP_REDUCE_MAX_PARTS))
+
+
+def dedup_reply_grid(num_rows: int, row_bytes: int = 0, max_blocks: int = MAX_BLOCKS) -> int:
+    """Blocks of afd_dedup_reply: one warp per (reply row, part of the row), at least 1. The
+    kernel strides over its items, so any grid is correct; this one keeps every item's warp
+    in flight (``row_bytes`` = hidden size x payload itemsize)."""
+    return _row_grid(int(num_rows) * dedup_reduce_parts(row_bytes), max_blocks)
 
 
 # --- dedup wire mode, Attention side (raw_kernels/dedup_attn.cu, docs/design.md §3.5) -----------
