@@ -183,14 +183,25 @@ afd_dedup_scatter(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-maj
   const bool ok = (*verdict == STATUS_OK);  // no writer while the scatter runs: one value
 
   if (ok) {
+    // a warp per (cell, part of its row): part 0 also writes the route-table row
+    const afd_i64 parts = row_parts(row_bytes);
+    const afd_i64 part_bytes = ((row_bytes + parts - 1) / parts + 15) & ~static_cast<afd_i64>(15);
     const afd_i64 warp_stride = static_cast<afd_i64>(gridDim.x) * ROWS_PER_BLOCK;
-    for (afd_i64 cell = static_cast<afd_i64>(blockIdx.x) * ROWS_PER_BLOCK + (tid >> 5);
-         cell < num_cells; cell += warp_stride) {
+    for (afd_i64 item = static_cast<afd_i64>(blockIdx.x) * ROWS_PER_BLOCK + (tid >> 5);
+         item < num_cells * parts; item += warp_stride) {
+      const afd_i64 cell = item / parts, part = item % parts;
       const afd_i32 row = row_map[cell];  // the same in every lane: the branch is warp-uniform
       if (row < 0) continue;
       const afd_i64 t = cell / num_ffn_ranks;
       const afd_i32 j = static_cast<afd_i32>(cell % num_ffn_ranks);
       char* slot = geo.slot(peer_windows[j], src_rank, ring);
+      const afd_i64 begin = part * part_bytes;
+      if (begin < row_bytes) {  // (a 16-byte-rounded part size can leave the last part empty)
+        const char* src_row = static_cast<const char*>(byte_ptr(hidden, t * row_bytes));
+        const afd_i64 len = (row_bytes - begin < part_bytes) ? row_bytes - begin : part_bytes;
+        warp_copy_row(geo.routed_row(slot, row, row_bytes) + begin, src_row + begin, len, lane);
+      }
+      if (part != 0) continue;
       afd_i32* entry = reinterpret_cast<afd_i32*>(slot + geo.off_route) +
                        static_cast<afd_i64>(row) * route_words;
       if (lane == 0) {
@@ -217,8 +228,6 @@ afd_dedup_scatter(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-maj
         entry[ROUTE_SLOTS + s] = -1;
         entry[ROUTE_SLOTS + top_k + s] = 0;
       }
-      const char* src_row = static_cast<const char*>(byte_ptr(hidden, t * row_bytes));
-      warp_copy_row(geo.routed_row(slot, row, row_bytes), src_row, row_bytes, lane);
     }
   }
 

@@ -226,21 +226,12 @@ afd_dedup_expand(afd_u64 window,  // own window
   if (tid == 0) *done_counter = 0u;
 }
 
-// grid = max(1, min(ceil(R * reduce_parts(row bytes) / ROWS_PER_BLOCK), MAX_BLOCKS)), block =
-// REPLY_THREADS; a warp per (reply row, part): a wide row is cut into reduce_parts contiguous
+// grid = max(1, min(ceil(R * row_parts(row bytes) / ROWS_PER_BLOCK), MAX_BLOCKS)), block =
+// REPLY_THREADS; a warp per (reply row, part): a wide row is cut into row_parts (wire.cuh) contiguous
 // column ranges so that a decode-size reply (R = 128 rows of 14 KiB) still keeps enough warps
 // in flight (one warp per row: 128 warps, ~225 GB/s). route_copy is the table afd_dedup_expand
 // accepted (a staging row outside [0, num_routed) ends the row's slots: never the case for an
 // accepted table).
-//
-// Parts a reply row of `row_bytes` is cut into (kernels.specs.dedup_reduce_parts mirrors it
-// for the grid): one per REDUCE_PART_BYTES, 1..REDUCE_MAX_PARTS.
-constexpr afd_i64 REDUCE_PART_BYTES = 4096;
-constexpr afd_i64 REDUCE_MAX_PARTS = 8;
-__host__ __device__ __forceinline__ afd_i64 reduce_parts(afd_i64 row_bytes) {
-  const afd_i64 parts = (row_bytes + REDUCE_PART_BYTES - 1) / REDUCE_PART_BYTES;
-  return parts < 1 ? 1 : (parts > REDUCE_MAX_PARTS ? REDUCE_MAX_PARTS : parts);
-}
 
 template <int DT>
 __global__ void __launch_bounds__(REPLY_THREADS)
@@ -266,7 +257,7 @@ afd_dedup_reply(afd_u64 dst_window,  // the Attention peer's window as mapped he
   const bool vectors = ((routed_out | shared_out | static_cast<afd_u64>(row_bytes) |
                          reinterpret_cast<afd_u64>(geo.routed_row(slot, 0, row_bytes))) & 15) == 0;
 
-  const afd_i64 parts = reduce_parts(row_bytes);
+  const afd_i64 parts = row_parts(row_bytes);
   for (afd_i64 item = static_cast<afd_i64>(blockIdx.x) * ROWS_PER_BLOCK + warp;
        item < static_cast<afd_i64>(num_rows) * parts; item += warp_stride) {
     const afd_i64 r = item / parts, part = item % parts;

@@ -271,6 +271,17 @@ __device__ __forceinline__ afd_i64 globaltimer_ns() {
   return static_cast<afd_i64>(t);
 }
 
+// Warps a wide payload row is split across by the dedup row kernels (afd_dedup_scatter,
+// afd_dedup_reply; kernels.specs.row_parts mirrors it for their grids): one per ROW_PART_BYTES,
+// 1..ROW_MAX_PARTS. A decode-size message has few rows (128 rows of 14 KiB), and one warp per
+// row keeps too few loads in flight to approach HBM or link bandwidth.
+constexpr afd_i64 ROW_PART_BYTES = 4096;
+constexpr afd_i64 ROW_MAX_PARTS = 8;
+__device__ __forceinline__ afd_i64 row_parts(afd_i64 row_bytes) {
+  const afd_i64 parts = (row_bytes + ROW_PART_BYTES - 1) / ROW_PART_BYTES;
+  return parts < 1 ? 1 : (parts > ROW_MAX_PARTS ? ROW_MAX_PARTS : parts);
+}
+
 // One warp copies `nbytes` (a multiple of 2) from src to dst: 16-byte vectors when both
 // pointers and the size are 16-B aligned, else 4-byte, else 2-byte words. Plain (coherent)
 // loads: src may be a window written by a peer.

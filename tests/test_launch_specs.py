@@ -234,8 +234,9 @@ def test_grids_of_the_specs(fake_specs):
     # hidden 64 bf16: 128-byte rows, one warp each; 14 KiB rows: 4 warps (4096 B per part)
     assert built[("dedup_ffn.cu", "afd_dedup_reply")].grid == kernels.dedup_reply_grid(20, 128) == 3
     assert kernels.dedup_reply_grid(128, 7168 * 2) == 128 * 4 // kernels.ROWS_PER_BLOCK
-    assert kernels.dedup_reduce_parts(4096) == 1 and kernels.dedup_reduce_parts(4097) == 2
-    assert kernels.dedup_reduce_parts(10**6) == 8 and kernels.dedup_reduce_parts(0) == 1
+    assert kernels.dedup_scatter_grid(128, 2, 7168 * 2) == 128 * 2 * 4 // kernels.ROWS_PER_BLOCK
+    assert kernels.row_parts(4096) == 1 and kernels.row_parts(4097) == 2
+    assert kernels.row_parts(10**6) == 8 and kernels.row_parts(0) == 1
     assert kernels.dedup_expand_grid(0) == 1 and kernels.dedup_reply_grid(0) == 1
     assert kernels.dedup_reply_grid(10**6, 7168 * 2) == kernels.MAX_BLOCKS
 
@@ -391,8 +392,8 @@ def test_backend_builds_the_launches_of_its_wire_mode(fake_specs, monkeypatch, w
     assert len(launches) == len(want[wire_mode])
 
 
-def test_dedup_reduce_parts_mirror_the_kernel():
-    text = (kernels.KERNEL_DIR / "dedup_ffn.cu").read_text()
-    values = dict(re.findall(r"constexpr afd_i64 (REDUCE_\w+) = (\d+);", text))
+def test_row_parts_mirror_the_kernels():
+    text = (kernels.KERNEL_DIR / "wire.cuh").read_text()
+    values = dict(re.findall(r"constexpr afd_i64 (ROW_(?:PART_BYTES|MAX_PARTS)) = (\d+);", text))
     assert {k: int(v) for k, v in values.items()} == {
-        "REDUCE_PART_BYTES": specs.DEDUP_REDUCE_PART_BYTES, "REDUCE_MAX_PARTS": specs.DEDUP_REDUCE_MAX_PARTS}
+        "ROW_PART_BYTES": specs.ROW_PART_BYTES, "ROW_MAX_PARTS": specs.ROW_MAX_PARTS}

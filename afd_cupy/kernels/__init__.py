@@ -25,10 +25,10 @@ from afd_cupy.kernels.loader import (DTYPE_CODES, FILE_KERNELS, KERNEL_DIR, PROB
 from afd_cupy.kernels.specs import (CHUNK, KERNEL_LIMITS, MAX_BLOCKS, MAX_EXPERTS, MAX_FFN_RANKS,
                                     MAX_TOP_K, ROWS_PER_BLOCK, combine_grid, combine_spec,
                                     dedup_combine_spec, dedup_expand_grid, dedup_expand_spec,
-                                    dedup_reduce_parts, dedup_reply_grid, dedup_reply_spec, dedup_rows_grid,
+                                    dedup_reply_grid, dedup_reply_spec, dedup_rows_grid,
                                     dedup_rows_spec, dedup_scatter_grid, dedup_scatter_spec,
                                     dispatch_num_chunks, dispatch_plan_spec,
-                                    dispatch_scatter_spec, plan_grid, reply_grid, reply_spec,
+                                    dispatch_scatter_spec, plan_grid, reply_grid, reply_spec, row_parts,
                                     scatter_grid, wait_any_spec, wait_replies_spec)
 from afd_cupy.kernels.status import PinnedInt64, StatusBlock, StatusChannel
 
@@ -37,10 +37,10 @@ __all__ = [
     "MAX_BLOCKS", "MAX_EXPERTS", "MAX_FFN_RANKS", "MAX_TOP_K", "PROBE_KERNELS", "PackedLaunch",
     "PinnedInt64", "ROWS_PER_BLOCK", "StatusBlock", "StatusChannel", "clear_cache",
     "combine_grid", "combine_spec", "dedup_combine_spec", "dedup_expand_grid",
-    "dedup_expand_spec", "dedup_reduce_parts", "dedup_reply_grid", "dedup_reply_spec", "dedup_rows_grid",
+    "dedup_expand_spec", "dedup_reply_grid", "dedup_reply_spec", "dedup_rows_grid",
     "dedup_rows_spec", "dedup_scatter_grid", "dedup_scatter_spec", "dispatch_num_chunks",
     "dispatch_plan_spec",
     "dispatch_scatter_spec", "get_kernel", "kernel_name_expressions", "load_module", "plan_grid",
-    "reply_grid", "reply_spec", "scatter_grid", "source_key", "wait_any_spec",
+    "reply_grid", "reply_spec", "row_parts", "scatter_grid", "source_key", "wait_any_spec",
     "wait_replies_spec",
 ]

@@ -46,6 +46,11 @@ def dispatch_num_chunks(num_partials: int) -> int:
     return -(-int(num_partials) // CHUNK)
 
 
+def _row_bytes(hidden_size, dtype_code) -> int:
+    """Bytes of one payload row of ``hidden_size`` elements of kernel dtype ``dtype_code``."""
+    return int(hidden_size) * (4 if _dtype(dtype_code) == DTYPE_CODES["float32"] else 2)
+
+
 def _row_grid(num_rows: int, max_blocks: int) -> int:
     return max(1, min(-(-num_rows // ROWS_PER_BLOCK), max_blocks))
 
@@ -390,27 +395,27 @@ def dedup_reply_spec(*, dtype_code, dst_window, geo, src_rank, ring, route_copy,
             "header_src": _address("header_src", header_src), "seq": np.int64(seq),
             "done_counter": _array("done_counter", done_counter, np.uint32, 1)}
     kernel = get_kernel("dedup_ffn.cu", "afd_dedup_reply", dtype_code=_dtype(dtype_code))
-    row_bytes = int(hidden_size) * (4 if _dtype(dtype_code) == DTYPE_CODES["float32"] else 2)
-    return _spec(kernel, dedup_reply_grid(int(num_rows), row_bytes, max_blocks),
+    return _spec(kernel, dedup_reply_grid(int(num_rows), _row_bytes(hidden_size, dtype_code), max_blocks),
                  KERNEL_LIMITS["REPLY_THREADS"], args)
 
 
-#: afd_dedup_reply cuts a reply row into one part per this many bytes, at most
-#: DEDUP_REDUCE_MAX_PARTS (dedup_ffn.cu: REDUCE_PART_BYTES, REDUCE_MAX_PARTS, reduce_parts)
-DEDUP_REDUCE_PART_BYTES = 4096
-DEDUP_REDUCE_MAX_PARTS = 8
+#: the dedup row kernels (afd_dedup_scatter, afd_dedup_reply) cut a payload row into one part
+#: per this many bytes, at most ROW_MAX_PARTS, a warp each (wire.cuh: ROW_PART_BYTES,
+#: ROW_MAX_PARTS, row_parts)
+ROW_PART_BYTES = 4096
+ROW_MAX_PARTS = 8
 
 
-def dedup_reduce_parts(row_bytes: int) -> int:
-    """Warps (column ranges) per reply row of afd_dedup_reply, as the kernel computes them."""
-    return max(1, min(-(-int(row_bytes) // DEDUP_REDUCE_PART_BYTES), DEDUP_REDUCE_MAX_PARTS))
+def row_parts(row_bytes: int) -> int:
+    """Warps (column ranges) per payload row of the dedup row kernels, as they compute them."""
+    return max(1, min(-(-int(row_bytes) // ROW_PART_BYTES), ROW_MAX_PARTS))
 
 
 def dedup_reply_grid(num_rows: int, row_bytes: int = 0, max_blocks: int = MAX_BLOCKS) -> int:
     """Blocks of afd_dedup_reply: one warp per (reply row, part of the row), at least 1. The
     kernel strides over its items, so any grid is correct; this one keeps every item's warp
     in flight (``row_bytes`` = hidden size x payload itemsize)."""
-    return _row_grid(int(num_rows) * dedup_reduce_parts(row_bytes), max_blocks)
+    return _row_grid(int(num_rows) * row_parts(row_bytes), max_blocks)
 
 
 # --- dedup wire mode, Attention side (raw_kernels/dedup_attn.cu, docs/design.md §3.5) -----------
@@ -506,13 +511,15 @@ def dedup_scatter_spec(*, dtype_code, hidden, num_tokens, hidden_size, topk_ids,
             "expected_counts": _array("expected_counts", expected_counts, np.int32, 3 * int(num_ffn)),
             "done_counter": _array("done_counter", done_counter, np.uint32, 1)}
     kernel = get_kernel("dedup_attn.cu", "afd_dedup_scatter", dtype_code=_dtype(dtype_code))
-    return _spec(kernel, dedup_scatter_grid(int(num_tokens), int(num_ffn), max_blocks),
+    return _spec(kernel, dedup_scatter_grid(int(num_tokens), int(num_ffn), _row_bytes(hidden_size, dtype_code), max_blocks),
                  KERNEL_LIMITS["SCATTER_THREADS"], args)
 
 
-def dedup_scatter_grid(num_tokens: int, num_ffn_ranks: int, max_blocks: int = MAX_BLOCKS) -> int:
-    """Blocks of afd_dedup_scatter: one warp per (token, FFN rank) cell, at least 1."""
-    return _row_grid(num_tokens * num_ffn_ranks, max_blocks)
+def dedup_scatter_grid(num_tokens: int, num_ffn_ranks: int, row_bytes: int = 0,
+                       max_blocks: int = MAX_BLOCKS) -> int:
+    """Blocks of afd_dedup_scatter: one warp per (token, FFN rank) cell and part of its row
+    (:func:`row_parts`; ``row_bytes`` = hidden size x payload itemsize), at least 1."""
+    return _row_grid(num_tokens * num_ffn_ranks * row_parts(row_bytes), max_blocks)
 
 
 def dedup_combine_spec(*, dtype_code, out, num_tokens, hidden_size, row_map, window, geo,
