@@ -114,6 +114,19 @@ def test_micro_batch_stages_use_their_own_rings(backend, wire_mode):
     _run(_scenario(backend, _model(), 2, 2, wire_mode, num_tokens=20, connector=cfg))
 
 
+@pytest.mark.parametrize("backend,wire_mode", PATHS)
+def test_lockstep_schedule_with_uneven_replicas(backend, wire_mode):
+    # the lockstep FFN schedule (every replica's layer merged into one batch) with a slow
+    # replica, a 0-token and a 1-token layer; always_send keeps every FFN rank's batch complete
+    model = _model(num_layers=4)
+    tokens = ((20, 0, 33, 1), (11, 24, 1, 30))
+    attn, ffn = _run(_scenario(backend, model, 2, 2, wire_mode, tokens=tokens, sleep_s=(0.05, 0.0),
+                               schedule="lockstep", always_send=True))
+    for report in ffn:  # one merged batch per layer, in layer order
+        assert [layer for _, layer, *_ in report["history"]] == sorted(
+            layer for _, layer, *_ in report["history"])
+
+
 @pytest.mark.parametrize("backend", BACKENDS)  # dedup: test_lockstep's 2A2F with empty layers
 def test_always_send_reaches_every_rank(backend):
     # 1 token, top-1: without always_send only one FFN rank would get a message per layer
