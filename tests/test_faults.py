@@ -654,6 +654,15 @@ def _partial_death_program(ctx, backend, victim):
             else:
                 os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(30)
+        if victim == 0 and role is Role.ATTENTION:
+            # the surviving replica goes on once the victim is gone: otherwise it may finish
+            # and enter close()'s collective barrier while the victim still runs (its path open
+            # warms the planners up), and that barrier rightly waits for a healthy-looking peer
+            victim_process = next(p for p in conn._peer_processes if p.world_rank == victim)
+            deadline = time.monotonic() + 30
+            while victim_process.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert victim_process.is_alive() is False
         if role is Role.FFN:
             try:
                 out["served"] = FFNWorker(conn, expert_fn=_identity).run()
