@@ -421,6 +421,23 @@ def test_profile_roundtrip_quick_host(tmp_path):
         assert phases[name]["n"] == 40 and phases[name]["median_us"] >= 0, name
     assert phases["GPU combine"]["n"] == 0  # no CUDA events on the host backend
     assert "round-trip phases" in stdout and (tmp_path / "profile_attention.txt").exists()
+    assert (tmp_path / "profile_phases.png").exists() == _has_matplotlib()
+    # --plot: saved runs side by side, nothing run
+    plots = tmp_path / "plots"
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "profile_roundtrip.py"), "--plot",
+                           str(tmp_path / "profile_phases.json"), str(tmp_path / "profile_phases.json"),
+                           "--out", str(plots)], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stderr
+    assert (plots / "profile_phases.png").exists() == _has_matplotlib()
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @pytest.mark.timeout(120)

@@ -24,11 +24,14 @@ import pstats
 import statistics
 import sys
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig  # noqa: E402
 from afd_cupy.launch import launch  # noqa: E402
+import bench_common as bc  # noqa: E402
 
 
 class _Stamps:
@@ -242,6 +245,49 @@ def _stats(profiler, limit: int = 30) -> str:
     return text.getvalue()
 
 
+def draw_phases(runs: list) -> callable:
+    """A ``bench_common.save_plot`` drawer: one horizontal bar per phase and run (median, with a
+    line to the p90), phases in round-trip order, runs side by side. ``runs``: ``[(label,
+    phases)]`` with ``phases`` the ``phase_table`` rows; phases nobody measured are left out."""
+    names = [name for name, *_ in PHASES + GPU_PHASES
+             if any(row["phase"] == name and row["n"] for _, phases in runs for row in phases)]
+
+    def draw(plt):
+        fig, ax = plt.subplots(figsize=(9, 0.45 * len(names) * max(1, len(runs)) + 1.2))
+        height = 0.8 / max(1, len(runs))
+        for i, (label, phases) in enumerate(runs):
+            by_name = {row["phase"]: row for row in phases}
+            ys = [k + i * height for k in range(len(names))]
+            med = [by_name.get(n, {}).get("median_us") or 0.0 for n in names]
+            p90 = [by_name.get(n, {}).get("p90_us") or 0.0 for n in names]
+            ax.barh(ys, med, height=height, label=label)
+            ax.hlines(ys, med, p90, colors="black", linewidth=1)
+        ax.set_yticks([k + 0.4 - height / 2 for k in range(len(names))], names, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("µs (bar: median, line: to p90)")
+        ax.set_title("decode round trip by phase (profile_roundtrip)", fontsize=10)
+        ax.legend(fontsize=8)
+    return draw
+
+
+def _label(report: dict) -> str:
+    cfg = report.get("config", {})
+    return (f"{cfg.get('backend', '?')} {cfg.get('wire_mode', 'pair')} {cfg.get('tokens', '?')} tok"
+            + (f" {report['commit']}" if report.get("commit") else ""))
+
+
+def plot_saved(paths: list, out_dir: str) -> int:
+    """``--plot``: draw saved ``profile_phases.json`` files side by side, no run."""
+    runs = []
+    for path in paths:
+        with open(path) as fh:
+            report = json.load(fh)
+        runs.append((_label(report), report["phases"]))
+    saved = bc.save_plot(Path(out_dir), "profile_phases.png", draw_phases(runs))
+    print(f"wrote {saved}" if saved else "no plot written")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="cuda", choices=("cuda", "host"))
@@ -253,7 +299,12 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="150 round trips")
     parser.add_argument("--wire-mode", default="pair", choices=("pair", "dedup"))
     parser.add_argument("--out", default=".")
+    parser.add_argument("--plot", nargs="+", metavar="JSON", default=None,
+                        help="only draw these saved profile_phases.json files side by side "
+                             "(OUT/profile_phases.png); runs nothing")
     args = parser.parse_args(argv)
+    if args.plot:
+        return plot_saved(args.plot, args.out)
     if args.iters is None:
         args.iters = 150 if args.quick else 300
     cfg = {"backend": args.backend, "tokens": args.tokens, "hidden": args.hidden,
@@ -265,8 +316,12 @@ def main(argv=None) -> int:
         with open(os.path.join(args.out, f"profile_{rep['role']}.txt"), "w") as fh:
             fh.write(rep["stats"])
     table = phase_table(attn, ffn, args.warmup)
+    commit = os.environ.get("AFD_COMMIT", "")
     with open(os.path.join(args.out, "profile_phases.json"), "w") as fh:
-        json.dump({"tool": "profile_roundtrip", "config": cfg, "phases": table}, fh, indent=1)
+        json.dump({"tool": "profile_roundtrip", "config": cfg, "commit": commit, "phases": table},
+                  fh, indent=1)
+    bc.save_plot(Path(args.out), "profile_phases.png",
+                 draw_phases([(_label({"config": cfg, "commit": commit}), table)]))
     for rep in (attn, ffn):
         print(f"==== {rep['role']} (top functions by own time, {args.iters} round trips) ====")
         print("\n".join(rep["stats"].splitlines()[:22]))
