@@ -92,7 +92,6 @@ class CudaDataPath(CudaAttentionSide, CudaFFNSide):
         self.device_id = heap.device_id
         self.device = torch.device("cuda", self.device_id)
         self.dtype_code = payload_dtype(ctx.dtype).kernel_code
-        self.row_bytes = layout.hidden_size * payload_dtype(ctx.dtype).itemsize  # one payload row
         self.geometry = layout.kernel_geometry()
         self.timeout_ns = int(ctx.peer_timeout_s * 1e9)
         self.own_window = window.peer_ptr(ctx.world_rank)

@@ -299,7 +299,7 @@ class CudaAttentionSide:
         dedup_scatter.set("layer_idx", layer_idx)
         dedup_scatter.set("stage_idx", stage_idx)
         dedup_scatter.launch(stream, kernels.dedup_scatter_grid(num_tokens, self.ctx.num_ffn_ranks,
-                                                                 self.row_bytes))
+                                                                 self.layout.row_bytes))
         return CudaSendState(ring, self.expected[ring], ids, hidden, num_tokens,
                              row_map=self.dedup_rows[ring].row_map, topk_weights=weights)
 

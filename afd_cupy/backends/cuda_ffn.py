@@ -180,7 +180,7 @@ class CudaFFNSide(CudaFFNDedupSteps):
         launch.set("seq", seq)
         if layout.is_dedup:  # the fused reduce: one reply row per dispatch row
             launch.set("num_rows", header.num_rows)
-            grid = kernels.dedup_reply_grid(header.num_rows, self.row_bytes)
+            grid = kernels.dedup_reply_grid(header.num_rows, self.layout.row_bytes)
         else:
             grid = kernels.reply_grid(num_routed + num_shared)
         # NOTE: a copy made by .contiguous() may be freed on return: torch's allocator reuses

@@ -15,7 +15,8 @@ import numpy as np
 from afd_cupy import wire
 from afd_cupy.kernels.launches import (LaunchSpec, _address, _array, _count, _dtype, _geometry,
                                        _i64, _spec)
-from afd_cupy.kernels.loader import DTYPE_CODES, get_kernel
+from afd_cupy.dtypes import PAYLOAD_DTYPES
+from afd_cupy.kernels.loader import get_kernel
 
 #: Limits and block sizes compiled into the kernels: the one Python copy of the constants of
 #: raw_kernels/wire.cuh (a CPU test parses wire.cuh, the GPU probe reads them back).
@@ -48,7 +49,8 @@ def dispatch_num_chunks(num_partials: int) -> int:
 
 def _row_bytes(hidden_size, dtype_code) -> int:
     """Bytes of one payload row of ``hidden_size`` elements of kernel dtype ``dtype_code``."""
-    return int(hidden_size) * (4 if _dtype(dtype_code) == DTYPE_CODES["float32"] else 2)
+    code = _dtype(dtype_code)
+    return int(hidden_size) * next(d.itemsize for d in PAYLOAD_DTYPES.values() if d.kernel_code == code)
 
 
 def _row_grid(num_rows: int, max_blocks: int) -> int:
@@ -511,8 +513,9 @@ def dedup_scatter_spec(*, dtype_code, hidden, num_tokens, hidden_size, topk_ids,
             "expected_counts": _array("expected_counts", expected_counts, np.int32, 3 * int(num_ffn)),
             "done_counter": _array("done_counter", done_counter, np.uint32, 1)}
     kernel = get_kernel("dedup_attn.cu", "afd_dedup_scatter", dtype_code=_dtype(dtype_code))
-    return _spec(kernel, dedup_scatter_grid(int(num_tokens), int(num_ffn), _row_bytes(hidden_size, dtype_code), max_blocks),
-                 KERNEL_LIMITS["SCATTER_THREADS"], args)
+    grid = dedup_scatter_grid(int(num_tokens), int(num_ffn), _row_bytes(hidden_size, dtype_code),
+                              max_blocks)
+    return _spec(kernel, grid, KERNEL_LIMITS["SCATTER_THREADS"], args)
 
 
 def dedup_scatter_grid(num_tokens: int, num_ffn_ranks: int, row_bytes: int = 0,
