@@ -65,6 +65,11 @@ class AFDConnector:
         device_id: CUDA device of this process (cuda backend).
         poll_mode: cuda backend only: ``"device"`` (spinning kernels; needs one GPU per
             process or CUDA MPS) or ``"host"`` (flags copied to the host per poll).
+        recv_spin_us: cuda backend, FFN side, ``poll_mode="device"``: how long (µs) a receive
+            spins on the wait kernel's doorbell before it sleeps in the CUDA driver until the
+            kernel ends (a blocking-sync event), so an idle FFN burns no host core. Items that
+            arrive within the spin are seen at once; later ones pay the driver's wake-up
+            (docs/design.md §5). 0: sleep at once. Default 500.
         peer_timeout_s: bound of every wait for a peer's reply (finite, > 0).
         startup_timeout_s: bound of the collective start-up (NVSHMEM bootstrap, heap barriers).
         nvshmem_env: cuda backend: NVSHMEM's environment as one dict
@@ -94,7 +99,7 @@ class AFDConnector:
                  store, job_id: str = "afd", backend: str = "host", device_id: int | None = None,
                  poll_mode: str = "device", peer_timeout_s: float = 60.0, always_send: bool = False,
                  startup_timeout_s: float = 120.0, nvshmem_env: dict | None = None,
-                 cpu_threads: int | str | None = "auto"):
+                 cpu_threads: int | str | None = "auto", recv_spin_us: int = 500):
         self.model = _check_config("model", model, ModelConfig)
         _check_config("topology", topology, TopologyConfig)
         self.config = _check_config("connector", connector or ConnectorConfig(), ConnectorConfig)
@@ -112,6 +117,8 @@ class AFDConnector:
         if poll_mode not in POLL_MODES:
             raise ConfigError(f"poll_mode must be one of {POLL_MODES}, got {poll_mode!r}")
         _check_cpu_threads(cpu_threads)
+        if isinstance(recv_spin_us, bool) or not isinstance(recv_spin_us, numbers.Integral) or recv_spin_us < 0:
+            raise ConfigError(f"recv_spin_us must be an int >= 0 (microseconds), got {recv_spin_us!r}")
         if nvshmem_env is not None:  # checked here, so a bad dict fails before any collective step
             nvshmem_env = check_nvshmem_env(nvshmem_env)
         self.layout = WindowLayout.from_configs(model, topology, self.config)
@@ -144,7 +151,8 @@ class AFDConnector:
                           top_k=model.top_k, num_experts=model.num_experts,
                           has_shared=model.num_shared_experts > 0,
                           peer_timeout_s=self.peer_timeout_s, always_send=bool(always_send),
-                          poll_mode=poll_mode, transport=self.config.transport)
+                          poll_mode=poll_mode, transport=self.config.transport,
+                          recv_spin_s=recv_spin_us * 1e-6)
         try:
             self.path = open_path(backend, ctx, store=store, job_id=job_id, device_id=device_id,
                                   startup_timeout_s=self.startup_timeout_s, instance=self.instance,

@@ -93,3 +93,12 @@ def test_topology_config():
         TopologyConfig(1, 0)
     with pytest.raises(ConfigError, match=r"unknown TopologyConfig keys: \['gpus'\]"):
         TopologyConfig.from_mapping({"num_attn_ranks": 1, "num_ffn_ranks": 1, "gpus": 2})
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "500"])
+def test_connector_recv_spin_us_is_checked_before_any_collective_step(bad):
+    from afd_cupy.connector import AFDConnector
+
+    model = ModelConfig(hidden_size=64, num_experts=4, top_k=2, moe_intermediate_size=32)
+    with pytest.raises(ConfigError, match=rf"recv_spin_us must be an int >= 0 \(microseconds\), got {bad!r}"):
+        AFDConnector(model, TopologyConfig(1, 1), role="ffn", role_rank=0, store=None, recv_spin_us=bad)

@@ -28,7 +28,8 @@ def _no_nvshmem_environment(monkeypatch):
 
 def test_one_place_and_the_heap_module_re_exports_it():
     assert nvshmem.nvshmem_env is nvshmem_env and nvshmem.apply_nvshmem_env is apply_nvshmem_env
-    assert nvshmem_env() == NVSHMEM_DEFAULTS == {"NVSHMEM_DISABLE_NCCL": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+    assert nvshmem_env() == NVSHMEM_DEFAULTS == {"NVSHMEM_DISABLE_NCCL": "1", "NVSHMEM_DISABLE_NVLS": "1",
+                                                  "NVSHMEM_DISABLE_LOCAL_ONLY_PROXY": "1"}
 
 
 def test_multi_node_dict_from_typed_arguments():
@@ -36,7 +37,7 @@ def test_multi_node_dict_from_typed_arguments():
                       bootstrap_family="AF_INET", hca_list=["mlx5_0:1", "mlx5_3:1"],
                       extra={"NVSHMEM_DEBUG": "WARN", "NVSHMEM_DISABLE_NCCL": False})
     assert env == {"NVSHMEM_DISABLE_NCCL": "0", "NVSHMEM_DISABLE_NVLS": "1",
-                   "NVSHMEM_REMOTE_TRANSPORT": "ibrc", "NVSHMEM_SYMMETRIC_SIZE": str(3 << 30),
+                   "NVSHMEM_DISABLE_LOCAL_ONLY_PROXY": "1", "NVSHMEM_REMOTE_TRANSPORT": "ibrc", "NVSHMEM_SYMMETRIC_SIZE": str(3 << 30),
                    "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "eth0",
                    "NVSHMEM_BOOTSTRAP_UID_SOCK_FAMILY": "AF_INET",
                    "NVSHMEM_HCA_LIST": "mlx5_0:1,mlx5_3:1", "NVSHMEM_ENABLE_NIC_PE_MAPPING": "1",
@@ -76,11 +77,12 @@ def test_heap_bytes_from_the_window_hint():
 
 def test_defaults_yield_to_the_environment():
     environ = {"NVSHMEM_DISABLE_NCCL": "0"}
-    assert apply_nvshmem_env(None, environ) == {"NVSHMEM_DISABLE_NCCL": "0", "NVSHMEM_DISABLE_NVLS": "1"}
+    assert apply_nvshmem_env(None, environ) == {"NVSHMEM_DISABLE_NCCL": "0", "NVSHMEM_DISABLE_NVLS": "1",
+                                                "NVSHMEM_DISABLE_LOCAL_ONLY_PROXY": "1"}
     environ = {"NVSHMEM_DISABLE_NCCL": "0"}  # also when the defaults come inside a dict
     apply_nvshmem_env(nvshmem_env(symmetric_size=1 << 30), environ)
     assert environ == {"NVSHMEM_DISABLE_NCCL": "0", "NVSHMEM_DISABLE_NVLS": "1",
-                       "NVSHMEM_SYMMETRIC_SIZE": str(1 << 30)}
+                       "NVSHMEM_DISABLE_LOCAL_ONLY_PROXY": "1", "NVSHMEM_SYMMETRIC_SIZE": str(1 << 30)}
 
 
 def test_explicit_values_must_mean_what_the_environment_says():

@@ -47,7 +47,8 @@ def _rank(ctx, cfg: dict) -> dict:
     model = _model(cfg)
     role = "attention" if ctx.rank == 0 else "ffn"
     conn = AFDConnector(model, TopologyConfig(1, 1), ConnectorConfig(), role=role, role_rank=0,
-                        store=ctx.store(), job_id=ctx.job_id, backend="cuda", device_id=ctx.device_id)
+                        store=ctx.store(), job_id=ctx.job_id, backend="cuda", device_id=ctx.device_id,
+                        recv_spin_us=cfg["recv_spin_us"])
     try:
         if role == "ffn":
             return _ffn(conn, cfg, device)
@@ -148,6 +149,8 @@ def main(argv=None) -> int:
     parser.add_argument("--idle-s", type=float, default=1.0)
     parser.add_argument("--depth", type=int, default=4, help="graph replays kept queued")
     parser.add_argument("--idle-timeout-s", type=float, default=0.01, help="in-graph wait bound")
+    parser.add_argument("--recv-spin-us", type=int, default=500,
+                        help="eager FFN: spin on the doorbell this long before sleeping in the driver")
     parser.add_argument("--num-gpus", type=int, default=None, help="default: detected (1: both on GPU 0)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=".")
@@ -158,7 +161,8 @@ def main(argv=None) -> int:
         cfg = {"mode": mode, "tokens": args.tokens, "experts": args.experts, "hidden": args.hidden,
                "intermediate": args.intermediate, "num_experts": args.num_experts, "top_k": args.top_k,
                "layers": args.layers, "iters": iters, "warmup": args.warmup, "idle_s": args.idle_s,
-               "depth": args.depth, "idle_timeout_s": args.idle_timeout_s}
+               "depth": args.depth, "idle_timeout_s": args.idle_timeout_s,
+               "recv_spin_us": args.recv_spin_us}
         attn, ffn = launch(_rank, 2, args=(cfg,), timeout_s=600, num_gpus=args.num_gpus)
         report["config"] = {k: v for k, v in cfg.items() if k != "mode"}
         report["modes"][mode] = {"round_trip": {str(t): r for t, r in attn["results"].items()},
@@ -175,7 +179,7 @@ def main(argv=None) -> int:
 def _print_table(report: dict, args) -> None:
     modes = list(report["modes"])
     print(f"==== decode round trip, 1A1F, {args.experts} experts, hidden {args.hidden}, top-k "
-          f"{args.top_k}, {args.layers} layers (µs: median [p10, p90]) ====")
+          f"{args.top_k}, {args.layers} layers, recv_spin_us {args.recv_spin_us} (µs: median [p10, p90]) ====")
     print(f"{'tokens':>6s} " + " ".join(f"{m:>24s}" for m in modes))
     for t in args.tokens:
         cells = []

@@ -54,6 +54,7 @@ class PathContext:
     always_send: bool = False
     poll_mode: str = "device"
     transport: str = "direct"  # ConnectorConfig.transport (docs/design.md §6.1)
+    recv_spin_s: float = 5e-4  # FFN device-polled receive: spin this long, then sleep (§5)
 
     @property
     def world_rank(self) -> int:

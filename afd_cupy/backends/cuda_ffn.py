@@ -46,6 +46,8 @@ class CudaFFNSide(CudaFFNDedupSteps):
         # (KeyboardInterrupt...): the next wait claims its doorbell instead of launching
         self.unclaimed = None
         self.poll_stream = cp.cuda.Stream(non_blocking=True)
+        # a blocking-sync event: an idle receive sleeps in the driver on it (_device_wait_any)
+        self.idle_event = cp.cuda.Event(block=True, disable_timing=True)
         # Reply headers are staged in pinned memory and read by the reply kernel when it runs;
         # STAGING_DEPTH rows per slot, each reused only once the reply that read it has run.
         self.row_words = -(-layout.header_words // 2) * 2
@@ -92,7 +94,8 @@ class CudaFFNSide(CudaFFNDedupSteps):
         return self._device_wait_any(timeout_s)
 
     def _device_wait_any(self, timeout_s: float) -> Arrival | None:
-        """Launch ``afd_wait_any`` and spin on its doorbell ticket.
+        """Launch ``afd_wait_any``, spin on its doorbell ticket for ``ctx.recv_spin_s``, then
+        sleep in the driver until the kernel ends (no host core burnt while idle).
 
         The kernel consumes the arrival it finds (advances ``last_seen``) before it rings, so
         a host wait interrupted in between (KeyboardInterrupt, any exception from a signal
@@ -109,15 +112,28 @@ class CudaFFNSide(CudaFFNDedupSteps):
             launch.launch(self.poll_stream.ptr)
             self.unclaimed = (self.ticket, timeout_s)
         kernel_timeout_s = self.unclaimed[1]  # bounds the kernel once it runs
-        deadline = time.monotonic() + kernel_timeout_s + _HOST_GRACE_S
+        now = time.monotonic()
+        deadline, spin_until = now + kernel_timeout_s + _HOST_GRACE_S, now + self.ctx.recv_spin_s
         spins = 0
         # NOTE: reading the doorbell after its ticket relies on x86-64 load ordering (TSO);
         # a weakly ordered host would need an acquire fence here.
         while bell[wire.DB_TICKET] != self.ticket:
             spins += 1
-            if spins % 4096 == 0 and time.monotonic() > deadline:
-                # NOTE: the kernel may not have started (GPU busy); waiting for it is bounded by
-                # its own timeout once it runs, and it must not consume an arrival unseen.
+            if spins % 256:
+                continue
+            now = time.monotonic()
+            if now > spin_until:
+                # Idle: sleep until the kernel ends (it rings before it exits). The event is
+                # recorded only now: nothing else is queued on the poll stream behind the wait.
+                # NOTE: the kernel may not have started (GPU busy); once it runs its own timeout
+                # bounds this, and it must not consume an arrival unseen.
+                self.idle_event.record(self.poll_stream)
+                self.idle_event.synchronize()
+                if bell[wire.DB_TICKET] != self.ticket:
+                    self.unclaimed = None
+                    raise PeerTimeoutError(f"wait_any kernel ended without reporting ticket {self.ticket}")
+                break
+            if now > deadline:  # unreachable unless recv_spin_s exceeds the kernel's timeout
                 self.poll_stream.synchronize()
                 if bell[wire.DB_TICKET] != self.ticket:
                     self.unclaimed = None

@@ -27,6 +27,13 @@ Variables (NVSHMEM's documented names; ``NVSHMEM_INFO=1`` prints what a build ac
   and loading NCCL into several PEs sharing one GPU only costs start-up time and memory.
 - ``NVSHMEM_DISABLE_NVLS=1`` (default): afd_cupy never uses NVLink multicast, and on shared
   multi-GPU hosts it must stay off.
+- ``NVSHMEM_DISABLE_LOCAL_ONLY_PROXY=1`` (default): when no remote transport is in use (one
+  node, every peer load/store reachable) NVSHMEM still starts a proxy thread that spins on a
+  host core for as long as the process lives (measured: 100 % of a core per PE, idle or not).
+  afd_cupy needs it for nothing there: its kernels use no NVSHMEM device calls (no device-side
+  global exit or wait timeouts) and the put transport's on-stream puts to load/store peers do
+  not go through it. With a remote transport (several nodes) the variable has no effect and the
+  proxy runs as NVSHMEM needs.
 
 NOTE: NVSHMEM >= 3.6 also reads ``/etc/nvshmem.conf``, ``~/.nvshmem.conf`` and
 ``$NVSHMEM_CONF_FILE``, whose values override the environment; afd_cupy does not read them.
@@ -43,7 +50,8 @@ from afd_cupy.errors import ConfigError
 logger = logging.getLogger("afd_cupy")
 
 #: afd_cupy's defaults; a variable the environment already sets wins over them
-NVSHMEM_DEFAULTS = {"NVSHMEM_DISABLE_NCCL": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+NVSHMEM_DEFAULTS = {"NVSHMEM_DISABLE_NCCL": "1", "NVSHMEM_DISABLE_NVLS": "1",
+                    "NVSHMEM_DISABLE_LOCAL_ONLY_PROXY": "1"}
 #: documented values of ``NVSHMEM_REMOTE_TRANSPORT``; "none" for a single node
 REMOTE_TRANSPORTS = ("none", "ibrc", "ucx", "libfabric", "ibdevx")
 #: documented values of ``NVSHMEM_LIBFABRIC_PROVIDER``
@@ -60,7 +68,8 @@ _REFUSED = {name: "afd_cupy always bootstraps NVSHMEM by unique id through the j
             for name in ("NVSHMEM_BOOTSTRAP", "NVSHMEM_BOOTSTRAP_PLUGIN")}
 # NVSHMEM parses these as bools (first character 0/n/N/f/F: false) or scaled sizes ("2g"):
 # compared by meaning, not spelling.
-_BOOL_VARS = {"NVSHMEM_DISABLE_NCCL", "NVSHMEM_DISABLE_NVLS", "NVSHMEM_ENABLE_NIC_PE_MAPPING"}
+_BOOL_VARS = {"NVSHMEM_DISABLE_NCCL", "NVSHMEM_DISABLE_NVLS", "NVSHMEM_DISABLE_LOCAL_ONLY_PROXY",
+              "NVSHMEM_ENABLE_NIC_PE_MAPPING"}
 _SIZE_VARS = {"NVSHMEM_SYMMETRIC_SIZE"}
 _HCA_ENTRY = re.compile(r"^\^?[A-Za-z0-9_.-]+(:[0-9]+)?$")
 _IFNAME = re.compile(r"^\^?=?[A-Za-z0-9_.:@-]+$")
