@@ -480,11 +480,20 @@ def test_dict_configs_are_rejected_with_a_hint():
                      role_rank=0, store=None)
 
 
-def test_dedup_over_puts_is_refused_before_any_collective_step():
-    # checked before CuPy is even looked for (store=None: no collective step is reached)
-    with pytest.raises(ConfigError, match=r"wire_mode='dedup' with transport='put' is not implemented"):
+def test_dedup_over_puts_passes_the_config_checks_host_puts_do_not():
+    # design.md §6.1: the cuda backend runs both wire modes over every transport; the host
+    # backend refuses puts in either mode, before any collective step (store=None)
+    from afd_cupy.backends.base import require_backend
+
+    with pytest.raises(ConfigError, match=r"backend 'host' does not implement transport='put' "
+                                          r"\(it implements \('direct', 'auto'\)\)"):
         AFDConnector(MODEL, TopologyConfig(1, 1), ConnectorConfig(wire_mode="dedup", transport="put"),
-                     role="attention", role_rank=0, store=None, backend="cuda")
+                     role="attention", role_rank=0, store=None, backend="host")
+    try:
+        module = require_backend("cuda", "dedup", "put")
+    except BackendUnavailableError:  # no CuPy / NVSHMEM here: past every ConfigError
+        return
+    assert "dedup" in module.WIRE_MODES and "put" in module.TRANSPORTS
 
 
 def test_cuda_backend_without_cupy_is_backend_unavailable():
