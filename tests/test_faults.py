@@ -31,7 +31,8 @@ BACKENDS = [pytest.param("host", id="host"), pytest.param("cuda", id="cuda", mar
 PATHS = [pytest.param("host", "pair", id="host"), pytest.param("host", "dedup", id="host-dedup"),
          pytest.param("cuda", "pair", id="cuda", marks=pytest.mark.cuda),
          pytest.param("cuda", "dedup", id="cuda-dedup", marks=pytest.mark.cuda),
-         pytest.param("cuda-put", "pair", id="cuda-put", marks=pytest.mark.cuda)]
+         pytest.param("cuda-put", "pair", id="cuda-put", marks=pytest.mark.cuda),
+         pytest.param("cuda-put", "dedup", id="cuda-put-dedup", marks=pytest.mark.cuda)]
 POLL_MODE = os.environ.get("AFD_TEST_POLL_MODE", "device")
 MODEL = ModelConfig(hidden_size=32, num_experts=4, top_k=2, moe_intermediate_size=16,
                     num_shared_experts=1, dtype="bfloat16", max_num_batched_tokens=16, num_layers=8)

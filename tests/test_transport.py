@@ -369,3 +369,33 @@ def test_open_put_channel_agrees_before_the_collective_staging_alloc(mode, ptrs,
     if channel is not None:
         assert channel.put_peers == [j for j, flag in enumerate(expect_put) if flag]
         assert channel.staging_base == 3 << 40 and channel.peer_pes == [1, 2]
+
+
+def test_mixed_transport_scenario_puts_the_odd_pairs_through_open_put_channel():
+    """Scenario.mixed_transport (the GPU suite's one-node mixed job): while the connector opens,
+    open_put_channel sees peers p with role_rank + p odd as put peers, mapped or not, and
+    allocates the staging; afterwards peer_transports is the library's again."""
+    import dataclasses
+
+    from afd_cupy.backends.cuda_put import open_put_channel
+    from afd_cupy.config import ModelConfig
+    from afd_cupy.testing.scenario import Scenario, _mixed_transport
+    from afd_cupy.topology import Role, Topology
+
+    model = ModelConfig(hidden_size=32, num_experts=6, top_k=2, moe_intermediate_size=16)
+    scenario = Scenario(model, 2, 3, backend="cuda", connector=ConnectorConfig(transport="auto"),
+                        mixed_transport=True)
+    layout = _layout(num_ffn=3, epr=2, top_k=2, token_cap=16, hidden=32, wire_mode="dedup", num_attn=2)
+    ctx = type("Ctx", (), {"transport": "auto", "role_rank": 1,
+                           "opposite_pes": lambda self: [Topology(2, 3, 6).world_rank(Role.FFN, j) for j in range(3)]})()
+    heap = _FakeHeap()
+    with _mixed_transport(scenario, role_rank=1):
+        assert transport.peer_transports("auto", [True, False, True]) == ["put", "put", "put"]
+        channel, is_put = open_put_channel(heap, _FakeWindow({2: 5, 3: 6, 4: 7}), layout, ctx, instance=0)
+    assert is_put == [True, False, True] and channel.put_peers == [0, 2]
+    assert heap.allocs == [(layout.window_bytes, "staging0", True)]
+    assert transport.peer_transports("auto", [True] * 3) == ["direct"] * 3  # restored
+    with pytest.raises(ValueError, match=r"mixed_transport needs backend 'cuda' and transport 'auto', "
+                                         r"got 'cuda' and 'put'"):
+        with _mixed_transport(dataclasses.replace(scenario, connector=ConnectorConfig(transport="put")), 0):
+            pass
