@@ -126,8 +126,7 @@ class CudaFFNDedupSteps:
         layout = self.layout
         return kernels.PackedLaunch(kernels.dedup_reply_spec(
             dtype_code=self.dtype_code, dst_window=dst_window, staging=staging, dst_peer=attn_rank,
-            geo=self.geometry,
-            src_rank=self.ctx.role_rank, ring=ring,
+            geo=self.geometry, src_rank=self.ctx.role_rank, ring=ring,
             route_copy=self.route_copies[layout.slot_index(attn_rank, ring)], num_rows=0,
             top_k=layout.top_k, routed_out=0, num_routed=0, shared_out=0, num_shared=0,
             hidden_size=layout.hidden_size, header_src=self.staging.ptr, seq=0,
