@@ -61,7 +61,10 @@ def dispatch_ranges(layout: WindowLayout, *, num_tokens: int, num_ffn_ranks: int
     - pair: route entries and routed rows for ``min(T * top_k, routed_cap)`` partials (a rank
       gets at most every partial, and more than ``routed_cap`` is a CapacityError that sends
       nothing), shared indices and rows for exactly :func:`shared_rows_of` rows;
-    - dedup: route-table rows and rows for ``min(T, token_cap)`` rows (one per token at most).
+    - dedup: route-table rows (``route_width`` words each) and payload rows for
+      ``min(T, token_cap)`` rows: a rank gets at most one row per token, whatever the routing,
+      and its shared rows are among them (the layout has no shared fields); the header
+      includes the ``num_rows`` trailer. ``ffn_rank`` and ``has_shared`` do not change it.
 
     Sorted, merged across gaps up to :data:`MERGE_GAP_BYTES`, all inside the slot."""
     _check_tokens(layout, num_tokens)
@@ -85,9 +88,19 @@ def dispatch_ranges(layout: WindowLayout, *, num_tokens: int, num_ffn_ranks: int
 def reply_ranges(layout: WindowLayout, *, routed_rows: int, shared_rows: int) -> list[tuple[int, int]]:
     """Slot byte ranges of a reply: the header, ``routed_rows`` rows of ``routed_x`` and
     ``shared_rows`` rows of ``shared_x`` (the FFN knows both exactly; dedup: ``routed_rows``
-    = the message's rows, ``shared_rows`` = 0). Sorted and merged like :func:`dispatch_ranges`."""
+    = the message's ``num_rows``, one reply row per dispatch row with the shared outputs
+    folded in, and ``shared_rows`` = 0: the layout has no shared fields, so anything else is
+    a ValueError). Sorted and merged like :func:`dispatch_ranges`."""
     if routed_rows < 0 or shared_rows < 0:
         raise ValueError(f"reply rows must be >= 0, got routed={routed_rows}, shared={shared_rows}")
+    if layout.is_dedup and shared_rows:
+        raise ValueError(f"a dedup reply has no shared rows (got shared_rows={shared_rows}): pass "
+                         f"the message's num_rows as routed_rows")
+    routed_cap, shared_cap = ((layout.token_cap, 0) if layout.is_dedup
+                              else (layout.routed_cap, layout.shared_cap))
+    if routed_rows > routed_cap or shared_rows > shared_cap:
+        raise ValueError(f"reply rows (routed={routed_rows}, shared={shared_rows}) exceed the "
+                         f"slot's ({routed_cap}, {shared_cap}) in wire_mode={layout.wire_mode!r}")
     ranges = [(layout.field_offset("header"), layout.header_words * 4),
               (layout.field_offset("routed_x"), routed_rows * layout.row_bytes)]
     if shared_rows:

@@ -5,7 +5,8 @@
 //   afd_dedup_rows     row_map[t, j] (row of token t in rank j's message, -1: not sent there),
 //                      shared_rank[t], num_rows[j], shared_rows[j]
 //   afd_dedup_scatter  route table + one payload row per (t, j), headers (FLAG_DEDUP, num_rows
-//                      trailer), flags; expected / expected_counts [F, 3] for the wait
+//                      trailer), flags, into each peer's window or, for a put peer, the own
+//                      staging slot; expected / expected_counts [F, 3] for the wait
 //   afd_wait_replies   (combine.cu, dedup = 1), then
 //   afd_dedup_combine  out[t] = out_scale * sum_{j ascending, row_map[t, j] >= 0} reply_j[row]
 // Numpy references: afd_cupy/testing/dedup_reference.py (plan_reference, scatter_reference,
@@ -140,6 +141,8 @@ afd_dedup_rows(const afd_i32* __restrict__ topk_ids,  // [num_tokens * top_k], f
 // the last block bumps seq_counters of the ranks with rows (every rank with always_send), writes
 // expected[F] and expected_counts[F, 3] = (routed, shared, rows), the headers (flags = hdr_flags |
 // FLAG_DEDUP, num_rows at HDR_FIXED_WORDS + epr), fences and stores the flags.
+// A zero peer_windows[j] marks a rank reached by puts: its message and flag go to staging slot
+// (j, ring), as in afd_dispatch_scatter (docs/design.md §6.1).
 // NOTE: the send decision is the plan's `verdict` (see afd_dispatch_scatter); on a bad verdict
 // nothing is written to any peer and `expected` is all 0. pos[t, k] is computed from the plan's
 // arrays with the formula of afd_dispatch_scatter (it is never materialized in dedup mode).
@@ -160,7 +163,8 @@ afd_dedup_scatter(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-maj
                   const afd_i32* __restrict__ shared_rank,
                   const afd_i32* __restrict__ num_rows,
                   const afd_i32* __restrict__ shared_rows,
-                  const afd_u64* __restrict__ peer_windows,  // [num_ffn_ranks]
+                  const afd_u64* __restrict__ peer_windows,  // [num_ffn_ranks], 0: put peer
+                  afd_u64 staging,  // own symmetric put staging (0 without put peers)
                   SlotGeometry geo,
                   afd_i32 ring,  // slot (region = src_rank, ring) of every peer
                   afd_i32 always_send,  // 1: header-only messages to empty peers too (lockstep)
@@ -194,7 +198,7 @@ afd_dedup_scatter(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-maj
       if (row < 0) continue;
       const afd_i64 t = cell / num_ffn_ranks;
       const afd_i32 j = static_cast<afd_i32>(cell % num_ffn_ranks);
-      char* slot = geo.slot(peer_windows[j], src_rank, ring);
+      char* slot = geo.send_slot(peer_windows[j], staging, j, src_rank, ring);
       const afd_i64 begin = part * part_bytes;
       if (begin < row_bytes) {  // (a 16-byte-rounded part size can leave the last part empty)
         const char* src_row = static_cast<const char*>(byte_ptr(hidden, t * row_bytes));
@@ -281,15 +285,17 @@ afd_dedup_scatter(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-maj
                                        : expert_counts[j * expert_per_rank + (w - HDR_FIXED_WORDS)];
           break;
       }
-      geo.header(geo.slot(peer_windows[j], src_rank, ring))[w] = value;
+      geo.header(geo.send_slot(peer_windows[j], staging, j, src_rank, ring))[w] = value;
     }
     __syncthreads();  // every header word of the block precedes the fences below
     for (int j = tid; j < num_ffn_ranks; j += SCATTER_THREADS) {
       if (s_seq[j] != 0) {
         // Release in the storing thread itself: cumulative over the headers (bar.sync above)
-        // and over every block's rows (last_block_done), so all precede the flag.
+        // and over every block's rows (last_block_done), so all precede the flag. A put
+        // peer's flag goes to the local staging flag word, which the host's flag put copies
+        // (docs/design.md §6.1).
         __threadfence_system();
-        store_volatile(geo.flag(peer_windows[j], src_rank, ring), s_seq[j]);
+        store_volatile(geo.send_flag(peer_windows[j], staging, j, src_rank, ring), s_seq[j]);
       }
     }
   }

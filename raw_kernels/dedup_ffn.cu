@@ -5,7 +5,8 @@
 // slot's local grouped staging, one copy per staging row pos[t, k] of its route-table row.
 // afd_dedup_reply<DT>: after the worker, reduce the grouped outputs back to one row per received
 // row, out[r] = sum_s w_s * routed_out[pos_s] (+ shared_out[r], r < S), in fp32 in slot order,
-// rounded once, straight into the Attention peer's window; then header, system fence, flag.
+// rounded once, straight into the Attention peer's window (a put peer: the own staging slot, as
+// afd_reply); then header, system fence, flag.
 #include "wire.cuh"
 
 using namespace afd;
@@ -235,7 +236,9 @@ afd_dedup_expand(afd_u64 window,  // own window
 
 template <int DT>
 __global__ void __launch_bounds__(REPLY_THREADS)
-afd_dedup_reply(afd_u64 dst_window,  // the Attention peer's window as mapped here
+afd_dedup_reply(afd_u64 dst_window,  // the Attention peer's window as mapped here; 0: put peer
+                afd_u64 staging,     // own symmetric put staging (used when dst_window is 0)
+                afd_i32 dst_peer,    // the Attention peer's role rank: its staging slot (dst_peer, ring)
                 SlotGeometry geo,
                 afd_i32 src_rank, afd_i32 ring,  // slot (region = src_rank, ring): own FFN rank
                 const afd_i32* route_copy,       // int32 [num_rows, 2 + 2 * top_k], device
@@ -250,7 +253,7 @@ afd_dedup_reply(afd_u64 dst_window,  // the Attention peer's window as mapped he
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int width = ROUTE_FIXED_WORDS + 2 * top_k;
   const afd_i64 row_bytes = static_cast<afd_i64>(hidden_size) * itemsize<DT>();
-  char* slot = geo.slot(dst_window, src_rank, ring);
+  char* slot = geo.send_slot(dst_window, staging, dst_peer, src_rank, ring);
   const char* routed = static_cast<const char*>(byte_ptr(routed_out, 0));
   const char* shared = static_cast<const char*>(byte_ptr(shared_out, 0));
   const afd_i64 warp_stride = static_cast<afd_i64>(gridDim.x) * ROWS_PER_BLOCK;
@@ -326,7 +329,8 @@ afd_dedup_reply(afd_u64 dst_window,  // the Attention peer's window as mapped he
   __syncthreads();  // every header word of the block precedes thread 0's fence
   if (tid == 0) {
     __threadfence_system();  // release, cumulative over the header and every block's rows
-    store_volatile(geo.flag(dst_window, src_rank, ring), seq);
+    // A put peer's flag is set by the host's put-with-signal queued behind this kernel.
+    if (dst_window) store_volatile(geo.flag(dst_window, src_rank, ring), seq);
     __threadfence();
     *done_counter = 0u;
   }

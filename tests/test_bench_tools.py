@@ -488,3 +488,7 @@ def test_bench_transport_puts_direct_and_put_side_by_side_with_issue_16_targets(
     assert [row["status"] for row in rows] == ["MISS", "PASS"], rows
     with pytest.raises(SystemExit, match="the put transport runs on the cuda backend only"):
         tool.plan_groups(tool.parse_args(["--quick", "--transport", "both"]), "host")
+    # both wire modes over both transports (dedup over puts included) on the cuda backend
+    groups = tool.plan_groups(tool.parse_args(["--quick", "--transport", "both", "--wire-mode", "both"]), "cuda")
+    assert {(g.wire_mode, g.transport) for g in groups} == {
+        ("pair", "direct"), ("pair", "put"), ("dedup", "direct"), ("dedup", "put")}

@@ -1,7 +1,7 @@
 """End-to-end AFD MoE runs through the real connector, in real processes, against a
 single-process fp64 per-token MoE reference. Host backend in CI, in both wire modes; the same
 cases with the ``cuda`` marker on a GPU (several processes on one GPU; device polling needs
-CUDA MPS), pair mode until the dedup kernels exist."""
+CUDA MPS), in both wire modes over the direct and the put transport, and mixed jobs."""
 import dataclasses
 import os
 
@@ -12,14 +12,17 @@ from afd_cupy.launch import launch
 from afd_cupy.testing.scenario import Scenario, run_rank, tolerance
 
 #: a backend, or "cuda-put": the cuda backend with ConnectorConfig(transport="put"), every
-#: peer reached by NVSHMEM puts from the staging (design.md §6.1), on one node
+#: peer reached by NVSHMEM puts from the staging (design.md §6.1), on one node; "cuda-mixed":
+#: transport="auto" with Scenario.mixed_transport (the pairs with a + j odd by puts, the others
+#: direct: a mixed job on one node)
 BACKENDS = [pytest.param("host", id="host"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda),
             pytest.param("cuda-put", id="cuda-put", marks=pytest.mark.cuda)]
 #: (backend, wire_mode)
 PATHS = [pytest.param("host", "pair", id="host"), pytest.param("host", "dedup", id="host-dedup"),
          pytest.param("cuda", "pair", id="cuda", marks=pytest.mark.cuda),
          pytest.param("cuda", "dedup", id="cuda-dedup", marks=pytest.mark.cuda),
-         pytest.param("cuda-put", "pair", id="cuda-put", marks=pytest.mark.cuda)]
+         pytest.param("cuda-put", "pair", id="cuda-put", marks=pytest.mark.cuda),
+         pytest.param("cuda-put", "dedup", id="cuda-put-dedup", marks=pytest.mark.cuda)]
 CUDA_TRANSPORTS = [pytest.param("cuda", id="direct"), pytest.param("cuda-put", id="put")]
 POLL_MODE = os.environ.get("AFD_TEST_POLL_MODE", "device")  # the GPU suite runs under MPS
 
@@ -46,10 +49,11 @@ def _run(scenario: Scenario, timeout_s=180):
 
 def _scenario(backend, model, num_attn, num_ffn, wire_mode="pair", **kw):
     backend, _, transport = backend.partition("-")  # "cuda-put": the put transport
+    mixed = transport == "mixed"  # "cuda-mixed": auto, some pairs forced to puts
     connector = dataclasses.replace(kw.pop("connector", ConnectorConfig()), wire_mode=wire_mode,
-                                    transport=transport or "direct")
+                                    transport="auto" if mixed else transport or "direct")
     return Scenario(model, num_attn, num_ffn, backend=backend, poll_mode=POLL_MODE,
-                    connector=connector, **kw)
+                    connector=connector, mixed_transport=mixed, **kw)
 
 
 @pytest.mark.parametrize("backend,wire_mode", PATHS)
@@ -139,7 +143,7 @@ def test_always_send_reaches_every_rank(backend):
 @pytest.mark.cuda
 @pytest.mark.parametrize("backend,wire_mode", [  # put: are NVSHMEM's on-stream puts capturable?
     pytest.param("cuda", "pair", id="direct"), pytest.param("cuda-put", "pair", id="put"),
-    pytest.param("cuda", "dedup", id="dedup")])
+    pytest.param("cuda", "dedup", id="dedup"), pytest.param("cuda-put", "dedup", id="put-dedup")])
 @pytest.mark.parametrize("num_attn,num_ffn", [(1, 1), (2, 2)])
 def test_attention_layers_replayed_from_cuda_graphs(backend, wire_mode, num_attn, num_ffn):
     # each layer's send + recv captured once, replayed 3 times with fresh inputs and NaN outputs
@@ -151,6 +155,25 @@ def test_attention_layers_replayed_from_cuda_graphs(backend, wire_mode, num_attn
     assert {layer for r in ffn for _, layer, *_ in r["history"]} == set(range(model.num_layers))
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("wire_mode", ["pair", "dedup"])
+@pytest.mark.parametrize("num_attn,num_ffn", [(2, 2), (1, 2), (2, 1), (3, 2)])
+def test_mixed_job_direct_and_put_peers(wire_mode, num_attn, num_ffn):
+    # transport="auto" where some peers need puts (design.md §6.1): every rank with two or more
+    # peers has both kinds; the scatter, the reply and the shutdown choose per peer
+    model = _model(num_layers=3)
+    tokens = tuple((0, 17, 40) if a == 0 else (40, 1, 23) for a in range(num_attn))  # empty layer too
+    attn, ffn = _run(_scenario("cuda-mixed", model, num_attn, num_ffn, wire_mode, tokens=tokens))
+    assert len(attn) == num_attn and len(ffn) == num_ffn
+
+
+@pytest.mark.cuda
+def test_mixed_job_with_graph_capture_and_always_send():
+    model = _model(num_layers=3)
+    _run(_scenario("cuda-mixed", model, 2, 2, "dedup", num_tokens=24, graph_replays=2,
+                   always_send=True))
+
+
 def _num_gpus():
     import torch
     return torch.cuda.device_count()
@@ -158,13 +181,14 @@ def _num_gpus():
 
 @pytest.mark.cuda
 @pytest.mark.multigpu
+@pytest.mark.parametrize("wire_mode", ["pair", "dedup"])
 @pytest.mark.parametrize("backend", CUDA_TRANSPORTS)
 @pytest.mark.parametrize("num_attn,num_ffn", [(1, 1), (2, 2)])
-def test_one_process_per_gpu_over_nvlink(backend, num_attn, num_ffn):
+def test_one_process_per_gpu_over_nvlink(backend, num_attn, num_ffn, wire_mode):
     world = num_attn + num_ffn
     if _num_gpus() < world:
         pytest.skip(f"{num_attn}A{num_ffn}F needs {world} GPUs, {_num_gpus()} visible")
-    attn, ffn = _run(_scenario(backend, _model(num_layers=3), num_attn, num_ffn, num_tokens=64))
+    attn, ffn = _run(_scenario(backend, _model(num_layers=3), num_attn, num_ffn, wire_mode, num_tokens=64))
     assert sorted(r["device_id"] for r in attn + ffn) == list(range(world))  # peers across GPUs
 
 

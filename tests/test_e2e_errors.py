@@ -1,5 +1,6 @@
 """Failure paths end to end: bad input, capacity overflow, peer timeout, shutdown from
 either side, cleanup. Each test runs small programs in real processes."""
+import dataclasses
 import os
 import re
 
@@ -17,10 +18,14 @@ from afd_cupy.testing.reference import identity_experts
 from afd_cupy.topology import Role, Topology
 
 BACKENDS = [pytest.param("host", id="host"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
-#: (backend, wire_mode): the same failure paths in both modes
+#: (backend, wire_mode): the same failure paths in both modes; "cuda-put": the cuda backend with
+#: ConnectorConfig(transport="put") (design.md §6.1: capacity verdicts, timeouts and shutdown
+#: messages over NVSHMEM puts)
 PATHS = [pytest.param("host", "pair", id="host"), pytest.param("host", "dedup", id="host-dedup"),
          pytest.param("cuda", "pair", id="cuda", marks=pytest.mark.cuda),
-         pytest.param("cuda", "dedup", id="cuda-dedup", marks=pytest.mark.cuda)]
+         pytest.param("cuda", "dedup", id="cuda-dedup", marks=pytest.mark.cuda),
+         pytest.param("cuda-put", "pair", id="cuda-put", marks=pytest.mark.cuda),
+         pytest.param("cuda-put", "dedup", id="cuda-put-dedup", marks=pytest.mark.cuda)]
 POLL_MODE = os.environ.get("AFD_TEST_POLL_MODE", "device")
 MODEL = ModelConfig(hidden_size=32, num_experts=4, top_k=2, moe_intermediate_size=16,
                     num_shared_experts=0, dtype="bfloat16", max_num_batched_tokens=16, num_layers=8)
@@ -29,6 +34,8 @@ MODEL = ModelConfig(hidden_size=32, num_experts=4, top_k=2, moe_intermediate_siz
 def _connect(ctx, backend, num_attn, num_ffn, connector=None, model=MODEL, timeout_s=30.0):
     topo = Topology(num_attn, num_ffn, model.num_experts)
     role, role_rank = topo.role_of(ctx.rank)
+    if backend == "cuda-put":
+        backend, connector = "cuda", dataclasses.replace(connector or ConnectorConfig(), transport="put")
     if backend == "cuda":
         torch.cuda.set_device(ctx.device_id or 0)
     conn = AFDConnector(model, TopologyConfig(num_attn, num_ffn), connector, role=role,

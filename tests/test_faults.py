@@ -31,7 +31,8 @@ BACKENDS = [pytest.param("host", id="host"), pytest.param("cuda", id="cuda", mar
 PATHS = [pytest.param("host", "pair", id="host"), pytest.param("host", "dedup", id="host-dedup"),
          pytest.param("cuda", "pair", id="cuda", marks=pytest.mark.cuda),
          pytest.param("cuda", "dedup", id="cuda-dedup", marks=pytest.mark.cuda),
-         pytest.param("cuda-put", "pair", id="cuda-put", marks=pytest.mark.cuda)]
+         pytest.param("cuda-put", "pair", id="cuda-put", marks=pytest.mark.cuda),
+         pytest.param("cuda-put", "dedup", id="cuda-put-dedup", marks=pytest.mark.cuda)]
 POLL_MODE = os.environ.get("AFD_TEST_POLL_MODE", "device")
 MODEL = ModelConfig(hidden_size=32, num_experts=4, top_k=2, moe_intermediate_size=16,
                     num_shared_experts=1, dtype="bfloat16", max_num_batched_tokens=16, num_layers=8)
@@ -480,11 +481,20 @@ def test_dict_configs_are_rejected_with_a_hint():
                      role_rank=0, store=None)
 
 
-def test_dedup_over_puts_is_refused_before_any_collective_step():
-    # checked before CuPy is even looked for (store=None: no collective step is reached)
-    with pytest.raises(ConfigError, match=r"wire_mode='dedup' with transport='put' is not implemented"):
+def test_dedup_over_puts_passes_the_config_checks_host_puts_do_not():
+    # design.md §6.1: the cuda backend runs both wire modes over every transport; the host
+    # backend refuses puts in either mode, before any collective step (store=None)
+    from afd_cupy.backends.base import require_backend
+
+    with pytest.raises(ConfigError, match=r"backend 'host' does not implement transport='put' "
+                                          r"\(it implements \('direct', 'auto'\)\)"):
         AFDConnector(MODEL, TopologyConfig(1, 1), ConnectorConfig(wire_mode="dedup", transport="put"),
-                     role="attention", role_rank=0, store=None, backend="cuda")
+                     role="attention", role_rank=0, store=None, backend="host")
+    try:
+        module = require_backend("cuda", "dedup", "put")
+    except BackendUnavailableError:  # no CuPy / NVSHMEM here: past every ConfigError
+        return
+    assert "dedup" in module.WIRE_MODES and "put" in module.TRANSPORTS
 
 
 def test_cuda_backend_without_cupy_is_backend_unavailable():

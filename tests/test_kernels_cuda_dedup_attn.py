@@ -43,7 +43,7 @@ class DedupDispatch:
 
     def __init__(self, rng, *, dtype, num_ffn, num_tokens, top_k, hidden, has_shared, ids,
                  num_experts=NUM_EXPERTS, routed_cap=None, num_attn=2, ring=1, src_rank=1,
-                 always_send=0):
+                 always_send=0, put_peers=()):
         self.rng, self.dtype, self.num_ffn, self.num_tokens, self.top_k = rng, dtype, num_ffn, num_tokens, top_k
         self.hidden, self.has_shared, self.ids, self.ring, self.src_rank = hidden, has_shared, ids, ring, src_rank
         self.always_send = always_send
@@ -60,7 +60,13 @@ class DedupDispatch:
         self.weights = (rng.random((num_tokens, top_k)) + 0.05).astype(np.float32)
         self.prefill = [rng.integers(0, 256, self.layout.window_bytes, dtype=np.uint8) for _ in range(num_ffn)]
         self.windows = [cp.asarray(p) for p in self.prefill]
-        self.peer_windows = cp.asarray([w.data.ptr for w in self.windows], dtype=cp.uint64)
+        # put peers (design.md §6.1): window pointer 0, their messages go to the own staging
+        self.put_peers = frozenset(put_peers)
+        self.staging_prefill = (rng.integers(0, 256, self.layout.window_bytes, dtype=np.uint8)
+                                if self.put_peers else None)
+        self.staging = cp.asarray(self.staging_prefill) if self.put_peers else None
+        self.peer_windows = cp.asarray([0 if j in self.put_peers else w.data.ptr
+                                        for j, w in enumerate(self.windows)], dtype=cp.uint64)
         self.scratch = DispatchScratch.allocate(self.num_partials + 300, num_ffn, self.epr)
         for arr in (self.scratch.chunk_hist, self.scratch.local_rank, self.scratch.expert_counts,
                     self.scratch.expert_start, self.scratch.rank_offsets, self.scratch.verdict):
@@ -117,7 +123,8 @@ class DedupDispatch:
             peer_windows=self.peer_windows, geo=self.layout.kernel_geometry(), ring=self.ring,
             always_send=self.always_send, src_rank=self.src_rank, layer_idx=self.layer_idx,
             stage_idx=self.stage_idx, seq_counters=self.seq_counters, expected=self.expected,
-            expected_counts=self.expected_counts, done_counter=s.scatter_done).launch()
+            expected_counts=self.expected_counts, done_counter=s.scatter_done,
+            staging=self.staging.data.ptr if self.put_peers else 0).launch()
         base.sync()
 
     def reference(self):
@@ -125,11 +132,14 @@ class DedupDispatch:
                                               has_shared=bool(self.has_shared),
                                               num_experts=self.num_ffn * self.epr)
 
-    def expected_window(self, ffn_rank: int, plan, seq: int) -> np.ndarray:
+    def expected_window(self, ffn_rank: int, plan, seq: int, image=None) -> np.ndarray:
+        """Rank j's window after the send, or (``image``: the staging so far) the staging with
+        j's message in slot (region = j, ring), as a put peer's."""
         layout, j = self.layout, ffn_rank
-        want = self.prefill[j].copy()
-        slot = layout.slot_offset(self.src_rank, self.ring)
-        base.put(want, layout.slot_index(self.src_rank, self.ring) * 8, np.int64(seq))
+        want = (self.prefill[j] if image is None else image).copy()
+        region = self.src_rank if image is None else j
+        slot = layout.slot_offset(region, self.ring)
+        base.put(want, layout.slot_index(region, self.ring) * 8, np.int64(seq))
         header = wire.dispatch_header(
             seq=seq, src_rank=self.src_rank, layer_idx=self.layer_idx, stage_idx=self.stage_idx,
             num_tokens=self.num_tokens, shared_tokens=int(plan.shared_rows[j]), top_k=self.top_k,
@@ -154,9 +164,11 @@ class DedupDispatch:
             assert int(counter.get()[0]) == 0
 
     def assert_sent(self, plan):
-        """expected, expected_counts [F, 3], seq counters and every window byte for byte."""
+        """expected, expected_counts [F, 3], seq counters and every window byte for byte (a put
+        peer's window untouched, its message in the staging)."""
         expected, seq_after = self.expected.get(), self.seq_counters.get()
         expected_counts = self.expected_counts.get()
+        want_staging = self.staging_prefill
         for j in range(self.num_ffn):
             sends = plan.num_rows[j] > 0 or bool(self.always_send)
             seq = int(self.seq_before[j]) + 1 if sends else 0
@@ -165,19 +177,28 @@ class DedupDispatch:
                                                    int(plan.num_rows[j])], f"expected_counts[{j}]"
             assert seq_after[j] == self.seq_before[j] + sends, f"seq_counters[{j}]"
             got = self.windows[j].get()
+            is_put = j in self.put_peers
+            if not sends or is_put:
+                base.assert_window_equal(got, self.prefill[j], self.layout, f"peer {j} was written "
+                                         f"({'put peer' if is_put else 'empty'})")
             if not sends:
-                base.assert_window_equal(got, self.prefill[j], self.layout, f"empty peer {j} was written")
                 continue
-            base.assert_window_equal(got, self.expected_window(j, plan, seq), self.layout, f"peer {j}")
-            header = wire.decode_header(base.take(got, self.layout.slot_offset(self.src_rank, self.ring),
-                                                  np.int32, self.layout.header_words),
+            if is_put:
+                want_staging = self.expected_window(j, plan, seq, image=want_staging)
+                got, region = self.staging.get(), j
+            else:
+                base.assert_window_equal(got, self.expected_window(j, plan, seq), self.layout, f"peer {j}")
+                region = self.src_rank
+            slot = self.layout.slot_offset(region, self.ring)
+            header = wire.decode_header(base.take(got, slot, np.int32, self.layout.header_words),
                                         self.epr, self.layout)
-            table = base.take(got, self.layout.slot_offset(self.src_rank, self.ring)
-                              + self.layout.field_offset("route_table"), np.int32,
+            table = base.take(got, slot + self.layout.field_offset("route_table"), np.int32,
                               header.num_rows * self.layout.route_width)
             wire.check_route_table(table.reshape(header.num_rows, self.layout.route_width), num_tokens=header.num_tokens,
                                    routed_tokens=header.routed_tokens,
                                    shared_tokens=header.shared_tokens, top_k=self.top_k)
+        if self.put_peers:
+            base.assert_window_equal(self.staging.get(), want_staging, self.layout, "put staging")
 
     def assert_nothing_sent(self, verdict: int):
         assert int(self.scratch.verdict.get()[0]) == verdict
@@ -186,6 +207,9 @@ class DedupDispatch:
         for j in range(self.num_ffn):
             base.assert_window_equal(self.windows[j].get(), self.prefill[j], self.layout,
                                      f"peer {j} written after an error")
+        if self.put_peers:
+            base.assert_window_equal(self.staging.get(), self.staging_prefill, self.layout,
+                                     "put staging written after an error")
         t = self.num_tokens
         assert (self.rows.row_map.get()[:t] == -1).all() and (self.rows.shared_rank.get()[:t] == -1).all()
         assert (self.rows.num_rows.get() == 0).all() and (self.rows.shared_rows.get() == 0).all()
@@ -220,6 +244,35 @@ def test_dedup_dispatch_matches_reference(request, dtype, num_ffn, num_tokens, h
     d.assert_sent(plan)
     if drop_last_rank and not d.always_send:
         assert d.expected.get()[num_ffn - 1] == 0
+
+
+@pytest.mark.parametrize("put_peers", [(0,), (1, 2), (0, 1, 2, 3)], ids=["put0", "put12", "put-all"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dedup_dispatch_to_put_peers_fills_the_staging(request, dtype, put_peers):
+    """Mixed peers in one scatter (design.md §6.1): a zero window pointer sends rank j's route
+    table, rows, header and flag to slot (j, ring) of the own staging, the others to their
+    windows; a put peer's window is never touched, an empty one's staging slot neither."""
+    rng = base._rng(request)
+    num_ffn, num_tokens, top_k = 4, 37, 6
+    epr = -(-NUM_EXPERTS // num_ffn)
+    ids = base.skewed_ids(rng, num_tokens, top_k, np.arange(3 * epr))  # rank 3 gets no rows
+    for always_send in (0, 1):
+        d = DedupDispatch(rng, dtype=dtype, num_ffn=num_ffn, num_tokens=num_tokens, top_k=top_k,
+                          hidden=50, has_shared=1, ids=ids, always_send=always_send, put_peers=put_peers)
+        d.run()
+        assert base.status_of(d.status.array).ok
+        plan = d.reference()
+        d.assert_plan_outputs(plan)
+        d.assert_sent(plan)
+
+
+def test_dedup_dispatch_to_put_peers_capacity_writes_nothing(request):
+    rng = base._rng(request)
+    ids = base.skewed_ids(rng, 40, 4, np.arange(NUM_EXPERTS // 2))  # rank 0 over its cap
+    d = DedupDispatch(rng, dtype="bfloat16", num_ffn=2, num_tokens=40, top_k=4, hidden=64,
+                      has_shared=1, ids=ids, routed_cap=20, put_peers=(0,))
+    d.run()
+    d.assert_nothing_sent(wire.STATUS_CAPACITY)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

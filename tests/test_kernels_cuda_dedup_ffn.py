@@ -205,12 +205,15 @@ def test_expand_verdict_with_several_faults_is_the_models(request):
 REPLY_CASES = [(1, 0), (1, 1), (2, 7), (3, 33), (1, 300), (2, 1500)]
 
 
+@pytest.mark.parametrize("transport", ["direct", "put"])
 @pytest.mark.parametrize("has_shared", [0, 1])
 @pytest.mark.parametrize("num_ffn,num_tokens", REPLY_CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_dedup_reply_lands_exactly(request, dtype, num_ffn, num_tokens, has_shared):
+def test_dedup_reply_lands_exactly(request, dtype, num_ffn, num_tokens, has_shared, transport):
     """Reply rows = reduce_reference rounded once (bitwise: no FMA on either side), header
-    words and flag; every other byte of the Attention window untouched."""
+    words and flag; every other byte of the Attention window untouched. ``put``: the same rows
+    and header in staging slot (dst_peer, ring) of the FFN's own staging, and no flag at all
+    (the host's put-with-signal sets it, design.md §6.1)."""
     rng = _rng(request)
     case = REPLY_CASES.index((num_ffn, num_tokens)) + has_shared + DTYPES.index(dtype)
     top_k, hidden = TOP_KS[case % 3], HIDDENS[(case + 1) % 3]
@@ -222,7 +225,10 @@ def test_dedup_reply_lands_exactly(request, dtype, num_ffn, num_tokens, has_shar
     shared = random_rows(rng, msg.shared, hidden, dtype)
     routed_dev, shared_dev = cp.asarray(routed), cp.asarray(shared)
     route_copy = cp.asarray(msg.table) if msg.num_rows else cp.zeros((1, msg.width), cp.int32)
-    slot_base = layout.slot_offset(ffn_rank, msg.ring)
+    # put: the buffer is the FFN's staging, slot (region = the Attention peer, ring)
+    dst_peer = (ffn_rank + 1) % layout.num_regions
+    region = dst_peer if transport == "put" else ffn_rank
+    slot_base = layout.slot_offset(region, msg.ring)
     prefill = rng.integers(0, 256, layout.window_bytes, dtype=np.uint8)
     nan_rows = np.full((msg.num_rows, hidden), NAN_WORD[dtype], RAW[dtype])
     put(prefill, slot_base + layout.field_offset("routed_x"), nan_rows)  # an unwritten row is NaN
@@ -235,8 +241,10 @@ def test_dedup_reply_lands_exactly(request, dtype, num_ffn, num_tokens, has_shar
     header_src.int32[:layout.header_words] = words
     seq = 2**35 + int(rng.integers(1, 1000))
     done = cp.zeros(1, cp.uint32)
+    is_put = transport == "put"
     kh.launch_dedup_reply(
-        dtype_code=kernels.DTYPE_CODES[dtype], dst_window=window.data.ptr, geo=layout.kernel_geometry(),
+        dtype_code=kernels.DTYPE_CODES[dtype], dst_window=0 if is_put else window.data.ptr,
+        staging=window.data.ptr if is_put else 0, dst_peer=dst_peer, geo=layout.kernel_geometry(),
         src_rank=ffn_rank, ring=msg.ring, route_copy=route_copy, num_rows=msg.num_rows, top_k=top_k,
         routed_out=routed_dev.data.ptr if msg.routed else 0, num_routed=msg.routed,
         shared_out=shared_dev.data.ptr if msg.shared else 0, num_shared=msg.shared,
@@ -246,10 +254,11 @@ def test_dedup_reply_lands_exactly(request, dtype, num_ffn, num_tokens, has_shar
     rows = ref.reduce_reference(msg.table, to_f32(routed, dtype).reshape(msg.routed, hidden),
                                 to_f32(shared, dtype).reshape(msg.shared, hidden) if msg.shared else None)
     want = prefill.copy()
-    put(want, layout.slot_index(ffn_rank, msg.ring) * 8, np.int64(seq))
+    if not is_put:  # a put peer's flag is the host's signal put
+        put(want, layout.slot_index(ffn_rank, msg.ring) * 8, np.int64(seq))
     put(want, slot_base + layout.field_offset("header"), words)
     put(want, slot_base + layout.field_offset("routed_x"), to_raw(rows, dtype))
-    assert_window_equal(window.get(), want, layout, "dedup reply")
+    assert_window_equal(window.get(), want, layout, f"dedup reply ({transport})")
     assert int(done.get()[0]) == 0
     decoded = wire.decode_header(take(window.get(), slot_base, np.int32, layout.header_words), msg.epr,
                                  layout)

@@ -218,6 +218,13 @@ def test_dedup_specs_reject_impossible_sizes(fake_specs):
         kernels.dedup_reply_spec(**{**reply, "num_shared": 5})
     with pytest.raises(ValueError, match="dtype_code must be one of"):
         kernels.dedup_reply_spec(**{**reply, "dtype_code": 3})
+    # a put peer (dst_window 0): the reply goes to staging slot (dst_peer, ring), so both are needed
+    put = kernels.dedup_reply_spec(**{**reply, "dst_window": 0, "staging": 0x9000, "dst_peer": 2})
+    assert dict(zip(put.names, put.args))["staging"] == 0x9000
+    with pytest.raises(ValueError, match="staging must be a non-null"):
+        kernels.dedup_reply_spec(**{**reply, "dst_window": 0})
+    with pytest.raises(ValueError, match="dst_peer must lie in \\[0, 2\\]"):
+        kernels.dedup_reply_spec(**{**reply, "dst_window": 0, "staging": 0x9000, "dst_peer": 3})
 
 
 def test_grids_of_the_specs(fake_specs):
@@ -359,10 +366,12 @@ def test_launches_module_has_no_cupy_import_at_module_level():
     assert launches.__dict__.get("cupy") is None and specs.__dict__.get("cupy") is None
 
 
+@pytest.mark.parametrize("put", [False, True], ids=["direct", "put"])
 @pytest.mark.parametrize("wire_mode", ["pair", "dedup"])
-def test_backend_builds_the_launches_of_its_wire_mode(fake_specs, monkeypatch, wire_mode):
+def test_backend_builds_the_launches_of_its_wire_mode(fake_specs, monkeypatch, wire_mode, put):
     """CudaAttentionSide._attention_launches checks every spec of the layout's mode (a spec of
-    the other mode would refuse the geometry); numpy arrays stand in for the CuPy buffers."""
+    the other mode would refuse the geometry); numpy arrays stand in for the CuPy buffers.
+    With a put channel both modes' scatters get its staging (§6.1)."""
     import types
 
     from afd_cupy.backends import cuda_attention
@@ -372,7 +381,8 @@ def test_backend_builds_the_launches_of_its_wire_mode(fake_specs, monkeypatch, w
     side = cuda_attention.CudaAttentionSide()
     side.cp, side.layout, side.geometry, side.is_dedup = np, layout, layout.kernel_geometry(), layout.is_dedup
     side.ctx = types.SimpleNamespace(num_ffn_ranks=2, has_shared=True, always_send=False, role_rank=0)
-    side.own_window, side.dtype_code, side.timeout_ns, side.put = 0x3000, 0, 10**9, None
+    side.own_window, side.dtype_code, side.timeout_ns = 0x3000, 0, 10**9
+    side.put = types.SimpleNamespace(staging_base=0x9000) if put else None
     side.status = types.SimpleNamespace(ptr=0x1000)
     side.scratch = [types.SimpleNamespace(local_rank=np.zeros(64, np.int32), **{
         name: _FakeArray() for name in ("chunk_hist", "pos", "expert_counts", "expert_start",
@@ -390,6 +400,70 @@ def test_backend_builds_the_launches_of_its_wire_mode(fake_specs, monkeypatch, w
     assert ("row_map" in names["combine"]) == (wire_mode == "dedup")
     assert launches["wait"].args[-1] == np.int32(wire_mode == "dedup")  # afd_wait_replies' dedup
     assert len(launches) == len(want[wire_mode])
+    scatter = dict(zip(launches["scatter"].names, launches["scatter"].args))
+    assert scatter["staging"] == (0x9000 if put else 0)
+
+
+class _RecordingLaunch:
+    """Stands in for PackedLaunch: keeps the spec, records set() and launch()."""
+
+    def __init__(self, spec):
+        self.spec, self.values, self.launched = spec, dict(zip(spec.names, spec.args)), []
+
+    def set(self, name, value):
+        assert name in self.values, name
+        self.values[name] = value
+
+    def launch(self, stream, grid=None):
+        self.launched.append((stream, grid))
+
+
+@pytest.mark.parametrize("wire_mode", ["pair", "dedup"])
+def test_ffn_reply_writes_put_peers_into_the_staging_and_puts_its_rows(fake_specs, monkeypatch, wire_mode):
+    """CudaFFNSide.reply (both modes) with a direct and a put Attention peer: the reply kernel
+    of the put peer gets dst_window 0, the staging and the peer's region; the put copies the
+    mode's rows (dedup: num_rows rows of routed_x and no shared rows; pair: R and S)."""
+    import types
+
+    import torch
+
+    from afd_cupy.backends import cuda_ffn
+    from afd_cupy.backends.base import Arrival
+
+    monkeypatch.setattr(kernels, "PackedLaunch", _RecordingLaunch)
+    layout = _DEDUP_LAYOUT if wire_mode == "dedup" else _LAYOUT
+    puts = []
+    side = cuda_ffn.CudaFFNSide()
+    side.layout, side.geometry, side.dtype_code = layout, layout.kernel_geometry(), 0
+    side.ctx = types.SimpleNamespace(role_rank=1, peer_pe=lambda role, rank: 10 + rank)
+    side.peer_is_put = [False, True, False]
+    side.put = types.SimpleNamespace(staging_base=0x9000, after_reply=lambda *a, **kw: puts.append((a, kw)))
+    side.window = types.SimpleNamespace(peer_ptr=lambda pe: 0x3000 + pe)
+    side._use_device = lambda: None
+    side.stream_ptr, side.stream = (lambda: 77), (lambda: None)
+    side.cp = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        Event=lambda disable_timing: types.SimpleNamespace(record=lambda stream: None)))
+    num_slots = layout.num_slots
+    side.reply_seqs, side.reply_launches = np.zeros(num_slots, np.int64), {}
+    side.row_words = layout.header_words + layout.header_words % 2
+    side.staging = types.SimpleNamespace(int32=np.zeros(num_slots * 4 * side.row_words, np.int32), ptr=0x7000)
+    side._staging_row = lambda slot: slot * cuda_ffn.STAGING_DEPTH
+    side.staging_events = [[None] * cuda_ffn.STAGING_DEPTH for _ in range(num_slots)]
+    side.reply_done = side.route_copies = [_FakeArray()] * num_slots
+    side.last_reply_event = [None] * num_slots
+    # 5 rows (dedup), 7 partials over 4 local experts, 2 shared rows
+    header = wire.dispatch_header(seq=3, src_rank=1, layer_idx=2, stage_idx=0, num_tokens=6,
+                                  shared_tokens=2, top_k=8, expert_counts=[3, 0, 4, 0],
+                                  wire_mode=wire_mode, num_rows=5 if wire_mode == "dedup" else 0)
+    routed, shared = torch.zeros(7, 64, dtype=torch.bfloat16), torch.zeros(2, 64, dtype=torch.bfloat16)
+    for region in (0, 1):
+        side.reply(Arrival(region, 1, header), routed, shared)
+    direct, put = side.reply_launches[(0, 1)], side.reply_launches[(1, 1)]
+    assert direct.values["dst_window"] == 0x3000 + 10 and put.values["dst_window"] == 0
+    assert put.values["staging"] == 0x9000 and put.values["dst_peer"] == 1
+    assert direct.values["dst_peer"] == 0 and put.launched == [(77, put.launched[0][1])]
+    rows = (5, 0) if wire_mode == "dedup" else (7, 2)
+    assert puts == [((77, 1, 1), dict(routed_rows=rows[0], shared_rows=rows[1], seq=1))]  # the put peer only
 
 
 def test_row_parts_mirror_the_kernels():

@@ -121,6 +121,122 @@ def test_dedup_dispatch_ranges_cover_every_routing(num_ffn, epr, top_k):
                 assert _covered(ranges, start, nbytes), (j, start, nbytes, ranges)
 
 
+def _dedup_routing(rng, num_tokens, num_ffn, epr, top_k, trial):
+    """Random ids, or (every third trial) every token's experts on one rank: its message then
+    has exactly T rows, the bound."""
+    if trial % 3 == 0:
+        hot = int(rng.integers(0, num_ffn))
+        return rng.integers(hot * epr, (hot + 1) * epr, size=(num_tokens, top_k))
+    return rng.integers(0, num_ffn * epr, size=(num_tokens, top_k))
+
+
+def _put(staging: bytearray, remote: bytearray, ranges) -> None:
+    """What PutChannel's puts do to one slot: copy ``ranges`` of the staging slot."""
+    for offset, nbytes in ranges:
+        remote[offset:offset + nbytes] = staging[offset:offset + nbytes]
+
+
+def _write(slot: bytearray, offset: int, array) -> None:
+    data = np.ascontiguousarray(array).tobytes()
+    slot[offset:offset + len(data)] = data
+
+
+@pytest.mark.parametrize("num_ffn,epr,top_k,has_shared", [(1, 8, 4, True), (3, 4, 2, True),
+                                                          (4, 2, 8, False), (2, 3, 1, True)])
+def test_dedup_messages_survive_a_put_of_their_ranges(num_ffn, epr, top_k, has_shared):
+    """A dedup dispatch and its reply written into a staging slot full of stale bytes (as the
+    scatter and the reduce write them: dedup_reference), then only the ranges of
+    dispatch_ranges / reply_ranges copied onto a receiver slot full of other bytes: the
+    receiver reads exactly the message (header with num_rows, route table, rows)."""
+    from afd_cupy import wire
+    from afd_cupy.testing.dedup_reference import scatter_reference
+
+    rng = np.random.default_rng([11, num_ffn, top_k])
+    layout = _layout(num_ffn=num_ffn, epr=epr, top_k=top_k, token_cap=24, hidden=20,
+                     wire_mode="dedup", has_shared=has_shared)
+    width, header_off = layout.route_width, layout.field_offset("header")
+    table_off, rows_off = layout.field_offset("route_table"), layout.field_offset("routed_x")
+    for trial, num_tokens in enumerate([0, 1, layout.token_cap] + list(rng.integers(1, 25, size=9))):
+        num_tokens = int(num_tokens)
+        ids = _dedup_routing(rng, num_tokens, num_ffn, epr, top_k, trial)
+        weights = rng.random((num_tokens, top_k), dtype=np.float32)
+        hidden = rng.integers(0, 2**16, size=(num_tokens, layout.hidden_size), dtype=np.uint16)
+        plan = plan_reference(ids, num_ffn, epr, has_shared=has_shared)
+        for j in range(num_ffn):
+            ranges = transport.dispatch_ranges(layout, num_tokens=num_tokens, num_ffn_ranks=num_ffn,
+                                               ffn_rank=j, has_shared=has_shared)
+            assert all(0 <= o and o + n <= layout.slot_bytes for o, n in ranges), ranges
+            if plan.pairs.routed_count(j) > layout.routed_cap:
+                continue  # a CapacityError: nothing is sent
+            rows = int(plan.num_rows[j])
+            table, payload = scatter_reference(plan, hidden, ids, weights, j)
+            header = wire.dispatch_header(seq=trial + 1, src_rank=1, layer_idx=2, stage_idx=0,
+                                          num_tokens=num_tokens, shared_tokens=int(plan.shared_rows[j]),
+                                          top_k=top_k, expert_counts=plan.pairs.rank_counts(j),
+                                          wire_mode="dedup", num_rows=rows)
+            staging = bytearray(rng.integers(0, 256, layout.slot_bytes, dtype=np.uint8).tobytes())
+            remote = bytearray(rng.integers(0, 256, layout.slot_bytes, dtype=np.uint8).tobytes())
+            _write(staging, header_off, wire.encode_header(header, epr))
+            _write(staging, table_off, table)
+            _write(staging, rows_off, payload)
+            _put(staging, remote, ranges)
+            got = np.frombuffer(bytes(remote), np.uint8)
+            words = got[header_off:header_off + layout.header_words * 4].view(np.int32)
+            assert wire.decode_header(words, epr, layout) == header
+            assert np.array_equal(got[table_off:table_off + rows * width * 4].view(np.int32)
+                                  .reshape(rows, width), table)
+            assert np.array_equal(got[rows_off:rows_off + rows * layout.row_bytes].view(np.uint16)
+                                  .reshape(rows, layout.hidden_size), payload)
+            # the reply: one row per dispatch row, in routed_x, and the echoed header
+            reply = wire.reply_header(header, seq=trial + 7, src_rank=j)
+            out = rng.integers(0, 2**16, size=(rows, layout.hidden_size), dtype=np.uint16)
+            _write(staging, header_off, wire.encode_header(reply, epr))
+            _write(staging, rows_off, out)
+            reply_ranges = transport.reply_ranges(layout, routed_rows=rows, shared_rows=0)
+            assert all(0 <= o and o + n <= layout.slot_bytes for o, n in reply_ranges)
+            _put(staging, remote, reply_ranges)
+            got = np.frombuffer(bytes(remote), np.uint8)
+            words = got[header_off:header_off + layout.header_words * 4].view(np.int32)
+            assert wire.decode_header(words, epr, layout) == reply
+            assert np.array_equal(got[rows_off:rows_off + rows * layout.row_bytes].view(np.uint16)
+                                  .reshape(rows, layout.hidden_size), out)
+
+
+def test_dedup_dispatch_bound_is_one_row_per_token():
+    """Decode: T rows and T route-table rows, not the capacity, and nothing for shared fields
+    (there are none); a full batch stays inside the slot; a dedup put bound is about
+    1/top_k of pair's at the same sizes (pair's bound is T * top_k partials)."""
+    dedup = _layout(num_ffn=4, epr=8, top_k=8, token_cap=4096, hidden=64, wire_mode="dedup")
+    pair = _layout(num_ffn=4, epr=8, top_k=8, token_cap=4096, hidden=64, wire_mode="pair")
+    ranges = transport.dispatch_ranges(dedup, num_tokens=128, num_ffn_ranks=4, ffn_rank=3, has_shared=True)
+    expected = dedup.header_words * 4 + 128 * (dedup.route_width * 4 + dedup.row_bytes)
+    assert expected <= transport.ranges_bytes(ranges) <= expected + 2 * transport.MERGE_GAP_BYTES
+    assert ranges == transport.dispatch_ranges(dedup, num_tokens=128, num_ffn_ranks=4, ffn_rank=0,
+                                               has_shared=False)  # neither rank nor shared matter
+    full = transport.dispatch_ranges(dedup, num_tokens=4096, num_ffn_ranks=4, ffn_rank=0, has_shared=True)
+    assert full[-1][0] + full[-1][1] == dedup.field_offset("routed_x") + dedup.field_bytes("routed_x")
+    assert all(o + n <= dedup.slot_bytes for o, n in full)
+    assert transport.dispatch_ranges(dedup, num_tokens=0, num_ffn_ranks=4, ffn_rank=0, has_shared=True) \
+        == [(0, dedup.header_words * 4)]  # always_send's header-only message
+    pair_bytes = transport.ranges_bytes(transport.dispatch_ranges(
+        pair, num_tokens=128, num_ffn_ranks=4, ffn_rank=3, has_shared=True))
+    assert transport.ranges_bytes(ranges) < pair_bytes / 4
+
+
+def test_reply_ranges_refuse_rows_the_slot_does_not_have():
+    dedup = _layout(num_ffn=2, epr=4, top_k=2, token_cap=64, hidden=32, wire_mode="dedup")
+    offset, nbytes = transport.reply_ranges(dedup, routed_rows=64, shared_rows=0)[-1]
+    assert offset + nbytes == dedup.field_offset("routed_x") + 64 * dedup.row_bytes == dedup.slot_bytes
+    with pytest.raises(ValueError, match=r"a dedup reply has no shared rows \(got shared_rows=3\)"):
+        transport.reply_ranges(dedup, routed_rows=10, shared_rows=3)
+    with pytest.raises(ValueError, match=r"reply rows \(routed=65, shared=0\) exceed the slot's "
+                                         r"\(64, 0\) in wire_mode='dedup'"):
+        transport.reply_ranges(dedup, routed_rows=65, shared_rows=0)
+    pair = _layout(num_ffn=2, epr=4, top_k=2, token_cap=64, hidden=32, wire_mode="pair")
+    with pytest.raises(ValueError, match=r"exceed the slot's \(128, 32\) in wire_mode='pair'"):
+        transport.reply_ranges(pair, routed_rows=1, shared_rows=33)
+
+
 def test_reply_and_control_ranges():
     layout = _layout(num_ffn=2, epr=4, top_k=2, token_cap=64, hidden=32, wire_mode="pair")
     ranges = transport.reply_ranges(layout, routed_rows=10, shared_rows=3)
@@ -253,3 +369,33 @@ def test_open_put_channel_agrees_before_the_collective_staging_alloc(mode, ptrs,
     if channel is not None:
         assert channel.put_peers == [j for j, flag in enumerate(expect_put) if flag]
         assert channel.staging_base == 3 << 40 and channel.peer_pes == [1, 2]
+
+
+def test_mixed_transport_scenario_puts_the_odd_pairs_through_open_put_channel():
+    """Scenario.mixed_transport (the GPU suite's one-node mixed job): while the connector opens,
+    open_put_channel sees peers p with role_rank + p odd as put peers, mapped or not, and
+    allocates the staging; afterwards peer_transports is the library's again."""
+    import dataclasses
+
+    from afd_cupy.backends.cuda_put import open_put_channel
+    from afd_cupy.config import ModelConfig
+    from afd_cupy.testing.scenario import Scenario, _mixed_transport
+    from afd_cupy.topology import Role, Topology
+
+    model = ModelConfig(hidden_size=32, num_experts=6, top_k=2, moe_intermediate_size=16)
+    scenario = Scenario(model, 2, 3, backend="cuda", connector=ConnectorConfig(transport="auto"),
+                        mixed_transport=True)
+    layout = _layout(num_ffn=3, epr=2, top_k=2, token_cap=16, hidden=32, wire_mode="dedup", num_attn=2)
+    ctx = type("Ctx", (), {"transport": "auto", "role_rank": 1,
+                           "opposite_pes": lambda self: [Topology(2, 3, 6).world_rank(Role.FFN, j) for j in range(3)]})()
+    heap = _FakeHeap()
+    with _mixed_transport(scenario, role_rank=1):
+        assert transport.peer_transports("auto", [True, False, True]) == ["put", "put", "put"]
+        channel, is_put = open_put_channel(heap, _FakeWindow({2: 5, 3: 6, 4: 7}), layout, ctx, instance=0)
+    assert is_put == [True, False, True] and channel.put_peers == [0, 2]
+    assert heap.allocs == [(layout.window_bytes, "staging0", True)]
+    assert transport.peer_transports("auto", [True] * 3) == ["direct"] * 3  # restored
+    with pytest.raises(ValueError, match=r"mixed_transport needs backend 'cuda' and transport 'auto', "
+                                         r"got 'cuda' and 'put'"):
+        with _mixed_transport(dataclasses.replace(scenario, connector=ConnectorConfig(transport="put")), 0):
+            pass

@@ -607,7 +607,7 @@ def plan_groups(args, backend: str) -> list[Group]:
     return [dataclasses.replace(group, wire_mode=mode, transport=tr) for group in
             _shape_groups(args, backend, decode, hiddens, topks, ffns, prefill, prefill_shape,
                           (iters, warmup, layers, p_iters, p_warmup)) for mode in modes
-            for tr in transports if not (mode == "dedup" and tr == "put")]  # not implemented
+            for tr in transports]
 
 
 def _shape_groups(args, backend, decode, hiddens, topks, ffns, prefill, prefill_shape, counts) -> list:

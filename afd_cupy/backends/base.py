@@ -182,9 +182,6 @@ def require_backend(backend: str, wire_mode: str = "pair", transport: str = "dir
     if transport not in transports:
         raise ConfigError(f"backend {backend!r} does not implement transport={transport!r} (it "
                           f"implements {transports})")
-    if wire_mode == "dedup" and transport == "put":
-        raise ConfigError("wire_mode='dedup' with transport='put' is not implemented (the dedup "
-                          "kernels have no put staging); use wire_mode='pair' for the put transport")
     try:
         module.require_available()
     except ImportError as exc:

@@ -35,7 +35,8 @@ except ImportError:  # CPU-only torch builds
 #: wire modes this backend implements (``ConnectorConfig.wire_mode``; dedup: the kernels of
 #: docs/design.md §5, ``dedup_attn.cu`` and ``dedup_ffn.cu``)
 WIRE_MODES = ("pair", "dedup")
-#: transports (``ConnectorConfig.transport``, docs/design.md §6.1)
+#: transports (``ConnectorConfig.transport``, docs/design.md §6.1), in both wire modes: the
+#: scatter and reply kernels of each mode write a put peer's message into the put staging
 TRANSPORTS = ("direct", "put", "auto")
 
 
@@ -72,12 +73,6 @@ class CudaDataPath(CudaAttentionSide, CudaFFNSide):
         if ctx.wire_mode not in WIRE_MODES:
             raise ConfigError(f"the cuda backend implements wire_mode {WIRE_MODES}, not "
                               f"{ctx.wire_mode!r}")
-        if put is not None and ctx.wire_mode == "dedup":
-            # NOTE: transport="auto" only learns here (after the collective heap set-up) that a
-            # peer needs puts; every rank of the job sees the same reachability and fails alike
-            raise ConfigError("wire_mode='dedup' over NVSHMEM puts is not implemented (the dedup "
-                              "kernels write peers' windows directly); a peer here is not "
-                              "load/store reachable: use wire_mode='pair'")
         import cupy
 
         self.cp = cupy

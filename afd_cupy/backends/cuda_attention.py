@@ -213,7 +213,7 @@ class CudaAttentionSide:
             always_send=int(ctx.always_send), src_rank=ctx.role_rank, layer_idx=0, stage_idx=0,
             seq_counters=self.seq_counters[ring], expected=self.expected[ring],
             expected_counts=self.expected_counts[ring], done_counter=scratch.scatter_done,
-            **row_outputs)
+            staging=self.put.staging_base if self.put else 0, **row_outputs)
         wait = kernels.wait_replies_spec(**replies, dedup=1)
         combine = kernels.dedup_combine_spec(
             dtype_code=self.dtype_code, out=self.own_window, num_tokens=cap,
@@ -276,10 +276,15 @@ class CudaAttentionSide:
         scatter.set("layer_idx", layer_idx)
         scatter.set("stage_idx", stage_idx)
         scatter.launch(stream, kernels.scatter_grid(num_tokens, layout.top_k, int(ctx.has_shared)))
-        if self.put is not None:  # put peers: staging -> their windows, flags last (§6.1)
-            self.put.after_dispatch(stream, ring, num_tokens, num_ffn_ranks=ctx.num_ffn_ranks,
-                                    has_shared=ctx.has_shared)
+        self._put_dispatch(stream, ring, num_tokens)
         return CudaSendState(ring, self.expected[ring], ids, hidden, num_tokens)
+
+    def _put_dispatch(self, stream: int, ring: int, num_tokens: int) -> None:
+        """Put peers (both modes): staging -> their windows, flags last, behind the scatter on
+        ``stream`` (§6.1; the byte bound is the layout's: ``transport.dispatch_ranges``)."""
+        if self.put is not None:
+            self.put.after_dispatch(stream, ring, num_tokens, num_ffn_ranks=self.ctx.num_ffn_ranks,
+                                    has_shared=self.ctx.has_shared)
 
     def _dispatch_dedup(self, launches: dict, stream: int, hidden: torch.Tensor, ids: torch.Tensor,
                         topk_weights: torch.Tensor, *, layer_idx: int, stage_idx: int,
@@ -300,6 +305,7 @@ class CudaAttentionSide:
         dedup_scatter.set("stage_idx", stage_idx)
         dedup_scatter.launch(stream, kernels.dedup_scatter_grid(num_tokens, self.ctx.num_ffn_ranks,
                                                                  self.layout.row_bytes))
+        self._put_dispatch(stream, ring, num_tokens)
         return CudaSendState(ring, self.expected[ring], ids, hidden, num_tokens,
                              row_map=self.dedup_rows[ring].row_map, topk_weights=weights)
 

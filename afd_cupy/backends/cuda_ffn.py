@@ -204,8 +204,11 @@ class CudaFFNSide(CudaFFNDedupSteps):
         stream = self.stream_ptr()
         launch.launch(stream, grid)
         if self.peer_is_put[arrival.region]:  # staging -> the sender's window, flag = seq (§6.1)
-            self.put.after_reply(stream, arrival.region, arrival.ring, routed_rows=num_routed,
-                                 shared_rows=num_shared, seq=seq)
+            # dedup: one reply row per dispatch row, all in routed_x (the shared outputs are
+            # folded into the first rows by the reduce)
+            rows = (header.num_rows, 0) if layout.is_dedup else (num_routed, num_shared)
+            self.put.after_reply(stream, arrival.region, arrival.ring, routed_rows=rows[0],
+                                 shared_rows=rows[1], seq=seq)
         event = self.staging_events[slot][row % STAGING_DEPTH]
         if event is None:
             event = self.staging_events[slot][row % STAGING_DEPTH] = self.cp.cuda.Event(disable_timing=True)
@@ -232,11 +235,11 @@ class CudaFFNSide(CudaFFNDedupSteps):
         slot = layout.slot_index(attn_rank, ring)
         dst_window = (0 if self.peer_is_put[attn_rank]  # 0: the kernel writes the put staging
                       else self.window.peer_ptr(ctx.peer_pe(Role.ATTENTION, attn_rank)))
+        staging = self.put.staging_base if self.put else 0
         if layout.is_dedup:
-            return self._dedup_reply_launch(attn_rank, ring, dst_window, self.reply_done[slot])
+            return self._dedup_reply_launch(attn_rank, ring, dst_window, staging, self.reply_done[slot])
         return kernels.PackedLaunch(kernels.reply_spec(
-            dtype_code=self.dtype_code, dst_window=dst_window,
-            staging=self.put.staging_base if self.put else 0, dst_peer=attn_rank,
+            dtype_code=self.dtype_code, dst_window=dst_window, staging=staging, dst_peer=attn_rank,
             geo=self.geometry, src_rank=ctx.role_rank, ring=ring, routed_out=0, num_routed=0,
             shared_out=0, num_shared=0, hidden_size=layout.hidden_size,
             header_src=self.staging.ptr, seq=0, done_counter=self.reply_done[slot]))

@@ -118,14 +118,15 @@ class CudaFFNDedupSteps:
             record[:] = 0  # no expansion runs now: the poll stream is idle
             raise wire.route_table_error(status, shared_tokens=header.shared_tokens)
 
-    def _dedup_reply_launch(self, attn_rank: int, ring: int, dst_window: int,
+    def _dedup_reply_launch(self, attn_rank: int, ring: int, dst_window: int, staging: int,
                             done_counter) -> kernels.PackedLaunch:
         """afd_dedup_reply of one (Attention rank, ring), checked and packed once; it reduces
-        through that slot's route-table copy."""
+        through that slot's route-table copy. ``dst_window`` 0: a put peer, the reply goes to
+        staging slot (``attn_rank``, ``ring``) of ``staging`` (§6.1)."""
         layout = self.layout
         return kernels.PackedLaunch(kernels.dedup_reply_spec(
-            dtype_code=self.dtype_code, dst_window=dst_window, geo=self.geometry,
-            src_rank=self.ctx.role_rank, ring=ring,
+            dtype_code=self.dtype_code, dst_window=dst_window, staging=staging, dst_peer=attn_rank,
+            geo=self.geometry, src_rank=self.ctx.role_rank, ring=ring,
             route_copy=self.route_copies[layout.slot_index(attn_rank, ring)], num_rows=0,
             top_k=layout.top_k, routed_out=0, num_routed=0, shared_out=0, num_shared=0,
             hidden_size=layout.hidden_size, header_src=self.staging.ptr, seq=0,

@@ -366,7 +366,7 @@ def dedup_expand_grid(num_rows: int, max_blocks: int = MAX_BLOCKS) -> int:
 
 def dedup_reply_spec(*, dtype_code, dst_window, geo, src_rank, ring, route_copy, num_rows, top_k,
                      routed_out, num_routed, shared_out, num_shared, hidden_size, header_src, seq,
-                     done_counter, max_blocks=MAX_BLOCKS) -> LaunchSpec:
+                     done_counter, staging=0, dst_peer=0, max_blocks=MAX_BLOCKS) -> LaunchSpec:
     """Reduce the worker's outputs to one reply row per dispatch row and write them, then header
     and flag = ``seq``, into slot (region = ``src_rank``, ``ring``) of an Attention peer's
     window (afd_dedup_reply<DT>; dedup mode).
@@ -377,15 +377,21 @@ def dedup_reply_spec(*, dtype_code, dst_window, geo, src_rank, ring, route_copy,
     r = round(sum_s w_s * routed_out[pos_s] (+ shared_out[r], r < num_shared)), fp32 in slot
     order, lands in ``routed_x`` row r of the slot. ``header_src``: pinned int32
     [header_words] (``wire.reply_header`` words with ``num_rows``), unchanged until the kernel
-    ran. Grid: :func:`dedup_reply_grid`.
+    ran. ``dst_window`` 0: the peer is reached by puts: rows and header go to slot (region =
+    ``dst_peer``, ``ring``) of ``staging`` and no flag is stored (the host's put-with-signal
+    sets it; §6.1), as :func:`reply_spec`. Grid: :func:`dedup_reply_grid`.
     """
     geo = _geometry("geo", geo)
+    is_put = not int(dst_window or 0)
     num_rows = _count("num_rows", num_rows)
     top_k = _count("top_k", top_k, low=1, high=MAX_TOP_K)
     num_routed = _count("num_routed", num_routed)
     num_shared = _count("num_shared", num_shared, high=int(num_rows))
     width = wire.ROUTE_FIXED_WORDS + 2 * int(top_k)
-    args = {"dst_window": _address("dst_window", dst_window), "geo": geo,
+    args = {"dst_window": _address("dst_window", dst_window, allow_null=True),
+            "staging": _address("staging", staging, allow_null=not is_put),
+            "dst_peer": _count("dst_peer", dst_peer, high=int(geo["num_regions"]) - 1),
+            "geo": geo,
             "src_rank": _count("src_rank", src_rank, high=int(geo["num_regions"]) - 1),
             "ring": _count("ring", ring, high=int(geo["ring_depth"]) - 1),
             "route_copy": _array("route_copy", route_copy, np.int32, int(num_rows) * width),
@@ -464,7 +470,7 @@ def dedup_scatter_spec(*, dtype_code, hidden, num_tokens, hidden_size, topk_ids,
                        expert_start, rank_offsets, expert_counts, verdict, row_map, shared_rank,
                        num_rows, shared_rows, peer_windows, geo, ring, src_rank, layer_idx,
                        stage_idx, seq_counters, expected, expected_counts, done_counter,
-                       hdr_flags=0, always_send=0, max_blocks=MAX_BLOCKS) -> LaunchSpec:
+                       hdr_flags=0, always_send=0, staging=0, max_blocks=MAX_BLOCKS) -> LaunchSpec:
     """Write every FFN rank's dedup message, flags last (afd_dedup_scatter<DT>).
 
     ``hidden``: payload [T, H] row-major; ``topk_weights`` float32 [T*K] (read here: they
@@ -473,7 +479,9 @@ def dedup_scatter_spec(*, dtype_code, hidden, num_tokens, hidden_size, topk_ids,
     (``header_words`` = HDR_FIXED_WORDS + epr + 1). Into slot (``src_rank``, ``ring``) of each
     rank j with rows: route-table rows [R_j, 2 + 2K] and payload rows [R_j, H]
     (``dedup_reference.scatter_reference``), the header (``wire.dispatch_header(...,
-    wire_mode="dedup")``; flags = ``hdr_flags | FLAG_DEDUP``), the flag. Outputs ``expected``
+    wire_mode="dedup")``; flags = ``hdr_flags | FLAG_DEDUP``), the flag. A 0 entry of
+    ``peer_windows`` marks a rank reached by puts: its message and flag go to slot (region =
+    that rank, ``ring``) of ``staging`` (as :func:`dispatch_scatter_spec`). Outputs ``expected``
     int64 [F] (seq sent, 0 = not sent) and ``expected_counts`` int32 [F, 3] = (routed, shared,
     rows) per rank, what :func:`wait_replies_spec` (``dedup=1``) checks. If the verdict is
     not STATUS_OK nothing is written to any peer and ``expected`` is all 0.
@@ -503,6 +511,7 @@ def dedup_scatter_spec(*, dtype_code, hidden, num_tokens, hidden_size, topk_ids,
             "num_rows": _array("num_rows", num_rows, np.int32, int(num_ffn)),
             "shared_rows": _array("shared_rows", shared_rows, np.int32, int(num_ffn)),
             "peer_windows": _array("peer_windows", peer_windows, np.uint64, int(num_ffn)),
+            "staging": _address("staging", staging, allow_null=True),
             "geo": geo, "ring": _count("ring", ring, high=int(geo["ring_depth"]) - 1),
             "always_send": _count("always_send", always_send, high=1),
             "src_rank": _count("src_rank", src_rank, high=int(geo["num_regions"]) - 1),

@@ -67,11 +67,37 @@ def run_rank(ctx, scenario: Scenario, timer=NO_PHASES) -> dict:
 
 
 def _connector(ctx, scenario: Scenario, role, role_rank: int) -> AFDConnector:
-    return AFDConnector(scenario.model, TopologyConfig(scenario.num_attn, scenario.num_ffn),
-                        scenario.connector, role=role, role_rank=role_rank, store=ctx.store(),
-                        job_id=ctx.job_id, backend=scenario.backend, device_id=ctx.device_id,
-                        poll_mode=scenario.poll_mode, peer_timeout_s=scenario.peer_timeout_s,
-                        always_send=scenario.always_send or scenario.schedule == "lockstep")
+    mixed = _mixed_transport(scenario, role_rank) if scenario.mixed_transport else contextlib.nullcontext()
+    with mixed:
+        return AFDConnector(scenario.model, TopologyConfig(scenario.num_attn, scenario.num_ffn),
+                            scenario.connector, role=role, role_rank=role_rank, store=ctx.store(),
+                            job_id=ctx.job_id, backend=scenario.backend, device_id=ctx.device_id,
+                            poll_mode=scenario.poll_mode, peer_timeout_s=scenario.peer_timeout_s,
+                            always_send=scenario.always_send or scenario.schedule == "lockstep")
+
+
+@contextlib.contextmanager
+def _mixed_transport(scenario: Scenario, role_rank: int):
+    """``Scenario.mixed_transport``: while the connector opens, ``transport.peer_transports``
+    (which ``cuda_put.open_put_channel`` asks once per rank) picks put for the peers p with
+    ``role_rank + p`` odd, whether they map or not; the rest of the start-up (the agreement on
+    the staging, the kernels' per-peer choice) runs unchanged. Only in this rank's process."""
+    from afd_cupy import transport
+
+    if scenario.backend != "cuda" or scenario.connector.transport != "auto":
+        raise ValueError(f"mixed_transport needs backend 'cuda' and transport 'auto', got "
+                         f"{scenario.backend!r} and {scenario.connector.transport!r}")
+    original = transport.peer_transports
+
+    def peer_transports(mode, mapped):
+        return ["put" if (role_rank + peer) % 2 else choice
+                for peer, choice in enumerate(original(mode, mapped))]
+
+    transport.peer_transports = peer_transports
+    try:
+        yield
+    finally:
+        transport.peer_transports = original
 
 
 def _ffn(conn: AFDConnector, scenario: Scenario, ffn_rank: int, device, timer=NO_PHASES) -> dict:

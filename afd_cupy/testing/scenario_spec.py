@@ -41,6 +41,10 @@ class Scenario:
     stage_streams: bool = False  # each layer as two in-flight stages (needs num_stages = 2): the
     #                              first half of the tokens stage 0, the rest stage 1 (cuda: on
     #                              a second stream, events only); combines with graph_replays
+    mixed_transport: bool = False  # cuda with transport="auto": a mixed job on one node, the
+    #                                (Attention a, FFN j) pairs with a + j odd reached by puts in
+    #                                both directions as if nvshmem_ptr did not map them, the
+    #                                others direct (design.md §6.1)
 
     @property
     def num_checks(self) -> int:
