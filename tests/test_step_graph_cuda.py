@@ -28,7 +28,7 @@ def _model(routed_scaling_factor: float) -> ModelConfig:
 
 def _rel(got, want) -> float:
     """Relative L2 error of ``got`` against ``want`` (inf when ``got`` has a NaN)."""
-    got, want = got.float().cpu(), want.float().cpu()
+    got, want = got.double().cpu(), want.double().cpu()
     if bool(got.isnan().any()):
         return float("inf")
     return float((got - want).norm()) / (float(want.norm()) or 1.0)
