@@ -492,3 +492,36 @@ def test_bench_transport_puts_direct_and_put_side_by_side_with_issue_16_targets(
     groups = tool.plan_groups(tool.parse_args(["--quick", "--transport", "both", "--wire-mode", "both"]), "cuda")
     assert {(g.wire_mode, g.transport) for g in groups} == {
         ("pair", "direct"), ("pair", "put"), ("dedup", "direct"), ("dedup", "put")}
+
+
+def test_bench_step_graph_arguments_rows_and_table(capsys):
+    """bench_step_graph needs a GPU to measure: its argument parsing, row arithmetic, target and
+    table run here on synthetic timings with known answers."""
+    import bench_step_graph as tool  # tools/ is on sys.path (above)
+    args = tool.parse_args([])
+    assert (args.layers, args.tokens, args.ffn, args.num_ffn, args.hidden, args.top_k, args.iters) == \
+        ([1, 10, 50], [32], "graph", 1, 7168, 8, 200)
+    quick = tool.parse_args(["--quick", "--layers", "2", "50", "--ffn", "eager", "--num-ffn", "2"])
+    assert (quick.iters, quick.layers, quick.ffn, quick.num_ffn) == (30, [2, 50], "eager", 2)
+    model = tool.model_config(quick)
+    assert (model.num_layers, model.max_num_batched_tokens, model.hidden_size) == (50, 32, 7168)
+    with pytest.raises(SystemExit):
+        tool.parse_args(["--layers", "0"])
+    eager, graph = [float(v) for v in range(100, 200)], [float(v) for v in range(50, 150)]
+    row = tool.summarize(32, 50, eager, graph, 0.0)
+    assert row["eager_step_median_us"] == 149.5 and row["graph_step_median_us"] == 99.5
+    assert row["graph_layer_median_us"] == 99.5 / 50 and row["graph_step_p10_us"] == 59.0
+    assert row["graph_step_p90_us"] == 139.0 and row["graph_over_eager"] == 99.5 / 149.5
+    small = tool.summarize(32, 1, [10.0], [20.0], 0.0)
+    (target,) = tool.targets([small, row])
+    assert target["status"] == "PASS" and target["measured"] == 99.5 / 50 and target["note"] == "32 tokens"
+    assert tool.targets([small])[0]["status"] == "NOT MEASURED"
+    slow = tool.summarize(8, 50, eager, [v * 30 for v in graph], 1e-3)
+    assert tool.targets([slow])[0]["status"] == "MISS"
+    report = {"config": {"num_ffn": 1, "ffn": "graph", "hidden": 7168, "top_k": 8},
+              "device": "test", "rows": [small, row], "targets": [target]}
+    tool.print_report(report)
+    out = capsys.readouterr().out
+    assert "eager loop vs one captured graph" in out and "graph/eager" in out
+    assert "149.5 [109.0, 189.0]" in out and "99.5 [59.0, 139.0]" in out and "PASS" in out
+    json.dumps(report)  # the report is plain JSON

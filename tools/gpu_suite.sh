@@ -87,7 +87,7 @@ done
 echo
 {
 echo "==== afd_cupy GPU suite summary (${AFD_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown-commit)}, $(head -1 "$OUT/gpu.txt")) ===="
-for name in pytest_cuda pytest_hostpoll smoke_1a1f smoke_2a2f hf_generate soak bench_poll bench_transport bench_afd profile_roundtrip bench_graph_ffn; do
+for name in pytest_cuda pytest_hostpoll smoke_1a1f smoke_2a2f hf_generate soak bench_poll bench_transport bench_afd profile_roundtrip bench_graph_ffn bench_step_graph; do
   [ -n "${RESULT[$name]:-}" ] && printf '%-17s %s\n' "$name" "${RESULT[$name]}"
 done
 } | tee "$OUT/summary.txt"

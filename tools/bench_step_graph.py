@@ -1,0 +1,223 @@
+#!/usr/bin/env python3
+"""Decode step of L layers, Attention side: eager loop vs one captured CUDA graph (issue #13).
+
+The same step run eagerly and captured once (afd_cupy.step_graph.DecodeStepGraph), in one run.
+
+1AnF (default 1A1F), cuda backend, hidden 7168, top-8 of 64 experts, bf16. Attention side:
+per layer a fixed bf16 linear (one [H, H] weight shared by the layers), the gate, send,
+``recv_ffn_output(blocking=False)``, the residual add (afd_cupy.testing.step_model). FFN side:
+``GraphFFNServer(identity=True)`` (``--ffn graph``, default) or an eager ``FFNWorker`` with
+identity experts (``--ffn eager``). For each batch size and each L: one DecodeStepGraph,
+then ``--warmup`` + ``--iters`` iterations, each timing one eager step (``run_eager`` +
+``check_errors()``) and one replay (``replay`` + ``check_errors()``), host wall time; the
+last outputs of both are compared. Reports per-step and per-layer median / p10 / p90 µs and
+the ratio captured / eager; prints a table, writes ``bench_step_graph.json`` to --out; exits
+1 when the outputs differ. (With identity experts each layer about doubles the values; bf16's
+range holds them at L = 50, the comparison is relative and in fp64.)
+
+Runs on one GPU (all processes on GPU 0: start CUDA MPS first, as tools/gpu_suite.sh does)
+or one GPU per process when there are enough (--num-gpus).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import bench_common as bc  # noqa: E402
+from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig  # noqa: E402
+
+FFN_MODES = ("graph", "eager")
+#: issue #13: pipelined per-layer cost of a 50-layer captured step
+TARGET_US_PER_LAYER, TARGET_LAYERS = 40.0, 50
+#: the captured step's output must match the eager step's (the same kernels on the same inputs)
+OUT_CHECK_TOL = 2e-2
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=[1, 10, 50], help="L values")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[32], help="batch sizes T")
+    parser.add_argument("--ffn", choices=FFN_MODES, default="graph",
+                        help="FFN side: GraphFFNServer(identity) or an eager FFNWorker (identity)")
+    parser.add_argument("--num-ffn", type=int, default=1)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--num-experts", type=int, default=64)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--iters", type=int, default=None, help="default 200 (30 with --quick)")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--num-gpus", type=int, default=None, help="default: detected (1: all on GPU 0)")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("bench_out"))
+    args = parser.parse_args(argv)
+    if min(args.layers) < 1 or min(args.tokens) < 1 or args.num_ffn < 1:
+        parser.error("--layers, --tokens and --num-ffn must be >= 1")
+    args.iters = args.iters or (30 if args.quick else 200)
+    return args
+
+
+def model_config(args) -> ModelConfig:
+    return ModelConfig(hidden_size=args.hidden, num_experts=args.num_experts, top_k=args.top_k,
+                       moe_intermediate_size=256, num_shared_experts=1, dtype="bfloat16",
+                       max_num_batched_tokens=max(args.tokens), num_layers=max(args.layers))
+
+
+# --------------------------------------------------------------------------- ranks
+
+def _rank(ctx, args) -> dict:
+    import torch
+
+    from afd_cupy.connector import AFDConnector
+
+    torch.cuda.set_device(ctx.device_id or 0)
+    device = torch.device("cuda", ctx.device_id or 0)
+    role, role_rank = ("attention", 0) if ctx.rank == 0 else ("ffn", ctx.rank - 1)
+    conn = AFDConnector(model_config(args), TopologyConfig(1, args.num_ffn), ConnectorConfig(), role=role,
+                        role_rank=role_rank, store=ctx.store(), job_id=ctx.job_id, backend="cuda",
+                        device_id=ctx.device_id)
+    try:
+        if role == "ffn":
+            return _ffn(conn, args)
+        try:
+            return _attention(conn, args, device)
+        finally:
+            conn.announce_shutdown()
+    finally:
+        conn.close()
+
+
+def _ffn(conn, args) -> dict:
+    from afd_cupy.ffn_worker import FFNWorker
+    from afd_cupy.testing.reference import identity_experts
+
+    if args.ffn == "graph":
+        from afd_cupy.backends.cuda_ffn_graph import GraphFFNServer
+
+        server = GraphFFNServer(conn, identity=True)
+        return {"role": "ffn", "served": server.run(), "eager": server.num_eager}
+    return {"role": "ffn", "served": FFNWorker(conn, expert_fn=identity_experts).run()}
+
+
+def _attention(conn, args, device) -> dict:
+    import torch
+
+    from afd_cupy.step_graph import DecodeStepGraph
+    from afd_cupy.testing.step_model import LinearStandIn
+
+    model = conn.model
+    stand_in = LinearStandIn(model.num_layers, model.hidden_size, model.num_experts,
+                             dtype=torch.bfloat16, device=device, seed=0, shared_weights=True)
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for num_tokens in args.tokens:
+        hidden = torch.randn(num_tokens, model.hidden_size, generator=gen).to(torch.bfloat16).to(device)
+        for layers in args.layers:
+            step = DecodeStepGraph(conn, stand_in.attention_fns()[:layers], stand_in.router_fns()[:layers],
+                                   num_tokens=num_tokens, warmup=2)
+            eager_us, graph_us = [], []
+            for i in range(args.warmup + args.iters):
+                t0 = time.perf_counter()
+                eager = step.run_eager(hidden)
+                conn.check_errors()
+                t1 = time.perf_counter()
+                captured = step.replay(hidden)
+                conn.check_errors()
+                t2 = time.perf_counter()
+                if i >= args.warmup:
+                    eager_us.append((t1 - t0) * 1e6)
+                    graph_us.append((t2 - t1) * 1e6)
+            rows.append(summarize(num_tokens, layers, eager_us, graph_us, _rel_diff(captured, eager)))
+            del step, eager, captured
+            torch.cuda.synchronize()
+    return {"role": "attention", "device": bc.device_name(device), "rows": rows}
+
+
+def _rel_diff(captured, eager) -> float:
+    """Relative L2 difference of the captured and the eager step's outputs (inf with a NaN)."""
+    got, want = captured.double(), eager.double()  # fp64: identity experts grow the values per layer
+    if bool(got.isnan().any()) or bool(want.isnan().any()):
+        return float("inf")
+    return float((got - want).norm()) / (float(want.norm()) or 1.0)
+
+
+# --------------------------------------------------------------------------- report
+
+def summarize(num_tokens: int, layers: int, eager_us: list, graph_us: list, out_rel_diff: float) -> dict:
+    """One table row: per-step and per-layer median / p10 / p90 of both paths (µs), the
+    ratio of the medians captured / eager, and the outputs' relative difference."""
+    row = {"tokens": num_tokens, "layers": layers, "iters": len(graph_us), "out_rel_diff": out_rel_diff}
+    for name, times in (("eager", eager_us), ("graph", graph_us)):
+        for stat, value in (("median", bc.median(times)), ("p10", bc.percentile(times, 10)),
+                            ("p90", bc.percentile(times, 90))):
+            row[f"{name}_step_{stat}_us"] = value
+            row[f"{name}_layer_{stat}_us"] = value / layers
+    row["graph_over_eager"] = row["graph_step_median_us"] / row["eager_step_median_us"]
+    return row
+
+
+def targets(rows: list) -> list:
+    """Issue #13's per-layer target at the 50-layer step (the largest batch measured there)."""
+    at = [r for r in rows if r["layers"] == TARGET_LAYERS]
+    largest = max(at, key=lambda r: r["tokens"]) if at else None
+    return [bc.target_row(f"captured {TARGET_LAYERS}-layer step, per layer (issue #13)",
+                          f"<= {TARGET_US_PER_LAYER:.0f}", largest and largest["graph_layer_median_us"], "us",
+                          lambda v: v <= TARGET_US_PER_LAYER,
+                          note=f"{largest['tokens']} tokens" if largest else f"not run (--layers {TARGET_LAYERS})")]
+
+
+def table(rows: list) -> str:
+    def cell(r, name, kind):
+        return f"{r[f'{name}_{kind}_median_us']:.1f} [{r[f'{name}_{kind}_p10_us']:.1f}, {r[f'{name}_{kind}_p90_us']:.1f}]"
+
+    headers = ("tokens", "L", "eager step", "graph step", "eager /layer", "graph /layer", "graph/eager", "out diff")
+    body = [(r["tokens"], r["layers"], cell(r, "eager", "step"), cell(r, "graph", "step"),
+             cell(r, "eager", "layer"), cell(r, "graph", "layer"), r["graph_over_eager"], r["out_rel_diff"])
+            for r in rows]
+    return bc.format_table(headers, body)
+
+
+def main(argv=None) -> int:
+    from afd_cupy.launch import launch
+    from afd_cupy.wire import window_size_hint
+
+    args = parse_args(argv)
+    if bc.detect_backend() != "cuda":
+        print("bench_step_graph needs the cuda backend (a GPU, CuPy and NVSHMEM): a CUDA graph "
+              "cannot capture the host backend", file=sys.stderr)
+        return 2
+    model, world = model_config(args), 1 + args.num_ffn
+    env = bc.launch_env("cuda", world, window_size_hint(model, TopologyConfig(1, args.num_ffn), ConnectorConfig()))
+    attn, *ffn = launch(_rank, world, args=(args,), timeout_s=600, num_gpus=args.num_gpus, env=env)
+    report = {"tool": "bench_step_graph", "run": bc.run_info("cuda"), "device": attn["device"],
+              "config": {"ffn": args.ffn, "num_ffn": args.num_ffn, "hidden": args.hidden,
+                         "num_experts": args.num_experts, "top_k": args.top_k, "iters": args.iters,
+                         "warmup": args.warmup, "layers": args.layers, "tokens": args.tokens},
+              "rows": attn["rows"], "targets": targets(attn["rows"]),
+              "ffn": [{k: v for k, v in r.items() if k != "role"} for r in ffn]}
+    path = bc.write_json(args.out, "bench_step_graph.json", report)
+    print_report(report)
+    print(f"wrote {path}")
+    bad = [(r["tokens"], r["layers"], r["out_rel_diff"]) for r in report["rows"]
+           if not r["out_rel_diff"] <= OUT_CHECK_TOL]
+    if bad:
+        print(f"CHECK FAILED: captured and eager outputs differ (tokens, L, relative diff): {bad}")
+        return 1
+    return 0
+
+
+def print_report(report: dict) -> None:
+    cfg = report["config"]
+    print(f"==== decode step, 1A{cfg['num_ffn']}F, FFN {cfg['ffn']} (identity), hidden {cfg['hidden']}, "
+          f"top-{cfg['top_k']}, {report['device']}: eager loop vs one captured graph "
+          "(µs: median [p10, p90]) ====")
+    print(table(report["rows"]))
+    print()
+    print(bc.targets_table(report["targets"]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
