@@ -300,3 +300,24 @@ def test_dedup_references_agree_with_the_eager_steps():
     np.testing.assert_array_equal(
         ffn_graph.dedup_reply_reference(table, routed_out, shared_out),
         ref.reduce_reference(table, routed_out[:header.routed_tokens], shared_out[:header.shared_tokens]))
+
+
+def test_server_accepts_a_dedup_connector_and_keeps_its_other_limits():
+    from types import SimpleNamespace
+
+    from afd_cupy.backends.cuda_ffn_graph import GraphFFNServer
+    from afd_cupy.topology import Role
+
+    def fake(**kw):
+        base = dict(role=Role.FFN, backend="cuda", layout=DEDUP_LAYOUT,
+                    path=SimpleNamespace(host_polling=None))
+        return SimpleNamespace(**{**base, **kw})
+
+    GraphFFNServer._check_connector(fake(), True, None)  # dedup: no ConfigError any more
+    GraphFFNServer._check_connector(fake(layout=LAYOUT), True, None)
+    with pytest.raises(ConfigError, match="poll_mode='device'"):
+        GraphFFNServer._check_connector(fake(path=SimpleNamespace(host_polling=object())), True, None)
+    with pytest.raises(ConfigError, match="FFN-side cuda connector"):
+        GraphFFNServer._check_connector(fake(backend="host"), True, None)
+    with pytest.raises(ConfigError, match="exactly one of"):
+        GraphFFNServer._check_connector(fake(), True, object())
