@@ -3,11 +3,16 @@
 
 One CUDA graph per size bucket serves one work item per replay with no host step:
 ``afd_wait_any`` (doorbell in device memory) -> ``afd_graph_stage`` -> ``afd_graph_gather`` ->
-grouped GEMMs over every layer's experts stacked into one problem list -> ``afd_graph_reply``.
+grouped GEMMs over every layer's experts stacked into one problem list -> ``afd_graph_reply``;
+in the dedup wire mode ``afd_graph_dedup_expand`` and ``afd_graph_dedup_reply`` (the expand with
+its route-table check, the fused reduce) replace the gather and the reply.
 The stage kernel decides what a replay does (``GS_*``), and this module holds the same decision
 in numpy (:func:`stage_reference`), built from :mod:`afd_cupy.wire`'s own rules
 (``decode_header``, ``reply_header``), so the kernel is checked against the protocol's one
-home. The cuda server is :mod:`afd_cupy.backends.cuda_ffn_graph`.
+home; the dedup kernels' references (:func:`dedup_expand_reference`,
+:func:`dedup_reply_reference`) are built from :mod:`afd_cupy.testing.dedup_reference`, and
+:func:`route_verdict` turns a GS_BAD_ROUTE record into the eager path's WireError. The cuda
+server is :mod:`afd_cupy.backends.cuda_ffn_graph`.
 
 Words mirrored from ``raw_kernels/ffn_graph.cu`` (a CPU test parses the .cu):
 ``GS_*`` (what a replay did), ``STATE_*`` (device state, stage -> gather/reply) and ``REC_*``
@@ -27,8 +32,9 @@ GS_SERVED = 1    # computed and answered inside the graph
 GS_SHUTDOWN = 2  # a shutdown message was consumed
 GS_EAGER = 3     # valid, but not for this graph (bucket, layer): the host serves it eagerly
 GS_REJECTED = 4  # a header check failed: the host decodes it and raises
+GS_BAD_ROUTE = 5  # dedup: the route table failed a check; the verdict is in the record
 GS_NAMES = {GS_IDLE: "IDLE", GS_SERVED: "SERVED", GS_SHUTDOWN: "SHUTDOWN", GS_EAGER: "EAGER",
-            GS_REJECTED: "REJECTED"}
+            GS_REJECTED: "REJECTED", GS_BAD_ROUTE: "BAD_ROUTE"}
 
 STATE_ACTIVE = 0
 STATE_SLOT = 1
@@ -38,7 +44,8 @@ STATE_ROUTED = 4
 STATE_SHARED = 5
 STATE_SEQ = 6
 STATE_CHUNK = 7
-STATE_HEADER = 8  # reply header int32 words from this int64 word on
+STATE_RECORD = 8  # address of the replay's record (the dedup expand writes its verdict there)
+STATE_HEADER = 9  # reply header int32 words from this int64 word on
 
 REC_REPLAY = 0
 REC_STATUS = 1
@@ -57,9 +64,28 @@ def state_words(header_words: int) -> int:
     return STATE_HEADER + -(-header_words // 2)
 
 
-def record_words(header_words: int) -> int:
-    """int64 words of one replay record, rounded up to 8 (64-byte records)."""
-    return -(-(REC_HEADER + -(-header_words // 2)) // 8) * 8
+def record_words(header_words: int, dedup: bool = False) -> int:
+    """int64 words of one replay record, rounded up to 8 (64-byte records); ``dedup``: room for
+    the route-table verdict after the header words (:func:`verdict_offset`)."""
+    used = verdict_offset(header_words) + (wire.STATUS_WORDS if dedup else 0)
+    return -(-used // 8) * 8
+
+
+def verdict_offset(header_words: int) -> int:
+    """int64 word of a record where a GS_BAD_ROUTE verdict (a status block) starts."""
+    return REC_HEADER + -(-header_words // 2)
+
+
+def route_verdict(record: np.ndarray, layout: wire.WindowLayout) -> WireError:
+    """The WireError of a GS_BAD_ROUTE record (int64 [record_words]): the verdict
+    ``afd_graph_dedup_expand`` wrote, decoded by ``wire.route_table_error`` exactly as the eager
+    path decodes ``afd_dedup_expand``'s status record (same message)."""
+    if int(record[REC_STATUS]) != GS_BAD_ROUTE:
+        raise ValueError(f"record status {GS_NAMES.get(int(record[REC_STATUS]))} is not BAD_ROUTE")
+    words = record[REC_HEADER:].view(np.int32)[:layout.header_words]
+    start = verdict_offset(layout.header_words)
+    status = wire.StatusRecord.decode(record[start:start + wire.STATUS_WORDS])
+    return wire.route_table_error(status, shared_tokens=int(words[wire.HDR_SHARED_TOKENS]))
 
 
 # --------------------------------------------------------------------------- layer chunks
@@ -172,14 +198,58 @@ def _replace(result: StageResult, **changes) -> StageResult:
     return StageResult(**{**result.__dict__, **changes})
 
 
+# --------------------------------------------------------------------------- dedup kernels
+
+def dedup_expand_reference(route_table: np.ndarray, rows: np.ndarray, *, num_tokens: int,
+                           routed_tokens: int, shared_tokens: int):
+    """What ``afd_graph_dedup_expand`` leaves for a served dedup item: ``(verdict, staging,
+    shared)``.
+
+    ``route_table`` int32 [R, W] and ``rows`` [R, H] (raw words) as received. ``verdict``:
+    ``dedup_reference.expand_verdict_reference`` (None: accepted; else ``(rule, row, column,
+    expected, observed)``, written into the record with GS_BAD_ROUTE); ``staging`` [P, H]: the
+    grouped rows (``expand_reference``; the GEMM's input), None for a rejected table; ``shared``
+    [S, H]: the shared experts' input, ``rows[:S]``. The route-table copy is ``route_table``."""
+    from afd_cupy.testing import dedup_reference as ref
+
+    verdict = ref.expand_verdict_reference(route_table, num_tokens=num_tokens,
+                                           routed_tokens=routed_tokens, shared_tokens=shared_tokens)
+    staging = None if verdict is not None else ref.expand_reference(route_table, rows, routed_tokens)
+    return verdict, staging, np.array(rows[:shared_tokens])
+
+
+def dedup_reply_reference(route_table: np.ndarray, routed_out, shared_out, *,
+                          rows: np.ndarray | None = None) -> np.ndarray:
+    """fp32 [R, H]: the rows ``afd_graph_dedup_reply`` writes before rounding once to the
+    payload dtype (``dedup_reference.reduce_reference``: fp32 in slot order, no FMA).
+
+    ``routed_out`` [>= P, H] / ``shared_out`` [>= S, H] (any float dtype, the GEMM outputs in
+    staging order), or both None for identity experts: then ``rows`` (the received rows, fp32)
+    stand for both (every slot of row r reads row r; shared rows add row r once)."""
+    from afd_cupy.testing import dedup_reference as ref
+
+    top_k = (route_table.shape[1] - wire.ROUTE_FIXED_WORDS) // 2
+    slots = route_table[:, wire.ROUTE_SLOTS:wire.ROUTE_SLOTS + top_k]
+    routed_tokens = int((slots >= 0).sum())
+    shared_tokens = int(route_table[:, wire.ROUTE_SHARED].sum())
+    if routed_out is None:
+        routed_out = ref.expand_reference(route_table, np.asarray(rows, np.float32), routed_tokens)
+        shared_out = rows
+    shared = None if shared_tokens == 0 or shared_out is None else np.asarray(shared_out)[:shared_tokens]
+    return ref.reduce_reference(route_table, np.asarray(routed_out)[:routed_tokens], shared)
+
+
 # --------------------------------------------------------------------------- buckets
 
 @dataclass(frozen=True)
 class Bucket:
-    """Rows one graph serves: ``routed_rows`` (grouped-GEMM staging) and ``shared_rows``."""
+    """Rows one graph serves: ``routed_rows`` (grouped-GEMM staging) and ``shared_rows``;
+    ``rows``: the message rows its dedup row kernels are sized for (a grid hint: they stride
+    over any count; 0 in pair mode)."""
 
     routed_rows: int
     shared_rows: int
+    rows: int = 0
 
     def fits(self, routed: int, shared: int) -> bool:
         return routed <= self.routed_rows and shared <= self.shared_rows
@@ -189,12 +259,25 @@ def buckets_for_tokens(token_counts, layout: wire.WindowLayout, *, top_k: int,
                        num_ffn_ranks: int) -> tuple:
     """One :class:`Bucket` per batch size in ``token_counts``, ascending, deduplicated: the
     most rows a batch of that many tokens can bring one FFN rank (every partial on this rank:
-    ``t * top_k``; shared slice ``ceil(t / F)``), clipped at the window's capacities."""
+    ``t * top_k``; shared slice ``ceil(t / F)``), clipped at the window's capacities.
+
+    Dedup layouts (docs/design.md §3.5): a rank gets at most one row per token (``rows = t``)
+    and may run every one of those tokens' shared experts (shared ``t``, not ``ceil(t / F)``);
+    the staging still holds up to ``t * top_k`` partials."""
     if not token_counts or min(token_counts) < 1:
         raise ConfigError(f"bucket token counts must be >= 1, got {token_counts}")
-    found = {Bucket(min(layout.routed_cap, t * top_k),
-                    min(layout.shared_cap, -(-t // num_ffn_ranks))) for t in token_counts}
-    return tuple(sorted(found, key=lambda b: (b.routed_rows, b.shared_rows)))
+    if layout.is_dedup:
+        found = {Bucket(min(layout.routed_cap, t * top_k), min(layout.shared_cap, t),
+                        min(layout.token_cap, t)) for t in token_counts}
+    else:
+        found = {Bucket(min(layout.routed_cap, t * top_k),
+                        min(layout.shared_cap, -(-t // num_ffn_ranks))) for t in token_counts}
+    return tuple(sorted(found, key=lambda b: (b.routed_rows, b.shared_rows, b.rows)))
+
+
+def identity_bucket(layout: wire.WindowLayout) -> Bucket:
+    """The one bucket of identity experts (no GEMM staging): the window's capacities."""
+    return Bucket(layout.routed_cap, layout.shared_cap, layout.token_cap if layout.is_dedup else 0)
 
 
 def choose_bucket(buckets, routed: int, shared: int) -> int | None:

@@ -8,122 +8,9 @@
 // rounded once, straight into the Attention peer's window (a put peer: the own staging slot, as
 // afd_reply); then header, system fence, flag.
 #include "wire.cuh"
+#include "dedup_ffn.cuh"  // expand_row, expand_finish (shared with ffn_graph.cu)
 
 using namespace afd;
-
-namespace {
-
-// Route-table rules, in the order wire.check_route_table applies them (mirrored by
-// wire.ROUTE_FAULT_*; tests/test_kernels_cpu.py compares both). The verdict is the smallest
-// (rule, row, column) that fails, so it names the row the host check names.
-constexpr afd_i64 ROUTE_FAULT_TOKEN = 1;      // token outside [0, num_tokens)
-constexpr afd_i64 ROUTE_FAULT_SHARED = 2;     // shared flag != (row < num_shared)
-constexpr afd_i64 ROUTE_FAULT_PACKING = 3;    // no staging row, or one after a -1 pad
-constexpr afd_i64 ROUTE_FAULT_RANGE = 4;      // staging row >= num_routed
-constexpr afd_i64 ROUTE_FAULT_DUPLICATE = 5;  // staging row already taken by an earlier row
-constexpr afd_i64 ROUTE_FAULT_COUNT = 6;      // the table names != num_routed staging rows
-
-// fault key: rule << 48 | row << 8 | column (all-ones: no fault). Column NO_COLUMN: to be found.
-constexpr afd_u64 NO_FAULT = ~0ull;
-constexpr afd_u64 NO_COLUMN = 0xff;
-constexpr afd_i32 UNCLAIMED = 0x7fffffff;
-
-__device__ __forceinline__ afd_u64 fault_key(afd_i64 rule, afd_i64 row, afd_u64 column) {
-  return (static_cast<afd_u64>(rule) << 48) | (static_cast<afd_u64>(row) << 8) | column;
-}
-
-// One warp copies one source row to `num_dst` staging rows (`dst_rows`, in shared memory): each
-// 16-byte vector (else 4-, else 2-byte word) is loaded once and stored num_dst times.
-__device__ __forceinline__ void warp_scatter_row(char* staging, const afd_i32* dst_rows, int num_dst,
-                                                 const void* src, afd_i64 row_bytes, int lane) {
-  const afd_u64 misalign = reinterpret_cast<afd_u64>(staging) | reinterpret_cast<afd_u64>(src) |
-                           static_cast<afd_u64>(row_bytes);
-  if ((misalign & 15) == 0) {
-    const uint4* s = static_cast<const uint4*>(src);
-    for (afd_i64 i = lane; i < (row_bytes >> 4); i += 32) {
-      const uint4 v = s[i];
-      for (int d = 0; d < num_dst; ++d)
-        reinterpret_cast<uint4*>(staging + dst_rows[d] * row_bytes)[i] = v;
-    }
-  } else if ((misalign & 3) == 0) {
-    const afd_u32* s = static_cast<const afd_u32*>(src);
-    for (afd_i64 i = lane; i < (row_bytes >> 2); i += 32) {
-      const afd_u32 v = s[i];
-      for (int d = 0; d < num_dst; ++d)
-        reinterpret_cast<afd_u32*>(staging + dst_rows[d] * row_bytes)[i] = v;
-    }
-  } else {
-    const unsigned short* s = static_cast<const unsigned short*>(src);
-    for (afd_i64 i = lane; i < (row_bytes >> 1); i += 32) {
-      const unsigned short v = s[i];
-      for (int d = 0; d < num_dst; ++d)
-        reinterpret_cast<unsigned short*>(staging + dst_rows[d] * row_bytes)[i] = v;
-    }
-  }
-}
-
-// The last block of afd_dedup_expand: the count rule, the column of a duplicate, the status
-// record (thread 0), and the scratch left as the next launch needs it.
-__device__ void expand_finish(afd_u64* fault, afd_u32* num_claimed, afd_i32* claims,
-                              const afd_i32* route_copy, int width, afd_i32 num_rows,
-                              afd_i32 num_tokens, afd_i32 num_routed, afd_i32 num_shared,
-                              afd_i32 top_k, afd_i32 region, afd_i32 ring, afd_i32 layer_idx,
-                              afd_i64* status) {
-  if (threadIdx.x == 0) {
-    const afd_u32 claimed = *num_claimed;
-    afd_u64 key = *fault;
-    if (key == NO_FAULT && claimed != static_cast<afd_u32>(num_routed)) {
-      key = fault_key(ROUTE_FAULT_COUNT, 0, 0);
-    }
-    if (key != NO_FAULT) {
-      const afd_i64 rule = static_cast<afd_i64>(key >> 48);
-      afd_i64 row = static_cast<afd_i64>((key >> 8) & 0xffffffffffull);
-      afd_i64 column = static_cast<afd_i64>(key & 0xff);
-      const afd_i32* words = route_copy + row * width;
-      afd_i64 expected = -1, observed = -1;
-      if (rule == ROUTE_FAULT_TOKEN) {
-        expected = num_tokens;
-        observed = words[ROUTE_TOKEN];
-      } else if (rule == ROUTE_FAULT_SHARED) {
-        expected = row < num_shared;
-        observed = words[ROUTE_SHARED];
-      } else if (rule == ROUTE_FAULT_PACKING) {
-        observed = words[column];
-      } else if (rule == ROUTE_FAULT_RANGE) {
-        expected = num_routed;
-        observed = words[column];
-      } else if (rule == ROUTE_FAULT_DUPLICATE) {
-        // `row` repeats a staging row of an earlier row, or of an earlier slot of its own:
-        // find the first such slot (every slot of it is packed and in range here).
-        for (int s = 0; s < top_k && column == NO_COLUMN; ++s) {
-          const afd_i32 pos = words[ROUTE_SLOTS + s];
-          if (pos < 0 || pos >= num_routed) break;
-          bool repeated = claims[pos] != row;
-          for (int e = 0; e < s; ++e) repeated = repeated || words[ROUTE_SLOTS + e] == pos;
-          if (repeated) {
-            column = ROUTE_SLOTS + s;
-            expected = claims[pos];  // the smallest row that named it
-            observed = pos;
-          }
-        }
-      } else {  // ROUTE_FAULT_COUNT
-        row = -1;
-        column = -1;
-        expected = num_routed;
-        observed = claimed;
-      }
-      // ST_SLOT holds the route-table column, ST_CAP the rule (docs/design.md §5)
-      report_status(status, STATUS_BAD_HEADER, region, column, ring, expected, observed, row, rule,
-                    layer_idx);
-    }
-    *fault = NO_FAULT;
-    *num_claimed = 0u;
-  }
-  __syncthreads();  // thread 0 has read the claims
-  for (afd_i64 p = threadIdx.x; p < num_routed; p += blockDim.x) claims[p] = UNCLAIMED;
-}
-
-}  // namespace
 
 // grid = max(1, min(ceil(R / ROWS_PER_BLOCK), MAX_BLOCKS)), block = REPLY_THREADS; a warp per
 // route-table row. On return the scratch (claims, fault, num_claimed, done_counter) is back in
@@ -158,71 +45,19 @@ afd_dedup_expand(afd_u64 window,  // own window
        r += warp_stride) {
     // Copy, then check the copy: the reply reduces through exactly the words checked here,
     // whatever a sender writes into the window later.
-    afd_i32* words = route_copy + r * width;
-    for (int w = lane; w < width; w += 32) words[w] = table[r * width + w];
-    __syncwarp();
-    const afd_i32 token = words[ROUTE_TOKEN];
-    const afd_i32 flag = words[ROUTE_SHARED];
-    afd_u64 key = NO_FAULT;
-    if (token < 0 || token >= num_tokens) {
-      key = fault_key(ROUTE_FAULT_TOKEN, r, ROUTE_TOKEN);
-    } else if (flag != static_cast<afd_i32>(r < num_shared)) {
-      key = fault_key(ROUTE_FAULT_SHARED, r, ROUTE_SHARED);
-    }
-    // top_k <= 64: slot s is read by lane s and lane s - 32 of a second pass
-    int num_dst = 0;
-    bool gap = false;  // a -1 pad seen before this slot
-    for (int base = 0; base < top_k; base += 32) {
-      const int s = base + lane;
-      const afd_i32 pos = s < top_k ? words[ROUTE_SLOTS + s] : -1;
-      const unsigned int valid = __ballot_sync(0xffffffffu, pos >= 0);
-      const unsigned int pad = __ballot_sync(0xffffffffu, s < top_k && pos < 0);
-      const unsigned int below = (1u << lane) - 1u;
-      const bool after_pad = gap || (pad & below) != 0u;
-      afd_u64 mine = NO_FAULT;
-      if (pos >= 0 && after_pad) {
-        mine = fault_key(ROUTE_FAULT_PACKING, r, ROUTE_SLOTS + s);
-      } else if (s == 0 && pos < 0) {
-        mine = fault_key(ROUTE_FAULT_PACKING, r, ROUTE_SLOTS);
-      } else if (pos >= num_routed) {
-        mine = fault_key(ROUTE_FAULT_RANGE, r, ROUTE_SLOTS + s);
-      } else if (pos >= 0) {
-        // claim the staging row: the smallest row wins; a later claimer (this row or the
-        // earlier claimant) is a duplicate. The smallest such key over the grid is the
-        // second-smallest claimer of some staging row, whatever the arrival order.
-        const afd_i32 prev = atomicMin(claims + pos, static_cast<afd_i32>(r));
-        if (prev != UNCLAIMED) {
-          const afd_i64 later = prev > r ? prev : r;
-          mine = fault_key(ROUTE_FAULT_DUPLICATE, later, NO_COLUMN);
-        }
-        s_dst[warp][s] = pos;
-      }
-      key = mine < key ? mine : key;
-      const unsigned int in_range = __ballot_sync(0xffffffffu, pos >= 0 && pos < num_routed);
-      if (lane == 0) atomicAdd(num_claimed, static_cast<afd_u32>(__popc(in_range)));
-      if (!gap) num_dst = base + __popc(valid & ~(valid + 1u));  // the packed prefix
-      gap = gap || pad != 0u;
-    }
-    // warp-wide minimum of the fault keys, one atomic per warp
-#pragma unroll
-    for (int d = 16; d > 0; d >>= 1) {
-      const afd_u64 other = __shfl_xor_sync(0xffffffffu, key, d);
-      key = other < key ? other : key;
-    }
-    if (lane == 0 && key != NO_FAULT) atomicMin(reinterpret_cast<unsigned long long*>(fault), key);
-    __syncwarp();
-    // A row that passed its own checks is expanded (all its slots are < num_routed).
-    if (key == NO_FAULT) {
-      const char* src = geo.routed_row(slot, r, row_bytes);
-      warp_scatter_row(staging_base, s_dst[warp], num_dst, src, row_bytes, lane);
-    }
-    __syncwarp();  // s_dst[warp] is rewritten by the next row
+    expand_row(table, route_copy + r * width, r, width, num_tokens, num_routed, num_shared, top_k,
+               claims, fault, num_claimed, s_dst[warp], staging_base,
+               geo.routed_row(slot, r, row_bytes), row_bytes, lane);
   }
 
   if (!last_block_done(done_counter, /*system_scope=*/false)) return;
-  expand_finish(fault, num_claimed, claims, route_copy, width, num_rows, num_tokens, num_routed,
-                num_shared, top_k, region, ring, layer_idx,
-                static_cast<afd_i64*>(byte_ptr(status, 0)));
+  const RouteVerdict v = expand_finish(fault, num_claimed, claims, route_copy, width, num_tokens,
+                                       num_routed, num_shared, top_k);
+  if (tid == 0 && v.rule != 0) {
+    // ST_SLOT holds the route-table column, ST_CAP the rule (docs/design.md §5)
+    report_status(static_cast<afd_i64*>(byte_ptr(status, 0)), STATUS_BAD_HEADER, region, v.column,
+                  ring, v.expected, v.observed, v.row, v.rule, layer_idx);
+  }
   __syncthreads();
   if (tid == 0) *done_counter = 0u;
 }

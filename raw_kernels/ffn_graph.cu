@@ -4,6 +4,11 @@
 //   afd_wait_any (doorbell = a DEVICE buffer) -> afd_graph_stage -> afd_graph_gather<DT>
 //   -> grouped GEMMs over the stacked layers (torch) -> afd_graph_reply<DT>
 //
+// and in the dedup wire mode (docs/design.md §3.5):
+//
+//   afd_wait_any -> afd_graph_stage -> afd_graph_dedup_expand<DT> -> grouped GEMMs
+//   -> afd_graph_dedup_reply<DT>
+//
 // Nothing the graph needs is frozen at capture except buffers: the stage kernel reads which slot
 // arrived, its header and counts from the doorbell that wait_any wrote into device memory,
 // checks the header as wire.decode_header does, decides what this replay does (GS_*), writes
@@ -13,8 +18,15 @@
 // into a ring in pinned host memory (the host reads it after the replay's event completed).
 // The gather copies the arrived rows into the fixed staging rows the GEMMs read; the reply
 // copies the output rows into the sender's window, then header, system fence, flag = seq.
-// References: afd_cupy/ffn_graph.py (stage_reference, gather/reply in the cuda tests).
+// Dedup: the expand copies and checks the route table (dedup_ffn.cuh, as afd_dedup_expand) and
+// scatters the rows into the grouped staging; a rejected table turns the replay's record into
+// GS_BAD_ROUTE with the verdict, gives the reserved reply seq back and stops the reply. The
+// dedup reply reduces the grouped outputs to one row per received row (fused, as
+// afd_dedup_reply) before header, fence and flag.
+// References: afd_cupy/ffn_graph.py (stage_reference, dedup_expand_reference,
+// dedup_reply_reference; gather/reply in the cuda tests).
 #include "wire.cuh"
+#include "dedup_ffn.cuh"  // expand_row, expand_finish, load_route_slots, reduce_row_part
 
 using namespace afd;
 
@@ -28,6 +40,9 @@ constexpr int GS_EAGER = 3;     // a valid item the graph does not serve (larger
                                 // layer outside the stacked weights): the host serves it on the
                                 // eager path with the reply seq reserved in REC_SEQ
 constexpr int GS_REJECTED = 4;  // the header fails a check: the host decodes it and raises
+constexpr int GS_BAD_ROUTE = 5;  // dedup: the route table fails a check (afd_graph_dedup_expand):
+                                 // the verdict follows the record's header words, the reserved
+                                 // reply seq is given back, nothing is answered
 
 // Device state of the current replay, written by the stage, read by gather and reply
 // (int64 words; the reply header follows as int32 words from int64 word STATE_HEADER).
@@ -39,7 +54,8 @@ constexpr int STATE_ROUTED = 4;
 constexpr int STATE_SHARED = 5;
 constexpr int STATE_SEQ = 6;
 constexpr int STATE_CHUNK = 7;  // layer chunk holding the arrived layer (its GEMM output is read)
-constexpr int STATE_HEADER = 8;
+constexpr int STATE_RECORD = 8;  // address of this replay's record (pinned host memory)
+constexpr int STATE_HEADER = 9;
 
 // One record per replay in a pinned host ring (int64 words; header as int32 from REC_HEADER).
 constexpr int REC_REPLAY = 0;  // replay number (device counter), written last
@@ -48,7 +64,9 @@ constexpr int REC_SLOT = 2;    // slot consumed, -1 when idle
 constexpr int REC_FLAG = 3;    // its flag value
 constexpr int REC_SEQ = 4;     // reply seq used (SERVED) or reserved for the host (EAGER), else 0
 constexpr int REC_DETAIL = 5;  // REJECTED: header word that failed (wire.HDR_*), else -1
-constexpr int REC_HEADER = 6;  // the dispatch header words as consumed
+constexpr int REC_HEADER = 6;  // the dispatch header words as consumed; dedup: the route-table
+                               // verdict (STATUS_WORDS, as a status block) after them, at int64
+                               // word REC_HEADER + ceil(header_words / 2), when GS_BAD_ROUTE
 
 // wire.decode_header's checks, in its order; returns -1 if the header passes, else the index of
 // the failing header word (the host re-decodes and raises the same WireError the eager path
@@ -182,6 +200,9 @@ afd_graph_stage(afd_u64 doorbell,  // device int64 [DB_HEADER + ...]: afd_wait_a
     state[STATE_SHARED] = (status == GS_SERVED) ? shared : 0;
     state[STATE_SEQ] = seq;
     state[STATE_CHUNK] = chunk;
+    const afd_i64 replay = *replay_counter;
+    state[STATE_RECORD] = static_cast<afd_i64>(
+        records + static_cast<afd_u64>((replay % num_records) * record_words) * sizeof(afd_i64));
   }
   __syncthreads();
   for (int i = tid; i < hw; i += blockDim.x) {
@@ -284,6 +305,163 @@ afd_graph_reply(afd_u64 own_window,
   // Every block's rows are released at system scope here.
   if (!last_block_done(done_counter, /*system_scope=*/true)) return;
   const afd_i32* words = reinterpret_cast<const afd_i32*>(state + STATE_HEADER);
+  afd_i32* header = geo.header(slot);
+  for (int w = tid; w < geo.header_words; w += REPLY_THREADS) header[w] = words[w];
+  __syncthreads();  // every header word of the block precedes thread 0's fence
+  if (tid == 0) {
+    __threadfence_system();  // release, cumulative over the header and every block's rows
+    store_volatile(geo.flag(dst_window, src_rank, ring), state[STATE_SEQ]);
+    __threadfence();
+    *done_counter = 0u;
+  }
+}
+
+// ---- dedup wire mode (docs/design.md §3.5, §5.1) ----------------------------------------------
+
+// grid = dedup_expand_grid(bucket rows) (frozen at capture), block = REPLY_THREADS; a warp per
+// route-table row. afd_dedup_expand with everything it needs read from the stage's state (slot,
+// R = num_rows, T, P, S, layer from the echoed header words): copies the slot's route table into
+// `route_copy` and checks the copy, scatters each received row into the grouped staging rows
+// [0, P) the GEMMs read (`routed_staging`; 0: identity experts, check and copy only) and copies
+// rows r < S into `shared_staging` row r (0: none). Nothing when the replay serves nothing.
+// A rejected table (the last block's verdict): the record of this replay (STATE_RECORD) gets the
+// verdict as a status block (STATUS_BAD_HEADER; ST_PEER = region, ST_SLOT = route-table column,
+// ST_RING, ST_EXPECTED, ST_OBSERVED, ST_COUNT = row, ST_CAP = wire.ROUTE_FAULT_*, ST_LAYER)
+// after its header words, REC_STATUS = GS_BAD_ROUTE and REC_SEQ = 0; reply_seqs[slot] goes back
+// to the seq before the stage's reservation (as the eager path, which counts replies only), and
+// STATE_ACTIVE = 0, so the reply writes nothing. The scratch (claims, fault, num_claimed,
+// done_counter) is left as the next launch needs it.
+template <int DT>
+__global__ void __launch_bounds__(REPLY_THREADS)
+afd_graph_dedup_expand(afd_u64 window,  // own window
+                       SlotGeometry geo,
+                       afd_i64* state,  // device: afd_graph_stage's output
+                       afd_i32 top_k, afd_i32 hidden_size,
+                       afd_u64 routed_staging,  // payload [routed_bucket, H], or 0
+                       afd_u64 shared_staging,  // payload [shared_bucket, H], or 0
+                       afd_i32* route_copy,     // int32 [token_cap, 2 + 2 * top_k], device
+                       afd_i32* claims,         // int32 [routed_cap], all UNCLAIMED, device
+                       afd_u64* fault,          // uint64 [1], NO_FAULT, device
+                       afd_u32* num_claimed,    // uint32 [1], 0, device
+                       afd_i64* reply_seqs,     // device int64 [num_slots] (the stage's)
+                       unsigned int* done_counter) {
+  if (state[STATE_ACTIVE] == 0) return;  // uniform: no block counts in
+  __shared__ afd_i32 s_dst[ROWS_PER_BLOCK][MAX_TOP_K];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int width = ROUTE_FIXED_WORDS + 2 * top_k;
+  const afd_i64 row_bytes = static_cast<afd_i64>(hidden_size) * itemsize<DT>();
+  const afd_i32* words = reinterpret_cast<const afd_i32*>(state + STATE_HEADER);
+  const afd_i32 num_rows = words[geo.header_words - 1];  // the dedup trailer word
+  const afd_i32 num_tokens = words[HDR_NUM_TOKENS];
+  const afd_i32 num_routed = static_cast<afd_i32>(state[STATE_ROUTED]);
+  const afd_i32 num_shared = static_cast<afd_i32>(state[STATE_SHARED]);
+  char* slot = geo.slot_at(window, state[STATE_SLOT]);
+  const afd_i32* table = reinterpret_cast<const afd_i32*>(slot + geo.off_route);
+  char* staging = routed_staging != 0ull ? static_cast<char*>(byte_ptr(routed_staging, 0)) : nullptr;
+  const afd_i64 warp_stride = static_cast<afd_i64>(gridDim.x) * ROWS_PER_BLOCK;
+
+  for (afd_i64 r = static_cast<afd_i64>(blockIdx.x) * ROWS_PER_BLOCK + warp; r < num_rows;
+       r += warp_stride) {
+    const char* src = geo.routed_row(slot, r, row_bytes);
+    const afd_u64 key = expand_row(table, route_copy + r * width, r, width, num_tokens, num_routed,
+                                   num_shared, top_k, claims, fault, num_claimed, s_dst[warp],
+                                   staging, src, row_bytes, lane);
+    // the shared experts' input: rows r < S (this rank runs those tokens' shared experts)
+    if (key == NO_FAULT && r < num_shared && shared_staging != 0ull) {
+      warp_copy_row(byte_ptr(shared_staging, r * row_bytes), src, row_bytes, lane);
+    }
+  }
+
+  // only this GPU reads the staging and the copy; the verdict is fenced on its own below
+  if (!last_block_done(done_counter, /*system_scope=*/false)) return;
+  const RouteVerdict v = expand_finish(fault, num_claimed, claims, route_copy, width, num_tokens,
+                                       num_routed, num_shared, top_k);
+  if (tid == 0 && v.rule != 0) {
+    afd_i64* rec = reinterpret_cast<afd_i64*>(state[STATE_RECORD]);
+    afd_i64* verdict = rec + REC_HEADER + (geo.header_words + 1) / 2;
+    store_volatile(verdict + ST_CODE, STATUS_BAD_HEADER);
+    store_volatile(verdict + ST_PEER, state[STATE_REGION]);
+    store_volatile(verdict + ST_SLOT, v.column);
+    store_volatile(verdict + ST_RING, state[STATE_RING]);
+    store_volatile(verdict + ST_EXPECTED, v.expected);
+    store_volatile(verdict + ST_OBSERVED, v.observed);
+    store_volatile(verdict + ST_COUNT, v.row);
+    store_volatile(verdict + ST_CAP, v.rule);
+    store_volatile(verdict + ST_LAYER, words[HDR_LAYER]);
+    store_volatile(rec + REC_STATUS, GS_BAD_ROUTE);
+    store_volatile(rec + REC_SEQ, 0);
+    reply_seqs[state[STATE_SLOT]] = state[STATE_SEQ] - 1;
+    state[STATE_ACTIVE] = 0;  // the reply answers nothing
+    __threadfence_system();
+  }
+  __syncthreads();
+  if (tid == 0) *done_counter = 0u;
+}
+
+// grid = dedup_reply_grid(bucket rows, row bytes) (frozen at capture), block = REPLY_THREADS; a
+// warp per (reply row, part of the row). afd_dedup_reply with everything it needs read from the
+// stage's state: reply row r = round(sum_s w_s * routed_out[pos_s] (+ shared_out[r], r < S)),
+// fp32 in slot order (dedup_ffn.cuh reduce_row_part: bitwise afd_dedup_reply), for r < R, into
+// routed_x of slot (own FFN rank, ring) of the sender's window; then (last block) the reply
+// header the stage built (num_rows included), a system fence and flag = the reply seq.
+// routed_outs[STATE_CHUNK] is the grouped output of the arrived layer's chunk ([routed_bucket, H]
+// in staging order); an entry of 0 means identity experts: every slot of row r reads the
+// received row r of the own window slot. shared_out: [shared_bucket, H], or 0 (identity: the
+// received row). `route_copy`: the table afd_graph_dedup_expand accepted in this replay.
+// Nothing is written when the replay serves nothing (or its route table was rejected).
+template <int DT>
+__global__ void __launch_bounds__(REPLY_THREADS)
+afd_graph_dedup_reply(afd_u64 own_window,
+                      const afd_u64* peer_windows,  // device [num_regions]: Attention rank i's window, 0 if none
+                      SlotGeometry geo,
+                      afd_i32 src_rank,  // own FFN rank: the region of the sender's window written
+                      const afd_i64* state,
+                      const afd_i32* route_copy,  // int32 [token_cap, 2 + 2 * top_k], device
+                      afd_i32 top_k,
+                      const afd_u64* routed_outs,  // device [num_chunks]
+                      afd_u64 shared_out,          // payload [shared_bucket, H], or 0
+                      afd_i32 hidden_size,
+                      unsigned int* done_counter) {
+  if (state[STATE_ACTIVE] == 0) return;  // uniform: no block counts in
+  const afd_u64 dst_window = peer_windows[state[STATE_REGION]];
+  if (dst_window == 0ull) return;  // the stage never serves such a region (defensive)
+  __shared__ afd_i32 s_pos[ROWS_PER_BLOCK][MAX_TOP_K];
+  __shared__ float s_weight[ROWS_PER_BLOCK][MAX_TOP_K];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int width = ROUTE_FIXED_WORDS + 2 * top_k;
+  const afd_i64 row_bytes = static_cast<afd_i64>(hidden_size) * itemsize<DT>();
+  const afd_i32 ring = static_cast<afd_i32>(state[STATE_RING]);
+  const afd_i32* words = reinterpret_cast<const afd_i32*>(state + STATE_HEADER);
+  const afd_i64 num_rows = words[geo.header_words - 1];
+  const afd_i32 num_routed = static_cast<afd_i32>(state[STATE_ROUTED]);
+  const afd_i64 num_shared = state[STATE_SHARED];
+  char* own_slot = geo.slot_at(own_window, state[STATE_SLOT]);
+  char* slot = geo.slot(dst_window, src_rank, ring);
+  const afd_u64 routed_out = routed_outs[state[STATE_CHUNK]];
+  const afd_u64 own_rows = reinterpret_cast<afd_u64>(geo.routed_row(own_slot, 0, row_bytes));
+  const bool vectors = ((routed_out | shared_out | own_rows | static_cast<afd_u64>(row_bytes) |
+                         reinterpret_cast<afd_u64>(geo.routed_row(slot, 0, row_bytes))) & 15) == 0;
+  const afd_i64 parts = row_parts(row_bytes);
+  const afd_i64 warp_stride = static_cast<afd_i64>(gridDim.x) * ROWS_PER_BLOCK;
+  for (afd_i64 item = static_cast<afd_i64>(blockIdx.x) * ROWS_PER_BLOCK + warp;
+       item < num_rows * parts; item += warp_stride) {
+    const afd_i64 r = item / parts, part = item % parts;
+    const int num_slots = load_route_slots(route_copy + r * width, top_k, num_routed, s_pos[warp],
+                                           s_weight[warp], lane);
+    const char* own_row = geo.routed_row(own_slot, r, row_bytes);
+    const char* routed = routed_out != 0ull ? static_cast<const char*>(byte_ptr(routed_out, 0)) : own_row;
+    const afd_i64 stride = routed_out != 0ull ? row_bytes : 0;
+    const char* shared_row = r >= num_shared ? nullptr
+                             : (shared_out != 0ull ? static_cast<const char*>(byte_ptr(shared_out, r * row_bytes))
+                                                   : own_row);
+    reduce_row_part<DT>(geo.routed_row(slot, r, row_bytes), routed, stride, s_pos[warp],
+                        s_weight[warp], num_slots, shared_row, row_bytes, hidden_size, part, parts,
+                        vectors, lane);
+    __syncwarp();  // s_pos / s_weight of this warp are rewritten by the next row
+  }
+
+  // Every block's rows are released at system scope here (as afd_graph_reply).
+  if (!last_block_done(done_counter, /*system_scope=*/true)) return;
   afd_i32* header = geo.header(slot);
   for (int w = tid; w < geo.header_words; w += REPLY_THREADS) header[w] = words[w];
   __syncthreads();  // every header word of the block precedes thread 0's fence

@@ -10,8 +10,9 @@ import sys
 import numpy as np
 import pytest
 
+import kernel_helpers as kh
 from afd_cupy import ffn_graph, kernels, wire
-from afd_cupy.errors import ConfigError
+from afd_cupy.errors import ConfigError, WireError
 from afd_cupy.kernels import specs
 
 _CONSTEXPR_RE = re.compile(r"constexpr\s+int\s+(\w+)\s*=\s*(-?\d+)\s*;")
@@ -22,7 +23,7 @@ LAYOUT = wire.WindowLayout(num_regions=2, ring_depth=2, expert_per_rank=4, hidde
 def test_cu_words_match_the_python_mirror():
     text = (kernels.KERNEL_DIR / "ffn_graph.cu").read_text()
     parsed = {name: int(value) for name, value in _CONSTEXPR_RE.findall(text)}
-    names = [n for n in dir(ffn_graph) if re.match(r"(GS|STATE|REC)_[A-Z]+$", n) and n != "GS_NAMES"]
+    names = [n for n in dir(ffn_graph) if re.match(r"(GS|STATE|REC)_[A-Z_]+$", n) and n != "GS_NAMES"]
     assert names and set(names) == set(parsed), set(names) ^ set(parsed)
     for name in names:
         assert parsed[name] == getattr(ffn_graph, name), name
@@ -162,3 +163,167 @@ def test_server_module_imports_without_cupy():
     code = ("import sys, afd_cupy.backends.cuda_ffn_graph, afd_cupy.ffn_graph; "
             "assert 'cupy' not in sys.modules, 'cupy imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=kernels.KERNEL_DIR.parent)
+
+
+# --------------------------------------------------------------------------- dedup wire mode
+DEDUP_LAYOUT = wire.WindowLayout(num_regions=2, ring_depth=2, expert_per_rank=4, hidden_size=64,
+                                 itemsize=2, top_k=4, token_cap=16, routed_cap=40, shared_cap=16,
+                                 wire_mode="dedup")
+
+
+def _dedup_message(rng, *, num_tokens=12, num_ffn=2, ffn_rank=0, has_shared=True):
+    """(table, rows, header) of FFN rank ``ffn_rank``'s dedup message (numpy references)."""
+    from afd_cupy.testing import dedup_reference as ref
+
+    top_k, epr = DEDUP_LAYOUT.top_k, DEDUP_LAYOUT.expert_per_rank
+    ids = np.stack([rng.permutation(num_ffn * epr)[:top_k] for _ in range(num_tokens)]).astype(np.int32)
+    weights = (rng.random((num_tokens, top_k)) + 0.05).astype(np.float32)
+    plan = ref.plan_reference(ids, num_ffn, epr, has_shared=has_shared)
+    hidden = rng.integers(0, 2**16, (num_tokens, 8), dtype=np.uint16)
+    table, rows = ref.scatter_reference(plan, hidden, ids, weights, ffn_rank)
+    header = wire.dispatch_header(seq=9, src_rank=1, layer_idx=2, stage_idx=0, num_tokens=num_tokens,
+                                  shared_tokens=int(plan.shared_rows[ffn_rank]), top_k=top_k,
+                                  expert_counts=tuple(int(c) for c in plan.rank_counts(ffn_rank)),
+                                  wire_mode="dedup", num_rows=int(plan.num_rows[ffn_rank]))
+    return table, rows, header
+
+
+def test_dedup_buckets_hold_one_row_per_token_and_every_shared_row():
+    buckets = ffn_graph.buckets_for_tokens((1, 8, 64), DEDUP_LAYOUT, top_k=4, num_ffn_ranks=2)
+    # a dedup rank gets at most T rows, may run every one of their shared experts, and its
+    # staging holds up to T * K partials (clipped at the caps)
+    assert buckets == (ffn_graph.Bucket(4, 1, 1), ffn_graph.Bucket(32, 8, 8), ffn_graph.Bucket(40, 16, 16))
+    assert ffn_graph.identity_bucket(DEDUP_LAYOUT) == ffn_graph.Bucket(40, 16, 16)
+    assert ffn_graph.identity_bucket(LAYOUT) == ffn_graph.Bucket(40, 8, 0)
+    assert ffn_graph.buckets_for_tokens((8,), LAYOUT, top_k=4, num_ffn_ranks=2) == (ffn_graph.Bucket(32, 4),)
+
+
+def test_stage_reference_serves_a_dedup_item_and_echoes_num_rows():
+    rng = np.random.default_rng(5)
+    _, _, header = _dedup_message(rng)
+    words = wire.encode_header(header, 4)
+    assert words.size == DEDUP_LAYOUT.header_words == 17
+    args = dict(layout=DEDUP_LAYOUT, src_rank=0, num_attn_ranks=2, num_layers=3, routed_bucket=40,
+                shared_bucket=16, prev_seq=3)
+    got = ffn_graph.stage_reference(words, region=1, **args)
+    assert got.status == ffn_graph.GS_SERVED and got.seq == 4
+    reply = wire.decode_header(got.reply_words, 4, DEDUP_LAYOUT)
+    assert reply.is_dedup and reply.num_rows == header.num_rows and reply.echo_seq == 9
+    small = ffn_graph.stage_reference(words, region=1, **{**args, "shared_bucket": header.shared_tokens - 1})
+    assert small.status == ffn_graph.GS_EAGER and small.seq == 4
+    pair_words = wire.encode_header(wire.dispatch_header(
+        seq=9, src_rank=1, layer_idx=2, stage_idx=0, num_tokens=12, shared_tokens=1, top_k=4,
+        expert_counts=(1, 0, 0, 0)), 4)
+    assert ffn_graph.stage_reference(np.append(pair_words, 1), region=1, **args).status == ffn_graph.GS_REJECTED
+
+
+def _bad_route_record(table, header, verdict, *, ring=1):
+    """The record afd_graph_dedup_expand leaves for a rejected table (what the stage wrote, then
+    the verdict after the header words, status BAD_ROUTE, seq 0)."""
+    hw = DEDUP_LAYOUT.header_words
+    record = np.full(ffn_graph.record_words(hw, dedup=True), -5, np.int64)
+    record[ffn_graph.REC_REPLAY], record[ffn_graph.REC_STATUS] = 17, ffn_graph.GS_BAD_ROUTE
+    record[ffn_graph.REC_SLOT], record[ffn_graph.REC_SEQ] = 2 * header.src_rank + ring, 0
+    words = wire.encode_header(header, 4)
+    record[ffn_graph.REC_HEADER:].view(np.int32)[:hw] = words
+    rule, row, column, expected, observed = verdict
+    start = ffn_graph.verdict_offset(hw)
+    record[start:start + wire.STATUS_WORDS] = [wire.STATUS_BAD_HEADER, header.src_rank, column, ring,
+                                               expected, observed, row, rule, header.layer_idx]
+    return record
+
+
+def test_record_sizes_leave_room_for_the_dedup_verdict():
+    for hw in (13, 16, 17, 21, 45):
+        plain, dedup = ffn_graph.record_words(hw), ffn_graph.record_words(hw, dedup=True)
+        assert plain % 8 == 0 and dedup % 8 == 0
+        assert ffn_graph.verdict_offset(hw) == ffn_graph.REC_HEADER + -(-hw // 2) <= plain
+        assert dedup >= ffn_graph.verdict_offset(hw) + wire.STATUS_WORDS
+    assert ffn_graph.record_words(17, dedup=True) == 24  # 6 + 9 header + 9 verdict words
+    assert specs.STAGE_STATE_HEADER == ffn_graph.STATE_HEADER == ffn_graph.STATE_RECORD + 1
+
+
+@pytest.mark.parametrize("fault", sorted(kh.ROUTE_TABLE_FAULTS))
+def test_bad_route_record_raises_the_eager_paths_wire_error(fault):
+    """The verdict afd_graph_dedup_expand writes into a record (the numpy model of it) decodes to
+    the WireError the eager path raises from afd_dedup_expand's status record: same words."""
+    rng = np.random.default_rng(sorted(kh.ROUTE_TABLE_FAULTS).index(fault))
+    table, rows, header = _dedup_message(rng, num_tokens=24)
+    bad = table.copy()
+    row = kh.ROUTE_TABLE_FAULTS[fault](bad, num_tokens=header.num_tokens,
+                                       shared_tokens=header.shared_tokens, routed_tokens=header.routed_tokens)
+    if row is None:
+        pytest.skip(f"no row of this table takes fault {fault}")
+    verdict, _, _ = ffn_graph.dedup_expand_reference(
+        bad, rows, num_tokens=header.num_tokens, routed_tokens=header.routed_tokens,
+        shared_tokens=header.shared_tokens)
+    assert verdict is not None and verdict[1] == row
+    err = ffn_graph.route_verdict(_bad_route_record(bad, header, verdict), DEDUP_LAYOUT)
+    rule, row, column, expected, observed = verdict
+    eager = wire.route_table_error(wire.StatusRecord(wire.STATUS_BAD_HEADER, header.src_rank, column, 1,
+                                                     expected, observed, row, rule, header.layer_idx),
+                                   shared_tokens=header.shared_tokens)
+    assert isinstance(err, WireError) and str(err) == str(eager)
+    assert f"attention rank {header.src_rank} (ring 1)" in str(err) and "layer 2" in str(err)
+    with pytest.raises(WireError):
+        wire.check_route_table(bad, num_tokens=header.num_tokens, routed_tokens=header.routed_tokens,
+                               shared_tokens=header.shared_tokens, top_k=4)
+    with pytest.raises(ValueError, match="is not BAD_ROUTE"):
+        ffn_graph.route_verdict(np.zeros(24, np.int64), DEDUP_LAYOUT)
+
+
+def test_dedup_references_agree_with_the_eager_steps():
+    """expand: staging = dedup_reference.expand_reference, shared = the first S rows, no verdict;
+    reply with identity experts = sum_s w_s * x_r (+ x_r when shared), the eager identity path."""
+    from afd_cupy.testing import dedup_reference as ref
+
+    rng = np.random.default_rng(11)
+    table, rows, header = _dedup_message(rng, num_tokens=20)
+    verdict, staging, shared = ffn_graph.dedup_expand_reference(
+        table, rows, num_tokens=20, routed_tokens=header.routed_tokens, shared_tokens=header.shared_tokens)
+    assert verdict is None
+    np.testing.assert_array_equal(staging, ref.expand_reference(table, rows, header.routed_tokens))
+    np.testing.assert_array_equal(shared, rows[:header.shared_tokens])
+    x = rng.standard_normal((header.num_rows, 8)).astype(np.float32)
+    got = ffn_graph.dedup_reply_reference(table, None, None, rows=x)
+    weights = table[:, wire.ROUTE_SLOTS + 4:].copy().view(np.float32)
+    want = np.zeros_like(x)
+    for r in range(header.num_rows):
+        for s in range(4):
+            if table[r, wire.ROUTE_SLOTS + s] >= 0:
+                want[r] += weights[r, s] * x[r]
+        if r < header.shared_tokens:
+            want[r] += x[r]
+    np.testing.assert_array_equal(got, want)
+    routed_out = rng.standard_normal((header.routed_tokens + 3, 8)).astype(np.float32)  # bucket rows
+    shared_out = rng.standard_normal((header.shared_tokens + 2, 8)).astype(np.float32)
+    np.testing.assert_array_equal(
+        ffn_graph.dedup_reply_reference(table, routed_out, shared_out),
+        ref.reduce_reference(table, routed_out[:header.routed_tokens], shared_out[:header.shared_tokens]))
+
+
+def test_server_accepts_a_dedup_connector_and_keeps_its_other_limits():
+    from types import SimpleNamespace
+
+    from afd_cupy.backends.cuda_ffn_graph import GraphFFNServer
+    from afd_cupy.topology import Role
+
+    def fake(**kw):
+        base = dict(role=Role.FFN, backend="cuda", layout=DEDUP_LAYOUT,
+                    path=SimpleNamespace(host_polling=None, peer_is_put=[False, False]),
+                    config=SimpleNamespace(transport="direct"))
+        return SimpleNamespace(**{**base, **kw})
+
+    GraphFFNServer._check_connector(fake(), True, None)  # dedup: no ConfigError any more
+    GraphFFNServer._check_connector(fake(layout=LAYOUT), True, None)
+    with pytest.raises(ConfigError, match="poll_mode='device'"):
+        GraphFFNServer._check_connector(fake(path=SimpleNamespace(host_polling=object(), peer_is_put=[])),
+                                        True, None)
+    with pytest.raises(ConfigError, match=r"Attention rank\(s\) \[1\] are reached by NVSHMEM puts "
+                                          r"\(transport='auto'\); use FFNWorker"):
+        GraphFFNServer._check_connector(fake(path=SimpleNamespace(host_polling=None, peer_is_put=[False, True]),
+                                             config=SimpleNamespace(transport="auto")), True, None)
+    with pytest.raises(ConfigError, match="FFN-side cuda connector"):
+        GraphFFNServer._check_connector(fake(backend="host"), True, None)
+    with pytest.raises(ConfigError, match="exactly one of"):
+        GraphFFNServer._check_connector(fake(), True, object())

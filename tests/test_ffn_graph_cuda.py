@@ -45,7 +45,8 @@ class Stage:
         self.reply_seqs = cp.asarray(rng.integers(1, 2**40, self.layout.num_slots))
         self.state = cp.full(ffn_graph.state_words(hw), -7, cp.int64)
         self.replay_counter = cp.asarray(np.array([int(rng.integers(0, 100))]))
-        self.records = kernels.PinnedInt64(4 * ffn_graph.record_words(hw))
+        self.record_words = ffn_graph.record_words(hw, dedup=self.layout.is_dedup)
+        self.records = kernels.PinnedInt64(4 * self.record_words)
         self.records.array[:] = -9
 
     def arrive(self, slot, words):
@@ -62,14 +63,19 @@ class Stage:
         layout = self.layout
         spec = specs.graph_stage_spec(
             doorbell=self.doorbell.data.ptr, geo=layout.kernel_geometry(), expert_per_rank=EPR,
-            is_dedup=0, src_rank=self.src_rank, num_attn_ranks=2, token_cap=layout.token_cap,
+            is_dedup=int(layout.is_dedup), src_rank=self.src_rank, num_attn_ranks=2, token_cap=layout.token_cap,
             routed_cap=layout.routed_cap, shared_cap=layout.shared_cap,
             routed_bucket=self.routed_bucket, shared_bucket=self.shared_bucket, num_layers=NUM_LAYERS,
             layers_per_chunk=ffn_graph.layers_per_chunk(NUM_LAYERS, EPR), routed_offs=self.routed_offs,
             shared_offs=self.shared_offs.data.ptr, reply_seqs=self.reply_seqs, state=self.state,
             replay_counter=self.replay_counter, records=self.records.ptr, num_records=4,
-            record_words=ffn_graph.record_words(layout.header_words))
+            record_words=self.record_words)
         return spec
+
+    def record(self, replay: int) -> np.ndarray:
+        """A copy of the record of replay number ``replay``."""
+        start = (replay % 4) * self.record_words
+        return self.records.array[start:start + self.record_words].copy()
 
 
 def _dispatch_words(rng, *, src=0, layer=1, shared=3, counts=None):
@@ -266,3 +272,328 @@ def test_graph_server_matches_the_reference_with_an_eager_fallback(num_layers):
     # queued before the policy moved up
     assert ffn["served"] == layers
     assert tokens.count(40) <= ffn["eager"] <= tokens.count(40) + tokens.count(16)
+
+
+# --------------------------------------------------------------------------- dedup wire mode
+# afd_graph_dedup_expand / afd_graph_dedup_reply against ffn_graph.dedup_expand_reference /
+# dedup_reply_reference (built on afd_cupy.testing.dedup_reference), each run after the real
+# stage kernel on a dedup header, on fresh random routings, outputs pre-filled with NaN words
+# and guard rows that must stay untouched.
+from test_kernels_cuda import (ITEMSIZE, NAN_WORD, RAW, assert_window_equal, put,  # noqa: E402
+                               random_rows, to_f32, to_raw)
+
+import kernel_helpers as kh  # noqa: E402
+from afd_cupy.errors import WireError  # noqa: E402
+from afd_cupy.testing import dedup_reference as dref  # noqa: E402
+
+UNCLAIMED = 0x7FFFFFFF
+GUARD_ROWS = 3
+COPY_CANARY = -7
+DEDUP_SRC, DEDUP_FFN_RANK, DEDUP_RING = 0, 1, 1  # Attention rank 0 -> FFN rank 1 (= st.src_rank)
+
+
+def _dedup_layout(dtype="bfloat16", hidden=HIDDEN, token_cap=16, top_k=4):
+    return wire.WindowLayout(num_regions=2, ring_depth=2, expert_per_rank=EPR, hidden_size=hidden,
+                             itemsize=ITEMSIZE[dtype], top_k=top_k, token_cap=token_cap,
+                             routed_cap=token_cap * top_k, shared_cap=token_cap, wire_mode="dedup")
+
+
+class DedupItem:
+    """FFN rank 1's dedup message from Attention rank 0 (numpy references: plan, scatter) for a
+    fresh random routing over F = 2 ranks of EPR experts, written into slot (0, DEDUP_RING) of
+    the Stage's own window (random bytes elsewhere), and the stage run on its arrival."""
+
+    def __init__(self, rng, st: Stage, *, dtype, num_tokens, has_shared=True, corrupt=None):
+        layout = self.layout = st.layout
+        top_k, hidden = layout.top_k, layout.hidden_size
+        ids = np.stack([rng.permutation(2 * EPR)[:top_k] for _ in range(num_tokens)]).astype(np.int32)
+        weights = (rng.random((num_tokens, top_k)) + 0.05).astype(np.float32)
+        plan = dref.plan_reference(ids, 2, EPR, has_shared=has_shared)
+        self.table, self.rows = dref.scatter_reference(plan, random_rows(rng, num_tokens, hidden, dtype),
+                                                       ids, weights, DEDUP_FFN_RANK)
+        self.num_tokens, self.num_rows = num_tokens, int(plan.num_rows[DEDUP_FFN_RANK])
+        self.routed = plan.routed_count(DEDUP_FFN_RANK)
+        self.shared = int(plan.shared_rows[DEDUP_FFN_RANK])
+        self.header = wire.dispatch_header(
+            seq=int(rng.integers(1, 2**31)), src_rank=DEDUP_SRC, layer_idx=int(rng.integers(0, NUM_LAYERS)),
+            stage_idx=0, num_tokens=num_tokens, shared_tokens=self.shared, top_k=top_k,
+            expert_counts=tuple(int(c) for c in plan.rank_counts(DEDUP_FFN_RANK)), wire_mode="dedup",
+            num_rows=self.num_rows)
+        self.words = wire.encode_header(self.header, EPR)
+        self.corrupt_row = None
+        if corrupt is not None:
+            self.table = self.table.copy()
+            self.corrupt_row = kh.ROUTE_TABLE_FAULTS[corrupt](
+                self.table, num_tokens=num_tokens, shared_tokens=self.shared, routed_tokens=self.routed)
+        self.slot = layout.slot_index(DEDUP_SRC, DEDUP_RING)
+        base = layout.slot_offset(DEDUP_SRC, DEDUP_RING)
+        window = st.window.get()
+        put(window, base + layout.field_offset("header"), self.words)
+        put(window, base + layout.field_offset("route_table"), self.table)
+        put(window, base + layout.field_offset("routed_x"), self.rows)
+        st.window = cp.asarray(window)
+        self.window_np = window
+        self.seqs_before = st.reply_seqs.get()
+        self.replay = int(st.replay_counter.get()[0])
+        st.arrive(self.slot, self.words)
+        st.launch().launch()
+        cp.cuda.runtime.deviceSynchronize()
+
+
+class DedupScratch:
+    """What GraphFFNServer allocates for the dedup expand (staging with guard rows)."""
+
+    def __init__(self, layout, dtype, *, routed_bucket, shared_bucket):
+        raw, hidden = RAW[dtype], layout.hidden_size
+        self.dtype = dtype
+        self.staging = cp.full((routed_bucket + GUARD_ROWS, hidden), NAN_WORD[dtype], raw)
+        self.shared = cp.full((shared_bucket + GUARD_ROWS, hidden), NAN_WORD[dtype], raw)
+        self.route_copy = cp.full((layout.token_cap, layout.route_width), COPY_CANARY, cp.int32)
+        self.claims = cp.full(layout.routed_cap, UNCLAIMED, cp.int32)
+        self.fault = cp.full(1, np.iinfo(np.uint64).max, cp.uint64)
+        self.num_claimed = cp.zeros(1, cp.uint32)
+        self.done = cp.zeros(1, cp.uint32)
+
+    def expand(self, st: Stage, *, identity=False, rows_bucket=16):
+        layout = st.layout
+        specs.graph_dedup_expand_spec(
+            dtype_code=kernels.DTYPE_CODES[self.dtype], window=st.window.data.ptr,
+            geo=layout.kernel_geometry(), state=st.state, top_k=layout.top_k,
+            hidden_size=layout.hidden_size, routed_staging=0 if identity else self.staging.data.ptr,
+            shared_staging=0 if identity else self.shared.data.ptr, route_copy=self.route_copy,
+            claims=self.claims, fault=self.fault, num_claimed=self.num_claimed, reply_seqs=st.reply_seqs,
+            done_counter=self.done, token_cap=layout.token_cap, routed_cap=layout.routed_cap,
+            rows_bucket=rows_bucket).launch()
+        cp.cuda.runtime.deviceSynchronize()
+
+    def assert_scratch_reset(self):
+        assert (self.claims.get() == UNCLAIMED).all()
+        assert int(self.fault.get()[0]) == np.iinfo(np.uint64).max
+        assert int(self.num_claimed.get()[0]) == 0 and int(self.done.get()[0]) == 0
+
+
+def _dedup_stage(rng, dtype="bfloat16", hidden=HIDDEN, token_cap=16):
+    layout = _dedup_layout(dtype, hidden, token_cap)
+    return Stage(rng, layout, src_rank=DEDUP_FFN_RANK, routed_bucket=layout.routed_cap,
+                 shared_bucket=layout.shared_cap)
+
+
+@pytest.mark.parametrize("identity", [False, True])
+@pytest.mark.parametrize("rows_bucket", [16, 1])  # 1: one block strides over every row
+@pytest.mark.parametrize("dtype,hidden,num_tokens,has_shared",
+                         [("bfloat16", 64, 16, True), ("float16", 33, 9, False), ("float32", 50, 1, True)])
+def test_graph_dedup_expand_matches_the_reference(request, dtype, hidden, num_tokens, has_shared,
+                                                  rows_bucket, identity):
+    rng = _rng(request)
+    st = _dedup_stage(rng, dtype, hidden)
+    item = DedupItem(rng, st, dtype=dtype, num_tokens=num_tokens, has_shared=has_shared)
+    assert st.record(item.replay)[ffn_graph.REC_STATUS] == ffn_graph.GS_SERVED
+    scratch = DedupScratch(st.layout, dtype, routed_bucket=st.routed_bucket, shared_bucket=st.shared_bucket)
+    scratch.expand(st, identity=identity, rows_bucket=rows_bucket)
+    verdict, staging, shared = ffn_graph.dedup_expand_reference(
+        item.table, item.rows, num_tokens=num_tokens, routed_tokens=item.routed, shared_tokens=item.shared)
+    assert verdict is None
+    got, got_shared = scratch.staging.get(), scratch.shared.get()
+    if identity:  # check and copy only
+        assert (got == NAN_WORD[dtype]).all() and (got_shared == NAN_WORD[dtype]).all()
+    else:
+        np.testing.assert_array_equal(got[:item.routed], staging)
+        assert (got[item.routed:] == NAN_WORD[dtype]).all(), "staging rows past P written"
+        np.testing.assert_array_equal(got_shared[:item.shared], shared)
+        assert (got_shared[item.shared:] == NAN_WORD[dtype]).all(), "shared rows past S written"
+    copy = scratch.route_copy.get()
+    np.testing.assert_array_equal(copy[:item.num_rows], item.table)
+    assert (copy[item.num_rows:] == COPY_CANARY).all()
+    scratch.assert_scratch_reset()
+    assert_window_equal(st.window.get(), item.window_np, st.layout, "expand wrote its window")
+    rec = st.record(item.replay)
+    assert rec[ffn_graph.REC_STATUS] == ffn_graph.GS_SERVED and rec[ffn_graph.REC_SEQ] == item.seqs_before[item.slot] + 1
+    state = st.state.get()
+    assert state[ffn_graph.STATE_ACTIVE] == 1
+    assert st.reply_seqs.get()[item.slot] == item.seqs_before[item.slot] + 1
+
+
+@pytest.mark.parametrize("fault", sorted(kh.ROUTE_TABLE_FAULTS))
+def test_graph_dedup_expand_rejects_each_bad_route_table(request, fault):
+    """GS_BAD_ROUTE with the model's verdict in the record, decoded to the eager path's WireError
+    (same words); the reserved reply seq is given back and the reply writes nothing; the scratch
+    is reusable: a valid item expands right after."""
+    rng = _rng(request)
+    st = _dedup_stage(rng, token_cap=48)
+    item = DedupItem(rng, st, dtype="bfloat16", num_tokens=40, corrupt=fault)
+    if item.corrupt_row is None:
+        pytest.skip(f"no row of this table takes fault {fault}")
+    scratch = DedupScratch(st.layout, "bfloat16", routed_bucket=st.routed_bucket, shared_bucket=st.shared_bucket)
+    scratch.expand(st, rows_bucket=8)
+    verdict, _, _ = ffn_graph.dedup_expand_reference(
+        item.table, item.rows, num_tokens=40, routed_tokens=item.routed, shared_tokens=item.shared)
+    rule, row, column, expected, observed = verdict
+    assert row == item.corrupt_row
+    rec = st.record(item.replay)
+    assert rec[ffn_graph.REC_STATUS] == ffn_graph.GS_BAD_ROUTE and rec[ffn_graph.REC_SEQ] == 0
+    start = ffn_graph.verdict_offset(st.layout.header_words)
+    want = wire.StatusRecord(wire.STATUS_BAD_HEADER, DEDUP_SRC, column, DEDUP_RING, expected, observed,
+                             row, rule, item.header.layer_idx)
+    assert wire.StatusRecord.decode(rec[start:start + wire.STATUS_WORDS]) == want
+    err = ffn_graph.route_verdict(rec, st.layout)
+    assert isinstance(err, WireError)
+    assert str(err) == str(wire.route_table_error(want, shared_tokens=item.shared))
+    np.testing.assert_array_equal(st.reply_seqs.get(), item.seqs_before)  # the reservation went back
+    assert st.state.get()[ffn_graph.STATE_ACTIVE] == 0
+    np.testing.assert_array_equal(scratch.route_copy.get()[:item.num_rows], item.table)
+    scratch.assert_scratch_reset()
+    # the reply of this replay writes nothing into the sender's window
+    peer_prefill = rng.integers(0, 256, st.layout.window_bytes, dtype=np.uint8)
+    peer = cp.asarray(peer_prefill)
+    _dedup_reply(st, scratch, peer, routed_outs=np.zeros(1, np.uint64), shared_out=0)
+    np.testing.assert_array_equal(peer.get(), peer_prefill)
+    # a valid item right after, the same scratch
+    good = DedupItem(rng, st, dtype="bfloat16", num_tokens=40)
+    scratch.expand(st, rows_bucket=8)
+    assert st.record(good.replay)[ffn_graph.REC_STATUS] == ffn_graph.GS_SERVED
+    np.testing.assert_array_equal(scratch.staging.get()[:good.routed],
+                                  dref.expand_reference(good.table, good.rows, good.routed))
+    scratch.assert_scratch_reset()
+
+
+def _dedup_reply(st: Stage, scratch: DedupScratch, peer, *, routed_outs, shared_out, rows_bucket=16):
+    layout = st.layout
+    specs.graph_dedup_reply_spec(
+        dtype_code=kernels.DTYPE_CODES[scratch.dtype], own_window=st.window.data.ptr,
+        peer_windows=cp.asarray(np.array([peer.data.ptr, 0], np.uint64)), geo=layout.kernel_geometry(),
+        src_rank=st.src_rank, state=st.state, route_copy=scratch.route_copy, top_k=layout.top_k,
+        routed_outs=cp.asarray(routed_outs), shared_out=shared_out, hidden_size=layout.hidden_size,
+        done_counter=scratch.done, token_cap=layout.token_cap, rows_bucket=rows_bucket,
+        num_chunks=len(routed_outs)).launch()
+    cp.cuda.runtime.deviceSynchronize()
+
+
+@pytest.mark.parametrize("identity", [False, True])
+@pytest.mark.parametrize("rows_bucket", [16, 1])
+@pytest.mark.parametrize("dtype,hidden,num_tokens,has_shared",
+                         [("bfloat16", 64, 16, True), ("float16", 33, 7, True), ("float32", 50, 12, False),
+                          ("bfloat16", 4096, 5, True)])  # 8 KiB rows: two warps per row
+def test_graph_dedup_reply_lands_exactly(request, dtype, hidden, num_tokens, has_shared, rows_bucket,
+                                         identity):
+    """Reply rows = dedup_reply_reference rounded once (bitwise: no FMA on either side), header
+    words (wire.reply_header, num_rows included) and flag = the reserved seq; every other byte of
+    the Attention window untouched. GEMM mode reads the arrived chunk's output (random rows)."""
+    rng = _rng(request)
+    st = _dedup_stage(rng, dtype, hidden)
+    item = DedupItem(rng, st, dtype=dtype, num_tokens=num_tokens, has_shared=has_shared)
+    scratch = DedupScratch(st.layout, dtype, routed_bucket=st.routed_bucket, shared_bucket=st.shared_bucket)
+    scratch.expand(st, identity=identity)
+    layout = st.layout
+    routed_out = random_rows(rng, st.routed_bucket, hidden, dtype)
+    shared_out = random_rows(rng, st.shared_bucket, hidden, dtype)
+    routed_dev, shared_dev = cp.asarray(routed_out), cp.asarray(shared_out)
+    assert st.state.get()[ffn_graph.STATE_CHUNK] == 0  # NUM_LAYERS * EPR groups: one chunk
+    routed_outs = np.array([0 if identity else routed_dev.data.ptr], np.uint64)
+    prefill = rng.integers(0, 256, layout.window_bytes, dtype=np.uint8)
+    dst_base = layout.slot_offset(st.src_rank, DEDUP_RING)
+    put(prefill, dst_base + layout.field_offset("routed_x"),
+        np.full((item.num_rows, hidden), NAN_WORD[dtype], RAW[dtype]))  # an unwritten row stays NaN
+    peer = cp.asarray(prefill)
+    _dedup_reply(st, scratch, peer, routed_outs=routed_outs,
+                 shared_out=0 if identity else shared_dev.data.ptr, rows_bucket=rows_bucket)
+    if identity:
+        rows = ffn_graph.dedup_reply_reference(
+            item.table, None, None, rows=to_f32(item.rows, dtype).reshape(item.num_rows, hidden))
+    else:
+        rows = ffn_graph.dedup_reply_reference(
+            item.table, to_f32(routed_out, dtype).reshape(-1, hidden),
+            to_f32(shared_out, dtype).reshape(-1, hidden))
+    seq = int(st.state.get()[ffn_graph.STATE_SEQ])
+    assert seq == item.seqs_before[item.slot] + 1
+    want = prefill.copy()
+    put(want, layout.slot_index(st.src_rank, DEDUP_RING) * 8, np.int64(seq))
+    reply = wire.reply_header(item.header, seq=seq, src_rank=st.src_rank)
+    put(want, dst_base + layout.field_offset("header"), wire.encode_header(reply, EPR))
+    put(want, dst_base + layout.field_offset("routed_x"), to_raw(rows, dtype))
+    assert_window_equal(peer.get(), want, layout, "graph dedup reply")
+    assert int(scratch.done.get()[0]) == 0
+    decoded = wire.decode_header(
+        peer.get()[dst_base + layout.field_offset("header"):][:4 * layout.header_words].view(np.int32).copy(),
+        EPR, layout)
+    assert decoded.is_dedup and decoded.num_rows == item.num_rows and decoded.echo_seq == item.header.seq
+
+
+def test_graph_dedup_stage_sends_items_past_the_bucket_eager(request):
+    """A dedup item with more shared rows (or partials) than the bucket holds is EAGER: the seq is
+    reserved, the expand and the reply do nothing."""
+    rng = _rng(request)
+    layout = _dedup_layout()
+    st = Stage(rng, layout, src_rank=DEDUP_FFN_RANK, routed_bucket=layout.routed_cap, shared_bucket=2)
+    item = DedupItem(rng, st, dtype="bfloat16", num_tokens=16)
+    assert item.shared > 2
+    rec = st.record(item.replay)
+    assert rec[ffn_graph.REC_STATUS] == ffn_graph.GS_EAGER
+    assert rec[ffn_graph.REC_SEQ] == item.seqs_before[item.slot] + 1
+    scratch = DedupScratch(layout, "bfloat16", routed_bucket=layout.routed_cap, shared_bucket=2)
+    scratch.expand(st)
+    assert (scratch.staging.get() == NAN_WORD["bfloat16"]).all()
+    assert (scratch.route_copy.get() == COPY_CANARY).all()
+    peer_prefill = rng.integers(0, 256, layout.window_bytes, dtype=np.uint8)
+    peer = cp.asarray(peer_prefill)
+    _dedup_reply(st, scratch, peer, routed_outs=np.zeros(1, np.uint64), shared_out=0)
+    np.testing.assert_array_equal(peer.get(), peer_prefill)
+
+
+# --- the server end to end in the dedup wire mode ----------------------------------------------
+@pytest.mark.parametrize("num_ffn,num_layers", [(1, 1), (1, 3), (2, 3)])
+def test_graph_server_dedup_matches_the_reference_with_an_eager_fallback(num_ffn, num_layers):
+    """Dedup wire mode, bf16 experts over 4 / 12 layers: layers of 4, 16, 40 and 1 tokens;
+    buckets (4, 16): a 40-token item never fits (some rank gets > 32 partials) and is served
+    by the eager dedup worker (expand + reduce on the second stream); every output within the
+    fp64 reference's tolerance. 1A2F: the shared rule and the partial rows of two ranks."""
+    from afd_cupy.config import ConnectorConfig, ModelConfig
+    from afd_cupy.launch import launch
+    from afd_cupy.testing.graph_ffn import run_graph_rank
+    from afd_cupy.testing.scenario import Scenario, tolerance
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] not in (9, 10):
+        pytest.skip("the graph FFN's GEMM mode needs torch._grouped_mm on SM90/SM100")
+    layers = 4 * num_layers
+    tokens = tuple(([4, 16, 40, 1] * num_layers)[:layers])
+    model = ModelConfig(hidden_size=128, num_experts=8, top_k=2, moe_intermediate_size=64,
+                        num_shared_experts=1, dtype="bfloat16", max_num_batched_tokens=64,
+                        num_layers=layers, routed_scaling_factor=2.5)
+    scenario = Scenario(model, 1, num_ffn, backend="cuda", tokens=(tokens,),
+                        connector=ConnectorConfig(wire_mode="dedup"))
+    attn, *ffns = launch(run_graph_rank, 1 + num_ffn, args=(scenario, (4, 16)), timeout_s=240)
+    assert len(attn["errors"]) == layers
+    for err in attn["errors"]:
+        assert err["shape_ok"] and err["num_nan"] == 0 and err["rel_err"] <= tolerance("bfloat16"), err
+    eager = sum(ffn["eager"] for ffn in ffns)
+    assert eager >= tokens.count(40), ffns
+    if num_ffn == 1:  # every token on the one rank: every layer is one item
+        assert ffns[0]["served"] == layers
+        assert eager <= tokens.count(40) + tokens.count(16)
+
+
+@pytest.mark.parametrize("wire_mode,corrupt_first", [("dedup", True), ("dedup", False), ("pair", False)])
+def test_graph_server_identity_and_a_corrupt_route_table(wire_mode, corrupt_first):
+    """Identity experts (no GEMMs), 1A1F, layers of 1..64 tokens: every output is
+    (sum_k w_k + 1) * x. corrupt_first: a dedup message whose route table names staging row 0
+    twice is rejected inside the graph: the server raises the eager path's WireError (the
+    device's duplicate verdict, naming the row), gives the reply seq back and then serves the
+    real layers (their replies answer them: the seq bookkeeping is intact)."""
+    from afd_cupy.config import ModelConfig
+    from afd_cupy.launch import launch
+    from afd_cupy.testing.graph_ffn import run_graph_identity_rank
+
+    model = ModelConfig(hidden_size=256, num_experts=16, top_k=4, moe_intermediate_size=64,
+                        num_shared_experts=1, dtype="bfloat16", max_num_batched_tokens=64, num_layers=3)
+    tokens = (1, 5, 64, 17, 32, 1, 64)
+    attn, ffn = launch(run_graph_identity_rank, 2, args=(model, wire_mode, tokens, corrupt_first),
+                       timeout_s=180)
+    assert len(attn["errors"]) == len(tokens)
+    for err in attn["errors"]:
+        assert err["num_nan"] == 0 and err["rel_err"] <= 2e-2, err
+    assert ffn["served"] == len(tokens) and ffn["eager"] == 0
+    if corrupt_first:
+        assert ffn["error"] is not None
+        assert ("dedup dispatch from attention rank 0 (ring 0)" in ffn["error"]
+                and "route table row 1: staging row 0 (slot 0) is also named by row 0" in ffn["error"]), ffn
+    else:
+        assert ffn["error"] is None

@@ -120,6 +120,15 @@ def _dedup_specs() -> dict:
         ("dedup_attn.cu", "afd_dedup_combine"): kernels.dedup_combine_spec(
             dtype_code=2, out=0x4000, num_tokens=8, hidden_size=64, row_map=arr, out_scale=1.0,
             done_counter=arr, **replies),
+        ("ffn_graph.cu", "afd_graph_dedup_expand"): specs.graph_dedup_expand_spec(
+            dtype_code=0, window=0x3000, geo=geo, state=arr, top_k=8, hidden_size=64,
+            routed_staging=0x8000, shared_staging=0, route_copy=arr, claims=arr, fault=arr,
+            num_claimed=arr, reply_seqs=arr, done_counter=arr, token_cap=8, routed_cap=64,
+            rows_bucket=20),
+        ("ffn_graph.cu", "afd_graph_dedup_reply"): specs.graph_dedup_reply_spec(
+            dtype_code=1, own_window=0x3000, peer_windows=arr, geo=geo, src_rank=1, state=arr,
+            route_copy=arr, top_k=8, routed_outs=arr, shared_out=0x9000, hidden_size=7168,
+            done_counter=arr, token_cap=8, rows_bucket=128, num_chunks=2),
     }
 
 
@@ -164,7 +173,8 @@ def test_specs_use_the_block_sizes_of_the_limit_table(fake_specs):
               "afd_dedup_rows": "PLAN_THREADS", "afd_dedup_scatter": "SCATTER_THREADS",
               "afd_dedup_combine": "COMBINE_THREADS",
               "afd_graph_stage": "REPLY_THREADS", "afd_graph_gather": "REPLY_THREADS",
-              "afd_graph_reply": "REPLY_THREADS"}
+              "afd_graph_reply": "REPLY_THREADS", "afd_graph_dedup_expand": "REPLY_THREADS",
+              "afd_graph_dedup_reply": "REPLY_THREADS"}
     for (filename, name), spec in built.items():
         assert spec.block == limits[blocks[name]], name
         text = (kernels.KERNEL_DIR / filename).read_text()
@@ -255,6 +265,10 @@ def test_dedup_grids_and_mode_checks(fake_specs):
     assert built[("dedup_attn.cu", "afd_dedup_scatter")].grid == kernels.dedup_scatter_grid(8, 2) == 2
     assert kernels.dedup_scatter_grid(0, 4) == 1 and kernels.dedup_scatter_grid(4096, 4) == kernels.MAX_BLOCKS
     assert built[("dedup_attn.cu", "afd_dedup_combine")].grid == kernels.combine_grid(8)
+    # the graph's dedup row kernels: grids for the bucket's message rows (frozen at capture)
+    assert built[("ffn_graph.cu", "afd_graph_dedup_expand")].grid == kernels.dedup_expand_grid(20) == 3
+    assert built[("ffn_graph.cu", "afd_graph_dedup_reply")].grid == \
+        kernels.dedup_reply_grid(128, 7168 * 2) == 128 * 4 // kernels.ROWS_PER_BLOCK
     # the dedup scatter needs the dedup header (one more word than pair mode)
     with pytest.raises(ValueError, match="header_words = 16, expected 17"):
         kernels.dedup_scatter_spec(**{**_DEDUP_SCATTER, "geo": _LAYOUT.kernel_geometry()})

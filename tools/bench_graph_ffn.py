@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Decode round trip with the eager FFN loop vs the graph-driven FFN (GraphFFNServer), 1A1F,
-identity experts (or small random bf16 experts with --experts moe), in one run.
+identity experts (or small random bf16 experts with --experts moe), in one run, in the pair
+(default) or the dedup wire mode (``--wire-mode dedup``: the graph runs the dedup expand and the
+fused reduce, the eager loop the dedup item views and reply).
 
 For each FFN mode a 1A1F job starts (cuda backend): the Attention rank runs, per batch size,
 ``--warmup`` untimed and ``--iters`` timed blocking round trips (send_attn_output +
@@ -46,9 +48,9 @@ def _rank(ctx, cfg: dict) -> dict:
     device = torch.device("cuda", ctx.device_id or 0)
     model = _model(cfg)
     role = "attention" if ctx.rank == 0 else "ffn"
-    conn = AFDConnector(model, TopologyConfig(1, 1), ConnectorConfig(), role=role, role_rank=0,
-                        store=ctx.store(), job_id=ctx.job_id, backend="cuda", device_id=ctx.device_id,
-                        recv_spin_us=cfg["recv_spin_us"])
+    conn = AFDConnector(model, TopologyConfig(1, 1), ConnectorConfig(wire_mode=cfg["wire_mode"]),
+                        role=role, role_rank=0, store=ctx.store(), job_id=ctx.job_id, backend="cuda",
+                        device_id=ctx.device_id, recv_spin_us=cfg["recv_spin_us"])
     try:
         if role == "ffn":
             return _ffn(conn, cfg, device)
@@ -139,6 +141,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 32, 128, 256])
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--experts", default="identity", choices=("identity", "moe"))
+    parser.add_argument("--wire-mode", default="pair", choices=("pair", "dedup"),
+                        help="the connector's wire mode (docs/design.md §3.5)")
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--intermediate", type=int, default=256, help="moe_intermediate_size (--experts moe)")
     parser.add_argument("--num-experts", type=int, default=64)
@@ -158,7 +162,8 @@ def main(argv=None) -> int:
     iters = args.iters or (100 if args.quick else 400)
     report = {"tool": "bench_graph_ffn", "modes": {}}
     for mode in args.modes:
-        cfg = {"mode": mode, "tokens": args.tokens, "experts": args.experts, "hidden": args.hidden,
+        cfg = {"mode": mode, "tokens": args.tokens, "experts": args.experts,
+               "wire_mode": args.wire_mode, "hidden": args.hidden,
                "intermediate": args.intermediate, "num_experts": args.num_experts, "top_k": args.top_k,
                "layers": args.layers, "iters": iters, "warmup": args.warmup, "idle_s": args.idle_s,
                "depth": args.depth, "idle_timeout_s": args.idle_timeout_s,
@@ -178,8 +183,9 @@ def main(argv=None) -> int:
 
 def _print_table(report: dict, args) -> None:
     modes = list(report["modes"])
-    print(f"==== decode round trip, 1A1F, {args.experts} experts, hidden {args.hidden}, top-k "
-          f"{args.top_k}, {args.layers} layers, recv_spin_us {args.recv_spin_us} (µs: median [p10, p90]) ====")
+    print(f"==== decode round trip, 1A1F, {args.wire_mode} wire mode, {args.experts} experts, "
+          f"hidden {args.hidden}, top-k {args.top_k}, {args.layers} layers, recv_spin_us "
+          f"{args.recv_spin_us} (µs: median [p10, p90]) ====")
     print(f"{'tokens':>6s} " + " ".join(f"{m:>24s}" for m in modes))
     for t in args.tokens:
         cells = []

@@ -1,4 +1,4 @@
-"""The graph-driven FFN server (cuda backend, pair wire mode; docs/design.md §5.1).
+"""The graph-driven FFN server (cuda backend, both wire modes; docs/design.md §5.1).
 
 One CUDA graph per size bucket serves one work item per replay with no host step per item::
 
@@ -7,6 +7,13 @@ One CUDA graph per size bucket serves one work item per replay with no host step
        from the device: zero-size groups for every layer but the arrived one) -> activation
     -> the same for the shared experts -> routed scaling -> afd_graph_reply
 
+In the dedup wire mode (§3.5) ``afd_graph_dedup_expand`` replaces the gather (it copies and
+checks the route table, scatters the received rows into the grouped staging and copies the
+shared rows) and ``afd_graph_dedup_reply`` the reply (the fused reduce: one row per received
+row). A route table the expand rejects ends the replay as BAD_ROUTE (nothing answered, the
+reserved reply seq given back): the host raises the eager path's WireError from the verdict
+in the record.
+
 The host keeps ``depth`` replays queued on one stream and, per completed replay (an event,
 polled with sleeps while idle), reads one record from a pinned ring: IDLE (the wait timed out:
 liveness check, replay again), SERVED, SHUTDOWN (counted like the eager receive), EAGER (a
@@ -14,10 +21,6 @@ valid item too large for the bucket or outside the stacked layers: served by an
 :class:`~afd_cupy.ffn_worker.FFNWorker` on a second stream with the reply seq the device
 reserved) or REJECTED (the header fails a check: decoded on the host, which raises the eager
 path's WireError / ProtocolError).
-
-NOTE (dedup hook): the stage kernel already checks dedup headers and builds their reply
-header; dedup needs its expand kernel in place of ``afd_graph_gather`` and its reduce in place
-of ``afd_graph_reply``. Until then a dedup connector is a ConfigError here.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ import torch
 
 from afd_cupy import ffn_graph, kernels, moe, wire
 from afd_cupy.backends.base import Arrival
+from afd_cupy.backends.cuda_ffn_dedup import UNCLAIMED
 from afd_cupy.errors import ConfigError, ConnectorShutdown, ProtocolError, PeerTimeoutError
 from afd_cupy.ffn_worker import FFNWorker, _per_layer
 from afd_cupy.kernels import specs
@@ -54,12 +58,18 @@ class GraphFFNServer:
     layer); they are stacked once into ``[num_layers * epr, 2I, H]`` / ``[num_layers * epr, H,
     I]`` tensors (and ``[num_layers, ...]`` for the shared experts) and the eager fallback's
     per-layer weights become views of those. ``identity=True`` instead: the outputs are the
-    received rows (benchmarks), no GEMMs. ``bucket_tokens``: one graph per batch size
+    received rows (benchmarks), no GEMMs (dedup: each reply row is then the reduce of the
+    received row, ``sum_s w_s * x_r (+ x_r)``, as the eager path with ``identity_experts``
+    replies). ``bucket_tokens``: one graph per batch size
     (:func:`afd_cupy.ffn_graph.buckets_for_tokens`). ``depth``: replays kept queued.
     ``idle_timeout_s``: the in-graph wait's bound (frozen at capture); an idle replay returns
     after it and is replayed again, and :meth:`close` waits at most ``depth`` of them.
 
-    Limits (ConfigError): pair wire mode, ``poll_mode="device"``, the async schedule; GEMM
+    Both wire modes (dedup: the route table is checked in the graph; a rejected table raises
+    the eager path's WireError from :meth:`run` / :meth:`step`).
+
+    Limits (ConfigError): ``poll_mode="device"``, the async schedule, every Attention peer
+    reached by direct stores (no put transport: the reply is a kernel's stores); GEMM
     mode needs bf16, SM90/SM100, no expert biases and no shared-expert gate. Not thread-safe;
     while it runs, nothing else may receive on the connector. Not collective.
     """
@@ -72,6 +82,7 @@ class GraphFFNServer:
             raise ConfigError(f"depth must be >= 1 and idle_timeout_s > 0, got {depth}, {idle_timeout_s}")
         self.connector, self.path, self.layout = connector, path, connector.layout
         self.identity = identity
+        self.is_dedup = connector.layout.is_dedup
         self.depth, self.idle_timeout_s = depth, float(idle_timeout_s)
         self.num_layers = connector.model.num_layers
         self.device = path.device
@@ -79,7 +90,7 @@ class GraphFFNServer:
         self.lpc = ffn_graph.layers_per_chunk(self.num_layers, layout.expert_per_rank)
         self.num_chunks = ffn_graph.num_chunks(self.num_layers, layout.expert_per_rank)
         if identity:
-            self.buckets = (ffn_graph.Bucket(layout.routed_cap, layout.shared_cap),)
+            self.buckets = (ffn_graph.identity_bucket(layout),)
             self.eager_worker = FFNWorker(connector, expert_fn=identity_experts)
         else:
             self.buckets = ffn_graph.buckets_for_tokens(
@@ -108,9 +119,11 @@ class GraphFFNServer:
         if connector.role is not Role.FFN or connector.backend != "cuda":
             raise ConfigError(f"GraphFFNServer needs an FFN-side cuda connector, got "
                               f"{connector.role.value} / {connector.backend}")
-        if connector.layout.wire_mode != "pair":
-            raise ConfigError("GraphFFNServer implements wire_mode 'pair' only (dedup: see the "
-                              "module note); use FFNWorker for dedup")
+        put_peers = [rank for rank, is_put in enumerate(connector.path.peer_is_put) if is_put]
+        if put_peers:  # the graph's reply stores into the peers' windows; puts are host calls
+            raise ConfigError(f"GraphFFNServer replies by direct stores only, but Attention rank(s) "
+                              f"{put_peers} are reached by NVSHMEM puts (transport="
+                              f"{connector.config.transport!r}); use FFNWorker")
         if connector.path.host_polling is not None:
             raise ConfigError("GraphFFNServer needs poll_mode='device' (the wait is in the graph)")
         if identity == (experts is not None):
@@ -153,7 +166,7 @@ class GraphFFNServer:
         self.reply_seqs = cp.zeros(layout.num_slots, cp.int64)
         self.replay_counter = cp.zeros(1, cp.int64)
         self.num_records = 2 * self.depth
-        self.record_words = ffn_graph.record_words(hw)
+        self.record_words = ffn_graph.record_words(hw, dedup=self.is_dedup)
         self.records = kernels.PinnedInt64(self.num_records * self.record_words)
         self.routed_offs = cp.zeros(self.num_layers * layout.expert_per_rank, cp.int32)
         has_shared = self.connector.model.num_shared_experts > 0 and not self.identity
@@ -164,6 +177,13 @@ class GraphFFNServer:
             [path.window.peer_ptr(ctx.peer_pe(Role.ATTENTION, i)) if i < num_attn else 0
              for i in range(layout.num_regions)], dtype=cp.uint64)
         self.reply_done = cp.zeros(1, cp.uint32)
+        if self.is_dedup:  # afd_graph_dedup_expand: the checked route-table copy and its scratch
+            # NOTE: one copy for every bucket: replays run one after another on self.stream
+            self.route_copy = cp.zeros((max(1, layout.token_cap), layout.route_width), cp.int32)
+            self.expand_claims = cp.full(max(1, layout.routed_cap), UNCLAIMED, cp.int32)
+            self.expand_fault = cp.full(1, np.iinfo(np.uint64).max, cp.uint64)
+            self.expand_claimed = cp.zeros(1, cp.uint32)
+            self.expand_done = cp.zeros(1, cp.uint32)
         # torch views made here, not inside a capture (__cuda_array_interface__ carries a stream)
         self.routed_offs_t = self._as_torch(self.routed_offs)
         self.shared_offs_t = None if self.shared_offs is None else self._as_torch(self.shared_offs)
@@ -185,7 +205,7 @@ class GraphFFNServer:
         hidden, dtype = layout.hidden_size, self.connector.torch_dtype
         stage = kernels.PackedLaunch(specs.graph_stage_spec(
             doorbell=self.doorbell.data.ptr, geo=path.geometry,
-            expert_per_rank=layout.expert_per_rank, is_dedup=0, src_rank=path.ctx.role_rank,
+            expert_per_rank=layout.expert_per_rank, is_dedup=int(self.is_dedup), src_rank=path.ctx.role_rank,
             num_attn_ranks=path.ctx.topology.num_attn_ranks, token_cap=layout.token_cap,
             routed_cap=layout.routed_cap, shared_cap=layout.shared_cap,
             routed_bucket=bucket.routed_rows, shared_bucket=bucket.shared_rows,
@@ -195,22 +215,27 @@ class GraphFFNServer:
             records=self.records.ptr, num_records=self.num_records, record_words=self.record_words))
         num_chunks = self.num_chunks
         routed_outs = path.cp.zeros(num_chunks, path.cp.uint64)
-        reply = kernels.PackedLaunch(specs.graph_reply_spec(
-            dtype_code=path.dtype_code, own_window=path.own_window, peer_windows=self.peer_windows,
-            geo=path.geometry, src_rank=path.ctx.role_rank, state=self.state, routed_outs=routed_outs,
-            shared_out=0, hidden_size=hidden, done_counter=self.reply_done,
-            routed_bucket=bucket.routed_rows, shared_bucket=bucket.shared_rows, num_chunks=num_chunks))
         keep = {"routed_outs": routed_outs}
-        gather = None
         if not self.identity:
             keep["x"] = torch.empty(max(1, bucket.routed_rows), hidden, dtype=dtype, device=self.device)
             keep["xs"] = (torch.empty(max(1, bucket.shared_rows), hidden, dtype=dtype, device=self.device)
                           if self.shared_offs is not None else None)
-            gather = kernels.PackedLaunch(specs.graph_gather_spec(
+        staging = 0 if self.identity else keep["x"].data_ptr()
+        shared_staging = 0 if self.identity or keep["xs"] is None else keep["xs"].data_ptr()
+        if self.is_dedup:
+            gather, reply = self._dedup_launches(bucket, routed_outs, staging, shared_staging)
+        else:
+            reply = kernels.PackedLaunch(specs.graph_reply_spec(
+                dtype_code=path.dtype_code, own_window=path.own_window, peer_windows=self.peer_windows,
+                geo=path.geometry, src_rank=path.ctx.role_rank, state=self.state, routed_outs=routed_outs,
+                shared_out=0, hidden_size=hidden, done_counter=self.reply_done,
+                routed_bucket=bucket.routed_rows, shared_bucket=bucket.shared_rows, num_chunks=num_chunks))
+            gather = None if self.identity else kernels.PackedLaunch(specs.graph_gather_spec(
                 dtype_code=path.dtype_code, window=path.own_window, geo=path.geometry,
-                state=self.state, hidden_size=hidden, routed_staging=keep["x"].data_ptr(),
-                shared_staging=0 if keep["xs"] is None else keep["xs"].data_ptr(),
-                routed_bucket=bucket.routed_rows, shared_bucket=bucket.shared_rows))
+                state=self.state, hidden_size=hidden, routed_staging=staging,
+                shared_staging=shared_staging, routed_bucket=bucket.routed_rows,
+                shared_bucket=bucket.shared_rows))
+        if not self.identity:
             side = torch.cuda.Stream(self.device)
             with torch.cuda.stream(side):  # warm-up: offsets are all 0, no GEMM work
                 self._expert_ops(keep["x"], keep["xs"])
@@ -220,17 +245,38 @@ class GraphFFNServer:
             stream_ptr = torch.cuda.current_stream(self.device).cuda_stream
             self.wait_launch.launch(stream_ptr)
             stage.launch(stream_ptr)
-            if gather is not None:
+            if gather is not None:  # dedup: the expand runs with identity experts too (its check)
                 gather.launch(stream_ptr)
+            if not self.identity:
                 keep["outs"], keep["shared_out"] = self._expert_ops(keep["x"], keep["xs"])
                 if keep["shared_out"] is not None:
                     reply.set("shared_out", keep["shared_out"].data_ptr())
             reply.launch(stream_ptr)
-        if gather is not None:  # the chunk outputs' addresses are fixed now: the reply reads them
+        if not self.identity:  # the chunk outputs' addresses are fixed now: the reply reads them
             routed_outs.set(np.array([out.data_ptr() for out in keep["outs"]], np.uint64))
         path.cp.cuda.Device(path.device_id).synchronize()
         self._graph_buffers.append(keep)  # the graph's buffers live as long as the server
         return graph
+
+    def _dedup_launches(self, bucket: ffn_graph.Bucket, routed_outs, staging: int,
+                        shared_staging: int):
+        """(expand, reply) of one bucket's graph in the dedup wire mode, packed once."""
+        path, layout = self.path, self.layout
+        rows = bucket.rows or layout.token_cap
+        expand = kernels.PackedLaunch(specs.graph_dedup_expand_spec(
+            dtype_code=path.dtype_code, window=path.own_window, geo=path.geometry, state=self.state,
+            top_k=layout.top_k, hidden_size=layout.hidden_size, routed_staging=staging,
+            shared_staging=shared_staging, route_copy=self.route_copy, claims=self.expand_claims,
+            fault=self.expand_fault, num_claimed=self.expand_claimed, reply_seqs=self.reply_seqs,
+            done_counter=self.expand_done, token_cap=layout.token_cap,
+            routed_cap=layout.routed_cap, rows_bucket=rows))
+        reply = kernels.PackedLaunch(specs.graph_dedup_reply_spec(
+            dtype_code=path.dtype_code, own_window=path.own_window, peer_windows=self.peer_windows,
+            geo=path.geometry, src_rank=path.ctx.role_rank, state=self.state,
+            route_copy=self.route_copy, top_k=layout.top_k, routed_outs=routed_outs, shared_out=0,
+            hidden_size=layout.hidden_size, done_counter=self.reply_done,
+            token_cap=layout.token_cap, rows_bucket=rows, num_chunks=self.num_chunks))
+        return expand, reply
 
     def _expert_ops(self, x: torch.Tensor, xs: torch.Tensor | None):
         """The expert math over the staging rows, capturable: per layer chunk two grouped GEMMs
@@ -360,6 +406,8 @@ class GraphFFNServer:
             self.num_served += 1
             return 1
         try:
+            if status == ffn_graph.GS_BAD_ROUTE:  # dedup: the eager path's WireError, same words
+                raise ffn_graph.route_verdict(record, self.layout)
             if status == ffn_graph.GS_EAGER:
                 self._serve_eager(words, int(record[ffn_graph.REC_SLOT]), int(record[ffn_graph.REC_SEQ]))
                 return 1

@@ -586,7 +586,8 @@ def graph_stage_spec(*, doorbell, geo, expert_per_rank, is_dedup, src_rank, num_
     (``ffn_graph.routed_offsets_reference``); ``state`` int64 [ffn_graph.state_words(...)]:
     what gather and reply read; increments ``reply_seqs[slot]`` (int64 [num_slots]) for a
     served or eager item and ``replay_counter`` int64 [1]; one record of ``record_words``
-    int64 per replay into the pinned ring ``records`` [num_records, record_words].
+    int64 per replay into the pinned ring ``records`` [num_records, record_words] (dedup: room
+    for the route-table verdict after the header words, ``ffn_graph.record_words(hw, dedup=True)``).
     """
     geo = _geometry("geo", geo)
     epr = _count("expert_per_rank", expert_per_rank, low=1)
@@ -603,7 +604,8 @@ def graph_stage_spec(*, doorbell, geo, expert_per_rank, is_dedup, src_rank, num_
                          f"> {GRAPH_MAX_GROUPS} groups")
     num_slots = int(geo["num_regions"]) * int(geo["ring_depth"])
     record_words = _count("record_words", record_words,
-                          low=STAGE_RECORD_HEADER + -(-int(geo["header_words"]) // 2))
+                          low=STAGE_RECORD_HEADER + -(-int(geo["header_words"]) // 2)
+                          + (wire.STATUS_WORDS if int(is_dedup) else 0))
     args = {"doorbell": _address("doorbell", doorbell), "geo": geo, "expert_per_rank": epr,
             "is_dedup": is_dedup, "src_rank": _count("src_rank", src_rank),
             "num_attn_ranks": _count("num_attn_ranks", num_attn_ranks, low=1,
@@ -626,7 +628,7 @@ def graph_stage_spec(*, doorbell, geo, expert_per_rank, is_dedup, src_rank, num_
 
 #: int64 words before the header copy in the stage's state and record (ffn_graph.cu
 #: STATE_HEADER, REC_HEADER; afd_cupy.ffn_graph mirrors them and a CPU test parses the .cu)
-STAGE_STATE_HEADER = 8
+STAGE_STATE_HEADER = 9
 STAGE_RECORD_HEADER = 6
 
 
@@ -674,3 +676,67 @@ def graph_reply_spec(*, dtype_code, own_window, peer_windows, geo, src_rank, sta
     kernel = get_kernel("ffn_graph.cu", "afd_graph_reply", dtype_code=_dtype(dtype_code))
     return _spec(kernel, reply_grid(int(routed_bucket) + int(shared_bucket), max_blocks),
                  KERNEL_LIMITS["REPLY_THREADS"], args)
+
+
+def graph_dedup_expand_spec(*, dtype_code, window, geo, state, top_k, hidden_size, routed_staging,
+                            shared_staging, route_copy, claims, fault, num_claimed, reply_seqs,
+                            done_counter, token_cap, routed_cap, rows_bucket,
+                            max_blocks=MAX_BLOCKS) -> LaunchSpec:
+    """Copy, check and expand the served dedup item of a graph replay (afd_graph_dedup_expand<DT>):
+    everything about the item is read from the stage's ``state`` when the replay runs.
+
+    ``routed_staging`` / ``shared_staging``: payload [bucket, H] device addresses, 0 for none
+    (identity experts: check and copy only); ``route_copy`` int32 [token_cap, 2 + 2 * top_k];
+    scratch as :func:`dedup_expand_spec`'s (``claims`` [routed_cap]); ``reply_seqs`` the stage's
+    (a rejected table gives its reserved seq back). A rejected table is written into the replay's
+    record (GS_BAD_ROUTE, verdict after the header words). Grid for ``rows_bucket`` message rows
+    (frozen at capture; any count is served).
+    """
+    geo = _geometry("geo", geo)
+    top_k = _count("top_k", top_k, low=1, high=MAX_TOP_K)
+    width = wire.ROUTE_FIXED_WORDS + 2 * int(top_k)
+    num_slots = int(geo["num_regions"]) * int(geo["ring_depth"])
+    args = {"window": _address("window", window), "geo": geo,
+            "state": _array("state", state, np.int64, STAGE_STATE_HEADER + -(-int(geo["header_words"]) // 2)),
+            "top_k": top_k, "hidden_size": _count("hidden_size", hidden_size, low=1),
+            "routed_staging": _address("routed_staging", routed_staging, allow_null=True),
+            "shared_staging": _address("shared_staging", shared_staging, allow_null=True),
+            "route_copy": _array("route_copy", route_copy, np.int32, int(_count("token_cap", token_cap)) * width),
+            "claims": _array("claims", claims, np.int32, int(_count("routed_cap", routed_cap))),
+            "fault": _array("fault", fault, np.uint64, 1),
+            "num_claimed": _array("num_claimed", num_claimed, np.uint32, 1),
+            "reply_seqs": _array("reply_seqs", reply_seqs, np.int64, num_slots),
+            "done_counter": _array("done_counter", done_counter, np.uint32, 1)}
+    kernel = get_kernel("ffn_graph.cu", "afd_graph_dedup_expand", dtype_code=_dtype(dtype_code))
+    return _spec(kernel, dedup_expand_grid(int(_count("rows_bucket", rows_bucket)), max_blocks),
+                 KERNEL_LIMITS["REPLY_THREADS"], args)
+
+
+def graph_dedup_reply_spec(*, dtype_code, own_window, peer_windows, geo, src_rank, state, route_copy,
+                           top_k, routed_outs, shared_out, hidden_size, done_counter, token_cap,
+                           rows_bucket, num_chunks=1, max_blocks=MAX_BLOCKS) -> LaunchSpec:
+    """Reduce and reply of a graph replay in the dedup mode (afd_graph_dedup_reply<DT>): one reply
+    row per received row, then the header the stage built and flag = the reply seq.
+
+    ``route_copy``: the table :func:`graph_dedup_expand_spec`'s kernel accepted;
+    ``routed_outs`` uint64 [num_chunks] (device): each layer chunk's grouped output [bucket, H]
+    in staging order, 0 = identity experts (every slot reads the received row); ``shared_out``
+    [bucket, H] or 0 (identity: the received row). Grid for ``rows_bucket`` rows (frozen).
+    """
+    geo = _geometry("geo", geo)
+    top_k = _count("top_k", top_k, low=1, high=MAX_TOP_K)
+    width = wire.ROUTE_FIXED_WORDS + 2 * int(top_k)
+    args = {"own_window": _address("own_window", own_window),
+            "peer_windows": _array("peer_windows", peer_windows, np.uint64, int(geo["num_regions"])),
+            "geo": geo, "src_rank": _count("src_rank", src_rank),
+            "state": _array("state", state, np.int64, STAGE_STATE_HEADER + -(-int(geo["header_words"]) // 2)),
+            "route_copy": _array("route_copy", route_copy, np.int32, int(_count("token_cap", token_cap)) * width),
+            "top_k": top_k,
+            "routed_outs": _array("routed_outs", routed_outs, np.uint64, int(num_chunks)),
+            "shared_out": _address("shared_out", shared_out, allow_null=True),
+            "hidden_size": _count("hidden_size", hidden_size, low=1),
+            "done_counter": _array("done_counter", done_counter, np.uint32, 1)}
+    kernel = get_kernel("ffn_graph.cu", "afd_graph_dedup_reply", dtype_code=_dtype(dtype_code))
+    grid = dedup_reply_grid(int(_count("rows_bucket", rows_bucket)), _row_bytes(hidden_size, dtype_code),
+                            max_blocks)
+    return _spec(kernel, grid, KERNEL_LIMITS["REPLY_THREADS"], args)

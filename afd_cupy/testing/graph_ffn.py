@@ -1,7 +1,8 @@
 """A :class:`~afd_cupy.testing.scenario.Scenario` run whose FFN ranks serve through the
 graph-driven FFN (:class:`~afd_cupy.backends.cuda_ffn_graph.GraphFFNServer`) instead of the
 eager ``FFNWorker``; the Attention ranks and the reference checks are the scenario's own.
-Used by ``tests/test_ffn_graph_cuda.py`` (cuda backend only)."""
+:func:`run_graph_identity_rank`: 1A1F with identity experts in either wire mode, optionally
+after a corrupt dedup route table. Used by ``tests/test_ffn_graph_cuda.py`` (cuda backend only)."""
 from __future__ import annotations
 
 import time
@@ -46,3 +47,81 @@ def _graph_ffn(conn, scenario: sc.Scenario, ffn_rank: int, device, bucket_tokens
     served = server.run()
     return {"role": "ffn", "rank": ffn_rank, "served": served, "eager": server.num_eager,
             "replays": server.num_replays, "seconds": time.perf_counter() - start}
+
+
+def run_graph_identity_rank(ctx, model, wire_mode: str, tokens: tuple, corrupt_first: bool) -> dict:
+    """1A1F with identity experts on the graph FFN (no GEMMs): the Attention rank checks each
+    layer's output against ``(sum_k w_k + [shared experts]) * x`` (what identity experts give in
+    both wire modes). ``corrupt_first``: before any layer the Attention rank writes a dedup
+    message whose route table names staging row 0 twice straight into the FFN's window; the
+    graph's expand must reject it, the server raise the eager path's WireError (reported as
+    ``error``) and then go on serving the real layers."""
+    import torch
+
+    from afd_cupy.backends.cuda_ffn_graph import GraphFFNServer
+    from afd_cupy.config import ConnectorConfig
+    from afd_cupy.errors import WireError
+
+    topo = Topology(1, 1, model.num_experts)
+    role, role_rank = topo.role_of(ctx.rank)
+    torch.cuda.set_device(ctx.device_id or 0)
+    device = torch.device("cuda", ctx.device_id or 0)
+    conn = AFDConnector(model, TopologyConfig(1, 1), ConnectorConfig(wire_mode=wire_mode), role=role,
+                        role_rank=role_rank, store=ctx.store(), job_id=ctx.job_id, backend="cuda",
+                        device_id=ctx.device_id, peer_timeout_s=60.0)
+    try:
+        if role is Role.FFN:
+            server = GraphFFNServer(conn, identity=True)
+            error = None
+            if corrupt_first:
+                try:
+                    server.run()
+                except WireError as err:  # the queued replays stay queued: run() goes on below
+                    error = str(err)
+                ctx.store().set("ffn-saw-the-table", b"1")
+            served = server.run()
+            return {"role": "ffn", "error": error, "served": served, "eager": server.num_eager,
+                    "replays": server.num_replays}
+        if corrupt_first:
+            _write_bad_route_table(conn)
+            ctx.store().get("ffn-saw-the-table")  # before the first real dispatch supersedes it
+        gen = torch.Generator().manual_seed(1)
+        errors = []
+        for layer, num_tokens in enumerate(tokens):
+            hidden = torch.randn(num_tokens, model.hidden_size, generator=gen).to(conn.torch_dtype)
+            weights, ids = conn.select_experts(torch.randn(num_tokens, model.num_experts, generator=gen).to(device))
+            out = conn.recv_ffn_output(conn.send_attn_output(hidden.to(device), ids, weights,
+                                                             layer % model.num_layers))
+            scale = weights.float().sum(dim=1, keepdim=True).cpu() + float(model.num_shared_experts > 0)
+            want = scale * hidden.float()
+            err = (out.float().cpu() - want).norm() / want.norm().clamp_min(1e-30)
+            errors.append({"layer": layer, "tokens": num_tokens, "rel_err": float(err),
+                           "num_nan": int(torch.isnan(out.float()).sum())})
+        conn.announce_shutdown()
+        return {"role": "attention", "errors": errors}
+    finally:
+        conn.close()
+
+
+def _write_bad_route_table(conn) -> None:
+    """A dedup dispatch with seq 1 on (FFN rank 0, ring 0) whose two rows both name staging row 0,
+    written into the FFN's window (flag last); the path's next dispatch there takes seq 2."""
+    import cupy as cp
+    import numpy as np
+
+    from afd_cupy import wire
+
+    layout, path, model = conn.layout, conn.path, conn.model
+    table = np.zeros((2, layout.route_width), np.int32)
+    table[:, wire.ROUTE_SLOTS:wire.ROUTE_SLOTS + model.top_k] = -1
+    table[:, wire.ROUTE_SLOTS] = 0  # row 0 and row 1 both name staging row 0
+    table[1, wire.ROUTE_TOKEN] = 1
+    header = wire.dispatch_header(seq=1, src_rank=0, layer_idx=0, stage_idx=0, num_tokens=2,
+                                  shared_tokens=0, top_k=model.top_k,
+                                  expert_counts=(2,) + (0,) * (layout.expert_per_rank - 1),
+                                  wire_mode="dedup", num_rows=2)
+    path.seq_counters[0, 0] = 1
+    path.window.write_message(path.ctx.peer_pe(Role.FFN, 0), 0, 0,
+                              wire.encode_header(header, layout.expert_per_rank), 1,
+                              {"route_table": table})
+    cp.cuda.Device().synchronize()
