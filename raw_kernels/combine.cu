@@ -128,9 +128,5 @@ afd_combine(afd_u64 out,  // payload [num_tokens, hidden_size]
   if (!last_block_done(done_counter, /*system_scope=*/false)) return;
   mark_replies_seen(geo, num_ffn_ranks, ring, expected, reply_flags, last_seen, status,
                     COMBINE_THREADS);
-  __syncthreads();
-  if (tid == 0) {
-    __threadfence();
-    *done_counter = 0u;
-  }
+  reset_done_counter(done_counter);
 }

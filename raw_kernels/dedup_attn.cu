@@ -127,11 +127,7 @@ afd_dedup_rows(const afd_i32* __restrict__ topk_ids,  // [num_tokens * top_k], f
     row_map[(q / top_k) * num_ffn_ranks + j] =
         base + __ldcg(rows_hist + (q / CHUNK) * num_keys + k) + local;
   }
-  __syncthreads();
-  if (tid == 0) {
-    __threadfence();
-    *done_counter = 0u;
-  }
+  reset_done_counter(done_counter);
 }
 
 // grid = max(1, min(ceil(T*F / ROWS_PER_BLOCK), MAX_BLOCKS)), block = SCATTER_THREADS; a warp per
@@ -299,11 +295,7 @@ afd_dedup_scatter(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-maj
       }
     }
   }
-  __syncthreads();
-  if (tid == 0) {
-    __threadfence();
-    *done_counter = 0u;
-  }
+  reset_done_counter(done_counter);
 }
 
 // grid = max(1, min(T, MAX_BLOCKS)), block = COMBINE_THREADS; blocks stride over tokens, threads
@@ -399,9 +391,5 @@ afd_dedup_combine(afd_u64 out,  // payload [num_tokens, hidden_size]
   if (!last_block_done(done_counter, /*system_scope=*/false)) return;
   mark_replies_seen(geo, num_ffn_ranks, ring, expected, reply_flags, last_seen, status,
                     COMBINE_THREADS);
-  __syncthreads();
-  if (tid == 0) {
-    __threadfence();
-    *done_counter = 0u;
-  }
+  reset_done_counter(done_counter);
 }

@@ -261,9 +261,5 @@ afd_dispatch_scatter(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-
       }
     }
   }
-  __syncthreads();
-  if (tid == 0) {
-    __threadfence();
-    *done_counter = 0u;
-  }
+  reset_done_counter(done_counter);
 }

@@ -349,6 +349,17 @@ __device__ __forceinline__ bool last_block_done(unsigned int* counter, bool syst
   return s_is_last;
 }
 
+// The end of a last block's work (every thread of it calls it once): a barrier orders every
+// thread's last-block writes before thread 0's GPU-scope fence, which precedes its reset of
+// *counter to 0 for the next launch.
+__device__ __forceinline__ void reset_done_counter(unsigned int* counter) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    *counter = 0u;
+  }
+}
+
 // wire.is_late_reply: a reply (not a shutdown) whose echo_seq lies in the 2**31 seqs before
 // `want_seq` (modulo 2**32) answers an earlier dispatch whose wait timed out; it is dropped.
 __device__ __forceinline__ bool is_late_reply(const afd_i32* header, afd_i64 want_seq) {
