@@ -9,6 +9,7 @@
 // afd_reply); then header, system fence, flag.
 #include "wire.cuh"
 #include "dedup_ffn.cuh"  // expand_row, expand_finish (shared with ffn_graph.cu)
+#include "publish.cuh"    // publish_reply
 
 using namespace afd;
 
@@ -156,17 +157,10 @@ afd_dedup_reply(afd_u64 dst_window,  // the Attention peer's window as mapped he
     __syncwarp();  // s_pos / s_weight of this warp are rewritten by the next row
   }
 
-  // Every block's rows are released at system scope here (as afd_reply).
+  // Every block's rows are released at system scope here; then, as afd_reply, the header from
+  // the pinned staging row, a system fence and the flag (a put peer: no flag).
   if (!last_block_done(done_counter, /*system_scope=*/true)) return;
-  const afd_i32* src_words = static_cast<const afd_i32*>(byte_ptr(header_src, 0));
-  afd_i32* header = geo.header(slot);
-  for (int w = tid; w < geo.header_words; w += REPLY_THREADS) header[w] = load_volatile32(src_words + w);
-  __syncthreads();  // every header word of the block precedes thread 0's fence
-  if (tid == 0) {
-    __threadfence_system();  // release, cumulative over the header and every block's rows
-    // A put peer's flag is set by the host's put-with-signal queued behind this kernel.
-    if (dst_window) store_volatile(geo.flag(dst_window, src_rank, ring), seq);
-    __threadfence();
-    *done_counter = 0u;
-  }
+  publish_reply(geo, slot, dst_window, src_rank, ring,
+                static_cast<const afd_i32*>(byte_ptr(header_src, 0)), /*pinned_src=*/true, seq,
+                done_counter);
 }

@@ -27,6 +27,7 @@
 // dedup_reply_reference; gather/reply in the cuda tests).
 #include "wire.cuh"
 #include "dedup_ffn.cuh"  // expand_row, expand_finish, load_route_slots, reduce_row_part
+#include "publish.cuh"    // publish_reply
 
 using namespace afd;
 
@@ -302,18 +303,12 @@ afd_graph_reply(afd_u64 own_window,
     warp_copy_row(dst, src, row_bytes, lane);
   }
 
-  // Every block's rows are released at system scope here.
+  // Every block's rows are released at system scope here; then the stage's reply header, a
+  // system fence and flag = the reserved seq (as afd_reply).
   if (!last_block_done(done_counter, /*system_scope=*/true)) return;
-  const afd_i32* words = reinterpret_cast<const afd_i32*>(state + STATE_HEADER);
-  afd_i32* header = geo.header(slot);
-  for (int w = tid; w < geo.header_words; w += REPLY_THREADS) header[w] = words[w];
-  __syncthreads();  // every header word of the block precedes thread 0's fence
-  if (tid == 0) {
-    __threadfence_system();  // release, cumulative over the header and every block's rows
-    store_volatile(geo.flag(dst_window, src_rank, ring), state[STATE_SEQ]);
-    __threadfence();
-    *done_counter = 0u;
-  }
+  publish_reply(geo, slot, dst_window, src_rank, ring,
+                reinterpret_cast<const afd_i32*>(state + STATE_HEADER), /*pinned_src=*/false,
+                state[STATE_SEQ], done_counter);
 }
 
 // ---- dedup wire mode (docs/design.md §3.5, §5.1) ----------------------------------------------
@@ -460,15 +455,9 @@ afd_graph_dedup_reply(afd_u64 own_window,
     __syncwarp();  // s_pos / s_weight of this warp are rewritten by the next row
   }
 
-  // Every block's rows are released at system scope here (as afd_graph_reply).
+  // Every block's rows are released at system scope here; then, as afd_graph_reply, the
+  // stage's reply header, a system fence and flag = the reserved seq.
   if (!last_block_done(done_counter, /*system_scope=*/true)) return;
-  afd_i32* header = geo.header(slot);
-  for (int w = tid; w < geo.header_words; w += REPLY_THREADS) header[w] = words[w];
-  __syncthreads();  // every header word of the block precedes thread 0's fence
-  if (tid == 0) {
-    __threadfence_system();  // release, cumulative over the header and every block's rows
-    store_volatile(geo.flag(dst_window, src_rank, ring), state[STATE_SEQ]);
-    __threadfence();
-    *done_counter = 0u;
-  }
+  publish_reply(geo, slot, dst_window, src_rank, ring, words, /*pinned_src=*/false,
+                state[STATE_SEQ], done_counter);
 }

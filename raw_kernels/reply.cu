@@ -4,6 +4,7 @@
 // reached by puts (dst_window 0) the same bytes go to the own staging slot and the host's
 // put-with-signal sets the flag (§6.1).
 #include "wire.cuh"
+#include "publish.cuh"  // publish_reply
 
 using namespace afd;
 
@@ -36,17 +37,10 @@ afd_reply(afd_u64 dst_window,  // the Attention peer's window as mapped here; 0:
     warp_copy_row(dst, src, row_bytes, lane);
   }
 
-  // Every block's rows are released at system scope here.
+  // Every block's rows are released at system scope here; then the header from the pinned
+  // staging row, a system fence and the flag (a put peer: no flag).
   if (!last_block_done(done_counter, /*system_scope=*/true)) return;
-  const afd_i32* src_words = static_cast<const afd_i32*>(byte_ptr(header_src, 0));
-  afd_i32* header = geo.header(slot);
-  for (int w = tid; w < geo.header_words; w += REPLY_THREADS) header[w] = load_volatile32(src_words + w);
-  __syncthreads();  // every header word of the block precedes thread 0's fence
-  if (tid == 0) {
-    __threadfence_system();  // release, cumulative over the header and every block's rows
-    // A put peer's flag is set by the host's put-with-signal queued behind this kernel.
-    if (dst_window) store_volatile(geo.flag(dst_window, src_rank, ring), seq);
-    __threadfence();
-    *done_counter = 0u;
-  }
+  publish_reply(geo, slot, dst_window, src_rank, ring,
+                static_cast<const afd_i32*>(byte_ptr(header_src, 0)), /*pinned_src=*/true, seq,
+                done_counter);
 }
