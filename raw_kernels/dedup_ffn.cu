@@ -8,7 +8,7 @@
 // rounded once, straight into the Attention peer's window (a put peer: the own staging slot, as
 // afd_reply); then header, system fence, flag.
 #include "wire.cuh"
-#include "dedup_ffn.cuh"  // expand_row, expand_finish (shared with ffn_graph.cu)
+#include "dedup_ffn.cuh"  // expand_row, expand_finish, load_route_slots, reduce_row_part
 #include "publish.cuh"    // publish_reply
 
 using namespace afd;
@@ -68,8 +68,8 @@ afd_dedup_expand(afd_u64 window,  // own window
 // column ranges so that a decode-size reply (R = 128 rows of 14 KiB) still keeps enough warps
 // in flight (one warp per row: 128 warps, ~225 GB/s). route_copy is the table afd_dedup_expand
 // accepted (a staging row outside [0, num_routed) ends the row's slots: never the case for an
-// accepted table).
-
+// accepted table). The reduce is dedup_ffn.cuh's load_route_slots / reduce_row_part, shared with
+// afd_graph_dedup_reply (ffn_graph.cu).
 template <int DT>
 __global__ void __launch_bounds__(REPLY_THREADS)
 afd_dedup_reply(afd_u64 dst_window,  // the Attention peer's window as mapped here; 0: put peer
@@ -100,60 +100,12 @@ afd_dedup_reply(afd_u64 dst_window,  // the Attention peer's window as mapped he
   for (afd_i64 item = static_cast<afd_i64>(blockIdx.x) * ROWS_PER_BLOCK + warp;
        item < static_cast<afd_i64>(num_rows) * parts; item += warp_stride) {
     const afd_i64 r = item / parts, part = item % parts;
-    const afd_i32* words = route_copy + r * width;
-    int num_slots = top_k;
-    for (int base = 0; base < top_k; base += 32) {
-      const int s = base + lane;
-      const afd_i32 pos = s < top_k ? words[ROUTE_SLOTS + s] : -1;
-      const bool ok = s < top_k && pos >= 0 && pos < num_routed;
-      if (ok) {
-        s_pos[warp][s] = pos;
-        s_weight[warp][s] = __int_as_float(words[ROUTE_SLOTS + top_k + s]);
-      }
-      const unsigned int bad = __ballot_sync(0xffffffffu, s < top_k && !ok);
-      if (bad != 0u && num_slots == top_k) num_slots = base + __ffs(bad) - 1;
-    }
-    __syncwarp();
-    const bool has_shared = r < num_shared;
-    char* dst = geo.routed_row(slot, r, row_bytes);
-    // NOTE: __fmul_rn / __fadd_rn: no FMA contraction, so the row is bitwise
-    // dedup_reference.reduce_reference (and the host backend's numba reduce) rounded once.
-    if (vectors) {
-      constexpr int V = vec_elems<DT>();
-      const afd_i64 vecs = row_bytes >> 4, per_part = (vecs + parts - 1) / parts;
-      const afd_i64 v_end = min(vecs, (part + 1) * per_part);
-      for (afd_i64 i = part * per_part + lane; i < v_end; i += 32) {
-        float acc[V];
-#pragma unroll
-        for (int e = 0; e < V; ++e) acc[e] = 0.0f;
-        for (int s = 0; s < num_slots; ++s) {
-          const float w = s_weight[warp][s];
-          float x[V];
-          unpack16<DT>(reinterpret_cast<const uint4*>(routed + s_pos[warp][s] * row_bytes)[i], x);
-#pragma unroll
-          for (int e = 0; e < V; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(w, x[e]));
-        }
-        if (has_shared) {
-          float x[V];
-          unpack16<DT>(reinterpret_cast<const uint4*>(shared + r * row_bytes)[i], x);
-#pragma unroll
-          for (int e = 0; e < V; ++e) acc[e] = __fadd_rn(acc[e], x[e]);
-        }
-        reinterpret_cast<uint4*>(dst)[i] = pack16<DT>(acc);
-      }
-    } else {
-      const afd_i64 per_part = (static_cast<afd_i64>(hidden_size) + parts - 1) / parts;
-      const afd_i64 h_end = min(static_cast<afd_i64>(hidden_size), (part + 1) * per_part);
-      for (afd_i64 h = part * per_part + lane; h < h_end; h += 32) {
-        float acc = 0.0f;
-        for (int s = 0; s < num_slots; ++s) {
-          const afd_i64 src = static_cast<afd_i64>(s_pos[warp][s]) * hidden_size + h;
-          acc = __fadd_rn(acc, __fmul_rn(s_weight[warp][s], load_elem<DT>(routed, src)));
-        }
-        if (has_shared) acc = __fadd_rn(acc, load_elem<DT>(shared, r * hidden_size + h));
-        store_elem<DT>(dst, h, acc);
-      }
-    }
+    const int num_slots = load_route_slots(route_copy + r * width, top_k, num_routed, s_pos[warp],
+                                           s_weight[warp], lane);
+    const char* shared_row = r < num_shared ? shared + r * row_bytes : nullptr;
+    reduce_row_part<DT>(geo.routed_row(slot, r, row_bytes), routed, row_bytes, s_pos[warp],
+                        s_weight[warp], num_slots, shared_row, row_bytes, hidden_size, part, parts,
+                        vectors, lane);
     __syncwarp();  // s_pos / s_weight of this warp are rewritten by the next row
   }
 

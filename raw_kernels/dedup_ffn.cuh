@@ -1,6 +1,6 @@
 // dedup_ffn.cuh: device steps of the dedup wire mode's FFN side (docs/design.md §3.5, §5), shared
-// by dedup_ffn.cu (afd_dedup_expand: the eager path) and ffn_graph.cu (afd_graph_dedup_expand,
-// afd_graph_dedup_reply: the graph-driven FFN, §5.1).
+// by dedup_ffn.cu (afd_dedup_expand, afd_dedup_reply: the eager path) and ffn_graph.cu
+// (afd_graph_dedup_expand, afd_graph_dedup_reply: the graph-driven FFN, §5.1).
 //
 // - expand_row: one warp copies one route-table row into local memory, checks the copy with the
 //   rules of wire.check_route_table, claims its staging rows and scatters the received row;
@@ -8,7 +8,6 @@
 //   the scratch reset;
 // - load_route_slots / reduce_row_part: one warp reduces (part of) one reply row,
 //   out = sum_s w_s * routed_out[pos_s] (+ shared_out[r]) in fp32 in slot order, rounded once.
-//   NOTE: afd_dedup_reply (dedup_ffn.cu) still has its own copy of this loop.
 #pragma once
 
 #include "wire.cuh"
