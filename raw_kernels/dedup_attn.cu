@@ -13,6 +13,7 @@
 // combine_reference).
 #include "wire.cuh"
 #include "reply_check.cuh"  // wait_replies, mark_replies_seen
+#include "publish.cuh"      // publish_dispatch
 
 using namespace afd;
 
@@ -255,45 +256,13 @@ afd_dedup_scatter(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-maj
   }
   __syncthreads();
   if (ok) {
-    const afd_i32 hdr_words = geo.header_words;  // HDR_FIXED_WORDS + epr + 1 (num_rows)
-    const afd_i32 num_rows_word = HDR_FIXED_WORDS + expert_per_rank;
-    const afd_i64 total_words = static_cast<afd_i64>(num_ffn_ranks) * hdr_words;
-    for (afd_i64 idx = tid; idx < total_words; idx += SCATTER_THREADS) {
-      const int j = static_cast<int>(idx / hdr_words), w = static_cast<int>(idx % hdr_words);
-      const afd_i64 seq = s_seq[j];
-      if (seq == 0) continue;
-      afd_i32 value;
-      switch (w) {
-        case HDR_MAGIC: value = static_cast<afd_i32>(MAGIC); break;
-        case HDR_VERSION: value = static_cast<afd_i32>(VERSION); break;
-        case HDR_SEQ: value = static_cast<afd_i32>(static_cast<afd_u32>(seq & 0xffffffffll)); break;
-        case HDR_SRC_RANK: value = src_rank; break;
-        case HDR_LAYER: value = layer_idx; break;
-        case HDR_STAGE: value = stage_idx; break;
-        case HDR_NUM_TOKENS: value = num_tokens; break;
-        case HDR_ROUTED_TOKENS: value = s_routed[j]; break;
-        case HDR_SHARED_TOKENS: value = s_shared[j]; break;
-        case HDR_TOPK: value = top_k; break;
-        case HDR_FLAGS: value = hdr_flags | static_cast<afd_i32>(FLAG_DEDUP); break;
-        case HDR_ECHO_SEQ: value = 0; break;
-        default:
-          value = (w == num_rows_word) ? s_rows[j]
-                                       : expert_counts[j * expert_per_rank + (w - HDR_FIXED_WORDS)];
-          break;
-      }
-      geo.header(geo.send_slot(peer_windows[j], staging, j, src_rank, ring))[w] = value;
-    }
-    __syncthreads();  // every header word of the block precedes the fences below
-    for (int j = tid; j < num_ffn_ranks; j += SCATTER_THREADS) {
-      if (s_seq[j] != 0) {
-        // Release in the storing thread itself: cumulative over the headers (bar.sync above)
-        // and over every block's rows (last_block_done), so all precede the flag. A put
-        // peer's flag goes to the local staging flag word, which the host's flag put copies
-        // (docs/design.md §6.1).
-        __threadfence_system();
-        store_volatile(geo.send_flag(peer_windows[j], staging, j, src_rank, ring), s_seq[j]);
-      }
-    }
+    // As afd_dispatch_scatter: headers (FLAG_DEDUP, num_rows trailer), then per rank a system
+    // fence and the flag (a put peer: the local staging flag word).
+    const DispatchHeader hdr{src_rank, layer_idx, stage_idx, num_tokens, top_k,
+                             hdr_flags | static_cast<afd_i32>(FLAG_DEDUP)};
+    publish_dispatch</*DEDUP=*/true>(geo, peer_windows, staging, ring, num_ffn_ranks,
+                                     expert_per_rank, hdr, s_seq, s_routed, s_shared, s_rows,
+                                     expert_counts);
   }
   reset_done_counter(done_counter);
 }

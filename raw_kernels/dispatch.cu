@@ -8,6 +8,7 @@
 // shared rows, header and flag into each non-empty FFN rank's window, flags last, or nothing at
 // all when the verdict is not STATUS_OK.
 #include "wire.cuh"
+#include "publish.cuh"  // publish_dispatch
 
 using namespace afd;
 
@@ -225,41 +226,13 @@ afd_dispatch_scatter(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-
   }
   __syncthreads();
   if (ok) {
-    const afd_i32 hdr_words = geo.header_words;
-    const afd_i64 total_words = static_cast<afd_i64>(num_ffn_ranks) * hdr_words;
-    for (afd_i64 idx = tid; idx < total_words; idx += SCATTER_THREADS) {
-      const int j = static_cast<int>(idx / hdr_words), w = static_cast<int>(idx % hdr_words);
-      const afd_i64 seq = s_seq[j];
-      if (seq == 0) continue;
-      afd_i32 value;
-      switch (w) {
-        case HDR_MAGIC: value = static_cast<afd_i32>(MAGIC); break;
-        case HDR_VERSION: value = static_cast<afd_i32>(VERSION); break;
-        case HDR_SEQ: value = static_cast<afd_i32>(static_cast<afd_u32>(seq & 0xffffffffll)); break;
-        case HDR_SRC_RANK: value = src_rank; break;
-        case HDR_LAYER: value = layer_idx; break;
-        case HDR_STAGE: value = stage_idx; break;
-        case HDR_NUM_TOKENS: value = num_tokens; break;
-        case HDR_ROUTED_TOKENS: value = s_routed[j]; break;
-        case HDR_SHARED_TOKENS: value = s_shared[j]; break;
-        case HDR_TOPK: value = top_k; break;
-        case HDR_FLAGS: value = hdr_flags; break;
-        case HDR_ECHO_SEQ: value = 0; break;
-        default: value = expert_counts[j * expert_per_rank + (w - HDR_FIXED_WORDS)]; break;
-      }
-      geo.header(geo.send_slot(peer_windows[j], staging, j, src_rank, ring))[w] = value;
-    }
-    __syncthreads();  // every header word of the block precedes the fences below
-    for (int j = tid; j < num_ffn_ranks; j += SCATTER_THREADS) {
-      if (s_seq[j] != 0) {
-        // Release in the storing thread itself: cumulative over the headers (bar.sync above)
-        // and over every block's payload (last_block_done), so all precede the flag. A put
-        // peer's flag goes to the local staging flag word: the host's flag put, queued behind
-        // this kernel and a quiet, copies it (docs/design.md §6.1).
-        __threadfence_system();
-        store_volatile(geo.send_flag(peer_windows[j], staging, j, src_rank, ring), s_seq[j]);
-      }
-    }
+    // Headers, then per rank a system fence and the flag. A put peer's flag goes to the local
+    // staging flag word: the host's flag put, queued behind this kernel and a quiet, copies it
+    // (docs/design.md §6.1).
+    const DispatchHeader hdr{src_rank, layer_idx, stage_idx, num_tokens, top_k, hdr_flags};
+    publish_dispatch</*DEDUP=*/false>(geo, peer_windows, staging, ring, num_ffn_ranks,
+                                      expert_per_rank, hdr, s_seq, s_routed, s_shared,
+                                      /*rows=*/nullptr, expert_counts);
   }
   reset_done_counter(done_counter);
 }
