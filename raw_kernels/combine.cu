@@ -8,7 +8,7 @@
 // error the block writes NaN rows and the first error is latched in the status block. The wait
 // and its checks (reply_check.cuh) are shared with the dedup combine (dedup_attn.cu).
 #include "wire.cuh"
-#include "reply_check.cuh"  // wait_replies, check_reply, mark_replies_seen
+#include "reply_check.cuh"  // wait_replies, combine_wait, store_nan_row, finish_combine
 
 using namespace afd;
 
@@ -52,21 +52,15 @@ afd_combine(afd_u64 out,  // payload [num_tokens, hidden_size]
             afd_i64* last_seen,    // [num_slots]
             afd_i64* reply_flags,  // [num_ffn_ranks]: the flags the wait consumed
             afd_i64 timeout_ns, float out_scale, unsigned int* done_counter, afd_i64* status) {
-  __shared__ bool s_ok;
   __shared__ float s_weight[MAX_TOP_K];
   __shared__ const char* s_row[MAX_TOP_K];
   __shared__ const char* s_shared_row;
   const int tid = threadIdx.x;
   const afd_i64 row_bytes = static_cast<afd_i64>(hidden_size) * itemsize<DT>();
 
-  if (tid < 32) {
-    const bool ok = wait_replies(window, geo, num_ffn_ranks, ring, expected, expected_counts,
-                                 layer_idx, stage_idx, last_seen, reply_flags, timeout_ns, status,
-                                 /*dedup=*/false);
-    if (tid == 0) s_ok = ok;
-  }
-  __syncthreads();
-  const bool ok = s_ok;
+  const bool ok = combine_wait(window, geo, num_ffn_ranks, ring, expected, expected_counts,
+                               layer_idx, stage_idx, last_seen, reply_flags, timeout_ns, status,
+                               /*dedup=*/false);
   char* out_base = static_cast<char*>(byte_ptr(out, 0));
   const afd_u64 misalign = out | window | static_cast<afd_u64>(geo.flags_bytes) |
                            static_cast<afd_u64>(geo.slot_bytes) |
@@ -78,7 +72,7 @@ afd_combine(afd_u64 out,  // payload [num_tokens, hidden_size]
   for (afd_i64 t = blockIdx.x; t < num_tokens; t += gridDim.x) {
     char* out_row = out_base + t * row_bytes;
     if (!ok) {
-      for (afd_i64 h = tid; h < hidden_size; h += COMBINE_THREADS) store_elem<DT>(out_row, h, __int_as_float(0x7fc00000));
+      store_nan_row<DT>(out_row, hidden_size);
       continue;
     }
     if (tid < top_k) {
@@ -124,9 +118,6 @@ afd_combine(afd_u64 out,  // payload [num_tokens, hidden_size]
     __syncthreads();  // s_weight / s_row are rewritten for the next token
   }
 
-  // GPU scope: the output rows and last_seen are read on this GPU only.
-  if (!last_block_done(done_counter, /*system_scope=*/false)) return;
-  mark_replies_seen(geo, num_ffn_ranks, ring, expected, reply_flags, last_seen, status,
-                    COMBINE_THREADS);
-  reset_done_counter(done_counter);
+  // Last block (GPU scope): last_seen from the flags the wait accepted.
+  finish_combine(done_counter, geo, num_ffn_ranks, ring, expected, reply_flags, last_seen, status);
 }

@@ -12,7 +12,7 @@
 // Numpy references: afd_cupy/testing/dedup_reference.py (plan_reference, scatter_reference,
 // combine_reference).
 #include "wire.cuh"
-#include "reply_check.cuh"  // wait_replies, mark_replies_seen
+#include "reply_check.cuh"  // combine_wait, store_nan_row, finish_combine
 #include "publish.cuh"      // publish_dispatch
 
 using namespace afd;
@@ -288,20 +288,14 @@ afd_dedup_combine(afd_u64 out,  // payload [num_tokens, hidden_size]
                   afd_i64 timeout_ns, float out_scale, unsigned int* done_counter,
                   afd_i64* status) {
   constexpr unsigned int ALL = 0xffffffffu;
-  __shared__ bool s_ok;
   __shared__ const char* s_row[MAX_FFN_RANKS];
   __shared__ int s_num_rows;
   const int tid = threadIdx.x;
   const afd_i64 row_bytes = static_cast<afd_i64>(hidden_size) * itemsize<DT>();
 
-  if (tid < 32) {
-    const bool ok = wait_replies(window, geo, num_ffn_ranks, ring, expected, expected_counts,
-                                 layer_idx, stage_idx, last_seen, reply_flags, timeout_ns, status,
-                                 /*dedup=*/true);
-    if (tid == 0) s_ok = ok;
-  }
-  __syncthreads();
-  const bool ok = s_ok;
+  const bool ok = combine_wait(window, geo, num_ffn_ranks, ring, expected, expected_counts,
+                               layer_idx, stage_idx, last_seen, reply_flags, timeout_ns, status,
+                               /*dedup=*/true);
   char* out_base = static_cast<char*>(byte_ptr(out, 0));
   const afd_u64 misalign = out | window | static_cast<afd_u64>(geo.flags_bytes) |
                            static_cast<afd_u64>(geo.slot_bytes) |
@@ -312,7 +306,7 @@ afd_dedup_combine(afd_u64 out,  // payload [num_tokens, hidden_size]
   for (afd_i64 t = blockIdx.x; t < num_tokens; t += gridDim.x) {
     char* out_row = out_base + t * row_bytes;
     if (!ok) {
-      for (afd_i64 h = tid; h < hidden_size; h += COMBINE_THREADS) store_elem<DT>(out_row, h, __int_as_float(0x7fc00000));
+      store_nan_row<DT>(out_row, hidden_size);
       continue;
     }
     if (tid < 32) {  // the reply rows of token t, in rank order
@@ -356,9 +350,6 @@ afd_dedup_combine(afd_u64 out,  // payload [num_tokens, hidden_size]
     __syncthreads();  // s_row / s_num_rows are rewritten for the next token
   }
 
-  // GPU scope: the output rows and last_seen are read on this GPU only.
-  if (!last_block_done(done_counter, /*system_scope=*/false)) return;
-  mark_replies_seen(geo, num_ffn_ranks, ring, expected, reply_flags, last_seen, status,
-                    COMBINE_THREADS);
-  reset_done_counter(done_counter);
+  // Last block (GPU scope): last_seen from the flags the wait accepted.
+  finish_combine(done_counter, geo, num_ffn_ranks, ring, expected, reply_flags, last_seen, status);
 }

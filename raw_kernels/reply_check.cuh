@@ -7,6 +7,8 @@
 // status block. `dedup` selects the receiver's wire mode (docs/design.md §3.5): FLAG_DEDUP must be
 // set exactly in dedup mode, the header has one more word (num_rows at geo.header_words - 1, not
 // an expert count) and expected_counts has three columns (routed, shared, rows) instead of two.
+// The combines' common frame is here too: combine_wait (the first warp re-runs the wait),
+// store_nan_row (a token's row after an error) and finish_combine (the last block's last_seen).
 #pragma once
 
 #include "wire.cuh"
@@ -168,6 +170,54 @@ __device__ inline void mark_replies_seen(const SlotGeometry& geo, afd_i32 num_ff
   for (int j = threadIdx.x; j < num_ffn_ranks; j += num_threads) {
     if (expected[j] != 0) last_seen[geo.slot_index(j, ring)] = reply_flags[j];
   }
+}
+
+// The start of a combine block (block = COMBINE_THREADS; every thread calls it once): the first
+// warp re-runs the wait (wait_replies; immediate once afd_wait_replies succeeded) and a barrier
+// hands its verdict to every thread. Ordering: lane 0 acquired the replies (its system fence
+// after the flag) before the barrier, so on true every thread may read the reply rows.
+__device__ __forceinline__ bool combine_wait(afd_u64 window, const SlotGeometry& geo,
+                                             afd_i32 num_ffn_ranks, afd_i32 ring,
+                                             const afd_i64* expected,
+                                             const afd_i32* expected_counts, afd_i32 layer_idx,
+                                             afd_i32 stage_idx, const afd_i64* last_seen,
+                                             afd_i64* reply_flags, afd_i64 timeout_ns,
+                                             afd_i64* status, bool dedup) {
+  __shared__ bool s_ok;
+  const int tid = threadIdx.x;
+  if (tid < 32) {
+    const bool ok = wait_replies(window, geo, num_ffn_ranks, ring, expected, expected_counts,
+                                 layer_idx, stage_idx, last_seen, reply_flags, timeout_ns, status,
+                                 dedup);
+    if (tid == 0) s_ok = ok;
+  }
+  __syncthreads();
+  return s_ok;
+}
+
+// A combine block's output row of one token after an error (every thread of the block): NaN in
+// every element, so that no stale or partial row passes for a result. Plain stores, no ordering.
+template <int DT>
+__device__ __forceinline__ void store_nan_row(char* out_row, afd_i32 hidden_size) {
+  const int tid = threadIdx.x;
+  for (afd_i64 h = tid; h < hidden_size; h += COMBINE_THREADS) {
+    store_elem<DT>(out_row, h, __int_as_float(0x7fc00000));
+  }
+}
+
+// The end of a combine (every thread of every block calls it once, after its output rows).
+// Ordering: last_block_done at GPU scope (the output rows and last_seen are read on this GPU
+// only); the last block then records the accepted flags in last_seen (mark_replies_seen) and
+// resets the done counter (reset_done_counter).
+__device__ __forceinline__ void finish_combine(unsigned int* done_counter, const SlotGeometry& geo,
+                                               afd_i32 num_ffn_ranks, afd_i32 ring,
+                                               const afd_i64* expected,
+                                               const afd_i64* reply_flags, afd_i64* last_seen,
+                                               afd_i64* status) {
+  if (!last_block_done(done_counter, /*system_scope=*/false)) return;
+  mark_replies_seen(geo, num_ffn_ranks, ring, expected, reply_flags, last_seen, status,
+                    COMBINE_THREADS);
+  reset_done_counter(done_counter);
 }
 
 }  // namespace afd
