@@ -2,8 +2,8 @@
 // the header words, one system-scope release fence, then the flag. Shared by the dispatch
 // scatters (dispatch.cu, dedup_attn.cu) and the replies (reply.cu, dedup_ffn.cu, ffn_graph.cu).
 //
-// NOTE: every helper is inlined into a kernel whose blocks all call it (it holds barriers), and
-// it keeps the stores, fences and their order of the code it replaced.
+// NOTE: every thread of the last block calls these helpers (they hold barriers); they are
+// inlined and keep the stores, fences and their order of the code they replaced.
 #pragma once
 
 #include "wire.cuh"
