@@ -285,26 +285,35 @@ class DecodeStepGraph:
         splits = self.splits if x.shape[0] == self.num_tokens else split_rows(x.shape[0], self.stages)
         xs = [x[start:stop] for start, stop in splits]  # each micro-batch's current rows
         sent: list = [None] * self.stages  # stage -> (handle, residual, h, weights, ids) in flight
-        for op, layer, stage in self.schedule:
-            if op == SEND:
-                produced = self.attention[layer](xs[stage])
-                residual, h = produced if isinstance(produced, tuple) else (produced, produced)
-                weights, ids = conn.select_experts(self.router[layer](h), self.bias[layer])
-                handle = conn.send_attn_output(h, ids, weights, layer, stage)
-                sent[stage] = (handle, residual, h, weights, ids)
-                if record:
-                    self.rings.add(handle.ring)
-                continue
-            handle, residual, h, weights, ids = sent[stage]
-            sent[stage] = None
-            moe_out = conn.recv_ffn_output(handle, blocking=False)
-            if out is not None and layer == last:
-                start, stop = splits[stage]
-                xs[stage] = torch.add(residual, moe_out, out=out if self.stages == 1 else out[start:stop])
-            else:
-                xs[stage] = residual + moe_out
-            if record and self.keep_layer_tensors:
-                self.stage_layers[stage].append(LayerTensors(h, weights, ids, moe_out, xs[stage]))
+        try:
+            for op, layer, stage in self.schedule:
+                if op == SEND:
+                    produced = self.attention[layer](xs[stage])
+                    residual, h = produced if isinstance(produced, tuple) else (produced, produced)
+                    weights, ids = conn.select_experts(self.router[layer](h), self.bias[layer])
+                    handle = conn.send_attn_output(h, ids, weights, layer, stage)
+                    sent[stage] = (handle, residual, h, weights, ids)
+                    if record:
+                        self.rings.add(handle.ring)
+                    continue
+                handle, residual, h, weights, ids = sent[stage]
+                sent[stage] = None
+                moe_out = conn.recv_ffn_output(handle, blocking=False)
+                if out is not None and layer == last:
+                    start, stop = splits[stage]
+                    xs[stage] = torch.add(residual, moe_out, out=out if self.stages == 1 else out[start:stop])
+                else:
+                    xs[stage] = residual + moe_out
+                if record and self.keep_layer_tensors:
+                    self.stage_layers[stage].append(LayerTensors(h, weights, ids, moe_out, xs[stage]))
+        except BaseException:
+            # a stage whose send went out but whose receive was not issued keeps its ring
+            # reserved: release it, or every later send on that stage raises (its reply, if
+            # the dispatch really went, is dropped by seq like any late reply)
+            for entry in sent:
+                if entry is not None:
+                    conn.forget_dispatch(entry[0])
+            raise
         if out is not None:
             return out
         return xs[0] if self.stages == 1 else torch.cat(xs)
@@ -338,6 +347,9 @@ class DecodeStepGraph:
         self.input[:n].copy_(hidden)
         if n < self.num_tokens:
             self.input[n:].zero_()
+        order = getattr(self.connector.path, "order_graph_replay", None)
+        if order is not None:  # after the rings' last eager use on another stream, and before the next
+            order(self.rings, torch.cuda.current_stream(self.input.device).cuda_stream)
         self.graph.replay()
         return self.output[:n]
 

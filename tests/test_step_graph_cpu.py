@@ -184,6 +184,15 @@ class _RecordingConnector:
         self.calls.append((SEND, layer_idx, stage_idx, ring, hidden.shape[0]))
         return handle
 
+    def forget_dispatch(self, handle):
+        from afd_cupy.connector import AFDConnector
+
+        AFDConnector.forget_dispatch(self, handle)  # the real rule on this object's _pending
+        self.calls.append(("forget", handle.layer_idx, handle.stage_idx, handle.ring, handle.hidden.shape[0]))
+
+    def _require(self, role, what):
+        assert role is Role.ATTENTION
+
     def recv_ffn_output(self, handle, *, blocking=True):
         assert not blocking and self._pending.get(handle.ring) is handle
         del self._pending[handle.ring]
@@ -238,6 +247,33 @@ def test_staged_capture_path_writes_out_and_records_rings_and_layers():
     assert len(full) == 2 and full[1].output.shape == (5, 8) and torch.equal(full[1].output, out)
     assert torch.equal(full[0].moe_input, (x + 0) * 0.5)
     assert full[0].topk_ids.dtype == torch.int32 and full[0].topk_weights.shape == (5, 2)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_a_failing_layer_releases_the_rings_still_in_flight(stages):
+    """Layer 1's attention raises on stage 0: the stages whose layer-0 dispatch was sent but
+    not received get their rings released (forget_dispatch), nothing stays pending, and the
+    same step runs again afterwards."""
+    conn = _RecordingConnector(num_stages=max(stages, 2) if stages > 1 else 1)
+    step = _row_wise_step(conn, 3, 6, stages)
+    healthy = step.attention[1]
+    step.attention[1] = lambda x: (_ for _ in ()).throw(RuntimeError("attention failed"))
+    with pytest.raises(RuntimeError, match="attention failed"):
+        step.run_eager(torch.zeros(6, 8))
+    forgotten = [(layer, stage) for op, layer, stage, *_ in conn.calls if op == "forget"]
+    # stage 0 was received before its layer-1 attention ran; stages 1.. were still in flight
+    assert forgotten == [(0, s) for s in range(1, stages)]
+    assert not conn._pending
+    step.attention[1] = healthy
+    assert step.run_eager(torch.zeros(6, 8)).shape == (6, 8) and not conn._pending
+
+
+def test_forget_dispatch_needs_a_pending_handle():
+    conn = _RecordingConnector(num_stages=1)
+    handle = conn.send_attn_output(torch.zeros(2, 8), None, None, 0)
+    conn.forget_dispatch(handle)
+    with pytest.raises(ProtocolError, match="handle for layer 0 ring 0 is not pending"):
+        conn.forget_dispatch(handle)
 
 
 def test_run_eager_with_fewer_rows_than_stages_is_a_value_error():
