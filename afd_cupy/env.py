@@ -144,15 +144,20 @@ def rank_settings(environ: Mapping[str, str] | None = None) -> dict:
 def parse_store_addr(addr) -> tuple[str, int]:
     """``"host:port"``, ``"[v6 address]:port"`` or ``(host, port)`` -> ``(host, port)``.
 
-    Raises ConfigError naming the address when it has no host or no port in [1, 65535]."""
+    Raises ConfigError naming the address when it has no host, an IPv6 host without brackets
+    (``"fe80::1"`` would read as host ``fe80:``, port 1), or no integer port in [1, 65535]."""
     if isinstance(addr, (tuple, list)) and len(addr) == 2:
         host, port = addr
     elif isinstance(addr, str) and ":" in addr:
         host, _, port = addr.rpartition(":")
         if host.startswith("[") and host.endswith("]"):
             host = host[1:-1]
+        elif ":" in host or "[" in host or "]" in host:
+            raise ConfigError(f"store address {addr!r}: write an IPv6 host in brackets, '[host]:port'")
     else:
         raise ConfigError(f"store address must be 'host:port' or (host, port), got {addr!r}")
+    if isinstance(port, (bool, float)):
+        raise ConfigError(f"store address {addr!r}: port {port!r} is not an integer")
     try:
         port = int(port)
     except (TypeError, ValueError):

@@ -34,7 +34,10 @@ def test_parse_store_addr():
     assert env.parse_store_addr("[fe80::1]:7") == ("fe80::1", 7)
     assert env.parse_store_addr(("h", "12")) == ("h", 12)
     for bad, message in (("node0", "must be 'host:port'"), ("h:x", "port 'x' is not an integer"),
-                         (":5", "needs a host and a port"), ("h:70000", "needs a host and a port")):
+                         (":5", "needs a host and a port"), ("h:70000", "needs a host and a port"),
+                         ("fe80::1", "IPv6 host in brackets"), ("[::1:29500", "IPv6 host in brackets"),
+                         (("h", True), "port True is not an integer"),
+                         (("h", 29500.7), "port 29500.7 is not an integer")):
         with pytest.raises(ConfigError, match=message):
             env.parse_store_addr(bad)
 
