@@ -244,6 +244,18 @@ class AFDConnector:
         finally:
             del self._pending[handle.ring]
 
+    def forget_dispatch(self, handle: DispatchHandle) -> None:
+        """Release the ring of a dispatch that will not be received (the caller's step failed
+        between the send and the receive, or a CUDA graph capture was abandoned): the next
+        send may use the ring again, and the dispatch's reply, if it comes, is recognised by
+        its seq and dropped like any late reply. Raises ProtocolError if ``handle`` is not
+        pending. Not collective; never blocks."""
+        self._require(Role.ATTENTION, "forget_dispatch")
+        if self._pending.get(handle.ring) is not handle:
+            raise ProtocolError(f"handle for layer {handle.layer_idx} ring {handle.ring} is not pending "
+                                "(already received, or from another connector)")
+        del self._pending[handle.ring]
+
     def sent_to(self, handle: DispatchHandle) -> list[int]:
         """FFN ranks the dispatch of ``handle`` was sent to (may synchronize; for tools)."""
         return self.path.sent_to(handle.state)

@@ -27,6 +27,8 @@ import os
 import sys
 from typing import Mapping
 
+from afd_cupy.errors import ConfigError
+
 logger = logging.getLogger("afd_cupy")
 
 #: thread-pool sizes of the libraries a rank loads; read once, when each library loads
@@ -126,15 +128,40 @@ def rank_settings(environ: Mapping[str, str] | None = None) -> dict:
     if missing:
         raise ValueError(f"{', '.join(missing)} not set (a rank started outside afd_cupy.launch "
                          f"needs {', '.join(RANK_VARS[:4])})")
-    host, _, port = environ["AFD_STORE_ADDR"].rpartition(":")
     try:
-        port_number, world_size, rank = int(port), int(environ["AFD_WORLD_SIZE"]), int(environ["AFD_RANK"])
+        host, port_number = parse_store_addr(environ["AFD_STORE_ADDR"])
+        world_size, rank = int(environ["AFD_WORLD_SIZE"]), int(environ["AFD_RANK"])
         device = int(environ["AFD_DEVICE"]) if environ.get("AFD_DEVICE") else None
-    except ValueError as err:
+    except ValueError as err:  # ConfigError included
         raise ValueError(f"malformed AFD_* variable: {err} (AFD_STORE_ADDR must be host:port; "
                          f"AFD_WORLD_SIZE, AFD_RANK, AFD_DEVICE integers)") from None
-    if not host or not 0 <= rank < world_size:
-        raise ValueError(f"AFD_STORE_ADDR={environ['AFD_STORE_ADDR']!r}, AFD_RANK={rank}, "
-                         f"AFD_WORLD_SIZE={world_size}: need host:port and 0 <= rank < world size")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"AFD_RANK={rank}, AFD_WORLD_SIZE={world_size}: need 0 <= rank < world size")
     return {"store_host": host, "store_port": port_number, "world_size": world_size, "rank": rank,
             "job_id": environ["AFD_JOB_ID"], "device_id": device}
+
+
+def parse_store_addr(addr) -> tuple[str, int]:
+    """``"host:port"``, ``"[v6 address]:port"`` or ``(host, port)`` -> ``(host, port)``.
+
+    Raises ConfigError naming the address when it has no host, an IPv6 host without brackets
+    (``"fe80::1"`` would read as host ``fe80:``, port 1), or no integer port in [1, 65535]."""
+    if isinstance(addr, (tuple, list)) and len(addr) == 2:
+        host, port = addr
+    elif isinstance(addr, str) and ":" in addr:
+        host, _, port = addr.rpartition(":")
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+        elif ":" in host or "[" in host or "]" in host:
+            raise ConfigError(f"store address {addr!r}: write an IPv6 host in brackets, '[host]:port'")
+    else:
+        raise ConfigError(f"store address must be 'host:port' or (host, port), got {addr!r}")
+    if isinstance(port, (bool, float)):
+        raise ConfigError(f"store address {addr!r}: port {port!r} is not an integer")
+    try:
+        port = int(port)
+    except (TypeError, ValueError):
+        raise ConfigError(f"store address {addr!r}: port {port!r} is not an integer") from None
+    if not isinstance(host, str) or not host or not 0 < port < 65536:
+        raise ConfigError(f"store address {addr!r}: needs a host and a port in [1, 65535]")
+    return host, port

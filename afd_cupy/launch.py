@@ -208,7 +208,7 @@ def connect(store_addr, *, rank: int, world_size: int, job_id: str, device_id: i
     ``ProcessContext(...).join(...)`` with ``store_addr`` as ``"host:port"`` or
     ``(host, port)``. Raises as :meth:`ProcessContext.join`; ConfigError for a bad address,
     job id, rank or world size."""
-    host, port = rendezvous.parse_store_addr(store_addr)
+    host, port = env_mod.parse_store_addr(store_addr)
     _check_job(job_id, world_size, first_rank=rank, nprocs=1)
     ctx = ProcessContext(rank, world_size, job_id, host, port, device_id, store_timeout_s)
     return ctx.join(host_store=host_store, startup_timeout_s=startup_timeout_s)
@@ -539,10 +539,10 @@ def launch(fn: Callable, nprocs: int, *, args: tuple = (), timeout_s: float = 12
     ok = False
     try:
         if store_addr is None or host_store:
-            host, port = (STORE_HOST, None) if store_addr is None else rendezvous.parse_store_addr(store_addr)
+            host, port = (STORE_HOST, None) if store_addr is None else env_mod.parse_store_addr(store_addr)
             master, port = _start_store(world_size, timeout_s, host, port)
         else:
-            host, port = rendezvous.parse_store_addr(store_addr)
+            host, port = env_mod.parse_store_addr(store_addr)
         if store_addr is not None:
             joining = _join_job(host, port, master, ranks, world_size, job_id, startup_timeout_s,
                                 timeout_s)

@@ -30,27 +30,6 @@ DONE = "launch/done"
 _MASTER_PROBE_S = 0.1
 
 
-def parse_store_addr(addr) -> tuple[str, int]:
-    """``"host:port"``, ``"[v6 address]:port"`` or ``(host, port)`` -> ``(host, port)``.
-
-    Raises ConfigError naming the address when it has no host or no port in [1, 65535]."""
-    if isinstance(addr, (tuple, list)) and len(addr) == 2:
-        host, port = addr
-    elif isinstance(addr, str) and ":" in addr:
-        host, _, port = addr.rpartition(":")
-        if host.startswith("[") and host.endswith("]"):
-            host = host[1:-1]
-    else:
-        raise ConfigError(f"store address must be 'host:port' or (host, port), got {addr!r}")
-    try:
-        port = int(port)
-    except (TypeError, ValueError):
-        raise ConfigError(f"store address {addr!r}: port {port!r} is not an integer") from None
-    if not isinstance(host, str) or not host or not 0 < port < 65536:
-        raise ConfigError(f"store address {addr!r}: needs a host and a port in [1, 65535]")
-    return host, port
-
-
 def _missing_error(message: str, missing: list[int]) -> PeerTimeoutError:
     err = PeerTimeoutError(message, peer=missing[0] if missing else None)
     err.missing_ranks = missing

@@ -23,11 +23,37 @@ the host bookkeeping (ring acquired, released) balances inside every captured la
 layer index is fixed per layer at capture. The FFN side is unchanged: any FFN loop
 (``FFNWorker``, ``GraphFFNServer``) serves the replayed dispatches like eager ones.
 
+**Micro-batch stages** (``stages=S`` > 1, issue #15 item 3): the T rows split into S
+contiguous micro-batches (:func:`split_rows`: sizes as even as possible, the larger first),
+micro-batch s sent as the connector's stage s, and the step is issued on ONE stream as a
+software pipeline (:func:`pipeline_schedule`)::
+
+    for s in range(S): A(0, s)                 # A(l, s) = attention + gate + send of (l, s)
+    for l in range(L):
+        for s in range(S):
+            R(l, s)                            # R(l, s) = receive (wait + combine) + residual
+            if l + 1 < L: A(l + 1, s)
+
+The FFN is another process, so while the stream waits in R(l, s) for stage s's reply,
+stages s+1.. of layer l and stages < s of layer l+1 are already at the FFN: the attention of
+one micro-batch runs while the others' round trips are in flight (S = 1 is the plain step
+above, issue for issue). Legal because stage s only ever uses its own ring(s) (the
+connector's ``_acquire_ring(s)``: rings s, s+S', ... of a connector with S' >= S stages) and
+its send of layer l+1 comes after its receive of layer l in stream order, so the host's
+send-then-recv rule per (peer, stage) holds at every point of the issue order (at most S
+dispatches pending, one per stage) and on the device each ring is rewritten only after the
+wait and combine that read it have run; rings of different stages share no device state but
+the error status. Each micro-batch runs the same kernels on the same rows as that micro-batch
+sent alone, so its output rows are bit-identical to a one-stage step on those rows (routing
+is per token; only kernels whose results depend on the batch size, such as a GEMM's algorithm,
+could differ from the unsplit step, within bf16 rounding).
+
 Why a new module rather than a connector method: the helper composes user callables, torch's
 graph API and the connector's public calls; the connector stays one call per protocol step.
 """
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -58,16 +84,62 @@ class LayerTensors:
     output: torch.Tensor
 
 
-def check_capturable(connector, num_tokens: int, num_layers: int) -> None:
+#: the two operations of the step's schedule (:func:`pipeline_schedule`)
+SEND, RECV = "send", "recv"
+
+
+def _check_stages(stages) -> int:
+    if isinstance(stages, bool) or not isinstance(stages, numbers.Integral) or stages < 1:
+        raise ConfigError(f"stages must be an int >= 1, got {stages!r}")
+    return int(stages)
+
+
+def split_rows(num_tokens: int, stages: int) -> tuple[tuple[int, int], ...]:
+    """The ``stages`` contiguous micro-batches of ``num_tokens`` rows: ``(start, stop)`` per
+    stage, sizes as even as possible (the first ``num_tokens % stages`` one row larger), each
+    at least one row. ConfigError (with the values) when ``num_tokens < stages``."""
+    stages = _check_stages(stages)
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, numbers.Integral) or num_tokens < stages:
+        raise ConfigError(f"num_tokens={num_tokens!r} rows cannot be split into stages={stages} "
+                          "micro-batches of at least one row each (need num_tokens >= stages)")
+    base, extra = divmod(int(num_tokens), stages)
+    bounds, start = [], 0
+    for stage in range(stages):
+        stop = start + base + (1 if stage < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return tuple(bounds)
+
+
+def pipeline_schedule(num_layers: int, stages: int) -> tuple[tuple[str, int, int], ...]:
+    """The step's issue order on its one stream: ``(op, layer, stage)`` with op ``SEND``
+    (attention + gate + send of micro-batch ``stage`` at ``layer``) or ``RECV`` (its receive +
+    residual add). Layer 0 is sent for every stage, then for each layer and stage in order:
+    receive, and send the stage's next layer. Each stage alternates send, recv (at most one
+    dispatch per stage pending); ``stages=1`` is send, recv per layer (module doc)."""
+    stages = _check_stages(stages)
+    order = [(SEND, 0, stage) for stage in range(stages)]
+    for layer in range(num_layers):
+        for stage in range(stages):
+            order.append((RECV, layer, stage))
+            if layer + 1 < num_layers:
+                order.append((SEND, layer + 1, stage))
+    return tuple(order)
+
+
+def check_capturable(connector, num_tokens: int, num_layers: int, stages: int = 1) -> None:
     """Raise ConfigError (with the values) when a step of ``num_layers`` layers of
-    ``num_tokens`` tokens cannot be captured on ``connector``.
+    ``num_tokens`` tokens in ``stages`` micro-batches cannot be captured on ``connector``.
 
     Needs: an Attention-side connector on the cuda backend (the host backend's steps run on
     the CPU and block) with ``poll_mode="device"`` (host polling synchronizes per receive);
     1 <= num_tokens <= the window's ``token_cap``; 1 <= num_layers <= ``model.num_layers``
-    (layer l of the step is the model's layer l). The ring depth is no limit: a step has one
-    dispatch in flight at a time (each layer's receive precedes the next send), so every
-    layer reuses the first ring of stage 0 and any ``ring_depth`` >= 1 suffices.
+    (layer l of the step is the model's layer l); 1 <= stages <= the connector's
+    ``ConnectorConfig.num_stages`` (micro-batch s is sent as stage s, on that stage's rings:
+    S stages in flight need S ring sets) and stages <= num_tokens (every micro-batch has a
+    row). The ring depth is no limit: each stage has one dispatch in flight at a time (its
+    receive precedes its next send), so micro-batch s always reuses ring s and any
+    ``ring_depth`` (>= num_stages, as the config requires) suffices.
     """
     if connector.role is not Role.ATTENTION:
         raise ConfigError(f"a decode step is captured on an Attention-side connector, got role "
@@ -87,6 +159,21 @@ def check_capturable(connector, num_tokens: int, num_layers: int) -> None:
     total = connector.model.num_layers
     if not 1 <= num_layers <= total:
         raise ConfigError(f"{num_layers} layers in the step: must be in [1, model.num_layers={total}]")
+    check_stages(connector, stages)
+    split_rows(num_tokens, stages)
+
+
+def check_stages(connector, stages: int) -> int:
+    """``stages`` if the connector has that many micro-batch stages, else ConfigError."""
+    stages = _check_stages(stages)
+    config = connector.config
+    if stages > config.num_stages:
+        raise ConfigError(f"stages={stages} needs a connector with at least {stages} micro-batch stages "
+                          f"(ConnectorConfig(async_moe_ubatching=True, async_moe_num_ubatches={stages}) on "
+                          f"every rank); this one has num_stages={config.num_stages} "
+                          f"(async_moe_ubatching={config.async_moe_ubatching}, "
+                          f"async_moe_num_ubatches={config.async_moe_num_ubatches})")
+    return stages
 
 
 class DecodeStepGraph:
@@ -96,15 +183,22 @@ class DecodeStepGraph:
         connector: an Attention-side cuda ``AFDConnector`` with ``poll_mode="device"``.
         attention: one callable per layer, ``x [T, H] -> h`` or ``-> (residual, h)``, all
             model dtype on the connector's device; captured, so it must be capturable itself
-            (no host synchronization, no allocation that depends on values).
+            (no host synchronization, no allocation that depends on values). With stages it
+            is called per micro-batch (``x [T_s, H]``): it must treat rows independently
+            (a decode step's attention does: one row per request).
         router: one callable per layer, ``h -> router logits`` float ``[T, num_experts]``;
             the gate is ``connector.select_experts`` (the model's gate).
         num_tokens: T, the batch size the graph is captured for (a runner captures one graph
             per batch-size bucket); :meth:`replay` takes up to T rows and zero-pads the rest.
+        stages: S micro-batch stages (default 1: one dispatch in flight per layer). S > 1
+            splits the T rows into S contiguous micro-batches (:func:`split_rows`) issued as a
+            software pipeline (:func:`pipeline_schedule`, module doc); needs
+            ``S <= connector.config.num_stages`` and ``S <= T``.
         e_score_correction_bias: None or one ``[num_experts]`` float tensor (or None) per
             layer, passed to ``select_experts``.
-        keep_layer_tensors: keep every layer's tensors (:class:`LayerTensors`, ``.layers``)
-            alive for inspection; otherwise the graph's pool reuses them across layers.
+        keep_layer_tensors: keep every layer's tensors (:class:`LayerTensors`, ``.layers``,
+            per micro-batch ``.stage_layers``) alive for inspection; otherwise the graph's
+            pool reuses them across layers.
         warmup: eager steps run on a side stream before capturing (as torch advises: lazy
             initialization, cuBLAS workspaces, CuPy module loading happen there).
 
@@ -115,30 +209,20 @@ class DecodeStepGraph:
     before ``connector.close()``.
 
     Attributes: ``input`` / ``output`` (static ``[T, H]`` model dtype), ``graph``,
-    ``num_layers``, ``num_tokens``, ``rings`` (the rings the graph sends on), ``layers``
-    (list of :class:`LayerTensors`, empty unless ``keep_layer_tensors``).
+    ``num_layers``, ``num_tokens``, ``stages``, ``splits`` (``(start, stop)`` rows per
+    micro-batch), ``schedule`` (the issue order), ``rings`` (the rings the graph sends on:
+    ``{0, .., S-1}``), ``stage_layers`` (``[S][L]`` :class:`LayerTensors` of each
+    micro-batch, empty lists unless ``keep_layer_tensors``) and ``layers`` (per layer, all
+    T rows: ``stage_layers[0]`` when S = 1, else the stages' tensors concatenated at access,
+    a copy).
     """
 
     def __init__(self, connector, attention: Sequence[AttentionFn], router: Sequence[RouterFn], *,
-                 num_tokens: int, e_score_correction_bias: Sequence | None = None,
+                 num_tokens: int, stages: int = 1, e_score_correction_bias: Sequence | None = None,
                  keep_layer_tensors: bool = False, warmup: int = 1):
-        attention, router = list(attention), list(router)
-        check_capturable(connector, num_tokens, len(attention))
-        if len(router) != len(attention):
-            raise ConfigError(f"{len(attention)} attention callables but {len(router)} routers: "
-                              "pass one of each per layer")
-        bias = [None] * len(attention) if e_score_correction_bias is None else list(e_score_correction_bias)
-        if len(bias) != len(attention):
-            raise ConfigError(f"{len(bias)} e_score_correction_bias entries for {len(attention)} layers")
-        if isinstance(warmup, bool) or not isinstance(warmup, numbers.Integral) or warmup < 1:
-            raise ConfigError(f"warmup must be an int >= 1 (torch needs an eager run before capture), "
-                              f"got {warmup!r}")
-        self.connector = connector
-        self.attention, self.router, self.bias = attention, router, bias
-        self.num_layers, self.num_tokens = len(attention), int(num_tokens)
-        self.keep_layer_tensors = bool(keep_layer_tensors)
-        self.layers: list[LayerTensors] = []
-        self.rings: set[int] = set()
+        self._setup(connector, attention, router, num_tokens=num_tokens, stages=stages,
+                    e_score_correction_bias=e_score_correction_bias,
+                    keep_layer_tensors=keep_layer_tensors, warmup=warmup)
         self._check_no_pending("capture")
         device = connector.device
         hidden = connector.model.hidden_size
@@ -157,32 +241,94 @@ class DecodeStepGraph:
             with torch.cuda.graph(self.graph):
                 self._step(self.input, out=self.output, record=True)
 
+    def _setup(self, connector, attention, router, *, num_tokens, stages, e_score_correction_bias,
+               keep_layer_tensors, warmup) -> None:
+        """The checks and the host-side attributes: everything but the GPU work (CPU tests
+        drive :meth:`run_eager` on a stand-in connector after this alone)."""
+        attention, router = list(attention), list(router)
+        check_capturable(connector, num_tokens, len(attention), stages)
+        if len(router) != len(attention):
+            raise ConfigError(f"{len(attention)} attention callables but {len(router)} routers: "
+                              "pass one of each per layer")
+        bias = [None] * len(attention) if e_score_correction_bias is None else list(e_score_correction_bias)
+        if len(bias) != len(attention):
+            raise ConfigError(f"{len(bias)} e_score_correction_bias entries for {len(attention)} layers")
+        if isinstance(warmup, bool) or not isinstance(warmup, numbers.Integral) or warmup < 1:
+            raise ConfigError(f"warmup must be an int >= 1 (torch needs an eager run before capture), "
+                              f"got {warmup!r}")
+        self.connector = connector
+        self.attention, self.router, self.bias = attention, router, bias
+        self.num_layers, self.num_tokens, self.stages = len(attention), int(num_tokens), int(stages)
+        self.splits = split_rows(self.num_tokens, self.stages)
+        self.schedule = pipeline_schedule(self.num_layers, self.stages)
+        self.keep_layer_tensors = bool(keep_layer_tensors)
+        self.stage_layers: list[list[LayerTensors]] = [[] for _ in range(self.stages)]
+        self.rings: set[int] = set()
+
+    @property
+    def layers(self) -> list[LayerTensors]:
+        """Per layer, the :class:`LayerTensors` of all T rows (see the class doc)."""
+        if self.stages == 1:
+            return self.stage_layers[0]
+        return [LayerTensors(*(torch.cat([getattr(self.stage_layers[s][layer], field.name)
+                                          for s in range(self.stages)])
+                               for field in dataclasses.fields(LayerTensors)))
+                for layer in range(len(self.stage_layers[0]))]
+
     # --- the step -------------------------------------------------------------------------
     def _step(self, x: torch.Tensor, *, out: torch.Tensor | None = None, record: bool = False):
-        """The L layers on ``x`` (module doc); the last residual add writes ``out`` when given.
-        ``record``: note the rings sent on (and the layer tensors when kept)."""
-        conn = self.connector
-        for layer in range(self.num_layers):
-            produced = self.attention[layer](x)
-            residual, h = produced if isinstance(produced, tuple) else (produced, produced)
-            weights, ids = conn.select_experts(self.router[layer](h), self.bias[layer])
-            handle = conn.send_attn_output(h, ids, weights, layer)
-            moe_out = conn.recv_ffn_output(handle, blocking=False)
-            if out is not None and layer == self.num_layers - 1:
-                x = torch.add(residual, moe_out, out=out)
-            else:
-                x = residual + moe_out
-            if record:
-                self.rings.add(handle.ring)
-                if self.keep_layer_tensors:
-                    self.layers.append(LayerTensors(h, weights, ids, moe_out, x))
-        return x
+        """The L layers on ``x`` in :attr:`schedule`'s order (module doc); the last layer's
+        residual adds write ``out`` (its micro-batch rows) when given. ``record``: note the
+        rings sent on (and the layer tensors when kept). Returns the new ``[n, H]`` rows: a
+        new tensor, or ``out`` when given (no concatenation kernel in the graph)."""
+        conn, last = self.connector, self.num_layers - 1
+        splits = self.splits if x.shape[0] == self.num_tokens else split_rows(x.shape[0], self.stages)
+        xs = [x[start:stop] for start, stop in splits]  # each micro-batch's current rows
+        sent: list = [None] * self.stages  # stage -> (handle, residual, h, weights, ids) in flight
+        try:
+            for op, layer, stage in self.schedule:
+                if op == SEND:
+                    produced = self.attention[layer](xs[stage])
+                    residual, h = produced if isinstance(produced, tuple) else (produced, produced)
+                    weights, ids = conn.select_experts(self.router[layer](h), self.bias[layer])
+                    handle = conn.send_attn_output(h, ids, weights, layer, stage)
+                    sent[stage] = (handle, residual, h, weights, ids)
+                    if record:
+                        self.rings.add(handle.ring)
+                    continue
+                handle, residual, h, weights, ids = sent[stage]
+                sent[stage] = None
+                moe_out = conn.recv_ffn_output(handle, blocking=False)
+                if out is not None and layer == last:
+                    start, stop = splits[stage]
+                    xs[stage] = torch.add(residual, moe_out, out=out if self.stages == 1 else out[start:stop])
+                else:
+                    xs[stage] = residual + moe_out
+                if record and self.keep_layer_tensors:
+                    self.stage_layers[stage].append(LayerTensors(h, weights, ids, moe_out, xs[stage]))
+        except BaseException:
+            # a stage whose send went out but whose receive was not issued keeps its ring
+            # reserved: release it, or every later send on that stage raises (its reply, if
+            # the dispatch really went, is dropped by seq like any late reply)
+            for entry in sent:
+                if entry is not None:
+                    conn.forget_dispatch(entry[0])
+            raise
+        if out is not None:
+            return out
+        return xs[0] if self.stages == 1 else torch.cat(xs)
 
     def run_eager(self, hidden: torch.Tensor) -> torch.Tensor:
         """The same step, not captured (a baseline; the runner's path for sizes without a
-        graph): hidden [n, H] -> new [n, H] tensor, n <= ``token_cap``. Non-blocking like the
-        replay: call ``connector.check_errors()`` to synchronize and raise latched errors."""
+        graph): hidden [n, H] -> new [n, H] tensor, n <= ``token_cap``; with stages, the n rows
+        split as :func:`split_rows` does (ValueError when n < stages) and run in the same
+        :attr:`schedule`. Non-blocking like the replay: call ``connector.check_errors()`` to
+        synchronize and raise latched errors."""
         self._check_no_pending("run_eager")
+        rows = getattr(hidden, "shape", (0,))[0]
+        if self.stages > 1 and rows < self.stages:
+            raise ValueError(f"run_eager: {rows} row(s) cannot be split into stages={self.stages} "
+                             "micro-batches of at least one row each")
         return self._step(hidden)
 
     def replay(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -201,6 +347,9 @@ class DecodeStepGraph:
         self.input[:n].copy_(hidden)
         if n < self.num_tokens:
             self.input[n:].zero_()
+        order = getattr(self.connector.path, "order_graph_replay", None)
+        if order is not None:  # after the rings' last eager use on another stream, and before the next
+            order(self.rings, torch.cuda.current_stream(self.input.device).cuda_stream)
         self.graph.replay()
         return self.output[:n]
 

@@ -499,29 +499,44 @@ def test_bench_step_graph_arguments_rows_and_table(capsys):
     table run here on synthetic timings with known answers."""
     import bench_step_graph as tool  # tools/ is on sys.path (above)
     args = tool.parse_args([])
-    assert (args.layers, args.tokens, args.ffn, args.num_ffn, args.hidden, args.top_k, args.iters) == \
-        ([1, 10, 50], [32], "graph", 1, 7168, 8, 200)
-    quick = tool.parse_args(["--quick", "--layers", "2", "50", "--ffn", "eager", "--num-ffn", "2"])
-    assert (quick.iters, quick.layers, quick.ffn, quick.num_ffn) == (30, [2, 50], "eager", 2)
+    assert (args.layers, args.tokens, args.stages, args.ffn, args.num_ffn, args.hidden, args.top_k, args.iters) == \
+        ([1, 10, 50], [32], [1, 2], "graph", 1, 7168, 8, 200)
+    assert tool.connector_config(args).num_stages == 2 and tool.connector_config(args).ring_depth == 2
+    quick = tool.parse_args(["--quick", "--layers", "2", "50", "--ffn", "eager", "--num-ffn", "2",
+                             "--stages", "1", "2", "4"])
+    assert (quick.iters, quick.layers, quick.ffn, quick.num_ffn, quick.stages) == (30, [2, 50], "eager", 2, [1, 2, 4])
+    assert tool.connector_config(quick).num_stages == 4
+    assert tool.connector_config(tool.parse_args(["--stages", "1"])).num_stages == 1
     model = tool.model_config(quick)
     assert (model.num_layers, model.max_num_batched_tokens, model.hidden_size) == (50, 32, 7168)
-    with pytest.raises(SystemExit):
-        tool.parse_args(["--layers", "0"])
+    for bad in (["--layers", "0"], ["--stages", "0"], ["--tokens", "2", "--stages", "1", "4"]):
+        with pytest.raises(SystemExit):
+            tool.parse_args(bad)
     eager, graph = [float(v) for v in range(100, 200)], [float(v) for v in range(50, 150)]
     row = tool.summarize(32, 50, eager, graph, 0.0)
-    assert row["eager_step_median_us"] == 149.5 and row["graph_step_median_us"] == 99.5
+    assert row["stages"] == 1 and row["eager_step_median_us"] == 149.5 and row["graph_step_median_us"] == 99.5
     assert row["graph_layer_median_us"] == 99.5 / 50 and row["graph_step_p10_us"] == 59.0
     assert row["graph_step_p90_us"] == 139.0 and row["graph_over_eager"] == 99.5 / 149.5
     small = tool.summarize(32, 1, [10.0], [20.0], 0.0)
     (target,) = tool.targets([small, row])
-    assert target["status"] == "PASS" and target["measured"] == 99.5 / 50 and target["note"] == "32 tokens"
+    assert target["status"] == "PASS" and target["measured"] == 99.5 / 50 and target["note"] == "32 tokens, 1 stage(s)"
     assert tool.targets([small])[0]["status"] == "NOT MEASURED"
     slow = tool.summarize(8, 50, eager, [v * 30 for v in graph], 1e-3)
     assert tool.targets([slow])[0]["status"] == "MISS"
+    # stages: the ratio to S = 1 of the same (tokens, L); the target takes the best S
+    two = tool.summarize(32, 50, eager, [v * 0.5 for v in graph], 0.0, stages=2)
+    four = tool.summarize(32, 50, eager, [v * 0.8 for v in graph], 0.0, stages=4)
+    other = tool.summarize(16, 50, eager, graph, 0.0, stages=2)  # no S = 1 row at 16 tokens
+    rows = tool.add_stage_ratios([small, row, two, four, other])
+    assert row["graph_over_s1"] == 1.0 and two["graph_over_s1"] == 0.5 and four["graph_over_s1"] == pytest.approx(0.8)
+    assert other["graph_over_s1"] is None and small["graph_over_s1"] == 1.0
+    (best,) = tool.targets(rows)
+    assert best["measured"] == 49.75 / 50 and best["note"] == "32 tokens, 2 stage(s)"
     report = {"config": {"num_ffn": 1, "ffn": "graph", "hidden": 7168, "top_k": 8},
-              "device": "test", "rows": [small, row], "targets": [target]}
+              "device": "test", "rows": rows, "targets": [best]}
     tool.print_report(report)
     out = capsys.readouterr().out
-    assert "eager loop vs one captured graph" in out and "graph/eager" in out
+    assert "eager loop vs one captured graph" in out and "graph/eager" in out and "graph/S=1" in out
     assert "149.5 [109.0, 189.0]" in out and "99.5 [59.0, 139.0]" in out and "PASS" in out
+    assert "49.8 [29.5, 69.5]" in out  # S = 2's captured step
     json.dumps(report)  # the report is plain JSON

@@ -43,7 +43,8 @@ def _identity(item):
     return item.routed_x.clone(), None if item.shared_x is None else item.shared_x.clone()
 
 
-def _connect(ctx, backend, num_attn=1, num_ffn=1, *, model=MODEL, timeout_s=TIMEOUT_S, connector=None):
+def _connect(ctx, backend, num_attn=1, num_ffn=1, *, model=MODEL, timeout_s=TIMEOUT_S, connector=None,
+             **extra):
     role, role_rank = Topology(num_attn, num_ffn, model.num_experts).role_of(ctx.rank)
     if backend == "cuda-put":
         backend, connector = "cuda", dataclasses.replace(connector or ConnectorConfig(), transport="put")
@@ -52,7 +53,7 @@ def _connect(ctx, backend, num_attn=1, num_ffn=1, *, model=MODEL, timeout_s=TIME
     return AFDConnector(model, TopologyConfig(num_attn, num_ffn), connector, role=role,
                         role_rank=role_rank, store=ctx.store(), job_id=ctx.job_id, backend=backend,
                         device_id=ctx.device_id, poll_mode=POLL_MODE, peer_timeout_s=timeout_s,
-                        startup_timeout_s=30.0), role, role_rank
+                        startup_timeout_s=30.0, **extra), role, role_rank
 
 
 def _inputs(conn, num_tokens, seed):
@@ -132,8 +133,8 @@ def test_one_ring_used_from_two_streams_is_ordered():
 
 
 # --- an FFN wait interrupted after its kernel was queued: the arrival is not lost (cuda) -------
-def _interrupted_wait_program(ctx):
-    conn, role, _ = _connect(ctx, "cuda", timeout_s=10.0)
+def _interrupted_wait_program(ctx, recv_spin_us):
+    conn, role, _ = _connect(ctx, "cuda", timeout_s=10.0, recv_spin_us=recv_spin_us)
     store = ctx.store()
     try:
         if role is Role.FFN:
@@ -142,17 +143,20 @@ def _interrupted_wait_program(ctx):
 
             previous = signal.signal(signal.SIGALRM, interrupt)
             signal.setitimer(signal.ITIMER_REAL, 0.3)
+            start = time.monotonic()
             try:
-                conn.recv_ffn_work_item(5000)  # its wait_any kernel keeps spinning for 5 s
+                conn.recv_ffn_work_item(5000)  # spinning: one wait_any kernel, alive for 5 s
                 interrupted = False
             except KeyboardInterrupt:
                 interrupted = True
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 signal.signal(signal.SIGALRM, previous)
+            handled_after_s = time.monotonic() - start
             store.set("interrupted", b"1")
-            time.sleep(0.5)  # the dispatch lands while only the interrupted kernel watches
-            return {"interrupted": interrupted, "served": FFNWorker(conn, expert_fn=_identity).run()}
+            time.sleep(0.5)  # the dispatch lands (spinning: while only the interrupted kernel watches)
+            return {"interrupted": interrupted, "handled_after_s": handled_after_s,
+                    "served": FFNWorker(conn, expert_fn=_identity).run()}
         store.get("interrupted")
         error = _round_trip_error(conn, 0, seed=4)
         conn.announce_shutdown()
@@ -163,9 +167,15 @@ def _interrupted_wait_program(ctx):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(POLL_MODE != "device", reason="the doorbell exists with device polling only")
-def test_arrival_consumed_by_an_interrupted_wait_is_returned_by_the_next():
-    attn, ffn = launch(_interrupted_wait_program, 2, timeout_s=120)
+@pytest.mark.parametrize("recv_spin_us", [10_000_000, 500], ids=["spinning", "sleeping"])
+def test_arrival_consumed_by_an_interrupted_wait_is_returned_by_the_next(recv_spin_us):
+    # spinning (spin > the 5 s wait): the alarm interrupts the host loop while the kernel keeps
+    # watching, and the arrival it consumes must come back from the next receive; sleeping
+    # (the default): the host sleeps in the driver, and the alarm is handled once the current
+    # wait kernel (at most cuda_ffn._BLOCKING_CHUNK_S = 0.1 s) ends, not after 5 s
+    attn, ffn = launch(_interrupted_wait_program, 2, args=(recv_spin_us,), timeout_s=120)
     assert ffn["interrupted"] and ffn["served"] == 1, ffn
+    assert 0.3 <= ffn["handled_after_s"] < 1.0, ffn
     assert attn["error"] < 0.1, attn
 
 

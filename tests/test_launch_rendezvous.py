@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from afd_cupy import rendezvous
+from afd_cupy import env, rendezvous
 from afd_cupy.config import TopologyConfig
 from afd_cupy.errors import ConfigError, PeerTimeoutError
 from afd_cupy.heap.host import cleanup_job_segments, segment_path
@@ -30,13 +30,16 @@ def job_store():
 
 
 def test_parse_store_addr():
-    assert rendezvous.parse_store_addr("node0:29500") == ("node0", 29500)
-    assert rendezvous.parse_store_addr("[fe80::1]:7") == ("fe80::1", 7)
-    assert rendezvous.parse_store_addr(("h", "12")) == ("h", 12)
+    assert env.parse_store_addr("node0:29500") == ("node0", 29500)
+    assert env.parse_store_addr("[fe80::1]:7") == ("fe80::1", 7)
+    assert env.parse_store_addr(("h", "12")) == ("h", 12)
     for bad, message in (("node0", "must be 'host:port'"), ("h:x", "port 'x' is not an integer"),
-                         (":5", "needs a host and a port"), ("h:70000", "needs a host and a port")):
+                         (":5", "needs a host and a port"), ("h:70000", "needs a host and a port"),
+                         ("fe80::1", "IPv6 host in brackets"), ("[::1:29500", "IPv6 host in brackets"),
+                         (("h", True), "port True is not an integer"),
+                         (("h", 29500.7), "port 29500.7 is not an integer")):
         with pytest.raises(ConfigError, match=message):
-            rendezvous.parse_store_addr(bad)
+            env.parse_store_addr(bad)
 
 
 def test_rank_started_twice_is_refused(job_store):

@@ -9,16 +9,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from afd_cupy.config import ConnectorConfig
 from afd_cupy.errors import ConfigError, ProtocolError
-from afd_cupy.step_graph import DecodeStepGraph, check_capturable
+from afd_cupy.step_graph import RECV, SEND, DecodeStepGraph, check_capturable, pipeline_schedule, split_rows
 from afd_cupy.testing.step_model import LinearStandIn
 from afd_cupy.topology import Role
 
 
-def _conn(role=Role.ATTENTION, backend="cuda", poll_mode="device", token_cap=16, num_layers=4, pending=()):
+def _conn(role=Role.ATTENTION, backend="cuda", poll_mode="device", token_cap=16, num_layers=4, pending=(),
+          num_stages=1):
     """The attributes of an AFDConnector that the checks read."""
+    config = ConnectorConfig(async_moe_ubatching=num_stages > 1, async_moe_num_ubatches=max(num_stages, 2))
     return SimpleNamespace(role=role, backend=backend, path=SimpleNamespace(ctx=SimpleNamespace(poll_mode=poll_mode)),
-                           layout=SimpleNamespace(token_cap=token_cap), model=SimpleNamespace(num_layers=num_layers),
+                           layout=SimpleNamespace(token_cap=token_cap, ring_depth=config.ring_depth),
+                           model=SimpleNamespace(num_layers=num_layers), config=config,
                            _pending={ring: None for ring in pending})
 
 
@@ -41,6 +45,81 @@ def test_what_cannot_be_captured_is_a_config_error(conn, tokens, layers, match):
         check_capturable(conn, tokens, layers)
     with pytest.raises(ConfigError, match=match):  # the constructor checks first, on the CPU
         DecodeStepGraph(conn, _fns(layers), _fns(layers), num_tokens=tokens)
+
+
+@pytest.mark.parametrize("conn,tokens,stages,match", [
+    (_conn(), 8, 2, r"stages=2 needs a connector with at least 2 micro-batch stages \(ConnectorConfig\("
+                    r"async_moe_ubatching=True, async_moe_num_ubatches=2\) on every rank\); this one has "
+                    r"num_stages=1 \(async_moe_ubatching=False, async_moe_num_ubatches=2\)"),
+    (_conn(num_stages=2), 8, 4, r"stages=4 needs .* this one has num_stages=2 \(async_moe_ubatching=True"),
+    (_conn(num_stages=2), 1, 2, r"num_tokens=1 rows cannot be split into stages=2 micro-batches"),
+    (_conn(num_stages=4), 3, 4, r"num_tokens=3 rows cannot be split into stages=4"),
+    (_conn(num_stages=2), 8, 0, r"stages must be an int >= 1, got 0"),
+    (_conn(num_stages=2), 8, True, r"stages must be an int >= 1, got True"),
+    (_conn(num_stages=2), 8, 2.0, r"stages must be an int >= 1, got 2.0"),
+])
+def test_stages_that_cannot_be_captured_are_config_errors(conn, tokens, stages, match):
+    with pytest.raises(ConfigError, match=match):
+        check_capturable(conn, tokens, 2, stages)
+    with pytest.raises(ConfigError, match=match):
+        DecodeStepGraph(conn, _fns(2), _fns(2), num_tokens=tokens, stages=stages)
+
+
+def test_stages_up_to_the_connectors_pass_the_check():
+    """stages <= num_stages (not ==): a runner's 1-row bucket runs stages=1 on a 2-stage
+    connector, and stages=1 on any connector is the unstaged step."""
+    for stages in (1, 2):
+        check_capturable(_conn(num_stages=2), 2, 4, stages)
+    check_capturable(_conn(num_stages=4), 16, 4, 3)
+    check_capturable(_conn(num_stages=2), 1, 4, 1)
+
+
+@pytest.mark.parametrize("tokens,stages,want", [
+    (40, 1, ((0, 40),)), (40, 2, ((0, 20), (20, 40))), (5, 2, ((0, 3), (3, 5))),
+    (7, 3, ((0, 3), (3, 5), (5, 7))), (4, 4, ((0, 1), (1, 2), (2, 3), (3, 4))),
+    (10, 4, ((0, 3), (3, 6), (6, 8), (8, 10))), (1, 1, ((0, 1),))])
+def test_split_rows_even_contiguous_nonempty(tokens, stages, want):
+    assert split_rows(tokens, stages) == want
+
+
+def test_split_rows_refuses_empty_micro_batches():
+    for tokens, stages in ((1, 2), (0, 1), (3, 4)):
+        with pytest.raises(ConfigError, match=f"num_tokens={tokens} rows cannot be split into stages={stages}"):
+            split_rows(tokens, stages)
+
+
+def test_pipeline_schedule_exact_orders():
+    assert pipeline_schedule(3, 1) == ((SEND, 0, 0), (RECV, 0, 0), (SEND, 1, 0), (RECV, 1, 0),
+                                       (SEND, 2, 0), (RECV, 2, 0))  # today's step, unchanged
+    assert pipeline_schedule(2, 2) == ((SEND, 0, 0), (SEND, 0, 1), (RECV, 0, 0), (SEND, 1, 0),
+                                       (RECV, 0, 1), (SEND, 1, 1), (RECV, 1, 0), (RECV, 1, 1))
+    assert pipeline_schedule(1, 3) == ((SEND, 0, 0), (SEND, 0, 1), (SEND, 0, 2),
+                                       (RECV, 0, 0), (RECV, 0, 1), (RECV, 0, 2))
+
+
+@pytest.mark.parametrize("layers", [1, 2, 5])
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+def test_pipeline_schedule_keeps_send_then_recv_per_stage(layers, stages):
+    """The legality of one stream (module doc): every (layer, stage) sent once, then received
+    once; per stage strictly send, recv, send, ... in layer order (its ring is free before it
+    is reused); at most one dispatch per stage pending, so at most S in all; and the overlap
+    itself: S dispatches are pending whenever a receive is issued, but in the last layer's drain."""
+    order = pipeline_schedule(layers, stages)
+    assert len(order) == 2 * layers * stages
+    pending: dict[int, int] = {}
+    for op, layer, stage in order:
+        if op == SEND:
+            assert stage not in pending, (op, layer, stage)
+            pending[stage] = layer
+        else:
+            assert pending.get(stage) == layer, (op, layer, stage)
+            # every stage in flight when one is waited on (the last layer drains in stage order)
+            assert len(pending) == (stages if layer < layers - 1 else stages - stage), (op, layer, stage)
+            del pending[stage]
+    assert not pending
+    for stage in range(stages):
+        mine = [(op, layer) for op, layer, s in order if s == stage]
+        assert mine == [(op, layer) for layer in range(layers) for op in (SEND, RECV)]
 
 
 def test_capturable_arguments_pass_the_check():
@@ -75,6 +154,133 @@ def test_replay_input_checks_and_pending_rings():
     step.connector = _conn(pending=(0,))
     with pytest.raises(ProtocolError, match=r"replay: dispatch\(es\) .* ring\(s\) \[0\]"):
         step.replay(torch.zeros(4, 8, dtype=torch.bfloat16))
+
+
+class _RecordingConnector:
+    """A stand-in Attention connector for the schedule on the CPU: the checks' attributes, the
+    real ring rule (``AFDConnector._acquire_ring`` on this object's ``_pending``), a row-wise
+    gate, and an "FFN" that answers at receive with ``2 * h + 1``. ``calls`` records
+    ``(op, layer, stage, ring, rows)`` in issue order."""
+
+    def __init__(self, num_stages=2, ring_depth=None, num_layers=4, token_cap=16):
+        self.role, self.backend = Role.ATTENTION, "cuda"
+        self.path = SimpleNamespace(ctx=SimpleNamespace(poll_mode="device"))
+        self.config = ConnectorConfig(async_moe_ubatching=num_stages > 1, async_moe_num_ubatches=max(num_stages, 2),
+                                      ring_depth=ring_depth)
+        self.layout = SimpleNamespace(token_cap=token_cap, ring_depth=self.config.ring_depth)
+        self.model = SimpleNamespace(num_layers=num_layers)
+        self._pending, self.calls = {}, []
+
+    def select_experts(self, logits, bias=None):
+        weights, ids = logits.softmax(dim=-1).topk(2, dim=-1)
+        return weights.float(), ids.int()
+
+    def send_attn_output(self, hidden, ids, weights, layer_idx, stage_idx=0):
+        from afd_cupy.connector import AFDConnector
+
+        ring = AFDConnector._acquire_ring(self, stage_idx)  # RingExhaustedError if the stage's ring is busy
+        handle = SimpleNamespace(ring=ring, layer_idx=layer_idx, stage_idx=stage_idx, hidden=hidden)
+        self._pending[ring] = handle
+        self.calls.append((SEND, layer_idx, stage_idx, ring, hidden.shape[0]))
+        return handle
+
+    def forget_dispatch(self, handle):
+        from afd_cupy.connector import AFDConnector
+
+        AFDConnector.forget_dispatch(self, handle)  # the real rule on this object's _pending
+        self.calls.append(("forget", handle.layer_idx, handle.stage_idx, handle.ring, handle.hidden.shape[0]))
+
+    def _require(self, role, what):
+        assert role is Role.ATTENTION
+
+    def recv_ffn_output(self, handle, *, blocking=True):
+        assert not blocking and self._pending.get(handle.ring) is handle
+        del self._pending[handle.ring]
+        self.calls.append((RECV, handle.layer_idx, handle.stage_idx, handle.ring, handle.hidden.shape[0]))
+        return handle.hidden * 2 + 1
+
+
+def _row_wise_step(conn, layers, tokens, stages, keep=False):
+    """A DecodeStepGraph set up without the GPU (``_setup`` only) over row-wise fp32 layers."""
+    step = DecodeStepGraph.__new__(DecodeStepGraph)
+    step._setup(conn, [lambda x, l=l: (x + l, (x + l) * 0.5) for l in range(layers)],
+                [lambda h: h[:, :4] * 3.0] * layers, num_tokens=tokens, stages=stages,
+                e_score_correction_bias=None, keep_layer_tensors=keep, warmup=1)
+    return step
+
+
+@pytest.mark.parametrize("stages,ring_depth", [(1, None), (2, None), (2, 4), (3, None)])
+def test_staged_step_issues_the_pipeline_on_each_stages_own_ring(stages, ring_depth):
+    """run_eager drives the connector in :func:`pipeline_schedule`'s order: micro-batch s on
+    stage s and ring s (also with deeper rings: its previous dispatch was received first),
+    the split's rows, never a busy ring; its rows equal each micro-batch run alone (S = 1 on
+    the same rows) bit for bit, and the unsplit step's (row-wise functions)."""
+    conn = _RecordingConnector(num_stages=max(stages, 2) if stages > 1 else 1, ring_depth=ring_depth)
+    layers, tokens = 3, 7
+    step = _row_wise_step(conn, layers, tokens, stages)
+    x = torch.randn(tokens, 8, generator=torch.Generator().manual_seed(0))
+    got = step.run_eager(x)
+    sizes = [stop - start for start, stop in split_rows(tokens, stages)]
+    assert conn.calls == [(op, layer, stage, stage, sizes[stage])
+                          for op, layer, stage in pipeline_schedule(layers, stages)]
+    assert not conn._pending
+    alone_conn = _RecordingConnector(num_stages=1)
+    alone = _row_wise_step(alone_conn, layers, tokens, 1)
+    want = torch.cat([alone.run_eager(x[start:stop]) for start, stop in split_rows(tokens, stages)])
+    assert torch.equal(got, want)
+    assert torch.equal(got, alone.run_eager(x))
+
+
+def test_staged_capture_path_writes_out_and_records_rings_and_layers():
+    """The captured path's logic (``_step(out=..., record=True)``), on the CPU: the last
+    layer's adds write each micro-batch's rows of ``out``; rings {0, 1}; ``stage_layers``
+    [S][L] and ``layers`` concatenated per layer."""
+    conn = _RecordingConnector(num_stages=2)
+    step = _row_wise_step(conn, 2, 5, 2, keep=True)
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
+    out = torch.full((5, 8), float("nan"))
+    assert step._step(x, out=out, record=True) is out
+    assert torch.equal(out, step.run_eager(x)) and step.rings == {0, 1}
+    assert [len(layers) for layers in step.stage_layers] == [2, 2]
+    assert [t.moe_input.shape[0] for t in step.stage_layers[1]] == [2, 2]
+    full = step.layers
+    assert len(full) == 2 and full[1].output.shape == (5, 8) and torch.equal(full[1].output, out)
+    assert torch.equal(full[0].moe_input, (x + 0) * 0.5)
+    assert full[0].topk_ids.dtype == torch.int32 and full[0].topk_weights.shape == (5, 2)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_a_failing_layer_releases_the_rings_still_in_flight(stages):
+    """Layer 1's attention raises on stage 0: the stages whose layer-0 dispatch was sent but
+    not received get their rings released (forget_dispatch), nothing stays pending, and the
+    same step runs again afterwards."""
+    conn = _RecordingConnector(num_stages=max(stages, 2) if stages > 1 else 1)
+    step = _row_wise_step(conn, 3, 6, stages)
+    healthy = step.attention[1]
+    step.attention[1] = lambda x: (_ for _ in ()).throw(RuntimeError("attention failed"))
+    with pytest.raises(RuntimeError, match="attention failed"):
+        step.run_eager(torch.zeros(6, 8))
+    forgotten = [(layer, stage) for op, layer, stage, *_ in conn.calls if op == "forget"]
+    # stage 0 was received before its layer-1 attention ran; stages 1.. were still in flight
+    assert forgotten == [(0, s) for s in range(1, stages)]
+    assert not conn._pending
+    step.attention[1] = healthy
+    assert step.run_eager(torch.zeros(6, 8)).shape == (6, 8) and not conn._pending
+
+
+def test_forget_dispatch_needs_a_pending_handle():
+    conn = _RecordingConnector(num_stages=1)
+    handle = conn.send_attn_output(torch.zeros(2, 8), None, None, 0)
+    conn.forget_dispatch(handle)
+    with pytest.raises(ProtocolError, match="handle for layer 0 ring 0 is not pending"):
+        conn.forget_dispatch(handle)
+
+
+def test_run_eager_with_fewer_rows_than_stages_is_a_value_error():
+    step = _row_wise_step(_RecordingConnector(num_stages=2), 2, 4, 2)
+    with pytest.raises(ValueError, match=r"run_eager: 1 row\(s\) cannot be split into stages=2"):
+        step.run_eager(torch.zeros(1, 8))
+    assert step.run_eager(torch.zeros(3, 8)).shape == (3, 8)  # n != T splits n: 2 + 1
 
 
 def test_linear_stand_in_shapes_and_determinism():
@@ -120,3 +326,63 @@ def test_a_real_host_connector_is_refused():
 
     attn, served = launch(_host_rank, 2, timeout_s=100)
     assert "backend='host': only the cuda backend" in attn and served == 0
+
+
+def _host_staged_rank(ctx):
+    """1A1F on the host backend with two stages: the staged schedule (the capture checks
+    patched away: the host backend cannot be captured, but it runs the same protocol) against
+    the real connector and an FFNWorker with identity experts."""
+    from unittest import mock
+
+    from afd_cupy import step_graph
+    from afd_cupy.config import ModelConfig, TopologyConfig
+    from afd_cupy.connector import AFDConnector
+    from afd_cupy.ffn_worker import FFNWorker
+    from afd_cupy.testing.reference import identity_experts
+
+    model = ModelConfig(hidden_size=16, num_experts=4, top_k=2, moe_intermediate_size=8,
+                        num_shared_experts=1, dtype="bfloat16", max_num_batched_tokens=16, num_layers=3)
+    role = "attention" if ctx.rank == 0 else "ffn"
+    conn = AFDConnector(model, TopologyConfig(1, 1),
+                        ConnectorConfig(async_moe_ubatching=True, async_moe_num_ubatches=2),
+                        role=role, role_rank=0, store=ctx.store(), job_id=ctx.job_id, backend="host")
+    try:
+        if role == "ffn":
+            return FFNWorker(conn, expert_fn=identity_experts).run()
+        try:
+            stand_in = LinearStandIn(3, 16, 4, dtype=torch.bfloat16, device="cpu", seed=2, scale=0.5)
+            steps = {}
+            with mock.patch.object(step_graph, "check_capturable", lambda *args: None):
+                for stages in (1, 2):
+                    step = DecodeStepGraph.__new__(DecodeStepGraph)
+                    step._setup(conn, stand_in.attention_fns(), stand_in.router_fns(), num_tokens=11,
+                                stages=stages, e_score_correction_bias=None, keep_layer_tensors=False,
+                                warmup=1)
+                    steps[stages] = step
+            x = torch.randn(11, 16, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+            staged = steps[2]._step(x, record=True)
+            alone = torch.cat([steps[1].run_eager(x[a:b]) for a, b in steps[2].splits])
+            unsplit = steps[1].run_eager(x)
+            rel = float((staged.double() - unsplit.double()).norm() / unsplit.double().norm())
+            return {"rings": sorted(steps[2].rings), "splits": steps[2].splits,
+                    "bitwise_alone": bool(torch.equal(staged, alone)), "rel_unsplit": rel,
+                    "pending": sorted(conn._pending)}
+        finally:
+            conn.announce_shutdown()
+    finally:
+        conn.close()
+
+
+@pytest.mark.timeout(120)
+def test_two_stages_on_a_real_host_connector():
+    """The real protocol serves the pipeline (each stage on its own ring, nothing left
+    pending); each micro-batch's rows equal the one-stage step on those rows bit for bit,
+    and the unsplit step's within bf16 rounding (its GEMMs see another batch size)."""
+    from afd_cupy.launch import launch
+    from afd_cupy.testing.scenario import tolerance
+
+    attn, served = launch(_host_staged_rank, 2, timeout_s=100)
+    assert attn["rings"] == [0, 1] and attn["splits"] == ((0, 6), (6, 11)) and attn["pending"] == []
+    assert attn["bitwise_alone"], attn
+    assert attn["rel_unsplit"] <= tolerance("bfloat16"), attn
+    assert served == 3 * 2 + 3 * 2 + 3, served  # staged (3 layers x 2), alone (2 x 3), unsplit (3)

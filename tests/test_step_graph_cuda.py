@@ -6,6 +6,18 @@ linear stand-in (afd_cupy.testing.step_model), then three times: fresh inputs (t
 replay with fewer rows than captured: zero padding), the static output NaN-filled, replay,
 ``check_errors()``; the same inputs through ``run_eager``. FFN side: an eager ``FFNWorker``
 with real small bf16 experts (1A1F, 1A2F), or ``GraphFFNServer(identity=True)`` (1A1F).
+
+With ``stages=2`` (every rank's ConnectorConfig with two micro-batch stages) the step runs as
+the two-stage software pipeline; besides the checks above (per layer on the stages' tensors
+concatenated: routing is per token, so the split step matches the fp64 reference as the
+unsplit one does), each micro-batch's eager rows must equal, bit for bit, a one-stage step
+(``stages=1`` on the same connector) run eagerly on that micro-batch's rows alone: the same
+kernels on the same rows and shapes (stage 1 on ring 1 instead of ring 0 changes only
+addresses, every wire field is 256-B aligned), each FFN item served on its own (async
+schedule). What is asserted within a tolerance rather than exactly: captured vs eager (the
+same kernels, but a GEMM under capture may use another workspace; recorded as
+``bitwise_eager``) and anything against the unsplit step or the reference (other batch
+sizes, fp64).
 Needs a GPU, CuPy and NVSHMEM (device polling: CUDA MPS on one GPU, as tools/gpu_suite.sh)."""
 from __future__ import annotations
 
@@ -34,24 +46,25 @@ def _rel(got, want) -> float:
     return float((got - want).norm()) / (float(want.norm()) or 1.0)
 
 
-def _step_program(ctx, num_ffn: int, ffn: str, model: ModelConfig) -> dict:
+def _step_program(ctx, num_ffn: int, ffn: str, model: ModelConfig, stages: int = 1) -> dict:
     import torch
 
-    from afd_cupy.config import TopologyConfig
+    from afd_cupy.config import ConnectorConfig, TopologyConfig
     from afd_cupy.connector import AFDConnector
     from afd_cupy.topology import Topology
 
     torch.cuda.set_device(ctx.device_id or 0)
     device = torch.device("cuda", ctx.device_id or 0)
     role, role_rank = Topology(1, num_ffn, model.num_experts).role_of(ctx.rank)
-    conn = AFDConnector(model, TopologyConfig(1, num_ffn), role=role, role_rank=role_rank,
+    config = ConnectorConfig(async_moe_ubatching=stages > 1, async_moe_num_ubatches=max(stages, 2))
+    conn = AFDConnector(model, TopologyConfig(1, num_ffn), config, role=role, role_rank=role_rank,
                         store=ctx.store(), job_id=ctx.job_id, backend="cuda", device_id=ctx.device_id,
                         poll_mode="device", peer_timeout_s=30.0)
     try:
         if role.value == "ffn":
             return _serve(conn, ffn, role_rank, device)
         try:
-            return _attention(conn, ffn, device)
+            return _attention(conn, ffn, device, stages)
         finally:
             conn.announce_shutdown()
     finally:
@@ -86,7 +99,7 @@ def _expected_moe(trace, layer: int, model, ffn: str):
     return reference_moe(h, trace.topk_ids.cpu(), weights, routed, shared, model.routed_scaling_factor)
 
 
-def _attention(conn, ffn: str, device) -> dict:
+def _attention(conn, ffn: str, device, stages: int) -> dict:
     import torch
 
     from afd_cupy.step_graph import DecodeStepGraph
@@ -96,14 +109,18 @@ def _attention(conn, ffn: str, device) -> dict:
     stand_in = LinearStandIn(NUM_LAYERS, model.hidden_size, model.num_experts,
                              dtype=torch.bfloat16, device=device, seed=3)
     step = DecodeStepGraph(conn, stand_in.attention_fns(), stand_in.router_fns(),
-                           num_tokens=NUM_TOKENS, keep_layer_tensors=True)
+                           num_tokens=NUM_TOKENS, stages=stages, keep_layer_tensors=True)
+    # each micro-batch alone: a one-stage step on the same connector (run eagerly only)
+    alone = DecodeStepGraph(conn, stand_in.attention_fns(), stand_in.router_fns(),
+                            num_tokens=max(b - a for a, b in step.splits)) if stages > 1 else None
     gen = torch.Generator().manual_seed(11)
     replays = []
     for rows in ROWS:
         hidden = torch.randn(rows, model.hidden_size, generator=gen).to(torch.bfloat16).to(device)
         step.output.fill_(float("nan"))
-        for layer in step.layers:
-            layer.moe_output.fill_(float("nan"))
+        for stage_layers in step.stage_layers:
+            for layer in stage_layers:
+                layer.moe_output.fill_(float("nan"))
         out = step.replay(hidden)
         conn.check_errors()
         captured = out.clone()
@@ -111,12 +128,20 @@ def _attention(conn, ffn: str, device) -> dict:
         report = {"rows": rows, "nan": int(captured.isnan().sum()), "shape": tuple(captured.shape),
                   "padding_zero": bool((padded[rows:] == 0).all()),
                   "layers": _check_layers(step, stand_in, padded, rows, conn, model, ffn)}
-        eager = step.run_eager(padded)[:rows]  # the same step, not captured, same inputs
+        staged = step.run_eager(padded)  # the same step, not captured, same inputs
         conn.check_errors()
+        eager = staged[:rows]
         report["vs_eager"] = _rel(captured, eager)
         report["bitwise_eager"] = bool(torch.equal(captured, eager))
+        if alone is not None:  # the eager staged rows vs each micro-batch run alone
+            by_itself = torch.cat([alone.run_eager(padded[a:b]) for a, b in step.splits])
+            conn.check_errors()
+            report["bitwise_alone"] = bool(torch.equal(staged, by_itself))
+            report["alone_max_diff"] = float((staged.float() - by_itself.float()).abs().max())
         replays.append(report)
-    return {"role": "attention", "replays": replays, "rings": sorted(step.rings)}
+    return {"role": "attention", "replays": replays, "rings": sorted(step.rings),
+            "splits": [list(split) for split in step.splits],
+            "alone_rings": sorted(alone.rings) if alone is not None else None}
 
 
 def _check_layers(step, stand_in, x, rows, conn, model, ffn) -> list:
@@ -137,14 +162,19 @@ def _check_layers(step, stand_in, x, rows, conn, model, ffn) -> list:
     return checks
 
 
-@pytest.mark.parametrize("num_ffn,ffn,scaling", [
-    pytest.param(1, "eager", 2.5, id="1A1F-eager-experts"),
-    pytest.param(2, "eager", 2.5, id="1A2F-eager-experts"),
-    pytest.param(1, "graph", 1.0, id="1A1F-graph-ffn-identity")])
-def test_decode_step_captured_in_one_graph(num_ffn, ffn, scaling):
-    attn, *ffns = launch(_step_program, 1 + num_ffn, args=(num_ffn, ffn, _model(scaling)), timeout_s=240)
+@pytest.mark.parametrize("num_ffn,ffn,scaling,stages", [
+    pytest.param(1, "eager", 2.5, 1, id="1A1F-eager-experts"),
+    pytest.param(2, "eager", 2.5, 1, id="1A2F-eager-experts"),
+    pytest.param(1, "graph", 1.0, 1, id="1A1F-graph-ffn-identity"),
+    pytest.param(1, "eager", 2.5, 2, id="1A1F-eager-experts-2stages"),
+    pytest.param(2, "eager", 2.5, 2, id="1A2F-eager-experts-2stages"),
+    pytest.param(1, "graph", 1.0, 2, id="1A1F-graph-ffn-identity-2stages")])
+def test_decode_step_captured_in_one_graph(num_ffn, ffn, scaling, stages):
+    attn, *ffns = launch(_step_program, 1 + num_ffn, args=(num_ffn, ffn, _model(scaling), stages),
+                         timeout_s=240)
     tol = tolerance("bfloat16")
-    assert attn["rings"] == [0], attn["rings"]  # one dispatch in flight: every layer on ring 0
+    # one dispatch in flight per stage: micro-batch s on ring s, every layer
+    assert attn["rings"] == list(range(stages)), attn["rings"]
     assert len(attn["replays"]) == REPLAYS
     for report in attn["replays"]:
         assert report["nan"] == 0 and report["shape"] == (report["rows"], 128), report
@@ -155,9 +185,17 @@ def test_decode_step_captured_in_one_graph(num_ffn, ffn, scaling):
             assert check["ids_mismatch"] <= 0.05, (report["rows"], check)  # bf16 logit ties
             for key in ("input", "moe", "residual"):
                 assert check[key] <= tol, (report["rows"], key, check)
-    # every layer of every step was sent (1 warm-up + 3 replays + 3 eager steps) and served
-    served = [r["served"] for r in ffns]
+        if stages > 1:  # exact: the same kernels on the same rows as the micro-batch alone
+            assert report["bitwise_alone"], report
+    # every dispatch of every step was sent and served: the step's (1 warm-up + 3 replays +
+    # 3 eager steps: L x S each) and, with stages, the one-stage step's (1 warm-up + per
+    # replay one eager run per micro-batch: L each)
     steps = 1 + 2 * REPLAYS
-    assert sum(served) >= steps * NUM_LAYERS and max(served) <= steps * NUM_LAYERS, served
+    dispatches = steps * NUM_LAYERS * stages
+    if stages > 1:
+        assert attn["splits"] == [[0, 20], [20, 40]] and attn["alone_rings"] == [0], attn
+        dispatches += (1 + REPLAYS * stages) * NUM_LAYERS
+    served = [r["served"] for r in ffns]
+    assert sum(served) >= dispatches and max(served) <= dispatches, served
     if num_ffn == 1:
-        assert served == [steps * NUM_LAYERS]
+        assert served == [dispatches]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import pytest
@@ -359,3 +360,9 @@ def test_process_context_from_the_environment():
         ProcessContext.from_env({**env, "AFD_STORE_ADDR": "node0:port"})
     with pytest.raises(ValueError, match="0 <= rank < world size"):
         ProcessContext.from_env({**env, "AFD_RANK": "4"})
+    # the launchers' parser (env.parse_store_addr): IPv6 in brackets, ports in [1, 65535]
+    ctx6 = ProcessContext.from_env({**env, "AFD_STORE_ADDR": "[fe80::1]:29511"})
+    assert (ctx6.store_host, ctx6.store_port) == ("fe80::1", 29511)
+    for bad in ("node0:0", ":29511", "node0:70000", "node0"):
+        with pytest.raises(ValueError, match=rf"malformed AFD_\* variable: .*{re.escape(bad)}"):
+            ProcessContext.from_env({**env, "AFD_STORE_ADDR": bad})

@@ -1,19 +1,24 @@
 #!/usr/bin/env python3
 """Decode step of L layers, Attention side: eager loop vs one captured CUDA graph (issue #13).
 
-The same step run eagerly and captured once (afd_cupy.step_graph.DecodeStepGraph), in one run.
+The same step run eagerly and captured once (afd_cupy.step_graph.DecodeStepGraph), in one run,
+for each number of micro-batch stages S in ``--stages`` (default 1 2): S > 1 splits the T rows
+into S micro-batches issued as a software pipeline on one stream (the attention of one
+micro-batch runs while the others' FFN round trips are in flight; every rank's ConnectorConfig
+then has max(--stages) stages, and S = 1 runs on that connector as the plain step).
 
 1AnF (default 1A1F), cuda backend, hidden 7168, top-8 of 64 experts, bf16. Attention side:
 per layer a fixed bf16 linear (one [H, H] weight shared by the layers), the gate, send,
 ``recv_ffn_output(blocking=False)``, the residual add (afd_cupy.testing.step_model). FFN side:
 ``GraphFFNServer(identity=True)`` (``--ffn graph``, default) or an eager ``FFNWorker`` with
-identity experts (``--ffn eager``). For each batch size and each L: one DecodeStepGraph,
+identity experts (``--ffn eager``). For each batch size, each L and each S: one DecodeStepGraph,
 then ``--warmup`` + ``--iters`` iterations, each timing one eager step (``run_eager`` +
 ``check_errors()``) and one replay (``replay`` + ``check_errors()``), host wall time; the
-last outputs of both are compared. Reports per-step and per-layer median / p10 / p90 µs and
-the ratio captured / eager; prints a table, writes ``bench_step_graph.json`` to --out; exits
-1 when the outputs differ. (With identity experts each layer about doubles the values; bf16's
-range holds them at L = 50, the comparison is relative and in fp64.)
+last outputs of both are compared. Reports per-step and per-layer median / p10 / p90 µs, the
+ratio captured / eager and the captured step's ratio to S = 1 (same T and L); prints a
+table, writes ``bench_step_graph.json`` to --out; exits 1 when the outputs differ. (With
+identity experts each layer about doubles the values; bf16's range holds them at L = 50, the
+comparison is relative and in fp64.)
 
 Runs on one GPU (all processes on GPU 0: start CUDA MPS first, as tools/gpu_suite.sh does)
 or one GPU per process when there are enough (--num-gpus).
@@ -42,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[1, 10, 50], help="L values")
     parser.add_argument("--tokens", type=int, nargs="+", default=[32], help="batch sizes T")
+    parser.add_argument("--stages", type=int, nargs="+", default=[1, 2],
+                        help="micro-batch stages S per step (each <= every T)")
     parser.add_argument("--ffn", choices=FFN_MODES, default="graph",
                         help="FFN side: GraphFFNServer(identity) or an eager FFNWorker (identity)")
     parser.add_argument("--num-ffn", type=int, default=1)
@@ -54,10 +61,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
     args = parser.parse_args(argv)
-    if min(args.layers) < 1 or min(args.tokens) < 1 or args.num_ffn < 1:
-        parser.error("--layers, --tokens and --num-ffn must be >= 1")
+    if min(args.layers) < 1 or min(args.tokens) < 1 or args.num_ffn < 1 or min(args.stages) < 1:
+        parser.error("--layers, --tokens, --stages and --num-ffn must be >= 1")
+    if max(args.stages) > min(args.tokens):
+        parser.error(f"--stages {max(args.stages)} > --tokens {min(args.tokens)}: every micro-batch needs a row")
     args.iters = args.iters or (30 if args.quick else 200)
     return args
+
+
+def connector_config(args) -> ConnectorConfig:
+    """Every rank's config: max(--stages) micro-batch stages (ring_depth follows), so that one
+    connector serves every S of the run (a step may use fewer stages than its connector)."""
+    most = max(args.stages)
+    return ConnectorConfig(async_moe_ubatching=most > 1, async_moe_num_ubatches=max(most, 2))
 
 
 def model_config(args) -> ModelConfig:
@@ -76,7 +92,7 @@ def _rank(ctx, args) -> dict:
     torch.cuda.set_device(ctx.device_id or 0)
     device = torch.device("cuda", ctx.device_id or 0)
     role, role_rank = ("attention", 0) if ctx.rank == 0 else ("ffn", ctx.rank - 1)
-    conn = AFDConnector(model_config(args), TopologyConfig(1, args.num_ffn), ConnectorConfig(), role=role,
+    conn = AFDConnector(model_config(args), TopologyConfig(1, args.num_ffn), connector_config(args), role=role,
                         role_rank=role_rank, store=ctx.store(), job_id=ctx.job_id, backend="cuda",
                         device_id=ctx.device_id)
     try:
@@ -116,24 +132,26 @@ def _attention(conn, args, device) -> dict:
     for num_tokens in args.tokens:
         hidden = torch.randn(num_tokens, model.hidden_size, generator=gen).to(torch.bfloat16).to(device)
         for layers in args.layers:
-            step = DecodeStepGraph(conn, stand_in.attention_fns()[:layers], stand_in.router_fns()[:layers],
-                                   num_tokens=num_tokens, warmup=2)
-            eager_us, graph_us = [], []
-            for i in range(args.warmup + args.iters):
-                t0 = time.perf_counter()
-                eager = step.run_eager(hidden)
-                conn.check_errors()
-                t1 = time.perf_counter()
-                captured = step.replay(hidden)
-                conn.check_errors()
-                t2 = time.perf_counter()
-                if i >= args.warmup:
-                    eager_us.append((t1 - t0) * 1e6)
-                    graph_us.append((t2 - t1) * 1e6)
-            rows.append(summarize(num_tokens, layers, eager_us, graph_us, _rel_diff(captured, eager)))
-            del step, eager, captured
-            torch.cuda.synchronize()
-    return {"role": "attention", "device": bc.device_name(device), "rows": rows}
+            for stages in args.stages:
+                step = DecodeStepGraph(conn, stand_in.attention_fns()[:layers], stand_in.router_fns()[:layers],
+                                       num_tokens=num_tokens, stages=stages, warmup=2)
+                eager_us, graph_us = [], []
+                for i in range(args.warmup + args.iters):
+                    t0 = time.perf_counter()
+                    eager = step.run_eager(hidden)
+                    conn.check_errors()
+                    t1 = time.perf_counter()
+                    captured = step.replay(hidden)
+                    conn.check_errors()
+                    t2 = time.perf_counter()
+                    if i >= args.warmup:
+                        eager_us.append((t1 - t0) * 1e6)
+                        graph_us.append((t2 - t1) * 1e6)
+                rows.append(summarize(num_tokens, layers, eager_us, graph_us, _rel_diff(captured, eager),
+                                      stages=stages))
+                del step, eager, captured
+                torch.cuda.synchronize()
+    return {"role": "attention", "device": bc.device_name(device), "rows": add_stage_ratios(rows)}
 
 
 def _rel_diff(captured, eager) -> float:
@@ -146,10 +164,12 @@ def _rel_diff(captured, eager) -> float:
 
 # --------------------------------------------------------------------------- report
 
-def summarize(num_tokens: int, layers: int, eager_us: list, graph_us: list, out_rel_diff: float) -> dict:
+def summarize(num_tokens: int, layers: int, eager_us: list, graph_us: list, out_rel_diff: float,
+              stages: int = 1) -> dict:
     """One table row: per-step and per-layer median / p10 / p90 of both paths (µs), the
     ratio of the medians captured / eager, and the outputs' relative difference."""
-    row = {"tokens": num_tokens, "layers": layers, "iters": len(graph_us), "out_rel_diff": out_rel_diff}
+    row = {"tokens": num_tokens, "layers": layers, "stages": stages, "iters": len(graph_us),
+           "out_rel_diff": out_rel_diff}
     for name, times in (("eager", eager_us), ("graph", graph_us)):
         for stat, value in (("median", bc.median(times)), ("p10", bc.percentile(times, 10)),
                             ("p90", bc.percentile(times, 90))):
@@ -159,23 +179,38 @@ def summarize(num_tokens: int, layers: int, eager_us: list, graph_us: list, out_
     return row
 
 
+def add_stage_ratios(rows: list) -> list:
+    """Each row's ``graph_over_s1``: its captured step median / the S = 1 row's of the same
+    (tokens, layers); None without an S = 1 row. Returns ``rows``."""
+    base = {(r["tokens"], r["layers"]): r["graph_step_median_us"] for r in rows if r.get("stages", 1) == 1}
+    for r in rows:
+        one = base.get((r["tokens"], r["layers"]))
+        r["graph_over_s1"] = r["graph_step_median_us"] / one if one else None
+    return rows
+
+
 def targets(rows: list) -> list:
-    """Issue #13's per-layer target at the 50-layer step (the largest batch measured there)."""
+    """Issue #13's per-layer target at the 50-layer step: the largest batch measured there,
+    its best number of stages (the pipelined step)."""
     at = [r for r in rows if r["layers"] == TARGET_LAYERS]
-    largest = max(at, key=lambda r: r["tokens"]) if at else None
+    most = max(r["tokens"] for r in at) if at else None
+    best = min((r for r in at if r["tokens"] == most), key=lambda r: r["graph_layer_median_us"]) if at else None
     return [bc.target_row(f"captured {TARGET_LAYERS}-layer step, per layer (issue #13)",
-                          f"<= {TARGET_US_PER_LAYER:.0f}", largest and largest["graph_layer_median_us"], "us",
+                          f"<= {TARGET_US_PER_LAYER:.0f}", best and best["graph_layer_median_us"], "us",
                           lambda v: v <= TARGET_US_PER_LAYER,
-                          note=f"{largest['tokens']} tokens" if largest else f"not run (--layers {TARGET_LAYERS})")]
+                          note=f"{best['tokens']} tokens, {best.get('stages', 1)} stage(s)" if best
+                          else f"not run (--layers {TARGET_LAYERS})")]
 
 
 def table(rows: list) -> str:
     def cell(r, name, kind):
         return f"{r[f'{name}_{kind}_median_us']:.1f} [{r[f'{name}_{kind}_p10_us']:.1f}, {r[f'{name}_{kind}_p90_us']:.1f}]"
 
-    headers = ("tokens", "L", "eager step", "graph step", "eager /layer", "graph /layer", "graph/eager", "out diff")
-    body = [(r["tokens"], r["layers"], cell(r, "eager", "step"), cell(r, "graph", "step"),
-             cell(r, "eager", "layer"), cell(r, "graph", "layer"), r["graph_over_eager"], r["out_rel_diff"])
+    headers = ("tokens", "L", "S", "eager step", "graph step", "eager /layer", "graph /layer",
+               "graph/eager", "graph/S=1", "out diff")
+    body = [(r["tokens"], r["layers"], r.get("stages", 1), cell(r, "eager", "step"), cell(r, "graph", "step"),
+             cell(r, "eager", "layer"), cell(r, "graph", "layer"), r["graph_over_eager"],
+             r.get("graph_over_s1"), r["out_rel_diff"])
             for r in rows]
     return bc.format_table(headers, body)
 
@@ -190,21 +225,22 @@ def main(argv=None) -> int:
               "cannot capture the host backend", file=sys.stderr)
         return 2
     model, world = model_config(args), 1 + args.num_ffn
-    env = bc.launch_env("cuda", world, window_size_hint(model, TopologyConfig(1, args.num_ffn), ConnectorConfig()))
+    env = bc.launch_env("cuda", world, window_size_hint(model, TopologyConfig(1, args.num_ffn), connector_config(args)))
     attn, *ffn = launch(_rank, world, args=(args,), timeout_s=600, num_gpus=args.num_gpus, env=env)
     report = {"tool": "bench_step_graph", "run": bc.run_info("cuda"), "device": attn["device"],
               "config": {"ffn": args.ffn, "num_ffn": args.num_ffn, "hidden": args.hidden,
                          "num_experts": args.num_experts, "top_k": args.top_k, "iters": args.iters,
-                         "warmup": args.warmup, "layers": args.layers, "tokens": args.tokens},
+                         "warmup": args.warmup, "layers": args.layers, "tokens": args.tokens,
+                         "stages": args.stages},
               "rows": attn["rows"], "targets": targets(attn["rows"]),
               "ffn": [{k: v for k, v in r.items() if k != "role"} for r in ffn]}
     path = bc.write_json(args.out, "bench_step_graph.json", report)
     print_report(report)
     print(f"wrote {path}")
-    bad = [(r["tokens"], r["layers"], r["out_rel_diff"]) for r in report["rows"]
+    bad = [(r["tokens"], r["layers"], r.get("stages", 1), r["out_rel_diff"]) for r in report["rows"]
            if not r["out_rel_diff"] <= OUT_CHECK_TOL]
     if bad:
-        print(f"CHECK FAILED: captured and eager outputs differ (tokens, L, relative diff): {bad}")
+        print(f"CHECK FAILED: captured and eager outputs differ (tokens, L, S, relative diff): {bad}")
         return 1
     return 0
 
@@ -212,7 +248,7 @@ def main(argv=None) -> int:
 def print_report(report: dict) -> None:
     cfg = report["config"]
     print(f"==== decode step, 1A{cfg['num_ffn']}F, FFN {cfg['ffn']} (identity), hidden {cfg['hidden']}, "
-          f"top-{cfg['top_k']}, {report['device']}: eager loop vs one captured graph "
+          f"top-{cfg['top_k']}, {report['device']}: eager loop vs one captured graph, S stages "
           "(µs: median [p10, p90]) ====")
     print(table(report["rows"]))
     print()

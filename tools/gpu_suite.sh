@@ -8,13 +8,13 @@
 # SKIP_HOSTPOLL=1 / HOSTPOLL_TIMEOUT (the e2e cases with host polling and no MPS),
 # SKIP_HF=1 (tools/hf_generate.py), SKIP_SOAK=1 / SOAK_N / SOAK_TIMEOUT / SOAK_ARGS (tools/soak.py),
 # BENCHES (names of tools/*.py run with --quick), BENCH_TIMEOUT, AFD_COMMIT (for the table).
-# The whole cuda test set no longer fits one 600 s device call; session 5 ran it in two
-# (each ~200 s on one H200, MPS):
+# The whole cuda test set no longer fits one 600 s device call; sessions 5-6 ran it in two
+# (session 6 on one H200, MPS: part 1 ~320 s, part 2 ~310 s + smoke ~25 s; session 5 ~200 s each):
 #   SUITE_TESTS="tests/test_kernels_cuda_dedup_attn.py tests/test_kernels_cuda_dedup_ffn.py
 #     tests/test_kernels_cuda.py tests/test_ffn_graph_cuda.py tests/test_e2e.py" SKIP_HOSTPOLL=1
 #     SKIP_SMOKE_1A1F=1 SKIP_SMOKE_2A2F=1 SKIP_HF=1 SKIP_SOAK=1 SUITE_TIMEOUT=530 TEST_TIMEOUT=60
 #     bash tools/gpu_suite.sh quick
-#   SUITE_TESTS="tests/test_nvshmem_binding.py tests/test_e2e_errors.py tests/test_faults.py"
+#   SUITE_TESTS="tests/test_nvshmem_binding.py tests/test_step_graph_cuda.py tests/test_e2e_errors.py tests/test_faults.py"
 #     SKIP_HOSTPOLL=1 SKIP_HF=1 SKIP_SOAK=1 SUITE_TIMEOUT=420 bash tools/gpu_suite.sh quick
 # then the rest (moe, window, gates, adapters, store/launch, hf_generate, soak, benchmarks) and
 # the host-poll step in further calls. Pass AFD_COMMIT: the device's copy has no usable git HEAD.

@@ -24,6 +24,9 @@ from afd_cupy.topology import Role
 
 #: extra host-side wait beyond a kernel's own timeout before the host stops trusting it
 _HOST_GRACE_S = 5.0
+#: longest wait kernel of a receive that may sleep in the driver (recv_spin_us below its
+#: timeout): bounds how long a signal handler (KeyboardInterrupt) waits while the FFN idles
+_BLOCKING_CHUNK_S = 0.1
 #: pinned reply-header staging rows per (Attention rank, ring): replies in flight per slot
 STAGING_DEPTH = 4
 
@@ -91,11 +94,23 @@ class CudaFFNSide(CudaFFNDedupSteps):
                 return None
             header = self.host_polling.read_header(found.region, found.ring)
             return Arrival(found.region, found.ring, header)
-        return self._device_wait_any(timeout_s)
+        if self.ctx.recv_spin_s >= timeout_s:  # spins throughout: one kernel, interruptible loop
+            return self._device_wait_any(timeout_s)
+        # The host may sleep in the driver, where signals (Ctrl-C) wait until the kernel ends:
+        # kernels of at most _BLOCKING_CHUNK_S each bound that delay; a timed-out kernel
+        # consumed nothing, so the next one simply watches on.
+        deadline = time.monotonic() + timeout_s
+        while True:
+            chunk = min(deadline - time.monotonic(), _BLOCKING_CHUNK_S)
+            arrival = self._device_wait_any(max(chunk, 0.0))
+            if arrival is not None or time.monotonic() >= deadline:
+                return arrival
 
     def _device_wait_any(self, timeout_s: float) -> Arrival | None:
         """Launch ``afd_wait_any``, spin on its doorbell ticket for ``ctx.recv_spin_s``, then
-        sleep in the driver until the kernel ends (no host core burnt while idle).
+        sleep in the driver until the kernel ends (no host core burnt while idle; signals are
+        handled only once it ends: :meth:`wait_any` bounds such kernels to
+        ``_BLOCKING_CHUNK_S``).
 
         The kernel consumes the arrival it finds (advances ``last_seen``) before it rings, so
         a host wait interrupted in between (KeyboardInterrupt, any exception from a signal
