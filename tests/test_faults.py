@@ -323,6 +323,45 @@ def test_slow_ffn_times_out_once_then_later_layers_are_correct(backend, wire_mod
     assert ffn["served"] == 6  # the late reply was written, then dropped by the Attention side
 
 
+# --- a forgotten dispatch: its ring is sent on again, its late reply is dropped by seq ---------
+def _forgotten_program(ctx, backend, wire_mode):
+    conn, role, _ = _connect(ctx, backend, timeout_s=10.0, connector=ConnectorConfig(wire_mode=wire_mode))
+    store = ctx.store()
+    try:
+        if role is Role.FFN:
+            worker = FFNWorker(conn, expert_fn=_identity)
+            first = _next_item(conn)
+            store.get("resent")  # the Attention rank forgot the first dispatch and sent again
+            time.sleep(0.2)
+            worker.serve(first)  # the late reply: seq of the forgotten dispatch
+            return {"first_layer": first.layer_idx, "served": worker.run()}  # run() counts serve()
+        hidden, ids, weights = _inputs(conn, 6, seed=1)
+        forgotten = conn.send_attn_output(hidden, ids, weights, 0)
+        conn.forget_dispatch(forgotten)
+        with pytest.raises(ProtocolError, match="not pending"):
+            conn.recv_ffn_output(forgotten)
+        hidden, ids, weights = _inputs(conn, 6, seed=2)
+        handle = conn.send_attn_output(hidden, ids, weights, 1)
+        store.set("resent", b"1")
+        out = conn.recv_ffn_output(handle)
+        expect = hidden.float() * (weights.float().sum(dim=1, keepdim=True) + 1.0)
+        error = float((out.float() - expect).abs().max())
+        later = [_round_trip_error(conn, layer, seed=layer) for layer in range(2, 4)]
+        conn.announce_shutdown()
+        return {"ring": (forgotten.ring, handle.ring), "error": error, "later": later}
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("backend,wire_mode", PATHS)
+def test_forgotten_dispatch_frees_its_ring_and_its_late_reply_is_dropped(backend, wire_mode):
+    attn, ffn = launch(_forgotten_program, 2, args=(backend, wire_mode), timeout_s=90)
+    assert attn["ring"] == (0, 0), attn  # the same ring, sent on again without a receive
+    # the reply of the second dispatch, not the late one of the first (other seed, other layer)
+    assert attn["error"] < 0.1 and max(attn["later"]) < 0.1, attn
+    assert ffn["first_layer"] == 0 and ffn["served"] == 4, ffn
+
+
 # --- an FFN that answers the same item twice -------------------------------------------------
 def _duplicate_program(ctx, backend, wire_mode):
     conn, role, _ = _connect(ctx, backend, timeout_s=10.0, connector=ConnectorConfig(wire_mode=wire_mode))
