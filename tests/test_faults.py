@@ -331,6 +331,7 @@ def _forgotten_program(ctx, backend, wire_mode):
         if role is Role.FFN:
             worker = FFNWorker(conn, expert_fn=_identity)
             first = _next_item(conn)
+            store.set("got_first", b"1")  # else the second dispatch may overwrite it unseen
             store.get("resent")  # the Attention rank forgot the first dispatch and sent again
             time.sleep(0.2)
             worker.serve(first)  # the late reply: seq of the forgotten dispatch
@@ -341,6 +342,7 @@ def _forgotten_program(ctx, backend, wire_mode):
         with pytest.raises(ProtocolError, match="not pending"):
             conn.recv_ffn_output(forgotten)
         hidden, ids, weights = _inputs(conn, 6, seed=2)
+        store.get("got_first")
         handle = conn.send_attn_output(hidden, ids, weights, 1)
         store.set("resent", b"1")
         out = conn.recv_ffn_output(handle)
