@@ -230,9 +230,7 @@ class AFDConnector:
         and failed rows are NaN.
         """
         self._require(Role.ATTENTION, "recv_ffn_output")
-        if self._pending.get(handle.ring) is not handle:
-            raise ProtocolError(f"handle for layer {handle.layer_idx} ring {handle.ring} is not pending "
-                                "(already received, or from another connector)")
+        self._check_pending(handle)
         try:
             return self.path.combine(handle.state, handle.topk_ids, handle.topk_weights,
                                      ring=handle.ring, layer_idx=handle.layer_idx,
@@ -251,9 +249,7 @@ class AFDConnector:
         its seq and dropped like any late reply. Raises ProtocolError if ``handle`` is not
         pending. Not collective; never blocks."""
         self._require(Role.ATTENTION, "forget_dispatch")
-        if self._pending.get(handle.ring) is not handle:
-            raise ProtocolError(f"handle for layer {handle.layer_idx} ring {handle.ring} is not pending "
-                                "(already received, or from another connector)")
+        self._check_pending(handle)
         del self._pending[handle.ring]
 
     def sent_to(self, handle: DispatchHandle) -> list[int]:
@@ -267,6 +263,11 @@ class AFDConnector:
         except PeerTimeoutError:
             self._peer_failed = True
             raise
+
+    def _check_pending(self, handle: DispatchHandle) -> None:
+        if self._pending.get(handle.ring) is not handle:
+            raise ProtocolError(f"handle for layer {handle.layer_idx} ring {handle.ring} is not pending "
+                                "(already received, or from another connector)")
 
     def _acquire_ring(self, stage_idx: int) -> int:
         num_stages, depth = self.config.num_stages, self.layout.ring_depth

@@ -218,9 +218,7 @@ class DedupDispatch:
 
 
 # --- dispatch: plan -> rows -> scatter ----------------------------------------------------------
-DISPATCH_CASES = [(f, t) for f in (1, 2, 3, 4) for t in (0, 1, 7, 300)]
-TOP_KS = (1, 2, 6, 8)
-HIDDENS = (64, 33, 50)  # 16-B rows, 2-B-only rows (bf16/fp16), 4-B rows
+DISPATCH_CASES, TOP_KS, HIDDENS = base.DISPATCH_CASES, base.TOP_KS, base.HIDDENS  # pair's grid
 
 
 @pytest.mark.parametrize("has_shared", [0, 1])

@@ -193,6 +193,11 @@ class _RecordingConnector:
     def _require(self, role, what):
         assert role is Role.ATTENTION
 
+    def _check_pending(self, handle):
+        from afd_cupy.connector import AFDConnector
+
+        AFDConnector._check_pending(self, handle)
+
     def recv_ffn_output(self, handle, *, blocking=True):
         assert not blocking and self._pending.get(handle.ring) is handle
         del self._pending[handle.ring]
