@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -540,3 +541,76 @@ def test_bench_step_graph_arguments_rows_and_table(capsys):
     assert "149.5 [109.0, 189.0]" in out and "99.5 [59.0, 139.0]" in out and "PASS" in out
     assert "49.8 [29.5, 69.5]" in out  # S = 2's captured step
     json.dumps(report)  # the report is plain JSON
+
+
+def test_device_trace_matches_round_trips_and_splits_them_into_phases(tmp_path):
+    """tools/device_trace.py's pure part on synthetic stamps (ns) with known answers: each
+    Attention row finds the FFN replay that served it (not the idle replays around it), the
+    phases telescope to the round trip, gaps between layers come from consecutive rows of a
+    step, and a rank on another GPU (another clock) gets only its own side's phases."""
+    import device_trace as dt
+    us = 1000
+    attention, ffn = [], []
+    t = 1_000_000
+    for step in range(2):
+        for layer in range(3):  # a_send0, a_sent, a_wait0, a_seen, a_done
+            a0 = t
+            attention.append([a0, a0 + 10 * us, a0 + 12 * us, a0 + 60 * us, a0 + 65 * us])
+            # an idle replay that timed out before this dispatch, then the one that served it
+            ffn.append([a0 - 5 * us, a0 - 4 * us, -1, a0 - 3 * us, a0 - 2 * us])
+            ffn.append([a0 + 15 * us, a0 + 18 * us, -1, a0 + 20 * us, a0 + 50 * us])
+            t = a0 + 65 * us + 7 * us  # 7 µs of attention + gate + residual before the next layer
+        t += 1000 * us  # between steps
+    attention = np.array(attention, np.int64)
+    unmatched_row = [t, t + 10 * us, t + 11 * us, t + 30 * us, t + 31 * us]  # no FFN replay served it
+    attention = np.vstack([attention, unmatched_row])
+    ffn = np.array(ffn, np.int64)[::-1].copy()  # any order
+    points, unmatched = dt.match_round_trips(attention, ffn)
+    assert unmatched == 1 and len(points["a_send0"]) == 6
+    assert np.all(points["f_seen"] - points["a_send0"] == 15 * us)
+    assert np.all(points["f_gathered"] == points["f_staged"])  # the identity pair graph has no gather
+    durations = dt.phase_durations_us(points)
+    want = {"dispatch (plan + scatter)": 10, "doorbell -> FFN wait returns": 5, "FFN stage": 3,
+            "FFN gather / expand": 0, "FFN experts": 2, "FFN reply": 30,
+            "reply -> Attention wait returns": 10, "combine": 5}
+    assert {name: set(v.tolist()) for name, v in durations.items()} == {k: {float(v)} for k, v in want.items()}
+    summary = dt.phase_summary(attention, ffn, same_clock=True, layers=3)
+    assert summary["matched"] == 6 and summary["unmatched"] == 1 and summary["rows"] == 7
+    assert summary["phase_medians_sum_us"] == 65.0 == summary["matched_round_trip"]["median_us"]
+    assert summary["phases"]["between layers (attention, gate, residual)"]["median_us"] == 7.0
+    assert summary["phases"]["between layers (attention, gate, residual)"]["n"] == 4  # 2 per 3-layer step
+    assert summary["phases"][dt.WAIT_PHASE[0]]["median_us"] == 48.0
+    other_gpu = dt.phase_summary(attention, ffn, same_clock=False, layers=3)
+    assert "round_trip_phases" not in other_gpu and other_gpu["phases"]["round trip"]["median_us"] == 65.0
+    # an incomplete Attention row (a stamp missing) is neither matched nor counted as complete
+    broken = attention.copy()
+    broken[0, 2] = -1
+    assert dt.phase_summary(broken, ffn, same_clock=True)["complete_rows"] == 6
+    headers, rows = dt.phase_table({"T=32 graph": summary, "other": other_gpu})
+    assert headers == ("phase (median µs)", "T=32 graph", "other")
+    table = dict((r[0], r[1:]) for r in rows)
+    assert table["FFN reply"] == (30.0, None) and table["sum of the phase medians"] == (65.0, None)
+    assert table["matched / unmatched rows"] == ("6 / 1", "- / -")
+    import bench_common as bc
+    path = bc.save_plot(tmp_path, "phases.png", dt.draw_phases({"T=32 graph": summary}, "test"))
+    assert path is None or path.stat().st_size > 0
+    with pytest.raises(ValueError):
+        dt.DeviceTrace(("a", "a"))  # refused before touching CuPy
+
+
+def test_bench_step_graph_trace_arguments_and_summaries():
+    """--trace is refused where a round trip's stamps cannot come from one stream per side;
+    trace_summaries labels each traced case and knows when the ranks share a clock."""
+    import bench_step_graph as tool
+    assert tool.parse_args(["--trace"]).trace_iters == 20
+    for bad in (["--trace", "--ffn", "eager"], ["--trace", "--num-ffn", "2"], ["--trace", "--trace-iters", "0"]):
+        with pytest.raises(SystemExit):
+            tool.parse_args(bad)
+    a = np.array([[0, 10, 12, 60, 65]], np.int64) * 1000
+    f = np.array([[15, 18, -1, 20, 50]], np.int64) * 1000
+    attn = {"device_id": 0, "traces": [{"tokens": 32, "layers": 1, "mode": "graph", "attention_rows": a}]}
+    (one,) = tool.trace_summaries(attn, {"device_id": 0, "trace_rows": f})
+    assert one["label"] == "T=32 L=1 graph" and one["matched"] == 1 and one["phase_medians_sum_us"] == 65.0
+    (two_gpus,) = tool.trace_summaries(attn, {"device_id": 1, "trace_rows": f})
+    assert not two_gpus["same_clock"] and "round_trip_phases" not in two_gpus
+    json.dumps([one, two_gpus])

@@ -220,6 +220,83 @@ def test_pinned_int64_is_device_visible():
     assert pinned.array.tolist() == [6, -5, 2**40 + 1]
 
 
+# --- device trace probe (tools/device_trace.py) ------------------------------------------------
+def trace_stamp_reference(calls, num_points: int, capacity: int):
+    """Which call last wrote each cell of the [capacity, num_points] ring, and the final counter,
+    for calls of (point, advance) in stream order."""
+    row, writer = 0, {}
+    for k, (point, advance) in enumerate(calls):
+        writer[(row % capacity, point)] = k
+        row += advance
+    return writer, row
+
+
+def test_trace_stamp_matches_reference(request):
+    """afd_trace_stamp against its reference on a random call sequence that wraps the ring: the
+    cells written, the counter, untouched cells keep the -1 fill, and the values written are
+    %globaltimer readings in launch order (non-decreasing, positive)."""
+    rng = _rng(request)
+    num_points, capacity = 3, 4
+    calls = [(int(p), int(rng.random() < 0.4)) for p in rng.integers(0, num_points, 40)]
+    writer, rows = trace_stamp_reference(calls, num_points, capacity)
+    assert rows > capacity  # the case wraps
+    ring = cp.full((capacity, num_points), -1, cp.int64)
+    counter = cp.zeros(1, cp.int64)
+    kernel = kernels.get_kernel("probes/bench.cu", "afd_trace_stamp")
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        for point, advance in calls:
+            kernel((1,), (1,), (ring, counter, np.int32(point), np.int32(num_points),
+                                np.int64(capacity), np.int32(advance)))
+    stream.synchronize()
+    got = ring.get()
+    assert int(counter.get()[0]) == rows
+    written = np.zeros(got.shape, bool)
+    for cell in writer:
+        written[cell] = True
+    assert np.all(got[~written] == -1) and np.all(got[written] > 0)
+    in_launch_order = [int(got[cell]) for cell in sorted(writer, key=writer.get)]
+    assert in_launch_order == sorted(in_launch_order)
+
+
+def test_device_trace_stamps_around_a_launch_inside_a_captured_graph():
+    """DeviceTrace.install stamps before and after a named kernel's PackedLaunch, also while a
+    CUDA graph is captured: each replay fills a new row (the row comes from device memory) and
+    the kernel's own %globaltimer stamp lies between the row's two; uninstall restores the
+    launch (no more rows)."""
+    import sys
+    from pathlib import Path
+
+    import torch
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import device_trace as dt
+
+    trace = dt.DeviceTrace(("before", "after"), capacity=8)
+    flag, stamps = cp.zeros(1, cp.int64), cp.zeros(4, cp.int64)
+    args = {"flag_addr": np.uint64(flag.data.ptr), "value": np.int64(7), "stamps": stamps, "index": np.int32(0)}
+    probe = kernels.PackedLaunch(kernels.LaunchSpec(kernels.get_kernel("probes/bench.cu", "afd_bench_stamp"),
+                                                    1, 1, 0, tuple(args), tuple(args.values())))
+    original = kernels.PackedLaunch.launch
+    trace.install({"afd_bench_stamp": ("before", "after")})
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            probe.launch(torch.cuda.current_stream().cuda_stream)
+        torch.cuda.synchronize()
+        assert trace.rows().shape == (0, 2)  # capturing runs nothing
+        for _ in range(3):
+            graph.replay()
+        rows = trace.rows()
+        assert rows.shape == (3, 2) and np.all(rows > 0)
+        assert np.all(rows[:, 0] <= rows[:, 1]) and np.all(rows[1:, 0] >= rows[:-1, 1])
+        assert rows[-1, 0] <= int(stamps.get()[0]) <= rows[-1, 1] and int(flag.get()[0]) == 7
+    finally:
+        trace.uninstall()
+    assert kernels.PackedLaunch.launch is original
+    probe.launch(cp.cuda.get_current_stream().ptr)
+    assert trace.rows().shape == (3, 2)
+
+
 # --- dispatch ----------------------------------------------------------------------------------
 DISPATCH_CASES = [(f, t) for f in (1, 2, 3, 4) for t in (0, 1, 7, 300)]
 TOP_KS = (1, 2, 6, 8)

@@ -20,6 +20,15 @@ table, writes ``bench_step_graph.json`` to --out; exits 1 when the outputs diffe
 identity experts each layer about doubles the values; bf16's range holds them at L = 50, the
 comparison is relative and in fp64.)
 
+``--trace`` (graph FFN, one FFN rank): device timestamps at the kernel boundaries of both sides
+(tools/device_trace.py). After the timed iterations of each one-stage case, ``--trace-iters``
+eager steps and as many replays run with the trace rows reset before each; each Attention round
+trip is matched with the FFN replay that served it and split into telescoping phases (dispatch,
+doorbell to FFN, stage, gather, experts, reply, reply to Attention, combine) on the GPU's
+``%globaltimer``. Printed as a table, written to the JSON (``traces``) and drawn as
+``step_phases.png``. The stamps are extra kernels on both sides: a traced run's timing table is
+slower than an untraced one. Phases across ranks need both on one GPU (one clock).
+
 Runs on one GPU (all processes on GPU 0: start CUDA MPS first, as tools/gpu_suite.sh does)
 or one GPU per process when there are enough (--num-gpus).
 """
@@ -34,6 +43,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench_common as bc  # noqa: E402
+import device_trace as dt  # noqa: E402
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig  # noqa: E402
 
 FFN_MODES = ("graph", "eager")
@@ -41,6 +51,8 @@ FFN_MODES = ("graph", "eager")
 TARGET_US_PER_LAYER, TARGET_LAYERS = 40.0, 50
 #: the captured step's output must match the eager step's (the same kernels on the same inputs)
 OUT_CHECK_TOL = 2e-2
+#: FFN trace ring rows (a row per replay, idle ones too; the last this many are kept)
+FFN_TRACE_ROWS = 1 << 18
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -59,8 +71,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--num-gpus", type=int, default=None, help="default: detected (1: all on GPU 0)")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--trace", action="store_true",
+                        help="device timestamps per phase of each round trip (tools/device_trace.py)")
+    parser.add_argument("--trace-iters", type=int, default=20, help="traced steps per case and path")
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
     args = parser.parse_args(argv)
+    if args.trace and (args.ffn != "graph" or args.num_ffn != 1 or args.trace_iters < 1):
+        parser.error("--trace needs --ffn graph, --num-ffn 1 and --trace-iters >= 1 (one stream per "
+                     "side and one FFN replay per round trip)")
     if min(args.layers) < 1 or min(args.tokens) < 1 or args.num_ffn < 1 or min(args.stages) < 1:
         parser.error("--layers, --tokens, --stages and --num-ffn must be >= 1")
     if max(args.stages) > min(args.tokens):
@@ -113,8 +131,16 @@ def _ffn(conn, args) -> dict:
     if args.ffn == "graph":
         from afd_cupy.backends.cuda_ffn_graph import GraphFFNServer
 
+        trace = None
+        if args.trace:  # installed before the capture: the stamps become graph nodes
+            trace = dt.DeviceTrace(dt.FFN_POINTS, capacity=FFN_TRACE_ROWS)
+            trace.install(dt.FFN_STAMPS)
         server = GraphFFNServer(conn, identity=True)
-        return {"role": "ffn", "served": server.run(), "eager": server.num_eager}
+        result = {"role": "ffn", "served": server.run(), "eager": server.num_eager,
+                  "device_id": conn.path.device_id}
+        if trace is not None:
+            result["trace_rows"] = trace.rows()
+        return result
     return {"role": "ffn", "served": FFNWorker(conn, expert_fn=identity_experts).run()}
 
 
@@ -128,7 +154,11 @@ def _attention(conn, args, device) -> dict:
     stand_in = LinearStandIn(model.num_layers, model.hidden_size, model.num_experts,
                              dtype=torch.bfloat16, device=device, seed=0, shared_weights=True)
     gen = torch.Generator().manual_seed(1)
-    rows = []
+    rows, traces = [], []
+    trace = None
+    if args.trace:  # before any capture: every step graph holds its stamps
+        trace = dt.DeviceTrace(dt.ATTENTION_POINTS, capacity=args.trace_iters * max(args.layers))
+        trace.install(dt.ATTENTION_STAMPS)
     for num_tokens in args.tokens:
         hidden = torch.randn(num_tokens, model.hidden_size, generator=gen).to(torch.bfloat16).to(device)
         for layers in args.layers:
@@ -149,9 +179,19 @@ def _attention(conn, args, device) -> dict:
                         graph_us.append((t2 - t1) * 1e6)
                 rows.append(summarize(num_tokens, layers, eager_us, graph_us, _rel_diff(captured, eager),
                                       stages=stages))
+                if trace is not None and stages == 1:  # S > 1: the stages' rows interleave
+                    for mode, run in (("eager", step.run_eager), ("graph", step.replay)):
+                        torch.cuda.synchronize()
+                        trace.reset()
+                        for _ in range(args.trace_iters):
+                            run(hidden)
+                            conn.check_errors()
+                        traces.append({"tokens": num_tokens, "layers": layers, "mode": mode,
+                                       "attention_rows": trace.rows()})
                 del step, eager, captured
                 torch.cuda.synchronize()
-    return {"role": "attention", "device": bc.device_name(device), "rows": add_stage_ratios(rows)}
+    return {"role": "attention", "device": bc.device_name(device), "rows": add_stage_ratios(rows),
+            "device_id": conn.path.device_id, "traces": traces}
 
 
 def _rel_diff(captured, eager) -> float:
@@ -233,9 +273,18 @@ def main(argv=None) -> int:
                          "warmup": args.warmup, "layers": args.layers, "tokens": args.tokens,
                          "stages": args.stages},
               "rows": attn["rows"], "targets": targets(attn["rows"]),
-              "ffn": [{k: v for k, v in r.items() if k != "role"} for r in ffn]}
+              "ffn": [{k: v for k, v in r.items() if k not in ("role", "trace_rows")} for r in ffn]}
+    if args.trace:
+        report["config"]["trace_iters"] = args.trace_iters
+        report["traces"] = trace_summaries(attn, ffn[0])
     path = bc.write_json(args.out, "bench_step_graph.json", report)
     print_report(report)
+    if args.trace:
+        summaries = {t["label"]: t for t in report["traces"]}
+        plot = bc.save_plot(args.out, "step_phases.png", dt.draw_phases(
+            summaries, f"decode round trip by phase, 1A1F, {report['device']}, {report['run'].get('commit', '')}"))
+        if plot:
+            print(f"wrote {plot}")
     print(f"wrote {path}")
     bad = [(r["tokens"], r["layers"], r.get("stages", 1), r["out_rel_diff"]) for r in report["rows"]
            if not r["out_rel_diff"] <= OUT_CHECK_TOL]
@@ -243,6 +292,20 @@ def main(argv=None) -> int:
         print(f"CHECK FAILED: captured and eager outputs differ (tokens, L, S, relative diff): {bad}")
         return 1
     return 0
+
+
+def trace_summaries(attn: dict, ffn: dict) -> list:
+    """One :func:`device_trace.phase_summary` per traced case (label ``T=.. L=.. eager|graph``);
+    the FFN rows are shared (matched by time). Phases across ranks only on one GPU."""
+    same_clock = attn.get("device_id") == ffn.get("device_id")
+    out = []
+    for t in attn["traces"]:
+        summary = dt.phase_summary(t["attention_rows"], ffn.get("trace_rows"), same_clock=same_clock,
+                                   layers=t["layers"])
+        summary.update({"label": f"T={t['tokens']} L={t['layers']} {t['mode']}", "tokens": t["tokens"],
+                        "layers": t["layers"], "mode": t["mode"]})
+        out.append(summary)
+    return out
 
 
 def print_report(report: dict) -> None:
@@ -253,6 +316,12 @@ def print_report(report: dict) -> None:
     print(table(report["rows"]))
     print()
     print(bc.targets_table(report["targets"]))
+    if report.get("traces"):
+        print()
+        print("==== device trace: one round trip by phase (median µs, %globaltimer; stamps add a kernel "
+              "per point) ====")
+        headers, rows = dt.phase_table({t["label"]: t for t in report["traces"]})
+        print(bc.format_table(headers, rows))
 
 
 if __name__ == "__main__":

@@ -41,7 +41,8 @@ FILE_KERNELS = {
 #: probes for tests and tools only (same format as FILE_KERNELS)
 PROBE_KERNELS = {
     "probes/wire_constants.cu": (("afd_read_wire_constants", False),),
-    "probes/bench.cu": (("afd_bench_stamp", False), ("afd_bench_clock", False)),
+    "probes/bench.cu": (("afd_bench_stamp", False), ("afd_bench_clock", False),
+                        ("afd_trace_stamp", False)),
 }
 
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)

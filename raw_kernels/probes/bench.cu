@@ -1,4 +1,5 @@
-// bench.cu: probes used only by tools/bench_poll.py (arrival-detection latency).
+// bench.cu: probes used only by the tools: tools/bench_poll.py (arrival-detection latency) and
+// tools/device_trace.py (device timestamps at kernel boundaries).
 #include "wire.cuh"
 
 using namespace afd;
@@ -26,4 +27,16 @@ extern "C" __global__ void afd_bench_clock(afd_u64 pinned, afd_i64 duration_ns) 
     store_volatile(out, now);
     __threadfence_system();
   }
+}
+
+// One device-trace stamp (one thread): %globaltimer into ring[(row % capacity) * num_points +
+// point] with row = *counter; advance != 0 closes the row (*counter = row + 1). The stamps of one
+// row come from one stream, whose kernels run in order, so the plain read of the counter sees the
+// previous stamp's write. Inside a CUDA graph the row still comes from device memory.
+extern "C" __global__ void afd_trace_stamp(afd_i64* ring, afd_i64* counter, afd_i32 point,
+                                           afd_i32 num_points, afd_i64 capacity, afd_i32 advance) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  const afd_i64 row = *counter;
+  ring[(row % capacity) * num_points + point] = globaltimer_ns();
+  if (advance) *counter = row + 1;
 }

@@ -1,0 +1,296 @@
+"""Device timestamps at kernel boundaries: where a round trip's time goes, on the GPU's own clock.
+
+A :class:`DeviceTrace` owns a ring of int64 ``[capacity, num_points]`` stamps (filled with -1)
+and a row counter, both in device memory. :meth:`DeviceTrace.install` wraps
+``afd_cupy.kernels.PackedLaunch.launch`` (class level, in this process only) so that a launch of
+a named kernel is preceded and/or followed by a one-thread ``afd_trace_stamp``
+(``raw_kernels/probes/bench.cu``) on the same stream: ``%globaltimer`` goes into the current
+row's column of that point, and the row's last point closes it (counter + 1). Inside a CUDA graph
+capture the stamps become graph nodes and the row still comes from device memory, so every
+replay fills a new row. Rows are read after the run (:meth:`DeviceTrace.rows`); nothing in the
+traced path synchronizes.
+
+Scope and cost:
+- One stream per trace: a row's stamps must come from one stream (the Attention side's step
+  with one micro-batch stage; the graph-driven FFN, whose replays run on one stream). Not the
+  eager FFN (its wait and reply run on different streams) and not S > 1 stages (their rows
+  interleave on the one stream).
+- Each stamp is one extra kernel (a graph node when captured): a few µs per point. A traced
+  run's times are not the untraced run's; the phases show where the time goes, not its total.
+- ``%globaltimer`` is one clock per GPU, shared by every process on it, so the phases between
+  an Attention stamp and an FFN stamp (:data:`CROSS_PHASES`) need both ranks on one GPU; with
+  one GPU per rank only the phases on one side are reported.
+
+The rest are pure numpy functions on the rows: matching each Attention round trip with the FFN
+replay that served it (:func:`match_round_trips`), the telescoping phases (:data:`PHASES`,
+they sum to the round trip), their statistics (:func:`phase_summary`) and a stacked-bar plot.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+#: Attention-side points of one round trip (one row per layer of a one-stage step)
+ATTENTION_POINTS = ("a_send0", "a_sent", "a_wait0", "a_seen", "a_done")
+#: graph-driven FFN points (one row per replay, idle replays included)
+FFN_POINTS = ("f_seen", "f_staged", "f_gathered", "f_reply0", "f_reply1")
+
+#: kernel name (without a template argument) -> (point stamped before it, point after it)
+ATTENTION_STAMPS = {
+    "afd_dispatch_plan": ("a_send0", None),
+    "afd_dispatch_scatter": (None, "a_sent"),
+    "afd_dedup_scatter": (None, "a_sent"),
+    "afd_wait_replies": ("a_wait0", "a_seen"),
+    "afd_combine": (None, "a_done"),
+    "afd_dedup_combine": (None, "a_done"),
+}
+FFN_STAMPS = {
+    "afd_wait_any": (None, "f_seen"),
+    "afd_graph_stage": (None, "f_staged"),
+    "afd_graph_gather": (None, "f_gathered"),
+    "afd_graph_dedup_expand": (None, "f_gathered"),
+    "afd_graph_reply": ("f_reply0", "f_reply1"),
+    "afd_graph_dedup_reply": ("f_reply0", "f_reply1"),
+}
+
+#: (name, start point, end point), in round-trip order: consecutive, so they sum to the round trip
+PHASES = (
+    ("dispatch (plan + scatter)", "a_send0", "a_sent"),
+    ("doorbell -> FFN wait returns", "a_sent", "f_seen"),
+    ("FFN stage", "f_seen", "f_staged"),
+    ("FFN gather / expand", "f_staged", "f_gathered"),
+    ("FFN experts", "f_gathered", "f_reply0"),
+    ("FFN reply", "f_reply0", "f_reply1"),
+    ("reply -> Attention wait returns", "f_reply1", "a_seen"),
+    ("combine", "a_seen", "a_done"),
+)
+#: phases from one rank's stamp to another's: one clock only when both ranks share a GPU
+CROSS_PHASES = ("doorbell -> FFN wait returns", "reply -> Attention wait returns")
+#: not part of the sum: how long the Attention stream sat in its wait kernel
+WAIT_PHASE = ("Attention in wait kernel", "a_wait0", "a_seen")
+
+
+class DeviceTrace:
+    """Stamps of ``points`` in a device ring of ``capacity`` rows (this process, current device).
+
+    ``ring``: cupy int64 [capacity, len(points)], -1 where nothing was stamped; ``counter``:
+    cupy int64 [1], rows closed so far (the ring wraps after ``capacity``)."""
+
+    def __init__(self, points: Sequence[str], capacity: int = 1 << 16):
+        if len(set(points)) != len(points) or not points or capacity < 1:
+            raise ValueError(f"need distinct points and capacity >= 1, got {points}, {capacity}")
+        import cupy
+
+        from afd_cupy import kernels
+
+        self.points, self.capacity = tuple(points), int(capacity)
+        self.ring = cupy.full((self.capacity, len(self.points)), -1, cupy.int64)
+        self.counter = cupy.zeros(1, cupy.int64)
+        kernel = kernels.get_kernel("probes/bench.cu", "afd_trace_stamp")
+        self._stamps = {}
+        for index, point in enumerate(self.points):
+            close = index == len(self.points) - 1
+            args = {"ring": self.ring, "counter": self.counter, "point": np.int32(index),
+                    "num_points": np.int32(len(self.points)), "capacity": np.int64(self.capacity),
+                    "advance": np.int32(close)}
+            self._stamps[point] = kernels.PackedLaunch(kernels.LaunchSpec(
+                kernel, 1, 1, 0, tuple(args), tuple(args.values())))
+        self._uninstall = None
+
+    def stamp(self, stream_ptr: int, point: str) -> None:
+        """Enqueue one stamp of ``point`` on the raw stream ``stream_ptr`` (the last point closes
+        the row)."""
+        self._stamps[point].launch(stream_ptr)
+
+    def install(self, stamps: dict) -> None:
+        """Stamp around every later ``PackedLaunch.launch`` of a kernel named in ``stamps``
+        (name -> (point before, point after), either None) in this process."""
+        from afd_cupy import kernels
+
+        unknown = {p for pair in stamps.values() for p in pair if p is not None} - set(self.points)
+        if unknown:
+            raise ValueError(f"stamp points {sorted(unknown)} are not trace points {self.points}")
+        if self._uninstall is not None:
+            raise RuntimeError("this trace is installed already")
+        inner = kernels.PackedLaunch.launch
+        trace = self
+
+        def launch(packed, stream_ptr, grid=None):
+            before, after = stamps.get(kernel_base_name(packed.spec.kernel), (None, None))
+            if before is not None:
+                trace.stamp(stream_ptr, before)
+            inner(packed, stream_ptr, grid)
+            if after is not None:
+                trace.stamp(stream_ptr, after)
+
+        kernels.PackedLaunch.launch = launch
+
+        def uninstall():
+            kernels.PackedLaunch.launch = inner
+        self._uninstall = uninstall
+
+    def uninstall(self) -> None:
+        if self._uninstall is not None:
+            self._uninstall()
+            self._uninstall = None
+
+    def reset(self) -> None:
+        """Forget every row. Synchronizes the device after the fills (the traced streams need
+        not be ordered after CuPy's current one); the caller makes sure nothing traced is queued."""
+        import cupy
+
+        self.ring.fill(-1)
+        self.counter.fill(0)
+        cupy.cuda.Device().synchronize()
+
+    def rows(self) -> np.ndarray:
+        """int64 [n, len(points)] rows closed so far, oldest first (the last ``capacity``);
+        synchronizes the device."""
+        import cupy
+
+        cupy.cuda.Device().synchronize()
+        count = int(self.counter.get()[0])
+        ring = self.ring.get()
+        if count <= self.capacity:
+            return ring[:count].copy()
+        start = count % self.capacity
+        return np.concatenate([ring[start:], ring[:start]])
+
+
+def kernel_base_name(kernel) -> str:
+    """A RawKernel's name without its template argument (``afd_combine<2>`` -> ``afd_combine``)."""
+    return str(getattr(kernel, "name", "")).split("<")[0]
+
+
+# --------------------------------------------------------------------------- pure functions
+
+def match_round_trips(attention: np.ndarray, ffn: np.ndarray,
+                      attention_points: Sequence[str] = ATTENTION_POINTS,
+                      ffn_points: Sequence[str] = FFN_POINTS) -> tuple[dict, int]:
+    """Pair each Attention row with the FFN replay that served it: the latest replay whose wait
+    returned (``f_seen``) after the dispatch was published (``a_sent``) and whose reply ended
+    (``f_reply1``) before the Attention wait returned (``a_seen``). Both arrays must carry stamps
+    of one clock (one GPU). Returns (point name -> int64 [n] of the matched round trips, number of
+    Attention rows without a match). A missing ``f_gathered`` (the identity pair graph has no
+    gather) takes ``f_staged``'s value: a zero-length phase."""
+    a = {p: attention[:, i] for i, p in enumerate(attention_points)}
+    f = {p: ffn[:, i] for i, p in enumerate(ffn_points)}
+    if "f_gathered" in f and "f_staged" in f:
+        f["f_gathered"] = np.where(f["f_gathered"] < 0, f["f_staged"], f["f_gathered"])
+    order = np.argsort(f["f_seen"], kind="stable")
+    seen = f["f_seen"][order]
+    matched_a, matched_f, unmatched = [], [], 0
+    for i in range(attention.shape[0]):
+        sent, back = a["a_sent"][i], a["a_seen"][i]
+        if sent < 0 or back < 0 or min(a[p][i] for p in attention_points) < 0:
+            unmatched += 1
+            continue
+        lo, hi = np.searchsorted(seen, sent, "left"), np.searchsorted(seen, back, "right")
+        pick = None
+        for j in order[lo:hi][::-1]:  # latest first
+            if 0 <= f["f_reply1"][j] <= back and min(f[p][j] for p in ffn_points) >= 0:
+                pick = j
+                break
+        if pick is None:
+            unmatched += 1
+            continue
+        matched_a.append(i)
+        matched_f.append(pick)
+    out = {p: a[p][matched_a] for p in attention_points}
+    out.update({p: f[p][matched_f] for p in ffn_points})
+    return out, unmatched
+
+
+def phase_durations_us(points: dict, phases=PHASES) -> dict:
+    """Phase name -> float64 [n] µs (``end - start`` of each matched round trip)."""
+    return {name: (points[end] - points[start]) / 1e3 for name, start, end in phases}
+
+
+def phase_summary(attention: np.ndarray, ffn: np.ndarray | None, *, same_clock: bool,
+                  layers: int | None = None) -> dict:
+    """Median / p10 / p90 µs of every phase, the round trip, the Attention's wait and (with
+    ``layers``: rows come in steps of that many) the gap between layers of one step (attention,
+    gate and residual); the phases' medians and their sum next to the round trip's median.
+    ``ffn`` None or ``same_clock`` False: only the phases of the Attention side."""
+    a = {p: attention[:, i].astype(np.int64) for i, p in enumerate(ATTENTION_POINTS)}
+    complete = np.all(attention >= 0, axis=1)
+    stats = {}
+    own = {
+        "dispatch (plan + scatter)": a["a_sent"] - a["a_send0"],
+        "sent -> Attention wait returns": a["a_seen"] - a["a_sent"],
+        "combine": a["a_done"] - a["a_seen"],
+        WAIT_PHASE[0]: a["a_seen"] - a["a_wait0"],
+        "round trip": a["a_done"] - a["a_send0"],
+    }
+    for name, ns in own.items():
+        stats[name] = _stats(ns[complete] / 1e3)
+    if layers and layers > 1:
+        gaps = []
+        for start in range(0, attention.shape[0] - layers + 1, layers):
+            block = attention[start:start + layers]
+            if np.all(block >= 0):
+                gaps.extend((block[1:, 0] - block[:-1, -1]) / 1e3)
+        stats["between layers (attention, gate, residual)"] = _stats(gaps)
+    report = {"rows": int(attention.shape[0]), "complete_rows": int(complete.sum()), "same_clock": same_clock,
+              "phases": stats}
+    if ffn is not None and same_clock:
+        points, unmatched = match_round_trips(attention, ffn)
+        durations = phase_durations_us(points)
+        report["matched"], report["unmatched"] = len(points["a_send0"]), unmatched
+        report["round_trip_phases"] = {name: _stats(values) for name, values in durations.items()}
+        report["phase_medians_sum_us"] = float(sum(s["median_us"] or 0.0
+                                                   for s in report["round_trip_phases"].values()))
+        report["matched_round_trip"] = _stats((points["a_done"] - points["a_send0"]) / 1e3)
+    return report
+
+
+def _stats(values) -> dict:
+    values = np.asarray(values, dtype=np.float64)
+    if values.size == 0:
+        return {"median_us": None, "p10_us": None, "p90_us": None, "n": 0}
+    return {"median_us": float(np.median(values)), "p10_us": float(np.percentile(values, 10)),
+            "p90_us": float(np.percentile(values, 90)), "n": int(values.size)}
+
+
+def phase_table(summaries: dict) -> tuple[tuple, list]:
+    """(headers, rows) of a table: one column per traced case (label -> phase_summary), one row
+    per phase (median µs)."""
+    labels = list(summaries)
+    names = [name for name, _, _ in PHASES]
+    headers = ("phase (median µs)",) + tuple(labels)
+    rows = []
+    for name in names:
+        rows.append((name,) + tuple(_median(summaries[lb].get("round_trip_phases", {}).get(name)) for lb in labels))
+    rows.append(("sum of the phase medians",) + tuple(summaries[lb].get("phase_medians_sum_us") for lb in labels))
+    rows.append(("round trip (matched)",) + tuple(_median(summaries[lb].get("matched_round_trip")) for lb in labels))
+    for name in ("round trip", WAIT_PHASE[0], "between layers (attention, gate, residual)"):
+        rows.append((name + " [Attention clock]",) + tuple(_median(summaries[lb]["phases"].get(name)) for lb in labels))
+    rows.append(("matched / unmatched rows",) + tuple(f"{summaries[lb].get('matched', '-')} / "
+                                                       f"{summaries[lb].get('unmatched', '-')}" for lb in labels))
+    return headers, rows
+
+
+def _median(stats: dict | None):
+    return None if not stats else stats["median_us"]
+
+
+def draw_phases(summaries: dict, title: str):
+    """A ``draw(plt)`` for ``bench_common.save_plot``: one horizontal stacked bar per traced
+    case, the round trip's phases in order (medians, µs)."""
+    def draw(plt):
+        labels = [lb for lb in summaries if summaries[lb].get("round_trip_phases")]
+        fig, ax = plt.subplots(figsize=(10, 1.2 + 0.6 * max(1, len(labels))))
+        colors = plt.get_cmap("tab10").colors
+        for row, label in enumerate(labels):
+            left = 0.0
+            for k, (name, _, _) in enumerate(PHASES):
+                width = summaries[label]["round_trip_phases"][name]["median_us"] or 0.0
+                ax.barh(row, width, left=left, color=colors[k % len(colors)],
+                        label=name if row == 0 else None)
+                left += width
+        ax.set_yticks(range(len(labels)), labels)
+        ax.set_xlabel("µs (median of each phase, %globaltimer)")
+        ax.set_title(title)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4)
+    return draw
