@@ -596,6 +596,10 @@ def test_device_trace_matches_round_trips_and_splits_them_into_phases(tmp_path):
     assert path is None or path.stat().st_size > 0
     with pytest.raises(ValueError):
         dt.DeviceTrace(("a", "a"))  # refused before touching CuPy
+    # CuPy names a template instance by its mangled name: the stamps key on the function name
+    assert [dt.base_name(n) for n in ("afd_dispatch_plan", "afd_combine<2>", "_Z11afd_combineILi2EEvPv",
+                                      "_Z21afd_graph_dedup_replyILi0EEvPKvy", "_ZN3afd8afd_stepILi1EEEvv")] == \
+        ["afd_dispatch_plan", "afd_combine", "afd_combine", "afd_graph_dedup_reply", "afd_step"]
 
 
 def test_bench_step_graph_trace_arguments_and_summaries():

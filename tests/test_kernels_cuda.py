@@ -295,6 +295,11 @@ def test_device_trace_stamps_around_a_launch_inside_a_captured_graph():
     assert kernels.PackedLaunch.launch is original
     probe.launch(cp.cuda.get_current_stream().ptr)
     assert trace.rows().shape == (3, 2)
+    # the names the stamps key on, for a template instance (CuPy keeps its mangled name) too
+    assert dt.kernel_base_name(kernels.get_kernel("combine.cu", "afd_combine", dtype_code=0)) == "afd_combine"
+    assert dt.kernel_base_name(kernels.get_kernel("ffn_graph.cu", "afd_graph_dedup_reply", dtype_code=0)) == \
+        "afd_graph_dedup_reply"
+    assert dt.kernel_base_name(kernels.get_kernel("wait_any.cu", "afd_wait_any")) == "afd_wait_any"
 
 
 # --- dispatch ----------------------------------------------------------------------------------

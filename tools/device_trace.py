@@ -159,8 +159,25 @@ class DeviceTrace:
 
 
 def kernel_base_name(kernel) -> str:
-    """A RawKernel's name without its template argument (``afd_combine<2>`` -> ``afd_combine``)."""
-    return str(getattr(kernel, "name", "")).split("<")[0]
+    """A RawKernel's function name without template arguments or namespaces. CuPy names a
+    template instance by its mangled name (``_Z11afd_combineILi2EEvPv`` -> ``afd_combine``,
+    ``_ZN3afd8afd_stepILi1EEEv`` -> ``afd_step``); an ``extern "C"`` kernel by its own name."""
+    return base_name(str(getattr(kernel, "name", "")))
+
+
+def base_name(name: str) -> str:
+    """See :func:`kernel_base_name` (a plain or Itanium-mangled function name)."""
+    if not name.startswith("_Z"):
+        return name.split("<")[0]
+    pos = 3 if name.startswith("_ZN") else 2
+    last = name
+    while pos < len(name) and name[pos].isdigit():
+        end = pos
+        while end < len(name) and name[end].isdigit():
+            end += 1
+        length = int(name[pos:end])
+        last, pos = name[end:end + length], end + length
+    return last
 
 
 # --------------------------------------------------------------------------- pure functions
