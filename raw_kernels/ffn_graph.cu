@@ -217,24 +217,19 @@ afd_graph_stage(afd_u64 doorbell,  // device int64 [DB_HEADER + ...]: afd_wait_a
     reply_words[i] = word;
   }
 
-  // The replay's record, into the pinned ring; the replay number last. The words go out from
-  // all threads at once (one thread storing them one by one over PCIe cost ~10 µs per replay
-  // on the critical path, measured with tools/device_trace.py); each writer fences before the
-  // barrier, so the replay number thread 0 stores after it is seen after every word.
-  // (replay_counter: read by every thread before thread 0 advances it past the barrier)
-  const afd_i64 replay = *replay_counter;
-  afd_i64* rec = reinterpret_cast<afd_i64*>(records) + (replay % num_records) * record_words;
-  volatile afd_i32* rec_words = reinterpret_cast<volatile afd_i32*>(rec + REC_HEADER);
-  for (int i = tid; i < hw; i += blockDim.x) rec_words[i] = s_words[i];
-  if (tid == 0) store_volatile(rec + REC_STATUS, status);
-  if (tid == 1) store_volatile(rec + REC_SLOT, arrived ? slot : -1);
-  if (tid == 2) store_volatile(rec + REC_FLAG, arrived ? bell[DB_FLAG] : 0);
-  if (tid == 3) store_volatile(rec + REC_SEQ, s_seq);
-  if (tid == 4) store_volatile(rec + REC_DETAIL, s_detail);
-  __threadfence_system();
-  __syncthreads();
+  // The replay's record, into the pinned ring; the replay number last.
   if (tid == 0) {
+    const afd_i64 replay = *replay_counter;
     *replay_counter = replay + 1;
+    afd_i64* rec = reinterpret_cast<afd_i64*>(records) + (replay % num_records) * record_words;
+    store_volatile(rec + REC_STATUS, status);
+    store_volatile(rec + REC_SLOT, arrived ? slot : -1);
+    store_volatile(rec + REC_FLAG, arrived ? bell[DB_FLAG] : 0);
+    store_volatile(rec + REC_SEQ, s_seq);
+    store_volatile(rec + REC_DETAIL, s_detail);
+    volatile afd_i32* rec_words = reinterpret_cast<volatile afd_i32*>(rec + REC_HEADER);
+    for (int i = 0; i < hw; ++i) rec_words[i] = s_words[i];
+    __threadfence_system();
     store_volatile(rec + REC_REPLAY, replay);
   }
 }
