@@ -217,9 +217,7 @@ afd_graph_stage(afd_u64 doorbell,  // device int64 [DB_HEADER + ...]: afd_wait_a
     reply_words[i] = word;
   }
 
-  // The replay's record, into the pinned ring; the replay number last. No system fence: the
-  // host reads a record only after the replay's event completed, which orders every write of
-  // the replay before its reads.
+  // The replay's record, into the pinned ring; the replay number last.
   if (tid == 0) {
     const afd_i64 replay = *replay_counter;
     *replay_counter = replay + 1;
@@ -231,6 +229,7 @@ afd_graph_stage(afd_u64 doorbell,  // device int64 [DB_HEADER + ...]: afd_wait_a
     store_volatile(rec + REC_DETAIL, s_detail);
     volatile afd_i32* rec_words = reinterpret_cast<volatile afd_i32*>(rec + REC_HEADER);
     for (int i = 0; i < hw; ++i) rec_words[i] = s_words[i];
+    __threadfence_system();
     store_volatile(rec + REC_REPLAY, replay);
   }
 }
