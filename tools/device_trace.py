@@ -200,7 +200,7 @@ def match_round_trips(attention: np.ndarray, ffn: np.ndarray,
     matched_a, matched_f, unmatched = [], [], 0
     for i in range(attention.shape[0]):
         sent, back = a["a_sent"][i], a["a_seen"][i]
-        if sent < 0 or back < 0 or min(a[p][i] for p in attention_points) < 0:
+        if min(a[p][i] for p in attention_points) < 0:  # a stamp missing
             unmatched += 1
             continue
         lo, hi = np.searchsorted(seen, sent, "left"), np.searchsorted(seen, back, "right")
