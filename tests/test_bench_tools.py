@@ -38,6 +38,8 @@ def test_bench_transport_quick_host(tmp_path):
     report = json.loads((tmp_path / "bench_transport.json").read_text())
     for key in ("tool", "backend", "label", "run", "decode", "prefill", "targets", "timing", "rfc_baseline"):
         assert key in report, key
+    assert report["placements"] and all(p["placement"] == "host backend: CPU processes"
+                                        for p in report["placements"])
     assert report["backend"] == "host" and "HOST BACKEND" in report["label"]
     assert [row["tokens"] for row in report["decode"]] == [1, 4]
     for row in report["decode"]:
@@ -618,3 +620,13 @@ def test_bench_step_graph_trace_arguments_and_summaries():
     (two_gpus,) = tool.trace_summaries(attn, {"device_id": 1, "trace_rows": f})
     assert not two_gpus["same_clock"] and "round_trip_phases" not in two_gpus
     json.dumps([one, two_gpus])
+
+
+def test_bench_transport_cross_gpu_placement():
+    # fewer GPUs than processes: the Attention rank alone on GPU 0, FFN ranks spread over the rest
+    import bench_transport
+    place = bench_transport.cross_gpu_placement
+    assert place(3, 2) is not None and [p.gpu for p in place(3, 2)] == [0, 1, 1]
+    assert [p.gpu for p in place(5, 3)] == [0, 1, 2, 1, 2]
+    assert place(2, 2) is None and place(3, 1) is None and place(3, 0) is None  # launch's default
+    assert bench_transport.describe_placement(3, place(3, 2), "cuda") == "0:0 1:1 2:1"

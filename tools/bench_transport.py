@@ -71,7 +71,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as bc  # noqa: E402
 from afd_cupy import dedup  # noqa: E402
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig  # noqa: E402
-from afd_cupy.launch import launch  # noqa: E402
+from afd_cupy.launch import Placement, _detect_num_gpus, launch  # noqa: E402
 from afd_cupy.planner import shared_count  # noqa: E402
 from afd_cupy.store import store_fetch, store_publish  # noqa: E402
 from afd_cupy.wire import window_size_hint  # noqa: E402
@@ -647,9 +647,32 @@ def run_group(group: Group, timeout_s: float) -> dict:
     world = 1 + group.num_ffn
     window = window_size_hint(model, TopologyConfig(1, group.num_ffn), group.connector())
     child_env = bc.launch_env(group.backend, world, window, nccl=group.nccl_baseline)
+    placement = cross_gpu_placement(world, _detect_num_gpus() if group.backend == "cuda" else 0)
     results = launch(_rank, world, args=(group,), timeout_s=timeout_s, env=child_env,
-                     num_gpus=None if group.backend == "cuda" else 0)
-    return results[0]
+                     num_gpus=None if group.backend == "cuda" else 0, placement=placement)
+    result = results[0]
+    result["placement"] = describe_placement(world, placement, group.backend)
+    return result
+
+
+def cross_gpu_placement(world: int, num_gpus: int) -> list | None:
+    """Where the ranks of one launch go: None (``launch``'s default: one process per GPU when
+    there are enough, else all on GPU 0) unless there are 2 <= GPUs < processes; then the
+    Attention rank (rank 0) keeps GPU 0 and FFN rank i goes to GPU 1 + (i - 1) % (GPUs - 1),
+    so every Attention-FFN message crosses a real link."""
+    if num_gpus < 2 or num_gpus >= world:
+        return None
+    return [Placement(0)] + [Placement(1 + (i - 1) % (num_gpus - 1)) for i in range(1, world)]
+
+
+def describe_placement(world: int, placement: list | None, backend: str) -> str:
+    """``"rank:GPU"`` pairs for the JSON (what ``cross_gpu_placement`` chose)."""
+    if backend != "cuda":
+        return "host backend: CPU processes"
+    if placement is None:
+        gpus = _detect_num_gpus()
+        return ("one process per GPU" if gpus >= world else f"all {world} processes on GPU 0")
+    return " ".join(f"{rank}:{p.gpu}" for rank, p in enumerate(placement))
 
 
 def targets(decode: list, prefill: list) -> list:
@@ -901,14 +924,16 @@ def main(argv=None) -> int:
         groups, nccl_skipped = with_nccl_baseline(groups, backend)
         print("\n".join(nccl_skipped) or "NCCL baseline on", flush=True)
     started = time.perf_counter()
-    decode, prefill, devices = [], [], set()
+    decode, prefill, devices, placements = [], [], set(), []
     for group in bc.progress(groups, "bench_transport", lambda g: g.describe()):
         result = run_group(group, args.timeout)
         decode += result["decode"]
         prefill += result["prefill"]
         devices.add(result["device"])
+        placements.append({"group": group.describe(), "placement": result["placement"]})
+        print(f"placement ({group.describe()}): {result['placement']}", flush=True)
     report = {"tool": "bench_transport", "backend": backend, "quick": args.quick, "wire_mode": args.wire_mode,
-              "transport": args.transport,
+              "transport": args.transport, "placements": placements,
               "label": HOST_LABEL if backend == "host" else "",
               "device": ", ".join(sorted(devices)), "run": bc.run_info(backend),
               "poll_mode": args.poll_mode if backend == "cuda" else "host",
