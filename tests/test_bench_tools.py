@@ -510,6 +510,8 @@ def test_bench_step_graph_arguments_rows_and_table(capsys):
     assert (quick.iters, quick.layers, quick.ffn, quick.num_ffn, quick.stages) == (30, [2, 50], "eager", 2, [1, 2, 4])
     assert tool.connector_config(quick).num_stages == 4
     assert tool.connector_config(tool.parse_args(["--stages", "1"])).num_stages == 1
+    assert tool.connector_config(tool.parse_args([])).wire_mode == "pair"
+    assert tool.connector_config(tool.parse_args(["--wire-mode", "dedup"])).wire_mode == "dedup"
     model = tool.model_config(quick)
     assert (model.num_layers, model.max_num_batched_tokens, model.hidden_size) == (50, 32, 7168)
     for bad in (["--layers", "0"], ["--stages", "0"], ["--tokens", "2", "--stages", "1", "4"]):
@@ -535,7 +537,7 @@ def test_bench_step_graph_arguments_rows_and_table(capsys):
     assert other["graph_over_s1"] is None and small["graph_over_s1"] == 1.0
     (best,) = tool.targets(rows)
     assert best["measured"] == 49.75 / 50 and best["note"] == "32 tokens, 2 stage(s)"
-    report = {"config": {"num_ffn": 1, "ffn": "graph", "hidden": 7168, "top_k": 8},
+    report = {"config": {"num_ffn": 1, "ffn": "graph", "wire_mode": "pair", "hidden": 7168, "top_k": 8},
               "device": "test", "rows": rows, "targets": [best]}
     tool.print_report(report)
     out = capsys.readouterr().out
@@ -555,16 +557,16 @@ def test_device_trace_matches_round_trips_and_splits_them_into_phases(tmp_path):
     attention, ffn = [], []
     t = 1_000_000
     for step in range(2):
-        for layer in range(3):  # a_send0, a_sent, a_wait0, a_seen, a_done
+        for layer in range(3):  # a_send0, a_planned, a_sent, a_wait0, a_seen, a_done
             a0 = t
-            attention.append([a0, a0 + 10 * us, a0 + 12 * us, a0 + 60 * us, a0 + 65 * us])
+            attention.append([a0, a0 + 4 * us, a0 + 10 * us, a0 + 12 * us, a0 + 60 * us, a0 + 65 * us])
             # an idle replay that timed out before this dispatch, then the one that served it
             ffn.append([a0 - 5 * us, a0 - 4 * us, -1, a0 - 3 * us, a0 - 2 * us])
             ffn.append([a0 + 15 * us, a0 + 18 * us, -1, a0 + 20 * us, a0 + 50 * us])
             t = a0 + 65 * us + 7 * us  # 7 µs of attention + gate + residual before the next layer
         t += 1000 * us  # between steps
     attention = np.array(attention, np.int64)
-    unmatched_row = [t, t + 10 * us, t + 11 * us, t + 30 * us, t + 31 * us]  # no FFN replay served it
+    unmatched_row = [t, t + 3 * us, t + 10 * us, t + 11 * us, t + 30 * us, t + 31 * us]  # no FFN replay served it
     attention = np.vstack([attention, unmatched_row])
     ffn = np.array(ffn, np.int64)[::-1].copy()  # any order
     points, unmatched = dt.match_round_trips(attention, ffn)
@@ -572,7 +574,7 @@ def test_device_trace_matches_round_trips_and_splits_them_into_phases(tmp_path):
     assert np.all(points["f_seen"] - points["a_send0"] == 15 * us)
     assert np.all(points["f_gathered"] == points["f_staged"])  # the identity pair graph has no gather
     durations = dt.phase_durations_us(points)
-    want = {"dispatch (plan + scatter)": 10, "doorbell -> FFN wait returns": 5, "FFN stage": 3,
+    want = {"dispatch plan": 4, "dispatch scatter (dedup: rows + scatter)": 6, "doorbell -> FFN wait returns": 5, "FFN stage": 3,
             "FFN gather / expand": 0, "FFN experts": 2, "FFN reply": 30,
             "reply -> Attention wait returns": 10, "combine": 5}
     assert {name: set(v.tolist()) for name, v in durations.items()} == {k: {float(v)} for k, v in want.items()}
@@ -586,7 +588,7 @@ def test_device_trace_matches_round_trips_and_splits_them_into_phases(tmp_path):
     assert "round_trip_phases" not in other_gpu and other_gpu["phases"]["round trip"]["median_us"] == 65.0
     # an incomplete Attention row (a stamp missing) is neither matched nor counted as complete
     broken = attention.copy()
-    broken[0, 2] = -1
+    broken[0, 3] = -1
     assert dt.phase_summary(broken, ffn, same_clock=True)["complete_rows"] == 6
     headers, rows = dt.phase_table({"T=32 graph": summary, "other": other_gpu})
     assert headers == ("phase (median µs)", "T=32 graph", "other")
@@ -612,7 +614,7 @@ def test_bench_step_graph_trace_arguments_and_summaries():
     for bad in (["--trace", "--ffn", "eager"], ["--trace", "--num-ffn", "2"], ["--trace", "--trace-iters", "0"]):
         with pytest.raises(SystemExit):
             tool.parse_args(bad)
-    a = np.array([[0, 10, 12, 60, 65]], np.int64) * 1000
+    a = np.array([[0, 4, 10, 12, 60, 65]], np.int64) * 1000
     f = np.array([[15, 18, -1, 20, 50]], np.int64) * 1000
     attn = {"device_id": 0, "traces": [{"tokens": 32, "layers": 1, "mode": "graph", "attention_rows": a}]}
     (one,) = tool.trace_summaries(attn, {"device_id": 0, "trace_rows": f})

@@ -64,6 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--ffn", choices=FFN_MODES, default="graph",
                         help="FFN side: GraphFFNServer(identity) or an eager FFNWorker (identity)")
     parser.add_argument("--num-ffn", type=int, default=1)
+    parser.add_argument("--wire-mode", choices=("pair", "dedup"), default="pair",
+                        help="ConnectorConfig.wire_mode of every rank (docs/design.md §3.5)")
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--num-experts", type=int, default=64)
     parser.add_argument("--top-k", type=int, default=8)
@@ -91,7 +93,8 @@ def connector_config(args) -> ConnectorConfig:
     """Every rank's config: max(--stages) micro-batch stages (ring_depth follows), so that one
     connector serves every S of the run (a step may use fewer stages than its connector)."""
     most = max(args.stages)
-    return ConnectorConfig(async_moe_ubatching=most > 1, async_moe_num_ubatches=max(most, 2))
+    return ConnectorConfig(async_moe_ubatching=most > 1, async_moe_num_ubatches=max(most, 2),
+                           wire_mode=args.wire_mode)
 
 
 def model_config(args) -> ModelConfig:
@@ -268,7 +271,7 @@ def main(argv=None) -> int:
     env = bc.launch_env("cuda", world, window_size_hint(model, TopologyConfig(1, args.num_ffn), connector_config(args)))
     attn, *ffn = launch(_rank, world, args=(args,), timeout_s=600, num_gpus=args.num_gpus, env=env)
     report = {"tool": "bench_step_graph", "run": bc.run_info("cuda"), "device": attn["device"],
-              "config": {"ffn": args.ffn, "num_ffn": args.num_ffn, "hidden": args.hidden,
+              "config": {"ffn": args.ffn, "num_ffn": args.num_ffn, "wire_mode": args.wire_mode, "hidden": args.hidden,
                          "num_experts": args.num_experts, "top_k": args.top_k, "iters": args.iters,
                          "warmup": args.warmup, "layers": args.layers, "tokens": args.tokens,
                          "stages": args.stages},
@@ -282,7 +285,7 @@ def main(argv=None) -> int:
     if args.trace:
         summaries = {t["label"]: t for t in report["traces"]}
         plot = bc.save_plot(args.out, "step_phases.png", dt.draw_phases(
-            summaries, f"decode round trip by phase, 1A1F, {report['device']}, {report['run'].get('commit', '')}"))
+            summaries, f"decode round trip by phase, 1A1F, {args.wire_mode}, {report['device']}, {report['run'].get('commit', '')}"))
         if plot:
             print(f"wrote {plot}")
     print(f"wrote {path}")
@@ -310,7 +313,7 @@ def trace_summaries(attn: dict, ffn: dict) -> list:
 
 def print_report(report: dict) -> None:
     cfg = report["config"]
-    print(f"==== decode step, 1A{cfg['num_ffn']}F, FFN {cfg['ffn']} (identity), hidden {cfg['hidden']}, "
+    print(f"==== decode step, 1A{cfg['num_ffn']}F, {cfg['wire_mode']}, FFN {cfg['ffn']} (identity), hidden {cfg['hidden']}, "
           f"top-{cfg['top_k']}, {report['device']}: eager loop vs one captured graph, S stages "
           "(µs: median [p10, p90]) ====")
     print(table(report["rows"]))

@@ -32,13 +32,13 @@ from typing import Sequence
 import numpy as np
 
 #: Attention-side points of one round trip (one row per layer of a one-stage step)
-ATTENTION_POINTS = ("a_send0", "a_sent", "a_wait0", "a_seen", "a_done")
+ATTENTION_POINTS = ("a_send0", "a_planned", "a_sent", "a_wait0", "a_seen", "a_done")
 #: graph-driven FFN points (one row per replay, idle replays included)
 FFN_POINTS = ("f_seen", "f_staged", "f_gathered", "f_reply0", "f_reply1")
 
 #: kernel name (without a template argument) -> (point stamped before it, point after it)
 ATTENTION_STAMPS = {
-    "afd_dispatch_plan": ("a_send0", None),
+    "afd_dispatch_plan": ("a_send0", "a_planned"),
     "afd_dispatch_scatter": (None, "a_sent"),
     "afd_dedup_scatter": (None, "a_sent"),
     "afd_wait_replies": ("a_wait0", "a_seen"),
@@ -56,7 +56,8 @@ FFN_STAMPS = {
 
 #: (name, start point, end point), in round-trip order: consecutive, so they sum to the round trip
 PHASES = (
-    ("dispatch (plan + scatter)", "a_send0", "a_sent"),
+    ("dispatch plan", "a_send0", "a_planned"),
+    ("dispatch scatter (dedup: rows + scatter)", "a_planned", "a_sent"),
     ("doorbell -> FFN wait returns", "a_sent", "f_seen"),
     ("FFN stage", "f_seen", "f_staged"),
     ("FFN gather / expand", "f_staged", "f_gathered"),
