@@ -573,7 +573,10 @@ class Combine:
 COMBINE_CASES = [  # num_ffn, num_tokens, top_k, has_shared, hidden, out_scale
     (1, 1, 1, 0, 64, 1.0), (2, 7, 2, 1, 33, 0.5), (3, 300, 6, 1, 64, 2.5), (4, 300, 8, 0, 50, 1.0),
     (4, 7, 8, 1, 64, 1.0), (3, 0, 2, 1, 64, 1.0), (2, 1, 6, 1, 72, 1.0), (2, 1300, 2, 1, 64, 0.25),
-    (4, 2, 1, 1, 40, 1.0)]
+    (4, 2, 1, 1, 40, 1.0),
+    # wide rows: two output vectors per thread and pass, routed rows in batches of four (the
+    # second vector live for every thread / for part of them; a partial last batch at top-5)
+    (2, 5, 8, 1, 7168, 1.0), (3, 9, 5, 0, 4104, 0.5)]
 
 
 @pytest.mark.parametrize("wait_kernel", [True, False], ids=["wait+combine", "combine-alone"])
