@@ -512,6 +512,7 @@ def test_bench_step_graph_arguments_rows_and_table(capsys):
     assert tool.connector_config(tool.parse_args(["--stages", "1"])).num_stages == 1
     assert tool.connector_config(tool.parse_args([])).wire_mode == "pair"
     assert tool.connector_config(tool.parse_args(["--wire-mode", "dedup"])).wire_mode == "dedup"
+    assert tool.parse_args([]).stand_in == "linear" and tool.parse_args(["--stand-in", "elementwise"]).stand_in == "elementwise"
     model = tool.model_config(quick)
     assert (model.num_layers, model.max_num_batched_tokens, model.hidden_size) == (50, 32, 7168)
     for bad in (["--layers", "0"], ["--stages", "0"], ["--tokens", "2", "--stages", "1", "4"]):

@@ -64,6 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--ffn", choices=FFN_MODES, default="graph",
                         help="FFN side: GraphFFNServer(identity) or an eager FFNWorker (identity)")
     parser.add_argument("--num-ffn", type=int, default=1)
+    parser.add_argument("--stand-in", choices=("linear", "elementwise"), default="linear",
+                        help="Attention stand-in per layer: x + x W^T with one [H, H] weight (streams "
+                             "H*H*2 bytes through L2 every layer, as a model's attention does) or x * 1")
     parser.add_argument("--wire-mode", choices=("pair", "dedup"), default="pair",
                         help="ConnectorConfig.wire_mode of every rank (docs/design.md §3.5)")
     parser.add_argument("--hidden", type=int, default=7168)
@@ -155,7 +158,8 @@ def _attention(conn, args, device) -> dict:
 
     model = conn.model
     stand_in = LinearStandIn(model.num_layers, model.hidden_size, model.num_experts,
-                             dtype=torch.bfloat16, device=device, seed=0, shared_weights=True)
+                             dtype=torch.bfloat16, device=device, seed=0, shared_weights=True,
+                             linear=args.stand_in == "linear")
     gen = torch.Generator().manual_seed(1)
     rows, traces = [], []
     trace = None
@@ -271,7 +275,7 @@ def main(argv=None) -> int:
     env = bc.launch_env("cuda", world, window_size_hint(model, TopologyConfig(1, args.num_ffn), connector_config(args)))
     attn, *ffn = launch(_rank, world, args=(args,), timeout_s=600, num_gpus=args.num_gpus, env=env)
     report = {"tool": "bench_step_graph", "run": bc.run_info("cuda"), "device": attn["device"],
-              "config": {"ffn": args.ffn, "num_ffn": args.num_ffn, "wire_mode": args.wire_mode, "hidden": args.hidden,
+              "config": {"ffn": args.ffn, "num_ffn": args.num_ffn, "wire_mode": args.wire_mode, "stand_in": args.stand_in, "hidden": args.hidden,
                          "num_experts": args.num_experts, "top_k": args.top_k, "iters": args.iters,
                          "warmup": args.warmup, "layers": args.layers, "tokens": args.tokens,
                          "stages": args.stages},

@@ -16,23 +16,25 @@ class LinearStandIn:
     """Per-layer weights W [L, H, H], R [L, E, H] in ``dtype`` on ``device`` (seeded on the CPU,
     one layer at a time) and the callables :class:`~afd_cupy.step_graph.DecodeStepGraph` takes.
     ``shared_weights``: one W for every layer (a benchmark at hidden 7168 and 50 layers would
-    otherwise hold 5 GiB of stand-in weights)."""
+    otherwise hold 5 GiB of stand-in weights). ``linear=False``: no W at all, ``residual = x``
+    (one elementwise kernel instead of the GEMM: a step whose attention does not stream a
+    weight through L2, to tell the AFD kernels' own cost from the cost of running cold)."""
 
     def __init__(self, num_layers: int, hidden_size: int, num_experts: int, *, dtype, device,
-                 seed: int = 0, scale: float = 1.0, shared_weights: bool = False):
+                 seed: int = 0, scale: float = 1.0, shared_weights: bool = False, linear: bool = True):
         gen = torch.Generator().manual_seed(seed)
         std = 1.0 / math.sqrt(hidden_size)
-        distinct = 1 if shared_weights else num_layers
+        distinct = (1 if shared_weights else num_layers) if linear else 0
         w = [(torch.randn(hidden_size, hidden_size, generator=gen) * (scale * std)).to(dtype).to(device)
              for _ in range(distinct)]
-        self.w = [w[min(layer, distinct - 1)] for layer in range(num_layers)]
+        self.w = [w[min(layer, distinct - 1)] for layer in range(num_layers)] if linear else None
         self.r = [(torch.randn(num_experts, hidden_size, generator=gen) * std).to(dtype).to(device)
                   for _ in range(num_layers)]
         self.num_layers = num_layers
 
     def attention(self, layer: int, x: torch.Tensor):
         """x [T, H] -> (residual [T, H], h [T, H]), both x's dtype."""
-        residual = x + torch.nn.functional.linear(x, self.w[layer])
+        residual = x + torch.nn.functional.linear(x, self.w[layer]) if self.w is not None else x * 1.0
         return residual, residual * 0.5
 
     def router(self, layer: int, h: torch.Tensor) -> torch.Tensor:
