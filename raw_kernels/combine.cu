@@ -87,62 +87,25 @@ afd_combine(afd_u64 out,  // payload [num_tokens, hidden_size]
     }
     __syncthreads();
     if (use_vec) {
-      // Bound by load latency, not bandwidth (a block per token, 9 rows per output vector at
-      // top-8 with a shared expert): each thread takes two output vectors per pass and loads
-      // the rows of K_BATCH routed partials (and the shared row) before it accumulates, so up
-      // to 2 * (K_BATCH + 1) 16-byte loads are in flight instead of one. The arithmetic is the
-      // one-at-a-time order: fmaf over k ascending, + shared, * out_scale (bitwise the same).
-      constexpr int K_BATCH = 4;
       const afd_i64 num_vec = hidden_size / VEC;
-      for (afd_i64 v0 = tid; v0 < num_vec; v0 += 2 * COMBINE_THREADS) {
-        const afd_i64 vi[2] = {v0, v0 + COMBINE_THREADS};
-        const bool live1 = vi[1] < num_vec;
-        float acc[2][VEC], x[VEC];
+      for (afd_i64 v = tid; v < num_vec; v += COMBINE_THREADS) {
+        float acc[VEC], x[VEC];
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
+        for (int u = 0; u < VEC; ++u) acc[u] = 0.0f;
+        for (int k = 0; k < top_k; ++k) {
+          unpack16<DT>(reinterpret_cast<const uint4*>(s_row[k])[v], x);
+          const float w = s_weight[k];
 #pragma unroll
-          for (int u = 0; u < VEC; ++u) acc[i][u] = 0.0f;
+          for (int u = 0; u < VEC; ++u) acc[u] = fmaf(w, x[u], acc[u]);
         }
-        uint4 shared_v[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
         if (has_shared) {
-          shared_v[0] = reinterpret_cast<const uint4*>(s_shared_row)[vi[0]];
-          if (live1) shared_v[1] = reinterpret_cast<const uint4*>(s_shared_row)[vi[1]];
-        }
-        for (int k0 = 0; k0 < top_k; k0 += K_BATCH) {
-          uint4 r[2][K_BATCH];
+          unpack16<DT>(reinterpret_cast<const uint4*>(s_shared_row)[v], x);
 #pragma unroll
-          for (int b = 0; b < K_BATCH; ++b) {
-            if (k0 + b < top_k) {
-              const uint4* row = reinterpret_cast<const uint4*>(s_row[k0 + b]);
-              r[0][b] = row[vi[0]];
-              r[1][b] = live1 ? row[vi[1]] : make_uint4(0, 0, 0, 0);
-            }
-          }
-#pragma unroll
-          for (int b = 0; b < K_BATCH; ++b) {
-            if (k0 + b < top_k) {
-              const float w = s_weight[k0 + b];
-#pragma unroll
-              for (int i = 0; i < 2; ++i) {
-                unpack16<DT>(r[i][b], x);
-#pragma unroll
-                for (int u = 0; u < VEC; ++u) acc[i][u] = fmaf(w, x[u], acc[i][u]);
-              }
-            }
-          }
+          for (int u = 0; u < VEC; ++u) acc[u] += x[u];
         }
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          if (i == 1 && !live1) break;
-          if (has_shared) {
-            unpack16<DT>(shared_v[i], x);
-#pragma unroll
-            for (int u = 0; u < VEC; ++u) acc[i][u] += x[u];
-          }
-#pragma unroll
-          for (int u = 0; u < VEC; ++u) acc[i][u] *= out_scale;
-          reinterpret_cast<uint4*>(out_row)[vi[i]] = pack16<DT>(acc[i]);
-        }
+        for (int u = 0; u < VEC; ++u) acc[u] *= out_scale;
+        reinterpret_cast<uint4*>(out_row)[v] = pack16<DT>(acc);
       }
     } else {
       for (afd_i64 h = tid; h < hidden_size; h += COMBINE_THREADS) {
