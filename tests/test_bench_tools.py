@@ -638,9 +638,11 @@ def test_bench_transport_cross_gpu_placement():
 def test_probe_kernel_cost_phase_stats():
     # tools/probe_kernel_cost.py's arithmetic: phases between consecutive stamps of complete rows
     import probe_kernel_cost as probe
-    rows = np.array([[0, 1500, 3000, 10000, 12000], [0, 1000, 4000, -1, 5000], [10, 2010, 3010, 9010, 11010]])
+    rows = np.array([[0, 1500, 3000, 10000, 12000, 13000], [0, 1000, 4000, -1, 5000, 6000],
+                     [10, 2010, 3010, 9010, 11010, 12010]])
     stats = probe.phase_stats(rows)
     assert stats["stamp -> stamp"] == {"median_us": 1.75, "p10_us": 1.55, "p90_us": 1.95, "n": 2}
     assert stats["afd_dispatch_plan"]["median_us"] == 6.5
     assert stats["afd_dispatch_plan again, right after"]["median_us"] == 2.0
-    assert probe.phase_stats(np.zeros((0, 5), np.int64))["afd_dispatch_plan"]["n"] == 0
+    assert probe.phase_stats(rows)["afd_graph_stage (served item)"]["median_us"] == 1.0
+    assert probe.phase_stats(np.zeros((0, 6), np.int64))["afd_dispatch_plan"]["n"] == 0

@@ -8,6 +8,8 @@ apart. This probe separates the candidates in one process on one GPU: each row i
 
     s0 -> s1 -> tiny kernel -> s2 -> afd_dispatch_plan (T tokens, top-k, E experts, F = 1) -> s3
        -> the same plan again -> s4     (its code, parameters and data now warm)
+       -> afd_graph_stage -> s5        (the graph FFN's one-block stage, serving an item of
+                                        T tokens at layer 1 of 50, its record into pinned memory)
 
 (``afd_trace_stamp`` at every sN, tools/device_trace.py's ring), repeated ``--rows`` times, in
 each of these settings:
@@ -21,7 +23,7 @@ each of these settings:
 
 Phases (median µs, p10, p90): ``stamp -> stamp`` (the stamp's own cost), ``tiny kernel``
 (one more stamp into a scratch ring: a kernel with the stamp's few parameters) and
-``afd_dispatch_plan`` and its second launch. Prints a table, writes ``probe_kernel_cost.json`` to --out.
+``afd_dispatch_plan``, its second launch and ``afd_graph_stage``. Prints a table, writes ``probe_kernel_cost.json`` to --out.
 Runs on the cuda backend only (one GPU, no MPS needed, nothing spins).
 
     python3 tools/probe_kernel_cost.py --out OUT
@@ -39,9 +41,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench_common as bc  # noqa: E402
 
-POINTS = ("s0", "s1", "s2", "s3", "s4")
+POINTS = ("s0", "s1", "s2", "s3", "s4", "s5")
 PHASES = (("stamp -> stamp", "s0", "s1"), ("tiny kernel (a stamp into a scratch ring)", "s1", "s2"),
-          ("afd_dispatch_plan", "s2", "s3"), ("afd_dispatch_plan again, right after", "s3", "s4"))
+          ("afd_dispatch_plan", "s2", "s3"), ("afd_dispatch_plan again, right after", "s3", "s4"),
+          ("afd_graph_stage (served item)", "s4", "s5"))
 SETTINGS = ("eager", "graph", "graph+flush", "graph+busy")
 
 
@@ -94,6 +97,40 @@ def _plan_launch(args, cupy, kernels, np_rng):
     return kernels.PackedLaunch(spec), ids, bufs
 
 
+def _stage_launch(args, cupy, kernels, np_rng):
+    """afd_graph_stage as GraphFFNServer runs it (1A1F, E experts on the one FFN rank, 50
+    stacked layers), on a device doorbell holding a valid arrival at slot 0 (layer 1)."""
+    from afd_cupy import ffn_graph, wire
+    from afd_cupy.kernels import specs
+    from afd_cupy.layout import WindowLayout
+
+    epr, layers, tokens = args.num_experts, 50, args.tokens
+    nk = tokens * args.top_k
+    layout = WindowLayout(num_regions=1, ring_depth=2, expert_per_rank=epr, hidden_size=1024, itemsize=2,
+                          top_k=args.top_k, token_cap=tokens, routed_cap=nk, shared_cap=tokens)
+    counts = np.bincount(np_rng.integers(0, epr, nk), minlength=epr)
+    words = wire.encode_header(wire.dispatch_header(seq=1, src_rank=0, layer_idx=1, stage_idx=0,
+                                                    num_tokens=tokens, shared_tokens=tokens,
+                                                    top_k=args.top_k, expert_counts=counts), epr)
+    hw = layout.header_words
+    bell = np.zeros(wire.DB_HEADER + -(-hw // 2), np.int64)
+    bell[wire.DB_STATUS], bell[wire.DB_SLOT], bell[wire.DB_FLAG] = wire.STATUS_OK, 0, 1
+    bell[wire.DB_HEADER:].view(np.int32)[:len(words)] = words
+    record_words = ffn_graph.record_words(hw, dedup=False)
+    bufs = {"doorbell": cupy.asarray(bell), "routed_offs": cupy.zeros(layers * epr, cupy.int32),
+            "shared_offs": cupy.zeros(layers, cupy.int32), "reply_seqs": cupy.zeros(layout.num_slots, cupy.int64),
+            "state": cupy.zeros(ffn_graph.state_words(hw), cupy.int64),
+            "replay_counter": cupy.zeros(1, cupy.int64), "records": kernels.PinnedInt64(64 * record_words)}
+    spec = specs.graph_stage_spec(
+        doorbell=bufs["doorbell"].data.ptr, geo=layout.kernel_geometry(), expert_per_rank=epr, is_dedup=0,
+        src_rank=1, num_attn_ranks=1, token_cap=tokens, routed_cap=nk, shared_cap=tokens, routed_bucket=nk,
+        shared_bucket=tokens, num_layers=layers, layers_per_chunk=ffn_graph.layers_per_chunk(layers, epr),
+        routed_offs=bufs["routed_offs"], shared_offs=bufs["shared_offs"].data.ptr,
+        reply_seqs=bufs["reply_seqs"], state=bufs["state"], replay_counter=bufs["replay_counter"],
+        records=bufs["records"].ptr, num_records=64, record_words=record_words)
+    return kernels.PackedLaunch(spec), bufs
+
+
 def run(args) -> dict:
     import cupy
 
@@ -102,6 +139,7 @@ def run(args) -> dict:
 
     rng = np.random.default_rng(0)
     plan, ids, bufs = _plan_launch(args, cupy, kernels, rng)
+    stage, stage_bufs = _stage_launch(args, cupy, kernels, rng)
     scratch = dt.DeviceTrace(("x",), capacity=1024)  # the tiny kernel: a stamp into its own ring
     flush = cupy.empty(args.flush_mb << 20, cupy.uint8)
     busy_src = cupy.zeros(1 << 28, cupy.uint8)
@@ -120,6 +158,8 @@ def run(args) -> dict:
             trace.stamp(stream.ptr, "s3")
             plan.launch(stream.ptr)
             trace.stamp(stream.ptr, "s4")
+            stage.launch(stream.ptr)
+            trace.stamp(stream.ptr, "s5")
             if setting == "graph+flush":
                 with stream:
                     flush.fill(1)
@@ -153,6 +193,11 @@ def run(args) -> dict:
         results[setting] = {"phases": phase_stats(rows), "rows": int(len(rows))}
     if int(bufs["verdict"].get()[0]) != 0:
         raise RuntimeError(f"afd_dispatch_plan verdict {int(bufs['verdict'].get()[0])}, expected STATUS_OK")
+    from afd_cupy import ffn_graph
+    status = int(stage_bufs["records"].array[ffn_graph.REC_STATUS])  # the first record's
+    if status != ffn_graph.GS_SERVED:
+        raise RuntimeError(f"afd_graph_stage record status {status}, "
+                           f"expected GS_SERVED ({ffn_graph.GS_SERVED})")
     return results
 
 
