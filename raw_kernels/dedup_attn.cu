@@ -57,7 +57,7 @@ afd_dedup_rows(const afd_i32* __restrict__ topk_ids,  // [num_tokens * top_k], f
                afd_i32* __restrict__ shared_rows,    // [F] out
                unsigned int* done_counter) {
   __shared__ afd_i32 s_hist[2 * MAX_FFN_RANKS];
-  __shared__ afd_i32 s_keys[CHUNK];
+  __shared__ __align__(16) afd_i32 s_keys[CHUNK];
   const int tid = threadIdx.x;
   const afd_i32 num_keys = 2 * num_ffn_ranks;
   const afd_i64 num_partials = static_cast<afd_i64>(num_tokens) * top_k;
@@ -87,10 +87,9 @@ afd_dedup_rows(const afd_i32* __restrict__ topk_ids,  // [num_tokens * top_k], f
   }
   s_keys[tid] = key;
   __syncthreads();
+  const afd_i32 local = block_rank_of_key(s_keys, key);  // among the chunk's equal keys
   if (key >= 0) {
     atomicAdd(&s_hist[key], 1);
-    afd_i32 local = 0;
-    for (int i = 0; i < tid; ++i) local += (s_keys[i] == key);
     rows_local[p] = (key << 8) | local;
   } else if (has_partial) {
     rows_local[p] = -1;

@@ -28,7 +28,7 @@ afd_dispatch_plan(const afd_i32* __restrict__ topk_ids,  // [num_partials], flat
                   afd_i32* __restrict__ verdict,        // [1] out: STATUS_OK = send
                   unsigned int* done_counter, afd_i64* status) {
   extern __shared__ afd_i32 s_hist[];  // [num_experts]
-  __shared__ afd_i32 s_ids[CHUNK];
+  __shared__ __align__(16) afd_i32 s_ids[CHUNK];
   const int tid = threadIdx.x;
   const int num_chunks = (num_partials + CHUNK - 1) / CHUNK;
   const int chunk = blockIdx.x;
@@ -47,10 +47,9 @@ afd_dispatch_plan(const afd_i32* __restrict__ topk_ids,  // [num_partials], flat
   s_ids[tid] = expert;
   __syncthreads();
 
+  const afd_i32 rank = block_rank_of_key(s_ids, expert);  // stable order within the chunk
   if (expert >= 0) {
     atomicAdd(&s_hist[expert], 1);
-    afd_i32 rank = 0;
-    for (int j = 0; j < tid; ++j) rank += (s_ids[j] == expert);
     local_rank[i] = rank;
   }
   __syncthreads();

@@ -394,6 +394,24 @@ __device__ __forceinline__ bool report_status(afd_i64* status, afd_i64 code, afd
   return true;
 }
 
+// Stable rank of this thread's `key` in a block: how many threads before it (lower threadIdx.x)
+// hold the same key in `keys` (shared memory, one key per thread, 16-byte aligned). Within the
+// warp from the lanes that match (a warp vote: every lane of the warp must call this), then a
+// count over the earlier warps' keys read four at a time: a one-key-at-a-time loop over up to
+// 255 shared words cost the dispatch plan ~2 us. The result for a negative key is unused by
+// the callers (not counted).
+__device__ __forceinline__ afd_i32 block_rank_of_key(const afd_i32* keys, afd_i32 key) {
+  const int tid = threadIdx.x, lane = tid & 31;
+  const unsigned int same = __match_any_sync(0xffffffffu, key);
+  afd_i32 rank = __popc(same & ((1u << lane) - 1u));
+  const int4* keys4 = reinterpret_cast<const int4*>(keys);
+  for (int j = 0; j < (tid >> 5) * 8; ++j) {
+    const int4 v = keys4[j];
+    rank += (v.x == key) + (v.y == key) + (v.z == key) + (v.w == key);
+  }
+  return rank;
+}
+
 // Exclusive scan over one value per thread of a block of exactly 256 threads; returns this
 // thread's exclusive prefix and writes the block total to *total. Uses 8+1 ints of shared memory.
 __device__ __forceinline__ afd_i32 block_exclusive_scan_256(afd_i32 value, afd_i32* total) {
