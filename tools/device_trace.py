@@ -298,7 +298,7 @@ def draw_phases(summaries: dict, title: str):
     case, the round trip's phases in order (medians, µs)."""
     def draw(plt):
         labels = [lb for lb in summaries if summaries[lb].get("round_trip_phases")]
-        fig, ax = plt.subplots(figsize=(10, 1.2 + 0.6 * max(1, len(labels))))
+        fig, ax = plt.subplots(figsize=(12, 1.2 + 0.6 * max(1, len(labels))))
         colors = plt.get_cmap("tab10").colors
         for row, label in enumerate(labels):
             left = 0.0
@@ -310,5 +310,6 @@ def draw_phases(summaries: dict, title: str):
         ax.set_yticks(range(len(labels)), labels)
         ax.set_xlabel("µs (median of each phase, %globaltimer)")
         ax.set_title(title)
-        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4)
+        # the legend right of the bars: below them it covered the axis label
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), ncol=1)
     return draw
