@@ -71,20 +71,17 @@ constexpr int REC_HEADER = 6;  // the dispatch header words as consumed; dedup: 
 
 // wire.decode_header's checks, in its order; returns -1 if the header passes, else the index of
 // the failing header word (the host re-decodes and raises the same WireError the eager path
-// raises). `counts` are words [HDR_FIXED_WORDS, HDR_FIXED_WORDS + epr).
+// raises). The counts (words [HDR_FIXED_WORDS, HDR_FIXED_WORDS + epr)) come pre-reduced by the
+// block: `first_negative` (epr when none is negative) and `sum` (of all of them; used only when
+// none is negative).
 __device__ int check_header(const afd_i32* w, int epr, int is_dedup, int token_cap,
-                            int routed_cap, int shared_cap) {
+                            int routed_cap, int shared_cap, int first_negative, afd_i64 sum) {
   if (static_cast<afd_u32>(w[HDR_MAGIC]) != static_cast<afd_u32>(MAGIC)) return HDR_MAGIC;
   if (w[HDR_VERSION] != VERSION) return HDR_VERSION;
   if (((w[HDR_FLAGS] & FLAG_DEDUP) != 0) != (is_dedup != 0)) return HDR_FLAGS;
   const afd_i32 routed = w[HDR_ROUTED_TOKENS], shared = w[HDR_SHARED_TOKENS];
   const afd_i32 num_rows = is_dedup ? w[HDR_FIXED_WORDS + epr] : 0;
-  afd_i64 sum = 0;
-  for (int e = 0; e < epr; ++e) {
-    const afd_i32 c = w[HDR_FIXED_WORDS + e];
-    if (c < 0) return HDR_FIXED_WORDS + e;
-    sum += c;
-  }
+  if (first_negative < epr) return HDR_FIXED_WORDS + first_negative;
   if (routed < 0) return HDR_ROUTED_TOKENS;
   if (shared < 0) return HDR_SHARED_TOKENS;
   if (num_rows < 0) return HDR_FIXED_WORDS + epr;
@@ -123,24 +120,57 @@ afd_graph_stage(afd_u64 doorbell,  // device int64 [DB_HEADER + ...]: afd_wait_a
                 afd_i64* replay_counter,  // device int64 [1]
                 afd_u64 records,       // pinned int64 [num_records, record_words]
                 afd_i32 num_records, afd_i32 record_words) {
-  __shared__ int s_status, s_layer, s_chunk, s_detail;
+  __shared__ int s_status, s_layer, s_chunk, s_detail, s_first_negative;
+  __shared__ unsigned long long s_count_sum;
+  __shared__ afd_i64 s_replay, s_prev_seq;
   // NOTE: expert_per_rank + is_dedup <= 1024 (the spec checks it: a torch._grouped_mm problem
   // list has fewer than 1024 groups, so one layer's experts must fit one).
   __shared__ afd_i32 s_words[HDR_FIXED_WORDS + 1024];
+  __shared__ afd_i32 s_ends[1024];  // served: inclusive cumsum of the arrived layer's counts
+  // NOTE: no thread walks the counts alone: a one-thread loop over 64 shared words is ~1 us,
+  // and this kernel is on the round trip's critical path. The block reduces them (first
+  // negative, sum) and scans them (group ends); the few dependent global reads (replay
+  // counter, the slot's reply seq) are issued before the checks, not after.
   const int tid = threadIdx.x;
+  const int epr = expert_per_rank;
   const afd_i64* bell = reinterpret_cast<const afd_i64*>(doorbell);
   const int hw = geo.header_words;
   const afd_i32* bell_words = reinterpret_cast<const afd_i32*>(bell + DB_HEADER);
   for (int i = tid; i < hw; i += blockDim.x) s_words[i] = bell_words[i];
-  __syncthreads();
   const afd_i64 slot = bell[DB_SLOT];
   const bool arrived = bell[DB_STATUS] == STATUS_OK && slot >= 0;
+  if (tid == 0) {
+    s_first_negative = epr;
+    s_count_sum = 0ull;
+    s_replay = *replay_counter;
+    s_prev_seq = arrived ? reply_seqs[slot] : 0;
+  }
+  __syncthreads();
+  // Counts: thread tid owns experts [e_begin, e_end), REPLY_THREADS threads cover up to 1024.
+  const int per_thread = (epr + REPLY_THREADS - 1) / REPLY_THREADS;
+  const int e_begin = min(tid * per_thread, epr), e_end = min(e_begin + per_thread, epr);
+  afd_i64 local_sum = 0;
+  int local_negative = epr;
+  for (int e = e_begin; e < e_end; ++e) {
+    const afd_i32 c = s_words[HDR_FIXED_WORDS + e];
+    if (c < 0 && local_negative == epr) local_negative = e;
+    local_sum += c;
+  }
+  if (local_negative < epr) atomicMin(&s_first_negative, local_negative);
+  // The sum matters only when no count is negative; summed per warp first: one shared atomic per
+  // thread (64 at 64 experts, all on one word) serialized to ~3 us.
+  afd_i64 warp_sum = (local_negative < epr) ? 0 : local_sum;
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) warp_sum += __shfl_down_sync(0xffffffffu, warp_sum, d);
+  if ((tid & 31) == 0 && warp_sum != 0) atomicAdd(&s_count_sum, static_cast<unsigned long long>(warp_sum));
+  __syncthreads();
   const afd_i32 routed = s_words[HDR_ROUTED_TOKENS], shared = s_words[HDR_SHARED_TOKENS];
   if (tid == 0) {
     int status = GS_IDLE, detail = -1, layer = -1;
     if (arrived) {
       const int region = static_cast<int>(slot / geo.ring_depth);
-      detail = check_header(s_words, expert_per_rank, is_dedup, token_cap, routed_cap, shared_cap);
+      detail = check_header(s_words, epr, is_dedup, token_cap, routed_cap, shared_cap, s_first_negative,
+                            static_cast<afd_i64>(s_count_sum));
       layer = s_words[HDR_LAYER];
       if (detail >= 0) {
         status = GS_REJECTED;
@@ -163,18 +193,23 @@ afd_graph_stage(afd_u64 doorbell,  // device int64 [DB_HEADER + ...]: afd_wait_a
   __syncthreads();
   const int status = s_status, layer = s_layer, chunk = s_chunk;
 
-  // Group offsets: one thread per group, its cumulative end row computed from the counts.
-  const int epr = expert_per_rank;
+  // Group ends of the arrived layer: a block scan of the per-thread count sums (served: every
+  // count is >= 0 and they sum to routed <= routed_cap, so int32 holds them).
+  afd_i32 total;
+  afd_i32 run = block_exclusive_scan_256(status == GS_SERVED ? static_cast<afd_i32>(local_sum) : 0, &total);
+  if (status == GS_SERVED) {
+    for (int e = e_begin; e < e_end; ++e) {
+      run += s_words[HDR_FIXED_WORDS + e];
+      s_ends[e] = run;
+    }
+  }
+  __syncthreads();
+
+  // Group offsets: one thread per group.
   for (int g = tid; g < num_layers * epr; g += blockDim.x) {
     const int l = g / epr, e = g - l * epr;
     afd_i32 end = 0;
-    if (status == GS_SERVED && l / layers_per_chunk == chunk && l >= layer) {
-      if (l > layer) {
-        end = routed;
-      } else {
-        for (int i = 0; i <= e; ++i) end += s_words[HDR_FIXED_WORDS + i];
-      }
-    }
+    if (status == GS_SERVED && l / layers_per_chunk == chunk && l >= layer) end = (l > layer) ? routed : s_ends[e];
     routed_offs[g] = end;
   }
   if (shared_offs != nullptr) {
@@ -189,7 +224,7 @@ afd_graph_stage(afd_u64 doorbell,  // device int64 [DB_HEADER + ...]: afd_wait_a
   if (tid == 0) {
     afd_i64 seq = 0;
     if (status == GS_SERVED || status == GS_EAGER) {
-      seq = reply_seqs[slot] + 1;
+      seq = s_prev_seq + 1;
       reply_seqs[slot] = seq;
     }
     s_seq = seq;
@@ -201,7 +236,7 @@ afd_graph_stage(afd_u64 doorbell,  // device int64 [DB_HEADER + ...]: afd_wait_a
     state[STATE_SHARED] = (status == GS_SERVED) ? shared : 0;
     state[STATE_SEQ] = seq;
     state[STATE_CHUNK] = chunk;
-    const afd_i64 replay = *replay_counter;
+    const afd_i64 replay = s_replay;
     state[STATE_RECORD] = static_cast<afd_i64>(
         records + static_cast<afd_u64>((replay % num_records) * record_words) * sizeof(afd_i64));
   }
@@ -217,18 +252,22 @@ afd_graph_stage(afd_u64 doorbell,  // device int64 [DB_HEADER + ...]: afd_wait_a
     reply_words[i] = word;
   }
 
-  // The replay's record, into the pinned ring; the replay number last.
+  // The replay's record, into the pinned ring; the replay number last (after the barrier, one
+  // system fence by thread 0 is cumulative over every thread's record words).
+  const afd_i64 replay = s_replay;
+  afd_i64* rec = reinterpret_cast<afd_i64*>(records) + (replay % num_records) * record_words;
+  volatile afd_i32* rec_words = reinterpret_cast<volatile afd_i32*>(rec + REC_HEADER);
+  for (int i = tid; i < hw; i += blockDim.x) rec_words[i] = s_words[i];
   if (tid == 0) {
-    const afd_i64 replay = *replay_counter;
     *replay_counter = replay + 1;
-    afd_i64* rec = reinterpret_cast<afd_i64*>(records) + (replay % num_records) * record_words;
     store_volatile(rec + REC_STATUS, status);
     store_volatile(rec + REC_SLOT, arrived ? slot : -1);
     store_volatile(rec + REC_FLAG, arrived ? bell[DB_FLAG] : 0);
     store_volatile(rec + REC_SEQ, s_seq);
     store_volatile(rec + REC_DETAIL, s_detail);
-    volatile afd_i32* rec_words = reinterpret_cast<volatile afd_i32*>(rec + REC_HEADER);
-    for (int i = 0; i < hw; ++i) rec_words[i] = s_words[i];
+  }
+  __syncthreads();
+  if (tid == 0) {
     __threadfence_system();
     store_volatile(rec + REC_REPLAY, replay);
   }
