@@ -87,8 +87,9 @@ afd_dedup_rows(const afd_i32* __restrict__ topk_ids,  // [num_tokens * top_k], f
   }
   s_keys[tid] = key;
   __syncthreads();
-  const afd_i32 local = block_rank_of_key(s_keys, key, s_hist);  // among the chunk's equal keys
+  const afd_i32 local = block_rank_of_key(s_keys, key);  // among the chunk's equal keys
   if (key >= 0) {
+    atomicAdd(&s_hist[key], 1);
     rows_local[p] = (key << 8) | local;
   } else if (has_partial) {
     rows_local[p] = -1;

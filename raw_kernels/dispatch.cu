@@ -47,8 +47,11 @@ afd_dispatch_plan(const afd_i32* __restrict__ topk_ids,  // [num_partials], flat
   s_ids[tid] = expert;
   __syncthreads();
 
-  const afd_i32 rank = block_rank_of_key(s_ids, expert, s_hist);  // stable order within the chunk
-  if (expert >= 0) local_rank[i] = rank;
+  const afd_i32 rank = block_rank_of_key(s_ids, expert);  // stable order within the chunk
+  if (expert >= 0) {
+    atomicAdd(&s_hist[expert], 1);
+    local_rank[i] = rank;
+  }
   __syncthreads();
   if (chunk < num_chunks) {
     afd_i32* row = chunk_hist + static_cast<afd_i64>(chunk) * num_experts;

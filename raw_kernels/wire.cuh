@@ -398,14 +398,11 @@ __device__ __forceinline__ bool report_status(afd_i64* status, afd_i64 code, afd
 // hold the same key in `keys` (shared memory, one key per thread, 16-byte aligned). Within the
 // warp from the lanes that match (a warp vote: every lane of the warp must call this), then a
 // count over the earlier warps' keys read four at a time: a one-key-at-a-time loop over up to
-// 255 shared words cost the dispatch plan ~2 us. Also counts the keys >= 0 into `hist` (shared,
-// zeroed and behind a barrier): one atomic per (warp, key), by the key's lowest lane, since one
-// per thread on the few keys of a dedup plan (2 per FFN rank) serializes. The result for a
-// negative key is unused by the callers (not counted).
-__device__ __forceinline__ afd_i32 block_rank_of_key(const afd_i32* keys, afd_i32 key, afd_i32* hist) {
+// 255 shared words cost the dispatch plan ~2 us. The result for a negative key is unused by
+// the callers (not counted).
+__device__ __forceinline__ afd_i32 block_rank_of_key(const afd_i32* keys, afd_i32 key) {
   const int tid = threadIdx.x, lane = tid & 31;
   const unsigned int same = __match_any_sync(0xffffffffu, key);
-  if (key >= 0 && lane == __ffs(same) - 1) atomicAdd(&hist[key], __popc(same));
   afd_i32 rank = __popc(same & ((1u << lane) - 1u));
   const int4* keys4 = reinterpret_cast<const int4*>(keys);
   for (int j = 0; j < (tid >> 5) * 8; ++j) {
