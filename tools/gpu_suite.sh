@@ -3,10 +3,14 @@
 # `cuda`-marked test (multi-process ones included), the smoke tool (1A1F and 2A2F) and the
 # short benchmarks, stop MPS, print a summary table last. Logs go to $OUT (or ./gpu_out).
 #
-#   bash tools/gpu_suite.sh [full|quick|bench|part1|part2|part3]
+#   bash tools/gpu_suite.sh [full|quick|bench|part1|part2|part3|twogpu1|twogpu2|twogpu3]
 #     quick: tests + smoke only; bench: benchmarks only; part1..3: the cuda tests in three
 #     device calls (part1: kernels + e2e; part2: errors, faults, step graph + smoke; part3: the
-#     remaining files + hf_generate)
+#     remaining files + hf_generate); twogpu1..3: the measurements that need two GPUs
+#     (nvidia-h200-x2; docs/benchmarks.md "Two GPUs"), one device call each (< 600 s):
+#     twogpu1 bench_transport decode + prefill, both wire modes and transports (#12, #16);
+#     twogpu2 bench_afd placement 0:50,0:50,1: overlap, sweep, timeline (#15);
+#     twogpu3 the multigpu tests, bench_step_graph --trace (pair, dedup), bench_graph_ffn (#13)
 # Knobs (environment): SUITE_TESTS (test files or ids instead of all), SUITE_TIMEOUT, TEST_TIMEOUT (per test), SMOKE_ARGS, SKIP_SMOKE_1A1F=1, SKIP_SMOKE_2A2F=1,
 # SKIP_HOSTPOLL=1 / HOSTPOLL_TIMEOUT (the e2e cases with host polling and no MPS),
 # SKIP_HF=1 (tools/hf_generate.py), SKIP_SOAK=1 / SOAK_N / SOAK_TIMEOUT / SOAK_ARGS (tools/soak.py),
@@ -52,6 +56,7 @@ stop_mps() { echo quit | nvidia-cuda-mps-control >/dev/null 2>&1 || true; }
 trap stop_mps EXIT
 
 declare -A RESULT
+STEP_ORDER=()
 restart_mps() {  # a client killed mid-kernel can leave the server refusing new clients
   stop_mps; sleep 1; nvidia-cuda-mps-control -d || echo "MPS failed to restart"
 }
@@ -65,6 +70,7 @@ run_step() {  # name, timeout, command...   (NO_MPS=1 run_step ...: with MPS sto
   last=$(grep -E 'passed|failed|PASS|FAIL|MISS|Error' "$OUT/$name.log" | tail -1)
   [ -n "$last" ] || last=$(tail -1 "$OUT/$name.log")
   RESULT[$name]="rc=$rc $(( $(date +%s) - start ))s | $(echo "$last" | cut -c1-160)"
+  STEP_ORDER+=("$name")
 }
 
 # single-process kernel tests first, multi-process end-to-end tests last
@@ -73,7 +79,28 @@ TEST_FILES=${SUITE_TESTS:-}
 [ -n "$TEST_FILES" ] || TEST_FILES=$(ls tests/test_kernels_cuda.py tests/test_moe.py tests/test_nvshmem_binding.py 2>/dev/null; \
   ls tests/test_*.py | grep -v -e test_kernels_cuda -e test_moe.py -e test_nvshmem_binding -e test_faults; \
   ls tests/test_faults.py)
-if [ "$MODE" != bench ]; then
+case "$MODE" in
+  twogpu1)
+    BT="python3 tools/bench_transport.py --quick --wire-mode both --transport both"
+    run_step bt_decode 240 $BT --ffn 1 2 --tokens 1 32 128 256 --prefill-tokens --out "$OUT/bt_decode"
+    run_step bt_prefill_f1 150 $BT --ffn 1 --tokens 1 --prefill-tokens 1024 4096 8192 --nccl-baseline --out "$OUT/bt_prefill_f1"
+    run_step bt_prefill_f2 150 $BT --ffn 2 --tokens 1 --prefill-tokens 1024 4096 8192 --out "$OUT/bt_prefill_f2" ;;
+  twogpu2)
+    AFD="python3 tools/bench_afd.py --quick --attn 2 --ffn 1"
+    run_step afd_overlap 220 $AFD --placement 0:50,0:50,1 --overlap all --out "$OUT/afd_overlap"
+    run_step afd_sweep 200 $AFD --sweep --sweep-skews 1 4 16 --sweep-placements 0:50,0:50,1 0:30,0:30,1 --out "$OUT/afd_sweep"
+    run_step afd_timeline 140 $AFD --placement 0:50,0:50,1 --timeline --workloads skewed --out "$OUT/afd_timeline" ;;
+  twogpu3)
+    run_step pytest_multigpu 150 python3 -m pytest -m "cuda and multigpu" -q -p no:cacheprovider --timeout=90 -rfEs \
+      tests/test_e2e.py tests/test_faults.py
+    SG="python3 tools/bench_step_graph.py --quick --num-gpus 2 --layers 1 50 --tokens 32 128 --stages 1 2 --trace"
+    run_step step_graph_pair 150 $SG --out "$OUT/step_pair"
+    run_step step_graph_dedup 120 $SG --wire-mode dedup --out "$OUT/step_dedup"
+    run_step graph_ffn_pair 70 python3 tools/bench_graph_ffn.py --quick --num-gpus 2 --wire-mode pair --out "$OUT/g_pair"
+    run_step graph_ffn_dedup 70 python3 tools/bench_graph_ffn.py --quick --num-gpus 2 --wire-mode dedup --out "$OUT/g_dedup" ;;
+esac
+case "$MODE" in twogpu*) MODE=none ;; esac
+if [ "$MODE" != bench ] && [ "$MODE" != none ]; then
 run_step pytest_cuda "$SUITE_TIMEOUT" python3 -m pytest -m cuda -q -p no:cacheprovider \
   --timeout=${TEST_TIMEOUT:-90} -rfEs $TEST_FILES
 # the end-to-end cases again with host polling and WITHOUT MPS (no spinning kernels at all)
@@ -104,8 +131,8 @@ done
 echo
 {
 echo "==== afd_cupy GPU suite summary (${AFD_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown-commit)}, $(head -1 "$OUT/gpu.txt")) ===="
-for name in pytest_cuda pytest_hostpoll smoke_1a1f smoke_2a2f hf_generate soak bench_poll bench_transport bench_afd profile_roundtrip bench_graph_ffn bench_step_graph; do
-  [ -n "${RESULT[$name]:-}" ] && printf '%-17s %s\n' "$name" "${RESULT[$name]}"
+for name in "${STEP_ORDER[@]}"; do
+  printf '%-17s %s\n' "$name" "${RESULT[$name]}"
 done
 } | tee "$OUT/summary.txt"
 # NOTE: the device tool brings back at most 8 files: pack every log, JSON and plot into one.
