@@ -162,6 +162,10 @@ class ConnectorConfig:
       (NVSHMEM one-sided puts from a local staging slot, for every peer: the multi-node path,
       testable on one node) or ``"auto"`` (direct where the peer's window maps, put
       elsewhere). The host backend runs ``"direct"`` and ``"auto"`` (= direct).
+    - ``fused_dispatch``: pair mode on the cuda backend: plan and scatter in one kernel
+      (``afd_dispatch_fused``, every block plans in its shared memory) whenever a dispatch of
+      ``max_num_batched_tokens`` fits it (docs/design.md §5); False: always the two kernels.
+      The same bytes reach the window either way.
     """
 
     attn_ranks_per_dp: int = 1
@@ -173,9 +177,11 @@ class ConnectorConfig:
     async_moe_split: str = "even"
     wire_mode: str = "pair"
     transport: str = "direct"
+    fused_dispatch: bool = True
 
     def __post_init__(self) -> None:
         owner = "ConnectorConfig"
+        _require_bool(owner, "fused_dispatch", self.fused_dispatch)
         _require_int(owner, "attn_ranks_per_dp", self.attn_ranks_per_dp)
         _require_float(owner, "routed_cap_multiplier", self.routed_cap_multiplier)
         _require_int(owner, "recv_poll_timeout_ms", self.recv_poll_timeout_ms)

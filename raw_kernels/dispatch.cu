@@ -235,3 +235,200 @@ afd_dispatch_scatter(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-
   }
   reset_done_counter(done_counter);
 }
+
+// Plan and scatter in ONE kernel, for decode-size dispatches (docs/design.md §5): every block
+// plans the whole dispatch itself, in shared memory, from the ids (a few KiB at decode sizes),
+// then writes its rows; no block waits for another before its rows, so the plan kernel's
+// launch and its chain of global round trips (chunk histograms, the last-block atomic, fences)
+// leave the round trip. Same wire order, outputs and publication as afd_dispatch_plan +
+// afd_dispatch_scatter; block 0 also writes the plan's outputs (expert_counts, expert_start,
+// rank_offsets, verdict) for the host and the tests.
+// The verdict from the ids (BAD_EXPERT, CAPACITY) is the same in every block (the same ids).
+// An error latched EARLIER (the status block) is read once per block at its start: a block that
+// sees one writes no rows and marks `skipped`, and the last block publishes nothing when any
+// block skipped (another stream may latch or clear the status mid-kernel, so blocks may
+// disagree; rows without a flag are never read).
+// grid = scatter_grid(T, K, has_shared), block = SCATTER_THREADS, dynamic shared memory =
+// 4 * (round_up(num_partials, 4) + 2 * num_experts) bytes (dispatch_fused_spec).
+template <int DT>
+__global__ void __launch_bounds__(SCATTER_THREADS)
+afd_dispatch_fused(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-major
+                   afd_i32 num_tokens, afd_i32 hidden_size,
+                   const afd_i32* __restrict__ topk_ids,  // [num_partials], flat t*K+k
+                   afd_i32 num_partials, afd_i32 top_k, afd_i32 expert_per_rank,
+                   afd_i32 num_ffn_ranks, afd_i32 routed_cap,
+                   afd_i32* __restrict__ expert_counts,  // [E] out (block 0)
+                   afd_i32* __restrict__ expert_start,   // [E] out (block 0)
+                   afd_i32* __restrict__ rank_offsets,   // [F + 1] out (block 0)
+                   afd_i32* __restrict__ verdict,        // [1] out (block 0): STATUS_OK = sent
+                   afd_i32* skipped,                     // [1] scratch, 0 between dispatches
+                   const afd_u64* __restrict__ peer_windows,  // [num_ffn_ranks], 0: put peer
+                   afd_u64 staging,  // own symmetric put staging (0 without put peers)
+                   SlotGeometry geo, afd_i32 ring, afd_i32 has_shared, afd_i32 always_send,
+                   afd_i32* __restrict__ pos_out,  // [num_partials]
+                   afd_i32 src_rank, afd_i32 layer_idx, afd_i32 stage_idx, afd_i32 hdr_flags,
+                   afd_i64* seq_counters,     // [num_ffn_ranks], this ring's row
+                   afd_i64* expected,         // [num_ffn_ranks] out: seq sent, 0 = not sent
+                   afd_i32* expected_counts,  // [num_ffn_ranks, 2] out: (routed, shared) rows
+                   unsigned int* done_counter, afd_i64* status) {
+  extern __shared__ __align__(16) afd_i32 s_dyn[];
+  __shared__ afd_i64 s_seq[MAX_FFN_RANKS];
+  __shared__ afd_i32 s_routed[MAX_FFN_RANKS];
+  __shared__ afd_i32 s_shared[MAX_FFN_RANKS];
+  __shared__ afd_i32 s_rank_off[MAX_FFN_RANKS + 1];
+  __shared__ afd_i32 s_first_bad, s_code, s_skip, s_send;
+  __shared__ afd_i64 s_earlier;
+
+  const int tid = threadIdx.x, lane = tid & 31;
+  const afd_i32 num_experts = num_ffn_ranks * expert_per_rank;
+  afd_i32* s_ids = s_dyn;                                // [num_partials], -1 = bad id
+  afd_i32* s_hist = s_dyn + ((num_partials + 3) & ~3);   // [E] counts
+  afd_i32* s_start = s_hist + num_experts;               // [E] exclusive starts
+  const afd_i64 row_bytes = static_cast<afd_i64>(hidden_size) * itemsize<DT>();
+  const afd_i64 num_shared_rows = has_shared ? num_tokens : 0;
+  const afd_i64 num_rows = static_cast<afd_i64>(num_partials) + num_shared_rows;
+
+  // 1. The plan, in this block's shared memory.
+  for (int e = tid; e < num_experts; e += SCATTER_THREADS) s_hist[e] = 0;
+  if (tid == 0) {
+    s_first_bad = num_partials;
+    s_earlier = status_code(status);  // an error latched before this dispatch: send nothing
+  }
+  __syncthreads();
+  for (int i = tid; i < num_partials; i += SCATTER_THREADS) {
+    afd_i32 e = topk_ids[i];
+    if (e < 0 || e >= num_experts) {
+      atomicMin(&s_first_bad, i);
+      e = -1;
+    } else {
+      atomicAdd(&s_hist[e], 1);
+    }
+    s_ids[i] = e;
+  }
+  __syncthreads();
+  // Exclusive scan over experts: each thread owns a contiguous run of experts.
+  const int per_thread = (num_experts + SCATTER_THREADS - 1) / SCATTER_THREADS;
+  const int e_begin = min(tid * per_thread, num_experts);
+  const int e_end = min(e_begin + per_thread, num_experts);
+  afd_i32 local_sum = 0;
+  for (int e = e_begin; e < e_end; ++e) local_sum += s_hist[e];
+  afd_i32 total;
+  afd_i32 run = block_exclusive_scan_256(local_sum, &total);
+  for (int e = e_begin; e < e_end; ++e) {
+    s_start[e] = run;
+    run += s_hist[e];
+  }
+  __syncthreads();
+  for (int r = tid; r <= num_ffn_ranks; r += SCATTER_THREADS) {
+    s_rank_off[r] = (r < num_ffn_ranks) ? s_start[r * expert_per_rank] : total;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    // The verdict from the ids, as afd_dispatch_plan decides it (lowest bad index; lowest
+    // over-full rank); reported by block 0 only.
+    afd_i64 code = STATUS_OK;
+    if (s_first_bad < num_partials) {
+      code = STATUS_BAD_EXPERT;
+      if (blockIdx.x == 0) {
+        report_status(status, STATUS_BAD_EXPERT, -1, s_first_bad, -1, num_experts,
+                      topk_ids[s_first_bad], -1, -1, layer_idx);
+      }
+    }
+    for (int r = 0; code == STATUS_OK && r < num_ffn_ranks; ++r) {
+      const afd_i32 count = s_rank_off[r + 1] - s_rank_off[r];
+      if (count > routed_cap) {
+        code = STATUS_CAPACITY;
+        if (blockIdx.x == 0) {
+          report_status(status, STATUS_CAPACITY, r, -1, -1, -1, -1, count, routed_cap, layer_idx);
+        }
+      }
+    }
+    s_code = static_cast<afd_i32>(code);
+    s_skip = (code == STATUS_OK && s_earlier != STATUS_OK) ? 1 : 0;
+  }
+  __syncthreads();
+  if (blockIdx.x == 0) {  // the plan's outputs, for the host and the tests
+    for (int e = tid; e < num_experts; e += SCATTER_THREADS) {
+      expert_counts[e] = s_hist[e];
+      expert_start[e] = s_start[e];
+    }
+    for (int r = tid; r <= num_ffn_ranks; r += SCATTER_THREADS) rank_offsets[r] = s_rank_off[r];
+    if (tid == 0) {
+      *verdict = (s_code != STATUS_OK) ? s_code : static_cast<afd_i32>(s_earlier);
+    }
+  }
+
+  // 2. This block's rows.
+  const bool ok = (s_code == STATUS_OK) && !s_skip;
+  if (ok) {
+    const afd_i64 warp_stride = static_cast<afd_i64>(gridDim.x) * ROWS_PER_BLOCK;
+    for (afd_i64 r = static_cast<afd_i64>(blockIdx.x) * ROWS_PER_BLOCK + (tid >> 5); r < num_rows;
+         r += warp_stride) {
+      afd_i64 token;
+      char* dst_row;
+      if (r < num_partials) {
+        const afd_i32 e = s_ids[r];
+        // Stable rank of partial r among the partials of expert e before it: 32 ids per step.
+        afd_i32 rank = 0;
+        for (afd_i64 q0 = 0; q0 < r; q0 += 32) {
+          const afd_i64 q = q0 + lane;
+          rank += __popc(__ballot_sync(0xffffffffu, q < r && s_ids[q] == e));
+        }
+        const afd_i32 dest = e / expert_per_rank;
+        const afd_i32 pos = s_start[e] + rank - s_rank_off[dest];
+        token = r / top_k;
+        char* slot = geo.send_slot(peer_windows[dest], staging, dest, src_rank, ring);
+        if (lane == 0) {
+          pos_out[r] = pos;
+          geo.route(slot)[pos] = make_int2(static_cast<afd_i32>(token), static_cast<afd_i32>(r % top_k));
+        }
+        dst_row = geo.routed_row(slot, pos, row_bytes);
+      } else {
+        token = r - num_partials;
+        const afd_i32 dest = static_cast<afd_i32>(token % num_ffn_ranks);
+        const afd_i64 j = token / num_ffn_ranks;
+        char* slot = geo.send_slot(peer_windows[dest], staging, dest, src_rank, ring);
+        if (lane == 0) geo.shared_idx(slot)[j] = static_cast<afd_i32>(token);
+        dst_row = geo.shared_row(slot, j, row_bytes);
+      }
+      const char* src_row = static_cast<const char*>(byte_ptr(hidden, token * row_bytes));
+      warp_copy_row(dst_row, src_row, row_bytes, lane);
+    }
+  } else if (tid == 0 && s_skip) {
+    atomicOr(reinterpret_cast<unsigned int*>(skipped), 1u);  // released by last_block_done
+  }
+
+  // Every block's rows, route entries and shared indices are released at system scope here.
+  if (!last_block_done(done_counter, /*system_scope=*/true)) return;
+
+  // 3. Last block: send only if no block skipped, then as afd_dispatch_scatter.
+  if (tid == 0) {
+    s_send = (s_code == STATUS_OK && !s_skip && __ldcg(skipped) == 0) ? 1 : 0;
+    *skipped = 0;
+  }
+  __syncthreads();
+  const bool send = s_send != 0;
+  for (int j = tid; j < num_ffn_ranks; j += SCATTER_THREADS) {
+    const afd_i32 routed = s_rank_off[j + 1] - s_rank_off[j];
+    const afd_i32 shared = has_shared ? shared_rows_of(num_tokens, num_ffn_ranks, j) : 0;
+    afd_i64 seq = 0;
+    if (send && (routed + shared > 0 || always_send)) {
+      seq = seq_counters[j] + 1;
+      seq_counters[j] = seq;
+    }
+    s_seq[j] = seq;
+    s_routed[j] = routed;
+    s_shared[j] = shared;
+    expected[j] = seq;
+    expected_counts[2 * j] = routed;
+    expected_counts[2 * j + 1] = shared;
+  }
+  __syncthreads();
+  if (send) {
+    const DispatchHeader hdr{src_rank, layer_idx, stage_idx, num_tokens, top_k, hdr_flags};
+    publish_dispatch</*DEDUP=*/false>(geo, peer_windows, staging, ring, num_ffn_ranks,
+                                      expert_per_rank, hdr, s_seq, s_routed, s_shared,
+                                      /*rows=*/nullptr, s_hist);
+  }
+  reset_done_counter(done_counter);
+}

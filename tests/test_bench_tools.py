@@ -512,6 +512,8 @@ def test_bench_step_graph_arguments_rows_and_table(capsys):
     assert tool.connector_config(tool.parse_args(["--stages", "1"])).num_stages == 1
     assert tool.connector_config(tool.parse_args([])).wire_mode == "pair"
     assert tool.connector_config(tool.parse_args(["--wire-mode", "dedup"])).wire_mode == "dedup"
+    assert tool.connector_config(tool.parse_args([])).fused_dispatch
+    assert not tool.connector_config(tool.parse_args(["--dispatch", "two-kernel"])).fused_dispatch
     assert tool.parse_args([]).stand_in == "linear" and tool.parse_args(["--stand-in", "elementwise"]).stand_in == "elementwise"
     model = tool.model_config(quick)
     assert (model.num_layers, model.max_num_batched_tokens, model.hidden_size) == (50, 32, 7168)
@@ -575,7 +577,7 @@ def test_device_trace_matches_round_trips_and_splits_them_into_phases(tmp_path):
     assert np.all(points["f_seen"] - points["a_send0"] == 15 * us)
     assert np.all(points["f_gathered"] == points["f_staged"])  # the identity pair graph has no gather
     durations = dt.phase_durations_us(points)
-    want = {"dispatch plan": 4, "dispatch scatter (dedup: rows + scatter)": 6, "doorbell -> FFN wait returns": 5, "FFN stage": 3,
+    want = {"dispatch plan": 4, "dispatch scatter (dedup: rows + scatter; fused: plan + scatter)": 6, "doorbell -> FFN wait returns": 5, "FFN stage": 3,
             "FFN gather / expand": 0, "FFN experts": 2, "FFN reply": 30,
             "reply -> Attention wait returns": 10, "combine": 5}
     assert {name: set(v.tolist()) for name, v in durations.items()} == {k: {float(v)} for k, v in want.items()}
@@ -587,6 +589,15 @@ def test_device_trace_matches_round_trips_and_splits_them_into_phases(tmp_path):
     assert summary["phases"][dt.WAIT_PHASE[0]]["median_us"] == 48.0
     other_gpu = dt.phase_summary(attention, ffn, same_clock=False, layers=3)
     assert "round_trip_phases" not in other_gpu and other_gpu["phases"]["round trip"]["median_us"] == 65.0
+    # a fused dispatch (afd_dispatch_fused) stamps no a_planned: a zero plan phase, the whole
+    # dispatch in the scatter phase, the rows still complete and matched
+    fused = attention.copy()
+    fused[:, dt.ATTENTION_POINTS.index("a_planned")] = -1
+    fused_summary = dt.phase_summary(fused, ffn, same_clock=True, layers=3)
+    assert fused_summary["matched"] == 6 and fused_summary["complete_rows"] == 7
+    assert fused_summary["round_trip_phases"]["dispatch plan"]["median_us"] == 0.0
+    assert fused_summary["round_trip_phases"][
+        "dispatch scatter (dedup: rows + scatter; fused: plan + scatter)"]["median_us"] == 10.0
     # an incomplete Attention row (a stamp missing) is neither matched nor counted as complete
     broken = attention.copy()
     broken[0, 3] = -1

@@ -141,9 +141,30 @@ class Dispatch:
         self.layer_idx, self.stage_idx = int(rng.integers(0, 60)), int(rng.integers(0, 3))
         self.topk_ids = cp.asarray(ids.reshape(-1))
 
-    def run(self):
-        self.run_plan()
-        self.run_scatter()
+    def run(self, fused: bool = False):
+        if fused:
+            self.run_fused()
+        else:
+            self.run_plan()
+            self.run_scatter()
+
+    def run_fused(self):
+        """afd_dispatch_fused: plan and scatter in one kernel (block 0 writes the plan outputs)."""
+        scratch = self.scratch
+        kernels.dispatch_fused_spec(
+            dtype_code=kernels.DTYPE_CODES[self.dtype], hidden=self.hidden_dev.data.ptr,
+            num_tokens=self.num_tokens, hidden_size=self.hidden, topk_ids=self.topk_ids,
+            num_partials=self.num_partials, top_k=self.top_k, expert_per_rank=self.epr,
+            num_ffn_ranks=self.num_ffn, routed_cap=self.layout.routed_cap,
+            expert_counts=scratch.expert_counts, expert_start=scratch.expert_start,
+            rank_offsets=scratch.rank_offsets, verdict=scratch.verdict, skipped=scratch.skipped,
+            peer_windows=self.peer_windows, geo=self.layout.kernel_geometry(), ring=self.ring,
+            has_shared=self.has_shared, pos_out=self.pos_out, src_rank=self.src_rank,
+            layer_idx=self.layer_idx, stage_idx=self.stage_idx, hdr_flags=0,
+            seq_counters=self.seq_counters, expected=self.expected,
+            expected_counts=self.expected_counts, done_counter=scratch.scatter_done,
+            status=self.status.ptr).launch()
+        sync()
 
     def run_plan(self):
         scratch = self.scratch
@@ -308,10 +329,11 @@ TOP_KS = (1, 2, 6, 8)
 HIDDENS = (64, 33, 50)  # 16-B rows, 2-B-only rows (bf16/fp16), 4-B rows
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["plan+scatter", "fused"])
 @pytest.mark.parametrize("has_shared", [0, 1])
 @pytest.mark.parametrize("num_ffn,num_tokens", DISPATCH_CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_dispatch_matches_reference(request, dtype, num_ffn, num_tokens, has_shared):
+def test_dispatch_matches_reference(request, dtype, num_ffn, num_tokens, has_shared, fused):
     rng = _rng(request)
     case = DISPATCH_CASES.index((num_ffn, num_tokens)) + has_shared + DTYPES.index(dtype)
     top_k, hidden = TOP_KS[case % 4], HIDDENS[case % 3]
@@ -321,7 +343,7 @@ def test_dispatch_matches_reference(request, dtype, num_ffn, num_tokens, has_sha
     ids = skewed_ids(rng, num_tokens, top_k, allowed)
     d = Dispatch(rng, dtype=dtype, num_ffn=num_ffn, num_tokens=num_tokens, top_k=top_k,
                  hidden=hidden, has_shared=has_shared, ids=ids)
-    d.run()
+    d.run(fused=fused)
 
     assert status_of(d.status.array).ok
     plan = d.reference()
@@ -372,6 +394,62 @@ def test_dispatch_large_batch_grid_stride(request, dtype):
                             d.layout, f"peer {j}")
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fused_dispatch_grid_stride(request, dtype):
+    """afd_dispatch_fused with more rows than 1024 blocks x 8 warps (8800 partials + 1100
+    shared rows), still within its shared memory: every block plans all 8800 ids."""
+    rng = _rng(request)
+    ids = skewed_ids(rng, 1100, 8, np.arange(NUM_EXPERTS))
+    d = Dispatch(rng, dtype=dtype, num_ffn=2, num_tokens=1100, top_k=8, hidden=64, has_shared=1, ids=ids)
+    assert kernels.fused_dispatch_fits(d.num_partials, d.num_ffn * d.epr)
+    d.run(fused=True)
+    assert status_of(d.status.array).ok
+    plan = d.reference()
+    np.testing.assert_array_equal(d.pos_out.get()[:d.num_partials], plan.pos.reshape(-1))
+    for j in range(2):
+        assert_window_equal(d.windows[j].get(), d.expected_window(j, plan, int(d.seq_before[j]) + 1),
+                            d.layout, f"peer {j}")
+    assert int(d.scratch.scatter_done.get()[0]) == 0 and int(d.scratch.skipped.get()[0]) == 0
+
+
+def test_fused_dispatch_publishes_nothing_when_a_block_skipped(request):
+    """The fused kernel's last block sends only if no block saw an earlier error: with the
+    `skipped` word set (as a block that read a latched status would set it) no flag, header,
+    seq or expected is written, and the word is left zero for the next dispatch."""
+    rng = _rng(request)
+    ids = skewed_ids(rng, 40, 2, np.arange(NUM_EXPERTS))
+    d = Dispatch(rng, dtype="bfloat16", num_ffn=2, num_tokens=40, top_k=2, hidden=64, has_shared=1, ids=ids)
+    d.scratch.skipped.fill(1)
+    d.run(fused=True)
+    assert status_of(d.status.array).ok
+    assert (d.expected.get() == 0).all()
+    np.testing.assert_array_equal(d.seq_counters.get(), d.seq_before)
+    for j in range(2):
+        got = d.windows[j].get()
+        flag_at = d.layout.slot_index(d.src_rank, d.ring) * 8
+        assert (got[flag_at:flag_at + 8] == d.prefill[j][flag_at:flag_at + 8]).all(), f"peer {j} flagged"
+        header_at = d.layout.slot_offset(d.src_rank, d.ring) + d.layout.field_offset("header")
+        nbytes = 4 * d.layout.header_words
+        assert (got[header_at:header_at + nbytes] == d.prefill[j][header_at:header_at + nbytes]).all()
+    assert int(d.scratch.skipped.get()[0]) == 0 and int(d.scratch.scatter_done.get()[0]) == 0
+
+
+def test_fused_dispatch_spec_refuses_what_does_not_fit():
+    layout = make_layout(num_regions=2, ring_depth=2, epr=NUM_EXPERTS, hidden=64, dtype="bfloat16",
+                         top_k=8, token_cap=2000, routed_cap=16000, has_shared=1, num_ffn=1)
+    assert not kernels.fused_dispatch_fits(16000, NUM_EXPERTS)
+    buf = cp.zeros(16000, cp.int32)
+    with pytest.raises(ValueError, match="shared memory"):
+        kernels.dispatch_fused_spec(
+            dtype_code=0, hidden=buf.data.ptr, num_tokens=2000, hidden_size=64, topk_ids=buf,
+            num_partials=16000, top_k=8, expert_per_rank=NUM_EXPERTS, num_ffn_ranks=1, routed_cap=16000,
+            expert_counts=buf, expert_start=buf, rank_offsets=buf, verdict=buf, skipped=buf,
+            peer_windows=cp.zeros(1, cp.uint64), geo=layout.kernel_geometry(), ring=0, has_shared=1,
+            pos_out=buf, src_rank=0, layer_idx=0, stage_idx=0, hdr_flags=0,
+            seq_counters=cp.zeros(1, cp.int64), expected=cp.zeros(1, cp.int64),
+            expected_counts=buf, done_counter=cp.zeros(1, cp.uint32), status=buf.data.ptr)
+
+
 def _assert_nothing_sent(d: Dispatch, verdict: int):
     assert int(d.scratch.verdict.get()[0]) == verdict
     assert (d.expected.get() == 0).all()
@@ -381,8 +459,9 @@ def _assert_nothing_sent(d: Dispatch, verdict: int):
     assert int(d.scratch.plan_done.get()[0]) == 0 and int(d.scratch.scatter_done.get()[0]) == 0
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["plan+scatter", "fused"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_dispatch_capacity_writes_nothing(request, dtype):
+def test_dispatch_capacity_writes_nothing(request, dtype, fused):
     rng = _rng(request)
     num_ffn, num_tokens, top_k = 3, 50, 4
     ids = skewed_ids(rng, num_tokens, top_k, np.arange(NUM_EXPERTS))
@@ -393,7 +472,7 @@ def test_dispatch_capacity_writes_nothing(request, dtype):
     first_over = next(j for j, c in enumerate(counts) if c > cap)
     d = Dispatch(rng, dtype=dtype, num_ffn=num_ffn, num_tokens=num_tokens, top_k=top_k, hidden=64,
                  has_shared=1, ids=ids, routed_cap=cap)
-    d.run()
+    d.run(fused=fused)
     assert status_of(d.status.array) == wire.StatusRecord(
         wire.STATUS_CAPACITY, first_over, -1, -1, -1, -1, counts[first_over], cap, d.layer_idx)
     _assert_nothing_sent(d, wire.STATUS_CAPACITY)
@@ -421,12 +500,13 @@ def test_capacity_latched_in_a_device_status_block_reaches_the_mirror(request):
     assert block.host.tolist() == device_words.get().tolist() == [0] * wire.STATUS_WORDS
 
 
-def test_dispatch_after_latched_error_writes_nothing(request):
+@pytest.mark.parametrize("fused", [False, True], ids=["plan+scatter", "fused"])
+def test_dispatch_after_latched_error_writes_nothing(request, fused):
     rng = _rng(request)
     ids = skewed_ids(rng, 20, 2, np.arange(NUM_EXPERTS))
     d = Dispatch(rng, dtype="bfloat16", num_ffn=2, num_tokens=20, top_k=2, hidden=64, has_shared=1, ids=ids)
     d.status.array[:] = [wire.STATUS_TIMEOUT, 1, 3, 1, 9, 8, -1, -1, 7]
-    d.run()
+    d.run(fused=fused)
     assert d.status.array.tolist() == [wire.STATUS_TIMEOUT, 1, 3, 1, 9, 8, -1, -1, 7]
     _assert_nothing_sent(d, wire.STATUS_TIMEOUT)
     np.testing.assert_array_equal(d.scratch.rank_offsets.get(), d.reference().rank_offsets)
@@ -454,14 +534,15 @@ def test_scatter_follows_the_plan_verdict_not_the_status_block(request):
     _assert_nothing_sent(e, wire.STATUS_TIMEOUT)
 
 
-def test_dispatch_bad_expert_id_writes_nothing(request):
+@pytest.mark.parametrize("fused", [False, True], ids=["plan+scatter", "fused"])
+def test_dispatch_bad_expert_id_writes_nothing(request, fused):
     rng = _rng(request)
     num_ffn = 4
     epr = -(-NUM_EXPERTS // num_ffn)
     ids = skewed_ids(rng, 30, 2, np.arange(NUM_EXPERTS))
     ids[17, 1] = num_ffn * epr  # first id past the padded experts
     d = Dispatch(rng, dtype="float16", num_ffn=num_ffn, num_tokens=30, top_k=2, hidden=64, has_shared=0, ids=ids)
-    d.run()
+    d.run(fused=fused)
     status = status_of(d.status.array)
     assert status.name == "BAD_EXPERT"
     assert (status.slot, status.expected, status.observed) == (17 * 2 + 1, num_ffn * epr, num_ffn * epr)

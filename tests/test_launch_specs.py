@@ -70,6 +70,13 @@ def _specs() -> dict:
             peer_windows=arr, geo=geo, ring=1, has_shared=1, pos_out=arr, src_rank=0,
             layer_idx=3, stage_idx=0, hdr_flags=0, seq_counters=arr, expected=arr,
             expected_counts=arr, done_counter=arr),
+        ("dispatch.cu", "afd_dispatch_fused"): kernels.dispatch_fused_spec(
+            dtype_code=0, hidden=0x2000, num_tokens=8, hidden_size=64, topk_ids=arr,
+            num_partials=64, top_k=8, expert_per_rank=4, num_ffn_ranks=2, routed_cap=64,
+            expert_counts=arr, expert_start=arr, rank_offsets=arr, verdict=arr, skipped=arr,
+            peer_windows=arr, geo=geo, ring=1, has_shared=1, pos_out=arr, src_rank=0,
+            layer_idx=3, stage_idx=0, hdr_flags=0, seq_counters=arr, expected=arr,
+            expected_counts=arr, done_counter=arr, status=0x6000, max_partials=128),
         ("combine.cu", "afd_wait_replies"): kernels.wait_replies_spec(**replies),
         ("combine.cu", "afd_combine"): kernels.combine_spec(
             dtype_code=0, out=0x4000, num_tokens=8, hidden_size=64, topk_ids=arr,
@@ -166,6 +173,7 @@ def test_specs_use_the_block_sizes_of_the_limit_table(fake_specs):
     built = _specs()
     limits = kernels.KERNEL_LIMITS
     blocks = {"afd_dispatch_plan": "PLAN_THREADS", "afd_dispatch_scatter": "SCATTER_THREADS",
+              "afd_dispatch_fused": "SCATTER_THREADS",
               "afd_wait_replies": "WAIT_REPLIES_THREADS", "afd_combine": "COMBINE_THREADS",
               "afd_wait_any": "WAIT_ANY_THREADS", "afd_reply": "REPLY_THREADS",
               # the FFN's dedup row kernels: a warp per row, like afd_reply
@@ -381,11 +389,13 @@ def test_launches_module_has_no_cupy_import_at_module_level():
 
 
 @pytest.mark.parametrize("put", [False, True], ids=["direct", "put"])
-@pytest.mark.parametrize("wire_mode", ["pair", "dedup"])
-def test_backend_builds_the_launches_of_its_wire_mode(fake_specs, monkeypatch, wire_mode, put):
+@pytest.mark.parametrize("wire_mode,fused", [("pair", False), ("pair", True), ("dedup", False)],
+                         ids=["pair", "pair-fused", "dedup"])
+def test_backend_builds_the_launches_of_its_wire_mode(fake_specs, monkeypatch, wire_mode, fused, put):
     """CudaAttentionSide._attention_launches checks every spec of the layout's mode (a spec of
     the other mode would refuse the geometry); numpy arrays stand in for the CuPy buffers.
-    With a put channel both modes' scatters get its staging (§6.1)."""
+    With a put channel every mode's scatter gets its staging (§6.1). Pair mode with
+    ``fused_dispatch``: one afd_dispatch_fused instead of plan + scatter."""
     import types
 
     from afd_cupy.backends import cuda_attention
@@ -394,19 +404,28 @@ def test_backend_builds_the_launches_of_its_wire_mode(fake_specs, monkeypatch, w
     layout = _DEDUP_LAYOUT if wire_mode == "dedup" else _LAYOUT
     side = cuda_attention.CudaAttentionSide()
     side.cp, side.layout, side.geometry, side.is_dedup = np, layout, layout.kernel_geometry(), layout.is_dedup
+    side.fused_dispatch = fused
     side.ctx = types.SimpleNamespace(num_ffn_ranks=2, has_shared=True, always_send=False, role_rank=0)
     side.own_window, side.dtype_code, side.timeout_ns = 0x3000, 0, 10**9
     side.put = types.SimpleNamespace(staging_base=0x9000) if put else None
     side.status = types.SimpleNamespace(ptr=0x1000)
     side.scratch = [types.SimpleNamespace(local_rank=np.zeros(64, np.int32), **{
         name: _FakeArray() for name in ("chunk_hist", "pos", "expert_counts", "expert_start",
-                                        "rank_offsets", "verdict", "plan_done", "scatter_done")})] * 2
+                                        "rank_offsets", "verdict", "plan_done", "scatter_done",
+                                        "skipped")})] * 2
     side.dedup_rows = [_FakeArray()] * 2
     for name in ("row_map", "shared_rank", "num_rows", "shared_rows", "rows_hist", "rows_local", "rows_done"):
         setattr(side.dedup_rows[0], name, _FakeArray())
     side.expected = side.expected_counts = side.reply_flags = side.combine_done = [_FakeArray()] * 2
     side.seq_counters, side.last_seen, side.peer_windows = [_FakeArray()] * 2, _FakeArray(), _FakeArray()
     launches = side._attention_launches(1)
+    if fused:
+        assert sorted(launches) == ["combine", "fused", "wait"]
+        fused_args = dict(zip(launches["fused"].names, launches["fused"].args))
+        assert fused_args["staging"] == (0x9000 if put else 0) and fused_args["status"] == 0x1000
+        assert launches["fused"].shared_mem == kernels.specs.fused_shared_bytes(
+            layout.token_cap * layout.top_k, 2 * layout.expert_per_rank)  # sized for a full batch
+        return
     want = {"pair": ["dispatch_plan", "dispatch_scatter", "wait_replies", "combine"],
             "dedup": ["dispatch_plan", "dedup_rows", "dedup_scatter", "wait_replies", "dedup_combine"]}
     assert sorted(launches) == sorted(["plan", "scatter", "wait", "combine"] + (["rows"] if wire_mode == "dedup" else []))

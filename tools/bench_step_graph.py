@@ -69,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "H*H*2 bytes through L2 every layer, as a model's attention does) or x * 1")
     parser.add_argument("--wire-mode", choices=("pair", "dedup"), default="pair",
                         help="ConnectorConfig.wire_mode of every rank (docs/design.md §3.5)")
+    parser.add_argument("--dispatch", choices=("fused", "two-kernel"), default="fused",
+                        help="pair mode: ConnectorConfig.fused_dispatch (afd_dispatch_fused) or plan + scatter")
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--num-experts", type=int, default=64)
     parser.add_argument("--top-k", type=int, default=8)
@@ -97,7 +99,7 @@ def connector_config(args) -> ConnectorConfig:
     connector serves every S of the run (a step may use fewer stages than its connector)."""
     most = max(args.stages)
     return ConnectorConfig(async_moe_ubatching=most > 1, async_moe_num_ubatches=max(most, 2),
-                           wire_mode=args.wire_mode)
+                           wire_mode=args.wire_mode, fused_dispatch=args.dispatch == "fused")
 
 
 def model_config(args) -> ModelConfig:
@@ -275,7 +277,7 @@ def main(argv=None) -> int:
     env = bc.launch_env("cuda", world, window_size_hint(model, TopologyConfig(1, args.num_ffn), connector_config(args)))
     attn, *ffn = launch(_rank, world, args=(args,), timeout_s=600, num_gpus=args.num_gpus, env=env)
     report = {"tool": "bench_step_graph", "run": bc.run_info("cuda"), "device": attn["device"],
-              "config": {"ffn": args.ffn, "num_ffn": args.num_ffn, "wire_mode": args.wire_mode, "stand_in": args.stand_in, "hidden": args.hidden,
+              "config": {"ffn": args.ffn, "num_ffn": args.num_ffn, "wire_mode": args.wire_mode, "dispatch": args.dispatch, "stand_in": args.stand_in, "hidden": args.hidden,
                          "num_experts": args.num_experts, "top_k": args.top_k, "iters": args.iters,
                          "warmup": args.warmup, "layers": args.layers, "tokens": args.tokens,
                          "stages": args.stages},

@@ -40,6 +40,7 @@ FFN_POINTS = ("f_seen", "f_staged", "f_gathered", "f_reply0", "f_reply1")
 ATTENTION_STAMPS = {
     "afd_dispatch_plan": ("a_send0", "a_planned"),
     "afd_dispatch_scatter": (None, "a_sent"),
+    "afd_dispatch_fused": ("a_send0", "a_sent"),  # plan + scatter in one kernel: no a_planned
     "afd_dedup_scatter": (None, "a_sent"),
     "afd_wait_replies": ("a_wait0", "a_seen"),
     "afd_combine": (None, "a_done"),
@@ -57,7 +58,7 @@ FFN_STAMPS = {
 #: (name, start point, end point), in round-trip order: consecutive, so they sum to the round trip
 PHASES = (
     ("dispatch plan", "a_send0", "a_planned"),
-    ("dispatch scatter (dedup: rows + scatter)", "a_planned", "a_sent"),
+    ("dispatch scatter (dedup: rows + scatter; fused: plan + scatter)", "a_planned", "a_sent"),
     ("doorbell -> FFN wait returns", "a_sent", "f_seen"),
     ("FFN stage", "f_seen", "f_staged"),
     ("FFN gather / expand", "f_staged", "f_gathered"),
@@ -220,6 +221,18 @@ def match_round_trips(attention: np.ndarray, ffn: np.ndarray,
     return out, unmatched
 
 
+def fused_dispatch_rows(attention: np.ndarray) -> np.ndarray:
+    """Rows of a fused dispatch (``afd_dispatch_fused``: no plan kernel, so no ``a_planned``
+    stamp) get ``a_planned = a_send0``: a zero-length plan phase, the whole dispatch in the
+    scatter phase. Other rows are unchanged (a copy)."""
+    out = np.array(attention, np.int64, copy=True)
+    if out.size:
+        send0, planned = ATTENTION_POINTS.index("a_send0"), ATTENTION_POINTS.index("a_planned")
+        fill = (out[:, planned] < 0) & (out[:, send0] >= 0)
+        out[fill, planned] = out[fill, send0]
+    return out
+
+
 def phase_durations_us(points: dict, phases=PHASES) -> dict:
     """Phase name -> float64 [n] µs (``end - start`` of each matched round trip)."""
     return {name: (points[end] - points[start]) / 1e3 for name, start, end in phases}
@@ -231,6 +244,7 @@ def phase_summary(attention: np.ndarray, ffn: np.ndarray | None, *, same_clock: 
     ``layers``: rows come in steps of that many) the gap between layers of one step (attention,
     gate and residual); the phases' medians and their sum next to the round trip's median.
     ``ffn`` None or ``same_clock`` False: only the phases of the Attention side."""
+    attention = fused_dispatch_rows(attention)
     a = {p: attention[:, i].astype(np.int64) for i, p in enumerate(ATTENTION_POINTS)}
     complete = np.all(attention >= 0, axis=1)
     stats = {}

@@ -31,7 +31,8 @@ class DispatchScratch:
     ``chunk_hist`` int32 [max(1, chunks), E]; ``local_rank``, ``pos`` int32 [max(1, NK)];
     ``expert_counts``, ``expert_start`` int32 [E]; ``rank_offsets`` int32 [F + 1];
     ``verdict`` int32 [1] (the plan's send decision, read by the scatter);
-    ``plan_done``, ``scatter_done`` uint32 [1] zeroed done counters.
+    ``plan_done``, ``scatter_done`` uint32 [1] zeroed done counters; ``skipped`` int32 [1]
+    (afd_dispatch_fused: a block that saw an earlier error, zero between dispatches).
     """
 
     chunk_hist: object
@@ -43,6 +44,7 @@ class DispatchScratch:
     verdict: object
     plan_done: object
     scatter_done: object
+    skipped: object
 
     @classmethod
     def allocate(cls, max_partials: int, num_ffn_ranks: int, expert_per_rank: int) -> "DispatchScratch":
@@ -57,7 +59,8 @@ class DispatchScratch:
                    expert_start=cupy.zeros(num_experts, cupy.int32),
                    rank_offsets=cupy.zeros(num_ffn_ranks + 1, cupy.int32),
                    verdict=cupy.zeros(1, cupy.int32),
-                   plan_done=cupy.zeros(1, cupy.uint32), scatter_done=cupy.zeros(1, cupy.uint32))
+                   plan_done=cupy.zeros(1, cupy.uint32), scatter_done=cupy.zeros(1, cupy.uint32),
+                   skipped=cupy.zeros(1, cupy.int32))
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,9 @@ class CudaAttentionSide:
         # (routed, shared) rows sent to each FFN rank, + num_rows in dedup mode: what its reply
         # must echo
         self.is_dedup = layout.is_dedup
+        # pair mode: plan and scatter in one kernel when a full batch fits its shared memory
+        self.fused_dispatch = (not self.is_dedup and ctx.fused_dispatch
+                               and kernels.fused_dispatch_fits(max_partials, num_ffn * layout.expert_per_rank))
         count_cols = 3 if self.is_dedup else 2
         self.expected_counts = [cp.zeros((num_ffn, count_cols), cp.int32)
                                 for _ in range(layout.ring_depth)]
@@ -166,6 +172,28 @@ class CudaAttentionSide:
                        timeout_ns=self.timeout_ns, status=self.status.ptr)
         if self.is_dedup:
             return {"plan": kernels.PackedLaunch(plan), **self._dedup_launches(ring, replies)}
+        wait = kernels.wait_replies_spec(**replies)
+        combine = kernels.combine_spec(
+            dtype_code=self.dtype_code, out=self.own_window, num_tokens=cap,
+            hidden_size=layout.hidden_size, topk_ids=placeholder_ids,
+            topk_weights=placeholder_ids.view(self.cp.float32), pos=scratch.pos,
+            top_k=layout.top_k, expert_per_rank=epr, has_shared=int(ctx.has_shared),
+            out_scale=1.0, done_counter=self.combine_done[ring], **replies)
+        if self.fused_dispatch:
+            fused = kernels.dispatch_fused_spec(
+                dtype_code=self.dtype_code, hidden=self.own_window, num_tokens=cap,
+                hidden_size=layout.hidden_size, topk_ids=placeholder_ids, num_partials=cap * layout.top_k,
+                top_k=layout.top_k, expert_per_rank=epr, num_ffn_ranks=num_ffn,
+                routed_cap=layout.routed_cap, expert_counts=scratch.expert_counts,
+                expert_start=scratch.expert_start, rank_offsets=scratch.rank_offsets,
+                verdict=scratch.verdict, skipped=scratch.skipped, peer_windows=self.peer_windows,
+                geo=geo, ring=ring, has_shared=int(ctx.has_shared), always_send=int(ctx.always_send),
+                pos_out=scratch.pos, src_rank=ctx.role_rank, layer_idx=0, stage_idx=0, hdr_flags=0,
+                seq_counters=self.seq_counters[ring], expected=expected,
+                expected_counts=self.expected_counts[ring], done_counter=scratch.scatter_done,
+                status=self.status.ptr, staging=self.put.staging_base if self.put else 0)
+            return {name: kernels.PackedLaunch(spec) for name, spec in
+                    (("fused", fused), ("wait", wait), ("combine", combine))}
         scatter = kernels.dispatch_scatter_spec(
             dtype_code=self.dtype_code, hidden=self.own_window, num_tokens=cap,
             hidden_size=layout.hidden_size, topk_ids=placeholder_ids, num_partials=cap * layout.top_k,
@@ -178,13 +206,6 @@ class CudaAttentionSide:
             layer_idx=0, stage_idx=0, hdr_flags=0, seq_counters=self.seq_counters[ring],
             expected=expected, expected_counts=self.expected_counts[ring],
             done_counter=scratch.scatter_done, staging=self.put.staging_base if self.put else 0)
-        wait = kernels.wait_replies_spec(**replies)
-        combine = kernels.combine_spec(
-            dtype_code=self.dtype_code, out=self.own_window, num_tokens=cap,
-            hidden_size=layout.hidden_size, topk_ids=placeholder_ids,
-            topk_weights=placeholder_ids.view(self.cp.float32), pos=scratch.pos,
-            top_k=layout.top_k, expert_per_rank=epr, has_shared=int(ctx.has_shared),
-            out_scale=1.0, done_counter=self.combine_done[ring], **replies)
         return {name: kernels.PackedLaunch(spec) for name, spec in
                 (("plan", plan), ("scatter", scatter), ("wait", wait), ("combine", combine))}
 
@@ -254,7 +275,8 @@ class CudaAttentionSide:
 
     def dispatch(self, hidden, topk_ids, topk_weights, *, layer_idx: int, stage_idx: int,
                  ring: int) -> CudaSendState:
-        """Pair mode: plan -> scatter; ``topk_weights`` are read by the combine, not here."""
+        """Pair mode: plan -> scatter, or the one fused kernel (``self.fused_dispatch``);
+        ``topk_weights`` are read by the combine, not here."""
         ctx, layout = self.ctx, self.layout
         self._use_device()
         self.status.raise_latched()
@@ -268,6 +290,15 @@ class CudaAttentionSide:
         launches, stream = self.launches[ring], self.stream_ptr()
         self._order_ring(ring, stream)
         num_partials = num_tokens * layout.top_k
+        if self.fused_dispatch:
+            fused = launches["fused"]
+            for name, value in (("hidden", hidden.data_ptr()), ("num_tokens", num_tokens),
+                                ("topk_ids", ids.data_ptr()), ("num_partials", num_partials),
+                                ("layer_idx", layer_idx), ("stage_idx", stage_idx)):
+                fused.set(name, value)
+            fused.launch(stream, kernels.scatter_grid(num_tokens, layout.top_k, int(ctx.has_shared)))
+            self._put_dispatch(stream, ring, num_tokens)
+            return CudaSendState(ring, self.expected[ring], ids, hidden, num_tokens)
         plan = launches["plan"]
         plan.set("topk_ids", ids.data_ptr())
         plan.set("num_partials", num_partials)

@@ -27,8 +27,8 @@ from afd_cupy.kernels.specs import (CHUNK, KERNEL_LIMITS, MAX_BLOCKS, MAX_EXPERT
                                     dedup_combine_spec, dedup_expand_grid, dedup_expand_spec,
                                     dedup_reply_grid, dedup_reply_spec, dedup_rows_grid,
                                     dedup_rows_spec, dedup_scatter_grid, dedup_scatter_spec,
-                                    dispatch_num_chunks, dispatch_plan_spec,
-                                    dispatch_scatter_spec, plan_grid, reply_grid, reply_spec, row_parts,
+                                    dispatch_fused_spec, dispatch_num_chunks, dispatch_plan_spec,
+                                    dispatch_scatter_spec, fused_dispatch_fits, plan_grid, reply_grid, reply_spec, row_parts,
                                     scatter_grid, wait_any_spec, wait_replies_spec)
 from afd_cupy.kernels.status import PinnedInt64, StatusBlock, StatusChannel
 
@@ -39,8 +39,8 @@ __all__ = [
     "combine_grid", "combine_spec", "dedup_combine_spec", "dedup_expand_grid",
     "dedup_expand_spec", "dedup_reply_grid", "dedup_reply_spec", "dedup_rows_grid",
     "dedup_rows_spec", "dedup_scatter_grid", "dedup_scatter_spec", "dispatch_num_chunks",
-    "dispatch_plan_spec",
-    "dispatch_scatter_spec", "get_kernel", "kernel_name_expressions", "load_module", "plan_grid",
+    "dispatch_fused_spec", "dispatch_plan_spec",
+    "dispatch_scatter_spec", "fused_dispatch_fits", "get_kernel", "kernel_name_expressions", "load_module", "plan_grid",
     "reply_grid", "reply_spec", "row_parts", "scatter_grid", "source_key", "wait_any_spec",
     "wait_replies_spec",
 ]

@@ -26,7 +26,8 @@ DTYPE_CODES = {"bfloat16": 0, "float16": 1, "float32": 2}
 #: production kernels of each file (relative to KERNEL_DIR); True marks a template over the
 #: payload dtype code
 FILE_KERNELS = {
-    "dispatch.cu": (("afd_dispatch_plan", False), ("afd_dispatch_scatter", True)),
+    "dispatch.cu": (("afd_dispatch_plan", False), ("afd_dispatch_scatter", True),
+                    ("afd_dispatch_fused", True)),
     "combine.cu": (("afd_wait_replies", False), ("afd_combine", True)),
     "wait_any.cu": (("afd_wait_any", False),),
     "reply.cu": (("afd_reply", True),),

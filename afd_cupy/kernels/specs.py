@@ -160,6 +160,89 @@ def dispatch_scatter_spec(*, dtype_code, hidden, num_tokens, hidden_size, topk_i
                  KERNEL_LIMITS["SCATTER_THREADS"], args)
 
 
+#: afd_dispatch_fused plans in every block's shared memory: 4 B per partial and 8 B per expert
+#: of dynamic shared memory, at most this much (the static arrays take ~5 KiB of the 48 KiB a
+#: block gets without an opt-in). Beyond it the dispatch takes the two kernels.
+FUSED_MAX_SHARED_BYTES = 40 * 1024
+
+
+def fused_shared_bytes(num_partials: int, num_experts: int) -> int:
+    """Dynamic shared memory of afd_dispatch_fused: ids (padded to 4) + counts + starts."""
+    return 4 * ((int(num_partials) + 3) // 4 * 4 + 2 * int(num_experts))
+
+
+def fused_dispatch_fits(num_partials: int, num_experts: int) -> bool:
+    """Whether a dispatch of up to ``num_partials`` partials over ``num_experts`` experts can run
+    as the one-kernel afd_dispatch_fused."""
+    return fused_shared_bytes(num_partials, num_experts) <= FUSED_MAX_SHARED_BYTES
+
+
+def dispatch_fused_spec(*, dtype_code, hidden, num_tokens, hidden_size, topk_ids, num_partials,
+                        top_k, expert_per_rank, num_ffn_ranks, routed_cap, expert_counts,
+                        expert_start, rank_offsets, verdict, skipped, peer_windows, geo, ring,
+                        has_shared, pos_out, src_rank, layer_idx, stage_idx, hdr_flags,
+                        seq_counters, expected, expected_counts, done_counter, status,
+                        always_send=0, staging=0, max_partials=None,
+                        max_blocks=MAX_BLOCKS) -> LaunchSpec:
+    """Plan and scatter of one pair-mode dispatch in ONE kernel (afd_dispatch_fused<DT>): the
+    same wire order, window contents, ``pos_out``, ``expected``, ``expected_counts`` and
+    ``seq_counters`` as :func:`dispatch_plan_spec` + :func:`dispatch_scatter_spec`, and the
+    same latched errors (BAD_EXPERT with the lowest bad index, CAPACITY with the lowest
+    over-full rank; an error latched earlier in ``status``: nothing sent). Block 0 also writes
+    the plan's ``expert_counts`` / ``expert_start`` int32 [E], ``rank_offsets`` int32 [F+1] and
+    ``verdict`` int32 [1] (block 0's view). ``skipped`` uint32-sized int32 [1] scratch, zero
+    between dispatches (the kernel leaves it zero). The dynamic shared memory is sized for
+    ``max_partials`` (default ``num_partials``; the largest a later launch of this packed spec
+    may use): at most :data:`FUSED_MAX_SHARED_BYTES` (:func:`fused_dispatch_fits`).
+    Grid: :func:`scatter_grid`.
+    """
+    num_partials = _count("num_partials", num_partials)
+    num_tokens = _count("num_tokens", num_tokens)
+    top_k = _count("top_k", top_k, low=1)
+    if int(num_partials) != int(num_tokens) * int(top_k):
+        raise ValueError(f"num_partials={num_partials} != num_tokens * top_k = "
+                         f"{num_tokens} * {top_k}")
+    max_partials = int(num_partials) if max_partials is None else int(max_partials)
+    if max_partials < int(num_partials):
+        raise ValueError(f"max_partials={max_partials} < num_partials={int(num_partials)}")
+    num_ffn = _count("num_ffn_ranks", num_ffn_ranks, low=1, high=MAX_FFN_RANKS)
+    epr = _count("expert_per_rank", expert_per_rank, low=1)
+    num_experts = int(num_ffn) * int(epr)
+    if not fused_dispatch_fits(max_partials, num_experts):
+        raise ValueError(f"afd_dispatch_fused needs {fused_shared_bytes(max_partials, num_experts)} B "
+                         f"of shared memory for {max_partials} partials and {num_experts} experts, "
+                         f"more than {FUSED_MAX_SHARED_BYTES}: use the plan and scatter kernels")
+    geo = _geometry("geo", geo, header_words=wire.HDR_FIXED_WORDS + int(epr))
+    has_shared = _count("has_shared", has_shared, high=1)
+    args = {"hidden": _address("hidden", hidden, allow_null=num_tokens == 0),
+            "num_tokens": num_tokens, "hidden_size": _count("hidden_size", hidden_size, low=1),
+            "topk_ids": _array("topk_ids", topk_ids, np.int32, num_partials),
+            "num_partials": num_partials, "top_k": top_k, "expert_per_rank": epr,
+            "num_ffn_ranks": num_ffn, "routed_cap": _count("routed_cap", routed_cap),
+            "expert_counts": _array("expert_counts", expert_counts, np.int32, num_experts),
+            "expert_start": _array("expert_start", expert_start, np.int32, num_experts),
+            "rank_offsets": _array("rank_offsets", rank_offsets, np.int32, int(num_ffn) + 1),
+            "verdict": _array("verdict", verdict, np.int32, 1),
+            "skipped": _array("skipped", skipped, np.int32, 1),
+            "peer_windows": _array("peer_windows", peer_windows, np.uint64, int(num_ffn)),
+            "staging": _address("staging", staging, allow_null=True),
+            "geo": geo, "ring": _count("ring", ring, high=int(geo["ring_depth"]) - 1),
+            "has_shared": has_shared, "always_send": _count("always_send", always_send, high=1),
+            "pos_out": _array("pos_out", pos_out, np.int32, num_partials),
+            "src_rank": _count("src_rank", src_rank, high=int(geo["num_regions"]) - 1),
+            "layer_idx": np.int32(layer_idx), "stage_idx": np.int32(stage_idx),
+            "hdr_flags": np.int32(hdr_flags),
+            "seq_counters": _array("seq_counters", seq_counters, np.int64, int(num_ffn)),
+            "expected": _array("expected", expected, np.int64, int(num_ffn)),
+            "expected_counts": _array("expected_counts", expected_counts, np.int32, 2 * int(num_ffn)),
+            "done_counter": _array("done_counter", done_counter, np.uint32, 1),
+            "status": _address("status", status)}
+    kernel = get_kernel("dispatch.cu", "afd_dispatch_fused", dtype_code=_dtype(dtype_code))
+    return _spec(kernel, scatter_grid(int(num_tokens), int(top_k), int(has_shared), max_blocks),
+                 KERNEL_LIMITS["SCATTER_THREADS"], args,
+                 shared_mem=fused_shared_bytes(max_partials, num_experts))
+
+
 def scatter_grid(num_tokens: int, top_k: int, has_shared: int, max_blocks: int = MAX_BLOCKS) -> int:
     """Blocks of afd_dispatch_scatter: one warp per routed partial and per shared row."""
     return _row_grid(num_tokens * top_k + (num_tokens if has_shared else 0), max_blocks)
