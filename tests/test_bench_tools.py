@@ -643,7 +643,7 @@ def test_bench_transport_cross_gpu_placement():
     assert place(3, 2) is not None and [p.gpu for p in place(3, 2)] == [0, 1, 1]
     assert [p.gpu for p in place(5, 3)] == [0, 1, 2, 1, 2]
     assert place(2, 2) is None and place(3, 1) is None and place(3, 0) is None  # launch's default
-    assert bench_transport.describe_placement(3, place(3, 2), "cuda") == "0:0 1:1 2:1"
+    assert bench_transport.describe_placement(3, place(3, 2), "cuda", 2) == "0:0 1:1 2:1"
 
 
 def test_probe_kernel_cost_phase_stats():

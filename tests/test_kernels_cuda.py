@@ -655,8 +655,8 @@ COMBINE_CASES = [  # num_ffn, num_tokens, top_k, has_shared, hidden, out_scale
     (1, 1, 1, 0, 64, 1.0), (2, 7, 2, 1, 33, 0.5), (3, 300, 6, 1, 64, 2.5), (4, 300, 8, 0, 50, 1.0),
     (4, 7, 8, 1, 64, 1.0), (3, 0, 2, 1, 64, 1.0), (2, 1, 6, 1, 72, 1.0), (2, 1300, 2, 1, 64, 0.25),
     (4, 2, 1, 1, 40, 1.0),
-    # wide rows: two output vectors per thread and pass, routed rows in batches of four (the
-    # second vector live for every thread / for part of them; a partial last batch at top-5)
+    # wide rows: more 16-byte vectors per row than threads per block (7168 bf16 = 896 over
+    # 256 threads; 4104 leaves a partial last pass), top-5 and top-8
     (2, 5, 8, 1, 7168, 1.0), (3, 9, 5, 0, 4104, 0.5)]
 
 

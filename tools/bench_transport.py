@@ -647,11 +647,12 @@ def run_group(group: Group, timeout_s: float) -> dict:
     world = 1 + group.num_ffn
     window = window_size_hint(model, TopologyConfig(1, group.num_ffn), group.connector())
     child_env = bc.launch_env(group.backend, world, window, nccl=group.nccl_baseline)
-    placement = cross_gpu_placement(world, _detect_num_gpus() if group.backend == "cuda" else 0)
+    num_gpus = _detect_num_gpus() if group.backend == "cuda" else 0
+    placement = cross_gpu_placement(world, num_gpus)
     results = launch(_rank, world, args=(group,), timeout_s=timeout_s, env=child_env,
-                     num_gpus=None if group.backend == "cuda" else 0, placement=placement)
+                     num_gpus=num_gpus, placement=placement)
     result = results[0]
-    result["placement"] = describe_placement(world, placement, group.backend)
+    result["placement"] = describe_placement(world, placement, group.backend, num_gpus)
     return result
 
 
@@ -665,13 +666,12 @@ def cross_gpu_placement(world: int, num_gpus: int) -> list | None:
     return [Placement(0)] + [Placement(1 + (i - 1) % (num_gpus - 1)) for i in range(1, world)]
 
 
-def describe_placement(world: int, placement: list | None, backend: str) -> str:
-    """``"rank:GPU"`` pairs for the JSON (what ``cross_gpu_placement`` chose)."""
+def describe_placement(world: int, placement: list | None, backend: str, num_gpus: int) -> str:
+    """``"rank:GPU"`` pairs for the JSON (what ``cross_gpu_placement`` chose for ``num_gpus``)."""
     if backend != "cuda":
         return "host backend: CPU processes"
     if placement is None:
-        gpus = _detect_num_gpus()
-        return ("one process per GPU" if gpus >= world else f"all {world} processes on GPU 0")
+        return ("one process per GPU" if num_gpus >= world else f"all {world} processes on GPU 0")
     return " ".join(f"{rank}:{p.gpu}" for rank, p in enumerate(placement))
 
 

@@ -87,6 +87,9 @@ class DeviceTrace:
         from afd_cupy import kernels
 
         self.points, self.capacity = tuple(points), int(capacity)
+        # the stamps launch through PackedLaunch.launch as it is now, not through an installed
+        # wrapper (which would look each stamp up as a kernel to stamp around)
+        self._launch = kernels.PackedLaunch.launch
         self.ring = cupy.full((self.capacity, len(self.points)), -1, cupy.int64)
         self.counter = cupy.zeros(1, cupy.int64)
         kernel = kernels.get_kernel("probes/bench.cu", "afd_trace_stamp")
@@ -103,7 +106,7 @@ class DeviceTrace:
     def stamp(self, stream_ptr: int, point: str) -> None:
         """Enqueue one stamp of ``point`` on the raw stream ``stream_ptr`` (the last point closes
         the row)."""
-        self._stamps[point].launch(stream_ptr)
+        self._launch(self._stamps[point], stream_ptr)
 
     def install(self, stamps: dict) -> None:
         """Stamp around every later ``PackedLaunch.launch`` of a kernel named in ``stamps``
@@ -117,9 +120,14 @@ class DeviceTrace:
             raise RuntimeError("this trace is installed already")
         inner = kernels.PackedLaunch.launch
         trace = self
+        points_of = {}  # function pointer -> (before, after): a mangled name is parsed once
 
         def launch(packed, stream_ptr, grid=None):
-            before, after = stamps.get(kernel_base_name(packed.spec.kernel), (None, None))
+            pair = points_of.get(packed.function_ptr)
+            if pair is None:
+                pair = points_of[packed.function_ptr] = stamps.get(
+                    kernel_base_name(packed.spec.kernel), (None, None))
+            before, after = pair
             if before is not None:
                 trace.stamp(stream_ptr, before)
             inner(packed, stream_ptr, grid)
@@ -256,28 +264,29 @@ def phase_summary(attention: np.ndarray, ffn: np.ndarray | None, *, same_clock: 
         "round trip": a["a_done"] - a["a_send0"],
     }
     for name, ns in own.items():
-        stats[name] = _stats(ns[complete] / 1e3)
+        stats[name] = stats_us(ns[complete] / 1e3)
     if layers and layers > 1:
         gaps = []
         for start in range(0, attention.shape[0] - layers + 1, layers):
             block = attention[start:start + layers]
             if np.all(block >= 0):
                 gaps.extend((block[1:, 0] - block[:-1, -1]) / 1e3)
-        stats["between layers (attention, gate, residual)"] = _stats(gaps)
+        stats["between layers (attention, gate, residual)"] = stats_us(gaps)
     report = {"rows": int(attention.shape[0]), "complete_rows": int(complete.sum()), "same_clock": same_clock,
               "phases": stats}
     if ffn is not None and same_clock:
         points, unmatched = match_round_trips(attention, ffn)
         durations = phase_durations_us(points)
         report["matched"], report["unmatched"] = len(points["a_send0"]), unmatched
-        report["round_trip_phases"] = {name: _stats(values) for name, values in durations.items()}
+        report["round_trip_phases"] = {name: stats_us(values) for name, values in durations.items()}
         report["phase_medians_sum_us"] = float(sum(s["median_us"] or 0.0
                                                    for s in report["round_trip_phases"].values()))
-        report["matched_round_trip"] = _stats((points["a_done"] - points["a_send0"]) / 1e3)
+        report["matched_round_trip"] = stats_us((points["a_done"] - points["a_send0"]) / 1e3)
     return report
 
 
-def _stats(values) -> dict:
+def stats_us(values) -> dict:
+    """{median_us, p10_us, p90_us, n} of µs values (None and 0 when empty)."""
     values = np.asarray(values, dtype=np.float64)
     if values.size == 0:
         return {"median_us": None, "p10_us": None, "p90_us": None, "n": 0}

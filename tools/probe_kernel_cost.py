@@ -50,17 +50,14 @@ SETTINGS = ("eager", "graph", "graph+flush", "graph+busy")
 
 def phase_stats(rows: np.ndarray, points=POINTS, phases=PHASES) -> dict:
     """Rows int64 [n, len(points)] of ns stamps (-1: not stamped) -> phase name -> {median_us,
-    p10_us, p90_us, n} over the complete rows."""
-    rows = np.asarray(rows, np.int64)
-    complete = rows[(rows >= 0).all(axis=1)] if rows.size else rows.reshape(0, len(points))
+    p10_us, p90_us, n} over the complete rows (device_trace.stats_us)."""
+    import device_trace as dt
+
+    rows = np.asarray(rows, np.int64).reshape(-1, len(points))
+    complete = rows[(rows >= 0).all(axis=1)]
     index = {p: i for i, p in enumerate(points)}
-    out = {}
-    for name, start, end in phases:
-        values = (complete[:, index[end]] - complete[:, index[start]]) / 1000.0
-        out[name] = ({"median_us": float(np.median(values)), "p10_us": float(np.percentile(values, 10)),
-                      "p90_us": float(np.percentile(values, 90)), "n": int(values.size)}
-                     if values.size else {"median_us": None, "p10_us": None, "p90_us": None, "n": 0})
-    return out
+    return {name: dt.stats_us((complete[:, index[end]] - complete[:, index[start]]) / 1000.0)
+            for name, start, end in phases}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
