@@ -649,11 +649,23 @@ def test_bench_transport_cross_gpu_placement():
 def test_probe_kernel_cost_phase_stats():
     # tools/probe_kernel_cost.py's arithmetic: phases between consecutive stamps of complete rows
     import probe_kernel_cost as probe
-    rows = np.array([[0, 1500, 3000, 10000, 12000, 13000], [0, 1000, 4000, -1, 5000, 6000],
-                     [10, 2010, 3010, 9010, 11010, 12010]])
+    # the phases telescope: each starts where the previous ended, s0 .. s9 in order
+    assert [start for _, start, _ in probe.PHASES] == list(probe.POINTS[:-1])
+    assert [end for _, _, end in probe.PHASES] == list(probe.POINTS[1:])
+    assert len(probe.POINTS) == 10 and probe.PHASES[-1][0] == "afd_combine"
+    rows = np.array([[0, 1500, 3000, 10000, 12000, 13000, 20000, 26000, 27000, 35000],
+                     [0, 1000, 4000, -1, 5000, 6000, 7000, 8000, 9000, 10000],  # incomplete: left out
+                     [10, 2010, 3010, 9010, 11010, 12010, 22010, 30010, 31510, 41010]])
     stats = probe.phase_stats(rows)
     assert stats["stamp -> stamp"] == {"median_us": 1.75, "p10_us": 1.55, "p90_us": 1.95, "n": 2}
     assert stats["afd_dispatch_plan"]["median_us"] == 6.5
     assert stats["afd_dispatch_plan again, right after"]["median_us"] == 2.0
-    assert probe.phase_stats(rows)["afd_graph_stage (served item)"]["median_us"] == 1.0
-    assert probe.phase_stats(np.zeros((0, 6), np.int64))["afd_dispatch_plan"]["n"] == 0
+    assert stats["afd_graph_stage (served item)"]["median_us"] == 1.0
+    assert stats["afd_dispatch_scatter (T*K + T rows)"]["median_us"] == 8.5
+    assert stats["afd_reply (T*K + T rows back)"]["median_us"] == 7.0
+    assert stats["afd_wait_replies (reply already there)"]["median_us"] == 1.25
+    assert stats["afd_combine"] == {"median_us": 8.75, "p10_us": pytest.approx(8.15),
+                                    "p90_us": pytest.approx(9.35), "n": 2}
+    empty = probe.phase_stats(np.zeros((0, len(probe.POINTS)), np.int64))
+    assert empty["afd_combine"] == {"median_us": None, "p10_us": None, "p90_us": None, "n": 0}
+    assert empty["afd_dispatch_plan"]["n"] == 0

@@ -6,10 +6,20 @@ shows every AFD kernel between two stamps taking 7-17 µs, the one-block FFN sta
 also at hidden 1024 where it touches almost nothing, while two stamps back to back are 1.5 µs
 apart. This probe separates the candidates in one process on one GPU: each row is
 
+    restore (two device copies, before s0: seq_counters and last_seen back to their start values)
     s0 -> s1 -> tiny kernel -> s2 -> afd_dispatch_plan (T tokens, top-k, E experts, F = 1) -> s3
        -> the same plan again -> s4     (its code, parameters and data now warm)
        -> afd_graph_stage -> s5        (the graph FFN's one-block stage, serving an item of
                                         T tokens at layer 1 of 50, its record into pinned memory)
+       -> afd_dispatch_scatter -> s6   (from the second plan's outputs, which the stage does not
+                                        touch: T*K routed + T shared bf16 rows of --hidden, route
+                                        table, header and flag into the "FFN window")
+       -> afd_reply -> s7              (identity experts: those T*K + T rows of the FFN window
+                                        back into the "Attention window", header from pinned
+                                        memory, flag)
+       -> afd_wait_replies -> s8       (the reply is there: returns after one look)
+       -> afd_combine -> s9            (out[t] = sum_k w[t,k] * routed row + shared row: bf16
+                                        [T, --hidden]; its last block records last_seen)
 
 (``afd_trace_stamp`` at every sN, tools/device_trace.py's ring), repeated ``--rows`` times, in
 each of these settings:
@@ -21,12 +31,29 @@ each of these settings:
 - ``graph+busy``: as ``graph``, while another stream of the same process runs 256 MiB copies
   the whole time (a partner process's kernels under MPS competing for SMs and memory).
 
-Phases (median µs, p10, p90): ``stamp -> stamp`` (the stamp's own cost), ``tiny kernel``
-(one more stamp into a scratch ring: a kernel with the stamp's few parameters) and
-``afd_dispatch_plan``, its second launch and ``afd_graph_stage``. Prints a table, writes ``probe_kernel_cost.json`` to --out.
-Runs on the cuda backend only (one GPU, no MPS needed, nothing spins).
+The two windows are plain device buffers of ``WindowLayout.window_bytes`` (1A1F: one region,
+one ring slot); the scatter's ``peer_windows`` is ``[the FFN window's address]``. Every row
+must see the same state, also on replay: the scatter increments ``seq_counters`` (the reply's
+header, written once into pinned memory, echoes seq 1) and the combine's last block sets
+``last_seen`` to the flag it consumed (left so, the next row's wait would take the reply for
+consumed and spin until its timeout), so both are copied back from saved start values at the
+start of every row (captured as memcpy nodes, outside every stamp pair). The reply writes the
+same rows, header and flag every row and its done counter resets itself: nothing to restore.
+The wait's timeout (1 s) bounds a reply that did not land: the first timeout is latched in the
+status block (its own, not the plan's) and every later wait returns at once.
 
-    python3 tools/probe_kernel_cost.py --out OUT
+Phases (median µs, p10, p90): ``stamp -> stamp`` (the stamp's own cost), ``tiny kernel``
+(one more stamp into a scratch ring: a kernel with the stamp's few parameters),
+``afd_dispatch_plan``, its second launch, ``afd_graph_stage``, ``afd_dispatch_scatter``,
+``afd_reply``, ``afd_wait_replies`` and ``afd_combine``. Prints a table, writes
+``probe_kernel_cost.json`` to --out; then checks what the kernels left after the last row
+(plan verdict and status, stage record, the scatter's message and expected seq, the reply's
+header and flag, wait/combine status, last_seen and the combine's output against numpy) and
+prints ``CHECK FAILED: ...`` for each mismatch (exit code 1).
+Runs on the cuda backend only (one GPU, no MPS needed, no second process; the one wait finds
+its reply at once).
+
+    python3 tools/probe_kernel_cost.py --out OUT [--hidden 7168]
 """
 from __future__ import annotations
 
@@ -41,11 +68,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench_common as bc  # noqa: E402
 
-POINTS = ("s0", "s1", "s2", "s3", "s4", "s5")
+POINTS = ("s0", "s1", "s2", "s3", "s4", "s5", "s6", "s7", "s8", "s9")
 PHASES = (("stamp -> stamp", "s0", "s1"), ("tiny kernel (a stamp into a scratch ring)", "s1", "s2"),
           ("afd_dispatch_plan", "s2", "s3"), ("afd_dispatch_plan again, right after", "s3", "s4"),
-          ("afd_graph_stage (served item)", "s4", "s5"))
+          ("afd_graph_stage (served item)", "s4", "s5"),
+          ("afd_dispatch_scatter (T*K + T rows)", "s5", "s6"),
+          ("afd_reply (T*K + T rows back)", "s6", "s7"),
+          ("afd_wait_replies (reply already there)", "s7", "s8"),
+          ("afd_combine", "s8", "s9"))
 SETTINGS = ("eager", "graph", "graph+flush", "graph+busy")
+#: the round trip's layer and stage (the reply echoes them) and the reply's flag value
+RT_LAYER, RT_STAGE, REPLY_FLAG = 1, 0, 1
+#: bounds the only wait that could spin (a reply that did not land); see the module docstring
+WAIT_TIMEOUT_NS = 1_000_000_000
 
 
 def phase_stats(rows: np.ndarray, points=POINTS, phases=PHASES) -> dict:
@@ -65,6 +100,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--num-experts", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=7168,
+                        help="bf16 row length of the scatter, reply and combine")
     parser.add_argument("--rows", type=int, default=200, help="rows per setting (after 20 warm-up rows)")
     parser.add_argument("--flush-mb", type=int, default=256, help="graph+flush: memset MiB between rows")
     parser.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS))
@@ -128,6 +165,125 @@ def _stage_launch(args, cupy, kernels, np_rng):
     return kernels.PackedLaunch(spec), bufs
 
 
+def _round_trip_launches(args, cupy, kernels, np_rng, ids, plan_bufs):
+    """One 1A1F round trip after the plan (pair mode, bf16 [T, --hidden] rows, a shared expert,
+    identity experts), all in this process: afd_dispatch_scatter from the plan's outputs into
+    the FFN window (slot (0, 0): route table, T*K routed rows, T shared rows, header, flag =
+    seq 1), afd_reply copying those rows back into the Attention window (slot (0, 0), header
+    ``wire.reply_header`` of that dispatch from pinned memory, flag REPLY_FLAG), then
+    afd_wait_replies and afd_combine over that reply (weights float32 [T*K]).
+
+    Returns (name -> PackedLaunch for "scatter", "reply", "wait", "combine"; device buffers;
+    ``restore``: (array, saved start value) pairs to copy back at the start of every row;
+    ``want``: what the last row must leave, for :func:`_round_trip_failures`)."""
+    from afd_cupy import wire
+    from afd_cupy.layout import WindowLayout
+
+    tokens, top_k, epr, hidden = args.tokens, args.top_k, args.num_experts, args.hidden
+    nk, ring = tokens * top_k, 0
+    layout = WindowLayout(num_regions=1, ring_depth=1, expert_per_rank=epr, hidden_size=hidden, itemsize=2,
+                          top_k=top_k, token_cap=tokens, routed_cap=nk, shared_cap=tokens)
+    geo, bf16 = layout.kernel_geometry(), kernels.DTYPE_CODES["bfloat16"]
+    x = np_rng.standard_normal((tokens, hidden)).astype(np.float32)
+    x_bits = (x.view(np.uint32) >> 16).astype(np.uint16)  # bf16 by truncation: exact values
+    weights = (np_rng.random(nk) + 0.1).astype(np.float32)
+    dispatch = wire.dispatch_header(seq=1, src_rank=0, layer_idx=RT_LAYER, stage_idx=RT_STAGE,
+                                    num_tokens=tokens, shared_tokens=tokens, top_k=top_k,
+                                    expert_counts=np.bincount(ids.get(), minlength=epr))
+    reply_words = wire.encode_header(wire.reply_header(dispatch, seq=REPLY_FLAG, src_rank=0), epr)
+    header_src = kernels.PinnedInt64(-(-layout.header_words // 2))
+    header_src.int32[:layout.header_words] = reply_words
+    bufs = {"hidden": cupy.asarray(x_bits), "weights": cupy.asarray(weights),
+            "ffn_window": cupy.zeros(layout.window_bytes, cupy.uint8),
+            "attn_window": cupy.zeros(layout.window_bytes, cupy.uint8),
+            "pos": cupy.zeros(nk, cupy.int32), "seq_counters": cupy.zeros(1, cupy.int64),
+            "expected": cupy.zeros(1, cupy.int64), "expected_counts": cupy.zeros(2, cupy.int32),
+            "last_seen": cupy.zeros(layout.num_slots, cupy.int64), "reply_flags": cupy.zeros(1, cupy.int64),
+            "out": cupy.full((tokens, hidden), 0xFFFF, cupy.uint16),  # bf16 NaN until combined
+            "status": cupy.zeros(wire.STATUS_WORDS, cupy.int64), "header_src": header_src,
+            "scatter_done": cupy.zeros(1, cupy.uint32), "reply_done": cupy.zeros(1, cupy.uint32),
+            "combine_done": cupy.zeros(1, cupy.uint32)}
+    bufs["peer_windows"] = cupy.asarray([bufs["ffn_window"].data.ptr], dtype=cupy.uint64)
+    restore = [(bufs["seq_counters"], cupy.zeros(1, cupy.int64)),
+               (bufs["last_seen"], cupy.zeros(layout.num_slots, cupy.int64))]
+    ffn_slot = bufs["ffn_window"].data.ptr + layout.slot_offset(0, ring)
+    replies = dict(window=bufs["attn_window"].data.ptr, geo=geo, num_ffn_ranks=1, ring=ring,
+                   expected=bufs["expected"], expected_counts=bufs["expected_counts"], layer_idx=RT_LAYER,
+                   stage_idx=RT_STAGE, last_seen=bufs["last_seen"], reply_flags=bufs["reply_flags"],
+                   timeout_ns=WAIT_TIMEOUT_NS, status=bufs["status"].data.ptr)
+    specs = {
+        "scatter": kernels.dispatch_scatter_spec(
+            dtype_code=bf16, hidden=bufs["hidden"].data.ptr, num_tokens=tokens, hidden_size=hidden,
+            topk_ids=ids, num_partials=nk, top_k=top_k, expert_per_rank=epr, num_ffn_ranks=1,
+            chunk_hist=plan_bufs["chunk_hist"], local_rank=plan_bufs["local_rank"],
+            expert_start=plan_bufs["expert_start"], rank_offsets=plan_bufs["rank_offsets"],
+            expert_counts=plan_bufs["expert_counts"], verdict=plan_bufs["verdict"],
+            peer_windows=bufs["peer_windows"], geo=geo, ring=ring, has_shared=1, pos_out=bufs["pos"],
+            src_rank=0, layer_idx=RT_LAYER, stage_idx=RT_STAGE, hdr_flags=0,
+            seq_counters=bufs["seq_counters"], expected=bufs["expected"],
+            expected_counts=bufs["expected_counts"], done_counter=bufs["scatter_done"]),
+        "reply": kernels.reply_spec(
+            dtype_code=bf16, dst_window=bufs["attn_window"].data.ptr, geo=geo, src_rank=0, ring=ring,
+            routed_out=ffn_slot + layout.field_offset("routed_x"), num_routed=nk,
+            shared_out=ffn_slot + layout.field_offset("shared_x"), num_shared=tokens, hidden_size=hidden,
+            header_src=header_src.ptr, seq=REPLY_FLAG, done_counter=bufs["reply_done"]),
+        "wait": kernels.wait_replies_spec(**replies),
+        "combine": kernels.combine_spec(
+            dtype_code=bf16, out=bufs["out"].data.ptr, num_tokens=tokens, hidden_size=hidden, topk_ids=ids,
+            topk_weights=bufs["weights"], pos=bufs["pos"], top_k=top_k, expert_per_rank=epr, has_shared=1,
+            out_scale=1.0, done_counter=bufs["combine_done"], **replies)}
+    want = {"layout": layout, "ring": ring, "counts": [nk, tokens],
+            "dispatch_words": wire.encode_header(dispatch, epr),
+            "reply_words": reply_words, "x": (x_bits.astype(np.uint32) << 16).view(np.float32),
+            "weights": weights.reshape(tokens, top_k)}
+    return {name: kernels.PackedLaunch(spec) for name, spec in specs.items()}, bufs, restore, want
+
+
+def _restore(cupy, restore, stream_ptr: int) -> None:
+    """Enqueue the device copies of :func:`_round_trip_launches`'s ``restore`` pairs on
+    ``stream_ptr`` (memcpy nodes when captured)."""
+    rt = cupy.cuda.runtime
+    for array, saved in restore:
+        rt.memcpyAsync(array.data.ptr, saved.data.ptr, saved.nbytes, rt.memcpyDeviceToDevice, stream_ptr)
+
+
+def _round_trip_failures(bufs, want) -> list:
+    """What the last row's scatter, reply, wait and combine left against ``want``
+    (:func:`_round_trip_launches`): one line per mismatch."""
+    from afd_cupy import wire
+
+    layout, ring = want["layout"], want["ring"]
+    slot, hw = layout.slot_index(0, ring), layout.header_words
+    header = layout.slot_offset(0, ring) + layout.field_offset("header")
+    failures = []
+    expected, counts = int(bufs["expected"].get()[0]), bufs["expected_counts"].get().tolist()
+    if expected != 1:  # 0: nothing sent (verdict not OK); > 1: seq_counters not restored
+        failures.append(f"afd_dispatch_scatter expected seq {expected}, want 1")
+    if counts != want["counts"]:
+        failures.append(f"afd_dispatch_scatter expected_counts {counts}, want {want['counts']} (routed, shared)")
+    for what, name, flag, words in (("afd_dispatch_scatter", "ffn_window", 1, want["dispatch_words"]),
+                                    ("afd_reply", "attn_window", REPLY_FLAG, want["reply_words"])):
+        window = bufs[name][:header + 4 * hw].get()
+        got_flag = int(window[slot * 8:slot * 8 + 8].view(np.int64)[0])
+        if got_flag != flag:
+            failures.append(f"{what}: flag {got_flag} in {name}, want {flag}")
+        if not np.array_equal(window[header:header + 4 * hw].view(np.int32), words):
+            failures.append(f"{what}: header words in {name} differ from the wire's")
+    status = wire.StatusRecord.decode(bufs["status"].get())
+    if not status.ok:
+        failures.append(f"afd_wait_replies / afd_combine status {status.name}: {status}")
+    last_seen = int(bufs["last_seen"].get()[slot])
+    if last_seen != REPLY_FLAG:
+        failures.append(f"afd_combine left last_seen {last_seen}, want the reply's flag {REPLY_FLAG}")
+    out = (bufs["out"].get().astype(np.uint32) << 16).view(np.float32)
+    ref = (want["weights"].sum(axis=1, dtype=np.float32) + 1.0)[:, None] * want["x"]  # identity experts
+    if not np.isfinite(out).all():
+        failures.append(f"afd_combine output: {int((~np.isfinite(out)).sum())} non-finite values")
+    elif not np.allclose(out, ref, rtol=1e-2, atol=1e-2):
+        failures.append(f"afd_combine output differs from numpy: max |diff| {float(np.abs(out - ref).max()):.4g}")
+    return failures
+
+
 def run(args) -> dict:
     import cupy
 
@@ -137,6 +293,7 @@ def run(args) -> dict:
     rng = np.random.default_rng(0)
     plan, ids, bufs = _plan_launch(args, cupy, kernels, rng)
     stage, stage_bufs = _stage_launch(args, cupy, kernels, rng)
+    trip, trip_bufs, restore, trip_want = _round_trip_launches(args, cupy, kernels, rng, ids, bufs)
     scratch = dt.DeviceTrace(("x",), capacity=1024)  # the tiny kernel: a stamp into its own ring
     flush = cupy.empty(args.flush_mb << 20, cupy.uint8)
     busy_src = cupy.zeros(1 << 28, cupy.uint8)
@@ -147,6 +304,7 @@ def run(args) -> dict:
         stream = cupy.cuda.Stream(non_blocking=True)
 
         def one_row():
+            _restore(cupy, restore, stream.ptr)
             trace.stamp(stream.ptr, "s0")
             trace.stamp(stream.ptr, "s1")
             scratch.stamp(stream.ptr, "x")
@@ -157,6 +315,9 @@ def run(args) -> dict:
             trace.stamp(stream.ptr, "s4")
             stage.launch(stream.ptr)
             trace.stamp(stream.ptr, "s5")
+            for name, point in (("scatter", "s6"), ("reply", "s7"), ("wait", "s8"), ("combine", "s9")):
+                trip[name].launch(stream.ptr)
+                trace.stamp(stream.ptr, point)
             if setting == "graph+flush":
                 with stream:
                     flush.fill(1)
@@ -191,10 +352,14 @@ def run(args) -> dict:
     failures = []  # checks that the probed kernels did their work (reported after the table)
     if int(bufs["verdict"].get()[0]) != 0:
         failures.append(f"afd_dispatch_plan verdict {int(bufs['verdict'].get()[0])}, expected STATUS_OK (0)")
-    from afd_cupy import ffn_graph
+    from afd_cupy import ffn_graph, wire
+    plan_status = wire.StatusRecord.decode(bufs["status"].get())
+    if not plan_status.ok:
+        failures.append(f"afd_dispatch_plan status {plan_status.name}: {plan_status}")
     status = int(stage_bufs["records"].array[ffn_graph.REC_STATUS])  # the first record's
     if status != ffn_graph.GS_SERVED:
         failures.append(f"afd_graph_stage record status {status}, expected GS_SERVED ({ffn_graph.GS_SERVED})")
+    failures.extend(_round_trip_failures(trip_bufs, trip_want))
     return results, failures
 
 
@@ -206,7 +371,7 @@ def main(argv=None) -> int:
     report = {"tool": "probe_kernel_cost", "run": bc.run_info("cuda"),
               "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
               "config": {"tokens": args.tokens, "top_k": args.top_k, "num_experts": args.num_experts,
-                         "rows": args.rows, "flush_mb": args.flush_mb},
+                         "hidden": args.hidden, "rows": args.rows, "flush_mb": args.flush_mb},
               "results": results, "check_failures": failures}
     path = bc.write_json(args.out, "probe_kernel_cost.json", report)
     headers = ("phase (median µs [p10, p90])",) + tuple(results)
