@@ -3,7 +3,7 @@
 # `cuda`-marked test (multi-process ones included), the smoke tool (1A1F and 2A2F) and the
 # short benchmarks, stop MPS, print a summary table last. Logs go to $OUT (or ./gpu_out).
 #
-#   bash tools/gpu_suite.sh [full|quick|bench|part1|part2|part3|twogpu1|twogpu2|twogpu3]
+#   bash tools/gpu_suite.sh [full|quick|bench|part1|part2|part3|twogpu1|twogpu2|twogpu3|trace1]
 #     quick: tests + smoke only; bench: benchmarks only; part1..3: the cuda tests in three
 #     device calls (part1: kernels + e2e; part2: errors, faults, step graph + smoke; part3: the
 #     remaining files + hf_generate); twogpu1..3: the measurements that need two GPUs
@@ -11,6 +11,8 @@
 #     twogpu1 bench_transport decode + prefill, both wire modes and transports (#12, #16);
 #     twogpu2 bench_afd placement 0:50,0:50,1: overlap, sweep, timeline (#15);
 #     twogpu3 the multigpu tests, bench_step_graph --trace (pair, dedup), bench_graph_ffn (#13)
+#     trace1: one GPU, the 50-layer step's phases (fused and two-kernel dispatch, dedup) and
+#     probe_kernel_cost (what single round-trip kernels cost), ~300 s
 # Knobs (environment): SUITE_TESTS (test files or ids instead of all), SUITE_TIMEOUT, TEST_TIMEOUT (per test), SMOKE_ARGS, SKIP_SMOKE_1A1F=1, SKIP_SMOKE_2A2F=1,
 # SKIP_HOSTPOLL=1 / HOSTPOLL_TIMEOUT (the e2e cases with host polling and no MPS),
 # SKIP_HF=1 (tools/hf_generate.py), SKIP_SOAK=1 / SOAK_N / SOAK_TIMEOUT / SOAK_ARGS (tools/soak.py),
@@ -98,8 +100,14 @@ case "$MODE" in
     run_step step_graph_dedup 120 $SG --wire-mode dedup --out "$OUT/step_dedup"
     run_step graph_ffn_pair 70 python3 tools/bench_graph_ffn.py --quick --num-gpus 2 --wire-mode pair --out "$OUT/g_pair"
     run_step graph_ffn_dedup 70 python3 tools/bench_graph_ffn.py --quick --num-gpus 2 --wire-mode dedup --out "$OUT/g_dedup" ;;
+  trace1)  # one GPU: the round trip by phase (both dispatch kernels, both FFN modes) and single-kernel costs
+    SG="python3 tools/bench_step_graph.py --quick --layers 50 --tokens 128 --stages 1 --trace"
+    run_step step_fused 120 $SG --dispatch fused --out "$OUT/step_fused"
+    run_step step_two_kernel 120 $SG --dispatch two-kernel --out "$OUT/step_two_kernel"
+    run_step step_dedup 120 $SG --wire-mode dedup --out "$OUT/step_dedup"
+    NO_MPS=1 run_step probe 120 python3 tools/probe_kernel_cost.py --out "$OUT/probe" ;;
 esac
-case "$MODE" in twogpu*) MODE=none ;; esac
+case "$MODE" in twogpu*|trace1) MODE=none ;; esac
 if [ "$MODE" != bench ] && [ "$MODE" != none ]; then
 run_step pytest_cuda "$SUITE_TIMEOUT" python3 -m pytest -m cuda -q -p no:cacheprovider \
   --timeout=${TEST_TIMEOUT:-90} -rfEs $TEST_FILES
