@@ -1,13 +1,17 @@
 // ffn_graph.cu: the device steps of the graph-driven FFN (docs/design.md §5.1). One CUDA graph
 // per size bucket replays, with no host step per item:
 //
-//   afd_wait_any (doorbell = a DEVICE buffer) -> afd_graph_stage -> afd_graph_gather<DT>
+//   afd_graph_wait_stage -> afd_graph_gather<DT>
 //   -> grouped GEMMs over the stacked layers (torch) -> afd_graph_reply<DT>
 //
 // and in the dedup wire mode (docs/design.md §3.5):
 //
-//   afd_wait_any -> afd_graph_stage -> afd_graph_dedup_expand<DT> -> grouped GEMMs
+//   afd_graph_wait_stage -> afd_graph_dedup_expand<DT> -> grouped GEMMs
 //   -> afd_graph_dedup_reply<DT>
+//
+// afd_graph_wait_stage is afd_wait_any (its flag scan, wait_any.cuh) and afd_graph_stage in one
+// kernel; the two-kernel form (afd_wait_any into a DEVICE doorbell, then afd_graph_stage) stays
+// for comparison (GraphFFNServer(fused_wait_stage=False)) and for the stage's own tests.
 //
 // Nothing the graph needs is frozen at capture except buffers: the stage kernel reads which slot
 // arrived, its header and counts from the doorbell that wait_any wrote into device memory,
@@ -28,6 +32,7 @@
 #include "wire.cuh"
 #include "dedup_ffn.cuh"  // expand_row, expand_finish, load_route_slots, reduce_row_part
 #include "publish.cuh"    // publish_reply
+#include "wait_any.cuh"   // scan_flags
 
 using namespace afd;
 
@@ -99,51 +104,37 @@ __device__ int check_header(const afd_i32* w, int epr, int is_dedup, int token_c
 
 }  // namespace
 
-// grid = 1, block = REPLY_THREADS. Runs right after afd_wait_any in the graph.
+// The stage's work (every thread of a REPLY_THREADS block, once): the arrival is known and its
+// header words are in shared memory (`s_words`, header_words of them; `arrived`: a message was
+// consumed from `slot` with flag `flag`), `replay` = *replay_counter and `prev_seq` =
+// reply_seqs[slot] (0 when nothing arrived) were read by the caller, before its barrier.
 // Offsets: routed_offs int32 [num_layers * epr] in stacked-group order (layer-major); chunk c
 // owns layers [c * layers_per_chunk, ...) and its groups' offsets are cumulative end rows
 // WITHIN the chunk (one torch._grouped_mm per chunk, fewer than 1024 groups each). For the
 // chunk of the arrived layer: 0 for earlier layers, cumsum(counts) for the arrived one, R for
 // later ones; every other chunk and every non-served replay: all 0 (all groups empty).
 // shared_offs int32 [num_layers] (or 0 without shared experts): 0 before the layer, S from it.
-extern "C" __global__ void __launch_bounds__(REPLY_THREADS)
-afd_graph_stage(afd_u64 doorbell,  // device int64 [DB_HEADER + ...]: afd_wait_any's output
-                SlotGeometry geo,
-                afd_i32 expert_per_rank, afd_i32 is_dedup, afd_i32 src_rank, afd_i32 num_attn_ranks,
-                afd_i32 token_cap, afd_i32 routed_cap, afd_i32 shared_cap,
-                afd_i32 routed_bucket, afd_i32 shared_bucket,
-                afd_i32 num_layers, afd_i32 layers_per_chunk,
-                afd_i32* routed_offs,  // device int32 [num_layers * expert_per_rank]
-                afd_i32* shared_offs,  // device int32 [num_layers], or null
-                afd_i64* reply_seqs,   // device int64 [num_slots]: this rank's reply seq per slot
-                afd_i64* state,        // device int64 [STATE_HEADER + ceil(header_words / 2)]
-                afd_i64* replay_counter,  // device int64 [1]
-                afd_u64 records,       // pinned int64 [num_records, record_words]
-                afd_i32 num_records, afd_i32 record_words) {
+// NOTE: no thread walks the counts alone: a one-thread loop over 64 shared words is ~1 us,
+// and this work is on the round trip's critical path. The block reduces them (first negative,
+// sum) and scans them (group ends).
+__device__ inline void stage_item(const afd_i32* s_words, afd_i64 slot, bool arrived, afd_i64 flag,
+                                  afd_i64 replay, afd_i64 prev_seq, const SlotGeometry& geo,
+                                  afd_i32 expert_per_rank, afd_i32 is_dedup, afd_i32 src_rank,
+                                  afd_i32 num_attn_ranks, afd_i32 token_cap, afd_i32 routed_cap,
+                                  afd_i32 shared_cap, afd_i32 routed_bucket, afd_i32 shared_bucket,
+                                  afd_i32 num_layers, afd_i32 layers_per_chunk,
+                                  afd_i32* routed_offs, afd_i32* shared_offs, afd_i64* reply_seqs,
+                                  afd_i64* state, afd_i64* replay_counter, afd_u64 records,
+                                  afd_i32 num_records, afd_i32 record_words) {
   __shared__ int s_status, s_layer, s_chunk, s_detail, s_first_negative;
   __shared__ unsigned long long s_count_sum;
-  __shared__ afd_i64 s_replay, s_prev_seq;
-  // NOTE: expert_per_rank + is_dedup <= 1024 (the spec checks it: a torch._grouped_mm problem
-  // list has fewer than 1024 groups, so one layer's experts must fit one).
-  __shared__ afd_i32 s_words[HDR_FIXED_WORDS + 1024];
   __shared__ afd_i32 s_ends[1024];  // served: inclusive cumsum of the arrived layer's counts
-  // NOTE: no thread walks the counts alone: a one-thread loop over 64 shared words is ~1 us,
-  // and this kernel is on the round trip's critical path. The block reduces them (first
-  // negative, sum) and scans them (group ends); the few dependent global reads (replay
-  // counter, the slot's reply seq) are issued before the checks, not after.
   const int tid = threadIdx.x;
   const int epr = expert_per_rank;
-  const afd_i64* bell = reinterpret_cast<const afd_i64*>(doorbell);
   const int hw = geo.header_words;
-  const afd_i32* bell_words = reinterpret_cast<const afd_i32*>(bell + DB_HEADER);
-  for (int i = tid; i < hw; i += blockDim.x) s_words[i] = bell_words[i];
-  const afd_i64 slot = bell[DB_SLOT];
-  const bool arrived = bell[DB_STATUS] == STATUS_OK && slot >= 0;
   if (tid == 0) {
     s_first_negative = epr;
     s_count_sum = 0ull;
-    s_replay = *replay_counter;
-    s_prev_seq = arrived ? reply_seqs[slot] : 0;
   }
   __syncthreads();
   // Counts: thread tid owns experts [e_begin, e_end), REPLY_THREADS threads cover up to 1024.
@@ -224,7 +215,7 @@ afd_graph_stage(afd_u64 doorbell,  // device int64 [DB_HEADER + ...]: afd_wait_a
   if (tid == 0) {
     afd_i64 seq = 0;
     if (status == GS_SERVED || status == GS_EAGER) {
-      seq = s_prev_seq + 1;
+      seq = prev_seq + 1;
       reply_seqs[slot] = seq;
     }
     s_seq = seq;
@@ -236,7 +227,6 @@ afd_graph_stage(afd_u64 doorbell,  // device int64 [DB_HEADER + ...]: afd_wait_a
     state[STATE_SHARED] = (status == GS_SERVED) ? shared : 0;
     state[STATE_SEQ] = seq;
     state[STATE_CHUNK] = chunk;
-    const afd_i64 replay = s_replay;
     state[STATE_RECORD] = static_cast<afd_i64>(
         records + static_cast<afd_u64>((replay % num_records) * record_words) * sizeof(afd_i64));
   }
@@ -254,7 +244,6 @@ afd_graph_stage(afd_u64 doorbell,  // device int64 [DB_HEADER + ...]: afd_wait_a
 
   // The replay's record, into the pinned ring; the replay number last (after the barrier, one
   // system fence by thread 0 is cumulative over every thread's record words).
-  const afd_i64 replay = s_replay;
   afd_i64* rec = reinterpret_cast<afd_i64*>(records) + (replay % num_records) * record_words;
   volatile afd_i32* rec_words = reinterpret_cast<volatile afd_i32*>(rec + REC_HEADER);
   for (int i = tid; i < hw; i += blockDim.x) rec_words[i] = s_words[i];
@@ -262,7 +251,7 @@ afd_graph_stage(afd_u64 doorbell,  // device int64 [DB_HEADER + ...]: afd_wait_a
     *replay_counter = replay + 1;
     store_volatile(rec + REC_STATUS, status);
     store_volatile(rec + REC_SLOT, arrived ? slot : -1);
-    store_volatile(rec + REC_FLAG, arrived ? bell[DB_FLAG] : 0);
+    store_volatile(rec + REC_FLAG, arrived ? flag : 0);
     store_volatile(rec + REC_SEQ, s_seq);
     store_volatile(rec + REC_DETAIL, s_detail);
   }
@@ -271,6 +260,107 @@ afd_graph_stage(afd_u64 doorbell,  // device int64 [DB_HEADER + ...]: afd_wait_a
     __threadfence_system();
     store_volatile(rec + REC_REPLAY, replay);
   }
+}
+
+
+// grid = 1, block = REPLY_THREADS. Runs right after afd_wait_any in the graph (the two-kernel
+// path; afd_graph_wait_stage below is both in one): the arrival from the DEVICE doorbell that
+// afd_wait_any wrote, then stage_item.
+extern "C" __global__ void __launch_bounds__(REPLY_THREADS)
+afd_graph_stage(afd_u64 doorbell,  // device int64 [DB_HEADER + ...]: afd_wait_any's output
+                SlotGeometry geo,
+                afd_i32 expert_per_rank, afd_i32 is_dedup, afd_i32 src_rank, afd_i32 num_attn_ranks,
+                afd_i32 token_cap, afd_i32 routed_cap, afd_i32 shared_cap,
+                afd_i32 routed_bucket, afd_i32 shared_bucket,
+                afd_i32 num_layers, afd_i32 layers_per_chunk,
+                afd_i32* routed_offs,  // device int32 [num_layers * expert_per_rank]
+                afd_i32* shared_offs,  // device int32 [num_layers], or null
+                afd_i64* reply_seqs,   // device int64 [num_slots]: this rank's reply seq per slot
+                afd_i64* state,        // device int64 [STATE_HEADER + ceil(header_words / 2)]
+                afd_i64* replay_counter,  // device int64 [1]
+                afd_u64 records,       // pinned int64 [num_records, record_words]
+                afd_i32 num_records, afd_i32 record_words) {
+  // NOTE: expert_per_rank + is_dedup <= 1024 (the spec checks it: a torch._grouped_mm problem
+  // list has fewer than 1024 groups, so one layer's experts must fit one).
+  __shared__ afd_i32 s_words[HDR_FIXED_WORDS + 1024];
+  __shared__ afd_i64 s_replay, s_prev_seq;
+  const int tid = threadIdx.x;
+  const afd_i64* bell = reinterpret_cast<const afd_i64*>(doorbell);
+  const afd_i32* bell_words = reinterpret_cast<const afd_i32*>(bell + DB_HEADER);
+  for (int i = tid; i < geo.header_words; i += blockDim.x) s_words[i] = bell_words[i];
+  const afd_i64 slot = bell[DB_SLOT];
+  const afd_i64 flag = bell[DB_FLAG];
+  const bool arrived = bell[DB_STATUS] == STATUS_OK && slot >= 0;
+  if (tid == 0) {  // the dependent reads first, with the header copy
+    s_replay = *replay_counter;
+    s_prev_seq = arrived ? reply_seqs[slot] : 0;
+  }
+  __syncthreads();
+  stage_item(s_words, slot, arrived, flag, s_replay, s_prev_seq, geo, expert_per_rank, is_dedup,
+             src_rank, num_attn_ranks, token_cap, routed_cap, shared_cap, routed_bucket,
+             shared_bucket, num_layers, layers_per_chunk, routed_offs, shared_offs, reply_seqs,
+             state, replay_counter, records, num_records, record_words);
+}
+
+// grid = 1, block = REPLY_THREADS. afd_wait_any and afd_graph_stage in one kernel (the graph's
+// default first node): warp 0 scans the flags as afd_wait_any does (bounded by timeout_ns;
+// updates last_seen, scan_start and the won slot's counts_snapshot row as it does, for the
+// eager fallback) and puts the header words straight into shared memory; the other warps wait
+// at the barrier (one block: no SM is held but this one). Then stage_item. An idle replay
+// (timeout) stages nothing, as after afd_wait_any's timeout, and records zero header words.
+// Saves a kernel boundary, the doorbell's round trip through global memory and one system fence.
+extern "C" __global__ void __launch_bounds__(REPLY_THREADS)
+afd_graph_wait_stage(afd_u64 window,  // own window
+                     afd_i64* last_seen,        // [num_slots], device
+                     afd_i32* scan_start,       // [1], device
+                     afd_i32* counts_snapshot,  // [num_slots, header_words - HDR_FIXED_WORDS], device
+                     afd_i64 timeout_ns,
+                     SlotGeometry geo,
+                     afd_i32 expert_per_rank, afd_i32 is_dedup, afd_i32 src_rank,
+                     afd_i32 num_attn_ranks, afd_i32 token_cap, afd_i32 routed_cap,
+                     afd_i32 shared_cap, afd_i32 routed_bucket, afd_i32 shared_bucket,
+                     afd_i32 num_layers, afd_i32 layers_per_chunk,
+                     afd_i32* routed_offs, afd_i32* shared_offs, afd_i64* reply_seqs,
+                     afd_i64* state, afd_i64* replay_counter, afd_u64 records,
+                     afd_i32 num_records, afd_i32 record_words) {
+  __shared__ afd_i32 s_words[HDR_FIXED_WORDS + 1024];
+  __shared__ afd_i64 s_replay, s_prev_seq, s_slot, s_flag;
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int hw = geo.header_words;
+  if (tid < 32) {
+    afd_i64 flag = 0;
+    const int slot = scan_flags(window, geo, last_seen, *scan_start, timeout_ns, &flag);
+    if (slot >= 0) {
+      const afd_i32* header = geo.header(geo.slot_at(window, slot));
+      afd_i32* snapshot = counts_snapshot + static_cast<afd_i64>(slot) * (hw - HDR_FIXED_WORDS);
+      for (int w = lane; w < hw; w += 32) {
+        const afd_i32 word = load_volatile32(header + w);
+        s_words[w] = word;
+        if (w >= HDR_FIXED_WORDS) snapshot[w - HDR_FIXED_WORDS] = word;
+      }
+      if (lane == 0) {
+        s_prev_seq = reply_seqs[slot];
+        last_seen[slot] = flag;
+        const int num_slots = static_cast<int>(geo.num_slots());
+        *scan_start = (slot + 1 == num_slots) ? 0 : slot + 1;
+      }
+    } else {
+      for (int w = lane; w < hw; w += 32) s_words[w] = 0;
+      if (lane == 0) s_prev_seq = 0;
+    }
+    if (lane == 0) {
+      s_slot = slot;
+      s_flag = flag;
+    }
+  } else if (tid == 32) {
+    s_replay = *replay_counter;  // read while warp 0 waits
+  }
+  __syncthreads();
+  const afd_i64 slot = s_slot;
+  stage_item(s_words, slot, slot >= 0, s_flag, s_replay, s_prev_seq, geo, expert_per_rank,
+             is_dedup, src_rank, num_attn_ranks, token_cap, routed_cap, shared_cap, routed_bucket,
+             shared_bucket, num_layers, layers_per_chunk, routed_offs, shared_offs, reply_seqs,
+             state, replay_counter, records, num_records, record_words);
 }
 
 // grid = reply_grid(routed_bucket + shared_bucket) (frozen at capture), block = REPLY_THREADS;

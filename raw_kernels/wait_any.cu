@@ -6,6 +6,7 @@
 // FFN's grouped GEMM reads its group sizes there, i.e. exactly the counts the host validated in
 // the doorbell, never the live window header a sender could rewrite after a timeout.
 #include "wire.cuh"
+#include "wait_any.cuh"  // scan_flags
 
 using namespace afd;
 
@@ -20,50 +21,21 @@ afd_wait_any(afd_u64 window,  // own window
              afd_u64 doorbell,  // pinned host: int64 [DB_HEADER + ceil(header_words / 2)]
              afd_i64 ticket) {
   const int lane = threadIdx.x;
-  const int num_slots = static_cast<int>(geo.num_slots());
-  const afd_i64* flags = geo.flag_at(window, 0);
   afd_i64* bell = static_cast<afd_i64*>(byte_ptr(doorbell, 0));
-  int start = *scan_start;
-  if (start < 0 || start >= num_slots) start = 0;
-  const afd_i64 t0 = globaltimer_ns();
-
-  int won_slot = -1;
   afd_i64 won_flag = 0;
-  while (true) {
-    for (int base = 0; base < num_slots && won_slot < 0; base += 32) {
-      const int idx = base + lane;
-      int slot = start + idx;
-      if (slot >= num_slots) slot -= num_slots;
-      afd_i64 flag = 0;
-      bool arrived = false;
-      if (idx < num_slots) {
-        flag = load_volatile(flags + slot);
-        arrived = (flag != last_seen[slot]);
-      }
-      const unsigned int ballot = __ballot_sync(0xffffffffu, arrived);
-      if (ballot != 0u) {
-        const int winner = __ffs(ballot) - 1;  // first in rotated order
-        won_slot = __shfl_sync(0xffffffffu, slot, winner);
-        won_flag = __shfl_sync(0xffffffffu, flag, winner);
-      }
+  const int won_slot = scan_flags(window, geo, last_seen, *scan_start, timeout_ns, &won_flag);
+  const int num_slots = static_cast<int>(geo.num_slots());
+  if (won_slot < 0) {
+    if (lane == 0) {
+      store_volatile(bell + DB_SLOT, -1);
+      store_volatile(bell + DB_FLAG, 0);
+      store_volatile(bell + DB_STATUS, STATUS_TIMEOUT);
+      __threadfence_system();
+      store_volatile(bell + DB_TICKET, ticket);
     }
-    if (won_slot >= 0) break;
-    // Lane 0's clock decides for the whole warp (uniform exit).
-    afd_i64 elapsed = (lane == 0) ? globaltimer_ns() - t0 : 0;
-    elapsed = __shfl_sync(0xffffffffu, elapsed, 0);
-    if (elapsed > timeout_ns) {
-      if (lane == 0) {
-        store_volatile(bell + DB_SLOT, -1);
-        store_volatile(bell + DB_FLAG, 0);
-        store_volatile(bell + DB_STATUS, STATUS_TIMEOUT);
-        __threadfence_system();
-        store_volatile(bell + DB_TICKET, ticket);
-      }
-      return;
-    }
+    return;
   }
 
-  __threadfence_system();  // acquire: the header was written before the flag
   const afd_i32* header = geo.header(geo.slot_at(window, won_slot));
   volatile afd_i32* bell_words = reinterpret_cast<volatile afd_i32*>(bell + DB_HEADER);
   const int num_counts = static_cast<int>(geo.header_words) - HDR_FIXED_WORDS;

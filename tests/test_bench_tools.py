@@ -577,7 +577,7 @@ def test_device_trace_matches_round_trips_and_splits_them_into_phases(tmp_path):
     assert np.all(points["f_seen"] - points["a_send0"] == 15 * us)
     assert np.all(points["f_gathered"] == points["f_staged"])  # the identity pair graph has no gather
     durations = dt.phase_durations_us(points)
-    want = {"dispatch plan": 4, "dispatch scatter (dedup: rows + scatter; fused: plan + scatter)": 6, "doorbell -> FFN wait returns": 5, "FFN stage": 3,
+    want = {"dispatch plan": 4, "dispatch scatter (dedup: rows + scatter; fused: plan + scatter)": 6, "doorbell -> FFN wait returns (fused: + stage)": 5, "FFN stage": 3,
             "FFN gather / expand": 0, "FFN experts": 2, "FFN reply": 30,
             "reply -> Attention wait returns": 10, "combine": 5}
     assert {name: set(v.tolist()) for name, v in durations.items()} == {k: {float(v)} for k, v in want.items()}

@@ -72,6 +72,20 @@ class Stage:
             record_words=self.record_words)
         return spec
 
+    def wait_stage_spec(self, last_seen, scan_start, counts_snapshot, timeout_ns):
+        """afd_graph_wait_stage over this window with the stage buffers of :meth:`launch`."""
+        layout = self.layout
+        return specs.graph_wait_stage_spec(
+            window=self.window.data.ptr, last_seen=last_seen, scan_start=scan_start,
+            counts_snapshot=counts_snapshot, timeout_ns=timeout_ns, geo=layout.kernel_geometry(),
+            expert_per_rank=EPR, is_dedup=int(layout.is_dedup), src_rank=self.src_rank, num_attn_ranks=2,
+            token_cap=layout.token_cap, routed_cap=layout.routed_cap, shared_cap=layout.shared_cap,
+            routed_bucket=self.routed_bucket, shared_bucket=self.shared_bucket, num_layers=NUM_LAYERS,
+            layers_per_chunk=ffn_graph.layers_per_chunk(NUM_LAYERS, EPR), routed_offs=self.routed_offs,
+            shared_offs=self.shared_offs.data.ptr, reply_seqs=self.reply_seqs, state=self.state,
+            replay_counter=self.replay_counter, records=self.records.ptr, num_records=4,
+            record_words=self.record_words)
+
     def record(self, replay: int) -> np.ndarray:
         """A copy of the record of replay number ``replay``."""
         start = (replay % 4) * self.record_words
@@ -89,10 +103,9 @@ def _dispatch_words(rng, *, src=0, layer=1, shared=3, counts=None):
 CASES = ["served", "idle", "shutdown", "bad_magic", "bad_sum", "wrong_src", "too_large", "layer_out"]
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_stage_matches_the_reference(request, case):
-    rng = _rng(request)
-    st = Stage(rng)
+def _case_words(rng, case):
+    """(header words, slot) of one stage case: a valid dispatch in region 0, or the change
+    the case names."""
     words, slot = _dispatch_words(rng), int(rng.integers(0, 2))  # region 0
     if case == "shutdown":
         words = wire.encode_header(wire.shutdown_header(src_rank=0, top_k=4, expert_per_rank=EPR), EPR)
@@ -106,18 +119,33 @@ def test_stage_matches_the_reference(request, case):
         words = _dispatch_words(rng, counts=np.array([9, 9, 9, 9]))
     elif case == "layer_out":
         words[wire.HDR_LAYER] = NUM_LAYERS
+    return words, slot
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_stage_matches_the_reference(request, case):
+    rng = _rng(request)
+    st = Stage(rng)
+    words, slot = _case_words(rng, case)
     st.arrive(None if case == "idle" else slot, words)
     seqs_before, replay = st.reply_seqs.get(), int(st.replay_counter.get()[0])
     st.launch().launch()
     cp.cuda.runtime.deviceSynchronize()
-    region = None if case == "idle" else slot // st.layout.ring_depth
+    _check_stage(st, case, words, None if case == "idle" else slot, seqs_before, replay)
+
+
+def _check_stage(st, case, words, slot, seqs_before, replay):
+    """The stage's outputs (offsets, state, reply seqs, record, replay counter) against
+    ffn_graph.stage_reference for ``words`` consumed from ``slot`` (None: nothing arrived)."""
+    region = None if slot is None else slot // st.layout.ring_depth
     want = ffn_graph.stage_reference(
         words, region=region, layout=st.layout, src_rank=st.src_rank, num_attn_ranks=2,
         num_layers=NUM_LAYERS, routed_bucket=st.routed_bucket, shared_bucket=st.shared_bucket,
         prev_seq=int(seqs_before[slot]) if region is not None else 0)
     assert want.status == {"served": ffn_graph.GS_SERVED, "idle": ffn_graph.GS_IDLE,
                            "shutdown": ffn_graph.GS_SHUTDOWN, "too_large": ffn_graph.GS_EAGER,
-                           "layer_out": ffn_graph.GS_EAGER}.get(case, ffn_graph.GS_REJECTED)
+                           "layer_out": ffn_graph.GS_EAGER,
+                           "two_arrived": ffn_graph.GS_SERVED}.get(case, ffn_graph.GS_REJECTED)
     np.testing.assert_array_equal(st.routed_offs.get(), want.routed_offs)
     np.testing.assert_array_equal(st.shared_offs.get(), want.shared_offs)
     state = st.state.get()
@@ -142,6 +170,63 @@ def test_stage_matches_the_reference(request, case):
     if case == "bad_magic":
         assert rec[ffn_graph.REC_DETAIL] == wire.HDR_MAGIC
     assert int(st.replay_counter.get()[0]) == replay + 1
+    return rec
+
+
+def _post(layout, window, slot, words, rng) -> int:
+    """A message in ``slot`` of ``window`` (device bytes): its header words, then its flag
+    moved on by a random step. Returns the new flag."""
+    hdr_at = layout.flags_bytes + slot * layout.slot_bytes + layout.field_offset("header")
+    window[hdr_at:hdr_at + words.nbytes] = cp.asarray(words.view(np.uint8))
+    flags = window[:layout.num_slots * 8].view(cp.int64)
+    flags[slot] = flags[slot] + int(rng.integers(1, 1000))
+    return int(flags[slot].get())
+
+
+@pytest.mark.parametrize("case", CASES + ["two_arrived"])
+def test_wait_stage_kernel_is_wait_any_then_the_stage(request, case):
+    """afd_graph_wait_stage on a window whose flags are random: nothing new (idle: the bounded
+    wait times out, nothing consumed, the record's header words are zero), one arrival, or two
+    (the first after scan_start in rotated order wins). Its wait side effects (last_seen,
+    scan_start, the won slot's counts_snapshot row) are afd_wait_any's; its stage outputs are
+    ffn_graph.stage_reference's for the won header."""
+    rng = _rng(request)
+    st = Stage(rng)
+    layout = st.layout
+    num_slots = layout.num_slots
+    last_seen = st.window[:num_slots * 8].view(cp.int64).copy()  # every flag seen
+    start = int(rng.integers(0, num_slots))
+    scan_start = cp.asarray(np.array([start], np.int32))
+    snapshot = cp.full((num_slots, EPR), -7, cp.int32)
+    words, slot = _case_words(rng, case)
+    posted = {}
+    if case != "idle":
+        posted[slot] = (words, _post(layout, st.window, slot, words, rng))
+    if case == "two_arrived":  # the other ring of region 0
+        other = 1 - slot
+        other_words = _dispatch_words(rng)
+        posted[other] = (other_words, _post(layout, st.window, other, other_words, rng))
+    seen_before, seqs_before = last_seen.get(), st.reply_seqs.get()
+    replay = int(st.replay_counter.get()[0])
+    st.wait_stage_spec(last_seen, scan_start, snapshot, 50_000).launch()
+    cp.cuda.runtime.deviceSynchronize()
+    rotated = [(start + i) % num_slots for i in range(num_slots)]
+    won = next((s for s in rotated if s in posted), None)
+    if won is None:
+        rec = _check_stage(st, case, words, None, seqs_before, replay)
+        assert not rec[ffn_graph.REC_HEADER:].view(np.int32)[:layout.header_words].any()
+        np.testing.assert_array_equal(last_seen.get(), seen_before)
+        assert int(scan_start.get()[0]) == start and (snapshot.get() == -7).all()
+        return
+    won_words, won_flag = posted[won]
+    _check_stage(st, case, won_words, won, seqs_before, replay)
+    seen = seen_before.copy()
+    seen[won] = won_flag
+    np.testing.assert_array_equal(last_seen.get(), seen)
+    assert int(scan_start.get()[0]) == (won + 1) % num_slots
+    want_snapshot = np.full((num_slots, EPR), -7, np.int32)
+    want_snapshot[won] = won_words[wire.HDR_FIXED_WORDS:]
+    np.testing.assert_array_equal(snapshot.get(), want_snapshot)
 
 
 def _slot_rows(layout, window_bytes, slot, field, rows):
@@ -199,9 +284,11 @@ def test_gather_and_reply_move_exactly_the_served_rows(request, identity):
     np.testing.assert_array_equal(got, want)
 
 
-def test_wait_stage_reply_replayed_from_a_cuda_graph(request):
-    """wait_any (device doorbell) -> stage -> reply captured on torch's capture stream through
-    PackedLaunch, replayed: an idle replay times out and records IDLE; an arrival is answered."""
+@pytest.mark.parametrize("fused", [True, False], ids=["wait_stage", "wait_any+stage"])
+def test_wait_stage_reply_replayed_from_a_cuda_graph(request, fused):
+    """wait + stage (afd_graph_wait_stage, or wait_any into a device doorbell and the stage) ->
+    reply captured on torch's capture stream through PackedLaunch, replayed: an idle replay
+    times out and records IDLE; an arrival is answered."""
     rng = _rng(request)
     st = Stage(rng)
     layout = st.layout
@@ -212,6 +299,9 @@ def test_wait_stage_reply_replayed_from_a_cuda_graph(request):
         window=st.window.data.ptr, geo=geo, last_seen=last_seen, scan_start=scan_start,
         counts_snapshot=snapshot, timeout_ns=20_000_000, doorbell=st.doorbell.data.ptr, ticket=0))
     stage = kernels.PackedLaunch(st.launch())
+    first = [wait, stage]
+    if fused:
+        first = [kernels.PackedLaunch(st.wait_stage_spec(last_seen, scan_start, snapshot, 20_000_000))]
     peer = cp.zeros(layout.window_bytes, cp.uint8)
     reply = kernels.PackedLaunch(specs.graph_reply_spec(
         dtype_code=0, own_window=st.window.data.ptr,
@@ -223,7 +313,7 @@ def test_wait_stage_reply_replayed_from_a_cuda_graph(request):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         ptr = torch.cuda.current_stream().cuda_stream
-        for launch in (wait, stage, reply):
+        for launch in (*first, reply):
             launch.launch(ptr)
     replay = int(st.replay_counter.get()[0])  # capture ran nothing
     rec_words = ffn_graph.record_words(layout.header_words)
@@ -232,11 +322,7 @@ def test_wait_stage_reply_replayed_from_a_cuda_graph(request):
     assert st.records.array[(replay % 4) * rec_words + ffn_graph.REC_STATUS] == ffn_graph.GS_IDLE
     assert not peer.get().any()
     slot = 1
-    words = _dispatch_words(rng)
-    hdr_at = layout.flags_bytes + slot * layout.slot_bytes + layout.field_offset("header")
-    st.window[hdr_at:hdr_at + words.nbytes] = cp.asarray(words.view(np.uint8))
-    flags = st.window[:layout.num_slots * 8].view(cp.int64)
-    flags[slot] = flags[slot] + 5
+    _post(layout, st.window, slot, _dispatch_words(rng), rng)
     cp.cuda.runtime.deviceSynchronize()
     graph.replay()
     torch.cuda.synchronize()

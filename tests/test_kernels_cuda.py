@@ -657,7 +657,10 @@ COMBINE_CASES = [  # num_ffn, num_tokens, top_k, has_shared, hidden, out_scale
     (4, 2, 1, 1, 40, 1.0),
     # wide rows: more 16-byte vectors per row than threads per block (7168 bf16 = 896 over
     # 256 threads; 4104 leaves a partial last pass), top-5 and top-8
-    (2, 5, 8, 1, 7168, 1.0), (3, 9, 5, 0, 4104, 0.5)]
+    (2, 5, 8, 1, 7168, 1.0), (3, 9, 5, 0, 4104, 0.5),
+    # more FFN ranks than a warp has lanes (the wait preloads ranks < 32 per lane): every rank
+    # gets a shared row, ranks >= 10 nothing routed
+    (40, 45, 2, 1, 64, 1.0)]
 
 
 @pytest.mark.parametrize("wait_kernel", [True, False], ids=["wait+combine", "combine-alone"])

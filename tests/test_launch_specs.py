@@ -102,6 +102,12 @@ def _specs() -> dict:
             token_cap=8, routed_cap=64, shared_cap=4, routed_bucket=32, shared_bucket=4,
             num_layers=3, layers_per_chunk=2, routed_offs=arr, shared_offs=0x6000, reply_seqs=arr,
             state=arr, replay_counter=arr, records=0x7000, num_records=8, record_words=16),
+        ("ffn_graph.cu", "afd_graph_wait_stage"): specs.graph_wait_stage_spec(
+            window=0x3000, last_seen=arr, scan_start=arr, counts_snapshot=arr, timeout_ns=10**9,
+            geo=geo, expert_per_rank=4, is_dedup=0, src_rank=1, num_attn_ranks=3,
+            token_cap=8, routed_cap=64, shared_cap=4, routed_bucket=32, shared_bucket=4,
+            num_layers=3, layers_per_chunk=2, routed_offs=arr, shared_offs=0x6000, reply_seqs=arr,
+            state=arr, replay_counter=arr, records=0x7000, num_records=8, record_words=16),
         ("ffn_graph.cu", "afd_graph_gather"): specs.graph_gather_spec(
             dtype_code=0, window=0x3000, geo=geo, state=arr, hidden_size=64, routed_staging=0x8000,
             shared_staging=0, routed_bucket=32, shared_bucket=4),
@@ -180,7 +186,8 @@ def test_specs_use_the_block_sizes_of_the_limit_table(fake_specs):
               "afd_dedup_expand": "REPLY_THREADS", "afd_dedup_reply": "REPLY_THREADS",
               "afd_dedup_rows": "PLAN_THREADS", "afd_dedup_scatter": "SCATTER_THREADS",
               "afd_dedup_combine": "COMBINE_THREADS",
-              "afd_graph_stage": "REPLY_THREADS", "afd_graph_gather": "REPLY_THREADS",
+              "afd_graph_stage": "REPLY_THREADS", "afd_graph_wait_stage": "REPLY_THREADS",
+              "afd_graph_gather": "REPLY_THREADS",
               "afd_graph_reply": "REPLY_THREADS", "afd_graph_dedup_expand": "REPLY_THREADS",
               "afd_graph_dedup_reply": "REPLY_THREADS"}
     for (filename, name), spec in built.items():

@@ -71,6 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="ConnectorConfig.wire_mode of every rank (docs/design.md §3.5)")
     parser.add_argument("--dispatch", choices=("fused", "two-kernel"), default="fused",
                         help="pair mode: ConnectorConfig.fused_dispatch (afd_dispatch_fused) or plan + scatter")
+    parser.add_argument("--ffn-stage", choices=("fused", "two-kernel"), default="fused",
+                        help="graph FFN: afd_graph_wait_stage (GraphFFNServer(fused_wait_stage=True)) "
+                             "or afd_wait_any + afd_graph_stage")
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--num-experts", type=int, default=64)
     parser.add_argument("--top-k", type=int, default=8)
@@ -143,7 +146,7 @@ def _ffn(conn, args) -> dict:
         if args.trace:  # installed before the capture: the stamps become graph nodes
             trace = dt.DeviceTrace(dt.FFN_POINTS, capacity=FFN_TRACE_ROWS)
             trace.install(dt.FFN_STAMPS)
-        server = GraphFFNServer(conn, identity=True)
+        server = GraphFFNServer(conn, identity=True, fused_wait_stage=args.ffn_stage == "fused")
         result = {"role": "ffn", "served": server.run(), "eager": server.num_eager,
                   "device_id": conn.path.device_id}
         if trace is not None:
@@ -277,7 +280,7 @@ def main(argv=None) -> int:
     env = bc.launch_env("cuda", world, window_size_hint(model, TopologyConfig(1, args.num_ffn), connector_config(args)))
     attn, *ffn = launch(_rank, world, args=(args,), timeout_s=600, num_gpus=args.num_gpus, env=env)
     report = {"tool": "bench_step_graph", "run": bc.run_info("cuda"), "device": attn["device"],
-              "config": {"ffn": args.ffn, "num_ffn": args.num_ffn, "wire_mode": args.wire_mode, "dispatch": args.dispatch, "stand_in": args.stand_in, "hidden": args.hidden,
+              "config": {"ffn": args.ffn, "num_ffn": args.num_ffn, "wire_mode": args.wire_mode, "dispatch": args.dispatch, "ffn_stage": args.ffn_stage, "stand_in": args.stand_in, "hidden": args.hidden,
                          "num_experts": args.num_experts, "top_k": args.top_k, "iters": args.iters,
                          "warmup": args.warmup, "layers": args.layers, "tokens": args.tokens,
                          "stages": args.stages},

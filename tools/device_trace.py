@@ -49,6 +49,7 @@ ATTENTION_STAMPS = {
 FFN_STAMPS = {
     "afd_wait_any": (None, "f_seen"),
     "afd_graph_stage": (None, "f_staged"),
+    "afd_graph_wait_stage": (None, "f_staged"),  # wait + stage in one kernel: no f_seen
     "afd_graph_gather": (None, "f_gathered"),
     "afd_graph_dedup_expand": (None, "f_gathered"),
     "afd_graph_reply": ("f_reply0", "f_reply1"),
@@ -59,7 +60,7 @@ FFN_STAMPS = {
 PHASES = (
     ("dispatch plan", "a_send0", "a_planned"),
     ("dispatch scatter (dedup: rows + scatter; fused: plan + scatter)", "a_planned", "a_sent"),
-    ("doorbell -> FFN wait returns", "a_sent", "f_seen"),
+    ("doorbell -> FFN wait returns (fused: + stage)", "a_sent", "f_seen"),
     ("FFN stage", "f_seen", "f_staged"),
     ("FFN gather / expand", "f_staged", "f_gathered"),
     ("FFN experts", "f_gathered", "f_reply0"),
@@ -68,7 +69,7 @@ PHASES = (
     ("combine", "a_seen", "a_done"),
 )
 #: phases from one rank's stamp to another's: one clock only when both ranks share a GPU
-CROSS_PHASES = ("doorbell -> FFN wait returns", "reply -> Attention wait returns")
+CROSS_PHASES = ("doorbell -> FFN wait returns (fused: + stage)", "reply -> Attention wait returns")
 #: not part of the sum: how long the Attention stream sat in its wait kernel
 WAIT_PHASE = ("Attention in wait kernel", "a_wait0", "a_seen")
 
@@ -200,9 +201,12 @@ def match_round_trips(attention: np.ndarray, ffn: np.ndarray,
     (``f_reply1``) before the Attention wait returned (``a_seen``). Both arrays must carry stamps
     of one clock (one GPU). Returns (point name -> int64 [n] of the matched round trips, number of
     Attention rows without a match). A missing ``f_gathered`` (the identity pair graph has no
-    gather) takes ``f_staged``'s value: a zero-length phase."""
+    gather) takes ``f_staged``'s value, and so does a missing ``f_seen`` (``afd_graph_wait_stage``
+    waits and stages in one kernel): zero-length phases."""
     a = {p: attention[:, i] for i, p in enumerate(attention_points)}
     f = {p: ffn[:, i] for i, p in enumerate(ffn_points)}
+    if "f_seen" in f and "f_staged" in f:
+        f["f_seen"] = np.where(f["f_seen"] < 0, f["f_staged"], f["f_seen"])
     if "f_gathered" in f and "f_staged" in f:
         f["f_gathered"] = np.where(f["f_gathered"] < 0, f["f_staged"], f["f_gathered"])
     order = np.argsort(f["f_seen"], kind="stable")

@@ -11,8 +11,8 @@
 #     twogpu1 bench_transport decode + prefill, both wire modes and transports (#12, #16);
 #     twogpu2 bench_afd placement 0:50,0:50,1: overlap, sweep, timeline (#15);
 #     twogpu3 the multigpu tests, bench_step_graph --trace (pair, dedup), bench_graph_ffn (#13)
-#     trace1: one GPU, the 50-layer step's phases (fused and two-kernel dispatch, dedup) and
-#     probe_kernel_cost (what single round-trip kernels cost), ~300 s
+#     trace1: one GPU, the 50-layer step's phases (fused vs two-kernel dispatch and FFN wait +
+#     stage; dedup) and probe_kernel_cost (what single round-trip kernels cost), ~60 s
 # Knobs (environment): SUITE_TESTS (test files or ids instead of all), SUITE_TIMEOUT, TEST_TIMEOUT (per test), SMOKE_ARGS, SKIP_SMOKE_1A1F=1, SKIP_SMOKE_2A2F=1,
 # SKIP_HOSTPOLL=1 / HOSTPOLL_TIMEOUT (the e2e cases with host polling and no MPS),
 # SKIP_HF=1 (tools/hf_generate.py), SKIP_SOAK=1 / SOAK_N / SOAK_TIMEOUT / SOAK_ARGS (tools/soak.py),
@@ -103,7 +103,7 @@ case "$MODE" in
   trace1)  # one GPU: the round trip by phase (both dispatch kernels, both FFN modes) and single-kernel costs
     SG="python3 tools/bench_step_graph.py --quick --layers 50 --tokens 128 --stages 1 --trace"
     run_step step_fused 120 $SG --dispatch fused --out "$OUT/step_fused"
-    run_step step_two_kernel 120 $SG --dispatch two-kernel --out "$OUT/step_two_kernel"
+    run_step step_two_kernel 120 $SG --dispatch two-kernel --ffn-stage two-kernel --out "$OUT/step_two_kernel"
     run_step step_dedup 120 $SG --wire-mode dedup --out "$OUT/step_dedup"
     NO_MPS=1 run_step probe 120 python3 tools/probe_kernel_cost.py --out "$OUT/probe" ;;
 esac

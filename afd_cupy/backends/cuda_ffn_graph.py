@@ -2,10 +2,12 @@
 
 One CUDA graph per size bucket serves one work item per replay with no host step per item::
 
-    afd_wait_any (bounded; doorbell = device buffer) -> afd_graph_stage -> afd_graph_gather
+    afd_graph_wait_stage (bounded wait + stage in one kernel) -> afd_graph_gather
     -> torch._grouped_mm over every layer's experts stacked into one problem list (offsets
        from the device: zero-size groups for every layer but the arrived one) -> activation
     -> the same for the shared experts -> routed scaling -> afd_graph_reply
+
+(``fused_wait_stage=False``: ``afd_wait_any`` into a device doorbell, then ``afd_graph_stage``.)
 
 In the dedup wire mode (§3.5) ``afd_graph_dedup_expand`` replaces the gather (it copies and
 checks the route table, scatters the received rows into the grouped staging and copies the
@@ -64,6 +66,9 @@ class GraphFFNServer:
     (:func:`afd_cupy.ffn_graph.buckets_for_tokens`). ``depth``: replays kept queued.
     ``idle_timeout_s``: the in-graph wait's bound (frozen at capture); an idle replay returns
     after it and is replayed again, and :meth:`close` waits at most ``depth`` of them.
+    ``fused_wait_stage``: the graph's first node is ``afd_graph_wait_stage`` (the wait and the
+    stage in one kernel, the default); False: ``afd_wait_any`` into a device doorbell, then
+    ``afd_graph_stage`` (the two-kernel form, kept to measure against).
 
     Both wire modes (dedup: the route table is checked in the graph; a rejected table raises
     the eager path's WireError from :meth:`run` / :meth:`step`).
@@ -75,7 +80,8 @@ class GraphFFNServer:
     """
 
     def __init__(self, connector, experts=None, shared=None, *, identity: bool = False,
-                 bucket_tokens=(128,), depth: int = 4, idle_timeout_s: float = 0.01):
+                 bucket_tokens=(128,), depth: int = 4, idle_timeout_s: float = 0.01,
+                 fused_wait_stage: bool = True):
         path = connector.path
         self._check_connector(connector, identity, experts)
         if depth < 1 or not idle_timeout_s > 0:
@@ -84,6 +90,7 @@ class GraphFFNServer:
         self.identity = identity
         self.is_dedup = connector.layout.is_dedup
         self.depth, self.idle_timeout_s = depth, float(idle_timeout_s)
+        self.fused_wait_stage = bool(fused_wait_stage)
         self.num_layers = connector.model.num_layers
         self.device = path.device
         layout = self.layout
@@ -203,8 +210,8 @@ class GraphFFNServer:
         graph's pool; nothing synchronizes inside."""
         path, layout = self.path, self.layout
         hidden, dtype = layout.hidden_size, self.connector.torch_dtype
-        stage = kernels.PackedLaunch(specs.graph_stage_spec(
-            doorbell=self.doorbell.data.ptr, geo=path.geometry,
+        stage_args = dict(
+            geo=path.geometry,
             expert_per_rank=layout.expert_per_rank, is_dedup=int(self.is_dedup), src_rank=path.ctx.role_rank,
             num_attn_ranks=path.ctx.topology.num_attn_ranks, token_cap=layout.token_cap,
             routed_cap=layout.routed_cap, shared_cap=layout.shared_cap,
@@ -212,7 +219,15 @@ class GraphFFNServer:
             num_layers=self.num_layers, layers_per_chunk=self.lpc, routed_offs=self.routed_offs,
             shared_offs=0 if self.shared_offs is None else self.shared_offs.data.ptr,
             reply_seqs=self.reply_seqs, state=self.state, replay_counter=self.replay_counter,
-            records=self.records.ptr, num_records=self.num_records, record_words=self.record_words))
+            records=self.records.ptr, num_records=self.num_records, record_words=self.record_words)
+        if self.fused_wait_stage:  # one kernel: the wait and the stage
+            first = [kernels.PackedLaunch(specs.graph_wait_stage_spec(
+                window=path.own_window, last_seen=path.last_seen, scan_start=path.scan_start,
+                counts_snapshot=path.counts_snapshot, timeout_ns=int(self.idle_timeout_s * 1e9),
+                **stage_args))]
+        else:
+            first = [self.wait_launch, kernels.PackedLaunch(specs.graph_stage_spec(
+                doorbell=self.doorbell.data.ptr, **stage_args))]
         num_chunks = self.num_chunks
         routed_outs = path.cp.zeros(num_chunks, path.cp.uint64)
         keep = {"routed_outs": routed_outs}
@@ -243,8 +258,8 @@ class GraphFFNServer:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.device(self.device), torch.cuda.graph(graph, capture_error_mode="thread_local"):
             stream_ptr = torch.cuda.current_stream(self.device).cuda_stream
-            self.wait_launch.launch(stream_ptr)
-            stage.launch(stream_ptr)
+            for launch in first:  # wait + stage (one kernel or two)
+                launch.launch(stream_ptr)
             if gather is not None:  # dedup: the expand runs with identity experts too (its check)
                 gather.launch(stream_ptr)
             if not self.identity:

@@ -34,7 +34,7 @@ FILE_KERNELS = {
     "dedup_ffn.cu": (("afd_dedup_expand", True), ("afd_dedup_reply", True)),
     "dedup_attn.cu": (("afd_dedup_rows", False), ("afd_dedup_scatter", True),
                       ("afd_dedup_combine", True)),
-    "ffn_graph.cu": (("afd_graph_stage", False), ("afd_graph_gather", True),
+    "ffn_graph.cu": (("afd_graph_stage", False), ("afd_graph_wait_stage", False), ("afd_graph_gather", True),
                      ("afd_graph_reply", True), ("afd_graph_dedup_expand", True),
                      ("afd_graph_dedup_reply", True)),
 }

@@ -656,22 +656,11 @@ def dedup_combine_spec(*, dtype_code, out, num_tokens, hidden_size, row_map, win
 GRAPH_MAX_GROUPS = 1023
 
 
-def graph_stage_spec(*, doorbell, geo, expert_per_rank, is_dedup, src_rank, num_attn_ranks,
-                     token_cap, routed_cap, shared_cap, routed_bucket, shared_bucket, num_layers,
-                     layers_per_chunk, routed_offs, shared_offs, reply_seqs, state,
-                     replay_counter, records, num_records, record_words) -> LaunchSpec:
-    """Decide what one graph replay does from the arrival ``afd_wait_any`` left in the DEVICE
-    ``doorbell`` (afd_graph_stage; one block). Capturable: every input is read from device
-    memory when the replay runs.
-
-    Writes ``routed_offs`` int32 [num_layers * expert_per_rank] and ``shared_offs`` int32
-    [num_layers] (or null): cumulative end rows per group of the stacked-layer problem lists
-    (``ffn_graph.routed_offsets_reference``); ``state`` int64 [ffn_graph.state_words(...)]:
-    what gather and reply read; increments ``reply_seqs[slot]`` (int64 [num_slots]) for a
-    served or eager item and ``replay_counter`` int64 [1]; one record of ``record_words``
-    int64 per replay into the pinned ring ``records`` [num_records, record_words] (dedup: room
-    for the route-table verdict after the header words, ``ffn_graph.record_words(hw, dedup=True)``).
-    """
+def _graph_stage_args(*, geo, expert_per_rank, is_dedup, src_rank, num_attn_ranks, token_cap,
+                      routed_cap, shared_cap, routed_bucket, shared_bucket, num_layers,
+                      layers_per_chunk, routed_offs, shared_offs, reply_seqs, state,
+                      replay_counter, records, num_records, record_words) -> dict:
+    """The checked arguments of the stage (afd_graph_stage and afd_graph_wait_stage), from geo on."""
     geo = _geometry("geo", geo)
     epr = _count("expert_per_rank", expert_per_rank, low=1)
     is_dedup = _count("is_dedup", is_dedup, high=1)
@@ -689,7 +678,7 @@ def graph_stage_spec(*, doorbell, geo, expert_per_rank, is_dedup, src_rank, num_
     record_words = _count("record_words", record_words,
                           low=STAGE_RECORD_HEADER + -(-int(geo["header_words"]) // 2)
                           + (wire.STATUS_WORDS if int(is_dedup) else 0))
-    args = {"doorbell": _address("doorbell", doorbell), "geo": geo, "expert_per_rank": epr,
+    return {"geo": geo, "expert_per_rank": epr,
             "is_dedup": is_dedup, "src_rank": _count("src_rank", src_rank),
             "num_attn_ranks": _count("num_attn_ranks", num_attn_ranks, low=1,
                                      high=int(geo["num_regions"])),
@@ -706,7 +695,47 @@ def graph_stage_spec(*, doorbell, geo, expert_per_rank, is_dedup, src_rank, num_
             "replay_counter": _array("replay_counter", replay_counter, np.int64, 1),
             "records": _address("records", records),
             "num_records": _count("num_records", num_records, low=1), "record_words": record_words}
+
+
+def graph_stage_spec(*, doorbell, **stage) -> LaunchSpec:
+    """Decide what one graph replay does from the arrival ``afd_wait_any`` left in the DEVICE
+    ``doorbell`` (afd_graph_stage; one block). Capturable: every input is read from device
+    memory when the replay runs.
+
+    ``stage`` (keywords): geo, expert_per_rank, is_dedup, src_rank, num_attn_ranks, token_cap,
+    routed_cap, shared_cap, routed_bucket, shared_bucket, num_layers, layers_per_chunk,
+    routed_offs, shared_offs, reply_seqs, state, replay_counter, records, num_records,
+    record_words. Writes ``routed_offs`` int32 [num_layers * expert_per_rank] and
+    ``shared_offs`` int32 [num_layers] (or null): cumulative end rows per group of the
+    stacked-layer problem lists (``ffn_graph.routed_offsets_reference``); ``state`` int64
+    [ffn_graph.state_words(...)]: what gather and reply read; increments ``reply_seqs[slot]``
+    (int64 [num_slots]) for a served or eager item and ``replay_counter`` int64 [1]; one record
+    of ``record_words`` int64 per replay into the pinned ring ``records`` [num_records,
+    record_words] (dedup: room for the route-table verdict after the header words,
+    ``ffn_graph.record_words(hw, dedup=True)``).
+    """
+    args = {"doorbell": _address("doorbell", doorbell), **_graph_stage_args(**stage)}
     return _spec(get_kernel("ffn_graph.cu", "afd_graph_stage"), 1, KERNEL_LIMITS["REPLY_THREADS"], args)
+
+
+def graph_wait_stage_spec(*, window, last_seen, scan_start, counts_snapshot, timeout_ns,
+                          **stage) -> LaunchSpec:
+    """afd_wait_any and afd_graph_stage in one kernel (afd_graph_wait_stage; one block): wait
+    (bounded by ``timeout_ns``) for the next arrival in the own ``window`` as :func:`wait_any_spec`
+    does (``last_seen`` int64 [num_slots], ``scan_start`` int32 [1], ``counts_snapshot`` int32
+    [num_slots, header_words - HDR_FIXED_WORDS], all device, updated on arrival), then stage it
+    as :func:`graph_stage_spec` does (``stage``: the same keywords, no doorbell)."""
+    args = _graph_stage_args(**stage)
+    geo = args["geo"]
+    num_slots = int(geo["num_regions"]) * int(geo["ring_depth"])
+    args = {"window": _address("window", window),
+            "last_seen": _array("last_seen", last_seen, np.int64, num_slots),
+            "scan_start": _array("scan_start", scan_start, np.int32, 1),
+            "counts_snapshot": _array("counts_snapshot", counts_snapshot, np.int32,
+                                      num_slots * (int(geo["header_words"]) - wire.HDR_FIXED_WORDS)),
+            "timeout_ns": _i64("timeout_ns", timeout_ns, low=0), **args}
+    return _spec(get_kernel("ffn_graph.cu", "afd_graph_wait_stage"), 1, KERNEL_LIMITS["REPLY_THREADS"],
+                 args)
 
 
 #: int64 words before the header copy in the stage's state and record (ffn_graph.cu
