@@ -28,34 +28,31 @@ struct ReplyWant {
 // magic, version, the wire-mode flag, negative sizes, sum(expert_counts) == routed, (dedup) sizes
 // no dedup message can have (STATUS_BAD_HEADER), the shutdown flag (STATUS_SHUTDOWN), then the
 // echoed seq, layer, stage, routed rows, shared rows and (dedup) num_rows (STATUS_REPLY_MISMATCH).
-// `words`: the header's fixed words (registers, loaded by the warp at once), then num_rows at
-// index HDR_FIXED_WORDS in dedup mode. ST_COUNT names the header word that failed (HDR_*, or
-// num_rows_word). The expert counts were summed by the whole warp: `counts_sum`,
-// `counts_negative`. `num_rows_word`: header word of num_rows in dedup mode, -1 in pair mode.
-// Returns false after latching the first failing check.
+// ST_COUNT names the header word that failed (HDR_*, or num_rows_word). The expert counts were
+// summed by the whole warp: `counts_sum`, `counts_negative`. `num_rows_word`: header word of
+// num_rows in dedup mode, -1 in pair mode. Returns false after latching the first failing check.
 // NOTE: the dedup size check reports ST_EXPECTED = the nearest num_rows the other sizes allow
 // (num_rows <= routed <= num_rows * top_k, shared <= num_rows), ST_OBSERVED = num_rows.
-__device__ inline bool check_reply(const afd_i32 (&words)[HDR_FIXED_WORDS + 1], afd_i64 counts_sum,
-                                   bool counts_negative, int num_rows_word, const ReplyWant& want,
-                                   afd_i64* status) {
+__device__ inline bool check_reply(const afd_i32* header, afd_i64 counts_sum, bool counts_negative,
+                                   int num_rows_word, const ReplyWant& want, afd_i64* status) {
   const auto fail = [&](afd_i64 code, afd_i64 word, afd_i64 expected, afd_i64 observed) {
     report_status(status, code, want.peer, want.slot, want.ring, expected, observed, word, -1,
                   want.layer_idx);
     return false;
   };
   const bool dedup = num_rows_word >= 0;
-  const afd_i64 magic = static_cast<afd_u32>(words[HDR_MAGIC]);
+  const afd_i64 magic = static_cast<afd_u32>(load_volatile32(header + HDR_MAGIC));
   if (magic != MAGIC) return fail(STATUS_BAD_HEADER, HDR_MAGIC, MAGIC, magic);
-  const afd_i64 version = words[HDR_VERSION];
+  const afd_i64 version = load_volatile32(header + HDR_VERSION);
   if (version != VERSION) return fail(STATUS_BAD_HEADER, HDR_VERSION, VERSION, version);
-  const afd_i64 flags = words[HDR_FLAGS];
+  const afd_i64 flags = load_volatile32(header + HDR_FLAGS);
   const afd_i64 want_mode = dedup ? FLAG_DEDUP : 0;
   if ((flags & FLAG_DEDUP) != want_mode) {
     return fail(STATUS_BAD_HEADER, HDR_FLAGS, want_mode, flags & FLAG_DEDUP);
   }
-  const afd_i64 routed = words[HDR_ROUTED_TOKENS];
-  const afd_i64 shared = words[HDR_SHARED_TOKENS];
-  const afd_i64 rows = dedup ? words[HDR_FIXED_WORDS] : 0;
+  const afd_i64 routed = load_volatile32(header + HDR_ROUTED_TOKENS);
+  const afd_i64 shared = load_volatile32(header + HDR_SHARED_TOKENS);
+  const afd_i64 rows = dedup ? load_volatile32(header + num_rows_word) : 0;
   if (routed < 0 || counts_negative) {
     return fail(STATUS_BAD_HEADER, HDR_ROUTED_TOKENS, routed, counts_sum);
   }
@@ -63,7 +60,7 @@ __device__ inline bool check_reply(const afd_i32 (&words)[HDR_FIXED_WORDS + 1], 
   if (rows < 0) return fail(STATUS_BAD_HEADER, num_rows_word, want.rows, rows);
   if (counts_sum != routed) return fail(STATUS_BAD_HEADER, HDR_ROUTED_TOKENS, routed, counts_sum);
   if (dedup) {
-    const afd_i64 top_k = words[HDR_TOPK];
+    const afd_i64 top_k = load_volatile32(header + HDR_TOPK);
     const afd_i64 max_partials = rows * (top_k > 0 ? top_k : 0);
     if (rows > routed) return fail(STATUS_BAD_HEADER, num_rows_word, routed, rows);
     if (shared > rows || routed > max_partials) {
@@ -76,12 +73,12 @@ __device__ inline bool check_reply(const afd_i32 (&words)[HDR_FIXED_WORDS + 1], 
                   want.seen_flag, -1, -1, want.layer_idx);
     return false;
   }
-  const afd_i64 echo = static_cast<afd_u32>(words[HDR_ECHO_SEQ]);
+  const afd_i64 echo = static_cast<afd_u32>(load_volatile32(header + HDR_ECHO_SEQ));
   const afd_i64 want_echo = want.seq & 0xffffffffll;
   if (echo != want_echo) return fail(STATUS_REPLY_MISMATCH, HDR_ECHO_SEQ, want_echo, echo);
-  const afd_i64 layer = words[HDR_LAYER];
+  const afd_i64 layer = load_volatile32(header + HDR_LAYER);
   if (layer != want.layer_idx) return fail(STATUS_REPLY_MISMATCH, HDR_LAYER, want.layer_idx, layer);
-  const afd_i64 stage = words[HDR_STAGE];
+  const afd_i64 stage = load_volatile32(header + HDR_STAGE);
   if (stage != want.stage_idx) return fail(STATUS_REPLY_MISMATCH, HDR_STAGE, want.stage_idx, stage);
   if (routed != want.routed) return fail(STATUS_REPLY_MISMATCH, HDR_ROUTED_TOKENS, want.routed, routed);
   if (shared != want.shared) return fail(STATUS_REPLY_MISMATCH, HDR_SHARED_TOKENS, want.shared, shared);
@@ -91,15 +88,9 @@ __device__ inline bool check_reply(const afd_i32 (&words)[HDR_FIXED_WORDS + 1], 
 
 // Warp-collective (every lane of one warp calls it and gets the same result): wait until every
 // rank with expected[j] != 0 replied in slot (j, ring) and its reply passes check_reply.
-// Lane 0 spins and decides; after the flag the warp loads every header word the checks read at
-// once (lane w: word w; the counts strided over the lanes) and lane 0 checks them from
-// registers. `dedup`: the receiver's wire mode (expected_counts [F, 3] and a num_rows trailer
-// word when true, [F, 2] otherwise). Returns false on error (latched in status, possibly by
-// another block).
-// NOTE: no lane walks the header alone: each check depends on the one before, so one volatile
-// load per check was a chain of ~12 dependent L2 round trips per rank, in the wait kernel and
-// again in every combine block. The status word, expected[] and last_seen[] of the first 32
-// ranks are loaded at once too.
+// Lane 0 spins and decides; the lanes only help sum the expert counts. `dedup`: the receiver's
+// wire mode (expected_counts [F, 3] and a num_rows trailer word when true, [F, 2] otherwise).
+// Returns false on error (latched in status, possibly by another block).
 __device__ inline bool wait_replies(afd_u64 window, const SlotGeometry& geo, afd_i32 num_ffn_ranks,
                                     afd_i32 ring, const afd_i64* expected,
                                     const afd_i32* expected_counts, afd_i32 layer_idx,
@@ -112,54 +103,36 @@ __device__ inline bool wait_replies(afd_u64 window, const SlotGeometry& geo, afd
   const int counts_end = dedup ? geo.header_words - 1 : geo.header_words;
   const int num_rows_word = dedup ? counts_end : -1;
   const int count_cols = dedup ? 3 : 2;
-  // lane j < 32: rank j's expected seq and last seen flag, loaded with the status word
-  const afd_i64 lane_expected = lane < num_ffn_ranks ? expected[lane] : 0;
-  const afd_i64 lane_seen = lane < num_ffn_ranks ? last_seen[geo.slot_index(lane, ring)] : 0;
   int ok = (lane == 0) ? status_code(status) == STATUS_OK : 0;
   if (!__shfl_sync(ALL, ok, 0)) return false;
   const afd_i64 start = globaltimer_ns();
   for (int j = 0; j < num_ffn_ranks; ++j) {
-    // written by the scatter: the same in every lane
-    const afd_i64 want_seq = j < 32 ? __shfl_sync(ALL, lane_expected, j) : expected[j];
+    const afd_i64 want_seq = expected[j];  // written by the scatter: the same in every lane
     if (want_seq == 0) continue;
     const afd_i64 slot = geo.slot_index(j, ring);
-    afd_i64 seen = j < 32 ? __shfl_sync(ALL, lane_seen, j) : last_seen[slot];
-    const afd_i32* header = geo.header(geo.slot_at(window, slot));
-    const afd_i64* flag_word = geo.flag_at(window, slot);
     afd_i64 flag = 0;
-    afd_i32 word = 0;  // lane w < HDR_FIXED_WORDS: header word w; dedup lane HDR_FIXED_WORDS: num_rows
-    while (true) {
-      if (lane == 0) {
-        for (int spin = 1; ok; ++spin) {
-          flag = load_volatile(flag_word);
-          if (flag != seen) {
-            __threadfence_system();  // acquire: header and rows were written before the flag
-            break;
-          }
-          if (globaltimer_ns() - start > timeout_ns) {
-            report_status(status, STATUS_TIMEOUT, j, slot, ring, want_seq, flag, -1, -1, layer_idx);
-            ok = 0;
-          } else if (spin % STATUS_POLL_EVERY == 0 && status_code(status) != STATUS_OK) {
-            ok = 0;
-          }
+    const afd_i32* header = geo.header(geo.slot_at(window, slot));
+    if (lane == 0) {
+      afd_i64 seen = last_seen[slot];
+      const afd_i64* flag_word = geo.flag_at(window, slot);
+      for (int spin = 1; ok; ++spin) {
+        flag = load_volatile(flag_word);
+        if (flag != seen) {
+          __threadfence_system();  // acquire: header and rows were written before the flag
+          if (!is_late_reply(header, want_seq)) break;
+          seen = flag;  // answers a dispatch whose wait timed out: dropped, keep waiting
+          continue;
+        }
+        if (globaltimer_ns() - start > timeout_ns) {
+          report_status(status, STATUS_TIMEOUT, j, slot, ring, want_seq, flag, -1, -1, layer_idx);
+          ok = 0;
+        } else if (spin % STATUS_POLL_EVERY == 0 && status_code(status) != STATUS_OK) {
+          ok = 0;
         }
       }
-      __syncwarp();  // shares lane 0's acquire with the lanes that read the header below
-      if (!__shfl_sync(ALL, ok, 0)) return false;
-      flag = __shfl_sync(ALL, flag, 0);
-      if (lane < HDR_FIXED_WORDS) {
-        word = load_volatile32(header + lane);
-      } else if (dedup && lane == HDR_FIXED_WORDS) {
-        word = load_volatile32(header + num_rows_word);
-      }
-      // wire.is_late_reply: answers a dispatch whose wait timed out: dropped, keep waiting
-      const afd_i32 hdr_flags = __shfl_sync(ALL, word, HDR_FLAGS);
-      const afd_u32 echo = static_cast<afd_u32>(__shfl_sync(ALL, word, HDR_ECHO_SEQ));
-      const afd_u32 behind = static_cast<afd_u32>(want_seq & 0xffffffffll) - echo;
-      const bool late = !(hdr_flags & FLAG_SHUTDOWN) && behind != 0u && behind < 0x80000000u;
-      if (!late) break;
-      seen = flag;
     }
+    __syncwarp();  // shares lane 0's acquire with the lanes that read the header below
+    if (!__shfl_sync(ALL, ok, 0)) return false;
 
     afd_i64 counts_sum = 0;
     bool negative = false;
@@ -171,14 +144,11 @@ __device__ inline bool wait_replies(afd_u64 window, const SlotGeometry& geo, afd
 #pragma unroll
     for (int d = 16; d > 0; d >>= 1) counts_sum += __shfl_xor_sync(ALL, counts_sum, d);
     negative = __any_sync(ALL, negative);
-    afd_i32 words[HDR_FIXED_WORDS + 1];
-#pragma unroll
-    for (int w = 0; w <= HDR_FIXED_WORDS; ++w) words[w] = __shfl_sync(ALL, word, w);
     if (lane == 0) {
       const afd_i32* counts = expected_counts + count_cols * j;
       const ReplyWant want{j, slot, ring, want_seq, flag, layer_idx, stage_idx,
                            counts[0], counts[1], dedup ? counts[2] : 0};
-      ok = check_reply(words, counts_sum, negative, num_rows_word, want, status);
+      ok = check_reply(header, counts_sum, negative, num_rows_word, want, status);
       if (ok) reply_flags[j] = flag;  // the flag consumed: the combine's last block records it
     }
     if (!__shfl_sync(ALL, ok, 0)) return false;
