@@ -2,7 +2,8 @@
 (docs/design.md §5.1). Pure Python and numpy: no CuPy, no GPU.
 
 One CUDA graph per size bucket serves one work item per replay with no host step:
-``afd_wait_any`` (doorbell in device memory) -> ``afd_graph_stage`` -> ``afd_graph_gather`` ->
+``afd_graph_wait_stage`` (the wait and the stage in one kernel; or ``afd_wait_any`` into a
+device doorbell, then ``afd_graph_stage``) -> ``afd_graph_gather`` ->
 grouped GEMMs over every layer's experts stacked into one problem list -> ``afd_graph_reply``;
 in the dedup wire mode ``afd_graph_dedup_expand`` and ``afd_graph_dedup_reply`` (the expand with
 its route-table check, the fused reduce) replace the gather and the reply.

@@ -13,8 +13,9 @@
 // kernel; the two-kernel form (afd_wait_any into a DEVICE doorbell, then afd_graph_stage) stays
 // for comparison (GraphFFNServer(fused_wait_stage=False)) and for the stage's own tests.
 //
-// Nothing the graph needs is frozen at capture except buffers: the stage kernel reads which slot
-// arrived, its header and counts from the doorbell that wait_any wrote into device memory,
+// Nothing the graph needs is frozen at capture except buffers: the stage reads which slot
+// arrived, its header and counts from what the wait found (shared memory in the fused kernel,
+// the device doorbell in the two-kernel form),
 // checks the header as wire.decode_header does, decides what this replay does (GS_*), writes
 // the grouped-GEMM group offsets of the stacked-layer problem list (zero-size groups for every
 // layer but the arrived one, all zero when nothing is served), reserves the reply seq of the
@@ -261,7 +262,6 @@ __device__ inline void stage_item(const afd_i32* s_words, afd_i64 slot, bool arr
     store_volatile(rec + REC_REPLAY, replay);
   }
 }
-
 
 // grid = 1, block = REPLY_THREADS. Runs right after afd_wait_any in the graph (the two-kernel
 // path; afd_graph_wait_stage below is both in one): the arrival from the DEVICE doorbell that
