@@ -130,6 +130,68 @@ __device__ __forceinline__ afd_i32 shared_rows_of(afd_i32 num_tokens, afd_i32 nu
   return num_tokens > j ? (num_tokens - j + num_ffn_ranks - 1) / num_ffn_ranks : 0;
 }
 
+// One row r of a pair dispatch, by a warp (afd_dispatch_scatter, afd_dispatch_fused): a routed
+// partial (r < num_partials) at staging row `pos` of rank `dest` (lane 0: pos_out[r] and its
+// route entry), or the shared row of token r - num_partials (rank t % F, row t / F; lane 0: its
+// shared index); then the token's payload row. `dest` and `pos` are unused for a shared row.
+__device__ __forceinline__ void write_pair_row(const SlotGeometry& geo,
+                                               const afd_u64* __restrict__ peer_windows,
+                                               afd_u64 staging, afd_i32 src_rank, afd_i32 ring,
+                                               afd_u64 hidden, afd_i64 row_bytes, afd_i32 top_k,
+                                               afd_i32 num_ffn_ranks, afd_i32 num_partials,
+                                               afd_i64 r, afd_i32 dest, afd_i32 pos,
+                                               afd_i32* __restrict__ pos_out, int lane) {
+  afd_i64 token;
+  char* dst_row;
+  if (r < num_partials) {
+    token = r / top_k;
+    char* slot = geo.send_slot(peer_windows[dest], staging, dest, src_rank, ring);
+    if (lane == 0) {
+      pos_out[r] = pos;
+      geo.route(slot)[pos] = make_int2(static_cast<afd_i32>(token), static_cast<afd_i32>(r % top_k));
+    }
+    dst_row = geo.routed_row(slot, pos, row_bytes);
+  } else {
+    token = r - num_partials;
+    const afd_i32 shared_dest = static_cast<afd_i32>(token % num_ffn_ranks);
+    const afd_i64 j = token / num_ffn_ranks;
+    char* slot = geo.send_slot(peer_windows[shared_dest], staging, shared_dest, src_rank, ring);
+    if (lane == 0) geo.shared_idx(slot)[j] = static_cast<afd_i32>(token);
+    dst_row = geo.shared_row(slot, j, row_bytes);
+  }
+  const char* src_row = static_cast<const char*>(byte_ptr(hidden, token * row_bytes));
+  warp_copy_row(dst_row, src_row, row_bytes, lane);
+}
+
+// The last block of a pair dispatch (every thread): per rank j its routed rows (from
+// rank_offsets, global or shared), shared rows and, when `send` and the rank has rows (or
+// always_send), the next seq; into the block's s_seq / s_routed / s_shared for
+// publish_dispatch, and expected / expected_counts [F, 2] for the reply wait. Ends with a
+// block barrier.
+__device__ __forceinline__ void record_pair_sends(afd_i32 num_ffn_ranks, const afd_i32* rank_offsets,
+                                                  afd_i32 num_tokens, afd_i32 has_shared,
+                                                  bool send, afd_i32 always_send,
+                                                  afd_i64* seq_counters, afd_i64* s_seq,
+                                                  afd_i32* s_routed, afd_i32* s_shared,
+                                                  afd_i64* expected, afd_i32* expected_counts) {
+  for (int j = threadIdx.x; j < num_ffn_ranks; j += SCATTER_THREADS) {
+    const afd_i32 routed = rank_offsets[j + 1] - rank_offsets[j];
+    const afd_i32 shared = has_shared ? shared_rows_of(num_tokens, num_ffn_ranks, j) : 0;
+    afd_i64 seq = 0;
+    if (send && (routed + shared > 0 || always_send)) {
+      seq = seq_counters[j] + 1;
+      seq_counters[j] = seq;
+    }
+    s_seq[j] = seq;
+    s_routed[j] = routed;
+    s_shared[j] = shared;
+    expected[j] = seq;
+    expected_counts[2 * j] = routed;  // what the reply must echo (afd_wait_replies)
+    expected_counts[2 * j + 1] = shared;
+  }
+  __syncthreads();
+}
+
 // grid = min(ceil((NK + T) / ROWS_PER_BLOCK), MAX_BLOCKS) (at least 1),
 // block = SCATTER_THREADS; a warp per row.
 // NOTE: whether to send is the plan's `verdict`, written once per dispatch into this ring's
@@ -176,31 +238,15 @@ afd_dispatch_scatter(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-
     const afd_i64 warp_stride = static_cast<afd_i64>(gridDim.x) * ROWS_PER_BLOCK;
     for (afd_i64 r = static_cast<afd_i64>(blockIdx.x) * ROWS_PER_BLOCK + (tid >> 5); r < num_rows;
          r += warp_stride) {
-      afd_i64 token;
-      char* dst_row;
+      afd_i32 dest = 0, pos = 0;
       if (r < num_partials) {
         const afd_i32 e = topk_ids[r];
-        const afd_i32 dest = e / expert_per_rank;
-        const afd_i32 slot_pos = expert_start[e] +
-                                 chunk_hist[(r / CHUNK) * num_experts + e] + local_rank[r];
-        const afd_i32 pos = slot_pos - rank_offsets[dest];
-        token = r / top_k;
-        char* slot = geo.send_slot(peer_windows[dest], staging, dest, src_rank, ring);
-        if (lane == 0) {
-          pos_out[r] = pos;
-          geo.route(slot)[pos] = make_int2(static_cast<afd_i32>(token), static_cast<afd_i32>(r % top_k));
-        }
-        dst_row = geo.routed_row(slot, pos, row_bytes);
-      } else {
-        token = r - num_partials;
-        const afd_i32 dest = static_cast<afd_i32>(token % num_ffn_ranks);
-        const afd_i64 j = token / num_ffn_ranks;
-        char* slot = geo.send_slot(peer_windows[dest], staging, dest, src_rank, ring);
-        if (lane == 0) geo.shared_idx(slot)[j] = static_cast<afd_i32>(token);
-        dst_row = geo.shared_row(slot, j, row_bytes);
+        dest = e / expert_per_rank;
+        pos = expert_start[e] + chunk_hist[(r / CHUNK) * num_experts + e] + local_rank[r] -
+              rank_offsets[dest];
       }
-      const char* src_row = static_cast<const char*>(byte_ptr(hidden, token * row_bytes));
-      warp_copy_row(dst_row, src_row, row_bytes, lane);
+      write_pair_row(geo, peer_windows, staging, src_rank, ring, hidden, row_bytes, top_k,
+                     num_ffn_ranks, num_partials, r, dest, pos, pos_out, lane);
     }
   }
 
@@ -208,22 +254,8 @@ afd_dispatch_scatter(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-
   if (!last_block_done(done_counter, /*system_scope=*/true)) return;
 
   // Last block: headers, then (after a system fence) the flags of the non-empty peers.
-  for (int j = tid; j < num_ffn_ranks; j += SCATTER_THREADS) {
-    const afd_i32 routed = rank_offsets[j + 1] - rank_offsets[j];
-    const afd_i32 shared = has_shared ? shared_rows_of(num_tokens, num_ffn_ranks, j) : 0;
-    afd_i64 seq = 0;
-    if (ok && (routed + shared > 0 || always_send)) {
-      seq = seq_counters[j] + 1;
-      seq_counters[j] = seq;
-    }
-    s_seq[j] = seq;
-    s_routed[j] = routed;
-    s_shared[j] = shared;
-    expected[j] = seq;
-    expected_counts[2 * j] = routed;  // what the reply must echo (afd_wait_replies)
-    expected_counts[2 * j + 1] = shared;
-  }
-  __syncthreads();
+  record_pair_sends(num_ffn_ranks, rank_offsets, num_tokens, has_shared, ok, always_send,
+                    seq_counters, s_seq, s_routed, s_shared, expected, expected_counts);
   if (ok) {
     // Headers, then per rank a system fence and the flag. A put peer's flag goes to the local
     // staging flag word: the host's flag put, queued behind this kernel and a quiet, copies it
@@ -364,8 +396,7 @@ afd_dispatch_fused(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-ma
     const afd_i64 warp_stride = static_cast<afd_i64>(gridDim.x) * ROWS_PER_BLOCK;
     for (afd_i64 r = static_cast<afd_i64>(blockIdx.x) * ROWS_PER_BLOCK + (tid >> 5); r < num_rows;
          r += warp_stride) {
-      afd_i64 token;
-      char* dst_row;
+      afd_i32 dest = 0, pos = 0;
       if (r < num_partials) {
         const afd_i32 e = s_ids[r];
         // Stable rank of partial r among the partials of expert e before it: 32 ids per step.
@@ -374,25 +405,11 @@ afd_dispatch_fused(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-ma
           const afd_i64 q = q0 + lane;
           rank += __popc(__ballot_sync(0xffffffffu, q < r && s_ids[q] == e));
         }
-        const afd_i32 dest = e / expert_per_rank;
-        const afd_i32 pos = s_start[e] + rank - s_rank_off[dest];
-        token = r / top_k;
-        char* slot = geo.send_slot(peer_windows[dest], staging, dest, src_rank, ring);
-        if (lane == 0) {
-          pos_out[r] = pos;
-          geo.route(slot)[pos] = make_int2(static_cast<afd_i32>(token), static_cast<afd_i32>(r % top_k));
-        }
-        dst_row = geo.routed_row(slot, pos, row_bytes);
-      } else {
-        token = r - num_partials;
-        const afd_i32 dest = static_cast<afd_i32>(token % num_ffn_ranks);
-        const afd_i64 j = token / num_ffn_ranks;
-        char* slot = geo.send_slot(peer_windows[dest], staging, dest, src_rank, ring);
-        if (lane == 0) geo.shared_idx(slot)[j] = static_cast<afd_i32>(token);
-        dst_row = geo.shared_row(slot, j, row_bytes);
+        dest = e / expert_per_rank;
+        pos = s_start[e] + rank - s_rank_off[dest];
       }
-      const char* src_row = static_cast<const char*>(byte_ptr(hidden, token * row_bytes));
-      warp_copy_row(dst_row, src_row, row_bytes, lane);
+      write_pair_row(geo, peer_windows, staging, src_rank, ring, hidden, row_bytes, top_k,
+                     num_ffn_ranks, num_partials, r, dest, pos, pos_out, lane);
     }
   } else if (tid == 0 && s_skip) {
     atomicOr(reinterpret_cast<unsigned int*>(skipped), 1u);  // released by last_block_done
@@ -408,22 +425,8 @@ afd_dispatch_fused(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-ma
   }
   __syncthreads();
   const bool send = s_send != 0;
-  for (int j = tid; j < num_ffn_ranks; j += SCATTER_THREADS) {
-    const afd_i32 routed = s_rank_off[j + 1] - s_rank_off[j];
-    const afd_i32 shared = has_shared ? shared_rows_of(num_tokens, num_ffn_ranks, j) : 0;
-    afd_i64 seq = 0;
-    if (send && (routed + shared > 0 || always_send)) {
-      seq = seq_counters[j] + 1;
-      seq_counters[j] = seq;
-    }
-    s_seq[j] = seq;
-    s_routed[j] = routed;
-    s_shared[j] = shared;
-    expected[j] = seq;
-    expected_counts[2 * j] = routed;
-    expected_counts[2 * j + 1] = shared;
-  }
-  __syncthreads();
+  record_pair_sends(num_ffn_ranks, s_rank_off, num_tokens, has_shared, send, always_send,
+                    seq_counters, s_seq, s_routed, s_shared, expected, expected_counts);
   if (send) {
     const DispatchHeader hdr{src_rank, layer_idx, stage_idx, num_tokens, top_k, hdr_flags};
     publish_dispatch</*DEDUP=*/false>(geo, peer_windows, staging, ring, num_ffn_ranks,

@@ -148,22 +148,26 @@ class Dispatch:
             self.run_plan()
             self.run_scatter()
 
-    def run_fused(self):
-        """afd_dispatch_fused: plan and scatter in one kernel (block 0 writes the plan outputs)."""
+    def _dispatch_args(self) -> dict:
+        """The arguments the scatter and the fused kernel share."""
         scratch = self.scratch
-        kernels.dispatch_fused_spec(
+        return dict(
             dtype_code=kernels.DTYPE_CODES[self.dtype], hidden=self.hidden_dev.data.ptr,
             num_tokens=self.num_tokens, hidden_size=self.hidden, topk_ids=self.topk_ids,
             num_partials=self.num_partials, top_k=self.top_k, expert_per_rank=self.epr,
-            num_ffn_ranks=self.num_ffn, routed_cap=self.layout.routed_cap,
-            expert_counts=scratch.expert_counts, expert_start=scratch.expert_start,
-            rank_offsets=scratch.rank_offsets, verdict=scratch.verdict, skipped=scratch.skipped,
-            peer_windows=self.peer_windows, geo=self.layout.kernel_geometry(), ring=self.ring,
-            has_shared=self.has_shared, pos_out=self.pos_out, src_rank=self.src_rank,
-            layer_idx=self.layer_idx, stage_idx=self.stage_idx, hdr_flags=0,
-            seq_counters=self.seq_counters, expected=self.expected,
-            expected_counts=self.expected_counts, done_counter=scratch.scatter_done,
-            status=self.status.ptr).launch()
+            num_ffn_ranks=self.num_ffn, expert_start=scratch.expert_start,
+            rank_offsets=scratch.rank_offsets, expert_counts=scratch.expert_counts,
+            verdict=scratch.verdict, peer_windows=self.peer_windows,
+            geo=self.layout.kernel_geometry(), ring=self.ring, has_shared=self.has_shared,
+            pos_out=self.pos_out, src_rank=self.src_rank, layer_idx=self.layer_idx,
+            stage_idx=self.stage_idx, hdr_flags=0, seq_counters=self.seq_counters,
+            expected=self.expected, expected_counts=self.expected_counts,
+            done_counter=scratch.scatter_done)
+
+    def run_fused(self):
+        """afd_dispatch_fused: plan and scatter in one kernel (block 0 writes the plan outputs)."""
+        kernels.dispatch_fused_spec(routed_cap=self.layout.routed_cap, skipped=self.scratch.skipped,
+                                    status=self.status.ptr, **self._dispatch_args()).launch()
         sync()
 
     def run_plan(self):
@@ -178,19 +182,8 @@ class Dispatch:
         sync()
 
     def run_scatter(self):
-        scratch = self.scratch
-        kh.launch_dispatch_scatter(
-            dtype_code=kernels.DTYPE_CODES[self.dtype], hidden=self.hidden_dev.data.ptr,
-            num_tokens=self.num_tokens, hidden_size=self.hidden, topk_ids=self.topk_ids,
-            num_partials=self.num_partials, top_k=self.top_k, expert_per_rank=self.epr,
-            num_ffn_ranks=self.num_ffn, chunk_hist=scratch.chunk_hist, local_rank=scratch.local_rank,
-            expert_start=scratch.expert_start, rank_offsets=scratch.rank_offsets,
-            expert_counts=scratch.expert_counts, verdict=scratch.verdict,
-            peer_windows=self.peer_windows, geo=self.layout.kernel_geometry(), ring=self.ring,
-            has_shared=self.has_shared, pos_out=self.pos_out, src_rank=self.src_rank,
-            layer_idx=self.layer_idx, stage_idx=self.stage_idx, hdr_flags=0,
-            seq_counters=self.seq_counters, expected=self.expected,
-            expected_counts=self.expected_counts, done_counter=scratch.scatter_done)
+        kh.launch_dispatch_scatter(chunk_hist=self.scratch.chunk_hist,
+                                   local_rank=self.scratch.local_rank, **self._dispatch_args())
         sync()
 
     def reference(self) -> planner.DispatchPlan:

@@ -90,9 +90,8 @@ def phase_stats(rows: np.ndarray, points=POINTS, phases=PHASES) -> dict:
 
     rows = np.asarray(rows, np.int64).reshape(-1, len(points))
     complete = rows[(rows >= 0).all(axis=1)]
-    index = {p: i for i, p in enumerate(points)}
-    return {name: dt.stats_us((complete[:, index[end]] - complete[:, index[start]]) / 1000.0)
-            for name, start, end in phases}
+    durations = dt.phase_durations_us({p: complete[:, i] for i, p in enumerate(points)}, phases)
+    return {name: dt.stats_us(values) for name, values in durations.items()}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

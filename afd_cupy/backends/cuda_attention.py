@@ -187,26 +187,11 @@ class CudaAttentionSide:
             topk_weights=placeholder_ids.view(self.cp.float32), pos=scratch.pos,
             top_k=layout.top_k, expert_per_rank=epr, has_shared=int(ctx.has_shared),
             out_scale=1.0, done_counter=self.combine_done[ring], **replies)
-        if self.fused_dispatch:
-            fused = kernels.dispatch_fused_spec(
-                dtype_code=self.dtype_code, hidden=self.own_window, num_tokens=cap,
-                hidden_size=layout.hidden_size, topk_ids=placeholder_ids, num_partials=cap * layout.top_k,
-                top_k=layout.top_k, expert_per_rank=epr, num_ffn_ranks=num_ffn,
-                routed_cap=layout.routed_cap, expert_counts=scratch.expert_counts,
-                expert_start=scratch.expert_start, rank_offsets=scratch.rank_offsets,
-                verdict=scratch.verdict, skipped=scratch.skipped, peer_windows=self.peer_windows,
-                geo=geo, ring=ring, has_shared=int(ctx.has_shared), always_send=int(ctx.always_send),
-                pos_out=scratch.pos, src_rank=ctx.role_rank, layer_idx=0, stage_idx=0, hdr_flags=0,
-                seq_counters=self.seq_counters[ring], expected=expected,
-                expected_counts=self.expected_counts[ring], done_counter=scratch.scatter_done,
-                status=self.status.ptr, staging=self.put.staging_base if self.put else 0)
-            return {name: kernels.PackedLaunch(spec) for name, spec in
-                    (("fused", fused), ("wait", wait), ("combine", combine))}
-        scatter = kernels.dispatch_scatter_spec(
+        # what the fused kernel and the scatter share (the per-call ones are placeholders)
+        common = dict(
             dtype_code=self.dtype_code, hidden=self.own_window, num_tokens=cap,
             hidden_size=layout.hidden_size, topk_ids=placeholder_ids, num_partials=cap * layout.top_k,
             top_k=layout.top_k, expert_per_rank=epr, num_ffn_ranks=num_ffn,
-            chunk_hist=scratch.chunk_hist, local_rank=scratch.local_rank,
             expert_start=scratch.expert_start, rank_offsets=scratch.rank_offsets,
             expert_counts=scratch.expert_counts, verdict=scratch.verdict,
             peer_windows=self.peer_windows, geo=geo, ring=ring, has_shared=int(ctx.has_shared),
@@ -214,6 +199,13 @@ class CudaAttentionSide:
             layer_idx=0, stage_idx=0, hdr_flags=0, seq_counters=self.seq_counters[ring],
             expected=expected, expected_counts=self.expected_counts[ring],
             done_counter=scratch.scatter_done, staging=self.put.staging_base if self.put else 0)
+        if self.fused_dispatch:
+            fused = kernels.dispatch_fused_spec(routed_cap=layout.routed_cap, skipped=scratch.skipped,
+                                                status=self.status.ptr, **common)
+            return {name: kernels.PackedLaunch(spec) for name, spec in
+                    (("fused", fused), ("wait", wait), ("combine", combine))}
+        scatter = kernels.dispatch_scatter_spec(chunk_hist=scratch.chunk_hist,
+                                                local_rank=scratch.local_rank, **common)
         return {name: kernels.PackedLaunch(spec) for name, spec in
                 (("plan", plan), ("scatter", scatter), ("wait", wait), ("combine", combine))}
 

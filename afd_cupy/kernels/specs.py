@@ -98,6 +98,46 @@ def plan_grid(num_partials: int) -> int:
     return max(1, dispatch_num_chunks(num_partials))
 
 
+def _pair_dispatch_head(*, hidden, num_tokens, hidden_size, topk_ids, num_partials, top_k,
+                        expert_per_rank, num_ffn_ranks) -> dict:
+    """The first, checked arguments of afd_dispatch_scatter and afd_dispatch_fused (hidden ..
+    num_ffn_ranks, in their kernel order); num_partials must be num_tokens * top_k."""
+    num_partials = _count("num_partials", num_partials)
+    num_tokens = _count("num_tokens", num_tokens)
+    top_k = _count("top_k", top_k, low=1)
+    if int(num_partials) != int(num_tokens) * int(top_k):
+        raise ValueError(f"num_partials={num_partials} != num_tokens * top_k = "
+                         f"{num_tokens} * {top_k}")
+    return {"hidden": _address("hidden", hidden, allow_null=num_tokens == 0),
+            "num_tokens": num_tokens, "hidden_size": _count("hidden_size", hidden_size, low=1),
+            "topk_ids": _array("topk_ids", topk_ids, np.int32, num_partials),
+            "num_partials": num_partials, "top_k": top_k,
+            "expert_per_rank": _count("expert_per_rank", expert_per_rank, low=1),
+            "num_ffn_ranks": _count("num_ffn_ranks", num_ffn_ranks, low=1, high=MAX_FFN_RANKS)}
+
+
+def _pair_dispatch_tail(*, peer_windows, staging, geo, ring, has_shared, always_send, pos_out,
+                        src_rank, layer_idx, stage_idx, hdr_flags, seq_counters, expected,
+                        expected_counts, done_counter, num_partials, num_ffn, epr) -> dict:
+    """The publishing arguments of afd_dispatch_scatter and afd_dispatch_fused (peer_windows ..
+    done_counter, in their kernel order), checked against a pair layout of ``epr`` experts per
+    rank."""
+    geo = _geometry("geo", geo, header_words=wire.HDR_FIXED_WORDS + int(epr))
+    return {"peer_windows": _array("peer_windows", peer_windows, np.uint64, num_ffn),
+            "staging": _address("staging", staging, allow_null=True),
+            "geo": geo, "ring": _count("ring", ring, high=int(geo["ring_depth"]) - 1),
+            "has_shared": _count("has_shared", has_shared, high=1),
+            "always_send": _count("always_send", always_send, high=1),
+            "pos_out": _array("pos_out", pos_out, np.int32, num_partials),
+            "src_rank": _count("src_rank", src_rank, high=int(geo["num_regions"]) - 1),
+            "layer_idx": np.int32(layer_idx), "stage_idx": np.int32(stage_idx),
+            "hdr_flags": np.int32(hdr_flags),
+            "seq_counters": _array("seq_counters", seq_counters, np.int64, num_ffn),
+            "expected": _array("expected", expected, np.int64, num_ffn),
+            "expected_counts": _array("expected_counts", expected_counts, np.int32, 2 * num_ffn),
+            "done_counter": _array("done_counter", done_counter, np.uint32, 1)}
+
+
 def dispatch_scatter_spec(*, dtype_code, hidden, num_tokens, hidden_size, topk_ids, num_partials,
                           top_k, expert_per_rank, num_ffn_ranks, chunk_hist, local_rank,
                           expert_start, rank_offsets, expert_counts, verdict, peer_windows, geo,
@@ -120,43 +160,28 @@ def dispatch_scatter_spec(*, dtype_code, hidden, num_tokens, hidden_size, topk_i
     not STATUS_OK nothing is written to any peer and ``expected`` is all 0.
     Grid: :func:`scatter_grid`.
     """
-    num_partials = _count("num_partials", num_partials)
-    num_tokens = _count("num_tokens", num_tokens)
-    top_k = _count("top_k", top_k, low=1)
-    if int(num_partials) != int(num_tokens) * int(top_k):
-        raise ValueError(f"num_partials={num_partials} != num_tokens * top_k = "
-                         f"{num_tokens} * {top_k}")
-    num_ffn = _count("num_ffn_ranks", num_ffn_ranks, low=1, high=MAX_FFN_RANKS)
-    epr = _count("expert_per_rank", expert_per_rank, low=1)
-    num_experts = int(num_ffn) * int(epr)
-    geo = _geometry("geo", geo, header_words=wire.HDR_FIXED_WORDS + int(epr))
-    has_shared = _count("has_shared", has_shared, high=1)
-    args = {"hidden": _address("hidden", hidden, allow_null=num_tokens == 0),
-            "num_tokens": num_tokens, "hidden_size": _count("hidden_size", hidden_size, low=1),
-            "topk_ids": _array("topk_ids", topk_ids, np.int32, num_partials),
-            "num_partials": num_partials, "top_k": top_k, "expert_per_rank": epr,
-            "num_ffn_ranks": num_ffn,
+    head = _pair_dispatch_head(hidden=hidden, num_tokens=num_tokens, hidden_size=hidden_size,
+                               topk_ids=topk_ids, num_partials=num_partials, top_k=top_k,
+                               expert_per_rank=expert_per_rank, num_ffn_ranks=num_ffn_ranks)
+    num_tokens, num_partials, top_k = head["num_tokens"], head["num_partials"], head["top_k"]
+    num_ffn, epr = int(head["num_ffn_ranks"]), int(head["expert_per_rank"])
+    num_experts = num_ffn * epr
+    tail = _pair_dispatch_tail(
+        peer_windows=peer_windows, staging=staging, geo=geo, ring=ring, has_shared=has_shared,
+        always_send=always_send, pos_out=pos_out, src_rank=src_rank, layer_idx=layer_idx,
+        stage_idx=stage_idx, hdr_flags=hdr_flags, seq_counters=seq_counters, expected=expected,
+        expected_counts=expected_counts, done_counter=done_counter, num_partials=num_partials,
+        num_ffn=num_ffn, epr=epr)
+    args = {**head,
             "chunk_hist": _array("chunk_hist", chunk_hist, np.int32,
                                  dispatch_num_chunks(num_partials) * num_experts),
             "local_rank": _array("local_rank", local_rank, np.int32, num_partials),
             "expert_start": _array("expert_start", expert_start, np.int32, num_experts),
-            "rank_offsets": _array("rank_offsets", rank_offsets, np.int32, int(num_ffn) + 1),
+            "rank_offsets": _array("rank_offsets", rank_offsets, np.int32, num_ffn + 1),
             "expert_counts": _array("expert_counts", expert_counts, np.int32, num_experts),
-            "verdict": _array("verdict", verdict, np.int32, 1),
-            "peer_windows": _array("peer_windows", peer_windows, np.uint64, int(num_ffn)),
-            "staging": _address("staging", staging, allow_null=True),
-            "geo": geo, "ring": _count("ring", ring, high=int(geo["ring_depth"]) - 1),
-            "has_shared": has_shared, "always_send": _count("always_send", always_send, high=1),
-            "pos_out": _array("pos_out", pos_out, np.int32, num_partials),
-            "src_rank": _count("src_rank", src_rank, high=int(geo["num_regions"]) - 1),
-            "layer_idx": np.int32(layer_idx), "stage_idx": np.int32(stage_idx),
-            "hdr_flags": np.int32(hdr_flags),
-            "seq_counters": _array("seq_counters", seq_counters, np.int64, int(num_ffn)),
-            "expected": _array("expected", expected, np.int64, int(num_ffn)),
-            "expected_counts": _array("expected_counts", expected_counts, np.int32, 2 * int(num_ffn)),
-            "done_counter": _array("done_counter", done_counter, np.uint32, 1)}
+            "verdict": _array("verdict", verdict, np.int32, 1), **tail}
     kernel = get_kernel("dispatch.cu", "afd_dispatch_scatter", dtype_code=_dtype(dtype_code))
-    return _spec(kernel, scatter_grid(int(num_tokens), int(top_k), int(has_shared), max_blocks),
+    return _spec(kernel, scatter_grid(int(num_tokens), int(top_k), int(args["has_shared"]), max_blocks),
                  KERNEL_LIMITS["SCATTER_THREADS"], args)
 
 
@@ -196,49 +221,34 @@ def dispatch_fused_spec(*, dtype_code, hidden, num_tokens, hidden_size, topk_ids
     may use): at most :data:`FUSED_MAX_SHARED_BYTES` (:func:`fused_dispatch_fits`).
     Grid: :func:`scatter_grid`.
     """
-    num_partials = _count("num_partials", num_partials)
-    num_tokens = _count("num_tokens", num_tokens)
-    top_k = _count("top_k", top_k, low=1)
-    if int(num_partials) != int(num_tokens) * int(top_k):
-        raise ValueError(f"num_partials={num_partials} != num_tokens * top_k = "
-                         f"{num_tokens} * {top_k}")
+    head = _pair_dispatch_head(hidden=hidden, num_tokens=num_tokens, hidden_size=hidden_size,
+                               topk_ids=topk_ids, num_partials=num_partials, top_k=top_k,
+                               expert_per_rank=expert_per_rank, num_ffn_ranks=num_ffn_ranks)
+    num_tokens, num_partials, top_k = head["num_tokens"], head["num_partials"], head["top_k"]
+    num_ffn, epr = int(head["num_ffn_ranks"]), int(head["expert_per_rank"])
+    num_experts = num_ffn * epr
     max_partials = int(num_partials) if max_partials is None else int(max_partials)
     if max_partials < int(num_partials):
         raise ValueError(f"max_partials={max_partials} < num_partials={int(num_partials)}")
-    num_ffn = _count("num_ffn_ranks", num_ffn_ranks, low=1, high=MAX_FFN_RANKS)
-    epr = _count("expert_per_rank", expert_per_rank, low=1)
-    num_experts = int(num_ffn) * int(epr)
     if not fused_dispatch_fits(max_partials, num_experts):
         raise ValueError(f"afd_dispatch_fused needs {fused_shared_bytes(max_partials, num_experts)} B "
                          f"of shared memory for {max_partials} partials and {num_experts} experts, "
                          f"more than {FUSED_MAX_SHARED_BYTES}: use the plan and scatter kernels")
-    geo = _geometry("geo", geo, header_words=wire.HDR_FIXED_WORDS + int(epr))
-    has_shared = _count("has_shared", has_shared, high=1)
-    args = {"hidden": _address("hidden", hidden, allow_null=num_tokens == 0),
-            "num_tokens": num_tokens, "hidden_size": _count("hidden_size", hidden_size, low=1),
-            "topk_ids": _array("topk_ids", topk_ids, np.int32, num_partials),
-            "num_partials": num_partials, "top_k": top_k, "expert_per_rank": epr,
-            "num_ffn_ranks": num_ffn, "routed_cap": _count("routed_cap", routed_cap),
+    tail = _pair_dispatch_tail(
+        peer_windows=peer_windows, staging=staging, geo=geo, ring=ring, has_shared=has_shared,
+        always_send=always_send, pos_out=pos_out, src_rank=src_rank, layer_idx=layer_idx,
+        stage_idx=stage_idx, hdr_flags=hdr_flags, seq_counters=seq_counters, expected=expected,
+        expected_counts=expected_counts, done_counter=done_counter, num_partials=num_partials,
+        num_ffn=num_ffn, epr=epr)
+    args = {**head, "routed_cap": _count("routed_cap", routed_cap),
             "expert_counts": _array("expert_counts", expert_counts, np.int32, num_experts),
             "expert_start": _array("expert_start", expert_start, np.int32, num_experts),
-            "rank_offsets": _array("rank_offsets", rank_offsets, np.int32, int(num_ffn) + 1),
+            "rank_offsets": _array("rank_offsets", rank_offsets, np.int32, num_ffn + 1),
             "verdict": _array("verdict", verdict, np.int32, 1),
             "skipped": _array("skipped", skipped, np.int32, 1),
-            "peer_windows": _array("peer_windows", peer_windows, np.uint64, int(num_ffn)),
-            "staging": _address("staging", staging, allow_null=True),
-            "geo": geo, "ring": _count("ring", ring, high=int(geo["ring_depth"]) - 1),
-            "has_shared": has_shared, "always_send": _count("always_send", always_send, high=1),
-            "pos_out": _array("pos_out", pos_out, np.int32, num_partials),
-            "src_rank": _count("src_rank", src_rank, high=int(geo["num_regions"]) - 1),
-            "layer_idx": np.int32(layer_idx), "stage_idx": np.int32(stage_idx),
-            "hdr_flags": np.int32(hdr_flags),
-            "seq_counters": _array("seq_counters", seq_counters, np.int64, int(num_ffn)),
-            "expected": _array("expected", expected, np.int64, int(num_ffn)),
-            "expected_counts": _array("expected_counts", expected_counts, np.int32, 2 * int(num_ffn)),
-            "done_counter": _array("done_counter", done_counter, np.uint32, 1),
-            "status": _address("status", status)}
+            **tail, "status": _address("status", status)}
     kernel = get_kernel("dispatch.cu", "afd_dispatch_fused", dtype_code=_dtype(dtype_code))
-    return _spec(kernel, scatter_grid(int(num_tokens), int(top_k), int(has_shared), max_blocks),
+    return _spec(kernel, scatter_grid(int(num_tokens), int(top_k), int(args["has_shared"]), max_blocks),
                  KERNEL_LIMITS["SCATTER_THREADS"], args,
                  shared_mem=fused_shared_bytes(max_partials, num_experts))
 
