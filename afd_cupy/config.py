@@ -162,10 +162,11 @@ class ConnectorConfig:
       (NVSHMEM one-sided puts from a local staging slot, for every peer: the multi-node path,
       testable on one node) or ``"auto"`` (direct where the peer's window maps, put
       elsewhere). The host backend runs ``"direct"`` and ``"auto"`` (= direct).
-    - ``fused_dispatch``: pair mode on the cuda backend: plan and scatter in one kernel
-      (``afd_dispatch_fused``, every block plans in its shared memory) whenever a dispatch of
-      ``max_num_batched_tokens`` fits it (docs/design.md §5); False: always the two kernels.
-      The same bytes reach the window either way.
+    - ``fused_dispatch``: the cuda backend's dispatch in one kernel (every block plans in its
+      shared memory) whenever a dispatch of ``max_num_batched_tokens`` fits it: pair mode
+      ``afd_dispatch_fused`` (plan + scatter), dedup mode ``afd_dedup_dispatch_fused`` (plan +
+      rows + scatter); docs/design.md §5. False: always the separate kernels. The same bytes
+      reach the window either way.
     """
 
     attn_ranks_per_dp: int = 1

@@ -352,3 +352,292 @@ afd_dedup_combine(afd_u64 out,  // payload [num_tokens, hidden_size]
   // Last block (GPU scope): last_seen from the flags the wait accepted.
   finish_combine(done_counter, geo, num_ffn_ranks, ring, expected, reply_flags, last_seen, status);
 }
+
+// Plan, rows and scatter of a decode-size dedup dispatch in ONE kernel (docs/design.md §5, as
+// afd_dispatch_fused does for pair mode): every block plans the whole dispatch in its shared
+// memory from the ids, then writes its (token, rank) cells; no block waits for another before
+// its rows. Same wire order and outputs as afd_dispatch_plan -> afd_dedup_rows ->
+// afd_dedup_scatter: the staging row of each partial (pos, by expert then by partial index),
+// the rows of each message (keys 2j: t's shared experts run on j, first; then 2j + 1; by token
+// within a key), route tables, payload rows, headers, flags. Block 0 writes the plan's
+// expert_counts, expert_start, rank_offsets, verdict and the rows' shared_rank, num_rows,
+// shared_rows; every cell's warp writes its row_map entry (-1: not sent there, or nothing sent).
+// Errors as afd_dispatch_fused: the verdict from the ids (BAD_EXPERT, CAPACITY) by block 0; an
+// error latched earlier, read once per block: that block writes no rows and sets `skipped`, and
+// the last block then publishes nothing.
+// NOTE: the counts per key and per expert are added once per warp (__match_any_sync), not per
+// thread: per-thread shared atomics on one word serialize (~3 us for 64, session 8).
+// grid = dedup_scatter_grid(T, F, row bytes), block = SCATTER_THREADS, dynamic shared memory =
+// 4 * (3 * round_up(T*K, 4) + 3 * E + round_up(T, 4)) bytes (dedup_dispatch_fused_spec).
+template <int DT>
+__global__ void __launch_bounds__(SCATTER_THREADS)
+afd_dedup_dispatch_fused(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-major
+                         afd_i32 num_tokens, afd_i32 hidden_size,
+                         const afd_i32* __restrict__ topk_ids,    // [num_tokens * top_k]
+                         const float* __restrict__ topk_weights,  // [num_tokens * top_k]
+                         afd_i32 top_k, afd_i32 expert_per_rank, afd_i32 num_ffn_ranks,
+                         afd_i32 routed_cap, afd_i32 has_shared,
+                         afd_i32* __restrict__ expert_counts,  // [E] out (block 0)
+                         afd_i32* __restrict__ expert_start,   // [E] out (block 0)
+                         afd_i32* __restrict__ rank_offsets,   // [F + 1] out (block 0)
+                         afd_i32* __restrict__ verdict,        // [1] out (block 0)
+                         afd_i32* skipped,                     // [1] scratch, 0 between dispatches
+                         afd_i32* __restrict__ row_map,        // [num_tokens, F] out
+                         afd_i32* __restrict__ shared_rank,    // [num_tokens] out (block 0)
+                         afd_i32* __restrict__ num_rows,       // [F] out (block 0)
+                         afd_i32* __restrict__ shared_rows,    // [F] out (block 0)
+                         const afd_u64* __restrict__ peer_windows,  // [F], 0: put peer
+                         afd_u64 staging,  // own symmetric put staging (0 without put peers)
+                         SlotGeometry geo, afd_i32 ring, afd_i32 always_send,
+                         afd_i32 src_rank, afd_i32 layer_idx, afd_i32 stage_idx, afd_i32 hdr_flags,
+                         afd_i64* seq_counters,     // [F], this ring's row
+                         afd_i64* expected,         // [F] out: seq sent, 0 = not sent
+                         afd_i32* expected_counts,  // [F, 3] out: (routed, shared, rows)
+                         unsigned int* done_counter, afd_i64* status) {
+  constexpr unsigned int ALL = 0xffffffffu;
+  extern __shared__ __align__(16) afd_i32 s_dyn[];
+  __shared__ afd_i64 s_seq[MAX_FFN_RANKS];
+  __shared__ afd_i32 s_routed[MAX_FFN_RANKS];
+  __shared__ afd_i32 s_shared[MAX_FFN_RANKS];
+  __shared__ afd_i32 s_rows[MAX_FFN_RANKS];
+  __shared__ afd_i32 s_rank_off[MAX_FFN_RANKS + 1];
+  __shared__ afd_i32 s_keyrun[2 * MAX_FFN_RANKS];  // rows per key: so far, then in total
+  __shared__ __align__(16) afd_i32 s_keys[SCATTER_THREADS];
+  __shared__ afd_i32 s_first_bad, s_code, s_skip, s_send;
+  __shared__ afd_i64 s_earlier;
+
+  const int tid = threadIdx.x, lane = tid & 31;
+  const afd_i32 num_experts = num_ffn_ranks * expert_per_rank;
+  const afd_i32 num_partials = num_tokens * top_k;
+  const afd_i32 p4 = (num_partials + 3) & ~3;
+  afd_i32* s_ids = s_dyn;             // [P], -1 = bad id
+  afd_i32* s_pos = s_ids + p4;        // [P] staging row of each partial on its rank
+  afd_i32* s_prow = s_pos + p4;       // [P] first partial of (t, j): rank among its key's
+  afd_i32* s_hist = s_prow + p4;      // [E] counts
+  afd_i32* s_start = s_hist + num_experts;  // [E] exclusive starts
+  afd_i32* s_run = s_start + num_experts;   // [E] partials of each expert in earlier rounds
+  afd_i32* s_srank = s_run + num_experts;   // [T] rank running t's shared experts, -1: none
+  const afd_i32 route_words = ROUTE_FIXED_WORDS + 2 * top_k;
+  const afd_i64 row_bytes = static_cast<afd_i64>(hidden_size) * itemsize<DT>();
+
+  // 1. The pair plan (as afd_dispatch_fused): ids, histogram, scan, rank offsets, verdict.
+  for (int e = tid; e < num_experts; e += SCATTER_THREADS) {
+    s_hist[e] = 0;
+    s_run[e] = 0;
+  }
+  for (int k = tid; k < 2 * num_ffn_ranks; k += SCATTER_THREADS) s_keyrun[k] = 0;
+  if (tid == 0) {
+    s_first_bad = num_partials;
+    s_earlier = status_code(status);  // an error latched before this dispatch: send nothing
+  }
+  __syncthreads();
+  for (int i = tid; i < num_partials; i += SCATTER_THREADS) {
+    afd_i32 e = topk_ids[i];
+    if (e < 0 || e >= num_experts) {
+      atomicMin(&s_first_bad, i);
+      e = -1;
+    } else {
+      atomicAdd(&s_hist[e], 1);
+    }
+    s_ids[i] = e;
+  }
+  __syncthreads();
+  const int per_thread = (num_experts + SCATTER_THREADS - 1) / SCATTER_THREADS;
+  const int e_begin = min(tid * per_thread, num_experts);
+  const int e_end = min(e_begin + per_thread, num_experts);
+  afd_i32 local_sum = 0;
+  for (int e = e_begin; e < e_end; ++e) local_sum += s_hist[e];
+  afd_i32 total;
+  afd_i32 run = block_exclusive_scan_256(local_sum, &total);
+  for (int e = e_begin; e < e_end; ++e) {
+    s_start[e] = run;
+    run += s_hist[e];
+  }
+  __syncthreads();
+  for (int r = tid; r <= num_ffn_ranks; r += SCATTER_THREADS) {
+    s_rank_off[r] = (r < num_ffn_ranks) ? s_start[r * expert_per_rank] : total;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    afd_i64 code = STATUS_OK;
+    if (s_first_bad < num_partials) {
+      code = STATUS_BAD_EXPERT;
+      if (blockIdx.x == 0) {
+        report_status(status, STATUS_BAD_EXPERT, -1, s_first_bad, -1, num_experts,
+                      topk_ids[s_first_bad], -1, -1, layer_idx);
+      }
+    }
+    for (int r = 0; code == STATUS_OK && r < num_ffn_ranks; ++r) {
+      const afd_i32 count = s_rank_off[r + 1] - s_rank_off[r];
+      if (count > routed_cap) {
+        code = STATUS_CAPACITY;
+        if (blockIdx.x == 0) {
+          report_status(status, STATUS_CAPACITY, r, -1, -1, -1, -1, count, routed_cap, layer_idx);
+        }
+      }
+    }
+    s_code = static_cast<afd_i32>(code);
+    s_skip = (code == STATUS_OK && s_earlier != STATUS_OK) ? 1 : 0;
+  }
+  __syncthreads();
+  const bool planned = s_code == STATUS_OK;  // the ids are valid: rows can be planned
+
+  // 2. The rows (as afd_dedup_rows) and each partial's staging row, in rounds of one partial
+  // per thread: stable ranks among equal experts / keys from block_rank_of_key, plus the
+  // counts of the rounds before.
+  if (planned) {
+    for (int t = tid; t < num_tokens; t += SCATTER_THREADS) {
+      s_srank[t] = has_shared ? dedup_shared_rank(s_ids + static_cast<afd_i64>(t) * top_k, top_k,
+                                                  expert_per_rank, num_ffn_ranks, t)
+                              : -1;
+    }
+    __syncthreads();
+    for (afd_i32 p0 = 0; p0 < num_partials; p0 += SCATTER_THREADS) {
+      const afd_i32 p = p0 + tid;
+      const afd_i32 e = p < num_partials ? s_ids[p] : -1;
+      s_keys[tid] = e;
+      __syncthreads();
+      const afd_i32 rank = block_rank_of_key(s_keys, e);
+      if (e >= 0) s_pos[p] = s_start[e] + s_run[e] + rank - s_rank_off[e / expert_per_rank];
+      afd_i32 key = -1;
+      if (e >= 0) {
+        const afd_i32 t = p / top_k, k = p - t * top_k, j = e / expert_per_rank;
+        const afd_i32* ids = s_ids + static_cast<afd_i64>(t) * top_k;
+        bool first = true;
+        for (afd_i32 kk = 0; kk < k && first; ++kk) first = (ids[kk] / expert_per_rank != j);
+        if (first) key = 2 * j + (s_srank[t] == j ? 0 : 1);
+      }
+      const unsigned int same_e = __match_any_sync(ALL, e);
+      __syncthreads();  // every read of s_keys and s_run of this round is done
+      if (e >= 0 && lane == 31 - __clz(same_e)) atomicAdd(&s_run[e], __popc(same_e));
+      s_keys[tid] = key;
+      __syncthreads();
+      const afd_i32 key_rank = block_rank_of_key(s_keys, key);
+      if (p < num_partials) s_prow[p] = key >= 0 ? s_keyrun[key] + key_rank : -1;
+      const unsigned int same_key = __match_any_sync(ALL, key);
+      __syncthreads();  // every read of s_keys and s_keyrun of this round is done
+      if (key >= 0 && lane == 31 - __clz(same_key)) atomicAdd(&s_keyrun[key], __popc(same_key));
+      __syncthreads();
+    }
+  }
+  // s_keyrun now holds the totals: shared rows (even keys) and other rows (odd keys) per rank.
+  // As afd_dedup_rows after a verdict other than STATUS_OK (bad ids, or an error latched
+  // earlier): the rows' outputs say nothing is sent (-1, 0).
+  const bool ok = planned && !s_skip;
+  if (blockIdx.x == 0) {
+    for (int e = tid; e < num_experts; e += SCATTER_THREADS) {
+      expert_counts[e] = s_hist[e];
+      expert_start[e] = s_start[e];
+    }
+    for (int r = tid; r <= num_ffn_ranks; r += SCATTER_THREADS) rank_offsets[r] = s_rank_off[r];
+    for (int j = tid; j < num_ffn_ranks; j += SCATTER_THREADS) {
+      shared_rows[j] = ok ? s_keyrun[2 * j] : 0;
+      num_rows[j] = ok ? s_keyrun[2 * j] + s_keyrun[2 * j + 1] : 0;
+    }
+    for (int t = tid; t < num_tokens; t += SCATTER_THREADS) shared_rank[t] = ok ? s_srank[t] : -1;
+    if (tid == 0) *verdict = (s_code != STATUS_OK) ? s_code : static_cast<afd_i32>(s_earlier);
+  }
+
+  // 3. This block's (token, rank) cells: row_map always; rows and route tables when sending.
+  {
+    const afd_i64 num_cells = static_cast<afd_i64>(num_tokens) * num_ffn_ranks;
+    const afd_i64 parts = row_parts(row_bytes);
+    const afd_i64 part_bytes = ((row_bytes + parts - 1) / parts + 15) & ~static_cast<afd_i64>(15);
+    const afd_i64 warp_stride = static_cast<afd_i64>(gridDim.x) * ROWS_PER_BLOCK;
+    for (afd_i64 item = static_cast<afd_i64>(blockIdx.x) * ROWS_PER_BLOCK + (tid >> 5);
+         item < num_cells * parts; item += warp_stride) {
+      const afd_i64 cell = item / parts, part = item % parts;
+      const afd_i64 t = cell / num_ffn_ranks;
+      const afd_i32 j = static_cast<afd_i32>(cell % num_ffn_ranks);
+      const afd_i32* ids = s_ids + t * top_k;
+      // the token's first partial on rank j (warp-uniform)
+      afd_i32 first_k = -1;
+      if (planned) {
+        for (afd_i32 k0 = 0; k0 < top_k && first_k < 0; k0 += 32) {
+          const afd_i32 k = k0 + lane;
+          const unsigned int mask = __ballot_sync(ALL, k < top_k && ids[k] / expert_per_rank == j);
+          if (mask != 0u) first_k = k0 + __ffs(mask) - 1;
+        }
+      }
+      afd_i32 row = -1;
+      if (first_k >= 0) {
+        const afd_i32 key = 2 * j + (s_srank[t] == j ? 0 : 1);
+        row = ((key & 1) ? s_keyrun[key - 1] : 0) + s_prow[t * top_k + first_k];
+      }
+      if (part == 0 && lane == 0) row_map[cell] = ok ? row : -1;
+      if (!ok || row < 0) continue;
+      char* slot = geo.send_slot(peer_windows[j], staging, j, src_rank, ring);
+      const afd_i64 begin = part * part_bytes;
+      if (begin < row_bytes) {
+        const char* src_row = static_cast<const char*>(byte_ptr(hidden, t * row_bytes));
+        const afd_i64 len = (row_bytes - begin < part_bytes) ? row_bytes - begin : part_bytes;
+        warp_copy_row(geo.routed_row(slot, row, row_bytes) + begin, src_row + begin, len, lane);
+      }
+      if (part != 0) continue;
+      afd_i32* entry = reinterpret_cast<afd_i32*>(slot + geo.off_route) +
+                       static_cast<afd_i64>(row) * route_words;
+      if (lane == 0) {
+        entry[ROUTE_TOKEN] = static_cast<afd_i32>(t);
+        entry[ROUTE_SHARED] = (s_srank[t] == j) ? 1 : 0;
+      }
+      afd_i32 filled = 0;  // slots written so far, in k order
+      for (afd_i32 k0 = 0; k0 < top_k; k0 += 32) {
+        const afd_i32 k = k0 + lane;
+        const bool mine = k < top_k && ids[k] / expert_per_rank == j;
+        const unsigned int mask = __ballot_sync(ALL, mine);
+        if (mine) {
+          const afd_i32 s = filled + __popc(mask & ((1u << lane) - 1u));
+          const afd_i64 p = t * top_k + k;
+          entry[ROUTE_SLOTS + s] = s_pos[p];
+          entry[ROUTE_SLOTS + top_k + s] = __float_as_int(topk_weights[p]);
+        }
+        filled += __popc(mask);
+      }
+      for (afd_i32 s = filled + lane; s < top_k; s += 32) {
+        entry[ROUTE_SLOTS + s] = -1;
+        entry[ROUTE_SLOTS + top_k + s] = 0;
+      }
+    }
+  }
+  if (tid == 0 && planned && s_skip) {
+    atomicOr(reinterpret_cast<unsigned int*>(skipped), 1u);  // released by last_block_done
+  }
+
+  // Every block's rows and route-table rows are released at system scope here.
+  if (!last_block_done(done_counter, /*system_scope=*/true)) return;
+
+  // 4. Last block: send only if no block skipped, then as afd_dedup_scatter.
+  if (tid == 0) {
+    s_send = (planned && !s_skip && __ldcg(skipped) == 0) ? 1 : 0;
+    *skipped = 0;
+  }
+  __syncthreads();
+  const bool send = s_send != 0;
+  for (int j = tid; j < num_ffn_ranks; j += SCATTER_THREADS) {
+    const afd_i32 routed = s_rank_off[j + 1] - s_rank_off[j];
+    const afd_i32 shared = ok ? s_keyrun[2 * j] : 0;  // (0 and 0 as afd_dedup_rows leaves them)
+    const afd_i32 rows = ok ? s_keyrun[2 * j] + s_keyrun[2 * j + 1] : 0;  // > 0 iff routed > 0
+    afd_i64 seq = 0;
+    if (send && (rows > 0 || always_send)) {
+      seq = seq_counters[j] + 1;
+      seq_counters[j] = seq;
+    }
+    s_seq[j] = seq;
+    s_routed[j] = routed;
+    s_shared[j] = shared;
+    s_rows[j] = rows;
+    expected[j] = seq;
+    expected_counts[3 * j] = routed;
+    expected_counts[3 * j + 1] = shared;
+    expected_counts[3 * j + 2] = rows;
+  }
+  __syncthreads();
+  if (send) {
+    const DispatchHeader hdr{src_rank, layer_idx, stage_idx, num_tokens, top_k,
+                             hdr_flags | static_cast<afd_i32>(FLAG_DEDUP)};
+    publish_dispatch</*DEDUP=*/true>(geo, peer_windows, staging, ring, num_ffn_ranks,
+                                     expert_per_rank, hdr, s_seq, s_routed, s_shared, s_rows,
+                                     s_hist);
+  }
+  reset_done_counter(done_counter);
+}

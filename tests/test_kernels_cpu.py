@@ -194,7 +194,8 @@ def test_name_expressions_and_chunks():
     assert kernels.kernel_name_expressions("wait_any.cu") == ("afd_wait_any",)
     assert kernels.kernel_name_expressions("dedup_attn.cu") == (
         "afd_dedup_rows", "afd_dedup_scatter<0>", "afd_dedup_scatter<1>", "afd_dedup_scatter<2>",
-        "afd_dedup_combine<0>", "afd_dedup_combine<1>", "afd_dedup_combine<2>")
+        "afd_dedup_combine<0>", "afd_dedup_combine<1>", "afd_dedup_combine<2>",
+        "afd_dedup_dispatch_fused<0>", "afd_dedup_dispatch_fused<1>", "afd_dedup_dispatch_fused<2>")
     assert kernels.kernel_name_expressions("probes/bench.cu") == ("afd_bench_stamp", "afd_bench_clock",
                                                                   "afd_trace_stamp")
     assert kernels.kernel_name_expressions(kernels.KERNEL_DIR / "probes" / "wire_constants.cu") == (

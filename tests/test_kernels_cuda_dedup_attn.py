@@ -85,10 +85,33 @@ class DedupDispatch:
         self.topk_ids = cp.asarray(ids.reshape(-1))
         self.topk_weights = cp.asarray(self.weights.reshape(-1))
 
-    def run(self):
+    def run(self, fused: bool = False):
+        if fused:
+            self.run_fused()
+            return
         self.run_plan()
         self.run_rows()
         self.run_scatter()
+
+    def run_fused(self):
+        """afd_dedup_dispatch_fused: plan, rows and scatter in one kernel (block 0 writes the
+        plan's and the rows' per-rank outputs, every cell's warp its row_map entry)."""
+        s, r = self.scratch, self.rows
+        kernels.dedup_dispatch_fused_spec(
+            dtype_code=kernels.DTYPE_CODES[self.dtype], hidden=self.hidden_dev.data.ptr,
+            num_tokens=self.num_tokens, hidden_size=self.hidden, topk_ids=self.topk_ids,
+            topk_weights=self.topk_weights, top_k=self.top_k, expert_per_rank=self.epr,
+            num_ffn_ranks=self.num_ffn, routed_cap=self.layout.routed_cap, has_shared=self.has_shared,
+            expert_counts=s.expert_counts, expert_start=s.expert_start, rank_offsets=s.rank_offsets,
+            verdict=s.verdict, skipped=s.skipped, row_map=r.row_map, shared_rank=r.shared_rank,
+            num_rows=r.num_rows, shared_rows=r.shared_rows, peer_windows=self.peer_windows,
+            geo=self.layout.kernel_geometry(), ring=self.ring, always_send=self.always_send,
+            src_rank=self.src_rank, layer_idx=self.layer_idx, stage_idx=self.stage_idx,
+            seq_counters=self.seq_counters, expected=self.expected,
+            expected_counts=self.expected_counts, done_counter=s.scatter_done, status=self.status.ptr,
+            staging=self.staging.data.ptr if self.put_peers else 0,
+            max_tokens=self.num_tokens + 3).launch()
+        base.sync()
 
     def run_plan(self):
         s = self.scratch
@@ -160,8 +183,19 @@ class DedupDispatch:
         assert (shared_rank[t:] == -7).all(), "shared_rank written past num_tokens"
         np.testing.assert_array_equal(self.rows.num_rows.get(), plan.num_rows)
         np.testing.assert_array_equal(self.rows.shared_rows.get(), plan.shared_rows)
-        for counter in (self.scratch.plan_done, self.rows.rows_done, self.scratch.scatter_done):
+        for counter in (self.scratch.plan_done, self.rows.rows_done, self.scratch.scatter_done,
+                        self.scratch.skipped):
             assert int(counter.get()[0]) == 0
+
+    def assert_plan_arrays(self):
+        """expert_counts / expert_start / rank_offsets == the pair plan's reference (the fused
+        kernel's block 0 writes them as afd_dispatch_plan does)."""
+        counts = np.bincount(self.ids.reshape(-1), minlength=self.num_ffn * self.epr)
+        start = np.cumsum(counts) - counts
+        np.testing.assert_array_equal(self.scratch.expert_counts.get(), counts)
+        np.testing.assert_array_equal(self.scratch.expert_start.get(), start)
+        np.testing.assert_array_equal(self.scratch.rank_offsets.get(),
+                                      np.append(start[::self.epr], counts.sum()))
 
     def assert_sent(self, plan):
         """expected, expected_counts [F, 3], seq counters and every window byte for byte (a put
@@ -221,10 +255,11 @@ class DedupDispatch:
 DISPATCH_CASES, TOP_KS, HIDDENS = base.DISPATCH_CASES, base.TOP_KS, base.HIDDENS  # pair's grid
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["3-kernel", "fused"])
 @pytest.mark.parametrize("has_shared", [0, 1])
 @pytest.mark.parametrize("num_ffn,num_tokens", DISPATCH_CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_dedup_dispatch_matches_reference(request, dtype, num_ffn, num_tokens, has_shared):
+def test_dedup_dispatch_matches_reference(request, dtype, num_ffn, num_tokens, has_shared, fused):
     rng = base._rng(request)
     case = DISPATCH_CASES.index((num_ffn, num_tokens)) + has_shared + DTYPES.index(dtype)
     top_k, hidden = TOP_KS[case % 4], HIDDENS[case % 3]
@@ -234,19 +269,21 @@ def test_dedup_dispatch_matches_reference(request, dtype, num_ffn, num_tokens, h
     ids = base.skewed_ids(rng, num_tokens, top_k, allowed)
     d = DedupDispatch(rng, dtype=dtype, num_ffn=num_ffn, num_tokens=num_tokens, top_k=top_k,
                       hidden=hidden, has_shared=has_shared, ids=ids, always_send=case % 5 == 0)
-    d.run()
+    d.run(fused=fused)
     assert base.status_of(d.status.array).ok
     assert int(d.scratch.verdict.get()[0]) == wire.STATUS_OK
     plan = d.reference()
     d.assert_plan_outputs(plan)
+    d.assert_plan_arrays()
     d.assert_sent(plan)
     if drop_last_rank and not d.always_send:
         assert d.expected.get()[num_ffn - 1] == 0
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["3-kernel", "fused"])
 @pytest.mark.parametrize("put_peers", [(0,), (1, 2), (0, 1, 2, 3)], ids=["put0", "put12", "put-all"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_dedup_dispatch_to_put_peers_fills_the_staging(request, dtype, put_peers):
+def test_dedup_dispatch_to_put_peers_fills_the_staging(request, dtype, put_peers, fused):
     """Mixed peers in one scatter (design.md §6.1): a zero window pointer sends rank j's route
     table, rows, header and flag to slot (j, ring) of the own staging, the others to their
     windows; a put peer's window is never touched, an empty one's staging slot neither."""
@@ -257,19 +294,20 @@ def test_dedup_dispatch_to_put_peers_fills_the_staging(request, dtype, put_peers
     for always_send in (0, 1):
         d = DedupDispatch(rng, dtype=dtype, num_ffn=num_ffn, num_tokens=num_tokens, top_k=top_k,
                           hidden=50, has_shared=1, ids=ids, always_send=always_send, put_peers=put_peers)
-        d.run()
+        d.run(fused=fused)
         assert base.status_of(d.status.array).ok
         plan = d.reference()
         d.assert_plan_outputs(plan)
         d.assert_sent(plan)
 
 
-def test_dedup_dispatch_to_put_peers_capacity_writes_nothing(request):
+@pytest.mark.parametrize("fused", [False, True], ids=["3-kernel", "fused"])
+def test_dedup_dispatch_to_put_peers_capacity_writes_nothing(request, fused):
     rng = base._rng(request)
     ids = base.skewed_ids(rng, 40, 4, np.arange(NUM_EXPERTS // 2))  # rank 0 over its cap
     d = DedupDispatch(rng, dtype="bfloat16", num_ffn=2, num_tokens=40, top_k=4, hidden=64,
                       has_shared=1, ids=ids, routed_cap=20, put_peers=(0,))
-    d.run()
+    d.run(fused=fused)
     d.assert_nothing_sent(wire.STATUS_CAPACITY)
 
 
@@ -286,23 +324,25 @@ def test_dedup_dispatch_large_batch_grid_stride(request, dtype):
     d.assert_sent(plan)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["3-kernel", "fused"])
 @pytest.mark.parametrize("has_shared", [0, 1])
-def test_dedup_dispatch_many_ranks_and_top_k_over_a_warp(request, has_shared):
+def test_dedup_dispatch_many_ranks_and_top_k_over_a_warp(request, has_shared, fused):
     """F = 33 (row keys past one warp) and top_k = 40 (two ballot rounds per route-table row)."""
     rng = base._rng(request)
     num_experts = 99
     ids = rng.integers(0, num_experts, (57, 40)).astype(np.int32)
     d = DedupDispatch(rng, dtype="bfloat16", num_ffn=33, num_tokens=57, top_k=40, hidden=40,
                       has_shared=has_shared, ids=ids, num_experts=num_experts, num_attn=2)
-    d.run()
+    d.run(fused=fused)
     assert base.status_of(d.status.array).ok
     plan = d.reference()
     d.assert_plan_outputs(plan)
     d.assert_sent(plan)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["3-kernel", "fused"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_dedup_dispatch_capacity_writes_nothing(request, dtype):
+def test_dedup_dispatch_capacity_writes_nothing(request, dtype, fused):
     rng = base._rng(request)
     num_ffn, num_tokens, top_k = 3, 50, 4
     ids = base.skewed_ids(rng, num_tokens, top_k, np.arange(NUM_EXPERTS))
@@ -313,13 +353,14 @@ def test_dedup_dispatch_capacity_writes_nothing(request, dtype):
     first_over = next(j for j, c in enumerate(counts) if c > cap)
     d = DedupDispatch(rng, dtype=dtype, num_ffn=num_ffn, num_tokens=num_tokens, top_k=top_k,
                       hidden=64, has_shared=1, ids=ids, routed_cap=cap)
-    d.run()
+    d.run(fused=fused)
     assert base.status_of(d.status.array) == wire.StatusRecord(
         wire.STATUS_CAPACITY, first_over, -1, -1, -1, -1, counts[first_over], cap, d.layer_idx)
     d.assert_nothing_sent(wire.STATUS_CAPACITY)
 
 
-def test_dedup_dispatch_bad_expert_id_writes_nothing(request):
+@pytest.mark.parametrize("fused", [False, True], ids=["3-kernel", "fused"])
+def test_dedup_dispatch_bad_expert_id_writes_nothing(request, fused):
     rng = base._rng(request)
     num_ffn = 4
     epr = -(-NUM_EXPERTS // num_ffn)
@@ -328,20 +369,79 @@ def test_dedup_dispatch_bad_expert_id_writes_nothing(request):
     ids[3, 0] = -1
     d = DedupDispatch(rng, dtype="float16", num_ffn=num_ffn, num_tokens=30, top_k=2, hidden=64,
                       has_shared=1, ids=ids)
-    d.run()
+    d.run(fused=fused)
     assert base.status_of(d.status.array).name == "BAD_EXPERT"
     d.assert_nothing_sent(wire.STATUS_BAD_EXPERT)
 
 
-def test_dedup_dispatch_after_latched_error_writes_nothing(request):
+@pytest.mark.parametrize("fused", [False, True], ids=["3-kernel", "fused"])
+def test_dedup_dispatch_after_latched_error_writes_nothing(request, fused):
     rng = base._rng(request)
     ids = base.skewed_ids(rng, 20, 2, np.arange(NUM_EXPERTS))
     d = DedupDispatch(rng, dtype="bfloat16", num_ffn=2, num_tokens=20, top_k=2, hidden=64,
                       has_shared=1, ids=ids)
     d.status.array[:] = [wire.STATUS_TIMEOUT, 1, 3, 1, 9, 8, -1, -1, 7]
-    d.run()
+    d.run(fused=fused)
     assert d.status.array.tolist() == [wire.STATUS_TIMEOUT, 1, 3, 1, 9, 8, -1, -1, 7]
     d.assert_nothing_sent(wire.STATUS_TIMEOUT)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_dedup_fused_dispatch_grid_stride(request, dtype):
+    """afd_dedup_dispatch_fused with more (token, rank) cells than 1024 blocks x 8 warps (1100
+    tokens x 8 ranks), still within its shared memory: every block plans all 1100 tokens."""
+    rng = base._rng(request)
+    ids = base.skewed_ids(rng, 1100, 2, np.arange(NUM_EXPERTS))
+    d = DedupDispatch(rng, dtype=dtype, num_ffn=8, num_tokens=1100, top_k=2, hidden=64,
+                      has_shared=1, ids=ids, num_experts=16)
+    assert kernels.fused_dedup_dispatch_fits(d.num_tokens + 3, d.top_k, d.num_ffn * d.epr)
+    assert d.num_tokens * d.num_ffn > kernels.MAX_BLOCKS * kernels.ROWS_PER_BLOCK
+    d.run(fused=True)
+    assert base.status_of(d.status.array).ok
+    plan = d.reference()
+    d.assert_plan_outputs(plan)
+    d.assert_plan_arrays()
+    d.assert_sent(plan)
+
+
+def test_dedup_fused_dispatch_publishes_nothing_when_a_block_skipped(request):
+    """The last block sends only if no block saw an earlier error: with the `skipped` word set
+    (as a block that read a latched status sets it) no flag, header, seq or expected is
+    written, and the word is left zero for the next dispatch."""
+    rng = base._rng(request)
+    ids = base.skewed_ids(rng, 40, 2, np.arange(NUM_EXPERTS))
+    d = DedupDispatch(rng, dtype="bfloat16", num_ffn=2, num_tokens=40, top_k=2, hidden=64,
+                      has_shared=1, ids=ids)
+    d.scratch.skipped.fill(1)
+    d.run(fused=True)
+    assert base.status_of(d.status.array).ok
+    assert (d.expected.get() == 0).all()
+    np.testing.assert_array_equal(d.seq_counters.get(), d.seq_before)
+    for j in range(2):
+        got = d.windows[j].get()
+        flag_at = d.layout.slot_index(d.src_rank, d.ring) * 8
+        assert (got[flag_at:flag_at + 8] == d.prefill[j][flag_at:flag_at + 8]).all(), f"peer {j} flagged"
+        header_at = d.layout.slot_offset(d.src_rank, d.ring) + d.layout.field_offset("header")
+        nbytes = 4 * d.layout.header_words
+        assert (got[header_at:header_at + nbytes] == d.prefill[j][header_at:header_at + nbytes]).all()
+    assert int(d.scratch.skipped.get()[0]) == 0 and int(d.scratch.scatter_done.get()[0]) == 0
+
+
+def test_dedup_fused_dispatch_spec_refuses_what_does_not_fit():
+    assert kernels.fused_dedup_dispatch_fits(128, 8, 64)
+    assert not kernels.fused_dedup_dispatch_fits(3000, 8, NUM_EXPERTS)
+    layout = dedup_layout(num_regions=2, epr=NUM_EXPERTS, hidden=64, dtype="bfloat16", top_k=8,
+                          token_cap=3000, routed_cap=24000, has_shared=1)
+    buf = cp.zeros(24000, cp.int32)
+    with pytest.raises(ValueError, match="shared memory"):
+        kernels.dedup_dispatch_fused_spec(
+            dtype_code=0, hidden=buf.data.ptr, num_tokens=3000, hidden_size=64, topk_ids=buf,
+            topk_weights=buf.view(cp.float32), top_k=8, expert_per_rank=NUM_EXPERTS, num_ffn_ranks=1,
+            routed_cap=24000, has_shared=1, expert_counts=buf, expert_start=buf, rank_offsets=buf,
+            verdict=buf, skipped=buf, row_map=buf, shared_rank=buf, num_rows=buf, shared_rows=buf,
+            peer_windows=cp.zeros(1, cp.uint64), geo=layout.kernel_geometry(), ring=0, src_rank=0,
+            layer_idx=0, stage_idx=0, seq_counters=cp.zeros(1, cp.int64), expected=cp.zeros(1, cp.int64),
+            expected_counts=buf, done_counter=cp.zeros(1, cp.uint32), status=buf.data.ptr)
 
 
 # --- wait_replies (dedup = 1) -> dedup combine ---------------------------------------------------

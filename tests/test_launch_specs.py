@@ -130,6 +130,14 @@ def _dedup_specs() -> dict:
             verdict=arr, rows_hist=arr, rows_local=arr, row_map=arr, shared_rank=arr,
             num_rows=arr, shared_rows=arr, done_counter=arr),
         ("dedup_attn.cu", "afd_dedup_scatter"): kernels.dedup_scatter_spec(**_DEDUP_SCATTER),
+        ("dedup_attn.cu", "afd_dedup_dispatch_fused"): kernels.dedup_dispatch_fused_spec(
+            dtype_code=0, hidden=0x2000, num_tokens=8, hidden_size=64, topk_ids=arr,
+            topk_weights=arr, top_k=8, expert_per_rank=4, num_ffn_ranks=2, routed_cap=64,
+            has_shared=1, expert_counts=arr, expert_start=arr, rank_offsets=arr, verdict=arr,
+            skipped=arr, row_map=arr, shared_rank=arr, num_rows=arr, shared_rows=arr,
+            peer_windows=arr, geo=geo, ring=1, src_rank=0, layer_idx=3, stage_idx=0,
+            seq_counters=arr, expected=arr, expected_counts=arr, done_counter=arr,
+            status=0x6000, max_tokens=16),
         ("dedup_attn.cu", "afd_dedup_combine"): kernels.dedup_combine_spec(
             dtype_code=2, out=0x4000, num_tokens=8, hidden_size=64, row_map=arr, out_scale=1.0,
             done_counter=arr, **replies),
@@ -185,7 +193,7 @@ def test_specs_use_the_block_sizes_of_the_limit_table(fake_specs):
               # the FFN's dedup row kernels: a warp per row, like afd_reply
               "afd_dedup_expand": "REPLY_THREADS", "afd_dedup_reply": "REPLY_THREADS",
               "afd_dedup_rows": "PLAN_THREADS", "afd_dedup_scatter": "SCATTER_THREADS",
-              "afd_dedup_combine": "COMBINE_THREADS",
+              "afd_dedup_combine": "COMBINE_THREADS", "afd_dedup_dispatch_fused": "SCATTER_THREADS",
               "afd_graph_stage": "REPLY_THREADS", "afd_graph_wait_stage": "REPLY_THREADS",
               "afd_graph_gather": "REPLY_THREADS",
               "afd_graph_reply": "REPLY_THREADS", "afd_graph_dedup_expand": "REPLY_THREADS",
@@ -396,13 +404,15 @@ def test_launches_module_has_no_cupy_import_at_module_level():
 
 
 @pytest.mark.parametrize("put", [False, True], ids=["direct", "put"])
-@pytest.mark.parametrize("wire_mode,fused", [("pair", False), ("pair", True), ("dedup", False)],
-                         ids=["pair", "pair-fused", "dedup"])
+@pytest.mark.parametrize("wire_mode,fused", [("pair", False), ("pair", True), ("dedup", False),
+                                             ("dedup", True)],
+                         ids=["pair", "pair-fused", "dedup", "dedup-fused"])
 def test_backend_builds_the_launches_of_its_wire_mode(fake_specs, monkeypatch, wire_mode, fused, put):
     """CudaAttentionSide._attention_launches checks every spec of the layout's mode (a spec of
     the other mode would refuse the geometry); numpy arrays stand in for the CuPy buffers.
     With a put channel every mode's scatter gets its staging (§6.1). Pair mode with
-    ``fused_dispatch``: one afd_dispatch_fused instead of plan + scatter."""
+    ``fused_dispatch``: one afd_dispatch_fused instead of plan + scatter; dedup mode: one
+    afd_dedup_dispatch_fused instead of plan + rows + scatter."""
     import types
 
     from afd_cupy.backends import cuda_attention
@@ -430,8 +440,14 @@ def test_backend_builds_the_launches_of_its_wire_mode(fake_specs, monkeypatch, w
         assert sorted(launches) == ["combine", "fused", "wait"]
         fused_args = dict(zip(launches["fused"].names, launches["fused"].args))
         assert fused_args["staging"] == (0x9000 if put else 0) and fused_args["status"] == 0x1000
-        assert launches["fused"].shared_mem == kernels.specs.fused_shared_bytes(
-            layout.token_cap * layout.top_k, 2 * layout.expert_per_rank)  # sized for a full batch
+        want_shared = (kernels.specs.dedup_fused_shared_bytes(layout.token_cap, layout.top_k,
+                                                              2 * layout.expert_per_rank)
+                       if wire_mode == "dedup" else
+                       kernels.specs.fused_shared_bytes(layout.token_cap * layout.top_k,
+                                                        2 * layout.expert_per_rank))
+        assert launches["fused"].shared_mem == want_shared  # sized for a full batch
+        assert ("row_map" in launches["fused"].names) == (wire_mode == "dedup")
+        assert ("row_map" in launches["combine"].names) == (wire_mode == "dedup")
         return
     want = {"pair": ["dispatch_plan", "dispatch_scatter", "wait_replies", "combine"],
             "dedup": ["dispatch_plan", "dedup_rows", "dedup_scatter", "wait_replies", "dedup_combine"]}

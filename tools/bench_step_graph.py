@@ -70,7 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--wire-mode", choices=("pair", "dedup"), default="pair",
                         help="ConnectorConfig.wire_mode of every rank (docs/design.md §3.5)")
     parser.add_argument("--dispatch", choices=("fused", "two-kernel"), default="fused",
-                        help="pair mode: ConnectorConfig.fused_dispatch (afd_dispatch_fused) or plan + scatter")
+                        help="ConnectorConfig.fused_dispatch: one kernel (afd_dispatch_fused; dedup: "
+                             "afd_dedup_dispatch_fused) or plan + scatter (dedup: plan + rows + scatter)")
     parser.add_argument("--ffn-stage", choices=("fused", "two-kernel"), default="fused",
                         help="graph FFN: afd_graph_wait_stage (GraphFFNServer(fused_wait_stage=True)) "
                              "or afd_wait_any + afd_graph_stage")

@@ -41,6 +41,7 @@ ATTENTION_STAMPS = {
     "afd_dispatch_plan": ("a_send0", "a_planned"),
     "afd_dispatch_scatter": (None, "a_sent"),
     "afd_dispatch_fused": ("a_send0", "a_sent"),  # plan + scatter in one kernel: no a_planned
+    "afd_dedup_dispatch_fused": ("a_send0", "a_sent"),  # dedup: plan + rows + scatter in one
     "afd_dedup_scatter": (None, "a_sent"),
     "afd_wait_replies": ("a_wait0", "a_seen"),
     "afd_combine": (None, "a_done"),

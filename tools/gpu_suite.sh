@@ -105,6 +105,7 @@ case "$MODE" in
     run_step step_fused 120 $SG --dispatch fused --out "$OUT/step_fused"
     run_step step_two_kernel 120 $SG --dispatch two-kernel --ffn-stage two-kernel --out "$OUT/step_two_kernel"
     run_step step_dedup 120 $SG --wire-mode dedup --out "$OUT/step_dedup"
+    run_step step_dedup_3k 120 $SG --wire-mode dedup --dispatch two-kernel --out "$OUT/step_dedup_3k"
     NO_MPS=1 run_step probe 120 python3 tools/probe_kernel_cost.py --out "$OUT/probe" ;;
 esac
 case "$MODE" in twogpu*|trace1) MODE=none ;; esac

@@ -55,7 +55,7 @@ class PathContext:
     poll_mode: str = "device"
     transport: str = "direct"  # ConnectorConfig.transport (docs/design.md §6.1)
     recv_spin_s: float = 5e-4  # FFN device-polled receive: spin this long, then sleep (§5)
-    fused_dispatch: bool = True  # ConnectorConfig.fused_dispatch (cuda, pair mode; §5)
+    fused_dispatch: bool = True  # ConnectorConfig.fused_dispatch (cuda, both wire modes; §5)
 
     @property
     def world_rank(self) -> int:

@@ -128,9 +128,14 @@ class CudaAttentionSide:
         # (routed, shared) rows sent to each FFN rank, + num_rows in dedup mode: what its reply
         # must echo
         self.is_dedup = layout.is_dedup
-        # pair mode: plan and scatter in one kernel when a full batch fits its shared memory
-        self.fused_dispatch = (not self.is_dedup and ctx.fused_dispatch
-                               and kernels.fused_dispatch_fits(max_partials, num_ffn * layout.expert_per_rank))
+        # the dispatch in one kernel when a full batch fits its shared memory (pair: plan +
+        # scatter; dedup: plan + rows + scatter)
+        num_experts = num_ffn * layout.expert_per_rank
+        if self.is_dedup:
+            self.fused_dispatch = ctx.fused_dispatch and kernels.fused_dedup_dispatch_fits(
+                layout.token_cap, layout.top_k, num_experts)
+        else:
+            self.fused_dispatch = ctx.fused_dispatch and kernels.fused_dispatch_fits(max_partials, num_experts)
         count_cols = 3 if self.is_dedup else 2
         self.expected_counts = [cp.zeros((num_ffn, count_cols), cp.int32)
                                 for _ in range(layout.ring_depth)]
@@ -171,7 +176,10 @@ class CudaAttentionSide:
                        stage_idx=0, last_seen=self.last_seen, reply_flags=self.reply_flags[ring],
                        timeout_ns=self.timeout_ns, status=self.status.ptr)
         if self.is_dedup:
-            return {"plan": kernels.PackedLaunch(plan), **self._dedup_launches(ring, replies)}
+            launches = self._dedup_launches(ring, replies)
+            if not self.fused_dispatch:
+                launches["plan"] = kernels.PackedLaunch(plan)
+            return launches
         wait = kernels.wait_replies_spec(**replies)
         combine = kernels.combine_spec(
             dtype_code=self.dtype_code, out=self.own_window, num_tokens=cap,
@@ -232,6 +240,23 @@ class CudaAttentionSide:
             dtype_code=self.dtype_code, out=self.own_window, num_tokens=cap,
             hidden_size=layout.hidden_size, row_map=rows.row_map, out_scale=1.0,
             done_counter=self.combine_done[ring], **replies)
+        if self.fused_dispatch:
+            fused = kernels.dedup_dispatch_fused_spec(
+                dtype_code=self.dtype_code, hidden=self.own_window, num_tokens=cap,
+                hidden_size=layout.hidden_size, topk_ids=placeholder_ids,
+                topk_weights=placeholder_ids.view(self.cp.float32), top_k=top_k,
+                expert_per_rank=epr, num_ffn_ranks=num_ffn, routed_cap=layout.routed_cap,
+                has_shared=int(ctx.has_shared), expert_counts=scratch.expert_counts,
+                expert_start=scratch.expert_start, rank_offsets=scratch.rank_offsets,
+                verdict=scratch.verdict, skipped=scratch.skipped, peer_windows=self.peer_windows,
+                geo=self.geometry, ring=ring, always_send=int(ctx.always_send),
+                src_rank=ctx.role_rank, layer_idx=0, stage_idx=0,
+                seq_counters=self.seq_counters[ring], expected=self.expected[ring],
+                expected_counts=self.expected_counts[ring], done_counter=scratch.scatter_done,
+                status=self.status.ptr, staging=self.put.staging_base if self.put else 0,
+                **row_outputs)
+            return {name: kernels.PackedLaunch(spec) for name, spec in
+                    (("fused", fused), ("wait", wait), ("combine", combine))}
         return {name: kernels.PackedLaunch(spec) for name, spec in
                 (("rows", dedup_rows), ("scatter", scatter), ("wait", wait), ("combine", combine))}
 
@@ -268,7 +293,8 @@ class CudaAttentionSide:
     def dispatch(self, hidden, topk_ids, topk_weights, *, layer_idx: int, stage_idx: int,
                  ring: int) -> CudaSendState:
         """Pair mode: plan -> scatter, or the one fused kernel (``self.fused_dispatch``);
-        ``topk_weights`` are read by the combine, not here."""
+        ``topk_weights`` are read by the combine, not here. Dedup mode: plan -> rows -> scatter,
+        or its one fused kernel (the weights travel in the route tables)."""
         ctx, layout = self.ctx, self.layout
         self._use_device()
         self.status.raise_latched()
@@ -282,6 +308,9 @@ class CudaAttentionSide:
         launches, stream = self.launches[ring], self.stream_ptr()
         self._order_ring(ring, stream)
         num_partials = num_tokens * layout.top_k
+        if self.fused_dispatch and self.is_dedup:
+            return self._dispatch_dedup_fused(launches["fused"], stream, hidden, ids, topk_weights,
+                                              layer_idx=layer_idx, stage_idx=stage_idx, ring=ring)
         if self.fused_dispatch:
             fused = launches["fused"]
             for name, value in (("hidden", hidden.data_ptr()), ("num_tokens", num_tokens),
@@ -336,6 +365,22 @@ class CudaAttentionSide:
         dedup_scatter.set("stage_idx", stage_idx)
         dedup_scatter.launch(stream, kernels.dedup_scatter_grid(num_tokens, self.ctx.num_ffn_ranks,
                                                                  self.layout.row_bytes))
+        self._put_dispatch(stream, ring, num_tokens)
+        return CudaSendState(ring, self.expected[ring], ids, hidden, num_tokens,
+                             row_map=self.dedup_rows[ring].row_map, topk_weights=weights)
+
+    def _dispatch_dedup_fused(self, fused, stream: int, hidden: torch.Tensor, ids: torch.Tensor,
+                              topk_weights: torch.Tensor, *, layer_idx: int, stage_idx: int,
+                              ring: int) -> CudaSendState:
+        """Dedup mode in one kernel (afd_dedup_dispatch_fused): plan, rows and scatter."""
+        num_tokens = hidden.shape[0]
+        weights = topk_weights.detach().to(torch.float32).reshape(-1).contiguous()
+        for name, value in (("hidden", hidden.data_ptr()), ("num_tokens", num_tokens),
+                            ("topk_ids", ids.data_ptr()), ("topk_weights", weights.data_ptr()),
+                            ("layer_idx", layer_idx), ("stage_idx", stage_idx)):
+            fused.set(name, value)
+        fused.launch(stream, kernels.dedup_scatter_grid(num_tokens, self.ctx.num_ffn_ranks,
+                                                        self.layout.row_bytes))
         self._put_dispatch(stream, ring, num_tokens)
         return CudaSendState(ring, self.expected[ring], ids, hidden, num_tokens,
                              row_map=self.dedup_rows[ring].row_map, topk_weights=weights)

@@ -24,11 +24,13 @@ from afd_cupy.kernels.loader import (DTYPE_CODES, FILE_KERNELS, KERNEL_DIR, PROB
                                      source_key)
 from afd_cupy.kernels.specs import (CHUNK, KERNEL_LIMITS, MAX_BLOCKS, MAX_EXPERTS, MAX_FFN_RANKS,
                                     MAX_TOP_K, ROWS_PER_BLOCK, combine_grid, combine_spec,
-                                    dedup_combine_spec, dedup_expand_grid, dedup_expand_spec,
+                                    dedup_combine_spec, dedup_dispatch_fused_spec,
+                                    dedup_expand_grid, dedup_expand_spec,
                                     dedup_reply_grid, dedup_reply_spec, dedup_rows_grid,
                                     dedup_rows_spec, dedup_scatter_grid, dedup_scatter_spec,
                                     dispatch_fused_spec, dispatch_num_chunks, dispatch_plan_spec,
-                                    dispatch_scatter_spec, fused_dispatch_fits, plan_grid, reply_grid, reply_spec, row_parts,
+                                    dispatch_scatter_spec, fused_dedup_dispatch_fits,
+                                    fused_dispatch_fits, plan_grid, reply_grid, reply_spec, row_parts,
                                     scatter_grid, wait_any_spec, wait_replies_spec)
 from afd_cupy.kernels.status import PinnedInt64, StatusBlock, StatusChannel
 
@@ -36,11 +38,12 @@ __all__ = [
     "CHUNK", "DTYPE_CODES", "FILE_KERNELS", "KERNEL_DIR", "KERNEL_LIMITS", "LaunchSpec",
     "MAX_BLOCKS", "MAX_EXPERTS", "MAX_FFN_RANKS", "MAX_TOP_K", "PROBE_KERNELS", "PackedLaunch",
     "PinnedInt64", "ROWS_PER_BLOCK", "StatusBlock", "StatusChannel", "clear_cache",
-    "combine_grid", "combine_spec", "dedup_combine_spec", "dedup_expand_grid",
+    "combine_grid", "combine_spec", "dedup_combine_spec", "dedup_dispatch_fused_spec",
+    "dedup_expand_grid",
     "dedup_expand_spec", "dedup_reply_grid", "dedup_reply_spec", "dedup_rows_grid",
     "dedup_rows_spec", "dedup_scatter_grid", "dedup_scatter_spec", "dispatch_num_chunks",
     "dispatch_fused_spec", "dispatch_plan_spec",
-    "dispatch_scatter_spec", "fused_dispatch_fits", "get_kernel", "kernel_name_expressions", "load_module", "plan_grid",
+    "dispatch_scatter_spec", "fused_dedup_dispatch_fits", "fused_dispatch_fits", "get_kernel", "kernel_name_expressions", "load_module", "plan_grid",
     "reply_grid", "reply_spec", "row_parts", "scatter_grid", "source_key", "wait_any_spec",
     "wait_replies_spec",
 ]

@@ -627,6 +627,94 @@ def dedup_scatter_grid(num_tokens: int, num_ffn_ranks: int, row_bytes: int = 0,
     return _row_grid(num_tokens * num_ffn_ranks * row_parts(row_bytes), max_blocks)
 
 
+def dedup_fused_shared_bytes(num_tokens: int, top_k: int, num_experts: int) -> int:
+    """Dynamic shared memory of afd_dedup_dispatch_fused: ids, staging rows and row ranks per
+    partial (each padded to 4), counts, starts and running counts per expert, the shared-expert
+    rank per token (padded to 4)."""
+    partials4 = (int(num_tokens) * int(top_k) + 3) // 4 * 4
+    return 4 * (3 * partials4 + 3 * int(num_experts) + (int(num_tokens) + 3) // 4 * 4)
+
+
+#: afd_dedup_dispatch_fused's dynamic shared memory at most (its static arrays take ~11 KiB of
+#: the 48 KiB a block gets without an opt-in)
+DEDUP_FUSED_MAX_SHARED_BYTES = 32 * 1024
+
+
+def fused_dedup_dispatch_fits(num_tokens: int, top_k: int, num_experts: int) -> bool:
+    """Whether a dedup dispatch of up to ``num_tokens`` tokens can run as the one-kernel
+    afd_dedup_dispatch_fused (e.g. T = 128, K = 8 at E <= 1400; T = 256, K = 8 at E <= 310)."""
+    return dedup_fused_shared_bytes(num_tokens, top_k, num_experts) <= DEDUP_FUSED_MAX_SHARED_BYTES
+
+
+def dedup_dispatch_fused_spec(*, dtype_code, hidden, num_tokens, hidden_size, topk_ids,
+                              topk_weights, top_k, expert_per_rank, num_ffn_ranks, routed_cap,
+                              has_shared, expert_counts, expert_start, rank_offsets, verdict,
+                              skipped, row_map, shared_rank, num_rows, shared_rows, peer_windows,
+                              geo, ring, src_rank, layer_idx, stage_idx, seq_counters, expected,
+                              expected_counts, done_counter, status, hdr_flags=0, always_send=0,
+                              staging=0, max_tokens=None, max_blocks=MAX_BLOCKS) -> LaunchSpec:
+    """Plan, rows and scatter of one dedup-mode dispatch in ONE kernel
+    (afd_dedup_dispatch_fused<DT>): the same window contents, ``row_map``, ``shared_rank``,
+    ``num_rows``, ``shared_rows``, ``expected``, ``expected_counts`` [F, 3] and ``seq_counters``
+    as :func:`dispatch_plan_spec` + :func:`dedup_rows_spec` + :func:`dedup_scatter_spec`, and the
+    same latched errors (BAD_EXPERT, CAPACITY; an error latched earlier in ``status``: nothing
+    sent). Block 0 also writes the plan's ``expert_counts`` / ``expert_start`` int32 [E],
+    ``rank_offsets`` int32 [F+1] and ``verdict`` int32 [1]. ``skipped`` int32 [1] scratch, zero
+    between dispatches. ``topk_weights`` float32 [T*K] travel in the route tables. The dynamic
+    shared memory is sized for ``max_tokens`` (default ``num_tokens``; the largest a later launch
+    of this packed spec may use): at most :data:`DEDUP_FUSED_MAX_SHARED_BYTES`
+    (:func:`fused_dedup_dispatch_fits`). Grid: :func:`dedup_scatter_grid`.
+    """
+    num_tokens = _count("num_tokens", num_tokens)
+    top_k = _count("top_k", top_k, low=1, high=MAX_TOP_K)
+    max_tokens = int(num_tokens) if max_tokens is None else int(max_tokens)
+    if max_tokens < int(num_tokens):
+        raise ValueError(f"max_tokens={max_tokens} < num_tokens={int(num_tokens)}")
+    num_ffn = _count("num_ffn_ranks", num_ffn_ranks, low=1, high=MAX_FFN_RANKS)
+    epr = _count("expert_per_rank", expert_per_rank, low=1)
+    num_experts = int(num_ffn) * int(epr)
+    num_partials = int(num_tokens) * int(top_k)
+    if not fused_dedup_dispatch_fits(max_tokens, int(top_k), num_experts):
+        raise ValueError(f"afd_dedup_dispatch_fused needs "
+                         f"{dedup_fused_shared_bytes(max_tokens, int(top_k), num_experts)} B of shared "
+                         f"memory for {max_tokens} tokens, top-{int(top_k)} and {num_experts} experts, "
+                         f"more than {DEDUP_FUSED_MAX_SHARED_BYTES}: use the plan, rows and scatter kernels")
+    geo = _geometry("geo", geo, header_words=wire.HDR_FIXED_WORDS + int(epr) + 1)
+    args = {"hidden": _address("hidden", hidden, allow_null=num_tokens == 0),
+            "num_tokens": num_tokens, "hidden_size": _count("hidden_size", hidden_size, low=1),
+            "topk_ids": _array("topk_ids", topk_ids, np.int32, num_partials),
+            "topk_weights": _array("topk_weights", topk_weights, np.float32, num_partials),
+            "top_k": top_k, "expert_per_rank": epr, "num_ffn_ranks": num_ffn,
+            "routed_cap": _count("routed_cap", routed_cap),
+            "has_shared": _count("has_shared", has_shared, high=1),
+            "expert_counts": _array("expert_counts", expert_counts, np.int32, num_experts),
+            "expert_start": _array("expert_start", expert_start, np.int32, num_experts),
+            "rank_offsets": _array("rank_offsets", rank_offsets, np.int32, int(num_ffn) + 1),
+            "verdict": _array("verdict", verdict, np.int32, 1),
+            "skipped": _array("skipped", skipped, np.int32, 1),
+            "row_map": _array("row_map", row_map, np.int32, int(num_tokens) * int(num_ffn)),
+            "shared_rank": _array("shared_rank", shared_rank, np.int32, int(num_tokens)),
+            "num_rows": _array("num_rows", num_rows, np.int32, int(num_ffn)),
+            "shared_rows": _array("shared_rows", shared_rows, np.int32, int(num_ffn)),
+            "peer_windows": _array("peer_windows", peer_windows, np.uint64, int(num_ffn)),
+            "staging": _address("staging", staging, allow_null=True),
+            "geo": geo, "ring": _count("ring", ring, high=int(geo["ring_depth"]) - 1),
+            "always_send": _count("always_send", always_send, high=1),
+            "src_rank": _count("src_rank", src_rank, high=int(geo["num_regions"]) - 1),
+            "layer_idx": np.int32(layer_idx), "stage_idx": np.int32(stage_idx),
+            "hdr_flags": np.int32(hdr_flags),
+            "seq_counters": _array("seq_counters", seq_counters, np.int64, int(num_ffn)),
+            "expected": _array("expected", expected, np.int64, int(num_ffn)),
+            "expected_counts": _array("expected_counts", expected_counts, np.int32, 3 * int(num_ffn)),
+            "done_counter": _array("done_counter", done_counter, np.uint32, 1),
+            "status": _address("status", status)}
+    kernel = get_kernel("dedup_attn.cu", "afd_dedup_dispatch_fused", dtype_code=_dtype(dtype_code))
+    grid = dedup_scatter_grid(int(num_tokens), int(num_ffn), _row_bytes(hidden_size, dtype_code),
+                              max_blocks)
+    return _spec(kernel, grid, KERNEL_LIMITS["SCATTER_THREADS"], args,
+                 shared_mem=dedup_fused_shared_bytes(max_tokens, int(top_k), num_experts))
+
+
 def dedup_combine_spec(*, dtype_code, out, num_tokens, hidden_size, row_map, window, geo,
                        num_ffn_ranks, ring, expected, expected_counts, layer_idx, stage_idx,
                        last_seen, reply_flags, timeout_ns, out_scale, done_counter, status,
