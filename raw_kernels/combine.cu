@@ -3,10 +3,11 @@
 //   out[t] = out_scale * ( sum_k w[t,k] * routed_x[region dest(t,k)][pos[t,k]]
 //                          + (has_shared ? shared_x[region t % F][t / F] : 0) )
 // fp32 accumulation in a fixed k order (deterministic, no atomics). afd_wait_replies (one
-// warp) spins first; the first warp of every combine block then re-checks the flags and
-// headers (bounded by timeout_ns, immediate once the wait succeeded) before reading; on any
-// error the block writes NaN rows and the first error is latched in the status block. The wait
-// and its checks (reply_check.cuh) are shared with the dedup combine (dedup_attn.cu).
+// warp) spins first and leaves a pass mark; a combine block that does not find it (the wait
+// failed or did not run) re-checks the flags and headers with its first warp (bounded by
+// timeout_ns) before reading; on any error the block writes NaN rows and the first error is
+// latched in the status block. The wait and its checks (reply_check.cuh) are shared with the
+// dedup combine (dedup_attn.cu).
 #include "wire.cuh"
 #include "reply_check.cuh"  // wait_replies, combine_wait, store_nan_row, finish_combine
 
@@ -14,10 +15,12 @@ using namespace afd;
 
 // grid = 1, block = WAIT_REPLIES_THREADS (one warp): spins until every expected reply arrived
 // (bounded by timeout_ns) and validates the headers; errors are latched in the status block.
+// On success it leaves the dispatch's pass mark in reply_flags[F] (reply_check.cuh: the
+// combine's blocks then skip their re-check), else 0 there.
 // NOTE: the spin lives in its own one-block kernel, launched right before afd_combine on the
 // same stream: if every combine block spun, a combine of >= #SM blocks would hold every SM,
 // and a peer's kernel that needs a whole SM (a large-shared-memory GEMM in another MPS
-// client) could never be scheduled. afd_combine then re-checks without waiting.
+// client) could never be scheduled.
 extern "C" __global__ void __launch_bounds__(WAIT_REPLIES_THREADS)
 afd_wait_replies(afd_u64 window,  // this rank's own window
                  SlotGeometry geo, afd_i32 num_ffn_ranks, afd_i32 ring,
@@ -26,12 +29,15 @@ afd_wait_replies(afd_u64 window,  // this rank's own window
                  const afd_i32* __restrict__ expected_counts,
                  afd_i32 layer_idx, afd_i32 stage_idx,
                  const afd_i64* __restrict__ last_seen,  // [num_slots], read only
-                 afd_i64* reply_flags,                   // [num_ffn_ranks] out: flags consumed
+                 afd_i64* reply_flags,  // [num_ffn_ranks + 1] out: flags consumed, pass mark
                  afd_i64 timeout_ns, afd_i64* status,
                  afd_i32 dedup) {  // 1: dedup-mode replies (docs/design.md §3.5), 0: pair
   if (blockIdx.x != 0 || threadIdx.x >= 32) return;
-  wait_replies(window, geo, num_ffn_ranks, ring, expected, expected_counts, layer_idx, stage_idx,
-               last_seen, reply_flags, timeout_ns, status, dedup != 0);
+  const bool ok = wait_replies(window, geo, num_ffn_ranks, ring, expected, expected_counts,
+                               layer_idx, stage_idx, last_seen, reply_flags, timeout_ns, status,
+                               dedup != 0);
+  const afd_i64 mark = wait_pass_mark(expected, num_ffn_ranks);
+  if (threadIdx.x == 0) reply_flags[num_ffn_ranks] = ok ? mark : 0;
 }
 
 // grid = max(1, min(T, MAX_BLOCKS)), block = COMBINE_THREADS; blocks stride over tokens,
@@ -50,7 +56,7 @@ afd_combine(afd_u64 out,  // payload [num_tokens, hidden_size]
             const afd_i32* __restrict__ expected_counts,  // [num_ffn_ranks, 2]
             afd_i32 layer_idx, afd_i32 stage_idx,
             afd_i64* last_seen,    // [num_slots]
-            afd_i64* reply_flags,  // [num_ffn_ranks]: the flags the wait consumed
+            afd_i64* reply_flags,  // [num_ffn_ranks + 1]: flags the wait consumed, pass mark
             afd_i64 timeout_ns, float out_scale, unsigned int* done_counter, afd_i64* status) {
   __shared__ float s_weight[MAX_TOP_K];
   __shared__ const char* s_row[MAX_TOP_K];

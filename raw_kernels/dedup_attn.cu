@@ -267,8 +267,8 @@ afd_dedup_scatter(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-maj
 }
 
 // grid = max(1, min(T, MAX_BLOCKS)), block = COMBINE_THREADS; blocks stride over tokens, threads
-// over hidden. The first warp of each block re-runs the wait (dedup mode; immediate after
-// afd_wait_replies succeeded); on any error the block writes NaN rows. Per token the first warp
+// over hidden. The first warp of each block re-runs the wait (dedup mode) unless
+// afd_wait_replies left its pass mark (combine_wait); on any error the block writes NaN rows. Per token the first warp
 // lists the reply rows in rank order (row_map[t, j] >= 0: row of rank j's reply in region j's
 // routed_x), then out[t] = out_scale * (fp32 sum over that list), rounded once. The last block
 // (GPU scope) records the accepted flags in last_seen, as afd_combine.
@@ -283,7 +283,7 @@ afd_dedup_combine(afd_u64 out,  // payload [num_tokens, hidden_size]
                   const afd_i32* __restrict__ expected_counts,  // [num_ffn_ranks, 3]
                   afd_i32 layer_idx, afd_i32 stage_idx,
                   afd_i64* last_seen,    // [num_slots]
-                  afd_i64* reply_flags,  // [num_ffn_ranks]: the flags the wait consumed
+                  afd_i64* reply_flags,  // [num_ffn_ranks + 1]: flags the wait consumed, pass mark
                   afd_i64 timeout_ns, float out_scale, unsigned int* done_counter,
                   afd_i64* status) {
   constexpr unsigned int ALL = 0xffffffffu;

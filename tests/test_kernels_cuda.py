@@ -606,28 +606,31 @@ class Combine:
             self.new_flags[slot] = flag
             put(self.window_np, slot * 8, np.int64(flag))
 
-    def run(self, *, timeout_ns=LONG_TIMEOUT_NS, out_scale=1.0, wait_kernel=True):
-        """Launch afd_wait_replies (as the connector does; optional) then afd_combine."""
+    def run(self, *, timeout_ns=LONG_TIMEOUT_NS, out_scale=1.0, wait_kernel=True, combine=True,
+            reply_flags=None):
+        """Launch afd_wait_replies (as the connector does; optional) then afd_combine (optional).
+        ``reply_flags``: int64 [F + 1] start value (zeros by default), left in ``self.reply_flags``."""
         self.window = cp.asarray(self.window_np)
         self.last_seen = cp.asarray(self.last_seen_before)
+        self.reply_flags = cp.zeros(self.num_ffn + 1, cp.int64) if reply_flags is None else cp.asarray(reply_flags)
         kernels.get_kernel("combine.cu", "afd_combine", dtype_code=kernels.DTYPE_CODES[self.dtype])  # compile
         kernels.get_kernel("combine.cu", "afd_wait_replies")
         replies = dict(window=self.window.data.ptr, geo=self.layout.kernel_geometry(),
                        num_ffn_ranks=self.num_ffn, ring=self.ring, expected=cp.asarray(self.expected),
                        expected_counts=cp.asarray(self.expected_counts), layer_idx=self.layer_idx,
                        stage_idx=self.stage_idx, last_seen=self.last_seen,
-                       reply_flags=cp.zeros(self.num_ffn, cp.int64), timeout_ns=timeout_ns,
-                       status=self.status.ptr)
+                       reply_flags=self.reply_flags, timeout_ns=timeout_ns, status=self.status.ptr)
         sync()
         start = time.perf_counter()
         if wait_kernel:
             kh.launch_wait_replies(**replies)
-        kh.launch_combine(
-            dtype_code=kernels.DTYPE_CODES[self.dtype], out=self.out.data.ptr,
-            num_tokens=self.num_tokens, hidden_size=self.hidden, topk_ids=cp.asarray(self.ids.reshape(-1)),
-            topk_weights=cp.asarray(self.weights.reshape(-1)), pos=cp.asarray(self.plan.pos.reshape(-1)),
-            top_k=self.top_k, expert_per_rank=self.epr, has_shared=self.has_shared,
-            out_scale=out_scale, done_counter=self.done, **replies)
+        if combine:
+            kh.launch_combine(
+                dtype_code=kernels.DTYPE_CODES[self.dtype], out=self.out.data.ptr,
+                num_tokens=self.num_tokens, hidden_size=self.hidden, topk_ids=cp.asarray(self.ids.reshape(-1)),
+                topk_weights=cp.asarray(self.weights.reshape(-1)), pos=cp.asarray(self.plan.pos.reshape(-1)),
+                top_k=self.top_k, expert_per_rank=self.epr, has_shared=self.has_shared,
+                out_scale=out_scale, done_counter=self.done, **replies)
         sync()
         return time.perf_counter() - start
 
@@ -683,6 +686,7 @@ def test_combine_matches_reference(request, dtype, case, wait_kernel):
         last_seen[slot] = flag
     np.testing.assert_array_equal(c.last_seen.get(), last_seen)
     assert int(c.done.get()[0]) == 0
+    assert int(c.reply_flags.get()[num_ffn]) == 0  # the wait's pass mark, cleared by the combine
 
 
 def _two_rank_combine(request, dtype="bfloat16"):
@@ -798,6 +802,72 @@ def test_combine_header_faults(request, fault, wait_kernel):
         wire.check_reply(wire.decode_header(words, c.epr), want)
     c.assert_rows_nan()
     c.assert_last_seen_unchanged()
+
+
+def test_wait_pass_mark_reference():
+    assert kernels.wait_pass_mark([0, 0, 0]) == 0
+    assert kernels.wait_pass_mark([0, 7, 3]) == 7 * kernels.MAX_FFN_RANKS + 1
+    assert kernels.wait_pass_mark([2**40]) == 2**40 * kernels.MAX_FFN_RANKS
+
+
+@pytest.mark.parametrize("fault", [None, "echo", "magic"])
+def test_wait_leaves_the_pass_mark_only_when_every_reply_passed(request, fault):
+    """afd_wait_replies alone: reply_flags[F] = wait_pass_mark(expected) after a clean wait; 0
+    after a failed one, whatever was there before (here: the right mark)."""
+    c = _two_rank_combine(request)
+    c.write_reply(0)
+    c.write_reply(1, words=None if fault is None else REPLY_FAULTS[fault](c))
+    mark = kernels.wait_pass_mark(c.expected)
+    assert mark == int(c.expected[0]) * kernels.MAX_FFN_RANKS  # rank 0 was sent to
+    start = np.zeros(c.num_ffn + 1, np.int64)
+    start[-1] = mark
+    c.run(combine=False, reply_flags=start)
+    flags = c.reply_flags.get()
+    assert status_of(c.status.array).ok == (fault is None)
+    assert int(flags[-1]) == (mark if fault is None else 0)
+    if fault is None:
+        slots = [c.layout.slot_index(j, c.ring) for j in range(c.num_ffn)]
+        assert flags[:-1].tolist() == [c.new_flags[slot] for slot in slots]
+
+
+@pytest.mark.parametrize("case", ["own_mark", "older_mark", "latched_error"])
+def test_combine_trusts_only_its_own_pass_mark(request, case):
+    """afd_combine alone, over a reply whose header is wrong (echo of another seq), with
+    reply_flags set as a clean wait would leave them. own_mark: the blocks skip the re-check
+    (the rows are combined, status OK, last_seen from reply_flags, mark cleared); older_mark
+    (the mark of the ring's previous dispatch): they re-check and latch REPLY_MISMATCH with NaN
+    rows; latched_error (own mark, but an error latched since): NaN rows, the record kept."""
+    c = _two_rank_combine(request)
+    c.write_reply(0)
+    words = REPLY_FAULTS["echo"](c)
+    c.write_reply(1, words=words)
+    slots = [c.layout.slot_index(j, c.ring) for j in range(c.num_ffn)]
+    start = np.array([c.new_flags[slot] for slot in slots] + [0], np.int64)
+    mark = kernels.wait_pass_mark(c.expected)
+    start[-1] = mark - kernels.MAX_FFN_RANKS if case == "older_mark" else mark
+    latched = [wire.STATUS_TIMEOUT, 1, 3, 1, 9, 8, -1, -1, 7]
+    if case == "latched_error":
+        c.status.array[:] = latched
+    c.run(wait_kernel=False, reply_flags=start)
+    record = status_of(c.status.array)
+    if case == "own_mark":
+        assert record.ok
+        got = to_f32(c.out.get()[:c.num_tokens], c.dtype)
+        want = to_f32(to_raw(c.reference(1.0), c.dtype), c.dtype)
+        np.testing.assert_allclose(got, want, rtol=TOLERANCE[c.dtype], atol=TOLERANCE[c.dtype])
+        last_seen = c.last_seen_before.copy()
+        last_seen[slots] = start[:-1]
+        np.testing.assert_array_equal(c.last_seen.get(), last_seen)
+    else:
+        if case == "older_mark":
+            assert (record.code, record.peer, record.count) == (
+                wire.STATUS_REPLY_MISMATCH, 1, wire.HDR_ECHO_SEQ)
+        else:
+            assert record == wire.StatusRecord(*latched)
+        c.assert_rows_nan()
+        c.assert_last_seen_unchanged()
+    assert int(c.reply_flags.get()[-1]) == 0  # cleared by the last block either way
+    assert int(c.done.get()[0]) == 0
 
 
 def test_combine_after_latched_error_returns_nan_without_waiting(request):
@@ -1001,7 +1071,7 @@ def test_round_trip_through_all_kernels(request, dtype, num_ffn, num_tokens, top
     replies = dict(window=attn_window.data.ptr, geo=geo, num_ffn_ranks=num_ffn, ring=d.ring,
                    expected=d.expected, expected_counts=d.expected_counts, layer_idx=d.layer_idx,
                    stage_idx=d.stage_idx, last_seen=last_seen,
-                   reply_flags=cp.zeros(num_ffn, cp.int64), timeout_ns=LONG_TIMEOUT_NS,
+                   reply_flags=cp.zeros(num_ffn + 1, cp.int64), timeout_ns=LONG_TIMEOUT_NS,
                    status=status.ptr)
     kh.launch_wait_replies(**replies)
     kh.launch_combine(

@@ -501,7 +501,12 @@ class DedupCombine:
             self.new_flags[slot] = flag
             base.put(self.window_np, slot * 8, np.int64(flag))
 
-    def run(self, *, timeout_ns=base.LONG_TIMEOUT_NS, out_scale=1.0, wait_kernel=True):
+    def run(self, *, timeout_ns=base.LONG_TIMEOUT_NS, out_scale=1.0, wait_kernel=True,
+            reply_flags=None):
+        """afd_wait_replies (dedup; optional) then afd_dedup_combine. ``reply_flags``: int64
+        [F + 1] start value (zeros by default), left in ``self.reply_flags``."""
+        self.reply_flags = (cp.zeros(self.num_ffn + 1, cp.int64) if reply_flags is None
+                            else cp.asarray(reply_flags))
         self.window = cp.asarray(self.window_np)
         self.last_seen = cp.asarray(self.last_seen_before)
         self.row_map = cp.asarray(self.plan.row_map if self.num_tokens else
@@ -510,8 +515,7 @@ class DedupCombine:
                        num_ffn_ranks=self.num_ffn, ring=self.ring, expected=cp.asarray(self.expected),
                        expected_counts=cp.asarray(self.expected_counts), layer_idx=self.layer_idx,
                        stage_idx=self.stage_idx, last_seen=self.last_seen,
-                       reply_flags=cp.zeros(self.num_ffn, cp.int64), timeout_ns=timeout_ns,
-                       status=self.status.ptr)
+                       reply_flags=self.reply_flags, timeout_ns=timeout_ns, status=self.status.ptr)
         combine = kernels.dedup_combine_spec(
             dtype_code=kernels.DTYPE_CODES[self.dtype], out=self.out.data.ptr,
             num_tokens=self.num_tokens, hidden_size=self.hidden, row_map=self.row_map,
@@ -568,6 +572,40 @@ def test_dedup_combine_matches_reference(request, dtype, case, wait_kernel):
         last_seen[slot] = flag
     np.testing.assert_array_equal(c.last_seen.get(), last_seen)
     assert int(c.done.get()[0]) == 0
+    assert int(c.reply_flags.get()[num_ffn]) == 0  # the wait's pass mark, cleared by the combine
+
+
+@pytest.mark.parametrize("mark", ["own", "older"])
+def test_dedup_combine_trusts_only_its_own_pass_mark(request, mark):
+    """afd_dedup_combine alone over a reply with a wrong echo and reply_flags as a clean wait
+    would leave them: with the dispatch's own pass mark the blocks skip the re-check and combine;
+    with the ring's previous dispatch's mark they re-check: REPLY_MISMATCH, NaN rows."""
+    rng = base._rng(request)
+    ids = base.skewed_ids(rng, 9, 4, np.arange(NUM_EXPERTS))
+    c = DedupCombine(rng, dtype="bfloat16", num_ffn=2, num_tokens=9, top_k=4, hidden=64,
+                     has_shared=1, ids=ids)
+    sent = [j for j in range(2) if c.expected[j]]
+    for j in sent:
+        c.write_reply(j, words=c.reply_words(
+            j, {wire.HDR_ECHO_SEQ: np.array([int(c.expected[j]) + 1], np.uint64).astype(np.uint32).view(np.int32)[0]}))
+    slots = [c.layout.slot_index(j, c.ring) for j in range(2)]
+    start = np.array([c.new_flags.get(slot, 0) for slot in slots] + [0], np.int64)
+    own = kernels.wait_pass_mark(c.expected)
+    start[-1] = own if mark == "own" else own - kernels.MAX_FFN_RANKS
+    c.run(wait_kernel=False, reply_flags=start)
+    record = base.status_of(c.status.array)
+    if mark == "own":
+        assert record.ok, record
+        got = base.to_f32(c.out.get()[:c.num_tokens], c.dtype)
+        want = base.to_f32(base.to_raw(c.reference(1.0), c.dtype), c.dtype)
+        tol = base.TOLERANCE[c.dtype]
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    else:
+        assert (record.code, record.peer, record.count) == (
+            wire.STATUS_REPLY_MISMATCH, sent[0], wire.HDR_ECHO_SEQ)
+        c.assert_rows_nan()
+        c.assert_last_seen_unchanged()
+    assert int(c.reply_flags.get()[-1]) == 0
 
 
 def test_dedup_combine_many_ranks(request):
@@ -747,7 +785,7 @@ def test_dedup_round_trip(request, dtype, num_ffn, num_tokens, top_k, has_shared
     replies = dict(window=attn_window.data.ptr, geo=layout.kernel_geometry(), num_ffn_ranks=num_ffn,
                    ring=d.ring, expected=d.expected, expected_counts=d.expected_counts,
                    layer_idx=d.layer_idx, stage_idx=d.stage_idx, last_seen=last_seen_dev,
-                   reply_flags=cp.zeros(num_ffn, cp.int64), timeout_ns=base.LONG_TIMEOUT_NS,
+                   reply_flags=cp.zeros(num_ffn + 1, cp.int64), timeout_ns=base.LONG_TIMEOUT_NS,
                    status=status.ptr)
     kernels.wait_replies_spec(**replies, dedup=1).launch()
     kernels.dedup_combine_spec(dtype_code=kernels.DTYPE_CODES[dtype], out=out.data.ptr,

@@ -197,7 +197,7 @@ def _round_trip_launches(args, cupy, kernels, np_rng, ids, plan_bufs):
             "attn_window": cupy.zeros(layout.window_bytes, cupy.uint8),
             "pos": cupy.zeros(nk, cupy.int32), "seq_counters": cupy.zeros(1, cupy.int64),
             "expected": cupy.zeros(1, cupy.int64), "expected_counts": cupy.zeros(2, cupy.int32),
-            "last_seen": cupy.zeros(layout.num_slots, cupy.int64), "reply_flags": cupy.zeros(1, cupy.int64),
+            "last_seen": cupy.zeros(layout.num_slots, cupy.int64), "reply_flags": cupy.zeros(2, cupy.int64),
             "out": cupy.full((tokens, hidden), 0xFFFF, cupy.uint16),  # bf16 NaN until combined
             "status": cupy.zeros(wire.STATUS_WORDS, cupy.int64), "header_src": header_src,
             "scatter_done": cupy.zeros(1, cupy.uint32), "reply_done": cupy.zeros(1, cupy.uint32),

@@ -141,7 +141,7 @@ class CudaAttentionSide:
                                 for _ in range(layout.ring_depth)]
         self.dedup_rows = [DedupRowsScratch.allocate(layout.token_cap, layout.top_k, num_ffn)
                            for _ in range(layout.ring_depth)] if self.is_dedup else None
-        self.reply_flags = [cp.zeros(num_ffn, cp.int64) for _ in range(layout.ring_depth)]
+        self.reply_flags = [cp.zeros(num_ffn + 1, cp.int64) for _ in range(layout.ring_depth)]
         self.combine_done = [cp.zeros(1, cp.uint32) for _ in range(layout.ring_depth)]
         self.launches = [self._attention_launches(ring) for ring in range(layout.ring_depth)]
         # ring reuse across streams: the stream of each ring's last send/receive, and an event

@@ -275,7 +275,17 @@ def _reply_wait_args(*, window, geo, num_ffn_ranks, ring, expected, expected_cou
             "layer_idx": np.int32(layer_idx), "stage_idx": np.int32(stage_idx),
             "last_seen": _array("last_seen", last_seen, np.int64,
                                 int(geo["num_regions"]) * int(geo["ring_depth"])),
-            "reply_flags": _array("reply_flags", reply_flags, np.int64, int(num_ffn))}
+            "reply_flags": _array("reply_flags", reply_flags, np.int64, int(num_ffn) + 1)}
+
+
+def wait_pass_mark(expected) -> int:
+    """The pass mark afd_wait_replies leaves in ``reply_flags[F]`` when every reply of the
+    dispatch whose ``expected`` int64 [F] (seq per FFN rank, 0 = not sent) it waited for passed:
+    ``seq * MAX_FFN_RANKS + j`` of the lowest rank ``j`` sent to; 0 when nothing was sent (the
+    numpy twin of ``wait_pass_mark`` in reply_check.cuh)."""
+    expected = np.asarray(expected, np.int64).reshape(-1)
+    sent = np.flatnonzero(expected)
+    return 0 if sent.size == 0 else int(expected[sent[0]]) * MAX_FFN_RANKS + int(sent[0])
 
 
 def wait_replies_spec(*, window, geo, num_ffn_ranks, ring, expected, expected_counts, layer_idx,
@@ -290,7 +300,9 @@ def wait_replies_spec(*, window, geo, num_ffn_ranks, ring, expected, expected_co
     SHUTDOWN, REPLY_MISMATCH; ST_COUNT = the failing header word) are latched in ``status``.
     ``last_seen`` int64 [num_slots] is read only (the combine updates it); a reply answering
     an earlier dispatch (``wire.is_late_reply``) is skipped and the wait goes on. The flag of
-    each accepted reply is written to ``reply_flags`` int64 [num_ffn_ranks].
+    each accepted reply is written to ``reply_flags`` int64 [num_ffn_ranks + 1], and its last
+    word gets the dispatch's pass mark when every reply passed (0 otherwise): the combine's
+    blocks that find it skip their own re-check (zeros on allocation; the combine clears it).
 
     ``dedup`` = 1: the replies of a dedup dispatch (docs/design.md §3.5): ``FLAG_DEDUP`` required
     (and forbidden with 0), ``geo.header_words`` = HDR_FIXED_WORDS + epr + 1 with ``num_rows``
