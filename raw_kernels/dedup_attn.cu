@@ -365,10 +365,11 @@ afd_dedup_combine(afd_u64 out,  // payload [num_tokens, hidden_size]
 // Errors as afd_dispatch_fused: the verdict from the ids (BAD_EXPERT, CAPACITY) by block 0; an
 // error latched earlier, read once per block: that block writes no rows and sets `skipped`, and
 // the last block then publishes nothing.
-// NOTE: the counts per key and per expert are added once per warp (__match_any_sync), not per
-// thread: per-thread shared atomics on one word serialize (~3 us for 64, session 8).
+// NOTE: the counts per key and per expert are added once per equal-key group of a warp
+// (__match_any_sync), not per thread: per-thread shared atomics on one word serialize (~3 us
+// for 64, session 8).
 // grid = dedup_scatter_grid(T, F, row bytes), block = SCATTER_THREADS, dynamic shared memory =
-// 4 * (3 * round_up(T*K, 4) + 3 * E + round_up(T, 4)) bytes (dedup_dispatch_fused_spec).
+// 4 * (3 * round_up(T*K, 4) + 6 * E + 8 * F + round_up(T, 4)) bytes (dedup_dispatch_fused_spec).
 template <int DT>
 __global__ void __launch_bounds__(SCATTER_THREADS)
 afd_dedup_dispatch_fused(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-major
@@ -401,8 +402,7 @@ afd_dedup_dispatch_fused(afd_u64 hidden,  // payload [num_tokens, hidden_size], 
   __shared__ afd_i32 s_shared[MAX_FFN_RANKS];
   __shared__ afd_i32 s_rows[MAX_FFN_RANKS];
   __shared__ afd_i32 s_rank_off[MAX_FFN_RANKS + 1];
-  __shared__ afd_i32 s_keyrun[2 * MAX_FFN_RANKS];  // rows per key: so far, then in total
-  __shared__ __align__(16) afd_i32 s_keys[SCATTER_THREADS];
+  __shared__ afd_i32 s_keyrun[2 * MAX_FFN_RANKS];  // rows per key in total
   __shared__ afd_i32 s_first_bad, s_code, s_skip, s_send;
   __shared__ afd_i64 s_earlier;
 
@@ -415,17 +415,20 @@ afd_dedup_dispatch_fused(afd_u64 hidden,  // payload [num_tokens, hidden_size], 
   afd_i32* s_prow = s_pos + p4;       // [P] first partial of (t, j): rank among its key's
   afd_i32* s_hist = s_prow + p4;      // [E] counts
   afd_i32* s_start = s_hist + num_experts;  // [E] exclusive starts
-  afd_i32* s_run = s_start + num_experts;   // [E] partials of each expert in earlier rounds
-  afd_i32* s_srank = s_run + num_experts;   // [T] rank running t's shared experts, -1: none
+  afd_i32* s_srank = s_start + num_experts;  // [T] rank running t's shared experts, -1: none
+  // [ROWS_PER_BLOCK][E + 2F], a row per warp (the warps of a SCATTER_THREADS block) for step 2:
+  // its partials of each expert, then its first partials of each row key; after the scan over
+  // the warps, the bases of its ranks. 16 bits: every value is at most T*K, below 2**16 for
+  // any T*K whose 12 B per partial fit a block's shared memory (<= 227 KiB); half the size
+  // keeps e.g. T = 256, K = 8, E = 256 (F <= 32) within DEDUP_FUSED_MAX_SHARED_BYTES.
+  const afd_i32 num_cols = num_experts + 2 * num_ffn_ranks;
+  unsigned short* s_warp_cols =
+      reinterpret_cast<unsigned short*>(s_srank + ((num_tokens + 3) & ~3));
   const afd_i32 route_words = ROUTE_FIXED_WORDS + 2 * top_k;
   const afd_i64 row_bytes = static_cast<afd_i64>(hidden_size) * itemsize<DT>();
 
   // 1. The pair plan (as afd_dispatch_fused): ids, histogram, scan, rank offsets, verdict.
-  for (int e = tid; e < num_experts; e += SCATTER_THREADS) {
-    s_hist[e] = 0;
-    s_run[e] = 0;
-  }
-  for (int k = tid; k < 2 * num_ffn_ranks; k += SCATTER_THREADS) s_keyrun[k] = 0;
+  for (int e = tid; e < num_experts; e += SCATTER_THREADS) s_hist[e] = 0;
   if (tid == 0) {
     s_first_bad = num_partials;
     s_earlier = status_code(status);  // an error latched before this dispatch: send nothing
@@ -482,23 +485,30 @@ afd_dedup_dispatch_fused(afd_u64 hidden,  // payload [num_tokens, hidden_size], 
   __syncthreads();
   const bool planned = s_code == STATUS_OK;  // the ids are valid: rows can be planned
 
-  // 2. The rows (as afd_dedup_rows) and each partial's staging row, in rounds of one partial
-  // per thread: stable ranks among equal experts / keys from block_rank_of_key, plus the
-  // counts of the rounds before.
+  // 2. The rows (as afd_dedup_rows) and each partial's staging row: stable ranks among equal
+  // experts (pos) and, for the first partial of each (token, rank), among equal row keys. Warp w
+  // ranks a contiguous segment of the partials, 32 at a time in order (__match_any_sync within
+  // a step, the warp's running counts per column across steps); a scan over the warps per
+  // column then gives each warp's bases. Four block barriers in all, no long scans: rounds of
+  // 256 partials ranked by block_rank_of_key (5 barriers a round, warp 7 reading 224 earlier
+  // keys twice) cost ~9 us of every block's critical path at T = 128, K = 8 (H200).
   if (planned) {
     for (int t = tid; t < num_tokens; t += SCATTER_THREADS) {
       s_srank[t] = has_shared ? dedup_shared_rank(s_ids + static_cast<afd_i64>(t) * top_k, top_k,
                                                   expert_per_rank, num_ffn_ranks, t)
                               : -1;
     }
+    for (int c = tid; c < ROWS_PER_BLOCK * num_cols; c += SCATTER_THREADS) s_warp_cols[c] = 0;
     __syncthreads();
-    for (afd_i32 p0 = 0; p0 < num_partials; p0 += SCATTER_THREADS) {
-      const afd_i32 p = p0 + tid;
-      const afd_i32 e = p < num_partials ? s_ids[p] : -1;
-      s_keys[tid] = e;
-      __syncthreads();
-      const afd_i32 rank = block_rank_of_key(s_keys, e);
-      if (e >= 0) s_pos[p] = s_start[e] + s_run[e] + rank - s_rank_off[e / expert_per_rank];
+    const int warp = tid >> 5;
+    const unsigned int lower = (1u << lane) - 1u;
+    const afd_i32 seg = (((num_partials + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK) + 31) & ~31;
+    const afd_i32 seg_begin = min(warp * seg, num_partials);
+    const afd_i32 seg_end = min(seg_begin + seg, num_partials);
+    unsigned short* cols = s_warp_cols + warp * num_cols;  // this warp's row
+    for (afd_i32 p0 = seg_begin; p0 < seg_end; p0 += 32) {  // warp-uniform trip count
+      const afd_i32 p = p0 + lane;
+      const afd_i32 e = p < seg_end ? s_ids[p] : -1;
       afd_i32 key = -1;
       if (e >= 0) {
         const afd_i32 t = p / top_k, k = p - t * top_k, j = e / expert_per_rank;
@@ -508,17 +518,41 @@ afd_dedup_dispatch_fused(afd_u64 hidden,  // payload [num_tokens, hidden_size], 
         if (first) key = 2 * j + (s_srank[t] == j ? 0 : 1);
       }
       const unsigned int same_e = __match_any_sync(ALL, e);
-      __syncthreads();  // every read of s_keys and s_run of this round is done
-      if (e >= 0 && lane == 31 - __clz(same_e)) atomicAdd(&s_run[e], __popc(same_e));
-      s_keys[tid] = key;
-      __syncthreads();
-      const afd_i32 key_rank = block_rank_of_key(s_keys, key);
-      if (p < num_partials) s_prow[p] = key >= 0 ? s_keyrun[key] + key_rank : -1;
       const unsigned int same_key = __match_any_sync(ALL, key);
-      __syncthreads();  // every read of s_keys and s_keyrun of this round is done
-      if (key >= 0 && lane == 31 - __clz(same_key)) atomicAdd(&s_keyrun[key], __popc(same_key));
-      __syncthreads();
+      // warp-local ranks: the counts of the earlier steps + the equal lanes below this one
+      if (e >= 0) s_pos[p] = cols[e] + __popc(same_e & lower);
+      if (p < seg_end) {
+        s_prow[p] = key >= 0 ? cols[num_experts + key] + __popc(same_key & lower) : -1;
+      }
+      __syncwarp();  // every lane has read the counts before the lowest lane of a group adds
+      if (e >= 0 && lane == __ffs(same_e) - 1) cols[e] += __popc(same_e);
+      if (key >= 0 && lane == __ffs(same_key) - 1) cols[num_experts + key] += __popc(same_key);
+      __syncwarp();  // the next step reads the sums
     }
+    __syncthreads();
+    // Per column, exclusive scan over the warps in segment order. An expert's bases start at its
+    // first staging row on its rank; a key's total is its row count.
+    for (int c = tid; c < num_cols; c += SCATTER_THREADS) {
+      afd_i32 run = c < num_experts ? s_start[c] - s_rank_off[c / expert_per_rank] : 0;
+      for (int w = 0; w < ROWS_PER_BLOCK; ++w) {
+        const afd_i32 count = s_warp_cols[w * num_cols + c];
+        s_warp_cols[w * num_cols + c] = static_cast<unsigned short>(run);
+        run += count;
+      }
+      if (c >= num_experts) s_keyrun[c - num_experts] = run;
+    }
+    __syncthreads();
+    for (afd_i32 p = seg_begin + lane; p < seg_end; p += 32) {  // the partials ranked above
+      const afd_i32 e = s_ids[p];
+      if (e < 0) continue;
+      s_pos[p] += cols[e];
+      const afd_i32 prow = s_prow[p];
+      if (prow >= 0) {  // the first partial of (t, j): its key again
+        const afd_i32 t = p / top_k, j = e / expert_per_rank;
+        s_prow[p] = prow + cols[num_experts + 2 * j + (s_srank[t] == j ? 0 : 1)];
+      }
+    }
+    __syncthreads();
   }
   // s_keyrun now holds the totals: shared rows (even keys) and other rows (odd keys) per rank.
   // As afd_dedup_rows after a verdict other than STATUS_OK (bad ids, or an error latched

@@ -394,7 +394,7 @@ def test_dedup_fused_dispatch_grid_stride(request, dtype):
     ids = base.skewed_ids(rng, 1100, 2, np.arange(NUM_EXPERTS))
     d = DedupDispatch(rng, dtype=dtype, num_ffn=8, num_tokens=1100, top_k=2, hidden=64,
                       has_shared=1, ids=ids, num_experts=16)
-    assert kernels.fused_dedup_dispatch_fits(d.num_tokens + 3, d.top_k, d.num_ffn * d.epr)
+    assert kernels.fused_dedup_dispatch_fits(d.num_tokens + 3, d.top_k, d.num_ffn * d.epr, d.num_ffn)
     assert d.num_tokens * d.num_ffn > kernels.MAX_BLOCKS * kernels.ROWS_PER_BLOCK
     d.run(fused=True)
     assert base.status_of(d.status.array).ok
@@ -428,8 +428,8 @@ def test_dedup_fused_dispatch_publishes_nothing_when_a_block_skipped(request):
 
 
 def test_dedup_fused_dispatch_spec_refuses_what_does_not_fit():
-    assert kernels.fused_dedup_dispatch_fits(128, 8, 64)
-    assert not kernels.fused_dedup_dispatch_fits(3000, 8, NUM_EXPERTS)
+    assert kernels.fused_dedup_dispatch_fits(128, 8, 64, 1)
+    assert not kernels.fused_dedup_dispatch_fits(3000, 8, NUM_EXPERTS, 1)
     layout = dedup_layout(num_regions=2, epr=NUM_EXPERTS, hidden=64, dtype="bfloat16", top_k=8,
                           token_cap=3000, routed_cap=24000, has_shared=1)
     buf = cp.zeros(24000, cp.int32)

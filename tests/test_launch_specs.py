@@ -441,7 +441,7 @@ def test_backend_builds_the_launches_of_its_wire_mode(fake_specs, monkeypatch, w
         fused_args = dict(zip(launches["fused"].names, launches["fused"].args))
         assert fused_args["staging"] == (0x9000 if put else 0) and fused_args["status"] == 0x1000
         want_shared = (kernels.specs.dedup_fused_shared_bytes(layout.token_cap, layout.top_k,
-                                                              2 * layout.expert_per_rank)
+                                                              2 * layout.expert_per_rank, 2)
                        if wire_mode == "dedup" else
                        kernels.specs.fused_shared_bytes(layout.token_cap * layout.top_k,
                                                         2 * layout.expert_per_rank))

@@ -133,7 +133,7 @@ class CudaAttentionSide:
         num_experts = num_ffn * layout.expert_per_rank
         if self.is_dedup:
             self.fused_dispatch = ctx.fused_dispatch and kernels.fused_dedup_dispatch_fits(
-                layout.token_cap, layout.top_k, num_experts)
+                layout.token_cap, layout.top_k, num_experts, num_ffn)
         else:
             self.fused_dispatch = ctx.fused_dispatch and kernels.fused_dispatch_fits(max_partials, num_experts)
         count_cols = 3 if self.is_dedup else 2

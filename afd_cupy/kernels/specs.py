@@ -639,23 +639,30 @@ def dedup_scatter_grid(num_tokens: int, num_ffn_ranks: int, row_bytes: int = 0,
     return _row_grid(num_tokens * num_ffn_ranks * row_parts(row_bytes), max_blocks)
 
 
-def dedup_fused_shared_bytes(num_tokens: int, top_k: int, num_experts: int) -> int:
+def dedup_fused_shared_bytes(num_tokens: int, top_k: int, num_experts: int,
+                             num_ffn_ranks: int) -> int:
     """Dynamic shared memory of afd_dedup_dispatch_fused: ids, staging rows and row ranks per
-    partial (each padded to 4), counts, starts and running counts per expert, the shared-expert
-    rank per token (padded to 4)."""
+    partial (each padded to 4), counts and starts per expert, the shared-expert rank per token
+    (padded to 4), then one 16-bit count per warp (ROWS_PER_BLOCK of them) and expert or row
+    key (2 per FFN rank): 4 * (3 * round_up(T*K, 4) + 6 * E + 8 * F + round_up(T, 4))."""
     partials4 = (int(num_tokens) * int(top_k) + 3) // 4 * 4
-    return 4 * (3 * partials4 + 3 * int(num_experts) + (int(num_tokens) + 3) // 4 * 4)
+    warp_cols = ROWS_PER_BLOCK * (int(num_experts) + 2 * int(num_ffn_ranks))
+    return (4 * (3 * partials4 + 2 * int(num_experts) + (int(num_tokens) + 3) // 4 * 4)
+            + 2 * warp_cols)
 
 
-#: afd_dedup_dispatch_fused's dynamic shared memory at most (its static arrays take ~11 KiB of
+#: afd_dedup_dispatch_fused's dynamic shared memory at most (its static arrays take ~8 KiB of
 #: the 48 KiB a block gets without an opt-in)
 DEDUP_FUSED_MAX_SHARED_BYTES = 32 * 1024
 
 
-def fused_dedup_dispatch_fits(num_tokens: int, top_k: int, num_experts: int) -> bool:
+def fused_dedup_dispatch_fits(num_tokens: int, top_k: int, num_experts: int,
+                              num_ffn_ranks: int) -> bool:
     """Whether a dedup dispatch of up to ``num_tokens`` tokens can run as the one-kernel
-    afd_dedup_dispatch_fused (e.g. T = 128, K = 8 at E <= 1400; T = 256, K = 8 at E <= 310)."""
-    return dedup_fused_shared_bytes(num_tokens, top_k, num_experts) <= DEDUP_FUSED_MAX_SHARED_BYTES
+    afd_dedup_dispatch_fused (e.g. T = 128, K = 8 at E <= 816 with F = 8, E <= 830 with F = 1;
+    T = 256, K = 8 at E <= 288 with F = 8, E <= 297 with F = 1)."""
+    return (dedup_fused_shared_bytes(num_tokens, top_k, num_experts, num_ffn_ranks)
+            <= DEDUP_FUSED_MAX_SHARED_BYTES)
 
 
 def dedup_dispatch_fused_spec(*, dtype_code, hidden, num_tokens, hidden_size, topk_ids,
@@ -686,11 +693,12 @@ def dedup_dispatch_fused_spec(*, dtype_code, hidden, num_tokens, hidden_size, to
     epr = _count("expert_per_rank", expert_per_rank, low=1)
     num_experts = int(num_ffn) * int(epr)
     num_partials = int(num_tokens) * int(top_k)
-    if not fused_dedup_dispatch_fits(max_tokens, int(top_k), num_experts):
-        raise ValueError(f"afd_dedup_dispatch_fused needs "
-                         f"{dedup_fused_shared_bytes(max_tokens, int(top_k), num_experts)} B of shared "
-                         f"memory for {max_tokens} tokens, top-{int(top_k)} and {num_experts} experts, "
-                         f"more than {DEDUP_FUSED_MAX_SHARED_BYTES}: use the plan, rows and scatter kernels")
+    shared_bytes = dedup_fused_shared_bytes(max_tokens, int(top_k), num_experts, int(num_ffn))
+    if shared_bytes > DEDUP_FUSED_MAX_SHARED_BYTES:
+        raise ValueError(f"afd_dedup_dispatch_fused needs {shared_bytes} B of shared memory for "
+                         f"{max_tokens} tokens, top-{int(top_k)}, {num_experts} experts and "
+                         f"{int(num_ffn)} FFN ranks, more than {DEDUP_FUSED_MAX_SHARED_BYTES}: "
+                         f"use the plan, rows and scatter kernels")
     geo = _geometry("geo", geo, header_words=wire.HDR_FIXED_WORDS + int(epr) + 1)
     args = {"hidden": _address("hidden", hidden, allow_null=num_tokens == 0),
             "num_tokens": num_tokens, "hidden_size": _count("hidden_size", hidden_size, low=1),
@@ -723,8 +731,7 @@ def dedup_dispatch_fused_spec(*, dtype_code, hidden, num_tokens, hidden_size, to
     kernel = get_kernel("dedup_attn.cu", "afd_dedup_dispatch_fused", dtype_code=_dtype(dtype_code))
     grid = dedup_scatter_grid(int(num_tokens), int(num_ffn), _row_bytes(hidden_size, dtype_code),
                               max_blocks)
-    return _spec(kernel, grid, KERNEL_LIMITS["SCATTER_THREADS"], args,
-                 shared_mem=dedup_fused_shared_bytes(max_tokens, int(top_k), num_experts))
+    return _spec(kernel, grid, KERNEL_LIMITS["SCATTER_THREADS"], args, shared_mem=shared_bytes)
 
 
 def dedup_combine_spec(*, dtype_code, out, num_tokens, hidden_size, row_map, window, geo,
