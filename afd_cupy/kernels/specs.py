@@ -570,6 +570,46 @@ def dedup_rows_grid(num_tokens: int, top_k: int) -> int:
     return plan_grid(num_tokens * top_k)
 
 
+def _dedup_dispatch_head(*, hidden, num_tokens, hidden_size, topk_ids, topk_weights, top_k,
+                         expert_per_rank, num_ffn_ranks) -> dict:
+    """The leading arguments of afd_dedup_scatter and afd_dedup_dispatch_fused (hidden ..
+    num_ffn_ranks, in their kernel order), checked."""
+    num_tokens = _count("num_tokens", num_tokens)
+    top_k = _count("top_k", top_k, low=1, high=MAX_TOP_K)
+    num_partials = int(num_tokens) * int(top_k)
+    return {"hidden": _address("hidden", hidden, allow_null=num_tokens == 0),
+            "num_tokens": num_tokens, "hidden_size": _count("hidden_size", hidden_size, low=1),
+            "topk_ids": _array("topk_ids", topk_ids, np.int32, num_partials),
+            "topk_weights": _array("topk_weights", topk_weights, np.float32, num_partials),
+            "top_k": top_k, "expert_per_rank": _count("expert_per_rank", expert_per_rank, low=1),
+            "num_ffn_ranks": _count("num_ffn_ranks", num_ffn_ranks, low=1, high=MAX_FFN_RANKS)}
+
+
+def _dedup_dispatch_tail(*, row_map, shared_rank, num_rows, shared_rows, peer_windows, staging,
+                         geo, ring, always_send, src_rank, layer_idx, stage_idx, hdr_flags,
+                         seq_counters, expected, expected_counts, done_counter, num_tokens,
+                         num_ffn, epr) -> dict:
+    """The rows' and publishing arguments of afd_dedup_scatter and afd_dedup_dispatch_fused
+    (row_map .. done_counter, in their kernel order), checked against a dedup layout of ``epr``
+    experts per rank."""
+    geo = _geometry("geo", geo, header_words=wire.HDR_FIXED_WORDS + int(epr) + 1)
+    return {"row_map": _array("row_map", row_map, np.int32, num_tokens * num_ffn),
+            "shared_rank": _array("shared_rank", shared_rank, np.int32, num_tokens),
+            "num_rows": _array("num_rows", num_rows, np.int32, num_ffn),
+            "shared_rows": _array("shared_rows", shared_rows, np.int32, num_ffn),
+            "peer_windows": _array("peer_windows", peer_windows, np.uint64, num_ffn),
+            "staging": _address("staging", staging, allow_null=True),
+            "geo": geo, "ring": _count("ring", ring, high=int(geo["ring_depth"]) - 1),
+            "always_send": _count("always_send", always_send, high=1),
+            "src_rank": _count("src_rank", src_rank, high=int(geo["num_regions"]) - 1),
+            "layer_idx": np.int32(layer_idx), "stage_idx": np.int32(stage_idx),
+            "hdr_flags": np.int32(hdr_flags),
+            "seq_counters": _array("seq_counters", seq_counters, np.int64, num_ffn),
+            "expected": _array("expected", expected, np.int64, num_ffn),
+            "expected_counts": _array("expected_counts", expected_counts, np.int32, 3 * num_ffn),
+            "done_counter": _array("done_counter", done_counter, np.uint32, 1)}
+
+
 def dedup_scatter_spec(*, dtype_code, hidden, num_tokens, hidden_size, topk_ids, topk_weights,
                        top_k, expert_per_rank, num_ffn_ranks, chunk_hist, local_rank,
                        expert_start, rank_offsets, expert_counts, verdict, row_map, shared_rank,
@@ -592,40 +632,27 @@ def dedup_scatter_spec(*, dtype_code, hidden, num_tokens, hidden_size, topk_ids,
     not STATUS_OK nothing is written to any peer and ``expected`` is all 0.
     Grid: :func:`dedup_scatter_grid`.
     """
-    num_tokens = _count("num_tokens", num_tokens)
-    top_k = _count("top_k", top_k, low=1, high=MAX_TOP_K)
-    num_ffn = _count("num_ffn_ranks", num_ffn_ranks, low=1, high=MAX_FFN_RANKS)
-    epr = _count("expert_per_rank", expert_per_rank, low=1)
-    num_experts = int(num_ffn) * int(epr)
-    num_partials = int(num_tokens) * int(top_k)
-    geo = _geometry("geo", geo, header_words=wire.HDR_FIXED_WORDS + int(epr) + 1)
-    args = {"hidden": _address("hidden", hidden, allow_null=num_tokens == 0),
-            "num_tokens": num_tokens, "hidden_size": _count("hidden_size", hidden_size, low=1),
-            "topk_ids": _array("topk_ids", topk_ids, np.int32, num_partials),
-            "topk_weights": _array("topk_weights", topk_weights, np.float32, num_partials),
-            "top_k": top_k, "expert_per_rank": epr, "num_ffn_ranks": num_ffn,
+    head = _dedup_dispatch_head(hidden=hidden, num_tokens=num_tokens, hidden_size=hidden_size,
+                                topk_ids=topk_ids, topk_weights=topk_weights, top_k=top_k,
+                                expert_per_rank=expert_per_rank, num_ffn_ranks=num_ffn_ranks)
+    num_tokens, top_k = head["num_tokens"], head["top_k"]
+    num_ffn, epr = int(head["num_ffn_ranks"]), int(head["expert_per_rank"])
+    num_experts, num_partials = num_ffn * epr, int(num_tokens) * int(top_k)
+    args = {**head,
             "chunk_hist": _array("chunk_hist", chunk_hist, np.int32,
                                  dispatch_num_chunks(num_partials) * num_experts),
             "local_rank": _array("local_rank", local_rank, np.int32, num_partials),
             "expert_start": _array("expert_start", expert_start, np.int32, num_experts),
-            "rank_offsets": _array("rank_offsets", rank_offsets, np.int32, int(num_ffn) + 1),
+            "rank_offsets": _array("rank_offsets", rank_offsets, np.int32, num_ffn + 1),
             "expert_counts": _array("expert_counts", expert_counts, np.int32, num_experts),
             "verdict": _array("verdict", verdict, np.int32, 1),
-            "row_map": _array("row_map", row_map, np.int32, int(num_tokens) * int(num_ffn)),
-            "shared_rank": _array("shared_rank", shared_rank, np.int32, int(num_tokens)),
-            "num_rows": _array("num_rows", num_rows, np.int32, int(num_ffn)),
-            "shared_rows": _array("shared_rows", shared_rows, np.int32, int(num_ffn)),
-            "peer_windows": _array("peer_windows", peer_windows, np.uint64, int(num_ffn)),
-            "staging": _address("staging", staging, allow_null=True),
-            "geo": geo, "ring": _count("ring", ring, high=int(geo["ring_depth"]) - 1),
-            "always_send": _count("always_send", always_send, high=1),
-            "src_rank": _count("src_rank", src_rank, high=int(geo["num_regions"]) - 1),
-            "layer_idx": np.int32(layer_idx), "stage_idx": np.int32(stage_idx),
-            "hdr_flags": np.int32(hdr_flags),
-            "seq_counters": _array("seq_counters", seq_counters, np.int64, int(num_ffn)),
-            "expected": _array("expected", expected, np.int64, int(num_ffn)),
-            "expected_counts": _array("expected_counts", expected_counts, np.int32, 3 * int(num_ffn)),
-            "done_counter": _array("done_counter", done_counter, np.uint32, 1)}
+            **_dedup_dispatch_tail(
+                row_map=row_map, shared_rank=shared_rank, num_rows=num_rows,
+                shared_rows=shared_rows, peer_windows=peer_windows, staging=staging, geo=geo,
+                ring=ring, always_send=always_send, src_rank=src_rank, layer_idx=layer_idx,
+                stage_idx=stage_idx, hdr_flags=hdr_flags, seq_counters=seq_counters,
+                expected=expected, expected_counts=expected_counts, done_counter=done_counter,
+                num_tokens=int(num_tokens), num_ffn=num_ffn, epr=epr)}
     kernel = get_kernel("dedup_attn.cu", "afd_dedup_scatter", dtype_code=_dtype(dtype_code))
     grid = dedup_scatter_grid(int(num_tokens), int(num_ffn), _row_bytes(hidden_size, dtype_code),
                               max_blocks)
@@ -684,49 +711,35 @@ def dedup_dispatch_fused_spec(*, dtype_code, hidden, num_tokens, hidden_size, to
     of this packed spec may use): at most :data:`DEDUP_FUSED_MAX_SHARED_BYTES`
     (:func:`fused_dedup_dispatch_fits`). Grid: :func:`dedup_scatter_grid`.
     """
-    num_tokens = _count("num_tokens", num_tokens)
-    top_k = _count("top_k", top_k, low=1, high=MAX_TOP_K)
+    head = _dedup_dispatch_head(hidden=hidden, num_tokens=num_tokens, hidden_size=hidden_size,
+                                topk_ids=topk_ids, topk_weights=topk_weights, top_k=top_k,
+                                expert_per_rank=expert_per_rank, num_ffn_ranks=num_ffn_ranks)
+    num_tokens, top_k = head["num_tokens"], head["top_k"]
+    num_ffn, epr = head["num_ffn_ranks"], int(head["expert_per_rank"])
+    num_experts = int(num_ffn) * epr
     max_tokens = int(num_tokens) if max_tokens is None else int(max_tokens)
     if max_tokens < int(num_tokens):
         raise ValueError(f"max_tokens={max_tokens} < num_tokens={int(num_tokens)}")
-    num_ffn = _count("num_ffn_ranks", num_ffn_ranks, low=1, high=MAX_FFN_RANKS)
-    epr = _count("expert_per_rank", expert_per_rank, low=1)
-    num_experts = int(num_ffn) * int(epr)
-    num_partials = int(num_tokens) * int(top_k)
     shared_bytes = dedup_fused_shared_bytes(max_tokens, int(top_k), num_experts, int(num_ffn))
     if shared_bytes > DEDUP_FUSED_MAX_SHARED_BYTES:
         raise ValueError(f"afd_dedup_dispatch_fused needs {shared_bytes} B of shared memory for "
                          f"{max_tokens} tokens, top-{int(top_k)}, {num_experts} experts and "
                          f"{int(num_ffn)} FFN ranks, more than {DEDUP_FUSED_MAX_SHARED_BYTES}: "
                          f"use the plan, rows and scatter kernels")
-    geo = _geometry("geo", geo, header_words=wire.HDR_FIXED_WORDS + int(epr) + 1)
-    args = {"hidden": _address("hidden", hidden, allow_null=num_tokens == 0),
-            "num_tokens": num_tokens, "hidden_size": _count("hidden_size", hidden_size, low=1),
-            "topk_ids": _array("topk_ids", topk_ids, np.int32, num_partials),
-            "topk_weights": _array("topk_weights", topk_weights, np.float32, num_partials),
-            "top_k": top_k, "expert_per_rank": epr, "num_ffn_ranks": num_ffn,
-            "routed_cap": _count("routed_cap", routed_cap),
+    args = {**head, "routed_cap": _count("routed_cap", routed_cap),
             "has_shared": _count("has_shared", has_shared, high=1),
             "expert_counts": _array("expert_counts", expert_counts, np.int32, num_experts),
             "expert_start": _array("expert_start", expert_start, np.int32, num_experts),
             "rank_offsets": _array("rank_offsets", rank_offsets, np.int32, int(num_ffn) + 1),
             "verdict": _array("verdict", verdict, np.int32, 1),
             "skipped": _array("skipped", skipped, np.int32, 1),
-            "row_map": _array("row_map", row_map, np.int32, int(num_tokens) * int(num_ffn)),
-            "shared_rank": _array("shared_rank", shared_rank, np.int32, int(num_tokens)),
-            "num_rows": _array("num_rows", num_rows, np.int32, int(num_ffn)),
-            "shared_rows": _array("shared_rows", shared_rows, np.int32, int(num_ffn)),
-            "peer_windows": _array("peer_windows", peer_windows, np.uint64, int(num_ffn)),
-            "staging": _address("staging", staging, allow_null=True),
-            "geo": geo, "ring": _count("ring", ring, high=int(geo["ring_depth"]) - 1),
-            "always_send": _count("always_send", always_send, high=1),
-            "src_rank": _count("src_rank", src_rank, high=int(geo["num_regions"]) - 1),
-            "layer_idx": np.int32(layer_idx), "stage_idx": np.int32(stage_idx),
-            "hdr_flags": np.int32(hdr_flags),
-            "seq_counters": _array("seq_counters", seq_counters, np.int64, int(num_ffn)),
-            "expected": _array("expected", expected, np.int64, int(num_ffn)),
-            "expected_counts": _array("expected_counts", expected_counts, np.int32, 3 * int(num_ffn)),
-            "done_counter": _array("done_counter", done_counter, np.uint32, 1),
+            **_dedup_dispatch_tail(
+                row_map=row_map, shared_rank=shared_rank, num_rows=num_rows,
+                shared_rows=shared_rows, peer_windows=peer_windows, staging=staging, geo=geo,
+                ring=ring, always_send=always_send, src_rank=src_rank, layer_idx=layer_idx,
+                stage_idx=stage_idx, hdr_flags=hdr_flags, seq_counters=seq_counters,
+                expected=expected, expected_counts=expected_counts, done_counter=done_counter,
+                num_tokens=int(num_tokens), num_ffn=int(num_ffn), epr=epr),
             "status": _address("status", status)}
     kernel = get_kernel("dedup_attn.cu", "afd_dedup_dispatch_fused", dtype_code=_dtype(dtype_code))
     grid = dedup_scatter_grid(int(num_tokens), int(num_ffn), _row_bytes(hidden_size, dtype_code),
