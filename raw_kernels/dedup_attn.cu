@@ -14,6 +14,7 @@
 #include "wire.cuh"
 #include "reply_check.cuh"  // combine_wait, store_nan_row, finish_combine
 #include "publish.cuh"      // publish_dispatch
+#include "plan_block.cuh"   // plan_in_block, store_block_plan (afd_dedup_dispatch_fused)
 
 using namespace afd;
 
@@ -403,8 +404,7 @@ afd_dedup_dispatch_fused(afd_u64 hidden,  // payload [num_tokens, hidden_size], 
   __shared__ afd_i32 s_rows[MAX_FFN_RANKS];
   __shared__ afd_i32 s_rank_off[MAX_FFN_RANKS + 1];
   __shared__ afd_i32 s_keyrun[2 * MAX_FFN_RANKS];  // rows per key in total
-  __shared__ afd_i32 s_first_bad, s_code, s_skip, s_send;
-  __shared__ afd_i64 s_earlier;
+  __shared__ afd_i32 s_send;
 
   const int tid = threadIdx.x, lane = tid & 31;
   const afd_i32 num_experts = num_ffn_ranks * expert_per_rank;
@@ -428,62 +428,10 @@ afd_dedup_dispatch_fused(afd_u64 hidden,  // payload [num_tokens, hidden_size], 
   const afd_i64 row_bytes = static_cast<afd_i64>(hidden_size) * itemsize<DT>();
 
   // 1. The pair plan (as afd_dispatch_fused): ids, histogram, scan, rank offsets, verdict.
-  for (int e = tid; e < num_experts; e += SCATTER_THREADS) s_hist[e] = 0;
-  if (tid == 0) {
-    s_first_bad = num_partials;
-    s_earlier = status_code(status);  // an error latched before this dispatch: send nothing
-  }
-  __syncthreads();
-  for (int i = tid; i < num_partials; i += SCATTER_THREADS) {
-    afd_i32 e = topk_ids[i];
-    if (e < 0 || e >= num_experts) {
-      atomicMin(&s_first_bad, i);
-      e = -1;
-    } else {
-      atomicAdd(&s_hist[e], 1);
-    }
-    s_ids[i] = e;
-  }
-  __syncthreads();
-  const int per_thread = (num_experts + SCATTER_THREADS - 1) / SCATTER_THREADS;
-  const int e_begin = min(tid * per_thread, num_experts);
-  const int e_end = min(e_begin + per_thread, num_experts);
-  afd_i32 local_sum = 0;
-  for (int e = e_begin; e < e_end; ++e) local_sum += s_hist[e];
-  afd_i32 total;
-  afd_i32 run = block_exclusive_scan_256(local_sum, &total);
-  for (int e = e_begin; e < e_end; ++e) {
-    s_start[e] = run;
-    run += s_hist[e];
-  }
-  __syncthreads();
-  for (int r = tid; r <= num_ffn_ranks; r += SCATTER_THREADS) {
-    s_rank_off[r] = (r < num_ffn_ranks) ? s_start[r * expert_per_rank] : total;
-  }
-  __syncthreads();
-  if (tid == 0) {
-    afd_i64 code = STATUS_OK;
-    if (s_first_bad < num_partials) {
-      code = STATUS_BAD_EXPERT;
-      if (blockIdx.x == 0) {
-        report_status(status, STATUS_BAD_EXPERT, -1, s_first_bad, -1, num_experts,
-                      topk_ids[s_first_bad], -1, -1, layer_idx);
-      }
-    }
-    for (int r = 0; code == STATUS_OK && r < num_ffn_ranks; ++r) {
-      const afd_i32 count = s_rank_off[r + 1] - s_rank_off[r];
-      if (count > routed_cap) {
-        code = STATUS_CAPACITY;
-        if (blockIdx.x == 0) {
-          report_status(status, STATUS_CAPACITY, r, -1, -1, -1, -1, count, routed_cap, layer_idx);
-        }
-      }
-    }
-    s_code = static_cast<afd_i32>(code);
-    s_skip = (code == STATUS_OK && s_earlier != STATUS_OK) ? 1 : 0;
-  }
-  __syncthreads();
-  const bool planned = s_code == STATUS_OK;  // the ids are valid: rows can be planned
+  const BlockPlan plan = plan_in_block(topk_ids, num_partials, expert_per_rank, num_ffn_ranks,
+                                       routed_cap, layer_idx, status, s_ids, s_hist, s_start,
+                                       s_rank_off);
+  const bool planned = plan.code == STATUS_OK;  // the ids are valid: rows can be planned
 
   // 2. The rows (as afd_dedup_rows) and each partial's staging row: stable ranks among equal
   // experts (pos) and, for the first partial of each (token, rank), among equal row keys. Warp w
@@ -557,19 +505,15 @@ afd_dedup_dispatch_fused(afd_u64 hidden,  // payload [num_tokens, hidden_size], 
   // s_keyrun now holds the totals: shared rows (even keys) and other rows (odd keys) per rank.
   // As afd_dedup_rows after a verdict other than STATUS_OK (bad ids, or an error latched
   // earlier): the rows' outputs say nothing is sent (-1, 0).
-  const bool ok = planned && !s_skip;
+  const bool ok = planned && !plan.skip;
   if (blockIdx.x == 0) {
-    for (int e = tid; e < num_experts; e += SCATTER_THREADS) {
-      expert_counts[e] = s_hist[e];
-      expert_start[e] = s_start[e];
-    }
-    for (int r = tid; r <= num_ffn_ranks; r += SCATTER_THREADS) rank_offsets[r] = s_rank_off[r];
+    store_block_plan(plan, s_hist, s_start, s_rank_off, num_experts, num_ffn_ranks, expert_counts,
+                     expert_start, rank_offsets, verdict);
     for (int j = tid; j < num_ffn_ranks; j += SCATTER_THREADS) {
       shared_rows[j] = ok ? s_keyrun[2 * j] : 0;
       num_rows[j] = ok ? s_keyrun[2 * j] + s_keyrun[2 * j + 1] : 0;
     }
     for (int t = tid; t < num_tokens; t += SCATTER_THREADS) shared_rank[t] = ok ? s_srank[t] : -1;
-    if (tid == 0) *verdict = (s_code != STATUS_OK) ? s_code : static_cast<afd_i32>(s_earlier);
   }
 
   // 3. This block's (token, rank) cells: row_map always; rows and route tables when sending.
@@ -633,7 +577,7 @@ afd_dedup_dispatch_fused(afd_u64 hidden,  // payload [num_tokens, hidden_size], 
       }
     }
   }
-  if (tid == 0 && planned && s_skip) {
+  if (tid == 0 && planned && plan.skip) {
     atomicOr(reinterpret_cast<unsigned int*>(skipped), 1u);  // released by last_block_done
   }
 
@@ -642,7 +586,7 @@ afd_dedup_dispatch_fused(afd_u64 hidden,  // payload [num_tokens, hidden_size], 
 
   // 4. Last block: send only if no block skipped, then as afd_dedup_scatter.
   if (tid == 0) {
-    s_send = (planned && !s_skip && __ldcg(skipped) == 0) ? 1 : 0;
+    s_send = (planned && !plan.skip && __ldcg(skipped) == 0) ? 1 : 0;
     *skipped = 0;
   }
   __syncthreads();

@@ -8,7 +8,8 @@
 // shared rows, header and flag into each non-empty FFN rank's window, flags last, or nothing at
 // all when the verdict is not STATUS_OK.
 #include "wire.cuh"
-#include "publish.cuh"  // publish_dispatch
+#include "publish.cuh"     // publish_dispatch
+#include "plan_block.cuh"  // plan_in_block, store_block_plan (afd_dispatch_fused)
 
 using namespace afd;
 
@@ -308,8 +309,7 @@ afd_dispatch_fused(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-ma
   __shared__ afd_i32 s_routed[MAX_FFN_RANKS];
   __shared__ afd_i32 s_shared[MAX_FFN_RANKS];
   __shared__ afd_i32 s_rank_off[MAX_FFN_RANKS + 1];
-  __shared__ afd_i32 s_first_bad, s_code, s_skip, s_send;
-  __shared__ afd_i64 s_earlier;
+  __shared__ afd_i32 s_send;
 
   const int tid = threadIdx.x, lane = tid & 31;
   const afd_i32 num_experts = num_ffn_ranks * expert_per_rank;
@@ -321,77 +321,16 @@ afd_dispatch_fused(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-ma
   const afd_i64 num_rows = static_cast<afd_i64>(num_partials) + num_shared_rows;
 
   // 1. The plan, in this block's shared memory.
-  for (int e = tid; e < num_experts; e += SCATTER_THREADS) s_hist[e] = 0;
-  if (tid == 0) {
-    s_first_bad = num_partials;
-    s_earlier = status_code(status);  // an error latched before this dispatch: send nothing
-  }
-  __syncthreads();
-  for (int i = tid; i < num_partials; i += SCATTER_THREADS) {
-    afd_i32 e = topk_ids[i];
-    if (e < 0 || e >= num_experts) {
-      atomicMin(&s_first_bad, i);
-      e = -1;
-    } else {
-      atomicAdd(&s_hist[e], 1);
-    }
-    s_ids[i] = e;
-  }
-  __syncthreads();
-  // Exclusive scan over experts: each thread owns a contiguous run of experts.
-  const int per_thread = (num_experts + SCATTER_THREADS - 1) / SCATTER_THREADS;
-  const int e_begin = min(tid * per_thread, num_experts);
-  const int e_end = min(e_begin + per_thread, num_experts);
-  afd_i32 local_sum = 0;
-  for (int e = e_begin; e < e_end; ++e) local_sum += s_hist[e];
-  afd_i32 total;
-  afd_i32 run = block_exclusive_scan_256(local_sum, &total);
-  for (int e = e_begin; e < e_end; ++e) {
-    s_start[e] = run;
-    run += s_hist[e];
-  }
-  __syncthreads();
-  for (int r = tid; r <= num_ffn_ranks; r += SCATTER_THREADS) {
-    s_rank_off[r] = (r < num_ffn_ranks) ? s_start[r * expert_per_rank] : total;
-  }
-  __syncthreads();
-  if (tid == 0) {
-    // The verdict from the ids, as afd_dispatch_plan decides it (lowest bad index; lowest
-    // over-full rank); reported by block 0 only.
-    afd_i64 code = STATUS_OK;
-    if (s_first_bad < num_partials) {
-      code = STATUS_BAD_EXPERT;
-      if (blockIdx.x == 0) {
-        report_status(status, STATUS_BAD_EXPERT, -1, s_first_bad, -1, num_experts,
-                      topk_ids[s_first_bad], -1, -1, layer_idx);
-      }
-    }
-    for (int r = 0; code == STATUS_OK && r < num_ffn_ranks; ++r) {
-      const afd_i32 count = s_rank_off[r + 1] - s_rank_off[r];
-      if (count > routed_cap) {
-        code = STATUS_CAPACITY;
-        if (blockIdx.x == 0) {
-          report_status(status, STATUS_CAPACITY, r, -1, -1, -1, -1, count, routed_cap, layer_idx);
-        }
-      }
-    }
-    s_code = static_cast<afd_i32>(code);
-    s_skip = (code == STATUS_OK && s_earlier != STATUS_OK) ? 1 : 0;
-  }
-  __syncthreads();
+  const BlockPlan plan = plan_in_block(topk_ids, num_partials, expert_per_rank, num_ffn_ranks,
+                                       routed_cap, layer_idx, status, s_ids, s_hist, s_start,
+                                       s_rank_off);
   if (blockIdx.x == 0) {  // the plan's outputs, for the host and the tests
-    for (int e = tid; e < num_experts; e += SCATTER_THREADS) {
-      expert_counts[e] = s_hist[e];
-      expert_start[e] = s_start[e];
-    }
-    for (int r = tid; r <= num_ffn_ranks; r += SCATTER_THREADS) rank_offsets[r] = s_rank_off[r];
-    if (tid == 0) {
-      *verdict = (s_code != STATUS_OK) ? s_code : static_cast<afd_i32>(s_earlier);
-    }
+    store_block_plan(plan, s_hist, s_start, s_rank_off, num_experts, num_ffn_ranks, expert_counts,
+                     expert_start, rank_offsets, verdict);
   }
 
   // 2. This block's rows.
-  const bool ok = (s_code == STATUS_OK) && !s_skip;
+  const bool ok = (plan.code == STATUS_OK) && !plan.skip;
   if (ok) {
     const afd_i64 warp_stride = static_cast<afd_i64>(gridDim.x) * ROWS_PER_BLOCK;
     for (afd_i64 r = static_cast<afd_i64>(blockIdx.x) * ROWS_PER_BLOCK + (tid >> 5); r < num_rows;
@@ -411,7 +350,7 @@ afd_dispatch_fused(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-ma
       write_pair_row(geo, peer_windows, staging, src_rank, ring, hidden, row_bytes, top_k,
                      num_ffn_ranks, num_partials, r, dest, pos, pos_out, lane);
     }
-  } else if (tid == 0 && s_skip) {
+  } else if (tid == 0 && plan.skip) {
     atomicOr(reinterpret_cast<unsigned int*>(skipped), 1u);  // released by last_block_done
   }
 
@@ -420,7 +359,7 @@ afd_dispatch_fused(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-ma
 
   // 3. Last block: send only if no block skipped, then as afd_dispatch_scatter.
   if (tid == 0) {
-    s_send = (s_code == STATUS_OK && !s_skip && __ldcg(skipped) == 0) ? 1 : 0;
+    s_send = (plan.code == STATUS_OK && !plan.skip && __ldcg(skipped) == 0) ? 1 : 0;
     *skipped = 0;
   }
   __syncthreads();

@@ -20,10 +20,11 @@ import kernel_helpers as helpers
 from afd_cupy import config, errors, kernels, planner, wire
 
 KERNEL_FILES = ("wire.cuh", "dispatch.cu", "combine.cu", "wait_any.cu", "reply.cu",
-                "reply_check.cuh", "publish.cuh", "dedup_attn.cu", "dedup_ffn.cu", "dedup_ffn.cuh",
-                "ffn_graph.cu", "probes/wire_constants.cu", "probes/bench.cu")
+                "reply_check.cuh", "publish.cuh", "plan_block.cuh", "dedup_attn.cu", "dedup_ffn.cu",
+                "dedup_ffn.cuh", "ffn_graph.cu", "probes/wire_constants.cu", "probes/bench.cu")
 #: headers a kernel file may include (NVRTC runs without system headers)
-KERNEL_HEADERS = {"wire.cuh", "reply_check.cuh", "publish.cuh", "dedup_ffn.cuh", "wait_any.cuh"}
+KERNEL_HEADERS = {"wire.cuh", "reply_check.cuh", "publish.cuh", "plan_block.cuh", "dedup_ffn.cuh",
+                  "wait_any.cuh"}
 ALL_KERNELS = {**kernels.FILE_KERNELS, **kernels.PROBE_KERNELS}
 _CONSTEXPR_RE = re.compile(r"constexpr\s+\w+\s+(\w+)\s*=\s*(-?(?:0x[0-9a-fA-F]+|\d+))\s*;")
 
