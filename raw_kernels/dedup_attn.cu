@@ -131,6 +131,89 @@ afd_dedup_rows(const afd_i32* __restrict__ topk_ids,  // [num_tokens * top_k], f
   reset_done_counter(done_counter);
 }
 
+// Part `part` of message row `row` of cell (t, j), by one warp (afd_dedup_scatter,
+// afd_dedup_dispatch_fused): that part of hidden[t] into the row and, with part 0, the
+// route-table row: token, shared flag, the staging rows of t's partials on rank j in k order
+// (-1 pad) and their fp32 weight bits (0 pad). `ids`: t's top_k expert ids; pos_of(p, e): the
+// staging row of partial p (expert e) on its rank.
+template <typename PosOf>
+__device__ __forceinline__ void write_dedup_cell(const SlotGeometry& geo, char* slot, afd_u64 hidden,
+                                                 afd_i64 row_bytes, afd_i64 part, afd_i64 part_bytes,
+                                                 afd_i64 t, afd_i32 j, afd_i32 row, bool shared,
+                                                 const afd_i32* ids, const float* topk_weights,
+                                                 afd_i32 top_k, afd_i32 expert_per_rank,
+                                                 PosOf pos_of, int lane) {
+  constexpr unsigned int ALL = 0xffffffffu;
+  const afd_i64 begin = part * part_bytes;
+  if (begin < row_bytes) {  // (a 16-byte-rounded part size can leave the last part empty)
+    const char* src_row = static_cast<const char*>(byte_ptr(hidden, t * row_bytes));
+    const afd_i64 len = (row_bytes - begin < part_bytes) ? row_bytes - begin : part_bytes;
+    warp_copy_row(geo.routed_row(slot, row, row_bytes) + begin, src_row + begin, len, lane);
+  }
+  if (part != 0) return;
+  const afd_i32 route_words = ROUTE_FIXED_WORDS + 2 * top_k;
+  afd_i32* entry = reinterpret_cast<afd_i32*>(slot + geo.off_route) +
+                   static_cast<afd_i64>(row) * route_words;
+  if (lane == 0) {
+    entry[ROUTE_TOKEN] = static_cast<afd_i32>(t);
+    entry[ROUTE_SHARED] = shared ? 1 : 0;
+  }
+  afd_i32 filled = 0;  // slots written so far, in k order
+  for (afd_i32 k0 = 0; k0 < top_k; k0 += 32) {
+    const afd_i32 k = k0 + lane;
+    const afd_i32 e = (k < top_k) ? ids[k] : -1;
+    const bool mine = k < top_k && e / expert_per_rank == j;
+    const unsigned int mask = __ballot_sync(ALL, mine);
+    if (mine) {
+      const afd_i32 s = filled + __popc(mask & ((1u << lane) - 1u));
+      const afd_i64 p = t * top_k + k;
+      entry[ROUTE_SLOTS + s] = pos_of(p, e);
+      entry[ROUTE_SLOTS + top_k + s] = __float_as_int(topk_weights[p]);
+    }
+    filled += __popc(mask);
+  }
+  for (afd_i32 s = filled + lane; s < top_k; s += 32) {
+    entry[ROUTE_SLOTS + s] = -1;
+    entry[ROUTE_SLOTS + top_k + s] = 0;
+  }
+}
+
+// Shared and message rows of one rank's dedup message (record_dedup_sends).
+struct DedupRows {
+  afd_i32 shared, rows;
+};
+
+// The last block of a dedup dispatch (every thread): per rank j its routed rows (rank_offsets),
+// shared and message rows (rows_of(j)) and, when `send` and the rank has rows (or always_send),
+// the next seq; into the block's s_seq / s_routed / s_shared / s_rows for publish_dispatch, and
+// expected / expected_counts [F, 3] for the reply wait. Ends with a block barrier.
+template <typename RowsOf>
+__device__ __forceinline__ void record_dedup_sends(afd_i32 num_ffn_ranks, const afd_i32* rank_offsets,
+                                                   RowsOf rows_of, bool send, afd_i32 always_send,
+                                                   afd_i64* seq_counters, afd_i64* s_seq,
+                                                   afd_i32* s_routed, afd_i32* s_shared,
+                                                   afd_i32* s_rows, afd_i64* expected,
+                                                   afd_i32* expected_counts) {
+  for (int j = threadIdx.x; j < num_ffn_ranks; j += SCATTER_THREADS) {
+    const afd_i32 routed = rank_offsets[j + 1] - rank_offsets[j];
+    const DedupRows r = rows_of(j);  // rows > 0 exactly when routed > 0
+    afd_i64 seq = 0;
+    if (send && (r.rows > 0 || always_send)) {
+      seq = seq_counters[j] + 1;
+      seq_counters[j] = seq;
+    }
+    s_seq[j] = seq;
+    s_routed[j] = routed;
+    s_shared[j] = r.shared;
+    s_rows[j] = r.rows;
+    expected[j] = seq;
+    expected_counts[3 * j] = routed;  // what the reply must echo (afd_wait_replies, dedup = 1)
+    expected_counts[3 * j + 1] = r.shared;
+    expected_counts[3 * j + 2] = r.rows;
+  }
+  __syncthreads();
+}
+
 // grid = max(1, min(ceil(T*F / ROWS_PER_BLOCK), MAX_BLOCKS)), block = SCATTER_THREADS; a warp per
 // (token, rank) cell, cells with row_map < 0 skipped. Each message row gets its route-table row
 // (token, shared flag, staging rows pos[t, k] of the token's partials on the rank in k order,
@@ -170,7 +253,6 @@ afd_dedup_scatter(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-maj
                   afd_i64* expected,         // [num_ffn_ranks] out: seq sent, 0 = not sent
                   afd_i32* expected_counts,  // [num_ffn_ranks, 3] out: (routed, shared, rows)
                   unsigned int* done_counter) {
-  constexpr unsigned int ALL = 0xffffffffu;
   __shared__ afd_i64 s_seq[MAX_FFN_RANKS];
   __shared__ afd_i32 s_routed[MAX_FFN_RANKS];
   __shared__ afd_i32 s_shared[MAX_FFN_RANKS];
@@ -178,7 +260,6 @@ afd_dedup_scatter(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-maj
 
   const int tid = threadIdx.x, lane = tid & 31;
   const afd_i32 num_experts = num_ffn_ranks * expert_per_rank;
-  const afd_i32 route_words = ROUTE_FIXED_WORDS + 2 * top_k;
   const afd_i64 row_bytes = static_cast<afd_i64>(hidden_size) * itemsize<DT>();
   const afd_i64 num_cells = static_cast<afd_i64>(num_tokens) * num_ffn_ranks;
   const bool ok = (*verdict == STATUS_OK);  // no writer while the scatter runs: one value
@@ -196,39 +277,13 @@ afd_dedup_scatter(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-maj
       const afd_i64 t = cell / num_ffn_ranks;
       const afd_i32 j = static_cast<afd_i32>(cell % num_ffn_ranks);
       char* slot = geo.send_slot(peer_windows[j], staging, j, src_rank, ring);
-      const afd_i64 begin = part * part_bytes;
-      if (begin < row_bytes) {  // (a 16-byte-rounded part size can leave the last part empty)
-        const char* src_row = static_cast<const char*>(byte_ptr(hidden, t * row_bytes));
-        const afd_i64 len = (row_bytes - begin < part_bytes) ? row_bytes - begin : part_bytes;
-        warp_copy_row(geo.routed_row(slot, row, row_bytes) + begin, src_row + begin, len, lane);
-      }
-      if (part != 0) continue;
-      afd_i32* entry = reinterpret_cast<afd_i32*>(slot + geo.off_route) +
-                       static_cast<afd_i64>(row) * route_words;
-      if (lane == 0) {
-        entry[ROUTE_TOKEN] = static_cast<afd_i32>(t);
-        entry[ROUTE_SHARED] = (shared_rank[t] == j) ? 1 : 0;
-      }
-      afd_i32 filled = 0;  // slots written so far, in k order
-      for (afd_i32 k0 = 0; k0 < top_k; k0 += 32) {
-        const afd_i32 k = k0 + lane;
-        const afd_i64 p = t * top_k + k;
-        const afd_i32 e = (k < top_k) ? topk_ids[p] : -1;
-        const bool mine = k < top_k && e / expert_per_rank == j;
-        const unsigned int mask = __ballot_sync(ALL, mine);
-        if (mine) {
-          const afd_i32 s = filled + __popc(mask & ((1u << lane) - 1u));
-          const afd_i32 pos = expert_start[e] + chunk_hist[(p / CHUNK) * num_experts + e] +
-                              local_rank[p] - rank_offsets[j];
-          entry[ROUTE_SLOTS + s] = pos;
-          entry[ROUTE_SLOTS + top_k + s] = __float_as_int(topk_weights[p]);
-        }
-        filled += __popc(mask);
-      }
-      for (afd_i32 s = filled + lane; s < top_k; s += 32) {
-        entry[ROUTE_SLOTS + s] = -1;
-        entry[ROUTE_SLOTS + top_k + s] = 0;
-      }
+      const auto pos_of = [&](afd_i64 p, afd_i32 e) {  // the plan's formula (afd_dispatch_scatter)
+        return expert_start[e] + chunk_hist[(p / CHUNK) * num_experts + e] + local_rank[p] -
+               rank_offsets[j];
+      };
+      write_dedup_cell(geo, slot, hidden, row_bytes, part, part_bytes, t, j, row,
+                       shared_rank[t] == j, topk_ids + t * top_k, topk_weights, top_k,
+                       expert_per_rank, pos_of, lane);
     }
   }
 
@@ -236,25 +291,10 @@ afd_dedup_scatter(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-maj
   if (!last_block_done(done_counter, /*system_scope=*/true)) return;
 
   // Last block: headers, then (after a system fence) the flags of the peers sent to.
-  for (int j = tid; j < num_ffn_ranks; j += SCATTER_THREADS) {
-    const afd_i32 routed = rank_offsets[j + 1] - rank_offsets[j];
-    const afd_i32 shared = shared_rows[j];
-    const afd_i32 rows = num_rows[j];  // > 0 exactly when routed > 0
-    afd_i64 seq = 0;
-    if (ok && (rows > 0 || always_send)) {
-      seq = seq_counters[j] + 1;
-      seq_counters[j] = seq;
-    }
-    s_seq[j] = seq;
-    s_routed[j] = routed;
-    s_shared[j] = shared;
-    s_rows[j] = rows;
-    expected[j] = seq;
-    expected_counts[3 * j] = routed;  // what the reply must echo (afd_wait_replies, dedup = 1)
-    expected_counts[3 * j + 1] = shared;
-    expected_counts[3 * j + 2] = rows;
-  }
-  __syncthreads();
+  record_dedup_sends(num_ffn_ranks, rank_offsets,
+                     [&](int j) { return DedupRows{shared_rows[j], num_rows[j]}; }, ok,
+                     always_send, seq_counters, s_seq, s_routed, s_shared, s_rows, expected,
+                     expected_counts);
   if (ok) {
     // As afd_dispatch_scatter: headers (FLAG_DEDUP, num_rows trailer), then per rank a system
     // fence and the flag (a put peer: the local staging flag word).
@@ -424,7 +464,6 @@ afd_dedup_dispatch_fused(afd_u64 hidden,  // payload [num_tokens, hidden_size], 
   const afd_i32 num_cols = num_experts + 2 * num_ffn_ranks;
   unsigned short* s_warp_cols =
       reinterpret_cast<unsigned short*>(s_srank + ((num_tokens + 3) & ~3));
-  const afd_i32 route_words = ROUTE_FIXED_WORDS + 2 * top_k;
   const afd_i64 row_bytes = static_cast<afd_i64>(hidden_size) * itemsize<DT>();
 
   // 1. The pair plan (as afd_dispatch_fused): ids, histogram, scan, rank offsets, verdict.
@@ -545,36 +584,9 @@ afd_dedup_dispatch_fused(afd_u64 hidden,  // payload [num_tokens, hidden_size], 
       if (part == 0 && lane == 0) row_map[cell] = ok ? row : -1;
       if (!ok || row < 0) continue;
       char* slot = geo.send_slot(peer_windows[j], staging, j, src_rank, ring);
-      const afd_i64 begin = part * part_bytes;
-      if (begin < row_bytes) {
-        const char* src_row = static_cast<const char*>(byte_ptr(hidden, t * row_bytes));
-        const afd_i64 len = (row_bytes - begin < part_bytes) ? row_bytes - begin : part_bytes;
-        warp_copy_row(geo.routed_row(slot, row, row_bytes) + begin, src_row + begin, len, lane);
-      }
-      if (part != 0) continue;
-      afd_i32* entry = reinterpret_cast<afd_i32*>(slot + geo.off_route) +
-                       static_cast<afd_i64>(row) * route_words;
-      if (lane == 0) {
-        entry[ROUTE_TOKEN] = static_cast<afd_i32>(t);
-        entry[ROUTE_SHARED] = (s_srank[t] == j) ? 1 : 0;
-      }
-      afd_i32 filled = 0;  // slots written so far, in k order
-      for (afd_i32 k0 = 0; k0 < top_k; k0 += 32) {
-        const afd_i32 k = k0 + lane;
-        const bool mine = k < top_k && ids[k] / expert_per_rank == j;
-        const unsigned int mask = __ballot_sync(ALL, mine);
-        if (mine) {
-          const afd_i32 s = filled + __popc(mask & ((1u << lane) - 1u));
-          const afd_i64 p = t * top_k + k;
-          entry[ROUTE_SLOTS + s] = s_pos[p];
-          entry[ROUTE_SLOTS + top_k + s] = __float_as_int(topk_weights[p]);
-        }
-        filled += __popc(mask);
-      }
-      for (afd_i32 s = filled + lane; s < top_k; s += 32) {
-        entry[ROUTE_SLOTS + s] = -1;
-        entry[ROUTE_SLOTS + top_k + s] = 0;
-      }
+      write_dedup_cell(geo, slot, hidden, row_bytes, part, part_bytes, t, j, row, s_srank[t] == j,
+                       ids, topk_weights, top_k, expert_per_rank,
+                       [&](afd_i64 p, afd_i32) { return s_pos[p]; }, lane);
     }
   }
   if (tid == 0 && planned && plan.skip) {
@@ -591,25 +603,13 @@ afd_dedup_dispatch_fused(afd_u64 hidden,  // payload [num_tokens, hidden_size], 
   }
   __syncthreads();
   const bool send = s_send != 0;
-  for (int j = tid; j < num_ffn_ranks; j += SCATTER_THREADS) {
-    const afd_i32 routed = s_rank_off[j + 1] - s_rank_off[j];
-    const afd_i32 shared = ok ? s_keyrun[2 * j] : 0;  // (0 and 0 as afd_dedup_rows leaves them)
-    const afd_i32 rows = ok ? s_keyrun[2 * j] + s_keyrun[2 * j + 1] : 0;  // > 0 iff routed > 0
-    afd_i64 seq = 0;
-    if (send && (rows > 0 || always_send)) {
-      seq = seq_counters[j] + 1;
-      seq_counters[j] = seq;
-    }
-    s_seq[j] = seq;
-    s_routed[j] = routed;
-    s_shared[j] = shared;
-    s_rows[j] = rows;
-    expected[j] = seq;
-    expected_counts[3 * j] = routed;
-    expected_counts[3 * j + 1] = shared;
-    expected_counts[3 * j + 2] = rows;
-  }
-  __syncthreads();
+  record_dedup_sends(num_ffn_ranks, s_rank_off,
+                     [&](int j) {  // (0 and 0 when not ok, as afd_dedup_rows leaves them)
+                       return ok ? DedupRows{s_keyrun[2 * j], s_keyrun[2 * j] + s_keyrun[2 * j + 1]}
+                                 : DedupRows{0, 0};
+                     },
+                     send, always_send, seq_counters, s_seq, s_routed, s_shared, s_rows, expected,
+                     expected_counts);
   if (send) {
     const DispatchHeader hdr{src_rank, layer_idx, stage_idx, num_tokens, top_k,
                              hdr_flags | static_cast<afd_i32>(FLAG_DEDUP)};
