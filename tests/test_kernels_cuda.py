@@ -414,10 +414,17 @@ def test_fused_dispatch_publishes_nothing_when_a_block_skipped(request):
     d = Dispatch(rng, dtype="bfloat16", num_ffn=2, num_tokens=40, top_k=2, hidden=64, has_shared=1, ids=ids)
     d.scratch.skipped.fill(1)
     d.run(fused=True)
+    assert_skipped_dispatch_published_nothing(d)
+
+
+def assert_skipped_dispatch_published_nothing(d):
+    """After a one-kernel dispatch (pair ``Dispatch`` or dedup ``DedupDispatch``) that found its
+    ``skipped`` word set: status OK, nothing expected, seq counters, every peer's flag and header
+    as before, and ``skipped`` and the done counter left zero."""
     assert status_of(d.status.array).ok
     assert (d.expected.get() == 0).all()
     np.testing.assert_array_equal(d.seq_counters.get(), d.seq_before)
-    for j in range(2):
+    for j in range(d.num_ffn):
         got = d.windows[j].get()
         flag_at = d.layout.slot_index(d.src_rank, d.ring) * 8
         assert (got[flag_at:flag_at + 8] == d.prefill[j][flag_at:flag_at + 8]).all(), f"peer {j} flagged"
