@@ -649,13 +649,13 @@ def test_bench_transport_cross_gpu_placement():
 def test_probe_kernel_cost_phase_stats():
     # tools/probe_kernel_cost.py's arithmetic: phases between consecutive stamps of complete rows
     import probe_kernel_cost as probe
-    # the phases telescope: each starts where the previous ended, s0 .. s9 in order
+    # the phases telescope: each starts where the previous ended, s0 .. s11 in order
     assert [start for _, start, _ in probe.PHASES] == list(probe.POINTS[:-1])
     assert [end for _, _, end in probe.PHASES] == list(probe.POINTS[1:])
-    assert len(probe.POINTS) == 10 and probe.PHASES[-1][0] == "afd_combine"
-    rows = np.array([[0, 1500, 3000, 10000, 12000, 13000, 20000, 26000, 27000, 35000],
-                     [0, 1000, 4000, -1, 5000, 6000, 7000, 8000, 9000, 10000],  # incomplete: left out
-                     [10, 2010, 3010, 9010, 11010, 12010, 22010, 30010, 31510, 41010]])
+    assert len(probe.POINTS) == 12 and probe.PHASES[-1][0].startswith("afd_dedup_dispatch_fused")
+    rows = np.array([[0, 1500, 3000, 10000, 12000, 13000, 20000, 26000, 27000, 35000, 55000, 80000],
+                     [0, 1000, 4000, -1, 5000, 6000, 7000, 8000, 9000, 10000, 11000, 12000],  # incomplete: left out
+                     [10, 2010, 3010, 9010, 11010, 12010, 22010, 30010, 31510, 41010, 63010, 90010]])
     stats = probe.phase_stats(rows)
     assert stats["stamp -> stamp"] == {"median_us": 1.75, "p10_us": 1.55, "p90_us": 1.95, "n": 2}
     assert stats["afd_dispatch_plan"]["median_us"] == 6.5
@@ -666,6 +666,8 @@ def test_probe_kernel_cost_phase_stats():
     assert stats["afd_wait_replies (reply already there)"]["median_us"] == 1.25
     assert stats["afd_combine"] == {"median_us": 8.75, "p10_us": pytest.approx(8.15),
                                     "p90_us": pytest.approx(9.35), "n": 2}
+    assert stats["afd_dispatch_fused (plan + T*K + T rows)"]["median_us"] == 21.0
+    assert stats["afd_dedup_dispatch_fused (plan + T rows)"]["median_us"] == 26.0
     empty = probe.phase_stats(np.zeros((0, len(probe.POINTS)), np.int64))
     assert empty["afd_combine"] == {"median_us": None, "p10_us": None, "p90_us": None, "n": 0}
     assert empty["afd_dispatch_plan"]["n"] == 0

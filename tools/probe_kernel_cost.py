@@ -20,6 +20,11 @@ apart. This probe separates the candidates in one process on one GPU: each row i
        -> afd_wait_replies -> s8       (the reply is there: returns after one look)
        -> afd_combine -> s9            (out[t] = sum_k w[t,k] * routed row + shared row: bf16
                                         [T, --hidden]; its last block records last_seen)
+       -> afd_dispatch_fused -> s10    (plan + scatter of the same dispatch in one kernel, into
+                                        a window of its own: the scatter's row minus the plan's
+                                        shows what planning in every block costs)
+       -> afd_dedup_dispatch_fused -> s11  (dedup mode's plan + rows + scatter of the same ids,
+                                        hidden rows and weights: T rows, into a dedup window)
 
 (``afd_trace_stamp`` at every sN, tools/device_trace.py's ring), repeated ``--rows`` times, in
 each of these settings:
@@ -39,13 +44,15 @@ header, written once into pinned memory, echoes seq 1) and the combine's last bl
 consumed and spin until its timeout), so both are copied back from saved start values at the
 start of every row (captured as memcpy nodes, outside every stamp pair). The reply writes the
 same rows, header and flag every row and its done counter resets itself: nothing to restore.
+The two fused dispatches increment their own ``seq_counters``, restored the same way.
 The wait's timeout (1 s) bounds a reply that did not land: the first timeout is latched in the
 status block (its own, not the plan's) and every later wait returns at once.
 
 Phases (median µs, p10, p90): ``stamp -> stamp`` (the stamp's own cost), ``tiny kernel``
 (one more stamp into a scratch ring: a kernel with the stamp's few parameters),
 ``afd_dispatch_plan``, its second launch, ``afd_graph_stage``, ``afd_dispatch_scatter``,
-``afd_reply``, ``afd_wait_replies`` and ``afd_combine``. Prints a table, writes
+``afd_reply``, ``afd_wait_replies``, ``afd_combine``, ``afd_dispatch_fused`` and
+``afd_dedup_dispatch_fused``. Prints a table, writes
 ``probe_kernel_cost.json`` to --out; then checks what the kernels left after the last row
 (plan verdict and status, stage record, the scatter's message and expected seq, the reply's
 header and flag, wait/combine status, last_seen and the combine's output against numpy) and
@@ -68,14 +75,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench_common as bc  # noqa: E402
 
-POINTS = ("s0", "s1", "s2", "s3", "s4", "s5", "s6", "s7", "s8", "s9")
+POINTS = ("s0", "s1", "s2", "s3", "s4", "s5", "s6", "s7", "s8", "s9", "s10", "s11")
 PHASES = (("stamp -> stamp", "s0", "s1"), ("tiny kernel (a stamp into a scratch ring)", "s1", "s2"),
           ("afd_dispatch_plan", "s2", "s3"), ("afd_dispatch_plan again, right after", "s3", "s4"),
           ("afd_graph_stage (served item)", "s4", "s5"),
           ("afd_dispatch_scatter (T*K + T rows)", "s5", "s6"),
           ("afd_reply (T*K + T rows back)", "s6", "s7"),
           ("afd_wait_replies (reply already there)", "s7", "s8"),
-          ("afd_combine", "s8", "s9"))
+          ("afd_combine", "s8", "s9"),
+          ("afd_dispatch_fused (plan + T*K + T rows)", "s9", "s10"),
+          ("afd_dedup_dispatch_fused (plan + T rows)", "s10", "s11"))
 SETTINGS = ("eager", "graph", "graph+flush", "graph+busy")
 #: the round trip's layer and stage (the reply echoes them) and the reply's flag value
 RT_LAYER, RT_STAGE, REPLY_FLAG = 1, 0, 1
@@ -238,6 +247,80 @@ def _round_trip_launches(args, cupy, kernels, np_rng, ids, plan_bufs):
     return {name: kernels.PackedLaunch(spec) for name, spec in specs.items()}, bufs, restore, want
 
 
+def _fused_launches(args, cupy, kernels, ids, trip_bufs):
+    """afd_dispatch_fused (pair) and afd_dedup_dispatch_fused over the round trip's ids, bf16
+    hidden rows and weights (1A1F, a shared expert, slot (0, 0) of a window each).
+
+    Returns (name -> PackedLaunch for "pair_fused", "dedup_fused"; device buffers; ``restore``
+    pairs (their seq_counters); ``want`` for :func:`_fused_failures`)."""
+    from afd_cupy import wire
+    from afd_cupy.backends.cuda_attention import DedupRowsScratch, DispatchScratch
+    from afd_cupy.layout import WindowLayout
+
+    tokens, top_k, epr, hidden = args.tokens, args.top_k, args.num_experts, args.hidden
+    nk, bf16 = tokens * top_k, kernels.DTYPE_CODES["bfloat16"]
+    common = dict(num_regions=1, ring_depth=1, expert_per_rank=epr, hidden_size=hidden, itemsize=2,
+                  top_k=top_k, token_cap=tokens, routed_cap=nk, shared_cap=tokens)
+    layouts = {"pair_fused": WindowLayout(**common), "dedup_fused": WindowLayout(**common, wire_mode="dedup")}
+    bufs, launches, restore = {}, {}, []
+    for name, layout in layouts.items():
+        window = cupy.zeros(layout.window_bytes, cupy.uint8)
+        b = {"window": window, "peer_windows": cupy.asarray([window.data.ptr], dtype=cupy.uint64),
+             "scratch": DispatchScratch.allocate(nk, 1, epr), "seq_counters": cupy.zeros(1, cupy.int64),
+             "expected": cupy.zeros(1, cupy.int64),
+             "expected_counts": cupy.zeros(3 if layout.is_dedup else 2, cupy.int32),
+             "status": cupy.zeros(wire.STATUS_WORDS, cupy.int64)}
+        sc = b["scratch"]
+        head = dict(dtype_code=bf16, hidden=trip_bufs["hidden"].data.ptr, num_tokens=tokens, hidden_size=hidden,
+                    topk_ids=ids, top_k=top_k, expert_per_rank=epr, num_ffn_ranks=1, routed_cap=nk,
+                    expert_counts=sc.expert_counts, expert_start=sc.expert_start,
+                    rank_offsets=sc.rank_offsets, verdict=sc.verdict, skipped=sc.skipped,
+                    peer_windows=b["peer_windows"], geo=layout.kernel_geometry(), ring=0, src_rank=0,
+                    layer_idx=RT_LAYER, stage_idx=RT_STAGE, seq_counters=b["seq_counters"],
+                    expected=b["expected"], expected_counts=b["expected_counts"],
+                    done_counter=sc.scatter_done, status=b["status"].data.ptr)
+        if layout.is_dedup:
+            b["rows"] = DedupRowsScratch.allocate(tokens, top_k, 1)
+            spec = kernels.dedup_dispatch_fused_spec(
+                topk_weights=trip_bufs["weights"], has_shared=1, row_map=b["rows"].row_map,
+                shared_rank=b["rows"].shared_rank, num_rows=b["rows"].num_rows,
+                shared_rows=b["rows"].shared_rows, **head)
+        else:
+            spec = kernels.dispatch_fused_spec(num_partials=nk, has_shared=1, pos_out=sc.pos, hdr_flags=0,
+                                               **head)
+        launches[name] = kernels.PackedLaunch(spec)
+        restore.append((b["seq_counters"], cupy.zeros(1, cupy.int64)))
+        bufs[name] = b
+    want = {"layouts": layouts, "counts": {"pair_fused": [nk, tokens], "dedup_fused": [nk, tokens, tokens]}}
+    return launches, bufs, restore, want
+
+
+def _fused_failures(bufs, want) -> list:
+    """What the last row's two fused dispatches left against ``want`` (:func:`_fused_launches`):
+    one line per mismatch (sent once, with seq 1, the routed / shared / row counts of the
+    dispatch: T*K routed rows and, with one FFN rank, T shared and T message rows)."""
+    from afd_cupy import wire
+
+    failures = []
+    for name, b in bufs.items():
+        layout = want["layouts"][name]
+        status = wire.StatusRecord.decode(b["status"].get())
+        if not status.ok:
+            failures.append(f"{name}: status {status.name}: {status}")
+        if int(b["scratch"].verdict.get()[0]) != 0:
+            failures.append(f"{name}: verdict {int(b['scratch'].verdict.get()[0])}, want STATUS_OK (0)")
+        if int(b["expected"].get()[0]) != 1:
+            failures.append(f"{name}: expected seq {int(b['expected'].get()[0])}, want 1")
+        counts = b["expected_counts"].get().tolist()
+        if counts != want["counts"][name]:
+            failures.append(f"{name}: expected_counts {counts}, want {want['counts'][name]}")
+        slot = layout.slot_index(0, 0)
+        flag = int(b["window"][slot * 8:slot * 8 + 8].get().view(np.int64)[0])
+        if flag != 1:
+            failures.append(f"{name}: flag {flag} in its window, want 1")
+    return failures
+
+
 def _restore(cupy, restore, stream_ptr: int) -> None:
     """Enqueue the device copies of :func:`_round_trip_launches`'s ``restore`` pairs on
     ``stream_ptr`` (memcpy nodes when captured)."""
@@ -293,6 +376,8 @@ def run(args) -> dict:
     plan, ids, bufs = _plan_launch(args, cupy, kernels, rng)
     stage, stage_bufs = _stage_launch(args, cupy, kernels, rng)
     trip, trip_bufs, restore, trip_want = _round_trip_launches(args, cupy, kernels, rng, ids, bufs)
+    fused, fused_bufs, fused_restore, fused_want = _fused_launches(args, cupy, kernels, ids, trip_bufs)
+    restore = restore + fused_restore
     scratch = dt.DeviceTrace(("x",), capacity=1024)  # the tiny kernel: a stamp into its own ring
     flush = cupy.empty(args.flush_mb << 20, cupy.uint8)
     busy_src = cupy.zeros(1 << 28, cupy.uint8)
@@ -316,6 +401,9 @@ def run(args) -> dict:
             trace.stamp(stream.ptr, "s5")
             for name, point in (("scatter", "s6"), ("reply", "s7"), ("wait", "s8"), ("combine", "s9")):
                 trip[name].launch(stream.ptr)
+                trace.stamp(stream.ptr, point)
+            for name, point in (("pair_fused", "s10"), ("dedup_fused", "s11")):
+                fused[name].launch(stream.ptr)
                 trace.stamp(stream.ptr, point)
             if setting == "graph+flush":
                 with stream:
@@ -359,6 +447,7 @@ def run(args) -> dict:
     if status != ffn_graph.GS_SERVED:
         failures.append(f"afd_graph_stage record status {status}, expected GS_SERVED ({ffn_graph.GS_SERVED})")
     failures.extend(_round_trip_failures(trip_bufs, trip_want))
+    failures.extend(_fused_failures(fused_bufs, fused_want))
     return results, failures
 
 
