@@ -64,16 +64,6 @@ afd_combine(afd_u64 out,  // payload [num_tokens, hidden_size]
   const int tid = threadIdx.x;
   const afd_i64 row_bytes = static_cast<afd_i64>(hidden_size) * itemsize<DT>();
 
-  // The routing of the block's first token does not depend on the replies: loaded before the
-  // wait's verdict, its loads overlap the wait's (with T <= the grid, every token a block has).
-  afd_i32 first_id = 0, first_pos = 0;
-  float first_weight = 0.0f;
-  if (blockIdx.x < num_tokens && tid < top_k) {
-    const afd_i64 p = static_cast<afd_i64>(blockIdx.x) * top_k + tid;
-    first_id = topk_ids[p];
-    first_weight = topk_weights[p];
-    first_pos = pos[p];
-  }
   const bool ok = combine_wait(window, geo, num_ffn_ranks, ring, expected, expected_counts,
                                layer_idx, stage_idx, last_seen, reply_flags, timeout_ns, status,
                                /*dedup=*/false);
@@ -93,10 +83,9 @@ afd_combine(afd_u64 out,  // payload [num_tokens, hidden_size]
     }
     if (tid < top_k) {
       const afd_i64 p = t * top_k + tid;
-      const bool first = t == blockIdx.x;
-      const int dest = (first ? first_id : topk_ids[p]) / expert_per_rank;
-      s_weight[tid] = first ? first_weight : topk_weights[p];
-      s_row[tid] = geo.routed_row(geo.slot(window, dest, ring), first ? first_pos : pos[p], row_bytes);
+      const int dest = topk_ids[p] / expert_per_rank;
+      s_weight[tid] = topk_weights[p];
+      s_row[tid] = geo.routed_row(geo.slot(window, dest, ring), pos[p], row_bytes);
     }
     if (tid == 0 && has_shared) {
       const int dest = static_cast<int>(t % num_ffn_ranks);

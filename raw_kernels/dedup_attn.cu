@@ -333,11 +333,6 @@ afd_dedup_combine(afd_u64 out,  // payload [num_tokens, hidden_size]
   const int tid = threadIdx.x;
   const afd_i64 row_bytes = static_cast<afd_i64>(hidden_size) * itemsize<DT>();
 
-  // row_map of the block's first token (ranks < 32) does not depend on the replies: loaded
-  // before the wait's verdict, its load overlaps the wait's.
-  const afd_i32 first_row = (blockIdx.x < num_tokens && tid < num_ffn_ranks && tid < 32)
-                                ? row_map[static_cast<afd_i64>(blockIdx.x) * num_ffn_ranks + tid]
-                                : -1;
   const bool ok = combine_wait(window, geo, num_ffn_ranks, ring, expected, expected_counts,
                                layer_idx, stage_idx, last_seen, reply_flags, timeout_ns, status,
                                /*dedup=*/true);
@@ -358,9 +353,7 @@ afd_dedup_combine(afd_u64 out,  // payload [num_tokens, hidden_size]
       int count = 0;
       for (int j0 = 0; j0 < num_ffn_ranks; j0 += 32) {
         const int j = j0 + tid;
-        const afd_i32 row = (t == blockIdx.x && j0 == 0) ? first_row
-                            : (j < num_ffn_ranks)        ? row_map[t * num_ffn_ranks + j]
-                                                         : -1;
+        const afd_i32 row = (j < num_ffn_ranks) ? row_map[t * num_ffn_ranks + j] : -1;
         const unsigned int mask = __ballot_sync(ALL, row >= 0);
         if (row >= 0) {
           s_row[count + __popc(mask & ((1u << tid) - 1u))] =

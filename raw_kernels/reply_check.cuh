@@ -215,15 +215,11 @@ __device__ __forceinline__ bool combine_wait(afd_u64 window, const SlotGeometry&
   __shared__ bool s_ok;
   const int tid = threadIdx.x;
   if (tid < 32) {
-    // the two words the mark is checked against, loaded before the mark is known (three
-    // independent loads in flight instead of a chain of three)
-    afd_i64 left_mark = 0, code = STATUS_OK;
-    if (tid == 0) {
-      left_mark = __ldcg(reply_flags + num_ffn_ranks);
-      code = status_code(status);
-    }
     const afd_i64 mark = wait_pass_mark(expected, num_ffn_ranks);
-    const int passed = tid == 0 && mark != 0 && left_mark == mark && code == STATUS_OK;
+    int passed = 0;
+    if (tid == 0 && mark != 0) {
+      passed = __ldcg(reply_flags + num_ffn_ranks) == mark && status_code(status) == STATUS_OK;
+    }
     const bool ok = __shfl_sync(0xffffffffu, passed, 0) ||
                     wait_replies(window, geo, num_ffn_ranks, ring, expected, expected_counts,
                                  layer_idx, stage_idx, last_seen, reply_flags, timeout_ns, status,
