@@ -584,6 +584,7 @@ def test_device_trace_matches_round_trips_and_splits_them_into_phases(tmp_path):
     summary = dt.phase_summary(attention, ffn, same_clock=True, layers=3)
     assert summary["matched"] == 6 and summary["unmatched"] == 1 and summary["rows"] == 7
     assert summary["phase_medians_sum_us"] == 65.0 == summary["matched_round_trip"]["median_us"]
+    assert summary["beyond_experts"]["median_us"] == 63.0 and summary["beyond_experts"]["n"] == 6
     assert summary["phases"]["between layers (attention, gate, residual)"]["median_us"] == 7.0
     assert summary["phases"]["between layers (attention, gate, residual)"]["n"] == 4  # 2 per 3-layer step
     assert summary["phases"][dt.WAIT_PHASE[0]]["median_us"] == 48.0
@@ -607,6 +608,7 @@ def test_device_trace_matches_round_trips_and_splits_them_into_phases(tmp_path):
     table = dict((r[0], r[1:]) for r in rows)
     assert table["FFN reply"] == (30.0, None) and table["sum of the phase medians"] == (65.0, None)
     assert table["matched / unmatched rows"] == ("6 / 1", "- / -")
+    assert table[dt.BEYOND_EXPERTS] == (63.0, None)
     import bench_common as bc
     path = bc.save_plot(tmp_path, "phases.png", dt.draw_phases({"T=32 graph": summary}, "test"))
     assert path is None or path.stat().st_size > 0
@@ -634,6 +636,26 @@ def test_bench_step_graph_trace_arguments_and_summaries():
     (two_gpus,) = tool.trace_summaries(attn, {"device_id": 1, "trace_rows": f})
     assert not two_gpus["same_clock"] and "round_trip_phases" not in two_gpus
     json.dumps([one, two_gpus])
+    # real experts: the round trip beyond the "FFN experts" phase (f_gathered -> f_reply0 = 2 µs)
+    assert one["beyond_experts"]["median_us"] == 63.0
+    (row,) = tool.beyond_experts_target([one, two_gpus])
+    assert row["measured"] == 63.0 and row["status"] == "MISS" and row["note"].startswith("32 tokens, L=1")
+    fast = dict(one, beyond_experts={"median_us": 25.0})
+    bigger = dict(one, tokens=128, beyond_experts={"median_us": 29.0})
+    assert tool.beyond_experts_target([fast, bigger])[0]["measured"] == 29.0  # the largest batch
+    assert tool.beyond_experts_target([dict(fast, mode="eager")])[0]["status"] == "NOT MEASURED"
+    assert tool.beyond_experts_target(None) == []
+    rows = [tool.summarize(32, 50, [100.0], [60.0], 0.0)]
+    assert [t["name"] for t in tool.targets(rows, [fast])][1].startswith("round trip beyond")
+    assert len(tool.targets(rows)) == 1
+    moe = tool.parse_args(["--experts", "moe", "--hidden", "2048", "--top-k", "6", "--intermediate", "1408",
+                           "--shared-experts", "2"])
+    model = tool.model_config(moe)
+    assert (model.moe_intermediate_size, model.num_shared_experts, model.top_k) == (1408, 2, 6)
+    assert tool.parse_args([]).experts == "identity" and tool.model_config(tool.parse_args([])).moe_intermediate_size == 256
+    for bad in (["--intermediate", "0"], ["--shared-experts", "-1"], ["--experts", "dense"]):
+        with pytest.raises(SystemExit):
+            tool.parse_args(bad)
 
 
 def test_bench_transport_cross_gpu_placement():

@@ -11,7 +11,11 @@ then has max(--stages) stages, and S = 1 runs on that connector as the plain ste
 per layer a fixed bf16 linear (one [H, H] weight shared by the layers), the gate, send,
 ``recv_ffn_output(blocking=False)``, the residual add (afd_cupy.testing.step_model). FFN side:
 ``GraphFFNServer(identity=True)`` (``--ffn graph``, default) or an eager ``FFNWorker`` with
-identity experts (``--ffn eager``). For each batch size, each L and each S: one DecodeStepGraph,
+identity experts (``--ffn eager``); ``--experts moe``: real bf16 experts instead (random weights
+of ``--intermediate`` width and ``--shared-experts`` shared experts; one layer's weights serve
+every layer, so L = 50 costs one layer's memory on the source side; the graph FFN stacks its own
+copies, one per layer), e.g. DeepSeek-V2-Lite's shape with ``--hidden 2048 --top-k 6
+--intermediate 1408 --shared-experts 2``. For each batch size, each L and each S: one DecodeStepGraph,
 then ``--warmup`` + ``--iters`` iterations, each timing one eager step (``run_eager`` +
 ``check_errors()``) and one replay (``replay`` + ``check_errors()``), host wall time; the
 last outputs of both are compared. Reports per-step and per-layer median / p10 / p90 µs, the
@@ -27,7 +31,9 @@ trip is matched with the FFN replay that served it and split into telescoping ph
 doorbell to FFN, stage, gather, experts, reply, reply to Attention, combine) on the GPU's
 ``%globaltimer``. Printed as a table, written to the JSON (``traces``) and drawn as
 ``step_phases.png``. The stamps are extra kernels on both sides: a traced run's timing table is
-slower than an untraced one. Phases across ranks need both on one GPU (one clock).
+slower than an untraced one. With ``--experts moe`` the "FFN experts" phase is the expert GEMMs
+(plus one stamp hop, ~1.3 µs) and the row "round trip - FFN experts" is what the round trip
+costs beyond them (issue #13: <= 30 µs; a target row when traced). Phases across ranks need both on one GPU (one clock).
 
 Runs on one GPU (all processes on GPU 0: start CUDA MPS first, as tools/gpu_suite.sh does)
 or one GPU per process when there are enough (--num-gpus).
@@ -49,6 +55,8 @@ from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig  # noqa
 FFN_MODES = ("graph", "eager")
 #: issue #13: pipelined per-layer cost of a 50-layer captured step
 TARGET_US_PER_LAYER, TARGET_LAYERS = 40.0, 50
+#: issue #13: with real experts the round trip <= the expert GEMMs' time + 30 µs
+TARGET_BEYOND_EXPERTS_US = 30.0
 #: the captured step's output must match the eager step's (the same kernels on the same inputs)
 OUT_CHECK_TOL = 2e-2
 #: FFN trace ring rows (a row per replay, idle ones too; the last this many are kept)
@@ -75,6 +83,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--ffn-stage", choices=("fused", "two-kernel"), default="fused",
                         help="graph FFN: afd_graph_wait_stage (GraphFFNServer(fused_wait_stage=True)) "
                              "or afd_wait_any + afd_graph_stage")
+    parser.add_argument("--experts", choices=("identity", "moe"), default="identity",
+                        help="FFN experts: identity (no GEMMs) or real random bf16 experts (module doc)")
+    parser.add_argument("--intermediate", type=int, default=256, help="moe_intermediate_size")
+    parser.add_argument("--shared-experts", type=int, default=1, help="num_shared_experts")
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--num-experts", type=int, default=64)
     parser.add_argument("--top-k", type=int, default=8)
@@ -92,6 +104,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                      "side and one FFN replay per round trip)")
     if min(args.layers) < 1 or min(args.tokens) < 1 or args.num_ffn < 1 or min(args.stages) < 1:
         parser.error("--layers, --tokens, --stages and --num-ffn must be >= 1")
+    if args.intermediate < 1 or args.shared_experts < 0:
+        parser.error("--intermediate must be >= 1 and --shared-experts >= 0")
     if max(args.stages) > min(args.tokens):
         parser.error(f"--stages {max(args.stages)} > --tokens {min(args.tokens)}: every micro-batch needs a row")
     args.iters = args.iters or (30 if args.quick else 200)
@@ -108,7 +122,8 @@ def connector_config(args) -> ConnectorConfig:
 
 def model_config(args) -> ModelConfig:
     return ModelConfig(hidden_size=args.hidden, num_experts=args.num_experts, top_k=args.top_k,
-                       moe_intermediate_size=256, num_shared_experts=1, dtype="bfloat16",
+                       moe_intermediate_size=args.intermediate, num_shared_experts=args.shared_experts,
+                       dtype="bfloat16",
                        max_num_batched_tokens=max(args.tokens), num_layers=max(args.layers))
 
 
@@ -136,10 +151,26 @@ def _rank(ctx, args) -> dict:
         conn.close()
 
 
+def ffn_experts(conn, args):
+    """(routed, shared) per layer for ``--experts moe`` (one layer's random weights, the same
+    tensors for every layer: this rank's local experts and the fused shared experts or None),
+    or (None, None) for identity experts."""
+    if args.experts != "moe":
+        return None, None
+    from afd_cupy import moe
+    from afd_cupy.testing.scenario import layer_weights
+
+    model, epr = conn.model, conn.topology.expert_per_rank
+    routed, shared = layer_weights(model, 0, 0, conn.path.device)
+    local = moe.local_experts(routed, conn.role_rank, epr)
+    return [local] * model.num_layers, [shared] * model.num_layers
+
+
 def _ffn(conn, args) -> dict:
     from afd_cupy.ffn_worker import FFNWorker
     from afd_cupy.testing.reference import identity_experts
 
+    routed, shared = ffn_experts(conn, args)
     if args.ffn == "graph":
         from afd_cupy.backends.cuda_ffn_graph import GraphFFNServer
 
@@ -147,13 +178,16 @@ def _ffn(conn, args) -> dict:
         if args.trace:  # installed before the capture: the stamps become graph nodes
             trace = dt.DeviceTrace(dt.FFN_POINTS, capacity=FFN_TRACE_ROWS)
             trace.install(dt.FFN_STAMPS)
-        server = GraphFFNServer(conn, identity=True, fused_wait_stage=args.ffn_stage == "fused")
+        experts = ({"identity": True} if routed is None else
+                   {"experts": routed, "shared": shared, "bucket_tokens": tuple(sorted(set(args.tokens)))})
+        server = GraphFFNServer(conn, fused_wait_stage=args.ffn_stage == "fused", **experts)
         result = {"role": "ffn", "served": server.run(), "eager": server.num_eager,
                   "device_id": conn.path.device_id}
         if trace is not None:
             result["trace_rows"] = trace.rows()
         return result
-    return {"role": "ffn", "served": FFNWorker(conn, expert_fn=identity_experts).run()}
+    worker = FFNWorker(conn, expert_fn=identity_experts) if routed is None else FFNWorker(conn, routed, shared)
+    return {"role": "ffn", "served": worker.run()}
 
 
 def _attention(conn, args, device) -> dict:
@@ -242,9 +276,11 @@ def add_stage_ratios(rows: list) -> list:
     return rows
 
 
-def targets(rows: list) -> list:
+def targets(rows: list, moe_traces: list | None = None) -> list:
     """Issue #13's per-layer target at the 50-layer step: the largest batch measured there,
-    its best number of stages (the pipelined step)."""
+    its best number of stages (the pipelined step); with ``moe_traces`` (real experts, traced
+    on one clock) also the round trip beyond the expert GEMMs of the captured step at the
+    largest traced batch."""
     at = [r for r in rows if r["layers"] == TARGET_LAYERS]
     most = max(r["tokens"] for r in at) if at else None
     best = min((r for r in at if r["tokens"] == most), key=lambda r: r["graph_layer_median_us"]) if at else None
@@ -252,7 +288,22 @@ def targets(rows: list) -> list:
                           f"<= {TARGET_US_PER_LAYER:.0f}", best and best["graph_layer_median_us"], "us",
                           lambda v: v <= TARGET_US_PER_LAYER,
                           note=f"{best['tokens']} tokens, {best.get('stages', 1)} stage(s)" if best
-                          else f"not run (--layers {TARGET_LAYERS})")]
+                          else f"not run (--layers {TARGET_LAYERS})")] + beyond_experts_target(moe_traces)
+
+
+def beyond_experts_target(traces: list | None) -> list:
+    """[] without traces; else one target row: the captured step's matched round trip less
+    its "FFN experts" phase (median over round trips) at the largest traced batch."""
+    traced = [t for t in traces or () if t.get("mode") == "graph" and t.get("beyond_experts")]
+    if traces is None:
+        return []
+    best = max(traced, key=lambda t: (t["tokens"], t["layers"])) if traced else None
+    value = best["beyond_experts"]["median_us"] if best else None
+    note = (f"{best['tokens']} tokens, L={best['layers']}; FFN experts phase "
+            f"{best['round_trip_phases']['FFN experts']['median_us']:.1f} us" if best
+            else "no matched round trips (needs --trace on one GPU)")
+    return [bc.target_row("round trip beyond the expert GEMMs (issue #13)", f"<= {TARGET_BEYOND_EXPERTS_US:.0f}",
+                          value, "us", lambda v: v <= TARGET_BEYOND_EXPERTS_US, note=note)]
 
 
 def table(rows: list) -> str:
@@ -281,15 +332,17 @@ def main(argv=None) -> int:
     env = bc.launch_env("cuda", world, window_size_hint(model, TopologyConfig(1, args.num_ffn), connector_config(args)))
     attn, *ffn = launch(_rank, world, args=(args,), timeout_s=600, num_gpus=args.num_gpus, env=env)
     report = {"tool": "bench_step_graph", "run": bc.run_info("cuda"), "device": attn["device"],
-              "config": {"ffn": args.ffn, "num_ffn": args.num_ffn, "wire_mode": args.wire_mode, "dispatch": args.dispatch, "ffn_stage": args.ffn_stage, "stand_in": args.stand_in, "hidden": args.hidden,
+              "config": {"ffn": args.ffn, "num_ffn": args.num_ffn, "wire_mode": args.wire_mode, "dispatch": args.dispatch, "ffn_stage": args.ffn_stage, "stand_in": args.stand_in, "experts": args.experts,
+                         "intermediate": args.intermediate, "shared_experts": args.shared_experts, "hidden": args.hidden,
                          "num_experts": args.num_experts, "top_k": args.top_k, "iters": args.iters,
                          "warmup": args.warmup, "layers": args.layers, "tokens": args.tokens,
                          "stages": args.stages},
-              "rows": attn["rows"], "targets": targets(attn["rows"]),
+              "rows": attn["rows"],
               "ffn": [{k: v for k, v in r.items() if k not in ("role", "trace_rows")} for r in ffn]}
     if args.trace:
         report["config"]["trace_iters"] = args.trace_iters
         report["traces"] = trace_summaries(attn, ffn[0])
+    report["targets"] = targets(attn["rows"], report.get("traces") if args.experts == "moe" else None)
     path = bc.write_json(args.out, "bench_step_graph.json", report)
     print_report(report)
     if args.trace:
@@ -323,7 +376,7 @@ def trace_summaries(attn: dict, ffn: dict) -> list:
 
 def print_report(report: dict) -> None:
     cfg = report["config"]
-    print(f"==== decode step, 1A{cfg['num_ffn']}F, {cfg['wire_mode']}, FFN {cfg['ffn']} (identity), hidden {cfg['hidden']}, "
+    print(f"==== decode step, 1A{cfg['num_ffn']}F, {cfg['wire_mode']}, FFN {cfg['ffn']} ({cfg.get('experts', 'identity')}), hidden {cfg['hidden']}, "
           f"top-{cfg['top_k']}, {report['device']}: eager loop vs one captured graph, S stages "
           "(µs: median [p10, p90]) ====")
     print(table(report["rows"]))

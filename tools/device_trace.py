@@ -71,6 +71,8 @@ PHASES = (
 )
 #: phases from one rank's stamp to another's: one clock only when both ranks share a GPU
 CROSS_PHASES = ("doorbell -> FFN wait returns (fused: + stage)", "reply -> Attention wait returns")
+#: the matched round trip less its "FFN experts" phase (the GEMMs and one stamp hop)
+BEYOND_EXPERTS = "round trip - FFN experts (matched)"
 #: not part of the sum: how long the Attention stream sat in its wait kernel
 WAIT_PHASE = ("Attention in wait kernel", "a_wait0", "a_seen")
 
@@ -286,7 +288,11 @@ def phase_summary(attention: np.ndarray, ffn: np.ndarray | None, *, same_clock: 
         report["round_trip_phases"] = {name: stats_us(values) for name, values in durations.items()}
         report["phase_medians_sum_us"] = float(sum(s["median_us"] or 0.0
                                                    for s in report["round_trip_phases"].values()))
-        report["matched_round_trip"] = stats_us((points["a_done"] - points["a_send0"]) / 1e3)
+        round_trip = (points["a_done"] - points["a_send0"]) / 1e3
+        report["matched_round_trip"] = stats_us(round_trip)
+        # what the round trip costs beyond the expert GEMMs, per round trip (issue #13's "with
+        # real experts <= GEMM time + 30 µs"); the experts phase holds one stamp hop as well
+        report["beyond_experts"] = stats_us(round_trip - durations["FFN experts"])
     return report
 
 
@@ -310,6 +316,7 @@ def phase_table(summaries: dict) -> tuple[tuple, list]:
         rows.append((name,) + tuple(_median(summaries[lb].get("round_trip_phases", {}).get(name)) for lb in labels))
     rows.append(("sum of the phase medians",) + tuple(summaries[lb].get("phase_medians_sum_us") for lb in labels))
     rows.append(("round trip (matched)",) + tuple(_median(summaries[lb].get("matched_round_trip")) for lb in labels))
+    rows.append((BEYOND_EXPERTS,) + tuple(_median(summaries[lb].get("beyond_experts")) for lb in labels))
     for name in ("round trip", WAIT_PHASE[0], "between layers (attention, gate, residual)"):
         rows.append((name + " [Attention clock]",) + tuple(_median(summaries[lb]["phases"].get(name)) for lb in labels))
     rows.append(("matched / unmatched rows",) + tuple(f"{summaries[lb].get('matched', '-')} / "
