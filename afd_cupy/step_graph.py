@@ -48,12 +48,36 @@ sent alone, so its output rows are bit-identical to a one-stage step on those ro
 is per token; only kernels whose results depend on the batch size, such as a GEMM's algorithm,
 could differ from the unsplit step, within bf16 rounding).
 
+**A stream per stage** (``stage_streams=True``, S > 1): the host issues the same
+:func:`pipeline_schedule`, but every operation of micro-batch s goes to the object's own
+stream s (``stage_streams[s]``, created once), forked from the current stream at the start of
+the step (``wait_stream``) and joined back into it at the end, before anything reads the
+rows of two stages together. On the device the step is then S independent chains, one per
+micro-batch::
+
+    A(0, s) -> R(0, s) -> A(1, s) -> R(1, s) -> ... -> R(L-1, s)     on stream s, s < S
+
+which a capture records as S parallel branches of the graph between the fork and the join.
+On one stream every stage's attention and kernels run in series and the stream stalls in
+each receive's spinning wait kernel; with a stream per stage, one micro-batch's attention,
+gate, dispatch and combine run while another's wait kernel spins for its reply. Legal for the
+reasons above, per chain: stage s's send of layer l+1 follows its receive of layer l on
+stream s, stages share no device state but the error status and the per-slot ``last_seen``,
+and the host order still keeps send-then-recv per stage. The connector's ring ordering
+(``_order_ring``) sees ring s always used from stream s, so it adds nothing inside the step;
+a replay on the current stream is ordered after the rings' last eager use on a stage stream
+by ``order_graph_replay`` (and by the join, which already made the current stream wait).
+Outputs are bit-identical to the one-stream step's (the same kernels on the same rows).
+``stage_streams=True`` with S = 1 is the plain step (no extra stream).
+
 Why a new module rather than a connector method: the helper composes user callables, torch's
 graph API and the connector's public calls; the connector stays one call per protocol step.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import itertools
 import numbers
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -196,6 +220,12 @@ class DecodeStepGraph:
             ``S <= connector.config.num_stages`` and ``S <= T``.
         e_score_correction_bias: None or one ``[num_experts]`` float tensor (or None) per
             layer, passed to ``select_experts``.
+        stage_streams: with S > 1, issue micro-batch s on the object's own stream s
+            (``stage_streams``, S ``torch.cuda.Stream`` created once) instead of all stages on
+            one stream: forked from the current stream at the start of each step and joined
+            back at its end, so the S chains are independent branches of the captured graph
+            (module doc). Same host order, same kernels, same outputs. Ignored (one stream, no
+            stream created) when S = 1. ``run_eager`` uses the same streams.
         keep_layer_tensors: keep every layer's tensors (:class:`LayerTensors`, ``.layers``,
             per micro-batch ``.stage_layers``) alive for inspection; otherwise the graph's
             pool reuses them across layers.
@@ -210,7 +240,9 @@ class DecodeStepGraph:
 
     Attributes: ``input`` / ``output`` (static ``[T, H]`` model dtype), ``graph``,
     ``num_layers``, ``num_tokens``, ``stages``, ``splits`` (``(start, stop)`` rows per
-    micro-batch), ``schedule`` (the issue order), ``rings`` (the rings the graph sends on:
+    micro-batch), ``schedule`` (the issue order), ``multi_stream`` (True when each stage has
+    its own stream: ``stage_streams=True`` and S > 1), ``stage_streams`` (those S streams, an
+    empty tuple otherwise), ``rings`` (the rings the graph sends on:
     ``{0, .., S-1}``), ``stage_layers`` (``[S][L]`` :class:`LayerTensors` of each
     micro-batch, empty lists unless ``keep_layer_tensors``) and ``layers`` (per layer, all
     T rows: ``stage_layers[0]`` when S = 1, else the stages' tensors concatenated at access,
@@ -219,16 +251,18 @@ class DecodeStepGraph:
 
     def __init__(self, connector, attention: Sequence[AttentionFn], router: Sequence[RouterFn], *,
                  num_tokens: int, stages: int = 1, e_score_correction_bias: Sequence | None = None,
-                 keep_layer_tensors: bool = False, warmup: int = 1):
+                 keep_layer_tensors: bool = False, warmup: int = 1, stage_streams: bool = False):
         self._setup(connector, attention, router, num_tokens=num_tokens, stages=stages,
                     e_score_correction_bias=e_score_correction_bias,
-                    keep_layer_tensors=keep_layer_tensors, warmup=warmup)
+                    keep_layer_tensors=keep_layer_tensors, warmup=warmup, stage_streams=stage_streams)
         self._check_no_pending("capture")
         device = connector.device
         hidden = connector.model.hidden_size
         self.input = torch.zeros(self.num_tokens, hidden, dtype=connector.torch_dtype, device=device)
         self.output = torch.empty_like(self.input)
         with torch.cuda.device(device):
+            if self.multi_stream:  # once: the warm-up, the capture and run_eager use the same S
+                self.stage_streams = tuple(torch.cuda.Stream(device) for _ in range(self.stages))
             current = torch.cuda.current_stream(device)
             side = torch.cuda.Stream(device)
             side.wait_stream(current)
@@ -242,7 +276,7 @@ class DecodeStepGraph:
                 self._step(self.input, out=self.output, record=True)
 
     def _setup(self, connector, attention, router, *, num_tokens, stages, e_score_correction_bias,
-               keep_layer_tensors, warmup) -> None:
+               keep_layer_tensors, warmup, stage_streams=False) -> None:
         """The checks and the host-side attributes: everything but the GPU work (CPU tests
         drive :meth:`run_eager` on a stand-in connector after this alone)."""
         attention, router = list(attention), list(router)
@@ -256,12 +290,18 @@ class DecodeStepGraph:
         if isinstance(warmup, bool) or not isinstance(warmup, numbers.Integral) or warmup < 1:
             raise ConfigError(f"warmup must be an int >= 1 (torch needs an eager run before capture), "
                               f"got {warmup!r}")
+        if not isinstance(stage_streams, bool):
+            raise ConfigError(f"stage_streams must be a bool (True: a stream per micro-batch stage), "
+                              f"got {stage_streams!r}")
         self.connector = connector
         self.attention, self.router, self.bias = attention, router, bias
         self.num_layers, self.num_tokens, self.stages = len(attention), int(num_tokens), int(stages)
         self.splits = split_rows(self.num_tokens, self.stages)
         self.schedule = pipeline_schedule(self.num_layers, self.stages)
         self.keep_layer_tensors = bool(keep_layer_tensors)
+        # S = 1 has one chain: a stream of its own would only add the fork and join
+        self.multi_stream = stage_streams and self.stages > 1
+        self.stage_streams: tuple = ()  # the constructor creates them (CPU tests set stand-ins)
         self.stage_layers: list[list[LayerTensors]] = [[] for _ in range(self.stages)]
         self.rings: set[int] = set()
 
@@ -279,33 +319,48 @@ class DecodeStepGraph:
     def _step(self, x: torch.Tensor, *, out: torch.Tensor | None = None, record: bool = False):
         """The L layers on ``x`` in :attr:`schedule`'s order (module doc); the last layer's
         residual adds write ``out`` (its micro-batch rows) when given. ``record``: note the
-        rings sent on (and the layer tensors when kept). Returns the new ``[n, H]`` rows: a
-        new tensor, or ``out`` when given (no concatenation kernel in the graph)."""
+        rings sent on (and the layer tensors when kept). With :attr:`multi_stream`, stage s's
+        operations go to ``stage_streams[s]``, forked from and joined back into the current
+        stream. Returns the new ``[n, H]`` rows: a new tensor, or ``out`` when given (no
+        concatenation kernel in the graph)."""
         conn, last = self.connector, self.num_layers - 1
         splits = self.splits if x.shape[0] == self.num_tokens else split_rows(x.shape[0], self.stages)
         xs = [x[start:stop] for start, stop in splits]  # each micro-batch's current rows
         sent: list = [None] * self.stages  # stage -> (handle, residual, h, weights, ids) in flight
+        streams = self.stage_streams if self.multi_stream else None
+        if streams:
+            # fork: every stage stream starts after what the current stream queued (x's rows,
+            # an earlier step or replay); inside a capture this makes the stage streams join
+            # the capture, their work parallel branches of the graph
+            current = torch.cuda.current_stream(x.device)
+            for stream in streams:
+                stream.wait_stream(current)
         try:
-            for op, layer, stage in self.schedule:
-                if op == SEND:
-                    produced = self.attention[layer](xs[stage])
-                    residual, h = produced if isinstance(produced, tuple) else (produced, produced)
-                    weights, ids = conn.select_experts(self.router[layer](h), self.bias[layer])
-                    handle = conn.send_attn_output(h, ids, weights, layer, stage)
-                    sent[stage] = (handle, residual, h, weights, ids)
-                    if record:
-                        self.rings.add(handle.ring)
-                    continue
-                handle, residual, h, weights, ids = sent[stage]
-                sent[stage] = None
-                moe_out = conn.recv_ffn_output(handle, blocking=False)
-                if out is not None and layer == last:
-                    start, stop = splits[stage]
-                    xs[stage] = torch.add(residual, moe_out, out=out if self.stages == 1 else out[start:stop])
-                else:
-                    xs[stage] = residual + moe_out
-                if record and self.keep_layer_tensors:
-                    self.stage_layers[stage].append(LayerTensors(h, weights, ids, moe_out, xs[stage]))
+            # consecutive operations of one stage (a receive and the stage's next send) share
+            # one stream switch; the host order stays the schedule's
+            for stage, ops in itertools.groupby(self.schedule, key=lambda entry: entry[2]):
+                with torch.cuda.stream(streams[stage]) if streams else contextlib.nullcontext():
+                    for op, layer, _ in ops:
+                        if op == SEND:
+                            produced = self.attention[layer](xs[stage])
+                            residual, h = produced if isinstance(produced, tuple) else (produced, produced)
+                            weights, ids = conn.select_experts(self.router[layer](h), self.bias[layer])
+                            handle = conn.send_attn_output(h, ids, weights, layer, stage)
+                            sent[stage] = (handle, residual, h, weights, ids)
+                            if record:
+                                self.rings.add(handle.ring)
+                            continue
+                        handle, residual, h, weights, ids = sent[stage]
+                        sent[stage] = None
+                        moe_out = conn.recv_ffn_output(handle, blocking=False)
+                        if out is not None and layer == last:
+                            start, stop = splits[stage]
+                            xs[stage] = torch.add(residual, moe_out,
+                                                  out=out if self.stages == 1 else out[start:stop])
+                        else:
+                            xs[stage] = residual + moe_out
+                        if record and self.keep_layer_tensors:
+                            self.stage_layers[stage].append(LayerTensors(h, weights, ids, moe_out, xs[stage]))
         except BaseException:
             # a stage whose send went out but whose receive was not issued keeps its ring
             # reserved: release it, or every later send on that stage raises (its reply, if
@@ -314,16 +369,41 @@ class DecodeStepGraph:
                 if entry is not None:
                     conn.forget_dispatch(entry[0])
             raise
+        finally:
+            if streams:
+                # join, on success and failure alike (a capture must end with its side streams
+                # rejoined; a caller's check_errors() synchronizes the current stream only):
+                # the current stream waits for every stage's last kernel before anything reads
+                # two stages' rows (the concatenation below, a replay's static output)
+                for stream in streams:
+                    current.wait_stream(stream)
         if out is not None:
             return out
-        return xs[0] if self.stages == 1 else torch.cat(xs)
+        if self.stages == 1:
+            return xs[0]
+        if streams:
+            # Allocator: every tensor of the step was allocated on the stream that uses it
+            # (stage s's on stream s) except the rows read by the concatenation below, which
+            # runs on the current stream after the join. NOTE: freeing them returns their
+            # blocks to stream s's pool, and the next allocation on stream s may come before
+            # the concatenation has run: our own next step is safe (it forks from the current
+            # stream first, behind the concatenation), but torch.cuda.Stream() hands streams
+            # out of a per-device pool, so stream s can also be another component's stream.
+            # record_stream makes the allocator wait for the current stream's use. The input
+            # rows x[start:stop] need nothing: their block belongs to the current stream, and
+            # everything the current stream runs later comes after the join, i.e. after stage
+            # s's reads. Nothing crosses streams in the captured path (``out`` is static).
+            for rows in xs:
+                rows.record_stream(current)
+        return torch.cat(xs)
 
     def run_eager(self, hidden: torch.Tensor) -> torch.Tensor:
         """The same step, not captured (a baseline; the runner's path for sizes without a
         graph): hidden [n, H] -> new [n, H] tensor, n <= ``token_cap``; with stages, the n rows
         split as :func:`split_rows` does (ValueError when n < stages) and run in the same
-        :attr:`schedule`. Non-blocking like the replay: call ``connector.check_errors()`` to
-        synchronize and raise latched errors."""
+        :attr:`schedule` (with :attr:`multi_stream` on the stage streams, joined back into the
+        current stream before it returns). Non-blocking like the replay: call
+        ``connector.check_errors()`` to synchronize and raise latched errors."""
         self._check_no_pending("run_eager")
         rows = getattr(hidden, "shape", (0,))[0]
         if self.stages > 1 and rows < self.stages:
@@ -348,7 +428,10 @@ class DecodeStepGraph:
         if n < self.num_tokens:
             self.input[n:].zero_()
         order = getattr(self.connector.path, "order_graph_replay", None)
-        if order is not None:  # after the rings' last eager use on another stream, and before the next
+        if order is not None:
+            # after the rings' last eager use on another stream (a stage stream of run_eager or
+            # of the warm-up, another object's stream), and before the next: the graph's
+            # branches run inside the replay, which is ordered on the current stream as a whole
             order(self.rings, torch.cuda.current_stream(self.input.device).cuda_stream)
         self.graph.replay()
         return self.output[:n]

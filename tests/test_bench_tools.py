@@ -539,7 +539,7 @@ def test_bench_step_graph_arguments_rows_and_table(capsys):
     assert row["graph_over_s1"] == 1.0 and two["graph_over_s1"] == 0.5 and four["graph_over_s1"] == pytest.approx(0.8)
     assert other["graph_over_s1"] is None and small["graph_over_s1"] == 1.0
     (best,) = tool.targets(rows)
-    assert best["measured"] == 49.75 / 50 and best["note"] == "32 tokens, 2 stage(s)"
+    assert best["measured"] == 49.75 / 50 and best["note"] == "32 tokens, 2 stage(s), one stream"
     report = {"config": {"num_ffn": 1, "ffn": "graph", "wire_mode": "pair", "hidden": 7168, "top_k": 8},
               "device": "test", "rows": rows, "targets": [best]}
     tool.print_report(report)
@@ -547,7 +547,65 @@ def test_bench_step_graph_arguments_rows_and_table(capsys):
     assert "eager loop vs one captured graph" in out and "graph/eager" in out and "graph/S=1" in out
     assert "149.5 [109.0, 189.0]" in out and "99.5 [59.0, 139.0]" in out and "PASS" in out
     assert "49.8 [29.5, 69.5]" in out  # S = 2's captured step
+    assert "a stream per stage vs one stream" not in out  # no per-stage rows: no such table
     json.dumps(report)  # the report is plain JSON
+
+
+def test_bench_step_graph_stage_streams_variants_ratios_and_target(capsys):
+    """--stage-streams: which variants run per S, the per-(T, L, S) table of the per-stage
+    variant against one stream and S = 1 (captured per-layer medians of made-up rows, known
+    answers), old rows without the key counted as one stream, and the issue #13 target
+    naming the winning variant."""
+    import bench_step_graph as tool
+    assert tool.parse_args([]).stage_streams == "one"
+    assert tool.parse_args(["--stage-streams", "both"]).stage_streams == "both"
+    with pytest.raises(SystemExit):
+        tool.parse_args(["--stage-streams", "two"])
+    assert tool.stream_variants("one", 2) == ("one",) and tool.stream_variants("per-stage", 4) == ("per-stage",)
+    assert tool.stream_variants("both", 2) == ("one", "per-stage")
+    assert all(tool.stream_variants(mode, 1) == ("one",) for mode in tool.STREAM_MODES)  # S = 1: one stream
+
+    def row(tokens, layers, stages, per_layer_us, streams="one"):
+        return tool.summarize(tokens, layers, [2.0 * per_layer_us * layers], [per_layer_us * layers], 0.0,
+                              stages=stages, stage_streams=streams)
+
+    assert row(128, 50, 2, 1.0)["stage_streams"] == "one"
+    old = {k: v for k, v in row(32, 50, 2, 200.0).items() if k != "stage_streams"}  # an older run's row
+    rows = tool.add_stage_ratios([
+        row(128, 50, 1, 160.0), row(128, 50, 2, 280.0), row(128, 50, 2, 120.0, "per-stage"),
+        row(128, 50, 4, 520.0), row(128, 50, 4, 100.0, "per-stage"),
+        row(32, 50, 1, 150.0), old, row(32, 50, 2, 90.0, "per-stage"),
+        row(32, 10, 2, 50.0, "per-stage")])  # no S = 1 nor one-stream row at L = 10
+    ratios = tool.stream_ratios(rows)
+    assert [(r["tokens"], r["layers"], r["stages"]) for r in ratios] == [(32, 10, 2), (32, 50, 2), (128, 50, 2),
+                                                                        (128, 50, 4)]
+    lone, small, two, four = ratios
+    assert (lone["s1_layer_us"], lone["one_layer_us"], lone["per_stage_layer_us"]) == (None, None, 50.0)
+    assert lone["per_stage_over_one"] is None and lone["per_stage_over_s1"] is None and lone["one_over_s1"] is None
+    assert (small["one_layer_us"], small["per_stage_over_one"]) == (200.0, 0.45)  # the keyless row is one stream
+    assert small["per_stage_over_s1"] == pytest.approx(0.6) and small["one_over_s1"] == pytest.approx(4 / 3)
+    assert (two["s1_layer_us"], two["one_layer_us"], two["per_stage_layer_us"]) == (160.0, 280.0, 120.0)
+    assert two["per_stage_over_one"] == pytest.approx(3 / 7) and two["per_stage_over_s1"] == 0.75
+    assert two["one_over_s1"] == 1.75
+    assert four["per_stage_over_one"] == pytest.approx(100 / 520) and four["per_stage_over_s1"] == 0.625
+    assert four["one_over_s1"] == 3.25
+    assert tool.stream_ratios([r for r in rows if r.get("stage_streams") != "per-stage"]) == []
+    per_stage_two = next(r for r in rows if (r["tokens"], r["stages"], r.get("stage_streams")) == (128, 2, "per-stage"))
+    assert per_stage_two["graph_over_s1"] == 0.75  # the ratio to S = 1 covers both variants
+    (target,) = tool.targets(rows)  # 128 tokens (the largest at L = 50): S = 4 with a stream per stage
+    assert target["measured"] == 100.0 and target["status"] == "MISS"
+    assert target["note"] == "128 tokens, 4 stage(s), a stream per stage"
+    (one_wins,) = tool.targets([row(128, 50, 1, 39.0), row(128, 50, 2, 41.0, "per-stage")])
+    assert one_wins["status"] == "PASS" and one_wins["note"] == "128 tokens, 1 stage(s)"
+    report = {"config": {"num_ffn": 1, "ffn": "graph", "wire_mode": "pair", "hidden": 7168, "top_k": 8},
+              "device": "test", "rows": rows, "stream_ratios": ratios, "targets": [target]}
+    tool.print_report(report)
+    out = capsys.readouterr().out
+    assert "a stream per stage vs one stream" in out and "per-stage/one" in out and "per-stage/S=1" in out
+    table = out.split("a stream per stage vs one stream")[1]
+    assert "0.429" in table and "0.75" in table and "1.75" in table and "0.192" in table and "0.625" in table
+    assert "per-stage" in out.split("a stream per stage")[0]  # the rows' streams column
+    json.dumps(report)
 
 
 def test_device_trace_matches_round_trips_and_splits_them_into_phases(tmp_path):

@@ -4,11 +4,14 @@ connector); replay's input checks; the stand-in model's shapes. The capture itse
 tests/test_step_graph_cuda.py."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from afd_cupy.backends.cuda_attention import CudaAttentionSide
 from afd_cupy.config import ConnectorConfig
 from afd_cupy.errors import ConfigError, ProtocolError
 from afd_cupy.step_graph import RECV, SEND, DecodeStepGraph, check_capturable, pipeline_schedule, split_rows
@@ -286,6 +289,227 @@ def test_run_eager_with_fewer_rows_than_stages_is_a_value_error():
     with pytest.raises(ValueError, match=r"run_eager: 1 row\(s\) cannot be split into stages=2"):
         step.run_eager(torch.zeros(1, 8))
     assert step.run_eager(torch.zeros(3, 8)).shape == (3, 8)  # n != T splits n: 2 + 1
+
+
+def test_stage_streams_option_is_checked_and_recorded():
+    """stage_streams: a bool (ConfigError naming the value, before the GPU); with S > 1 the
+    step has a stream per stage (the constructor creates them); with S = 1 it is the plain
+    one-stream step (a no-op, no stream)."""
+    for bad in (1, "yes", None):
+        with pytest.raises(ConfigError, match=f"stage_streams must be a bool .*, got {bad!r}"):
+            DecodeStepGraph(_conn(num_stages=2), _fns(2), _fns(2), num_tokens=4, stages=2, stage_streams=bad)
+    conn = _RecordingConnector(num_stages=2)
+    for stages, option, want in ((2, True, True), (2, False, False), (1, True, False), (1, False, False)):
+        step = DecodeStepGraph.__new__(DecodeStepGraph)
+        step._setup(conn, _fns(2), _fns(2), num_tokens=4, stages=stages, e_score_correction_bias=None,
+                    keep_layer_tensors=False, warmup=1, stage_streams=option)
+        assert step.multi_stream is want and step.stage_streams == (), (stages, option)
+    # S = 1: run_eager touches no stream (torch.cuda would raise on this CPU-only machine)
+    plain = DecodeStepGraph.__new__(DecodeStepGraph)
+    plain._setup(_RecordingConnector(num_stages=1), [lambda x: (x, x * 0.5)] * 2, [lambda h: h[:, :4]] * 2,
+                 num_tokens=4, stages=1, e_score_correction_bias=None, keep_layer_tensors=False, warmup=1,
+                 stage_streams=True)
+    assert torch.equal(plain.run_eager(torch.ones(4, 8)), torch.full((4, 8), 7.0))  # x -> 2x + 1, twice
+
+
+@dataclasses.dataclass(eq=False)
+class _Stream:
+    """A stand-in ``torch.cuda.Stream``: a name, a raw handle, ``wait_stream`` logged."""
+
+    name: str
+    cuda_stream: int
+    log: list
+
+    def wait_stream(self, other):
+        self.log.append(("wait", self.name, other.name))
+
+
+class _Streams:
+    """The stream calls of ``DecodeStepGraph._step`` / ``replay`` on the CPU (monkeypatched
+    ``torch.cuda.current_stream``, ``torch.cuda.stream``, ``Tensor.record_stream``) and the
+    CUDA runtime calls of the cuda path's ring ordering: everything goes to one ``log`` in
+    call order. ``capturing``: the names of the streams in a capture."""
+
+    def __init__(self, monkeypatch):
+        self.log, self.capturing, self.by_handle = [], set(), {}
+        self.current = self.make("main")
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.current)
+        monkeypatch.setattr(torch.cuda, "stream", self.use)
+        monkeypatch.setattr(torch.Tensor, "record_stream",
+                            lambda tensor, stream: self.log.append(("record_stream", tensor.shape[0], stream.name)))
+
+    def make(self, name):
+        stream = _Stream(name, 100 + len(self.by_handle), self.log)
+        self.by_handle[stream.cuda_stream] = stream
+        return stream
+
+    @contextlib.contextmanager
+    def use(self, stream):
+        previous, self.current = self.current, stream
+        try:
+            yield
+        finally:
+            self.current = previous
+
+    # the runtime calls CudaAttentionSide._order_ring makes, on raw handles
+    def streamIsCapturing(self, handle):
+        return self.by_handle[handle].name in self.capturing
+
+    def eventRecord(self, event, handle):
+        self.log.append(("event", event, self.by_handle[handle].name))
+
+    def streamWaitEvent(self, handle, event):
+        self.log.append(("wait_event", self.by_handle[handle].name, event))
+
+
+class _OrderingPath(CudaAttentionSide):
+    """The cuda path's ring ordering (the real ``_order_ring`` / ``order_graph_replay``) over
+    :class:`_Streams`' runtime; one named event per ring."""
+
+    def __init__(self, streams, ring_depth):
+        self.ctx = SimpleNamespace(poll_mode="device")
+        self.cp = SimpleNamespace(cuda=SimpleNamespace(runtime=streams))
+        self._ring_stream = [None] * ring_depth
+        self._ring_event = [f"ev{ring}" for ring in range(ring_depth)]
+
+
+class _StreamRecordingConnector(_RecordingConnector):
+    """:class:`_RecordingConnector` whose sends and receives order their ring as the cuda
+    path does (``_order_ring`` on the current stream's handle) and log ``(op, layer, stage,
+    ring, stream name)`` to the streams' log."""
+
+    def __init__(self, streams, **kwargs):
+        super().__init__(**kwargs)
+        self.streams = streams
+        self.path = _OrderingPath(streams, self.layout.ring_depth)
+
+    def _used(self, op, handle):
+        self.path._order_ring(handle.ring, torch.cuda.current_stream().cuda_stream)
+        self.streams.log.append((op, handle.layer_idx, handle.stage_idx, handle.ring, self.streams.current.name))
+
+    def send_attn_output(self, hidden, ids, weights, layer_idx, stage_idx=0):
+        handle = super().send_attn_output(hidden, ids, weights, layer_idx, stage_idx)
+        self._used(SEND, handle)
+        return handle
+
+    def recv_ffn_output(self, handle, *, blocking=True):
+        out = super().recv_ffn_output(handle, blocking=blocking)
+        self._used(RECV, handle)
+        return out
+
+
+def _stream_step(monkeypatch, layers=2, tokens=5, stages=2, keep=False):
+    streams = _Streams(monkeypatch)
+    conn = _StreamRecordingConnector(streams, num_stages=stages)
+    step = DecodeStepGraph.__new__(DecodeStepGraph)
+    step._setup(conn, [lambda x, l=l: (x + l, (x + l) * 0.5) for l in range(layers)],
+                [lambda h: h[:, :4] * 3.0] * layers, num_tokens=tokens, stages=stages,
+                e_score_correction_bias=None, keep_layer_tensors=keep, warmup=1, stage_streams=True)
+    step.stage_streams = tuple(streams.make(f"s{stage}") for stage in range(stages))
+    return streams, conn, step
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_stage_streams_fork_issue_each_stage_on_its_stream_and_join(monkeypatch, stages):
+    """run_eager with a stream per stage: every stage stream waits for the current one before
+    any operation (fork); each (layer, stage)'s send and receive go to stream s, in the
+    schedule's host order, on ring s (so the ring ordering never fires); the current stream
+    waits for every stage stream after the last operation (join), then the stages' rows are
+    marked used by the current stream (record_stream) for the concatenation; the rows equal
+    the one-stream step's bit for bit."""
+    streams, conn, step = _stream_step(monkeypatch, layers=3, tokens=7, stages=stages)
+    x = torch.randn(7, 8, generator=torch.Generator().manual_seed(4))
+    got = step.run_eager(x)
+    sizes = [stop - start for start, stop in split_rows(7, stages)]
+    assert streams.log == (
+        [("wait", f"s{s}", "main") for s in range(stages)]
+        + [(op, layer, stage, stage, f"s{stage}") for op, layer, stage in pipeline_schedule(3, stages)]
+        + [("wait", "main", f"s{s}") for s in range(stages)]
+        + [("record_stream", sizes[s], "main") for s in range(stages)])
+    assert streams.current.name == "main" and not conn._pending
+    one_stream = _row_wise_step(_RecordingConnector(num_stages=stages), 3, 7, stages)
+    assert torch.equal(got, one_stream.run_eager(x))
+
+
+def test_stage_streams_capture_path_and_replay_ordering(monkeypatch):
+    """The constructor's sequence with a stream per stage, on the CPU: the warm-up on a side
+    stream (forks from and joins into it), the capture (the stage streams join the capture:
+    no ring event, the rings stay on their stage streams; the last layer writes ``out``
+    directly, nothing recorded for a concatenation), then replay on the main stream: it first
+    waits for each ring's last eager use on its stage stream (order_graph_replay), and an
+    eager step after it orders each ring behind the replay; a replay after that eager step
+    waits for the stage streams again."""
+    streams, conn, step = _stream_step(monkeypatch, keep=True)
+    log, x = streams.log, torch.randn(5, 8, generator=torch.Generator().manual_seed(6))
+    side, capture = streams.make("side"), streams.make("capture")
+    with streams.use(side):
+        warm = step._step(x)
+    assert log[:2] == [("wait", "s0", "side"), ("wait", "s1", "side")]
+    assert log[-4:] == [("wait", "side", "s0"), ("wait", "side", "s1"),
+                        ("record_stream", 3, "side"), ("record_stream", 2, "side")]
+    assert not [entry for entry in log if entry[0] in ("event", "wait_event")]  # first use of each ring
+    del log[:]
+    out = torch.full((5, 8), float("nan"))
+    streams.capturing = {"capture", "s0", "s1"}
+    with streams.use(capture):
+        assert step._step(x, out=out, record=True) is out
+    streams.capturing = set()
+    assert log == ([("wait", "s0", "capture"), ("wait", "s1", "capture")]
+                   + [(op, layer, stage, stage, f"s{stage}") for op, layer, stage in step.schedule]
+                   + [("wait", "capture", "s0"), ("wait", "capture", "s1")])
+    assert torch.equal(out, warm) and step.rings == {0, 1}
+    assert [len(layers) for layers in step.stage_layers] == [2, 2]
+    assert conn.path._ring_stream == [step.stage_streams[0].cuda_stream, step.stage_streams[1].cuda_stream]
+    step.input, step.output = torch.zeros(5, 8), out
+    step.graph = SimpleNamespace(replay=lambda: log.append(("replay", streams.current.name)))
+    del log[:]
+    assert torch.equal(step.replay(x), warm)
+    replay_ordering = [("event", "ev0", "s0"), ("wait_event", "main", "ev0"),
+                       ("event", "ev1", "s1"), ("wait_event", "main", "ev1"), ("replay", "main")]
+    assert log == replay_ordering
+    del log[:]
+    assert torch.equal(step.run_eager(x), warm)
+    # the fork, then each ring's first use on its stage stream waits for the replay's stream
+    assert log[:5] == [("wait", "s0", "main"), ("wait", "s1", "main"),
+                       ("event", "ev0", "main"), ("wait_event", "s0", "ev0"), (SEND, 0, 0, 0, "s0")]
+    assert log[5:7] == [("event", "ev1", "main"), ("wait_event", "s1", "ev1")]
+    del log[:]
+    step.replay(x)
+    assert log == replay_ordering
+
+
+def test_a_capture_leaves_the_ring_on_its_last_eager_stream(monkeypatch):
+    """CudaAttentionSide._order_ring: a use on a capturing stream orders nothing and keeps the
+    ring's stream (the capture runs nothing), so the replay waits for the ring's last eager
+    use (here on stream P, maybe still in flight), not for the idle capture stream."""
+    streams = _Streams(monkeypatch)
+    path = _OrderingPath(streams, 1)
+    p, capture, r = streams.make("P"), streams.make("capture"), streams.make("R")
+    path._order_ring(0, p.cuda_stream)
+    streams.capturing = {"capture"}
+    path._order_ring(0, capture.cuda_stream)
+    path._order_ring(0, capture.cuda_stream)
+    streams.capturing = set()
+    assert streams.log == [] and path._ring_stream == [p.cuda_stream]
+    path.order_graph_replay({0}, r.cuda_stream)
+    assert streams.log == [("event", "ev0", "P"), ("wait_event", "R", "ev0")]
+    assert path._ring_stream == [r.cuda_stream]
+    path._order_ring(0, r.cuda_stream)  # same stream: nothing
+    assert len(streams.log) == 2
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_failing_layer_on_stage_streams_still_joins(monkeypatch, stages):
+    """A stage's attention raises mid-step: the in-flight rings are released and every stage
+    stream is joined back into the current one (a capture must end with its side streams
+    rejoined) before the error propagates; no record_stream (nothing was concatenated)."""
+    streams, conn, step = _stream_step(monkeypatch, layers=3, tokens=6, stages=stages)
+    step.attention[1] = lambda x: (_ for _ in ()).throw(RuntimeError("attention failed"))
+    with pytest.raises(RuntimeError, match="attention failed"):
+        step.run_eager(torch.zeros(6, 8))
+    assert streams.log[-stages:] == [("wait", "main", f"s{s}") for s in range(stages)]
+    assert not [entry for entry in streams.log if entry[0] == "record_stream"]
+    assert not conn._pending and streams.current.name == "main"
 
 
 def test_linear_stand_in_shapes_and_determinism():

@@ -6,6 +6,13 @@ for each number of micro-batch stages S in ``--stages`` (default 1 2): S > 1 spl
 into S micro-batches issued as a software pipeline on one stream (the attention of one
 micro-batch runs while the others' FFN round trips are in flight; every rank's ConnectorConfig
 then has max(--stages) stages, and S = 1 runs on that connector as the plain step).
+``--stage-streams`` picks where the S micro-batches are issued: ``one`` (default) all on one
+stream, ``per-stage`` each on its own stream (``DecodeStepGraph(stage_streams=True)``: S
+independent chains, parallel branches of the captured graph), ``both`` each S > 1 both ways in
+the same run (rows carry ``stage_streams``: ``one`` / ``per-stage``; rows without the key, from
+older runs, are ``one``). S = 1 is one stream either way (run once). With per-stage rows the
+report adds a table per (T, L, S > 1): the captured per-layer median of each variant and
+the ratios per-stage / one stream and each / S = 1 (ratios within one run: machines are noisy).
 
 1AnF (default 1A1F), cuda backend, hidden 7168, top-8 of 64 experts, bf16. Attention side:
 per layer a fixed bf16 linear (one [H, H] weight shared by the layers), the gate, send,
@@ -53,6 +60,9 @@ import device_trace as dt  # noqa: E402
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig  # noqa: E402
 
 FFN_MODES = ("graph", "eager")
+#: where the micro-batches of a step are issued: one stream, a stream per stage (--stage-streams)
+ONE_STREAM, PER_STAGE = "one", "per-stage"
+STREAM_MODES = (ONE_STREAM, PER_STAGE, "both")
 #: issue #13: pipelined per-layer cost of a 50-layer captured step
 TARGET_US_PER_LAYER, TARGET_LAYERS = 40.0, 50
 #: issue #13: with real experts the round trip <= the expert GEMMs' time + 30 µs
@@ -69,6 +79,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, nargs="+", default=[32], help="batch sizes T")
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2],
                         help="micro-batch stages S per step (each <= every T)")
+    parser.add_argument("--stage-streams", choices=STREAM_MODES, default=ONE_STREAM,
+                        help="S > 1: every micro-batch on one stream, each on its own stream "
+                             "(DecodeStepGraph(stage_streams=True)), or both in the same run")
     parser.add_argument("--ffn", choices=FFN_MODES, default="graph",
                         help="FFN side: GraphFFNServer(identity) or an eager FFNWorker (identity)")
     parser.add_argument("--num-ffn", type=int, default=1)
@@ -110,6 +123,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--stages {max(args.stages)} > --tokens {min(args.tokens)}: every micro-batch needs a row")
     args.iters = args.iters or (30 if args.quick else 200)
     return args
+
+
+def stream_variants(mode: str, stages: int) -> tuple:
+    """The stream variants run for S = ``stages`` under ``--stage-streams mode``: S = 1 is one
+    stream whatever the mode (a stream per stage is the same step there)."""
+    if stages == 1 or mode == ONE_STREAM:
+        return (ONE_STREAM,)
+    return (PER_STAGE,) if mode == PER_STAGE else (ONE_STREAM, PER_STAGE)
 
 
 def connector_config(args) -> ConnectorConfig:
@@ -210,33 +231,35 @@ def _attention(conn, args, device) -> dict:
         hidden = torch.randn(num_tokens, model.hidden_size, generator=gen).to(torch.bfloat16).to(device)
         for layers in args.layers:
             for stages in args.stages:
-                step = DecodeStepGraph(conn, stand_in.attention_fns()[:layers], stand_in.router_fns()[:layers],
-                                       num_tokens=num_tokens, stages=stages, warmup=2)
-                eager_us, graph_us = [], []
-                for i in range(args.warmup + args.iters):
-                    t0 = time.perf_counter()
-                    eager = step.run_eager(hidden)
-                    conn.check_errors()
-                    t1 = time.perf_counter()
-                    captured = step.replay(hidden)
-                    conn.check_errors()
-                    t2 = time.perf_counter()
-                    if i >= args.warmup:
-                        eager_us.append((t1 - t0) * 1e6)
-                        graph_us.append((t2 - t1) * 1e6)
-                rows.append(summarize(num_tokens, layers, eager_us, graph_us, _rel_diff(captured, eager),
-                                      stages=stages))
-                if trace is not None and stages == 1:  # S > 1: the stages' rows interleave
-                    for mode, run in (("eager", step.run_eager), ("graph", step.replay)):
-                        torch.cuda.synchronize()
-                        trace.reset()
-                        for _ in range(args.trace_iters):
-                            run(hidden)
-                            conn.check_errors()
-                        traces.append({"tokens": num_tokens, "layers": layers, "mode": mode,
-                                       "attention_rows": trace.rows()})
-                del step, eager, captured
-                torch.cuda.synchronize()
+                for variant in stream_variants(args.stage_streams, stages):
+                    step = DecodeStepGraph(conn, stand_in.attention_fns()[:layers], stand_in.router_fns()[:layers],
+                                           num_tokens=num_tokens, stages=stages, warmup=2,
+                                           stage_streams=variant == PER_STAGE)
+                    eager_us, graph_us = [], []
+                    for i in range(args.warmup + args.iters):
+                        t0 = time.perf_counter()
+                        eager = step.run_eager(hidden)
+                        conn.check_errors()
+                        t1 = time.perf_counter()
+                        captured = step.replay(hidden)
+                        conn.check_errors()
+                        t2 = time.perf_counter()
+                        if i >= args.warmup:
+                            eager_us.append((t1 - t0) * 1e6)
+                            graph_us.append((t2 - t1) * 1e6)
+                    rows.append(summarize(num_tokens, layers, eager_us, graph_us, _rel_diff(captured, eager),
+                                          stages=stages, stage_streams=variant))
+                    if trace is not None and stages == 1:  # S > 1: the stages' rows interleave
+                        for mode, run in (("eager", step.run_eager), ("graph", step.replay)):
+                            torch.cuda.synchronize()
+                            trace.reset()
+                            for _ in range(args.trace_iters):
+                                run(hidden)
+                                conn.check_errors()
+                            traces.append({"tokens": num_tokens, "layers": layers, "mode": mode,
+                                           "attention_rows": trace.rows()})
+                    del step, eager, captured
+                    torch.cuda.synchronize()
     return {"role": "attention", "device": bc.device_name(device), "rows": add_stage_ratios(rows),
             "device_id": conn.path.device_id, "traces": traces}
 
@@ -252,11 +275,12 @@ def _rel_diff(captured, eager) -> float:
 # --------------------------------------------------------------------------- report
 
 def summarize(num_tokens: int, layers: int, eager_us: list, graph_us: list, out_rel_diff: float,
-              stages: int = 1) -> dict:
+              stages: int = 1, stage_streams: str = ONE_STREAM) -> dict:
     """One table row: per-step and per-layer median / p10 / p90 of both paths (µs), the
-    ratio of the medians captured / eager, and the outputs' relative difference."""
-    row = {"tokens": num_tokens, "layers": layers, "stages": stages, "iters": len(graph_us),
-           "out_rel_diff": out_rel_diff}
+    ratio of the medians captured / eager, and the outputs' relative difference;
+    ``stage_streams``: the variant (``one`` / ``per-stage``)."""
+    row = {"tokens": num_tokens, "layers": layers, "stages": stages, "stage_streams": stage_streams,
+           "iters": len(graph_us), "out_rel_diff": out_rel_diff}
     for name, times in (("eager", eager_us), ("graph", graph_us)):
         for stat, value in (("median", bc.median(times)), ("p10", bc.percentile(times, 10)),
                             ("p90", bc.percentile(times, 90))):
@@ -276,19 +300,59 @@ def add_stage_ratios(rows: list) -> list:
     return rows
 
 
+def stream_ratios(rows: list) -> list:
+    """Per (tokens, layers, S > 1) with a per-stage-streams row: the captured step's per-layer
+    median of S = 1 (``s1_layer_us``), of the one-stream variant (``one_layer_us``) and of the
+    per-stage one (``per_stage_layer_us``), and the ratios ``per_stage_over_one``,
+    ``per_stage_over_s1``, ``one_over_s1`` (None where a row is missing). Rows without
+    ``stage_streams`` are one-stream rows. Sorted by (tokens, layers, S)."""
+    by_key = {(r["tokens"], r["layers"], r.get("stages", 1), r.get("stage_streams", ONE_STREAM)):
+              r["graph_layer_median_us"] for r in rows}
+
+    def ratio(a, b):
+        return a / b if a is not None and b else None
+
+    out = []
+    for tokens, layers, stages in sorted({key[:3] for key in by_key if key[3] == PER_STAGE and key[2] > 1}):
+        s1 = by_key.get((tokens, layers, 1, ONE_STREAM))
+        one = by_key.get((tokens, layers, stages, ONE_STREAM))
+        per_stage = by_key[(tokens, layers, stages, PER_STAGE)]
+        out.append({"tokens": tokens, "layers": layers, "stages": stages, "s1_layer_us": s1,
+                    "one_layer_us": one, "per_stage_layer_us": per_stage,
+                    "per_stage_over_one": ratio(per_stage, one), "per_stage_over_s1": ratio(per_stage, s1),
+                    "one_over_s1": ratio(one, s1)})
+    return out
+
+
+def stream_table(ratios: list) -> str:
+    headers = ("tokens", "L", "S", "S=1 /layer", "one stream /layer", "per-stage /layer",
+               "per-stage/one", "per-stage/S=1", "one/S=1")
+    return bc.format_table(headers, [(r["tokens"], r["layers"], r["stages"], r["s1_layer_us"], r["one_layer_us"],
+                                      r["per_stage_layer_us"], r["per_stage_over_one"], r["per_stage_over_s1"],
+                                      r["one_over_s1"]) for r in ratios])
+
+
+def _variant_note(row: dict) -> str:
+    stages = row.get("stages", 1)
+    note = f"{row['tokens']} tokens, {stages} stage(s)"
+    if stages > 1:
+        note += ", a stream per stage" if row.get("stage_streams", ONE_STREAM) == PER_STAGE else ", one stream"
+    return note
+
+
 def targets(rows: list, moe_traces: list | None = None) -> list:
     """Issue #13's per-layer target at the 50-layer step: the largest batch measured there,
-    its best number of stages (the pipelined step); with ``moe_traces`` (real experts, traced
-    on one clock) also the round trip beyond the expert GEMMs of the captured step at the
-    largest traced batch."""
+    its best number of stages and stream variant (the pipelined step), named in the note; with
+    ``moe_traces`` (real experts, traced on one clock) also the round trip beyond the expert
+    GEMMs of the captured step at the largest traced batch."""
     at = [r for r in rows if r["layers"] == TARGET_LAYERS]
     most = max(r["tokens"] for r in at) if at else None
     best = min((r for r in at if r["tokens"] == most), key=lambda r: r["graph_layer_median_us"]) if at else None
     return [bc.target_row(f"captured {TARGET_LAYERS}-layer step, per layer (issue #13)",
                           f"<= {TARGET_US_PER_LAYER:.0f}", best and best["graph_layer_median_us"], "us",
                           lambda v: v <= TARGET_US_PER_LAYER,
-                          note=f"{best['tokens']} tokens, {best.get('stages', 1)} stage(s)" if best
-                          else f"not run (--layers {TARGET_LAYERS})")] + beyond_experts_target(moe_traces)
+                          note=_variant_note(best) if best else f"not run (--layers {TARGET_LAYERS})")] \
+        + beyond_experts_target(moe_traces)
 
 
 def beyond_experts_target(traces: list | None) -> list:
@@ -310,9 +374,10 @@ def table(rows: list) -> str:
     def cell(r, name, kind):
         return f"{r[f'{name}_{kind}_median_us']:.1f} [{r[f'{name}_{kind}_p10_us']:.1f}, {r[f'{name}_{kind}_p90_us']:.1f}]"
 
-    headers = ("tokens", "L", "S", "eager step", "graph step", "eager /layer", "graph /layer",
+    headers = ("tokens", "L", "S", "streams", "eager step", "graph step", "eager /layer", "graph /layer",
                "graph/eager", "graph/S=1", "out diff")
-    body = [(r["tokens"], r["layers"], r.get("stages", 1), cell(r, "eager", "step"), cell(r, "graph", "step"),
+    body = [(r["tokens"], r["layers"], r.get("stages", 1), r.get("stage_streams", ONE_STREAM),
+             cell(r, "eager", "step"), cell(r, "graph", "step"),
              cell(r, "eager", "layer"), cell(r, "graph", "layer"), r["graph_over_eager"],
              r.get("graph_over_s1"), r["out_rel_diff"])
             for r in rows]
@@ -336,8 +401,8 @@ def main(argv=None) -> int:
                          "intermediate": args.intermediate, "shared_experts": args.shared_experts, "hidden": args.hidden,
                          "num_experts": args.num_experts, "top_k": args.top_k, "iters": args.iters,
                          "warmup": args.warmup, "layers": args.layers, "tokens": args.tokens,
-                         "stages": args.stages},
-              "rows": attn["rows"],
+                         "stages": args.stages, "stage_streams": args.stage_streams},
+              "rows": attn["rows"], "stream_ratios": stream_ratios(attn["rows"]),
               "ffn": [{k: v for k, v in r.items() if k not in ("role", "trace_rows")} for r in ffn]}
     if args.trace:
         report["config"]["trace_iters"] = args.trace_iters
@@ -352,10 +417,10 @@ def main(argv=None) -> int:
         if plot:
             print(f"wrote {plot}")
     print(f"wrote {path}")
-    bad = [(r["tokens"], r["layers"], r.get("stages", 1), r["out_rel_diff"]) for r in report["rows"]
-           if not r["out_rel_diff"] <= OUT_CHECK_TOL]
+    bad = [(r["tokens"], r["layers"], r.get("stages", 1), r.get("stage_streams", ONE_STREAM), r["out_rel_diff"])
+           for r in report["rows"] if not r["out_rel_diff"] <= OUT_CHECK_TOL]
     if bad:
-        print(f"CHECK FAILED: captured and eager outputs differ (tokens, L, S, relative diff): {bad}")
+        print(f"CHECK FAILED: captured and eager outputs differ (tokens, L, S, streams, relative diff): {bad}")
         return 1
     return 0
 
@@ -380,6 +445,11 @@ def print_report(report: dict) -> None:
           f"top-{cfg['top_k']}, {report['device']}: eager loop vs one captured graph, S stages "
           "(µs: median [p10, p90]) ====")
     print(table(report["rows"]))
+    if report.get("stream_ratios"):
+        print()
+        print("==== a stream per stage vs one stream: captured step, per layer (median µs) and ratios "
+              "in this run ====")
+        print(stream_table(report["stream_ratios"]))
     print()
     print(bc.targets_table(report["targets"]))
     if report.get("traces"):

@@ -278,15 +278,20 @@ class CudaAttentionSide:
         stream (after everything queued there, the ring's last kernels included) is waited on
         by the new one. NOTE: skipped when either stream is capturing a CUDA graph (an event
         across the capture boundary is a capture error): a graph is ordered by the stream it
-        is replayed on.
+        is replayed on (:meth:`order_graph_replay`). A capture runs nothing, so it leaves the
+        ring's stream as it was: the replay then waits for the ring's last use that really
+        ran (an eager step on another stream, still in flight), not for the idle capture
+        stream. (A capture that stays on the ring's stream, e.g. a step's stage streams after
+        their warm-up, changes nothing either.)
         """
         previous = self._ring_stream[ring]
-        self._ring_stream[ring] = stream
         if previous is None or previous == stream:
+            self._ring_stream[ring] = stream
             return
         runtime = self.cp.cuda.runtime
         if runtime.streamIsCapturing(stream) or runtime.streamIsCapturing(previous):
             return
+        self._ring_stream[ring] = stream
         runtime.eventRecord(self._ring_event[ring], previous)
         runtime.streamWaitEvent(stream, self._ring_event[ring])
 
