@@ -522,6 +522,14 @@ def test_linear_stand_in_shapes_and_determinism():
     logits = a.router_fns()[1](h)
     assert logits.shape == (5, 4) and logits.dtype == torch.float32
     assert torch.equal(a.w[0], b.w[0]) and b.w[2] is b.w[0] and not torch.equal(a.w[2], a.w[0])
+    # normalize: the MoE input is the residual RMS-normalized (rows of mean square 1, bf16),
+    # the residual unchanged; a row 1000x larger gives the same h
+    n = LinearStandIn(3, 16, 4, dtype=torch.bfloat16, device="cpu", seed=1, normalize=True)
+    big = torch.cat([x[:1], x[:1] * 1000]).to(torch.bfloat16)
+    residual_n, h_n = n.attention_fns()[2](big)
+    assert torch.equal(residual_n, a.attention_fns()[2](big)[0]) and h_n.dtype == torch.bfloat16
+    assert torch.allclose(h_n.float().pow(2).mean(-1), torch.ones(2), rtol=2e-2)
+    assert torch.allclose(h_n[0].float(), h_n[1].float(), rtol=2e-2, atol=2e-2)
 
 
 def _host_rank(ctx):

@@ -220,7 +220,7 @@ def _attention(conn, args, device) -> dict:
     model = conn.model
     stand_in = LinearStandIn(model.num_layers, model.hidden_size, model.num_experts,
                              dtype=torch.bfloat16, device=device, seed=0, shared_weights=True,
-                             linear=args.stand_in == "linear")
+                             linear=args.stand_in == "linear", normalize=args.experts == "moe")
     gen = torch.Generator().manual_seed(1)
     rows, traces = [], []
     trace = None

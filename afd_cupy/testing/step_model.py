@@ -18,10 +18,15 @@ class LinearStandIn:
     ``shared_weights``: one W for every layer (a benchmark at hidden 7168 and 50 layers would
     otherwise hold 5 GiB of stand-in weights). ``linear=False``: no W at all, ``residual = x``
     (one elementwise kernel instead of the GEMM: a step whose attention does not stream a
-    weight through L2, to tell the AFD kernels' own cost from the cost of running cold)."""
+    weight through L2, to tell the AFD kernels' own cost from the cost of running cold).
+    ``normalize``: the MoE input is the residual RMS-normalized (as a model's post-attention
+    norm does) instead of ``residual * 0.5``; needed with real experts, whose gated MLP grows
+    its input's scale quadratically (bf16 overflows within ~8 layers without it); identity
+    experts only double the values per layer and do without."""
 
     def __init__(self, num_layers: int, hidden_size: int, num_experts: int, *, dtype, device,
-                 seed: int = 0, scale: float = 1.0, shared_weights: bool = False, linear: bool = True):
+                 seed: int = 0, scale: float = 1.0, shared_weights: bool = False, linear: bool = True,
+                 normalize: bool = False):
         gen = torch.Generator().manual_seed(seed)
         std = 1.0 / math.sqrt(hidden_size)
         distinct = (1 if shared_weights else num_layers) if linear else 0
@@ -31,10 +36,14 @@ class LinearStandIn:
         self.r = [(torch.randn(num_experts, hidden_size, generator=gen) * std).to(dtype).to(device)
                   for _ in range(num_layers)]
         self.num_layers = num_layers
+        self.normalize = bool(normalize)
 
     def attention(self, layer: int, x: torch.Tensor):
         """x [T, H] -> (residual [T, H], h [T, H]), both x's dtype."""
         residual = x + torch.nn.functional.linear(x, self.w[layer]) if self.w is not None else x * 1.0
+        if self.normalize:  # RMSNorm without a weight, in fp32
+            wide = residual.float()
+            return residual, (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
         return residual, residual * 0.5
 
     def router(self, layer: int, h: torch.Tensor) -> torch.Tensor:
