@@ -165,108 +165,78 @@ class CudaAttentionSide:
         scratch, expected = self.scratch[ring], self.expected[ring]
         num_ffn, epr, cap = ctx.num_ffn_ranks, layout.expert_per_rank, layout.token_cap
         placeholder_ids = scratch.local_rank  # int32 [token_cap * top_k]; replaced per call
-        plan = kernels.dispatch_plan_spec(
-            topk_ids=placeholder_ids, num_partials=cap * layout.top_k, num_ffn_ranks=num_ffn,
-            expert_per_rank=epr, routed_cap=layout.routed_cap, layer_idx=0, chunk_hist=scratch.chunk_hist,
-            local_rank=scratch.local_rank, expert_counts=scratch.expert_counts,
-            expert_start=scratch.expert_start, rank_offsets=scratch.rank_offsets,
-            verdict=scratch.verdict, done_counter=scratch.plan_done, status=self.status.ptr)
         replies = dict(window=self.own_window, geo=geo, num_ffn_ranks=num_ffn, ring=ring,
                        expected=expected, expected_counts=self.expected_counts[ring], layer_idx=0,
                        stage_idx=0, last_seen=self.last_seen, reply_flags=self.reply_flags[ring],
                        timeout_ns=self.timeout_ns, status=self.status.ptr)
-        if self.is_dedup:
-            launches = self._dedup_launches(ring, replies)
-            if not self.fused_dispatch:
-                launches["plan"] = kernels.PackedLaunch(plan)
-            return launches
-        wait = kernels.wait_replies_spec(**replies)
-        combine = kernels.combine_spec(
-            dtype_code=self.dtype_code, out=self.own_window, num_tokens=cap,
-            hidden_size=layout.hidden_size, topk_ids=placeholder_ids,
-            topk_weights=placeholder_ids.view(self.cp.float32), pos=scratch.pos,
-            top_k=layout.top_k, expert_per_rank=epr, has_shared=int(ctx.has_shared),
-            out_scale=1.0, done_counter=self.combine_done[ring], **replies)
-        # what the fused kernel and the scatter share (the per-call ones are placeholders)
-        common = dict(
+        # what every sending kernel of either mode takes (the per-call ones are placeholders)
+        sends = dict(
             dtype_code=self.dtype_code, hidden=self.own_window, num_tokens=cap,
-            hidden_size=layout.hidden_size, topk_ids=placeholder_ids, num_partials=cap * layout.top_k,
-            top_k=layout.top_k, expert_per_rank=epr, num_ffn_ranks=num_ffn,
-            expert_start=scratch.expert_start, rank_offsets=scratch.rank_offsets,
-            expert_counts=scratch.expert_counts, verdict=scratch.verdict,
-            peer_windows=self.peer_windows, geo=geo, ring=ring, has_shared=int(ctx.has_shared),
-            always_send=int(ctx.always_send), pos_out=scratch.pos, src_rank=ctx.role_rank,
-            layer_idx=0, stage_idx=0, hdr_flags=0, seq_counters=self.seq_counters[ring],
-            expected=expected, expected_counts=self.expected_counts[ring],
-            done_counter=scratch.scatter_done, staging=self.put.staging_base if self.put else 0)
-        if self.fused_dispatch:
-            fused = kernels.dispatch_fused_spec(routed_cap=layout.routed_cap, skipped=scratch.skipped,
-                                                status=self.status.ptr, **common)
-            return {name: kernels.PackedLaunch(spec) for name, spec in
-                    (("fused", fused), ("wait", wait), ("combine", combine))}
-        scatter = kernels.dispatch_scatter_spec(chunk_hist=scratch.chunk_hist,
-                                                local_rank=scratch.local_rank, **common)
-        return {name: kernels.PackedLaunch(spec) for name, spec in
-                (("plan", plan), ("scatter", scatter), ("wait", wait), ("combine", combine))}
+            hidden_size=layout.hidden_size, topk_ids=placeholder_ids, top_k=layout.top_k,
+            expert_per_rank=epr, num_ffn_ranks=num_ffn, expert_start=scratch.expert_start,
+            rank_offsets=scratch.rank_offsets, expert_counts=scratch.expert_counts,
+            verdict=scratch.verdict, peer_windows=self.peer_windows, geo=geo, ring=ring,
+            always_send=int(ctx.always_send), src_rank=ctx.role_rank, layer_idx=0, stage_idx=0,
+            seq_counters=self.seq_counters[ring], expected=expected,
+            expected_counts=self.expected_counts[ring], done_counter=scratch.scatter_done,
+            staging=self.put.staging_base if self.put else 0)
+        fused_only = dict(routed_cap=layout.routed_cap, has_shared=int(ctx.has_shared),
+                          skipped=scratch.skipped, status=self.status.ptr)
+        if self.is_dedup:
+            launches = self._dedup_launches(ring, replies, sends, fused_only)
+        else:
+            wait = kernels.wait_replies_spec(**replies)
+            combine = kernels.combine_spec(
+                dtype_code=self.dtype_code, out=self.own_window, num_tokens=cap,
+                hidden_size=layout.hidden_size, topk_ids=placeholder_ids,
+                topk_weights=placeholder_ids.view(self.cp.float32), pos=scratch.pos,
+                top_k=layout.top_k, expert_per_rank=epr, has_shared=int(ctx.has_shared),
+                out_scale=1.0, done_counter=self.combine_done[ring], **replies)
+            pair = dict(sends, num_partials=cap * layout.top_k, pos_out=scratch.pos, hdr_flags=0)
+            if self.fused_dispatch:
+                launches = {"fused": kernels.dispatch_fused_spec(**fused_only, **pair)}
+            else:
+                launches = {"scatter": kernels.dispatch_scatter_spec(
+                    chunk_hist=scratch.chunk_hist, local_rank=scratch.local_rank,
+                    has_shared=int(ctx.has_shared), **pair)}
+            launches.update(wait=wait, combine=combine)
+        if not self.fused_dispatch:  # both modes: the grid-wide plan first
+            launches["plan"] = kernels.dispatch_plan_spec(
+                topk_ids=placeholder_ids, num_partials=cap * layout.top_k, num_ffn_ranks=num_ffn,
+                expert_per_rank=epr, routed_cap=layout.routed_cap, layer_idx=0,
+                chunk_hist=scratch.chunk_hist, local_rank=scratch.local_rank,
+                expert_counts=scratch.expert_counts, expert_start=scratch.expert_start,
+                rank_offsets=scratch.rank_offsets, verdict=scratch.verdict,
+                done_counter=scratch.plan_done, status=self.status.ptr)
+        return {name: kernels.PackedLaunch(spec) for name, spec in launches.items()}
 
-    def _dedup_launches(self, ring: int, replies: dict) -> dict:
-        """The dedup-mode rows, scatter, wait and combine of one ring, checked and packed once
-        (placeholders as in :meth:`_attention_launches`)."""
+    def _dedup_launches(self, ring: int, replies: dict, sends: dict, fused_only: dict) -> dict:
+        """The dedup-mode specs of one ring (the fused dispatch, or rows and scatter; wait and
+        combine), checked; ``sends`` / ``fused_only`` as in :meth:`_attention_launches`."""
         ctx, layout = self.ctx, self.layout
         scratch, rows = self.scratch[ring], self.dedup_rows[ring]
-        num_ffn, epr, cap, top_k = ctx.num_ffn_ranks, layout.expert_per_rank, layout.token_cap, layout.top_k
         placeholder_ids = scratch.local_rank  # int32 [token_cap * top_k]; replaced per call
         row_outputs = dict(row_map=rows.row_map, shared_rank=rows.shared_rank,
                            num_rows=rows.num_rows, shared_rows=rows.shared_rows)
-        dedup_rows = kernels.dedup_rows_spec(
-            topk_ids=placeholder_ids, num_tokens=cap, top_k=top_k, expert_per_rank=epr,
-            num_ffn_ranks=num_ffn, has_shared=int(ctx.has_shared), verdict=scratch.verdict,
-            rows_hist=rows.rows_hist, rows_local=rows.rows_local, done_counter=rows.rows_done,
-            **row_outputs)
-        scatter = kernels.dedup_scatter_spec(
-            dtype_code=self.dtype_code, hidden=self.own_window, num_tokens=cap,
-            hidden_size=layout.hidden_size, topk_ids=placeholder_ids,
-            topk_weights=placeholder_ids.view(self.cp.float32), top_k=top_k, expert_per_rank=epr,
-            num_ffn_ranks=num_ffn, chunk_hist=scratch.chunk_hist, local_rank=scratch.local_rank,
-            expert_start=scratch.expert_start, rank_offsets=scratch.rank_offsets,
-            expert_counts=scratch.expert_counts, verdict=scratch.verdict,
-            peer_windows=self.peer_windows, geo=self.geometry, ring=ring,
-            always_send=int(ctx.always_send), src_rank=ctx.role_rank, layer_idx=0, stage_idx=0,
-            seq_counters=self.seq_counters[ring], expected=self.expected[ring],
-            expected_counts=self.expected_counts[ring], done_counter=scratch.scatter_done,
-            staging=self.put.staging_base if self.put else 0, **row_outputs)
-        wait = kernels.wait_replies_spec(**replies, dedup=1)
-        combine = kernels.dedup_combine_spec(
-            dtype_code=self.dtype_code, out=self.own_window, num_tokens=cap,
+        dedup = dict(sends, topk_weights=placeholder_ids.view(self.cp.float32), **row_outputs)
+        if self.fused_dispatch:
+            launches = {"fused": kernels.dedup_dispatch_fused_spec(**fused_only, **dedup)}
+        else:
+            launches = {
+                "rows": kernels.dedup_rows_spec(
+                    topk_ids=placeholder_ids, num_tokens=layout.token_cap, top_k=layout.top_k,
+                    expert_per_rank=layout.expert_per_rank, num_ffn_ranks=ctx.num_ffn_ranks,
+                    has_shared=int(ctx.has_shared), verdict=scratch.verdict,
+                    rows_hist=rows.rows_hist, rows_local=rows.rows_local,
+                    done_counter=rows.rows_done, **row_outputs),
+                "scatter": kernels.dedup_scatter_spec(chunk_hist=scratch.chunk_hist,
+                                                      local_rank=scratch.local_rank, **dedup)}
+        launches["wait"] = kernels.wait_replies_spec(**replies, dedup=1)
+        launches["combine"] = kernels.dedup_combine_spec(
+            dtype_code=self.dtype_code, out=self.own_window, num_tokens=layout.token_cap,
             hidden_size=layout.hidden_size, row_map=rows.row_map, out_scale=1.0,
             done_counter=self.combine_done[ring], **replies)
-        if self.fused_dispatch:
-            fused = kernels.dedup_dispatch_fused_spec(
-                dtype_code=self.dtype_code, hidden=self.own_window, num_tokens=cap,
-                hidden_size=layout.hidden_size, topk_ids=placeholder_ids,
-                topk_weights=placeholder_ids.view(self.cp.float32), top_k=top_k,
-                expert_per_rank=epr, num_ffn_ranks=num_ffn, routed_cap=layout.routed_cap,
-                has_shared=int(ctx.has_shared), expert_counts=scratch.expert_counts,
-                expert_start=scratch.expert_start, rank_offsets=scratch.rank_offsets,
-                verdict=scratch.verdict, skipped=scratch.skipped, peer_windows=self.peer_windows,
-                geo=self.geometry, ring=ring, always_send=int(ctx.always_send),
-                src_rank=ctx.role_rank, layer_idx=0, stage_idx=0,
-                seq_counters=self.seq_counters[ring], expected=self.expected[ring],
-                expected_counts=self.expected_counts[ring], done_counter=scratch.scatter_done,
-                status=self.status.ptr, staging=self.put.staging_base if self.put else 0,
-                **row_outputs)
-            return {name: kernels.PackedLaunch(spec) for name, spec in
-                    (("fused", fused), ("wait", wait), ("combine", combine))}
-        return {name: kernels.PackedLaunch(spec) for name, spec in
-                (("rows", dedup_rows), ("scatter", scatter), ("wait", wait), ("combine", combine))}
-
-    def order_graph_replay(self, rings, stream: int) -> None:
-        """A captured graph that sends and receives on ``rings`` is about to be replayed on
-        ``stream`` (a raw stream pointer): order the replay after each ring's last use on
-        another stream, and that ring's next use elsewhere after the replay (the replay's
-        stream becomes the ring's stream). The replay itself bypasses :meth:`_order_ring`."""
-        for ring in sorted(rings):
-            self._order_ring(ring, stream)
+        return launches
 
     def _order_ring(self, ring: int, stream: int) -> None:
         """Order this use of ``ring`` on ``stream`` after its previous use on another stream.
@@ -313,35 +283,35 @@ class CudaAttentionSide:
         launches, stream = self.launches[ring], self.stream_ptr()
         self._order_ring(ring, stream)
         num_partials = num_tokens * layout.top_k
-        if self.fused_dispatch and self.is_dedup:
-            return self._dispatch_dedup_fused(launches["fused"], stream, hidden, ids, topk_weights,
-                                              layer_idx=layer_idx, stage_idx=stage_idx, ring=ring)
-        if self.fused_dispatch:
-            fused = launches["fused"]
-            for name, value in (("hidden", hidden.data_ptr()), ("num_tokens", num_tokens),
-                                ("topk_ids", ids.data_ptr()), ("num_partials", num_partials),
-                                ("layer_idx", layer_idx), ("stage_idx", stage_idx)):
-                fused.set(name, value)
-            fused.launch(stream, kernels.scatter_grid(num_tokens, layout.top_k, int(ctx.has_shared)))
-            self._put_dispatch(stream, ring, num_tokens)
-            return CudaSendState(ring, self.expected[ring], ids, hidden, num_tokens)
-        plan = launches["plan"]
-        plan.set("topk_ids", ids.data_ptr())
-        plan.set("num_partials", num_partials)
-        plan.set("layer_idx", layer_idx)  # named by a latched capacity or bad-expert error
-        plan.launch(stream, kernels.plan_grid(num_partials))
-        if self.is_dedup:
-            return self._dispatch_dedup(launches, stream, hidden, ids, topk_weights,
-                                        layer_idx=layer_idx, stage_idx=stage_idx, ring=ring)
-        scatter = launches["scatter"]
-        scatter.set("hidden", hidden.data_ptr())
-        scatter.set("num_tokens", num_tokens)
-        scatter.set("topk_ids", ids.data_ptr())
-        scatter.set("num_partials", num_partials)
-        scatter.set("layer_idx", layer_idx)
-        scatter.set("stage_idx", stage_idx)
-        scatter.launch(stream, kernels.scatter_grid(num_tokens, layout.top_k, int(ctx.has_shared)))
+        weights = None
+        if self.is_dedup:  # the weights travel in the route tables: read by the sender
+            weights = topk_weights.detach().to(torch.float32).reshape(-1).contiguous()
+            per_call = (("topk_weights", weights.data_ptr()),)
+            grid = kernels.dedup_scatter_grid(num_tokens, ctx.num_ffn_ranks, layout.row_bytes)
+        else:
+            per_call = (("num_partials", num_partials),)
+            grid = kernels.scatter_grid(num_tokens, layout.top_k, int(ctx.has_shared))
+        if not self.fused_dispatch:  # the grid-wide plan (and in dedup mode the rows) first
+            plan = launches["plan"]
+            plan.set("topk_ids", ids.data_ptr())
+            plan.set("num_partials", num_partials)
+            plan.set("layer_idx", layer_idx)  # named by a latched capacity or bad-expert error
+            plan.launch(stream, kernels.plan_grid(num_partials))
+            if self.is_dedup:
+                rows = launches["rows"]
+                rows.set("topk_ids", ids.data_ptr())
+                rows.set("num_tokens", num_tokens)
+                rows.launch(stream, kernels.dedup_rows_grid(num_tokens, layout.top_k))
+        sender = launches["fused" if self.fused_dispatch else "scatter"]
+        for name, value in (("hidden", hidden.data_ptr()), ("num_tokens", num_tokens),
+                            ("topk_ids", ids.data_ptr()), ("layer_idx", layer_idx),
+                            ("stage_idx", stage_idx)) + per_call:
+            sender.set(name, value)
+        sender.launch(stream, grid)
         self._put_dispatch(stream, ring, num_tokens)
+        if self.is_dedup:
+            return CudaSendState(ring, self.expected[ring], ids, hidden, num_tokens,
+                                 row_map=self.dedup_rows[ring].row_map, topk_weights=weights)
         return CudaSendState(ring, self.expected[ring], ids, hidden, num_tokens)
 
     def _put_dispatch(self, stream: int, ring: int, num_tokens: int) -> None:
@@ -350,45 +320,6 @@ class CudaAttentionSide:
         if self.put is not None:
             self.put.after_dispatch(stream, ring, num_tokens, num_ffn_ranks=self.ctx.num_ffn_ranks,
                                     has_shared=self.ctx.has_shared)
-
-    def _dispatch_dedup(self, launches: dict, stream: int, hidden: torch.Tensor, ids: torch.Tensor,
-                        topk_weights: torch.Tensor, *, layer_idx: int, stage_idx: int,
-                        ring: int) -> CudaSendState:
-        """Dedup mode, after the plan: rows -> scatter (the weights travel: read here)."""
-        layout, num_tokens = self.layout, hidden.shape[0]
-        weights = topk_weights.detach().to(torch.float32).reshape(-1).contiguous()
-        rows = launches["rows"]
-        rows.set("topk_ids", ids.data_ptr())
-        rows.set("num_tokens", num_tokens)
-        rows.launch(stream, kernels.dedup_rows_grid(num_tokens, layout.top_k))
-        dedup_scatter = launches["scatter"]
-        dedup_scatter.set("hidden", hidden.data_ptr())
-        dedup_scatter.set("num_tokens", num_tokens)
-        dedup_scatter.set("topk_ids", ids.data_ptr())
-        dedup_scatter.set("topk_weights", weights.data_ptr())
-        dedup_scatter.set("layer_idx", layer_idx)
-        dedup_scatter.set("stage_idx", stage_idx)
-        dedup_scatter.launch(stream, kernels.dedup_scatter_grid(num_tokens, self.ctx.num_ffn_ranks,
-                                                                 self.layout.row_bytes))
-        self._put_dispatch(stream, ring, num_tokens)
-        return CudaSendState(ring, self.expected[ring], ids, hidden, num_tokens,
-                             row_map=self.dedup_rows[ring].row_map, topk_weights=weights)
-
-    def _dispatch_dedup_fused(self, fused, stream: int, hidden: torch.Tensor, ids: torch.Tensor,
-                              topk_weights: torch.Tensor, *, layer_idx: int, stage_idx: int,
-                              ring: int) -> CudaSendState:
-        """Dedup mode in one kernel (afd_dedup_dispatch_fused): plan, rows and scatter."""
-        num_tokens = hidden.shape[0]
-        weights = topk_weights.detach().to(torch.float32).reshape(-1).contiguous()
-        for name, value in (("hidden", hidden.data_ptr()), ("num_tokens", num_tokens),
-                            ("topk_ids", ids.data_ptr()), ("topk_weights", weights.data_ptr()),
-                            ("layer_idx", layer_idx), ("stage_idx", stage_idx)):
-            fused.set(name, value)
-        fused.launch(stream, kernels.dedup_scatter_grid(num_tokens, self.ctx.num_ffn_ranks,
-                                                        self.layout.row_bytes))
-        self._put_dispatch(stream, ring, num_tokens)
-        return CudaSendState(ring, self.expected[ring], ids, hidden, num_tokens,
-                             row_map=self.dedup_rows[ring].row_map, topk_weights=weights)
 
     def sent_to(self, state: CudaSendState) -> list[int]:
         return [int(j) for j in np.flatnonzero(state.expected.get())]
