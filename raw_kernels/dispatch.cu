@@ -86,20 +86,10 @@ afd_dispatch_plan(const afd_i32* __restrict__ topk_ids,  // [num_partials], flat
   }
   __syncthreads();
 
-  // Exclusive scan over experts: each thread owns a contiguous run of experts.
-  const int per_thread = (num_experts + PLAN_THREADS - 1) / PLAN_THREADS;
-  const int e_begin = min(tid * per_thread, num_experts);
-  const int e_end = min(e_begin + per_thread, num_experts);
-  afd_i32 local_sum = 0;
-  for (int e = e_begin; e < e_end; ++e) local_sum += s_hist[e];
-  afd_i32 total;
-  afd_i32 run = block_exclusive_scan_256(local_sum, &total);
-  for (int e = e_begin; e < e_end; ++e) {
-    const afd_i32 v = s_hist[e];
-    expert_start[e] = run;
-    s_hist[e] = run;  // s_hist now holds expert_start
-    run += v;
-  }
+  const afd_i32 total = block_scan_expert_counts(s_hist, num_experts, [&](int e, afd_i32 start) {
+    expert_start[e] = start;
+    s_hist[e] = start;  // s_hist now holds expert_start
+  });
   __syncthreads();
   for (int r = tid; r <= num_ffn_ranks; r += PLAN_THREADS) {
     rank_offsets[r] = (r < num_ffn_ranks) ? s_hist[r * expert_per_rank] : total;

@@ -48,18 +48,8 @@ __device__ __forceinline__ BlockPlan plan_in_block(const afd_i32* topk_ids, afd_
     s_ids[i] = e;
   }
   __syncthreads();
-  // Exclusive scan over experts: each thread owns a contiguous run of experts.
-  const int per_thread = (num_experts + SCATTER_THREADS - 1) / SCATTER_THREADS;
-  const int e_begin = min(tid * per_thread, num_experts);
-  const int e_end = min(e_begin + per_thread, num_experts);
-  afd_i32 local_sum = 0;
-  for (int e = e_begin; e < e_end; ++e) local_sum += s_hist[e];
-  afd_i32 total;
-  afd_i32 run = block_exclusive_scan_256(local_sum, &total);
-  for (int e = e_begin; e < e_end; ++e) {
-    s_start[e] = run;
-    run += s_hist[e];
-  }
+  const afd_i32 total =
+      block_scan_expert_counts(s_hist, num_experts, [&](int e, afd_i32 start) { s_start[e] = start; });
   __syncthreads();
   for (int r = tid; r <= num_ffn_ranks; r += SCATTER_THREADS) {
     s_rank_off[r] = (r < num_ffn_ranks) ? s_start[r * expert_per_rank] : total;

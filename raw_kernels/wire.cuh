@@ -442,4 +442,26 @@ __device__ __forceinline__ afd_i32 block_exclusive_scan_256(afd_i32 value, afd_i
   return result;
 }
 
+// Exclusive scan of counts[0, num_experts) (shared memory) by a block of exactly 256 threads,
+// each thread owning a contiguous run of experts: start(e, exclusive_start) is called once per
+// expert, after counts[e] was read (so start may overwrite it in place). Returns the total to
+// every thread. Ends without a barrier: the caller syncs before reading what start wrote.
+template <class Start>
+__device__ __forceinline__ afd_i32 block_scan_expert_counts(const afd_i32* counts, int num_experts,
+                                                            Start start) {
+  const int per_thread = (num_experts + 255) / 256;
+  const int e_begin = min(static_cast<int>(threadIdx.x) * per_thread, num_experts);
+  const int e_end = min(e_begin + per_thread, num_experts);
+  afd_i32 local_sum = 0;
+  for (int e = e_begin; e < e_end; ++e) local_sum += counts[e];
+  afd_i32 total;
+  afd_i32 run = block_exclusive_scan_256(local_sum, &total);
+  for (int e = e_begin; e < e_end; ++e) {
+    const afd_i32 v = counts[e];
+    start(e, run);
+    run += v;
+  }
+  return total;
+}
+
 }  // namespace afd
