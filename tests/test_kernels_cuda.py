@@ -212,6 +212,12 @@ class Dispatch:
             put(want, base + layout.field_offset("shared_x"), self.hidden_raw[idx])
         return want
 
+    def assert_sent_as_planned(self, plan: planner.DispatchPlan) -> None:
+        """Every peer window holds what ``expected_window`` says for the next seq."""
+        for j in range(self.num_ffn):
+            assert_window_equal(self.windows[j].get(), self.expected_window(j, plan, int(self.seq_before[j]) + 1),
+                                self.layout, f"peer {j}")
+
 
 # --- wire constants ----------------------------------------------------------------------------
 def test_wire_constants_read_back_equal_wire_py():
@@ -382,9 +388,7 @@ def test_dispatch_large_batch_grid_stride(request, dtype):
     assert status_of(d.status.array).ok
     plan = d.reference()
     np.testing.assert_array_equal(d.pos_out.get()[:d.num_partials], plan.pos.reshape(-1))
-    for j in range(3):
-        assert_window_equal(d.windows[j].get(), d.expected_window(j, plan, int(d.seq_before[j]) + 1),
-                            d.layout, f"peer {j}")
+    d.assert_sent_as_planned(plan)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -399,9 +403,7 @@ def test_fused_dispatch_grid_stride(request, dtype):
     assert status_of(d.status.array).ok
     plan = d.reference()
     np.testing.assert_array_equal(d.pos_out.get()[:d.num_partials], plan.pos.reshape(-1))
-    for j in range(2):
-        assert_window_equal(d.windows[j].get(), d.expected_window(j, plan, int(d.seq_before[j]) + 1),
-                            d.layout, f"peer {j}")
+    d.assert_sent_as_planned(plan)
     assert int(d.scratch.scatter_done.get()[0]) == 0 and int(d.scratch.skipped.get()[0]) == 0
 
 
@@ -523,9 +525,7 @@ def test_scatter_follows_the_plan_verdict_not_the_status_block(request):
     d.status.array[:] = [wire.STATUS_TIMEOUT, 1, 3, 1, 9, 8, -1, -1, 7]  # latched after the plan
     d.run_scatter()
     plan = d.reference()
-    for j in range(2):  # sent completely: rows, header and flag
-        assert_window_equal(d.windows[j].get(), d.expected_window(j, plan, int(d.seq_before[j]) + 1),
-                            d.layout, f"peer {j}")
+    d.assert_sent_as_planned(plan)  # sent completely: rows, header and flag
     e = Dispatch(rng, dtype="bfloat16", num_ffn=2, num_tokens=20, top_k=2, hidden=64, has_shared=1, ids=ids)
     e.status.array[:] = [wire.STATUS_TIMEOUT, 1, 3, 1, 9, 8, -1, -1, 7]
     e.run_plan()
