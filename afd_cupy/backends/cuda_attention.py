@@ -238,6 +238,14 @@ class CudaAttentionSide:
             done_counter=self.combine_done[ring], **replies)
         return launches
 
+    def order_graph_replay(self, rings, stream: int) -> None:
+        """A captured graph that sends and receives on ``rings`` is about to be replayed on
+        ``stream`` (a raw stream pointer): order the replay after each ring's last use on
+        another stream, and that ring's next use elsewhere after the replay (the replay's
+        stream becomes the ring's stream). The replay itself bypasses :meth:`_order_ring`."""
+        for ring in sorted(rings):
+            self._order_ring(ring, stream)
+
     def _order_ring(self, ring: int, stream: int) -> None:
         """Order this use of ``ring`` on ``stream`` after its previous use on another stream.
 
