@@ -18,6 +18,10 @@ compute stream, so item i's reply runs while the worker receives item i+1 and it
 on the host backend a reply thread (the same ordering, emulated with real concurrency). The
 wire, the replies and their order per worker are unchanged; see docs/design.md §4.9.
 
+``gemm_sm_carveout=n`` (0, off, by default) launches each expert call's GEMMs inside
+``moe.sm_carveout(n)``: they leave n SMs free for a kernel spinning next to them (the next
+item's wait under ``overlap``, a peer's wait under MPS); docs/design.md §8. NOT MEASURED yet.
+
 Instrumentation is opt-in: ``FFNWorker(..., recorder=...)`` calls the :class:`FFNRecorder`
 hooks around each receive, compute and reply (benchmarks use it for busy time, queue depth and
 timelines); without a recorder each hook site costs one ``is None`` test.
@@ -179,15 +183,28 @@ class FFNWorker:
     ``num_batches`` (compute batches: one per item under async, one per (layer, stage) under
     lockstep). ``recorder``: an optional :class:`FFNRecorder` (instrumentation hooks; None
     costs nothing but a test per hook site).
+
+    ``gemm_sm_carveout``: SMs the expert GEMMs leave free (0, the default: untouched, no call
+    into torch). When > 0 every expert call (``expert_fn``, the worker's own experts or a custom
+    one, per item or per lockstep batch) runs inside ``moe.sm_carveout(n)``, so the persistent
+    grouped GEMM launches ``SMs - n`` CTAs and a kernel spinning next to it (the next item's
+    ``wait_any`` under ``overlap``, a peer's wait under MPS) does not push one CTA's tiles to
+    the tail (docs/design.md §8, "SM carve-out"; NOT MEASURED in the library yet). The
+    setting is process-global while the call runs (see ``moe.sm_carveout``); int >= 0 and <
+    the device's SM count, else ConfigError. No effect on the host backend (CPU GEMMs).
     """
 
     def __init__(self, connector: AFDConnector, experts=None, shared=None, *,
                  expert_fn: ExpertFn | None = None, schedule: str = "async",
-                 recorder: FFNRecorder | None = None, overlap: bool = False):
+                 recorder: FFNRecorder | None = None, overlap: bool = False,
+                 gemm_sm_carveout: int = 0):
         if (experts is None) == (expert_fn is None):
             raise ValueError("pass exactly one of experts= or expert_fn=")
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        self.gemm_sm_carveout = moe.check_sm_carveout(
+            gemm_sm_carveout, device=getattr(connector, "device", None) if gemm_sm_carveout else None,
+            name="FFNWorker.gemm_sm_carveout")
         self.connector = connector
         self.experts = experts
         self.shared = shared
@@ -248,7 +265,7 @@ class FFNWorker:
         recorder = self.recorder
         if recorder is not None:
             recorder.computing((item,))
-        routed, shared = self.expert_fn(item)
+        routed, shared = self._in_carveout(self.expert_fn, item)
         if recorder is not None:
             recorder.replying((item,))
         self._reply((item,), ((routed, shared),))
@@ -260,15 +277,25 @@ class FFNWorker:
         recorder = self.recorder
         if recorder is not None:
             recorder.computing(items)
-        if len(items) == 1 or not self._uses_own_experts:
-            outputs = [self.expert_fn(item) for item in items]
-        else:
-            outputs = self._merged_outputs(items)
+        outputs = self._in_carveout(self._batch_outputs, items)
         if recorder is not None:
             recorder.replying(items)
         self._reply(items, outputs)
         self.num_served += len(items)
         self.num_batches += 1
+
+    def _batch_outputs(self, items: list[FFNWorkItem]) -> list:
+        if len(items) == 1 or not self._uses_own_experts:
+            return [self.expert_fn(item) for item in items]
+        return self._merged_outputs(items)
+
+    def _in_carveout(self, compute, arg):
+        """``compute(arg)``, inside ``moe.sm_carveout`` when ``gemm_sm_carveout`` > 0 (the GEMMs
+        read it when they are launched, i.e. inside the call); plain call otherwise."""
+        if not self.gemm_sm_carveout:
+            return compute(arg)
+        with moe.sm_carveout(self.gemm_sm_carveout):
+            return compute(arg)
 
     def _reply(self, items, outputs) -> None:
         """Answer ``items`` (``outputs[i]`` = (routed_out, shared_out)), then the recorder's

@@ -14,10 +14,14 @@ fused gate/up weights ``w13 = cat([w1, w3])`` of shape [E, 2*I, H] and ``w2`` [E
 activation ``glu(gate, up)`` (``ExpertWeights.activation``, see ``gated_activation``) is
 ``act(gate) * up`` with act SiLU (default) or GELU (erf or tanh), or gpt-oss's clamped SwiGLU.
 
+``sm_carveout`` (a context manager) makes the expert GEMMs launched inside it leave SMs free
+for a kernel that spins next to them (docs/design.md §8, "SM carve-out").
+
 Only torch is used; nothing here touches CUDA at import time.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -26,9 +30,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from afd_cupy.errors import ConfigError
+
 __all__ = [
     "ExpertWeights", "local_experts", "gated_activation", "shared_mlp", "grouped_mlp",
-    "grouped_mm_supported", "apply_routed_scaling", "combine_scale",
+    "grouped_mm_supported", "apply_routed_scaling", "combine_scale", "sm_carveout",
+    "check_sm_carveout", "current_sm_carveout",
 ]
 
 # NOTE: limits of torch._grouped_mm's CUTLASS path (aten/src/ATen/native/cuda/GroupMM.cu,
@@ -409,3 +416,93 @@ def combine_scale(dtype: torch.dtype, routed_scaling_factor: float) -> float:
     """The factor the Attention side multiplies the combined output by (after
     sum_k w*routed + shared): f for fp16 payloads (see `apply_routed_scaling`), else 1.0."""
     return float(routed_scaling_factor) if dtype == torch.float16 else 1.0
+
+
+# --------------------------------------------------------------------------- SM carve-out
+
+def _carveout_binding():
+    """(setter, getter) of torch's SM carve-out (``torch._C._set_sm_carveout_experimental`` /
+    ``_get_sm_carveout_experimental``), or None when this torch has no such binding. Looked up
+    at each call (cheap), so that a test can replace them."""
+    setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
+    getter = getattr(torch._C, "_get_sm_carveout_experimental", None)
+    return None if setter is None or getter is None else (setter, getter)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def check_sm_carveout(value, *, device=None, name: str = "gemm_sm_carveout") -> int:
+    """Validate an SM carve-out: an int >= 0 (not a bool), < the SM count of ``device`` when
+    it is a CUDA device, and, when > 0, a torch that has the carve-out binding. Returns the
+    value; ConfigError (a ValueError) naming ``name`` and the values otherwise. Reads the
+    device's properties only for a value > 0 on a CUDA device (once per device)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an int >= 0 (SMs left free by the expert GEMMs), got "
+                          f"{type(value).__name__} {value!r}")
+    if value < 0:
+        raise ConfigError(f"{name} must be >= 0, got {value}")
+    if value == 0:
+        return 0
+    if _carveout_binding() is None:
+        raise ConfigError(f"{name}={value} needs torch._C._set_sm_carveout_experimental, which "
+                          f"torch {torch.__version__} does not have; use 0")
+    if device is not None and torch.device(device).type == "cuda":
+        sm_count = _sm_count(torch.device(device))
+        if value >= sm_count:
+            raise ConfigError(f"{name}={value} must be < the SM count of {device} ({sm_count})")
+    return value
+
+
+def current_sm_carveout() -> int | None:
+    """torch's current SM carve-out (None: unset, or a torch without the binding)."""
+    binding = _carveout_binding()
+    return None if binding is None else binding[1]()
+
+
+@contextlib.contextmanager
+def sm_carveout(n: int | None, *, device=None):
+    """Inside the block, GEMMs launched by this process leave ``n`` SMs free; the previous
+    setting comes back on exit (also on an exception).
+
+    What it sets: torch's process-wide ``torch._C._set_sm_carveout_experimental(n)`` (torch
+    itself warns once that it is experimental). torch reads it when a GEMM is *launched* (on
+    the host), not when it runs: ``torch._grouped_mm``'s persistent CUTLASS kernel then gets
+    ``multiProcessorCount - n`` CTAs instead of one per SM, and cuBLAS-Lt matmuls an SM count
+    target; other kernels ignore it. A CUDA graph keeps the grid of its capture: capture
+    inside the block to bake it in. On the CPU it changes nothing.
+
+    ``n``: an int >= 0 (``check_sm_carveout``; with ``device`` also < its SM count). 0 or None:
+    nothing at all happens (no call into torch; an outer block's setting stays). ConfigError
+    for a bad value, and for n > 0 on a torch without the binding.
+
+    NOT thread-safe: the setting is global to the process (``at::globalContext()``), not to
+    the thread or the stream. Every matmul any thread launches while the block is open gets
+    it, and two threads' blocks that overlap in time restore each other's values out of
+    order. Nested blocks on one thread restore in order. Restoring "unset" calls the setter
+    with None (torch 2.13's binding takes ``int | None``); a binding that refuses None gets 0
+    (no carve-out for the grouped GEMM; cuBLAS-Lt then targets every SM).
+    """
+    if n is None or (n == 0 and not isinstance(n, bool)):
+        yield
+        return
+    n = check_sm_carveout(n, device=device, name="sm_carveout(n)")
+    setter, getter = _carveout_binding()
+    previous = getter()
+    setter(n)
+    try:
+        yield
+    finally:
+        _restore_carveout(setter, previous)
+
+
+def _restore_carveout(setter, previous: int | None) -> None:
+    if previous is not None:
+        setter(previous)
+        return
+    try:
+        setter(None)
+    except TypeError:  # a binding that takes an int only
+        setter(0)

@@ -95,6 +95,7 @@ def test_bench_afd_quick_host(tmp_path):
     for key in ("tool", "backend", "label", "run", "model", "topology", "mps", "workloads",
                 "results", "ratios", "comparison", "targets", "method"):
         assert key in report, key
+    assert report["gemm_sm_carveout"] == 0
     assert {(r["workload"], r["schedule"]) for r in report["results"]} == {
         (w, s) for w in ("uniform", "skewed") for s in ("async", "lockstep")}
     for row in report["results"]:
@@ -751,3 +752,63 @@ def test_probe_kernel_cost_phase_stats():
     empty = probe.phase_stats(np.zeros((0, len(probe.POINTS)), np.int64))
     assert empty["afd_combine"] == {"median_us": None, "p10_us": None, "p90_us": None, "n": 0}
     assert empty["afd_dispatch_plan"]["n"] == 0
+
+
+def test_probe_spin_gemm_routing_settings_rows_and_table():
+    # tools/probe_spin_gemm.py needs a GPU to measure; its routing, rows, ratios and table run
+    # here on made-up numbers with known answers
+    import probe_spin_gemm as probe
+    args = probe.parse_args([])
+    assert (args.tokens, args.top_k, args.num_experts, args.hidden, args.intermediate) == (128, 6, 64, 2048, 1408)
+    assert (args.iters, args.warmup, args.carveouts, args.nanosleep_ns) == (200, 20, [1, 2], 100)
+    for bad in (["--top-k", "65"], ["--tokens", "0"], ["--carveouts", "0"], ["--carveouts", "2", "2"],
+                ["--iters", "0"], ["--head-start-us", "-1"]):
+        with pytest.raises(SystemExit):
+            probe.parse_args(bad)
+    counts = probe.routing_counts(128, 6, 64, seed=0)
+    assert counts.shape == (64,) and counts.sum() == 768 and counts.min() >= 0 and counts.max() <= 128
+    assert np.array_equal(counts, probe.routing_counts(128, 6, 64, seed=0))  # seeded
+    assert not np.array_equal(counts, probe.routing_counts(128, 6, 64, seed=1))
+    assert probe.routing_counts(5, 4, 4).tolist() == [5, 5, 5, 5]  # K = E: every token hits every expert
+    assert probe.routing_counts(1, 1, 3).sum() == 1
+    with pytest.raises(ValueError, match="top_k <= num_experts"):
+        probe.routing_counts(4, 5, 4)
+    rows = probe.settings([1, 2])
+    assert rows == [("alone", None, 0), ("spin", "spin", 0), ("spin_nanosleep", "nanosleep", 0),
+                    ("spin_carveout1", "spin", 1), ("spin_carveout2", "spin", 2),
+                    ("alone_carveout1", None, 1), ("alone_carveout2", None, 2)]
+    kinds = {name: (kind, n) for name, kind, n in rows}
+    times = {"alone": [400.0, 440.0, 450.0, 460.0, 500.0], "spin": [600.0, 650.0, 660.0, 670.0, 700.0],
+             "spin_carveout2": [430.0, 455.0, 462.0, 470.0, 480.0], "alone_carveout1": []}
+    summary = probe.summarize(times, kinds)
+    by = {r["setting"]: r for r in summary}
+    assert [r["setting"] for r in summary] == list(times)  # the order given
+    assert by["alone"]["median_us"] == 450.0 and by["alone"]["ratio"] == 1.0 and by["alone"]["n"] == 5
+    assert by["alone"]["p10_us"] == pytest.approx(416.0) and by["alone"]["p90_us"] == pytest.approx(484.0)
+    assert by["spin"]["ratio"] == pytest.approx(660.0 / 450.0) and by["spin"]["spinner"] == "spin"
+    assert by["spin_carveout2"]["ratio"] == pytest.approx(462.0 / 450.0) and by["spin_carveout2"]["carveout"] == 2
+    assert by["alone_carveout1"]["median_us"] is None and by["alone_carveout1"]["ratio"] is None
+    no_alone = probe.summarize({"spin": [1.0, 2.0]}, kinds)
+    assert no_alone[0]["ratio"] is None and no_alone[0]["median_us"] == 1.5
+    text = probe.table(summary)
+    assert text.splitlines()[0].split() == ["setting", "spinner", "carve-out", "median", "µs", "p10", "µs",
+                                            "p90", "µs", "n", "x", "alone"]
+    spin_line = next(line for line in text.splitlines() if line.startswith("spin "))
+    assert "660" in spin_line and "1.47" in spin_line
+    assert "1.03" in next(line for line in text.splitlines() if line.startswith("spin_carveout2"))
+    json.dumps(summary)
+
+
+def test_gemm_sm_carveout_arguments_of_the_benchmarks():
+    # bench_step_graph and bench_afd pass --gemm-sm-carveout to their FFN ranks (and record it)
+    import bench_step_graph as tool
+    assert tool.parse_args([]).gemm_sm_carveout == 0
+    assert tool.parse_args(["--experts", "moe", "--gemm-sm-carveout", "2"]).gemm_sm_carveout == 2
+    with pytest.raises(SystemExit):
+        tool.parse_args(["--gemm-sm-carveout", "-1"])
+    assert bench_afd.parse_args([]).gemm_sm_carveout == 0
+    assert bench_afd.parse_args(["--gemm-sm-carveout", "3"]).gemm_sm_carveout == 3
+    with pytest.raises(SystemExit):
+        bench_afd.parse_args(["--gemm-sm-carveout", "-2"])
+    spec_fields = {f.name: f.default for f in bench_afd.dataclasses.fields(bench_afd.Spec)}
+    assert spec_fields["gemm_sm_carveout"] == 0

@@ -211,6 +211,26 @@ def test_ffn_overlap_gives_the_default_outputs(backend, wire_mode, schedule):
     assert runs[1] == runs[0]  # the same outputs, bit for bit (same inputs, same compute)
 
 
+@pytest.mark.parametrize("backend", [pytest.param("host", id="host"),
+                                     pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)])
+def test_gemm_sm_carveout_gives_the_default_outputs(backend):
+    # FFNWorker(gemm_sm_carveout=2): every expert call runs with torch's carve-out at 2 (the
+    # FFN reports what its expert calls saw) and the outputs equal the default's bit for bit.
+    # No shared experts: the routed grouped GEMM's persistent kernel computes each tile the
+    # same way whatever its grid; cuBLAS (the shared MLP) may choose another algorithm for a
+    # smaller SM target (held to the bf16 tolerance in test_moe.py). Host: CPU GEMMs ignore it.
+    # Intermediate 1408 (V2-Lite's): the gate/up GEMM has more tiles than an H200 has SMs, so
+    # its grid really shrinks (test_moe.py checks a grid of half the SMs on its own).
+    model = _model(num_layers=3, num_shared_experts=0, hidden_size=256, moe_intermediate_size=1408)
+    runs = []
+    for carveout in (0, 2):
+        attn, ffn = _run(_scenario(backend, model, 1, 1, num_tokens=96, gemm_sm_carveout=carveout))
+        assert ffn[0]["served"] == model.num_layers
+        assert ffn[0]["carveouts"] == ([2] if carveout else [None])
+        runs.append([(e["layer"], e["rel_err"]) for e in attn[0]["errors"]])
+    assert runs[1] == runs[0]
+
+
 @pytest.mark.parametrize("backend,graph_replays", [
     pytest.param("host", 0, id="host"), pytest.param("cuda", 0, id="cuda", marks=pytest.mark.cuda),
     pytest.param("cuda", 3, id="cuda-graphs", marks=pytest.mark.cuda)])

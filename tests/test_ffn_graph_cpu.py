@@ -327,3 +327,25 @@ def test_server_accepts_a_dedup_connector_and_keeps_its_other_limits():
         GraphFFNServer._check_connector(fake(backend="host"), True, None)
     with pytest.raises(ConfigError, match="exactly one of"):
         GraphFFNServer._check_connector(fake(), True, object())
+
+
+def test_server_settings_check_depth_timeout_and_the_gemm_sm_carveout(monkeypatch):
+    """GraphFFNServer needs a GPU to construct; its knob check runs here (ConfigError with the
+    values; the carve-out against the device's SM count, stubbed)."""
+    import torch
+
+    from afd_cupy import moe
+    from afd_cupy.backends.cuda_ffn_graph import GraphFFNServer
+
+    check = GraphFFNServer._check_settings
+    monkeypatch.setattr(moe, "_sm_count", lambda device: 132)
+    assert check(4, 0.01, 0, torch.device("cuda", 0)) == 0
+    assert check(1, 1, 2, torch.device("cuda", 0)) == 2
+    for args, match in (((0, 0.01, 0), r"depth must be >= 1 and idle_timeout_s > 0, got 0, 0.01"),
+                        ((4, 0.0, 0), r"got 4, 0.0"),
+                        ((4, 0.01, 132), r"GraphFFNServer.gemm_sm_carveout=132 must be < the SM count "
+                                         r"of cuda:0 \(132\)"),
+                        ((4, 0.01, -1), r"GraphFFNServer.gemm_sm_carveout must be >= 0, got -1"),
+                        ((4, 0.01, "2"), r"GraphFFNServer.gemm_sm_carveout must be an int >= 0 .*got str '2'")):
+        with pytest.raises(ConfigError, match=match):
+            check(*args, torch.device("cuda", 0))

@@ -360,6 +360,34 @@ def test_graph_server_matches_the_reference_with_an_eager_fallback(num_layers):
     assert tokens.count(40) <= ffn["eager"] <= tokens.count(40) + tokens.count(16)
 
 
+def test_graph_server_gemm_sm_carveout_gives_the_same_outputs():
+    """GraphFFNServer(gemm_sm_carveout=2): the GEMMs captured with 2 SMs left free answer
+    every layer exactly as the default server does (one bucket that holds every item: no
+    eager fallback, no bucket change; routed and shared experts are both torch._grouped_mm,
+    whose persistent kernel computes each tile the same way whatever its grid). Intermediate
+    1408: the gate/up GEMMs have more tiles than an H200 has SMs."""
+    from afd_cupy.config import ModelConfig
+    from afd_cupy.launch import launch
+    from afd_cupy.testing.graph_ffn import run_graph_rank
+    from afd_cupy.testing.scenario import Scenario, tolerance
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] not in (9, 10):
+        pytest.skip("the graph FFN's GEMM mode needs torch._grouped_mm on SM90/SM100")
+    tokens = (4, 16, 1, 16)
+    model = ModelConfig(hidden_size=128, num_experts=8, top_k=2, moe_intermediate_size=1408,
+                        num_shared_experts=1, dtype="bfloat16", max_num_batched_tokens=16,
+                        num_layers=len(tokens), routed_scaling_factor=2.5)
+    runs = []
+    for carveout in (0, 2):
+        scenario = Scenario(model, 1, 1, backend="cuda", tokens=(tokens,), gemm_sm_carveout=carveout)
+        attn, ffn = launch(run_graph_rank, 2, args=(scenario, (16,)), timeout_s=240)
+        assert ffn["served"] == len(tokens) and ffn["eager"] == 0 and ffn["gemm_sm_carveout"] == carveout
+        for err in attn["errors"]:
+            assert err["shape_ok"] and err["num_nan"] == 0 and err["rel_err"] <= tolerance("bfloat16"), err
+        runs.append([(err["layer"], err["rel_err"]) for err in attn["errors"]])
+    assert runs[1] == runs[0]
+
+
 # --------------------------------------------------------------------------- dedup wire mode
 # afd_graph_dedup_expand / afd_graph_dedup_reply against ffn_graph.dedup_expand_reference /
 # dedup_reply_reference (built on afd_cupy.testing.dedup_reference), each run after the real

@@ -26,6 +26,7 @@ from afd_cupy.testing.reference import (identity_experts, make_expert_weights, m
                                          reference_moe)
 from afd_cupy.testing.scenario import layer_weights, tolerance
 from afd_cupy.topology import Role, Topology
+from test_moe import FakeCarveout
 
 HIDDEN = 32
 
@@ -174,6 +175,58 @@ def test_bad_schedule_is_rejected():
         FFNWorker(_stub_connector(), expert_fn=identity_experts, schedule="sync")
     assert attention_connector_kwargs("async") == {}
     assert attention_connector_kwargs("lockstep") == {"always_send": True}
+
+
+@pytest.mark.parametrize("schedule", ["async", "lockstep"])
+def test_gemm_sm_carveout_wraps_every_expert_call_and_nothing_else(monkeypatch, schedule):
+    """gemm_sm_carveout=n: each expert call (per item, or the merged lockstep batch) runs with
+    torch's carve-out set to n, the replies and the receives without it; 0 never calls torch."""
+    fake = FakeCarveout().install(monkeypatch)
+    experts = make_expert_weights(2, HIDDEN, 16, dtype=torch.float32, device="cpu", seed=0)
+    shared = make_shared_weights(2, HIDDEN, 16, dtype=torch.float32, device="cpu", seed=1)
+    items = [_item(0, [1, 2], 1, layer_idx=0), _item(1, [2, 0], 2, layer_idx=0), _item(1, [0, 1], 0, layer_idx=1),
+             _item(0, [1, 1], 0, layer_idx=1)]
+    conn = _stub_connector(num_attn=2, items=items + ["shutdown"], experts_per_rank=2)
+    conn.device = torch.device("cpu")
+    seen = {"compute": [], "reply": []}
+    send = conn.send_ffn_work_item_output
+    conn.send_ffn_work_item_output = lambda *args: (seen["reply"].append(fake.value), send(*args))
+    worker = FFNWorker(conn, experts, shared, schedule=schedule, gemm_sm_carveout=3)
+    compute = worker._merged_outputs
+    worker._merged_outputs = lambda batch: (seen["compute"].append(fake.value), compute(batch))[1]
+    if schedule == "async":
+        moe_outputs = worker.expert_fn
+        worker.expert_fn = lambda item: (seen["compute"].append(fake.value), moe_outputs(item))[1]
+    assert worker.run() == 4 and len(conn.sent) == 4
+    assert seen["compute"] == [3] * (4 if schedule == "async" else 2) and seen["reply"] == [None] * 4
+    assert fake.value is None and fake.calls == [3, None] * len(seen["compute"])
+    # the same items without a carve-out: the same outputs, and torch is never asked
+    plain_conn = _stub_connector(num_attn=2, items=items + ["shutdown"], experts_per_rank=2)
+    fake.calls.clear()
+    assert FFNWorker(plain_conn, experts, shared, schedule=schedule).run() == 4
+    assert fake.calls == [] and fake.reads == len(seen["compute"])  # one read per scope, above
+    for (item, routed, shared_out), (_, want_routed, want_shared) in zip(conn.sent, plain_conn.sent):
+        assert torch.equal(routed, want_routed)
+        assert (shared_out is None) == (want_shared is None)
+        assert shared_out is None or torch.equal(shared_out, want_shared)
+
+
+def test_gemm_sm_carveout_is_validated_at_construction(monkeypatch):
+    FakeCarveout().install(monkeypatch)
+    conn = _stub_connector()  # no device attribute: read only for a value > 0
+    assert FFNWorker(conn, expert_fn=identity_experts).gemm_sm_carveout == 0
+    conn.device = torch.device("cuda", 0)
+    monkeypatch.setattr(moe, "_sm_count", lambda device: 132)
+    assert FFNWorker(conn, expert_fn=identity_experts, gemm_sm_carveout=131).gemm_sm_carveout == 131
+    for value, match in ((132, r"FFNWorker.gemm_sm_carveout=132 must be < the SM count of cuda:0 \(132\)"),
+                         (-2, r"FFNWorker.gemm_sm_carveout must be >= 0, got -2"),
+                         (2.0, r"FFNWorker.gemm_sm_carveout must be an int >= 0 .*got float 2.0"),
+                         (False, r"must be an int >= 0 .*got bool False")):
+        with pytest.raises(ConfigError, match=match):
+            FFNWorker(conn, expert_fn=identity_experts, gemm_sm_carveout=value)
+    monkeypatch.delattr(torch._C, "_get_sm_carveout_experimental")
+    with pytest.raises(ConfigError, match="FFNWorker.gemm_sm_carveout=1 needs torch._C"):
+        FFNWorker(conn, expert_fn=identity_experts, gemm_sm_carveout=1)
 
 
 # --------------------------------------------------------------------------- real processes

@@ -904,3 +904,136 @@ def test_gpt_oss_router_far_below_the_best_logit_gets_zero_weight_either_way():
     assert ids[0, :2].tolist() == ref_ids[0, :2].tolist() == [4, 0]
     np.testing.assert_allclose(weights[0].double().numpy(), ref_w[0], rtol=1e-6, atol=1e-40)
     assert weights[0, 2].item() == 0.0
+
+
+# --------------------------------------------------------------------------- SM carve-out
+
+class FakeCarveout:
+    """Stands in for torch._C's SM carve-out binding: ``install(monkeypatch)`` replaces the
+    setter and getter with recording fakes (``calls``: every value set, in order; ``value``:
+    the current one). ``accepts_none=False``: a binding that refuses None (TypeError)."""
+
+    def __init__(self, value=None, accepts_none=True):
+        self.value, self.accepts_none, self.calls, self.reads = value, accepts_none, [], 0
+
+    def set(self, value):
+        if value is None and not self.accepts_none:
+            raise TypeError("incompatible function arguments")
+        self.calls.append(value)
+        self.value = value
+
+    def get(self):
+        self.reads += 1
+        return self.value
+
+    def install(self, monkeypatch) -> "FakeCarveout":
+        monkeypatch.setattr(torch._C, "_set_sm_carveout_experimental", self.set)
+        monkeypatch.setattr(torch._C, "_get_sm_carveout_experimental", self.get)
+        return self
+
+
+def test_sm_carveout_sets_and_restores_unset_nested_and_on_errors(monkeypatch):
+    fake = FakeCarveout().install(monkeypatch)
+    with moe.sm_carveout(3):
+        assert fake.value == 3 and moe.current_sm_carveout() == 3
+        with moe.sm_carveout(5):
+            assert fake.value == 5
+        assert fake.value == 3  # the outer block's value is back
+        with moe.sm_carveout(0), moe.sm_carveout(None):  # 0 / None: the outer value stays
+            assert fake.value == 3
+    assert fake.value is None and fake.calls == [3, 5, 3, None]
+    with pytest.raises(RuntimeError, match="boom"):
+        with moe.sm_carveout(2):
+            assert fake.value == 2
+            raise RuntimeError("boom")
+    assert fake.value is None and fake.calls[-2:] == [2, None]
+    preset = FakeCarveout(value=7).install(monkeypatch)  # someone else's setting: restored as is
+    with moe.sm_carveout(1):
+        assert preset.value == 1
+    assert preset.calls == [1, 7]
+    old = FakeCarveout(accepts_none=False).install(monkeypatch)  # int-only binding: "unset" -> 0
+    with moe.sm_carveout(4):
+        pass
+    assert old.calls == [4, 0] and old.value == 0
+
+
+def test_sm_carveout_zero_or_none_does_not_touch_torch(monkeypatch):
+    fake = FakeCarveout(value=6).install(monkeypatch)
+    for n in (0, None):
+        with moe.sm_carveout(n):
+            assert fake.value == 6
+    assert fake.calls == [] and fake.reads == 0
+    monkeypatch.delattr(torch._C, "_set_sm_carveout_experimental")  # a torch without the binding
+    with moe.sm_carveout(0):
+        pass
+    assert moe.check_sm_carveout(0) == 0 and moe.current_sm_carveout() is None
+    with pytest.raises(ConfigError, match=r"gemm_sm_carveout=2 needs torch._C._set_sm_carveout_experimental"):
+        moe.check_sm_carveout(2)
+    with pytest.raises(ConfigError, match=r"sm_carveout\(n\)=1 needs"):
+        with moe.sm_carveout(1):
+            pass
+
+
+@pytest.mark.parametrize("value,match", [
+    (-1, r"gemm_sm_carveout must be >= 0, got -1"),
+    (True, r"must be an int >= 0 .*got bool True"),
+    (1.0, r"must be an int >= 0 .*got float 1.0"),
+    ("2", r"must be an int >= 0 .*got str '2'"),
+])
+def test_check_sm_carveout_rejects_bad_values(value, match):
+    with pytest.raises(ConfigError, match=match):
+        moe.check_sm_carveout(value)
+    with pytest.raises(ConfigError, match=r"sm_carveout\(n\) must"):
+        with moe.sm_carveout(value):
+            pass
+
+
+def test_check_sm_carveout_against_the_device_sm_count(monkeypatch):
+    FakeCarveout().install(monkeypatch)
+    seen = []
+    monkeypatch.setattr(moe, "_sm_count", lambda device: seen.append(device) or 132)
+    assert moe.check_sm_carveout(131, device=torch.device("cuda", 1)) == 131
+    assert seen == [torch.device("cuda", 1)]
+    with pytest.raises(ConfigError, match=r"FFNWorker.gemm_sm_carveout=132 must be < the SM count of "
+                                          r"cuda:0 \(132\)"):
+        moe.check_sm_carveout(132, device="cuda:0", name="FFNWorker.gemm_sm_carveout")
+    with pytest.raises(ConfigError, match=r"< the SM count"):
+        with moe.sm_carveout(200, device="cuda:0"):
+            pass
+    assert moe.check_sm_carveout(500, device="cpu") == 500  # CPU: no SM count to check
+    assert moe.check_sm_carveout(0, device="cuda:0") == 0 and len(seen) == 3  # 0: no lookup
+
+
+def test_sm_carveout_with_this_torch_binding():
+    # the real binding (torch 2.13 takes int | None): set, then back to what it was
+    before = moe.current_sm_carveout()
+    with moe.sm_carveout(3):
+        assert torch._C._get_sm_carveout_experimental() == 3
+        out = moe.grouped_mlp(torch.randn(5, HIDDEN), torch.tensor([2, 3]),
+                              make_expert_weights(2, HIDDEN, INTER, dtype=torch.float32, device="cpu", seed=0))
+    assert moe.current_sm_carveout() == before and out.shape == (5, HIDDEN)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_grouped_mlp_cuda_is_bit_identical_under_an_sm_carveout():
+    """The persistent grouped GEMM computes every tile the same way whatever its grid (no
+    split-K, no stream-K in torch's grouped CUTLASS kernel): outputs with 2 and with half the
+    SMs left free equal the default's bit for bit. 16 experts x 64 rows x 2048 columns: more
+    tiles than SMs, so the grid really shrinks. The shared MLP (cuBLAS, which may pick another
+    algorithm for a smaller SM target) is held to the bf16 tolerance only."""
+    if torch.cuda.get_device_capability()[0] not in (9, 10):
+        pytest.skip("torch._grouped_mm's CUTLASS path needs SM90/SM100")
+    weights = make_expert_weights(16, 1024, 1024, dtype=torch.bfloat16, device="cuda", seed=4)
+    shared = make_shared_weights(2, 1024, 1024, dtype=torch.bfloat16, device="cuda", seed=5)
+    counts = torch.full((16,), 64, device="cuda")
+    x = torch.randn(1024, 1024, device="cuda").bfloat16()
+    assert moe.grouped_mm_supported(x, weights)
+    want, want_shared = moe.grouped_mlp(x, counts, weights), moe.shared_mlp(x, shared)
+    half = torch.cuda.get_device_properties(0).multi_processor_count // 2
+    for n in (2, half):
+        with moe.sm_carveout(n, device=x.device):
+            got, got_shared = moe.grouped_mlp(x, counts, weights), moe.shared_mlp(x, shared)
+        assert moe.current_sm_carveout() is None
+        assert torch.equal(got, want), (n, float((got.float() - want.float()).abs().max()))
+        torch.testing.assert_close(got_shared.float(), want_shared.float(), rtol=2e-2, atol=2e-2)

@@ -86,6 +86,9 @@ on GPU 0 under CUDA MPS (start it first; tools/gpu_suite.sh does) with
 ``--mps-ffn-pct`` for FFN ranks (default 100 // (A+F) each: 25% for 2A2F), set before the
 process creates its CUDA context.
 
+``--gemm-sm-carveout N``: the FFN ranks' ``FFNWorker(gemm_sm_carveout=N)`` (the expert GEMMs
+leave N SMs free for the kernels spinning next to them; docs/design.md §8), in the JSON report.
+
 On the host backend it runs at a tiny size (hidden 64, 2 layers, short sequences; labelled).
 
     python3 tools/bench_afd.py --quick --out OUT        # GPU (< 4 min on one H200, MPS)
@@ -168,6 +171,7 @@ class Spec:
     timeline: bool = False  # record every rank's spans in the measured batches
     ffn_stats: bool = True  # FFNWorker(recorder=...): busy fraction, items waiting
     overlap: str = "none"  # bench_overlap.VARIANTS: two-stage Attention pipeline, FFN reply lane
+    gemm_sm_carveout: int = 0  # FFNWorker(gemm_sm_carveout=...): SMs the expert GEMMs leave free
 
     def model(self) -> ModelConfig:
         d = self.dims
@@ -235,7 +239,7 @@ def _ffn(conn, spec: Spec, ffn_rank: int, device) -> dict:
     recorder = (spans.FFNStatsRecorder(device, timeline=spec.timeline, overlap=overlap)
                 if spec.ffn_stats else None)
     worker = FFNWorker(conn, experts, shared if d.shared else None, schedule=spec.schedule,
-                       recorder=recorder, overlap=overlap)
+                       recorder=recorder, overlap=overlap, gemm_sm_carveout=spec.gemm_sm_carveout)
     start = time.monotonic()
     worker.run()
     return {"role": "ffn", "rank": ffn_rank, "served": worker.num_served, "batches": worker.num_batches,
@@ -814,11 +818,16 @@ def parse_args(argv=None):
     parser.add_argument("--sweep-placements", nargs="+", default=None,
                         help="one --placement string per Attention:FFN split (default: --placement, "
                              "else the default split)")
+    parser.add_argument("--gemm-sm-carveout", type=int, default=0, metavar="N",
+                        help="FFN ranks: FFNWorker(gemm_sm_carveout=N), the expert GEMMs leave N SMs "
+                             "free (docs/design.md §8; 0: untouched; no effect on the host backend)")
     parser.add_argument("--max-batches", type=int, default=100_000)
     parser.add_argument("--timeout", type=float, default=None, help="per launch, seconds")
     args = parser.parse_args(argv)
     if args.sweep and args.timeline:
         parser.error("--timeline records the plain run; run it without --sweep")
+    if args.gemm_sm_carveout < 0:
+        parser.error(f"--gemm-sm-carveout must be >= 0, got {args.gemm_sm_carveout}")
     if args.timeline and not args.ffn_stats:
         parser.error("--timeline needs the FFN recorder (drop --no-ffn-stats)")
     if args.overlap != "none" and args.sweep:
@@ -840,7 +849,7 @@ def run_launches(args, backend: str, dims: Dims, workloads: tuple, placement: tu
     specs = [Spec(backend, args.poll_mode, schedule, dims, args.attn, args.ffn, workloads, args.duration,
                   args.warmup, args.max_batches, mps["attention_pct"], mps["ffn_pct"],
                   placement=placement, solo_duration_s=args.solo_duration, timeline=timeline,
-                  ffn_stats=args.ffn_stats, overlap=overlap)
+                  ffn_stats=args.ffn_stats, overlap=overlap, gemm_sm_carveout=args.gemm_sm_carveout)
              for schedule in args.schedules]
     for spec in bc.progress(specs, "bench_afd", lambda s: f"schedule={s.schedule} overlap={s.overlap} "
                                                           f"{args.attn}A{args.ffn}F"):
@@ -858,7 +867,7 @@ def base_report(args, backend: str, dims: Dims, mps: dict, devices: set) -> dict
             "run": bc.run_info(backend), "poll_mode": args.poll_mode if backend == "cuda" else "host",
             "model": dataclasses.asdict(dims), "topology": f"{args.attn}A{args.ffn}F", "mps": mps,
             "duration_s": args.duration, "warmup_batches": args.warmup, "solo_duration_s": args.solo_duration,
-            "overlap": args.overlap, "method": METHOD}
+            "overlap": args.overlap, "gemm_sm_carveout": args.gemm_sm_carveout, "method": METHOD}
 
 
 METHOD = {"tokens_per_s": "sum over replicas of tokens / own measured wall time",

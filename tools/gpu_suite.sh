@@ -12,8 +12,9 @@
 #     twogpu2 bench_afd placement 0:50,0:50,1: overlap, sweep, timeline (#15);
 #     twogpu3 the multigpu tests, bench_step_graph --trace (pair, dedup), bench_graph_ffn (#13)
 #     trace1: one GPU, the 50-layer step's phases (fused vs two-kernel dispatch and FFN wait +
-#     stage; dedup), the staged step on one stream vs a stream per stage (S = 1 2 4), and
-#     probe_kernel_cost (what single round-trip kernels cost)
+#     stage; dedup), the staged step on one stream vs a stream per stage (S = 1 2 4),
+#     probe_kernel_cost (what single round-trip kernels cost) and probe_spin_gemm (the routed
+#     grouped GEMM next to a spinning warp, with and without an SM carve-out)
 # Knobs (environment): SUITE_TESTS (test files or ids instead of all), SUITE_TIMEOUT, TEST_TIMEOUT (per test), SMOKE_ARGS, SKIP_SMOKE_1A1F=1, SKIP_SMOKE_2A2F=1,
 # SKIP_HOSTPOLL=1 / HOSTPOLL_TIMEOUT (the e2e cases with host polling and no MPS),
 # SKIP_HF=1 (tools/hf_generate.py), SKIP_SOAK=1 / SOAK_N / SOAK_TIMEOUT / SOAK_ARGS (tools/soak.py),
@@ -108,7 +109,8 @@ case "$MODE" in
     run_step step_dedup 120 $SG --wire-mode dedup --out "$OUT/step_dedup"
     run_step step_dedup_3k 120 $SG --wire-mode dedup --dispatch two-kernel --out "$OUT/step_dedup_3k"
     run_step step_streams 150 python3 tools/bench_step_graph.py --quick --layers 50 --tokens 128 --stages 1 2 4 --stage-streams both --out "$OUT/step_streams"
-    NO_MPS=1 run_step probe 120 python3 tools/probe_kernel_cost.py --out "$OUT/probe" ;;
+    NO_MPS=1 run_step probe 120 python3 tools/probe_kernel_cost.py --out "$OUT/probe"
+    NO_MPS=1 run_step spin_gemm 60 python3 tools/probe_spin_gemm.py --out "$OUT/spin_gemm" ;;
 esac
 case "$MODE" in twogpu*|trace1) MODE=none ;; esac
 if [ "$MODE" != bench ] && [ "$MODE" != none ]; then

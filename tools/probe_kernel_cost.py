@@ -34,7 +34,11 @@ each of these settings:
 - ``graph+flush``: as ``graph``, with a ``--flush-mb`` MiB memset between rows (evicts L2:
   code, constants and data of the next row start cold), the way a model layer's weights do;
 - ``graph+busy``: as ``graph``, while another stream of the same process runs 256 MiB copies
-  the whole time (a partner process's kernels under MPS competing for SMs and memory).
+  the whole time (a partner process's kernels under MPS competing for SMs and memory);
+- ``graph+spin``: as ``graph``, while a one-warp kernel spins on another stream the whole time
+  (``probe_spin_gemm.Spinner``: started before the rows, released by its flag after them), as
+  a peer's wait kernel does on a shared GPU: whether a resident spinner delays our kernels'
+  blocks the way it delays a persistent GEMM's CTAs (docs/design.md §8).
 
 The two windows are plain device buffers of ``WindowLayout.window_bytes`` (1A1F: one region,
 one ring slot); the scatter's ``peer_windows`` is ``[the FFN window's address]``. Every row
@@ -85,7 +89,7 @@ PHASES = (("stamp -> stamp", "s0", "s1"), ("tiny kernel (a stamp into a scratch 
           ("afd_combine", "s8", "s9"),
           ("afd_dispatch_fused (plan + T*K + T rows)", "s9", "s10"),
           ("afd_dedup_dispatch_fused (plan + T rows)", "s10", "s11"))
-SETTINGS = ("eager", "graph", "graph+flush", "graph+busy")
+SETTINGS = ("eager", "graph", "graph+flush", "graph+busy", "graph+spin")
 #: the round trip's layer and stage (the reply echoes them) and the reply's flag value
 RT_LAYER, RT_STAGE, REPLY_FLAG = 1, 0, 1
 #: bounds the only wait that could spin (a reply that did not land); see the module docstring
@@ -382,6 +386,12 @@ def run(args) -> dict:
     flush = cupy.empty(args.flush_mb << 20, cupy.uint8)
     busy_src = cupy.zeros(1 << 28, cupy.uint8)
     busy_dst = cupy.empty_like(busy_src)
+    spinner = None
+    if "graph+spin" in args.settings:
+        from probe_spin_gemm import RELEASED, Spinner
+
+        spinner = Spinner(cupy, timeout_ms=60_000.0)
+    spin_failures = []
     results = {}
     for setting in args.settings:
         trace = dt.DeviceTrace(POINTS, capacity=args.rows + 64)
@@ -429,14 +439,18 @@ def run(args) -> dict:
                 with busy_stream:  # long copies on the side, started before the rows and kept going
                     for _ in range(max(1, args.rows // 10)):
                         cupy.copyto(busy_dst, busy_src)
+            if setting == "graph+spin":
+                spinner.start(0)  # returns once the spinner runs: resident before the first row
             for _ in range(args.rows):
                 graph.launch(stream)
         stream.synchronize()
+        if setting == "graph+spin" and spinner.release() != RELEASED:
+            spin_failures.append("graph+spin: the spinner gave up at its timeout before the rows ended")
         if busy_stream is not None:
             busy_stream.synchronize()
         rows = trace.rows()
         results[setting] = {"phases": phase_stats(rows), "rows": int(len(rows))}
-    failures = []  # checks that the probed kernels did their work (reported after the table)
+    failures = list(spin_failures)  # checks that the probed kernels did their work (reported after the table)
     if int(bufs["verdict"].get()[0]) != 0:
         failures.append(f"afd_dispatch_plan verdict {int(bufs['verdict'].get()[0])}, expected STATUS_OK (0)")
     from afd_cupy import ffn_graph, wire

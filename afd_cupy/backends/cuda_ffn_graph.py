@@ -69,6 +69,12 @@ class GraphFFNServer:
     ``fused_wait_stage``: the graph's first node is ``afd_graph_wait_stage`` (the wait and the
     stage in one kernel, the default); False: ``afd_wait_any`` into a device doorbell, then
     ``afd_graph_stage`` (the two-kernel form, kept to measure against).
+    ``gemm_sm_carveout``: SMs the expert GEMMs leave free (0, the default: untouched). The
+    graphs' GEMMs are captured inside ``moe.sm_carveout(n)``, so their grids (``SMs - n``
+    CTAs) are frozen into the graphs, and the eager fallback worker gets the same knob; the
+    next replay's wait kernel, queued behind, then spins on an SM the GEMM does not wait for
+    (docs/design.md §8, "SM carve-out"; NOT MEASURED). An int >= 0 and < the device's SM
+    count (ConfigError). With ``identity=True`` there are no GEMMs: no effect.
 
     Both wire modes (dedup: the route table is checked in the graph; a rejected table raises
     the eager path's WireError from :meth:`run` / :meth:`step`).
@@ -81,11 +87,10 @@ class GraphFFNServer:
 
     def __init__(self, connector, experts=None, shared=None, *, identity: bool = False,
                  bucket_tokens=(128,), depth: int = 4, idle_timeout_s: float = 0.01,
-                 fused_wait_stage: bool = True):
+                 fused_wait_stage: bool = True, gemm_sm_carveout: int = 0):
         path = connector.path
         self._check_connector(connector, identity, experts)
-        if depth < 1 or not idle_timeout_s > 0:
-            raise ConfigError(f"depth must be >= 1 and idle_timeout_s > 0, got {depth}, {idle_timeout_s}")
+        self.gemm_sm_carveout = self._check_settings(depth, idle_timeout_s, gemm_sm_carveout, path.device)
         self.connector, self.path, self.layout = connector, path, connector.layout
         self.identity = identity
         self.is_dedup = connector.layout.is_dedup
@@ -98,7 +103,8 @@ class GraphFFNServer:
         self.num_chunks = ffn_graph.num_chunks(self.num_layers, layout.expert_per_rank)
         if identity:
             self.buckets = (ffn_graph.identity_bucket(layout),)
-            self.eager_worker = FFNWorker(connector, expert_fn=identity_experts)
+            self.eager_worker = FFNWorker(connector, expert_fn=identity_experts,
+                                          gemm_sm_carveout=self.gemm_sm_carveout)
         else:
             self.buckets = ffn_graph.buckets_for_tokens(
                 bucket_tokens, layout, top_k=connector.model.top_k,
@@ -136,6 +142,15 @@ class GraphFFNServer:
         if identity == (experts is not None):
             raise ConfigError("pass exactly one of experts= or identity=True")
 
+    @staticmethod
+    def _check_settings(depth, idle_timeout_s, gemm_sm_carveout, device=None) -> int:
+        """The server's own knobs (ConfigError with the values); returns ``gemm_sm_carveout``
+        (checked against ``device``'s SM count when it is a CUDA device)."""
+        if depth < 1 or not idle_timeout_s > 0:
+            raise ConfigError(f"depth must be >= 1 and idle_timeout_s > 0, got {depth}, {idle_timeout_s}")
+        return moe.check_sm_carveout(gemm_sm_carveout, device=device,
+                                     name="GraphFFNServer.gemm_sm_carveout")
+
     def _stack_weights(self, experts, shared) -> None:
         """Stacked copies of every layer's weights; the eager worker gets views of them."""
         num_layers, epr = self.num_layers, self.layout.expert_per_rank
@@ -159,7 +174,8 @@ class GraphFFNServer:
             shared_views = [dataclasses.replace(s, w13=self.shared_w13[l:l + 1], w2=self.shared_w2[l:l + 1])
                             for l, s in enumerate(fused)]
             self.shared_activation = fused[0]
-        self.eager_worker = FFNWorker(self.connector, views, shared_views)
+        self.eager_worker = FFNWorker(self.connector, views, shared_views,
+                                      gemm_sm_carveout=self.gemm_sm_carveout)
         if not moe.grouped_mm_supported(torch.empty(8, first.hidden_size, dtype=torch.bfloat16,
                                                     device=self.device), views[0]):
             raise ConfigError("the graph FFN's GEMM mode needs torch._grouped_mm (SM90/SM100, "
@@ -252,7 +268,9 @@ class GraphFFNServer:
                 shared_bucket=bucket.shared_rows))
         if not self.identity:
             side = torch.cuda.Stream(self.device)
-            with torch.cuda.stream(side):  # warm-up: offsets are all 0, no GEMM work
+            # warm-up: offsets are all 0, no GEMM work (with the capture's carve-out: the same
+            # workspace sizes and kernels as the capture's)
+            with torch.cuda.stream(side), moe.sm_carveout(self.gemm_sm_carveout):
                 self._expert_ops(keep["x"], keep["xs"])
             side.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -263,7 +281,9 @@ class GraphFFNServer:
             if gather is not None:  # dedup: the expand runs with identity experts too (its check)
                 gather.launch(stream_ptr)
             if not self.identity:
-                keep["outs"], keep["shared_out"] = self._expert_ops(keep["x"], keep["xs"])
+                # the GEMMs' grids (SMs - carve-out CTAs) are read at launch: frozen in the graph
+                with moe.sm_carveout(self.gemm_sm_carveout):
+                    keep["outs"], keep["shared_out"] = self._expert_ops(keep["x"], keep["xs"])
                 if keep["shared_out"] is not None:
                     reply.set("shared_out", keep["shared_out"].data_ptr())
             reply.launch(stream_ptr)

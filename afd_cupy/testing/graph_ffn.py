@@ -42,11 +42,12 @@ def _graph_ffn(conn, scenario: sc.Scenario, ffn_rank: int, device, bucket_tokens
         routed.append(moe.local_experts(global_routed, ffn_rank, epr))
         shared.append(layer_shared)
     server = GraphFFNServer(conn, routed, shared if model.num_shared_experts else None,
-                            bucket_tokens=bucket_tokens)
+                            bucket_tokens=bucket_tokens, gemm_sm_carveout=scenario.gemm_sm_carveout)
     start = time.perf_counter()
     served = server.run()
     return {"role": "ffn", "rank": ffn_rank, "served": served, "eager": server.num_eager,
-            "replays": server.num_replays, "seconds": time.perf_counter() - start}
+            "replays": server.num_replays, "gemm_sm_carveout": server.gemm_sm_carveout,
+            "seconds": time.perf_counter() - start}
 
 
 def run_graph_identity_rank(ctx, model, wire_mode: str, tokens: tuple, corrupt_first: bool) -> dict:

@@ -112,15 +112,18 @@ def _ffn(conn: AFDConnector, scenario: Scenario, ffn_rank: int, device, timer=NO
     kwargs = {} if scenario.schedule == "async" else {"schedule": scenario.schedule}
     if scenario.ffn_overlap:
         kwargs["overlap"] = True
+    if scenario.gemm_sm_carveout:
+        kwargs["gemm_sm_carveout"] = scenario.gemm_sm_carveout
     worker = FFNWorker(conn, routed, shared if model.num_shared_experts else None, **kwargs)
     history = []
     compute = worker.expert_fn
 
-    stages = set()
+    stages, carveouts = set(), set()
 
     def recording(item):
         history.append((item.src_rank, item.layer_idx, item.routed_tokens, item.shared_tokens))
         stages.add(item.stage_idx)
+        carveouts.add(moe.current_sm_carveout())  # what the expert GEMMs are launched with
         return compute(item)
 
     worker.expert_fn = recording
@@ -128,7 +131,8 @@ def _ffn(conn: AFDConnector, scenario: Scenario, ffn_rank: int, device, timer=NO
     with timer.phase("serve (until shutdown)"):
         served = worker.run()
     return {"role": "ffn", "rank": ffn_rank, "served": served, "history": history,
-            "stages": sorted(stages), "seconds": time.perf_counter() - start}
+            "stages": sorted(stages), "carveouts": sorted(carveouts, key=str),
+            "seconds": time.perf_counter() - start}
 
 
 def _attention(conn: AFDConnector, scenario: Scenario, attn_rank: int, device,
