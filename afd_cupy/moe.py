@@ -35,7 +35,7 @@ from afd_cupy.errors import ConfigError
 __all__ = [
     "ExpertWeights", "local_experts", "gated_activation", "shared_mlp", "grouped_mlp",
     "grouped_mm_supported", "apply_routed_scaling", "combine_scale", "sm_carveout",
-    "check_sm_carveout", "current_sm_carveout",
+    "check_sm_carveout", "resolve_gemm_sm_carveout", "current_sm_carveout", "AUTO_GEMM_SM_CARVEOUT",
 ]
 
 # NOTE: limits of torch._grouped_mm's CUTLASS path (aten/src/ATen/native/cuda/GroupMM.cu,
@@ -454,6 +454,30 @@ def check_sm_carveout(value, *, device=None, name: str = "gemm_sm_carveout") -> 
         if value >= sm_count:
             raise ConfigError(f"{name}={value} must be < the SM count of {device} ({sm_count})")
     return value
+
+
+AUTO_GEMM_SM_CARVEOUT = 2
+"""What ``gemm_sm_carveout="auto"`` (the FFN side's default) leaves free on a CUDA device.
+Measured on an H200 (docs/benchmarks.md "Session 12", tools/probe_spin_gemm.py): a one-warp
+spinner resident next to the V2-Lite-shaped routed GEMM pair makes it 1.45x slower (615 vs
+423 µs); with 1, 2 or 4 SMs carved out it runs at 0.99x of alone, and the GEMM alone with 2
+SMs carved out is itself 0.99x of alone (nothing lost when no spinner is there). Two, not
+one, so that two resident spinners (a peer's wait under MPS and the next item's wait) fit."""
+
+
+def resolve_gemm_sm_carveout(value, *, device=None, name: str = "gemm_sm_carveout") -> int:
+    """``value`` as the int the FFN side uses: ``"auto"`` is ``AUTO_GEMM_SM_CARVEOUT`` on a
+    CUDA ``device`` whose torch has the carve-out binding and more SMs than that, else 0
+    (the host backend, a CPU device, an older torch: nothing to do). Anything else goes
+    through ``check_sm_carveout`` (an int >= 0, ConfigError otherwise)."""
+    if isinstance(value, str):
+        if value != "auto":
+            raise ConfigError(f"{name} must be 'auto' or an int >= 0 (SMs left free by the expert "
+                              f"GEMMs), got {value!r}")
+        if device is None or torch.device(device).type != "cuda" or _carveout_binding() is None:
+            return 0
+        return AUTO_GEMM_SM_CARVEOUT if _sm_count(torch.device(device)) > 2 * AUTO_GEMM_SM_CARVEOUT else 0
+    return check_sm_carveout(value, device=device if value else None, name=name)
 
 
 def current_sm_carveout() -> int | None:

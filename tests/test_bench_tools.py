@@ -95,7 +95,7 @@ def test_bench_afd_quick_host(tmp_path):
     for key in ("tool", "backend", "label", "run", "model", "topology", "mps", "workloads",
                 "results", "ratios", "comparison", "targets", "method"):
         assert key in report, key
-    assert report["gemm_sm_carveout"] == 0
+    assert report["gemm_sm_carveout"] == "auto"  # the argument; the host backend resolves it to 0
     assert {(r["workload"], r["schedule"]) for r in report["results"]} == {
         (w, s) for w in ("uniform", "skewed") for s in ("async", "lockstep")}
     for row in report["results"]:
@@ -802,13 +802,15 @@ def test_probe_spin_gemm_routing_settings_rows_and_table():
 def test_gemm_sm_carveout_arguments_of_the_benchmarks():
     # bench_step_graph and bench_afd pass --gemm-sm-carveout to their FFN ranks (and record it)
     import bench_step_graph as tool
-    assert tool.parse_args([]).gemm_sm_carveout == 0
-    assert tool.parse_args(["--experts", "moe", "--gemm-sm-carveout", "2"]).gemm_sm_carveout == 2
-    with pytest.raises(SystemExit):
-        tool.parse_args(["--gemm-sm-carveout", "-1"])
-    assert bench_afd.parse_args([]).gemm_sm_carveout == 0
-    assert bench_afd.parse_args(["--gemm-sm-carveout", "3"]).gemm_sm_carveout == 3
-    with pytest.raises(SystemExit):
-        bench_afd.parse_args(["--gemm-sm-carveout", "-2"])
+    # ("auto" by default, the library's default; an int >= 0; anything else is a usage error)
+    import bench_step_graph as tool
+    for parse in (tool.parse_args, bench_afd.parse_args):
+        assert parse([]).gemm_sm_carveout == "auto"
+        assert parse(["--gemm-sm-carveout", "auto"]).gemm_sm_carveout == "auto"
+        assert parse(["--gemm-sm-carveout", "0"]).gemm_sm_carveout == 0
+        assert parse(["--gemm-sm-carveout", "3"]).gemm_sm_carveout == 3
+        for bad in ("-1", "two", "2.0", "AUTO"):
+            with pytest.raises(SystemExit):
+                parse(["--gemm-sm-carveout", bad])
     spec_fields = {f.name: f.default for f in bench_afd.dataclasses.fields(bench_afd.Spec)}
-    assert spec_fields["gemm_sm_carveout"] == 0
+    assert spec_fields["gemm_sm_carveout"] == "auto"

@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from afd_cupy import moe
 from afd_cupy.config import ConnectorConfig, ModelConfig
 from afd_cupy.launch import launch
 from afd_cupy.testing.scenario import Scenario, run_rank, tolerance
@@ -214,8 +215,9 @@ def test_ffn_overlap_gives_the_default_outputs(backend, wire_mode, schedule):
 @pytest.mark.parametrize("backend", [pytest.param("host", id="host"),
                                      pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)])
 def test_gemm_sm_carveout_gives_the_default_outputs(backend):
-    # FFNWorker(gemm_sm_carveout=2): every expert call runs with torch's carve-out at 2 (the
-    # FFN reports what its expert calls saw) and the outputs equal the default's bit for bit.
+    # FFNWorker(gemm_sm_carveout="auto"), the default: on cuda every expert call runs with
+    # torch's carve-out at moe.AUTO_GEMM_SM_CARVEOUT (the FFN reports what its expert calls
+    # saw), on the host backend at nothing; the outputs equal those of 0 bit for bit.
     # No shared experts: the routed grouped GEMM's persistent kernel computes each tile the
     # same way whatever its grid; cuBLAS (the shared MLP) may choose another algorithm for a
     # smaller SM target (held to the bf16 tolerance in test_moe.py). Host: CPU GEMMs ignore it.
@@ -223,10 +225,13 @@ def test_gemm_sm_carveout_gives_the_default_outputs(backend):
     # its grid really shrinks (test_moe.py checks a grid of half the SMs on its own).
     model = _model(num_layers=3, num_shared_experts=0, hidden_size=256, moe_intermediate_size=1408)
     runs = []
-    for carveout in (0, 2):
+    auto = moe.AUTO_GEMM_SM_CARVEOUT if backend == "cuda" else 0
+    assert auto > 0 or backend == "host"
+    for carveout in (0, "auto"):
         attn, ffn = _run(_scenario(backend, model, 1, 1, num_tokens=96, gemm_sm_carveout=carveout))
         assert ffn[0]["served"] == model.num_layers
-        assert ffn[0]["carveouts"] == ([2] if carveout else [None])
+        assert ffn[0]["gemm_sm_carveout"] == (auto if carveout == "auto" else 0)
+        assert ffn[0]["carveouts"] == ([auto] if carveout == "auto" and auto else [None])
         runs.append([(e["layer"], e["rel_err"]) for e in attn[0]["errors"]])
     assert runs[1] == runs[0]
 

@@ -341,11 +341,13 @@ def test_server_settings_check_depth_timeout_and_the_gemm_sm_carveout(monkeypatc
     monkeypatch.setattr(moe, "_sm_count", lambda device: 132)
     assert check(4, 0.01, 0, torch.device("cuda", 0)) == 0
     assert check(1, 1, 2, torch.device("cuda", 0)) == 2
+    assert check(1, 1, "auto", torch.device("cuda", 0)) == moe.AUTO_GEMM_SM_CARVEOUT
     for args, match in (((0, 0.01, 0), r"depth must be >= 1 and idle_timeout_s > 0, got 0, 0.01"),
                         ((4, 0.0, 0), r"got 4, 0.0"),
                         ((4, 0.01, 132), r"GraphFFNServer.gemm_sm_carveout=132 must be < the SM count "
                                          r"of cuda:0 \(132\)"),
                         ((4, 0.01, -1), r"GraphFFNServer.gemm_sm_carveout must be >= 0, got -1"),
-                        ((4, 0.01, "2"), r"GraphFFNServer.gemm_sm_carveout must be an int >= 0 .*got str '2'")):
+                        ((4, 0.01, "2"), r"GraphFFNServer.gemm_sm_carveout must be 'auto' or an int >= 0 .*got '2'"),
+                        ((4, 0.01, 2.5), r"GraphFFNServer.gemm_sm_carveout must be an int >= 0 .*got float 2.5")):
         with pytest.raises(ConfigError, match=match):
             check(*args, torch.device("cuda", 0))

@@ -10,7 +10,7 @@ import zlib
 import numpy as np
 import pytest
 
-from afd_cupy import ffn_graph, kernels, wire
+from afd_cupy import ffn_graph, kernels, moe, wire
 from afd_cupy.kernels import specs
 
 cp = pytest.importorskip("cupy")
@@ -361,8 +361,8 @@ def test_graph_server_matches_the_reference_with_an_eager_fallback(num_layers):
 
 
 def test_graph_server_gemm_sm_carveout_gives_the_same_outputs():
-    """GraphFFNServer(gemm_sm_carveout=2): the GEMMs captured with 2 SMs left free answer
-    every layer exactly as the default server does (one bucket that holds every item: no
+    """GraphFFNServer(gemm_sm_carveout="auto"), the default (2 SMs left free on a GPU): the
+    GEMMs captured with the carve-out answer every layer exactly as with 0 (one bucket that holds every item: no
     eager fallback, no bucket change; routed and shared experts are both torch._grouped_mm,
     whose persistent kernel computes each tile the same way whatever its grid). Intermediate
     1408: the gate/up GEMMs have more tiles than an H200 has SMs."""
@@ -378,10 +378,10 @@ def test_graph_server_gemm_sm_carveout_gives_the_same_outputs():
                         num_shared_experts=1, dtype="bfloat16", max_num_batched_tokens=16,
                         num_layers=len(tokens), routed_scaling_factor=2.5)
     runs = []
-    for carveout in (0, 2):
+    for carveout, resolved in ((0, 0), ("auto", moe.AUTO_GEMM_SM_CARVEOUT)):
         scenario = Scenario(model, 1, 1, backend="cuda", tokens=(tokens,), gemm_sm_carveout=carveout)
         attn, ffn = launch(run_graph_rank, 2, args=(scenario, (16,)), timeout_s=240)
-        assert ffn["served"] == len(tokens) and ffn["eager"] == 0 and ffn["gemm_sm_carveout"] == carveout
+        assert ffn["served"] == len(tokens) and ffn["eager"] == 0 and ffn["gemm_sm_carveout"] == resolved
         for err in attn["errors"]:
             assert err["shape_ok"] and err["num_nan"] == 0 and err["rel_err"] <= tolerance("bfloat16"), err
         runs.append([(err["layer"], err["rel_err"]) for err in attn["errors"]])

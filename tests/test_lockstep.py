@@ -213,20 +213,26 @@ def test_gemm_sm_carveout_wraps_every_expert_call_and_nothing_else(monkeypatch, 
 
 def test_gemm_sm_carveout_is_validated_at_construction(monkeypatch):
     FakeCarveout().install(monkeypatch)
-    conn = _stub_connector()  # no device attribute: read only for a value > 0
+    conn = _stub_connector()  # no device attribute: "auto" (the default) is 0, a value > 0 is kept
     assert FFNWorker(conn, expert_fn=identity_experts).gemm_sm_carveout == 0
+    assert FFNWorker(conn, expert_fn=identity_experts, gemm_sm_carveout=3).gemm_sm_carveout == 3
+    conn.device = torch.device("cpu")  # the host backend: "auto" is 0
+    assert FFNWorker(conn, expert_fn=identity_experts, gemm_sm_carveout="auto").gemm_sm_carveout == 0
     conn.device = torch.device("cuda", 0)
     monkeypatch.setattr(moe, "_sm_count", lambda device: 132)
+    assert FFNWorker(conn, expert_fn=identity_experts).gemm_sm_carveout == moe.AUTO_GEMM_SM_CARVEOUT == 2
     assert FFNWorker(conn, expert_fn=identity_experts, gemm_sm_carveout=131).gemm_sm_carveout == 131
     for value, match in ((132, r"FFNWorker.gemm_sm_carveout=132 must be < the SM count of cuda:0 \(132\)"),
                          (-2, r"FFNWorker.gemm_sm_carveout must be >= 0, got -2"),
                          (2.0, r"FFNWorker.gemm_sm_carveout must be an int >= 0 .*got float 2.0"),
+                         ("2", r"FFNWorker.gemm_sm_carveout must be 'auto' or an int >= 0 .*got '2'"),
                          (False, r"must be an int >= 0 .*got bool False")):
         with pytest.raises(ConfigError, match=match):
             FFNWorker(conn, expert_fn=identity_experts, gemm_sm_carveout=value)
     monkeypatch.delattr(torch._C, "_get_sm_carveout_experimental")
     with pytest.raises(ConfigError, match="FFNWorker.gemm_sm_carveout=1 needs torch._C"):
         FFNWorker(conn, expert_fn=identity_experts, gemm_sm_carveout=1)
+    assert FFNWorker(conn, expert_fn=identity_experts).gemm_sm_carveout == 0  # "auto": no binding, 0
 
 
 # --------------------------------------------------------------------------- real processes

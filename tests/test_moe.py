@@ -1004,6 +1004,33 @@ def test_check_sm_carveout_against_the_device_sm_count(monkeypatch):
     assert moe.check_sm_carveout(0, device="cuda:0") == 0 and len(seen) == 3  # 0: no lookup
 
 
+def test_resolve_gemm_sm_carveout_auto_and_ints(monkeypatch):
+    # "auto" (the FFN side's default): AUTO_GEMM_SM_CARVEOUT on a CUDA device with the binding
+    # and enough SMs; 0 on the CPU, without a device, without the binding, on a tiny GPU
+    FakeCarveout().install(monkeypatch)
+    sms = {"n": 132}
+    monkeypatch.setattr(moe, "_sm_count", lambda device: sms["n"])
+    resolve = moe.resolve_gemm_sm_carveout
+    assert resolve("auto", device=torch.device("cuda", 0)) == moe.AUTO_GEMM_SM_CARVEOUT == 2
+    assert resolve("auto", device="cuda:1") == 2
+    assert resolve("auto", device="cpu") == 0 and resolve("auto") == 0
+    sms["n"] = 4
+    assert resolve("auto", device="cuda:0") == 0  # would leave too few SMs for the GEMM
+    sms["n"] = 132
+    assert resolve(0, device="cuda:0") == 0 and resolve(7, device="cuda:0") == 7
+    assert resolve(7) == 7  # no device: not checked against an SM count
+    for bad, match in (("Auto", r"X must be 'auto' or an int >= 0 .*got 'Auto'"),
+                       ("2", r"got '2'"), (-1, r"X must be >= 0, got -1"),
+                       (None, r"X must be an int >= 0 .*got NoneType None"),
+                       (132, r"X=132 must be < the SM count of cuda:0 \(132\)")):
+        with pytest.raises(ConfigError, match=match):
+            resolve(bad, device="cuda:0", name="X")
+    monkeypatch.delattr(torch._C, "_set_sm_carveout_experimental")
+    assert resolve("auto", device="cuda:0") == 0  # a torch without the binding: nothing to do
+    with pytest.raises(ConfigError, match=r"X=2 needs torch._C._set_sm_carveout_experimental"):
+        resolve(2, device="cuda:0", name="X")
+
+
 def test_sm_carveout_with_this_torch_binding():
     # the real binding (torch 2.13 takes int | None): set, then back to what it was
     before = moe.current_sm_carveout()

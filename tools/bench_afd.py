@@ -86,8 +86,10 @@ on GPU 0 under CUDA MPS (start it first; tools/gpu_suite.sh does) with
 ``--mps-ffn-pct`` for FFN ranks (default 100 // (A+F) each: 25% for 2A2F), set before the
 process creates its CUDA context.
 
-``--gemm-sm-carveout N``: the FFN ranks' ``FFNWorker(gemm_sm_carveout=N)`` (the expert GEMMs
-leave N SMs free for the kernels spinning next to them; docs/design.md §8), in the JSON report.
+``--gemm-sm-carveout auto|N``: the FFN ranks' ``FFNWorker(gemm_sm_carveout=...)`` (the expert
+GEMMs leave N SMs free for the kernels spinning next to them; docs/design.md §8; default auto,
+the library's default: 2 on a GPU); the argument and each FFN rank's resolved value are in the
+JSON report. ``0`` measures without.
 
 On the host backend it runs at a tiny size (hidden 64, 2 layers, short sequences; labelled).
 
@@ -171,7 +173,7 @@ class Spec:
     timeline: bool = False  # record every rank's spans in the measured batches
     ffn_stats: bool = True  # FFNWorker(recorder=...): busy fraction, items waiting
     overlap: str = "none"  # bench_overlap.VARIANTS: two-stage Attention pipeline, FFN reply lane
-    gemm_sm_carveout: int = 0  # FFNWorker(gemm_sm_carveout=...): SMs the expert GEMMs leave free
+    gemm_sm_carveout: int | str = "auto"  # FFNWorker(gemm_sm_carveout=...): SMs the GEMMs leave free
 
     def model(self) -> ModelConfig:
         d = self.dims
@@ -243,7 +245,7 @@ def _ffn(conn, spec: Spec, ffn_rank: int, device) -> dict:
     start = time.monotonic()
     worker.run()
     return {"role": "ffn", "rank": ffn_rank, "served": worker.num_served, "batches": worker.num_batches,
-            "seconds": time.monotonic() - start, "stats": recorder.result() if recorder else None}
+            "gemm_sm_carveout": worker.gemm_sm_carveout, "seconds": time.monotonic() - start, "stats": recorder.result() if recorder else None}
 
 
 class AttentionReplica:
@@ -818,16 +820,15 @@ def parse_args(argv=None):
     parser.add_argument("--sweep-placements", nargs="+", default=None,
                         help="one --placement string per Attention:FFN split (default: --placement, "
                              "else the default split)")
-    parser.add_argument("--gemm-sm-carveout", type=int, default=0, metavar="N",
-                        help="FFN ranks: FFNWorker(gemm_sm_carveout=N), the expert GEMMs leave N SMs "
-                             "free (docs/design.md §8; 0: untouched; no effect on the host backend)")
+    parser.add_argument("--gemm-sm-carveout", type=bc.gemm_sm_carveout_arg, default="auto", metavar="auto|N",
+                        help="FFN ranks: FFNWorker(gemm_sm_carveout=...), the expert GEMMs leave N SMs "
+                             "free (docs/design.md §8; auto: the library default, 2 on a GPU; 0: "
+                             "untouched; no effect on the host backend)")
     parser.add_argument("--max-batches", type=int, default=100_000)
     parser.add_argument("--timeout", type=float, default=None, help="per launch, seconds")
     args = parser.parse_args(argv)
     if args.sweep and args.timeline:
         parser.error("--timeline records the plain run; run it without --sweep")
-    if args.gemm_sm_carveout < 0:
-        parser.error(f"--gemm-sm-carveout must be >= 0, got {args.gemm_sm_carveout}")
     if args.timeline and not args.ffn_stats:
         parser.error("--timeline needs the FFN recorder (drop --no-ffn-stats)")
     if args.overlap != "none" and args.sweep:

@@ -61,6 +61,21 @@ def add_common_args(parser, quick_help: str) -> None:
                         help="cuda FFN arrival detection (device needs MPS on one GPU)")
 
 
+def gemm_sm_carveout_arg(text: str):
+    """argparse type of ``--gemm-sm-carveout``: ``auto`` (the library's default, see
+    ``moe.resolve_gemm_sm_carveout``) or an int >= 0 (0: the GEMMs untouched)."""
+    import argparse
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'auto' or an int >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def launch_env(backend: str, world_size: int, window_bytes: int, *,
                mps_percentage: int | None = None, nccl: bool = False) -> dict:
     """Environment for the launched ranks.

@@ -31,10 +31,11 @@ table, writes ``bench_step_graph.json`` to --out; exits 1 when the outputs diffe
 identity experts each layer about doubles the values; bf16's range holds them at L = 50, the
 comparison is relative and in fp64.)
 
-``--gemm-sm-carveout N`` (default 0): the FFN ranks' expert GEMMs leave N SMs free
-(``GraphFFNServer`` / ``FFNWorker(gemm_sm_carveout=N)``, docs/design.md §8 "SM carve-out"), so
-that the wait kernel spinning next to them does not push a CTA's tiles to the tail; recorded
-in the JSON config and the report's title. Run it with and without to compare (one launch each).
+``--gemm-sm-carveout auto|N`` (default auto, the library's default: 2 on a GPU): the FFN ranks'
+expert GEMMs leave N SMs free (``GraphFFNServer`` / ``FFNWorker(gemm_sm_carveout=...)``,
+docs/design.md §8 "SM carve-out"), so that the wait kernel spinning next to them does not push
+a CTA's tiles to the tail; the argument is in the JSON config, each FFN rank's resolved value
+in its "ffn" entry and the report's title. ``0`` measures without (one launch each).
 
 ``--trace`` (graph FFN, one FFN rank): device timestamps at the kernel boundaries of both sides
 (tools/device_trace.py). After the timed iterations of each one-stage case, ``--trace-iters``
@@ -105,9 +106,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="FFN experts: identity (no GEMMs) or real random bf16 experts (module doc)")
     parser.add_argument("--intermediate", type=int, default=256, help="moe_intermediate_size")
     parser.add_argument("--shared-experts", type=int, default=1, help="num_shared_experts")
-    parser.add_argument("--gemm-sm-carveout", type=int, default=0, metavar="N",
+    parser.add_argument("--gemm-sm-carveout", type=bc.gemm_sm_carveout_arg, default="auto", metavar="auto|N",
                         help="FFN ranks: gemm_sm_carveout of GraphFFNServer / FFNWorker (the expert "
-                             "GEMMs leave N SMs free; 0: untouched). Only GEMMs: --experts moe")
+                             "GEMMs leave N SMs free; auto: the library default, 2 on a GPU; 0: "
+                             "untouched). Only GEMMs: --experts moe")
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--num-experts", type=int, default=64)
     parser.add_argument("--top-k", type=int, default=8)
@@ -125,8 +127,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                      "side and one FFN replay per round trip)")
     if min(args.layers) < 1 or min(args.tokens) < 1 or args.num_ffn < 1 or min(args.stages) < 1:
         parser.error("--layers, --tokens, --stages and --num-ffn must be >= 1")
-    if args.intermediate < 1 or args.shared_experts < 0 or args.gemm_sm_carveout < 0:
-        parser.error("--intermediate must be >= 1, --shared-experts and --gemm-sm-carveout >= 0")
+    if args.intermediate < 1 or args.shared_experts < 0:
+        parser.error("--intermediate must be >= 1 and --shared-experts >= 0")
     if max(args.stages) > min(args.tokens):
         parser.error(f"--stages {max(args.stages)} > --tokens {min(args.tokens)}: every micro-batch needs a row")
     args.iters = args.iters or (30 if args.quick else 200)
@@ -212,14 +214,14 @@ def _ffn(conn, args) -> dict:
         server = GraphFFNServer(conn, fused_wait_stage=args.ffn_stage == "fused",
                                 gemm_sm_carveout=args.gemm_sm_carveout, **experts)
         result = {"role": "ffn", "served": server.run(), "eager": server.num_eager,
-                  "device_id": conn.path.device_id}
+                  "device_id": conn.path.device_id, "gemm_sm_carveout": server.gemm_sm_carveout}
         if trace is not None:
             result["trace_rows"] = trace.rows()
         return result
     carveout = {"gemm_sm_carveout": args.gemm_sm_carveout}
     worker = (FFNWorker(conn, expert_fn=identity_experts, **carveout) if routed is None
               else FFNWorker(conn, routed, shared, **carveout))
-    return {"role": "ffn", "served": worker.run()}
+    return {"role": "ffn", "served": worker.run(), "gemm_sm_carveout": worker.gemm_sm_carveout}
 
 
 def _attention(conn, args, device) -> dict:
@@ -453,7 +455,9 @@ def trace_summaries(attn: dict, ffn: dict) -> list:
 
 def print_report(report: dict) -> None:
     cfg = report["config"]
-    carveout = f", GEMM SM carve-out {cfg['gemm_sm_carveout']}" if cfg.get("gemm_sm_carveout") else ""
+    resolved = sorted({str(r.get("gemm_sm_carveout")) for r in report.get("ffn", ())})
+    carveout = (f", GEMM SM carve-out {cfg.get('gemm_sm_carveout', 0)} = {'/'.join(resolved)}"
+                if cfg.get("experts") == "moe" and resolved else "")
     print(f"==== decode step, 1A{cfg['num_ffn']}F, {cfg['wire_mode']}, FFN {cfg['ffn']} ({cfg.get('experts', 'identity')}{carveout}), hidden {cfg['hidden']}, "
           f"top-{cfg['top_k']}, {report['device']}: eager loop vs one captured graph, S stages "
           "(µs: median [p10, p90]) ====")

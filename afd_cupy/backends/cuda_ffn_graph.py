@@ -69,12 +69,14 @@ class GraphFFNServer:
     ``fused_wait_stage``: the graph's first node is ``afd_graph_wait_stage`` (the wait and the
     stage in one kernel, the default); False: ``afd_wait_any`` into a device doorbell, then
     ``afd_graph_stage`` (the two-kernel form, kept to measure against).
-    ``gemm_sm_carveout``: SMs the expert GEMMs leave free (0, the default: untouched). The
-    graphs' GEMMs are captured inside ``moe.sm_carveout(n)``, so their grids (``SMs - n``
-    CTAs) are frozen into the graphs, and the eager fallback worker gets the same knob; the
-    next replay's wait kernel, queued behind, then spins on an SM the GEMM does not wait for
-    (docs/design.md §8, "SM carve-out"; NOT MEASURED). An int >= 0 and < the device's SM
-    count (ConfigError). With ``identity=True`` there are no GEMMs: no effect.
+    ``gemm_sm_carveout``: SMs the expert GEMMs leave free; ``"auto"`` (the default) is
+    ``moe.AUTO_GEMM_SM_CARVEOUT`` (2) when this torch has the carve-out binding, 0 (untouched)
+    otherwise. The graphs' GEMMs are captured inside ``moe.sm_carveout(n)``, so their grids
+    (``SMs - n`` CTAs) are frozen into the graphs, and the eager fallback worker gets the same
+    value; the next replay's wait kernel, queued behind, then spins on an SM the GEMM does not
+    wait for (docs/design.md §8, "SM carve-out": on an H200 the V2-Lite-shaped experts phase
+    of the round trip drops from ~690 to ~485 µs). "auto" or an int >= 0 and < the device's
+    SM count (ConfigError). With ``identity=True`` there are no GEMMs: no effect.
 
     Both wire modes (dedup: the route table is checked in the graph; a rejected table raises
     the eager path's WireError from :meth:`run` / :meth:`step`).
@@ -87,7 +89,7 @@ class GraphFFNServer:
 
     def __init__(self, connector, experts=None, shared=None, *, identity: bool = False,
                  bucket_tokens=(128,), depth: int = 4, idle_timeout_s: float = 0.01,
-                 fused_wait_stage: bool = True, gemm_sm_carveout: int = 0):
+                 fused_wait_stage: bool = True, gemm_sm_carveout: int | str = "auto"):
         path = connector.path
         self._check_connector(connector, identity, experts)
         self.gemm_sm_carveout = self._check_settings(depth, idle_timeout_s, gemm_sm_carveout, path.device)
@@ -148,8 +150,8 @@ class GraphFFNServer:
         (checked against ``device``'s SM count when it is a CUDA device)."""
         if depth < 1 or not idle_timeout_s > 0:
             raise ConfigError(f"depth must be >= 1 and idle_timeout_s > 0, got {depth}, {idle_timeout_s}")
-        return moe.check_sm_carveout(gemm_sm_carveout, device=device,
-                                     name="GraphFFNServer.gemm_sm_carveout")
+        return moe.resolve_gemm_sm_carveout(gemm_sm_carveout, device=device,
+                                            name="GraphFFNServer.gemm_sm_carveout")
 
     def _stack_weights(self, experts, shared) -> None:
         """Stacked copies of every layer's weights; the eager worker gets views of them."""

@@ -112,8 +112,7 @@ def _ffn(conn: AFDConnector, scenario: Scenario, ffn_rank: int, device, timer=NO
     kwargs = {} if scenario.schedule == "async" else {"schedule": scenario.schedule}
     if scenario.ffn_overlap:
         kwargs["overlap"] = True
-    if scenario.gemm_sm_carveout:
-        kwargs["gemm_sm_carveout"] = scenario.gemm_sm_carveout
+    kwargs["gemm_sm_carveout"] = scenario.gemm_sm_carveout
     worker = FFNWorker(conn, routed, shared if model.num_shared_experts else None, **kwargs)
     history = []
     compute = worker.expert_fn
@@ -132,6 +131,7 @@ def _ffn(conn: AFDConnector, scenario: Scenario, ffn_rank: int, device, timer=NO
         served = worker.run()
     return {"role": "ffn", "rank": ffn_rank, "served": served, "history": history,
             "stages": sorted(stages), "carveouts": sorted(carveouts, key=str),
+            "gemm_sm_carveout": worker.gemm_sm_carveout,
             "seconds": time.perf_counter() - start}
 
 

@@ -36,7 +36,7 @@ class Scenario:
     always_send: bool = False  # Attention sends to every FFN rank even when empty (lockstep)
     schedule: str = "async"  # FFN worker schedule: "async" or "lockstep"
     ffn_overlap: bool = False  # FFNWorker(overlap=True): replies on a reply stream / thread
-    gemm_sm_carveout: int = 0  # FFN ranks' gemm_sm_carveout (FFNWorker and GraphFFNServer)
+    gemm_sm_carveout: int | str = "auto"  # FFN ranks' gemm_sm_carveout (FFNWorker, GraphFFNServer)
     graph_replays: int = 0  # cuda: > 0 captures each layer's send + recv in a CUDA graph and
     #                         replays every layer this many times with fresh inputs
     stage_streams: bool = False  # each layer as two in-flight stages (needs num_stages = 2): the
