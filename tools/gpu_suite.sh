@@ -12,7 +12,8 @@
 #     twogpu2 bench_afd placement 0:50,0:50,1: overlap, sweep, timeline (#15);
 #     twogpu3 the multigpu tests, bench_step_graph --trace (pair, dedup), bench_graph_ffn (#13)
 #     trace1: one GPU, the 50-layer step's phases (fused vs two-kernel dispatch and FFN wait +
-#     stage; dedup), the staged step on one stream vs a stream per stage (S = 1 2 4),
+#     stage; dedup), the staged step on one stream vs a stream per stage (S = 1 2 4), the
+#     V2-Lite-shaped MoE step with the GEMM SM carve-out 0 and "auto" (the default),
 #     probe_kernel_cost (what single round-trip kernels cost) and probe_spin_gemm (the routed
 #     grouped GEMM next to a spinning warp, with and without an SM carve-out)
 # Knobs (environment): SUITE_TESTS (test files or ids instead of all), SUITE_TIMEOUT, TEST_TIMEOUT (per test), SMOKE_ARGS, SKIP_SMOKE_1A1F=1, SKIP_SMOKE_2A2F=1,
@@ -109,6 +110,9 @@ case "$MODE" in
     run_step step_dedup 120 $SG --wire-mode dedup --out "$OUT/step_dedup"
     run_step step_dedup_3k 120 $SG --wire-mode dedup --dispatch two-kernel --out "$OUT/step_dedup_3k"
     run_step step_streams 150 python3 tools/bench_step_graph.py --quick --layers 50 --tokens 128 --stages 1 2 4 --stage-streams both --out "$OUT/step_streams"
+    MOE="--layers 10 --tokens 128 --stages 1 --trace --experts moe --hidden 2048 --top-k 6 --intermediate 1408 --shared-experts 2"
+    run_step step_moe_c0 100 python3 tools/bench_step_graph.py --quick $MOE --gemm-sm-carveout 0 --out "$OUT/step_moe_c0"
+    run_step step_moe_auto 100 python3 tools/bench_step_graph.py --quick $MOE --out "$OUT/step_moe_auto"
     NO_MPS=1 run_step probe 120 python3 tools/probe_kernel_cost.py --out "$OUT/probe"
     NO_MPS=1 run_step spin_gemm 60 python3 tools/probe_spin_gemm.py --out "$OUT/spin_gemm" ;;
 esac
