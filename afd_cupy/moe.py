@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -502,24 +503,46 @@ def sm_carveout(n: int | None, *, device=None):
     nothing at all happens (no call into torch; an outer block's setting stays). ConfigError
     for a bad value, and for n > 0 on a torch without the binding.
 
-    NOT thread-safe: the setting is global to the process (``at::globalContext()``), not to
-    the thread or the stream. Every matmul any thread launches while the block is open gets
-    it, and two threads' blocks that overlap in time restore each other's values out of
-    order. Nested blocks on one thread restore in order. Restoring "unset" calls the setter
-    with None (torch 2.13's binding takes ``int | None``); a binding that refuses None gets 0
-    (no carve-out for the grouped GEMM; cuBLAS-Lt then targets every SM).
+    Threads: the setting is global to the process (``at::globalContext()``), not to the thread
+    or the stream, so every matmul any thread launches while a block is open gets it. The
+    blocks themselves are kept in one process-wide list under a lock: while any is open, the
+    most recently opened one's ``n`` is in force; when the last closes, the value from before
+    the first comes back. So nested blocks restore in order, and blocks on two threads that
+    overlap in time (two workers, a worker and a reply thread) never leave a stale value
+    behind. Restoring "unset" calls the setter with None (torch 2.13's binding takes
+    ``int | None``); a binding that refuses None gets 0 (no carve-out for the grouped GEMM;
+    cuBLAS-Lt then targets every SM).
     """
     if n is None or (n == 0 and not isinstance(n, bool)):
         yield
         return
     n = check_sm_carveout(n, device=device, name="sm_carveout(n)")
     setter, getter = _carveout_binding()
-    previous = getter()
-    setter(n)
+    scope = _CarveoutScope(n)
+    with _CARVEOUT_LOCK:
+        if not _CARVEOUT_SCOPES:
+            _CARVEOUT_BASE[0] = getter()
+        _CARVEOUT_SCOPES.append(scope)
+        setter(n)
     try:
         yield
     finally:
-        _restore_carveout(setter, previous)
+        with _CARVEOUT_LOCK:
+            del _CARVEOUT_SCOPES[next(i for i, s in enumerate(_CARVEOUT_SCOPES) if s is scope)]
+            if _CARVEOUT_SCOPES:
+                setter(_CARVEOUT_SCOPES[-1].n)
+            else:
+                _restore_carveout(setter, _CARVEOUT_BASE[0])
+
+
+@dataclass(eq=False)
+class _CarveoutScope:
+    n: int
+
+
+_CARVEOUT_LOCK = threading.Lock()
+_CARVEOUT_SCOPES: list[_CarveoutScope] = []  # the open sm_carveout blocks, oldest first
+_CARVEOUT_BASE: list = [None]  # torch's value before the oldest open block
 
 
 def _restore_carveout(setter, previous: int | None) -> None:

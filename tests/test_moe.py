@@ -957,6 +957,44 @@ def test_sm_carveout_sets_and_restores_unset_nested_and_on_errors(monkeypatch):
     assert old.calls == [4, 0] and old.value == 0
 
 
+def test_sm_carveout_blocks_on_two_threads_that_overlap(monkeypatch):
+    # thread A opens 2, thread B opens 3, A closes first: B's 3 stays in force (not A's
+    # "previous"), and when B closes the value from before both comes back; then the same
+    # with B closing first. A plain save/restore per block would leave 2 or 3 behind.
+    import threading
+
+    for close_first in ("a", "b"):
+        fake = FakeCarveout(value=9).install(monkeypatch)
+        steps = {name: (threading.Event(), threading.Event()) for name in "ab"}  # (open, close)
+        opened = {name: threading.Event() for name in "ab"}
+        errors = []
+
+        def block(name, n):
+            try:
+                steps[name][0].wait(5)
+                with moe.sm_carveout(n):
+                    opened[name].set()
+                    steps[name][1].wait(5)
+            except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=block, args=("a", 2)), threading.Thread(target=block, args=("b", 3))]
+        for t in threads:
+            t.start()
+        steps["a"][0].set()
+        assert opened["a"].wait(5) and fake.value == 2
+        steps["b"][0].set()
+        assert opened["b"].wait(5) and fake.value == 3
+        first, second = ("a", "b") if close_first == "a" else ("b", "a")
+        steps[first][1].set()
+        threads["ab".index(first)].join(5)
+        # the newest open block's value: B's 3 when A closed first, A's 2 when B did
+        assert fake.value == (3 if first == "a" else 2)
+        steps[second][1].set()
+        threads["ab".index(second)].join(5)
+        assert not errors and fake.value == 9 and not moe._CARVEOUT_SCOPES
+
+
 def test_sm_carveout_zero_or_none_does_not_touch_torch(monkeypatch):
     fake = FakeCarveout(value=6).install(monkeypatch)
     for n in (0, None):
