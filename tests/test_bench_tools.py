@@ -814,3 +814,21 @@ def test_gemm_sm_carveout_arguments_of_the_benchmarks():
                 parse(["--gemm-sm-carveout", bad])
     spec_fields = {f.name: f.default for f in bench_afd.dataclasses.fields(bench_afd.Spec)}
     assert spec_fields["gemm_sm_carveout"] == "auto"
+
+
+def test_gpu_suite_parts_cover_every_cuda_test_file_once():
+    # tools/gpu_suite.sh part1..part3 are how the GPU sessions run the cuda tests within the
+    # device's per-call limit: every test file with a cuda-marked test must be in exactly one
+    # part's default list (a new file left out would never run on a GPU)
+    import re
+
+    script = (ROOT / "tools" / "gpu_suite.sh").read_text()
+    parts = dict(re.findall(r'^\s*(part[123])\) SUITE_TESTS=\$\{SUITE_TESTS:-"([^"]+)"\}', script, re.M))
+    assert sorted(parts) == ["part1", "part2", "part3"], parts
+    listed = [name for files in parts.values() for name in files.split()]
+    assert len(listed) == len(set(listed)), listed  # none in two parts
+    cuda_files = sorted(f"tests/{path.name}" for path in (ROOT / "tests").glob("test_*.py")
+                        if re.search(r"mark\.cuda\b|pytestmark\s*=.*cuda", path.read_text()))
+    assert "tests/test_e2e.py" in cuda_files and len(cuda_files) >= 10
+    assert sorted(listed) == cuda_files
+    assert parts["part3"].split()[-1] == "tests/test_faults.py"  # it kills processes: last

@@ -5,8 +5,9 @@
 #
 #   bash tools/gpu_suite.sh [full|quick|bench|part1|part2|part3|twogpu1|twogpu2|twogpu3|trace1]
 #     quick: tests + smoke only; bench: benchmarks only; part1..3: the cuda tests in three
-#     device calls (part1: kernels + e2e; part2: errors, faults, step graph + smoke; part3: the
-#     remaining files + hf_generate); twogpu1..3: the measurements that need two GPUs
+#     device calls (part1: kernels, FFN graph, moe, step graph, e2e errors, window, adapters +
+#     smoke + hf_generate; part2: test_e2e.py; part3: model gates, NVSHMEM
+#     binding, faults); twogpu1..3: the measurements that need two GPUs
 #     (nvidia-h200-x2; docs/benchmarks.md "Two GPUs"), one device call each (< 600 s):
 #     twogpu1 bench_transport decode + prefill, both wire modes and transports (#12, #16);
 #     twogpu2 bench_afd placement 0:50,0:50,1: overlap, sweep, timeline (#15);
@@ -20,16 +21,11 @@
 # SKIP_HOSTPOLL=1 / HOSTPOLL_TIMEOUT (the e2e cases with host polling and no MPS),
 # SKIP_HF=1 (tools/hf_generate.py), SKIP_SOAK=1 / SOAK_N / SOAK_TIMEOUT / SOAK_ARGS (tools/soak.py),
 # BENCHES (names of tools/*.py run with --quick), BENCH_TIMEOUT, AFD_COMMIT (for the table).
-# The whole cuda test set no longer fits one 600 s device call; sessions 5-6 ran it in two
-# (session 6 on one H200, MPS: part 1 ~320 s, part 2 ~310 s + smoke ~25 s; session 5 ~200 s each):
-#   SUITE_TESTS="tests/test_kernels_cuda_dedup_attn.py tests/test_kernels_cuda_dedup_ffn.py
-#     tests/test_kernels_cuda.py tests/test_ffn_graph_cuda.py tests/test_e2e.py" SKIP_HOSTPOLL=1
-#     SKIP_SMOKE_1A1F=1 SKIP_SMOKE_2A2F=1 SKIP_HF=1 SKIP_SOAK=1 SUITE_TIMEOUT=530 TEST_TIMEOUT=60
-#     bash tools/gpu_suite.sh quick
-#   SUITE_TESTS="tests/test_nvshmem_binding.py tests/test_step_graph_cuda.py tests/test_e2e_errors.py tests/test_faults.py"
-#     SKIP_HOSTPOLL=1 SKIP_HF=1 SKIP_SOAK=1 SUITE_TIMEOUT=420 bash tools/gpu_suite.sh quick
-# then the rest (moe, window, gates, adapters, store/launch, hf_generate, soak, benchmarks) and
-# the host-poll step in further calls. Pass AFD_COMMIT: the device's copy has no usable git HEAD.
+# The whole cuda test set no longer fits one 600 s device call: part1..part3 split it in three
+# (session 12, one H200 under MPS: test_e2e.py alone ~410 s, binding + faults ~285 s, step
+# graph + e2e errors ~140 s, the kernel files + FFN graph + moe ~95 s, smoke ~13 s each). Each
+# pytest step prints its 25 slowest tests (--durations) so that the split can follow them.
+# Pass AFD_COMMIT: the device's copy has no usable git HEAD.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -39,17 +35,17 @@ export NVSHMEM_DISABLE_NCCL=1 NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/afd_mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/afd_mps_log
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
 MODE=${1:-full}
-# part1 / part2 / part3: the cuda tests in three calls that each fit a 600 s device call
-# (the split above, plus the files not run since session 4); the knobs still override them
+# part1 / part2 / part3: the cuda tests in three calls that each fit a 600 s device call;
+# part1 also runs both smoke runs and hf_generate. The knobs still override them.
 case "$MODE" in
-  part1) SUITE_TESTS=${SUITE_TESTS:-"tests/test_kernels_cuda_dedup_attn.py tests/test_kernels_cuda_dedup_ffn.py tests/test_kernels_cuda.py tests/test_ffn_graph_cuda.py tests/test_e2e.py"}
+  part1) SUITE_TESTS=${SUITE_TESTS:-"tests/test_kernels_cuda_dedup_attn.py tests/test_kernels_cuda_dedup_ffn.py tests/test_kernels_cuda.py tests/test_ffn_graph_cuda.py tests/test_moe.py tests/test_step_graph_cuda.py tests/test_e2e_errors.py tests/test_window.py tests/test_adapters.py"}
+         SKIP_HF=${SKIP_HF:-0} SUITE_TIMEOUT=${SUITE_TIMEOUT:-480} ;;
+  part2) SUITE_TESTS=${SUITE_TESTS:-"tests/test_e2e.py"}
          SKIP_SMOKE_1A1F=${SKIP_SMOKE_1A1F:-1} SKIP_SMOKE_2A2F=${SKIP_SMOKE_2A2F:-1}
-         SUITE_TIMEOUT=${SUITE_TIMEOUT:-530} TEST_TIMEOUT=${TEST_TIMEOUT:-60} ;;
-  part2) SUITE_TESTS=${SUITE_TESTS:-"tests/test_nvshmem_binding.py tests/test_step_graph_cuda.py tests/test_e2e_errors.py tests/test_faults.py"}
-         SUITE_TIMEOUT=${SUITE_TIMEOUT:-450} ;;
-  part3) SUITE_TESTS=${SUITE_TESTS:-"tests/test_moe.py tests/test_window.py tests/test_gates_e2e.py tests/test_adapters.py tests/test_store_launch.py tests/test_launch_rendezvous.py"}
+         SUITE_TIMEOUT=${SUITE_TIMEOUT:-550} TEST_TIMEOUT=${TEST_TIMEOUT:-60} ;;
+  part3) SUITE_TESTS=${SUITE_TESTS:-"tests/test_gates_e2e.py tests/test_nvshmem_binding.py tests/test_faults.py"}
          SKIP_SMOKE_1A1F=${SKIP_SMOKE_1A1F:-1} SKIP_SMOKE_2A2F=${SKIP_SMOKE_2A2F:-1}
-         SKIP_HF=${SKIP_HF:-0} SUITE_TIMEOUT=${SUITE_TIMEOUT:-300} ;;
+         SUITE_TIMEOUT=${SUITE_TIMEOUT:-550} ;;
 esac
 case "$MODE" in part1|part2|part3) SKIP_HOSTPOLL=${SKIP_HOSTPOLL:-1} SKIP_SOAK=${SKIP_SOAK:-1}
                                     SKIP_HF=${SKIP_HF:-1}; MODE=quick ;; esac
@@ -119,7 +115,7 @@ esac
 case "$MODE" in twogpu*|trace1) MODE=none ;; esac
 if [ "$MODE" != bench ] && [ "$MODE" != none ]; then
 run_step pytest_cuda "$SUITE_TIMEOUT" python3 -m pytest -m cuda -q -p no:cacheprovider \
-  --timeout=${TEST_TIMEOUT:-90} -rfEs $TEST_FILES
+  --timeout=${TEST_TIMEOUT:-90} -rfEs --durations=25 $TEST_FILES
 # the end-to-end cases again with host polling and WITHOUT MPS (no spinning kernels at all)
 [ "${SKIP_HOSTPOLL:-0}" = 1 ] || AFD_TEST_POLL_MODE=host NO_MPS=1 run_step pytest_hostpoll "${HOSTPOLL_TIMEOUT:-300}" \
   python3 -m pytest -m cuda -q -p no:cacheprovider --timeout=${TEST_TIMEOUT:-90} -rfEs tests/test_e2e.py tests/test_e2e_errors.py tests/test_faults.py
