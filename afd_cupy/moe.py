@@ -468,8 +468,8 @@ one, so that two resident spinners (a peer's wait under MPS and the next item's 
 
 def resolve_gemm_sm_carveout(value, *, device=None, name: str = "gemm_sm_carveout") -> int:
     """``value`` as the int the FFN side uses: ``"auto"`` is ``AUTO_GEMM_SM_CARVEOUT`` on a
-    CUDA ``device`` whose torch has the carve-out binding and more SMs than that, else 0
-    (the host backend, a CPU device, an older torch: nothing to do). Anything else goes
+    CUDA ``device`` whose torch has the carve-out binding and more than twice that many SMs,
+    else 0 (the host backend, a CPU device, an older torch, a tiny GPU: nothing to do). Anything else goes
     through ``check_sm_carveout`` (an int >= 0, ConfigError otherwise)."""
     if isinstance(value, str):
         if value != "auto":
