@@ -73,9 +73,10 @@ class GraphFFNServer:
     ``moe.AUTO_GEMM_SM_CARVEOUT`` (2) when this torch has the carve-out binding, 0 (untouched)
     otherwise. The graphs' GEMMs are captured inside ``moe.sm_carveout(n)``, so their grids
     (``SMs - n`` CTAs) are frozen into the graphs, and the eager fallback worker gets the same
-    value; the next replay's wait kernel, queued behind, then spins on an SM the GEMM does not
-    wait for (docs/design.md §8, "SM carve-out": on an H200 the V2-Lite-shaped experts phase
-    of the round trip drops from ~690 to ~485 µs). "auto" or an int >= 0 and < the device's
+    value. The server's own replays run one after another on one stream, so the spinner that
+    the carve-out makes room for is another process's: on one GPU under MPS, the Attention's
+    reply wait (docs/design.md §8, "SM carve-out": on an H200 the V2-Lite-shaped experts phase
+    of the 1A1F round trip drops from ~690 to ~485 µs). "auto" or an int >= 0 and < the device's
     SM count (ConfigError). With ``identity=True`` there are no GEMMs: no effect.
 
     Both wire modes (dedup: the route table is checked in the graph; a rejected table raises
