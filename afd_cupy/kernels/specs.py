@@ -116,6 +116,28 @@ def _pair_dispatch_head(*, hidden, num_tokens, hidden_size, topk_ids, num_partia
             "num_ffn_ranks": _count("num_ffn_ranks", num_ffn_ranks, low=1, high=MAX_FFN_RANKS)}
 
 
+def _slot_args(*, peer_windows, staging, geo, ring, num_ffn) -> dict:
+    """Where a dispatch writes (peer_windows, staging, geo, ring, in every dispatch kernel's
+    order): each FFN rank's window base, the put staging, the checked ``geo``, the ring slot."""
+    return {"peer_windows": _array("peer_windows", peer_windows, np.uint64, num_ffn),
+            "staging": _address("staging", staging, allow_null=True),
+            "geo": geo, "ring": _count("ring", ring, high=int(geo["ring_depth"]) - 1)}
+
+
+def _publish_args(*, geo, src_rank, layer_idx, stage_idx, hdr_flags, seq_counters, expected,
+                  expected_counts, count_columns, done_counter, num_ffn) -> dict:
+    """What a dispatch stamps and records (src_rank .. done_counter, in every dispatch kernel's
+    order); ``expected_counts`` is [num_ffn, count_columns] (pair 2, dedup 3)."""
+    return {"src_rank": _count("src_rank", src_rank, high=int(geo["num_regions"]) - 1),
+            "layer_idx": np.int32(layer_idx), "stage_idx": np.int32(stage_idx),
+            "hdr_flags": np.int32(hdr_flags),
+            "seq_counters": _array("seq_counters", seq_counters, np.int64, num_ffn),
+            "expected": _array("expected", expected, np.int64, num_ffn),
+            "expected_counts": _array("expected_counts", expected_counts, np.int32,
+                                      count_columns * num_ffn),
+            "done_counter": _array("done_counter", done_counter, np.uint32, 1)}
+
+
 def _pair_dispatch_tail(*, peer_windows, staging, geo, ring, has_shared, always_send, pos_out,
                         src_rank, layer_idx, stage_idx, hdr_flags, seq_counters, expected,
                         expected_counts, done_counter, num_partials, num_ffn, epr) -> dict:
@@ -123,19 +145,14 @@ def _pair_dispatch_tail(*, peer_windows, staging, geo, ring, has_shared, always_
     done_counter, in their kernel order), checked against a pair layout of ``epr`` experts per
     rank."""
     geo = _geometry("geo", geo, header_words=wire.HDR_FIXED_WORDS + int(epr))
-    return {"peer_windows": _array("peer_windows", peer_windows, np.uint64, num_ffn),
-            "staging": _address("staging", staging, allow_null=True),
-            "geo": geo, "ring": _count("ring", ring, high=int(geo["ring_depth"]) - 1),
+    return {**_slot_args(peer_windows=peer_windows, staging=staging, geo=geo, ring=ring, num_ffn=num_ffn),
             "has_shared": _count("has_shared", has_shared, high=1),
             "always_send": _count("always_send", always_send, high=1),
             "pos_out": _array("pos_out", pos_out, np.int32, num_partials),
-            "src_rank": _count("src_rank", src_rank, high=int(geo["num_regions"]) - 1),
-            "layer_idx": np.int32(layer_idx), "stage_idx": np.int32(stage_idx),
-            "hdr_flags": np.int32(hdr_flags),
-            "seq_counters": _array("seq_counters", seq_counters, np.int64, num_ffn),
-            "expected": _array("expected", expected, np.int64, num_ffn),
-            "expected_counts": _array("expected_counts", expected_counts, np.int32, 2 * num_ffn),
-            "done_counter": _array("done_counter", done_counter, np.uint32, 1)}
+            **_publish_args(geo=geo, src_rank=src_rank, layer_idx=layer_idx, stage_idx=stage_idx,
+                            hdr_flags=hdr_flags, seq_counters=seq_counters, expected=expected,
+                            expected_counts=expected_counts, count_columns=2,
+                            done_counter=done_counter, num_ffn=num_ffn)}
 
 
 def dispatch_scatter_spec(*, dtype_code, hidden, num_tokens, hidden_size, topk_ids, num_partials,
@@ -597,17 +614,12 @@ def _dedup_dispatch_tail(*, row_map, shared_rank, num_rows, shared_rows, peer_wi
             "shared_rank": _array("shared_rank", shared_rank, np.int32, num_tokens),
             "num_rows": _array("num_rows", num_rows, np.int32, num_ffn),
             "shared_rows": _array("shared_rows", shared_rows, np.int32, num_ffn),
-            "peer_windows": _array("peer_windows", peer_windows, np.uint64, num_ffn),
-            "staging": _address("staging", staging, allow_null=True),
-            "geo": geo, "ring": _count("ring", ring, high=int(geo["ring_depth"]) - 1),
+            **_slot_args(peer_windows=peer_windows, staging=staging, geo=geo, ring=ring, num_ffn=num_ffn),
             "always_send": _count("always_send", always_send, high=1),
-            "src_rank": _count("src_rank", src_rank, high=int(geo["num_regions"]) - 1),
-            "layer_idx": np.int32(layer_idx), "stage_idx": np.int32(stage_idx),
-            "hdr_flags": np.int32(hdr_flags),
-            "seq_counters": _array("seq_counters", seq_counters, np.int64, num_ffn),
-            "expected": _array("expected", expected, np.int64, num_ffn),
-            "expected_counts": _array("expected_counts", expected_counts, np.int32, 3 * num_ffn),
-            "done_counter": _array("done_counter", done_counter, np.uint32, 1)}
+            **_publish_args(geo=geo, src_rank=src_rank, layer_idx=layer_idx, stage_idx=stage_idx,
+                            hdr_flags=hdr_flags, seq_counters=seq_counters, expected=expected,
+                            expected_counts=expected_counts, count_columns=3,
+                            done_counter=done_counter, num_ffn=num_ffn)}
 
 
 def dedup_scatter_spec(*, dtype_code, hidden, num_tokens, hidden_size, topk_ids, topk_weights,
