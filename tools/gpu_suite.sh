@@ -3,7 +3,7 @@
 # `cuda`-marked test (multi-process ones included), the smoke tool (1A1F and 2A2F) and the
 # short benchmarks, stop MPS, print a summary table last. Logs go to $OUT (or ./gpu_out).
 #
-#   bash tools/gpu_suite.sh [full|quick|bench|part1|part2|part3|twogpu1|twogpu2|twogpu3|trace1]
+#   bash tools/gpu_suite.sh [full|quick|bench|part1|part2|part3|twogpu1..twogpu4|trace1]
 #     quick: tests + smoke only; bench: benchmarks only; part1..3: the cuda tests in three
 #     device calls (part1: kernels, FFN graph, moe, step graph, e2e errors, window, adapters +
 #     smoke + hf_generate; part2: test_e2e.py; part3: model gates, NVSHMEM
@@ -11,7 +11,9 @@
 #     (nvidia-h200-x2; docs/benchmarks.md "Two GPUs"), one device call each (< 600 s):
 #     twogpu1 bench_transport decode + prefill, both wire modes and transports (#12, #16);
 #     twogpu2 bench_afd placement 0:50,0:50,1: overlap, sweep, timeline (#15);
-#     twogpu3 the multigpu tests, bench_step_graph --trace (pair, dedup), bench_graph_ffn (#13)
+#     twogpu3 the multigpu tests, bench_step_graph --trace (pair, dedup), bench_graph_ffn (#13);
+#     twogpu4 the GEMM SM carve-out (0 vs "auto") with the FFN on its own GPU: the V2-Lite-shaped
+#     MoE step traced, and bench_afd --overlap ffn (~7 min at most)
 #     trace1: one GPU, the 50-layer step's phases (fused vs two-kernel dispatch and FFN wait +
 #     stage; dedup), the staged step on one stream vs a stream per stage (S = 1 2 4), the
 #     V2-Lite-shaped MoE step with the GEMM SM carve-out 0 and "auto" (the default),
@@ -99,6 +101,13 @@ case "$MODE" in
     run_step step_graph_dedup 120 $SG --wire-mode dedup --out "$OUT/step_dedup"
     run_step graph_ffn_pair 70 python3 tools/bench_graph_ffn.py --quick --num-gpus 2 --wire-mode pair --out "$OUT/g_pair"
     run_step graph_ffn_dedup 70 python3 tools/bench_graph_ffn.py --quick --num-gpus 2 --wire-mode dedup --out "$OUT/g_dedup" ;;
+  twogpu4)  # the GEMM SM carve-out with the FFN on its own GPU: 0 vs "auto", one launch each
+    MOE="python3 tools/bench_step_graph.py --quick --num-gpus 2 --layers 10 --tokens 128 --stages 1 --trace --experts moe --hidden 2048 --top-k 6 --intermediate 1408 --shared-experts 2"
+    run_step step_moe_c0 100 $MOE --gemm-sm-carveout 0 --out "$OUT/step_moe_c0"
+    run_step step_moe_auto 100 $MOE --out "$OUT/step_moe_auto"
+    AFD="python3 tools/bench_afd.py --quick --attn 2 --ffn 1 --placement 0:50,0:50,1 --workloads uniform --schedules async --overlap ffn --duration 2 --solo-duration 0"
+    run_step afd_ffn_c0 120 $AFD --gemm-sm-carveout 0 --out "$OUT/afd_ffn_c0"
+    run_step afd_ffn_auto 120 $AFD --out "$OUT/afd_ffn_auto" ;;
   trace1)  # one GPU: the round trip by phase (both dispatch kernels, both FFN modes) and single-kernel costs
     SG="python3 tools/bench_step_graph.py --quick --layers 50 --tokens 128 --stages 1 --trace"
     run_step step_fused 120 $SG --dispatch fused --out "$OUT/step_fused"
