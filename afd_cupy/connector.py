@@ -171,19 +171,21 @@ class AFDConnector:
 
     # --- Attention side ---------------------------------------------------------------------
     def select_experts(self, router_logits: torch.Tensor,
-                       e_score_correction_bias: torch.Tensor | None = None):
+                       e_score_correction_bias: torch.Tensor | None = None, *, impl: str = "auto"):
         """Gate with the model's gate (``gates.model_gate``): ``(topk_weights fp32 [T,K],
         topk_ids int32 [T,K])``.
 
         ``router_logits``: float [T, num_experts]; ``e_score_correction_bias``: float
         [num_experts] (DeepSeek-V3's selection bias), same device, or None. The weights
         exclude ``routed_scaling_factor``: the FFN side applies it (``moe.apply_routed_scaling``).
+        ``impl``: "auto" (default: a greedy gate on CUDA logits runs as one kernel,
+        ``gates.select_experts``), "torch" (torch's ops) or "kernel" (ValueError if it cannot).
         """
         model = self.model
         if router_logits.dim() != 2 or router_logits.shape[1] != model.num_experts:
             raise ValueError(f"router_logits must be [num_tokens, {model.num_experts}], got "
                              f"{tuple(router_logits.shape)}")
-        return gates.model_gate(model, router_logits, e_score_correction_bias)
+        return gates.model_gate(model, router_logits, e_score_correction_bias, impl=impl)
 
     def send_attn_output(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
                          topk_weights: torch.Tensor, layer_idx: int, stage_idx: int = 0) -> DispatchHandle:

@@ -9,9 +9,14 @@
 ``ModelConfig`` describes (what ``AFDConnector.select_experts`` calls). The weights never
 include ``routed_scaling_factor``: the FFN side applies it (``moe.apply_routed_scaling``).
 No host synchronization; safe inside CUDA graph capture.
+
+On CUDA logits the greedy gate (no groups) runs as one RawKernel by default
+(``impl="auto"``, :mod:`afd_cupy.backends.cuda_gate`); ``impl="torch"`` keeps torch's ops.
+:func:`gate_topk_reference` is the kernel's numpy twin.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from afd_cupy.config import SCORING_FUNCS
@@ -22,7 +27,8 @@ def select_experts(router_logits: torch.Tensor, top_k: int, *, use_grouped_topk:
                    scoring_func: str = "softmax",
                    e_score_correction_bias: torch.Tensor | None = None,
                    renormalize: bool = True,
-                   group_score: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   group_score: str | None = None,
+                   impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Route each token to `top_k` experts.
 
     router_logits: [num_tokens, num_experts] fp32/bf16/fp16, any device.
@@ -39,10 +45,28 @@ def select_experts(router_logits: torch.Tensor, top_k: int, *, use_grouped_topk:
     - The bias only steers the selection: weights are always the unbiased scores.
     - `renormalize` divides the weights by their sum per token.
     `num_expert_group` and `topk_group` are ignored unless `use_grouped_topk`.
+    `impl`: "auto" (default) runs the greedy gate on CUDA logits as one kernel
+    (``backends.cuda_gate``: the same weights up to float rounding, the same ids except on
+    ties after rounding, where it takes the lower id) and everything else with torch's ops;
+    "torch" always uses torch's ops; "kernel" requires the kernel (ValueError saying why it
+    cannot run).
     No host synchronization; safe inside CUDA graph capture.
     """
     _check_gate_args(router_logits, top_k, use_grouped_topk, num_expert_group, topk_group,
                      scoring_func, e_score_correction_bias)
+    if impl not in GATE_IMPLS:
+        raise ValueError(f"impl must be one of {GATE_IMPLS}, got {impl!r}")
+    if impl != "torch":
+        reason = "the grouped gates run with torch's ops" if use_grouped_topk else None
+        if reason is None:
+            from afd_cupy.backends import cuda_gate
+
+            reason = cuda_gate.unsupported_reason(router_logits, top_k, e_score_correction_bias)
+            if reason is None:
+                return cuda_gate.select_experts(router_logits, top_k, scoring_func=scoring_func,
+                                                bias=e_score_correction_bias, renormalize=renormalize)
+        if impl == "kernel":
+            raise ValueError(f"select_experts(impl='kernel') cannot run the kernel: {reason}")
     if group_score is None:
         group_score = "top2_sum" if e_score_correction_bias is not None else "max"
     if group_score not in GROUP_SCORES:
@@ -63,10 +87,41 @@ def select_experts(router_logits: torch.Tensor, top_k: int, *, use_grouped_topk:
 
 #: how a group of experts is scored by the grouped gates
 GROUP_SCORES = ("max", "top2_sum")
+#: select_experts(impl=...): "auto" (the kernel where it applies), "torch", "kernel"
+GATE_IMPLS = ("auto", "torch", "kernel")
+
+
+def gate_topk_reference(logits, top_k: int, *, scoring_func: str = "softmax", bias=None,
+                        renormalize: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """numpy twin of ``afd_gate_topk`` (raw_kernels/gate.cu), the greedy gate in float32.
+
+    ``logits`` [T, E] (any float, read as float32), ``bias`` [E] or None. Scores: softmax
+    (``exp(x - max) / sum``) or sigmoid (``1 / (1 + exp(-x))``); selection = scores + bias, a
+    NaN selection below every number; the ``top_k`` best by selection, equal selections in
+    increasing expert id; weights = their unbiased scores, divided by their sum (summed in k
+    order) when ``renormalize``. Returns (weights float32 [T, K], ids int32 [T, K]).
+    """
+    x = np.asarray(logits, dtype=np.float32)
+    num_tokens, num_experts = x.shape
+    with np.errstate(over="ignore", invalid="ignore"):
+        if scoring_func == "softmax":
+            e = np.exp(x - x.max(axis=1, keepdims=True))
+            scores = e / e.sum(axis=1, keepdims=True, dtype=np.float32)
+        else:
+            scores = np.float32(1) / (np.float32(1) + np.exp(-x))
+        sel = scores if bias is None else scores + np.asarray(bias, dtype=np.float32)
+    sel = np.where(np.isnan(sel), -np.inf, sel).astype(np.float32)
+    expert = np.broadcast_to(np.arange(num_experts), sel.shape)
+    order = np.lexsort((expert, -sel), axis=-1)
+    ids = order[:, :top_k].astype(np.int32)
+    weights = np.take_along_axis(scores, ids, axis=1).astype(np.float32)
+    if renormalize:
+        weights = weights / np.cumsum(weights, axis=1, dtype=np.float32)[:, -1:]
+    return weights, ids
 
 
 def model_gate(model, router_logits: torch.Tensor,
-               e_score_correction_bias: torch.Tensor | None = None):
+               e_score_correction_bias: torch.Tensor | None = None, *, impl: str = "auto"):
     """``select_experts`` with the gate ``model`` (a ModelConfig) describes.
 
     ``model.topk_method``: "greedy" (plain top-k, groups ignored), "group_limited_greedy"
@@ -75,6 +130,7 @@ def model_gate(model, router_logits: torch.Tensor,
     (group_limited_greedy when ``n_group`` is set, else greedy). ``renormalize`` is
     ``norm_topk_prob``. The weights exclude ``routed_scaling_factor`` (the FFN side applies
     it). Returns (weights fp32 [T, K], ids int32 [T, K]) on the logits' device; no host sync.
+    ``impl``: as :func:`select_experts` ("auto": the one-kernel gate for a greedy gate on CUDA).
     """
     method = model.topk_method or ("group_limited_greedy" if model.n_group else "greedy")
     grouped = method != "greedy"
@@ -86,7 +142,8 @@ def model_gate(model, router_logits: torch.Tensor,
         num_expert_group=model.n_group if grouped else None,
         topk_group=model.topk_group if grouped else None, scoring_func=model.scoring_func,
         e_score_correction_bias=bias, renormalize=model.renormalize,
-        group_score={"greedy": None, "group_limited_greedy": "max", "noaux_tc": "top2_sum"}[method])
+        group_score={"greedy": None, "group_limited_greedy": "max", "noaux_tc": "top2_sum"}[method],
+        impl=impl)
 
 
 def _expert_scores(logits_fp32: torch.Tensor, scoring_func: str) -> torch.Tensor:

@@ -84,6 +84,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from afd_cupy import gates
 from afd_cupy.errors import ConfigError, ProtocolError
 from afd_cupy.topology import Role
 
@@ -220,6 +221,8 @@ class DecodeStepGraph:
             ``S <= connector.config.num_stages`` and ``S <= T``.
         e_score_correction_bias: None or one ``[num_experts]`` float tensor (or None) per
             layer, passed to ``select_experts``.
+        gate_impl: ``select_experts``'s ``impl`` ("auto": a greedy gate runs as one kernel;
+            "torch": torch's ops; "kernel"), ConfigError otherwise.
         stage_streams: with S > 1, issue micro-batch s on the object's own stream s
             (``stage_streams``, S ``torch.cuda.Stream`` created once) instead of all stages on
             one stream: forked from the current stream at the start of each step and joined
@@ -251,10 +254,12 @@ class DecodeStepGraph:
 
     def __init__(self, connector, attention: Sequence[AttentionFn], router: Sequence[RouterFn], *,
                  num_tokens: int, stages: int = 1, e_score_correction_bias: Sequence | None = None,
-                 keep_layer_tensors: bool = False, warmup: int = 1, stage_streams: bool = False):
+                 keep_layer_tensors: bool = False, warmup: int = 1, stage_streams: bool = False,
+                 gate_impl: str = "auto"):
         self._setup(connector, attention, router, num_tokens=num_tokens, stages=stages,
                     e_score_correction_bias=e_score_correction_bias,
-                    keep_layer_tensors=keep_layer_tensors, warmup=warmup, stage_streams=stage_streams)
+                    keep_layer_tensors=keep_layer_tensors, warmup=warmup, stage_streams=stage_streams,
+                    gate_impl=gate_impl)
         self._check_no_pending("capture")
         device = connector.device
         hidden = connector.model.hidden_size
@@ -276,7 +281,7 @@ class DecodeStepGraph:
                 self._step(self.input, out=self.output, record=True)
 
     def _setup(self, connector, attention, router, *, num_tokens, stages, e_score_correction_bias,
-               keep_layer_tensors, warmup, stage_streams=False) -> None:
+               keep_layer_tensors, warmup, stage_streams=False, gate_impl="auto") -> None:
         """The checks and the host-side attributes: everything but the GPU work (CPU tests
         drive :meth:`run_eager` on a stand-in connector after this alone)."""
         attention, router = list(attention), list(router)
@@ -293,6 +298,9 @@ class DecodeStepGraph:
         if not isinstance(stage_streams, bool):
             raise ConfigError(f"stage_streams must be a bool (True: a stream per micro-batch stage), "
                               f"got {stage_streams!r}")
+        if gate_impl not in gates.GATE_IMPLS:
+            raise ConfigError(f"gate_impl must be one of {gates.GATE_IMPLS}, got {gate_impl!r}")
+        self.gate_impl = gate_impl
         self.connector = connector
         self.attention, self.router, self.bias = attention, router, bias
         self.num_layers, self.num_tokens, self.stages = len(attention), int(num_tokens), int(stages)
@@ -344,7 +352,8 @@ class DecodeStepGraph:
                         if op == SEND:
                             produced = self.attention[layer](xs[stage])
                             residual, h = produced if isinstance(produced, tuple) else (produced, produced)
-                            weights, ids = conn.select_experts(self.router[layer](h), self.bias[layer])
+                            weights, ids = conn.select_experts(self.router[layer](h), self.bias[layer],
+                                                               impl=self.gate_impl)
                             handle = conn.send_attn_output(h, ids, weights, layer, stage)
                             sent[stage] = (handle, residual, h, weights, ids)
                             if record:

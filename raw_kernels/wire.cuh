@@ -91,11 +91,16 @@ constexpr int WAIT_REPLIES_THREADS = 32;
 constexpr int COMBINE_THREADS = 256;
 constexpr int WAIT_ANY_THREADS = 32;
 constexpr int REPLY_THREADS = 256;
+constexpr int GATE_THREADS = 256;        // afd_gate_topk: 8 warps, one token each
+constexpr int GATE_MAX_EXPERTS = 1024;   // afd_gate_topk: 32 experts per lane, in registers
+constexpr int GATE_MAX_TOP_K = 32;       // afd_gate_topk: one lane writes one of a token's top_k
 static_assert(PLAN_THREADS == CHUNK, "one plan thread per partial of its chunk");
 static_assert(PLAN_THREADS == 256, "block_exclusive_scan_256 needs 256 threads");
 static_assert(SCATTER_THREADS == 32 * ROWS_PER_BLOCK && REPLY_THREADS == 32 * ROWS_PER_BLOCK,
               "one warp per row");
 static_assert(WAIT_REPLIES_THREADS == 32 && WAIT_ANY_THREADS == 32, "one-warp kernels");
+static_assert(GATE_THREADS % 32 == 0 && GATE_MAX_EXPERTS % 32 == 0 && GATE_MAX_EXPERTS <= 32 * 32 &&
+              GATE_MAX_TOP_K <= 32, "a warp per token, one taken-bit per lane slot, one lane per top_k");
 
 // ---- window geometry (afd_cupy/wire.py WindowLayout.kernel_geometry) -------------------------
 // One value per window layout, passed by value to every kernel that addresses a window.

@@ -800,9 +800,8 @@ def test_probe_spin_gemm_routing_settings_rows_and_table():
 
 
 def test_gemm_sm_carveout_arguments_of_the_benchmarks():
-    # bench_step_graph and bench_afd pass --gemm-sm-carveout to their FFN ranks (and record it)
-    import bench_step_graph as tool
-    # ("auto" by default, the library's default; an int >= 0; anything else is a usage error)
+    # bench_step_graph and bench_afd pass --gemm-sm-carveout to their FFN ranks (and record it):
+    # "auto" by default, the library's default; an int >= 0; anything else is a usage error
     import bench_step_graph as tool
     for parse in (tool.parse_args, bench_afd.parse_args):
         assert parse([]).gemm_sm_carveout == "auto"
@@ -832,3 +831,27 @@ def test_gpu_suite_parts_cover_every_cuda_test_file_once():
     assert "tests/test_e2e.py" in cuda_files and len(cuda_files) >= 10
     assert sorted(listed) == cuda_files
     assert parts["part3"].split()[-1] == "tests/test_faults.py"  # it kills processes: last
+
+
+def test_bench_gate_arguments_table_and_the_cpu_skip(tmp_path):
+    import bench_gate
+
+    args = bench_gate.parse_args([])
+    assert (args.tokens, args.calls, args.iters) == ([1, 32, 128, 512], 50, 50)
+    assert bench_gate.parse_args(["--quick"]).iters == 10
+    for bad in (["--tokens", "0"], ["--calls", "0"], ["--iters", "0"]):
+        with pytest.raises(SystemExit):
+            bench_gate.parse_args(bad)
+    row = {"tokens": 128, "experts": 64, "top_k": 6, "scoring": "softmax", "same_ids": True,
+           "torch_graph_us": 21.0, "kernel_graph_us": 3.5, "graph_ratio": 6.0,
+           "torch_eager_us": 80.0, "kernel_eager_us": 40.0, "eager_ratio": 2.0}
+    text = bench_gate.table([row])
+    assert "6.00" in text and "21.00" in text and "3.50" in text and "2.00" in text
+    # ladder logits: distinct after bf16 rounding in every row
+    logits = bench_gate.ladder_logits(np.random.default_rng(0), 16, 256)
+    rounded = torch.from_numpy(logits).to(torch.bfloat16).float().numpy()
+    assert all(len(np.unique(r)) == 256 for r in rounded)
+    if not torch.cuda.is_available():
+        assert bench_gate.main(["--out", str(tmp_path)]) == 0
+        report = json.loads((tmp_path / "bench_gate.json").read_text())
+        assert report["skipped"] and "rows" not in report

@@ -21,7 +21,7 @@ from afd_cupy import config, errors, kernels, planner, wire
 
 KERNEL_FILES = ("wire.cuh", "dispatch.cu", "combine.cu", "wait_any.cu", "reply.cu",
                 "reply_check.cuh", "publish.cuh", "plan_block.cuh", "dedup_attn.cu", "dedup_ffn.cu",
-                "dedup_ffn.cuh", "ffn_graph.cu", "probes/wire_constants.cu", "probes/bench.cu")
+                "dedup_ffn.cuh", "ffn_graph.cu", "gate.cu", "probes/wire_constants.cu", "probes/bench.cu")
 #: headers a kernel file may include (NVRTC runs without system headers)
 KERNEL_HEADERS = {"wire.cuh", "reply_check.cuh", "publish.cuh", "plan_block.cuh", "dedup_ffn.cuh",
                   "wait_any.cuh"}
@@ -434,3 +434,11 @@ def test_device_dedup_rows_formula_matches_reference(num_tokens, top_k, num_ffn,
     np.testing.assert_array_equal(totals[0::2], ref.shared_rows)
     np.testing.assert_array_equal(totals[0::2] + totals[1::2], ref.num_rows)
     assert hist.max(initial=0) <= kernels.CHUNK and num_keys <= 2 * kernels.MAX_FFN_RANKS  # packing
+
+
+def test_gate_cu_scoring_codes_match_the_python_copy():
+    # afd_gate_topk's scoring codes (its limits are wire.cuh's, checked with the others)
+    text = (kernels.KERNEL_DIR / "gate.cu").read_text()
+    constants = {name: int(value, 0) for name, value in _CONSTEXPR_RE.findall(text)}
+    assert {"SCORE_SOFTMAX": constants["SCORE_SOFTMAX"], "SCORE_SIGMOID": constants["SCORE_SIGMOID"]} == {
+        "SCORE_SOFTMAX": kernels.specs.GATE_SCORING["softmax"], "SCORE_SIGMOID": kernels.specs.GATE_SCORING["sigmoid"]}

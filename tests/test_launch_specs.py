@@ -115,6 +115,9 @@ def _specs() -> dict:
             dtype_code=2, own_window=0x3000, peer_windows=arr, geo=geo, src_rank=1, state=arr,
             routed_outs=arr, shared_out=0, hidden_size=64, done_counter=arr, routed_bucket=32,
             shared_bucket=4, num_chunks=2),
+        ("gate.cu", "afd_gate_topk"): specs.gate_topk_spec(
+            dtype_code=0, logits=0x2000, num_tokens=8, num_experts=64, top_k=6, scoring=1,
+            bias=0x3000, renormalize=1, topk_weights=0x4000, topk_ids=0x5000),
         **_dedup_specs(),
     }
 
@@ -197,7 +200,7 @@ def test_specs_use_the_block_sizes_of_the_limit_table(fake_specs):
               "afd_graph_stage": "REPLY_THREADS", "afd_graph_wait_stage": "REPLY_THREADS",
               "afd_graph_gather": "REPLY_THREADS",
               "afd_graph_reply": "REPLY_THREADS", "afd_graph_dedup_expand": "REPLY_THREADS",
-              "afd_graph_dedup_reply": "REPLY_THREADS"}
+              "afd_graph_dedup_reply": "REPLY_THREADS", "afd_gate_topk": "GATE_THREADS"}
     for (filename, name), spec in built.items():
         assert spec.block == limits[blocks[name]], name
         text = (kernels.KERNEL_DIR / filename).read_text()

@@ -174,7 +174,8 @@ class _RecordingConnector:
         self.model = SimpleNamespace(num_layers=num_layers)
         self._pending, self.calls = {}, []
 
-    def select_experts(self, logits, bias=None):
+    def select_experts(self, logits, bias=None, impl="auto"):
+        self.gate_impls = getattr(self, "gate_impls", []) + [impl]
         weights, ids = logits.softmax(dim=-1).topk(2, dim=-1)
         return weights.float(), ids.int()
 
@@ -310,6 +311,20 @@ def test_stage_streams_option_is_checked_and_recorded():
                  num_tokens=4, stages=1, e_score_correction_bias=None, keep_layer_tensors=False, warmup=1,
                  stage_streams=True)
     assert torch.equal(plain.run_eager(torch.ones(4, 8)), torch.full((4, 8), 7.0))  # x -> 2x + 1, twice
+
+
+def test_gate_impl_is_checked_and_reaches_every_gate():
+    """gate_impl: one of gates.GATE_IMPLS (ConfigError naming the value, before the GPU); every
+    layer's select_experts gets it as ``impl``."""
+    with pytest.raises(ConfigError, match=r"gate_impl must be one of \('auto', 'torch', 'kernel'\), got 'fast'"):
+        DecodeStepGraph(_conn(num_stages=1), _fns(2), _fns(2), num_tokens=4, gate_impl="fast")
+    for impl in ("auto", "torch", "kernel"):
+        conn = _RecordingConnector(num_stages=1)
+        step = DecodeStepGraph.__new__(DecodeStepGraph)
+        step._setup(conn, [lambda x: (x, x * 0.5)] * 3, [lambda h: h[:, :4]] * 3, num_tokens=4, stages=1,
+                    e_score_correction_bias=None, keep_layer_tensors=False, warmup=1, gate_impl=impl)
+        step.run_eager(torch.ones(4, 8))
+        assert step.gate_impl == impl and conn.gate_impls == [impl] * 3
 
 
 @dataclasses.dataclass(eq=False)

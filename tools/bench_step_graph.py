@@ -37,6 +37,10 @@ docs/design.md §8 "SM carve-out"), so that the wait kernel spinning next to the
 a CTA's tiles to the tail; the argument is in the JSON config, each FFN rank's resolved value
 in its "ffn" entry and the report's title. ``0`` measures without (one launch each).
 
+``--gate-impl auto|torch|kernel`` (default auto): the gate of every layer
+(``DecodeStepGraph(gate_impl=...)``): the one-kernel greedy gate (``raw_kernels/gate.cu``) or
+torch's ops; in the JSON config and the report's title. Run both to compare (one launch each).
+
 ``--trace`` (graph FFN, one FFN rank): device timestamps at the kernel boundaries of both sides
 (tools/device_trace.py). After the timed iterations of each one-stage case, ``--trace-iters``
 eager steps and as many replays run with the trace rows reset before each; each Attention round
@@ -110,6 +114,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="FFN ranks: gemm_sm_carveout of GraphFFNServer / FFNWorker (the expert "
                              "GEMMs leave N SMs free; auto: the library default, 2 on a GPU; 0: "
                              "untouched). Only GEMMs: --experts moe")
+    parser.add_argument("--gate-impl", choices=("auto", "torch", "kernel"), default="auto",
+                        help="the Attention side's gate: DecodeStepGraph(gate_impl=...) (auto: the "
+                             "one-kernel greedy gate, raw_kernels/gate.cu; torch: torch's ops)")
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--num-experts", type=int, default=64)
     parser.add_argument("--top-k", type=int, default=8)
@@ -247,7 +254,7 @@ def _attention(conn, args, device) -> dict:
                 for variant in stream_variants(args.stage_streams, stages):
                     step = DecodeStepGraph(conn, stand_in.attention_fns()[:layers], stand_in.router_fns()[:layers],
                                            num_tokens=num_tokens, stages=stages, warmup=2,
-                                           stage_streams=variant == PER_STAGE)
+                                           stage_streams=variant == PER_STAGE, gate_impl=args.gate_impl)
                     eager_us, graph_us = [], []
                     for i in range(args.warmup + args.iters):
                         t0 = time.perf_counter()
@@ -415,7 +422,7 @@ def main(argv=None) -> int:
                          "num_experts": args.num_experts, "top_k": args.top_k, "iters": args.iters,
                          "warmup": args.warmup, "layers": args.layers, "tokens": args.tokens,
                          "stages": args.stages, "stage_streams": args.stage_streams,
-                         "gemm_sm_carveout": args.gemm_sm_carveout},
+                         "gemm_sm_carveout": args.gemm_sm_carveout, "gate_impl": args.gate_impl},
               "rows": attn["rows"], "stream_ratios": stream_ratios(attn["rows"]),
               "ffn": [{k: v for k, v in r.items() if k not in ("role", "trace_rows")} for r in ffn]}
     if args.trace:
@@ -459,7 +466,7 @@ def print_report(report: dict) -> None:
     carveout = (f", GEMM SM carve-out {cfg.get('gemm_sm_carveout', 0)} = {'/'.join(resolved)}"
                 if cfg.get("experts") == "moe" and resolved else "")
     print(f"==== decode step, 1A{cfg['num_ffn']}F, {cfg['wire_mode']}, FFN {cfg['ffn']} ({cfg.get('experts', 'identity')}{carveout}), hidden {cfg['hidden']}, "
-          f"top-{cfg['top_k']}, {report['device']}: eager loop vs one captured graph, S stages "
+          f"top-{cfg['top_k']}, gate {cfg.get('gate_impl', 'torch')}, {report['device']}: eager loop vs one captured graph, S stages "
           "(µs: median [p10, p90]) ====")
     print(table(report["rows"]))
     if report.get("stream_ratios"):

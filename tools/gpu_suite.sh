@@ -40,7 +40,7 @@ MODE=${1:-full}
 # part1 / part2 / part3: the cuda tests in three calls that each fit a 600 s device call;
 # part1 also runs both smoke runs and hf_generate. The knobs still override them.
 case "$MODE" in
-  part1) SUITE_TESTS=${SUITE_TESTS:-"tests/test_kernels_cuda_dedup_attn.py tests/test_kernels_cuda_dedup_ffn.py tests/test_kernels_cuda.py tests/test_ffn_graph_cuda.py tests/test_moe.py tests/test_step_graph_cuda.py tests/test_e2e_errors.py tests/test_window.py tests/test_adapters.py"}
+  part1) SUITE_TESTS=${SUITE_TESTS:-"tests/test_gate_cuda.py tests/test_kernels_cuda_dedup_attn.py tests/test_kernels_cuda_dedup_ffn.py tests/test_kernels_cuda.py tests/test_ffn_graph_cuda.py tests/test_moe.py tests/test_step_graph_cuda.py tests/test_e2e_errors.py tests/test_window.py tests/test_adapters.py"}
          SKIP_HF=${SKIP_HF:-0} SUITE_TIMEOUT=${SUITE_TIMEOUT:-480} ;;
   part2) SUITE_TESTS=${SUITE_TESTS:-"tests/test_e2e.py"}
          SKIP_SMOKE_1A1F=${SKIP_SMOKE_1A1F:-1} SKIP_SMOKE_2A2F=${SKIP_SMOKE_2A2F:-1}

@@ -37,6 +37,7 @@ FILE_KERNELS = {
     "ffn_graph.cu": (("afd_graph_stage", False), ("afd_graph_wait_stage", False), ("afd_graph_gather", True),
                      ("afd_graph_reply", True), ("afd_graph_dedup_expand", True),
                      ("afd_graph_dedup_reply", True)),
+    "gate.cu": (("afd_gate_topk", True),),
 }
 
 #: probes for tests and tools only (same format as FILE_KERNELS)

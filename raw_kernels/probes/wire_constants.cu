@@ -25,7 +25,7 @@ extern "C" __global__ void afd_read_wire_constants(afd_i64* out) {
       DT_BF16, DT_F16, DT_F32,
       CHUNK, MAX_BLOCKS, MAX_FFN_RANKS, MAX_TOP_K, MAX_EXPERTS, ROWS_PER_BLOCK,
       PLAN_THREADS, SCATTER_THREADS, WAIT_REPLIES_THREADS, COMBINE_THREADS, WAIT_ANY_THREADS,
-      REPLY_THREADS,
+      REPLY_THREADS, GATE_THREADS, GATE_MAX_EXPERTS, GATE_MAX_TOP_K,
       // element sizes seen by the templates, and the bf16/fp16 conversions of 1.5 and -2.25
       itemsize<DT_BF16>(), itemsize<DT_F16>(), itemsize<DT_F32>(),
       f32_to_bf16(1.5f), f32_to_f16(1.5f),
