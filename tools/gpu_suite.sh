@@ -16,7 +16,8 @@
 #     MoE step traced, and bench_afd --overlap ffn (~7 min at most)
 #     trace1: one GPU, the 50-layer step's phases (fused vs two-kernel dispatch and FFN wait +
 #     stage; dedup), the staged step on one stream vs a stream per stage (S = 1 2 4), the
-#     V2-Lite-shaped MoE step with the GEMM SM carve-out 0 and "auto" (the default),
+#     V2-Lite-shaped MoE step with the GEMM SM carve-out 0 and "auto" (the default), the step
+#     with torch's gate against the one-kernel gate (step_fused), bench_gate,
 #     probe_kernel_cost (what single round-trip kernels cost) and probe_spin_gemm (the routed
 #     grouped GEMM next to a spinning warp, with and without an SM carve-out)
 # Knobs (environment): SUITE_TESTS (test files or ids instead of all), SUITE_TIMEOUT, TEST_TIMEOUT (per test), SMOKE_ARGS, SKIP_SMOKE_1A1F=1, SKIP_SMOKE_2A2F=1,
@@ -111,6 +112,7 @@ case "$MODE" in
   trace1)  # one GPU: the round trip by phase (both dispatch kernels, both FFN modes) and single-kernel costs
     SG="python3 tools/bench_step_graph.py --quick --layers 50 --tokens 128 --stages 1 --trace"
     run_step step_fused 120 $SG --dispatch fused --out "$OUT/step_fused"
+    run_step step_gate_torch 120 $SG --dispatch fused --gate-impl torch --out "$OUT/step_gate_torch"
     run_step step_two_kernel 120 $SG --dispatch two-kernel --ffn-stage two-kernel --out "$OUT/step_two_kernel"
     run_step step_dedup 120 $SG --wire-mode dedup --out "$OUT/step_dedup"
     run_step step_dedup_3k 120 $SG --wire-mode dedup --dispatch two-kernel --out "$OUT/step_dedup_3k"
@@ -119,7 +121,8 @@ case "$MODE" in
     run_step step_moe_c0 100 python3 tools/bench_step_graph.py --quick $MOE --gemm-sm-carveout 0 --out "$OUT/step_moe_c0"
     run_step step_moe_auto 100 python3 tools/bench_step_graph.py --quick $MOE --out "$OUT/step_moe_auto"
     NO_MPS=1 run_step probe 120 python3 tools/probe_kernel_cost.py --out "$OUT/probe"
-    NO_MPS=1 run_step spin_gemm 60 python3 tools/probe_spin_gemm.py --out "$OUT/spin_gemm" ;;
+    NO_MPS=1 run_step spin_gemm 60 python3 tools/probe_spin_gemm.py --out "$OUT/spin_gemm"
+    NO_MPS=1 run_step gate 90 python3 tools/bench_gate.py --quick --out "$OUT/gate" ;;
 esac
 case "$MODE" in twogpu*|trace1) MODE=none ;; esac
 if [ "$MODE" != bench ] && [ "$MODE" != none ]; then
