@@ -15,6 +15,8 @@ renormalize, bias or not); each call rewrites its addresses and token count.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from afd_cupy.kernels import specs
@@ -39,6 +41,13 @@ def unsupported_reason(router_logits: torch.Tensor, top_k: int, bias: torch.Tens
         return f"top_k {top_k} > GATE_MAX_TOP_K = {limits['GATE_MAX_TOP_K']}"
     if bias is not None and bias.device != router_logits.device:
         return f"the bias is on {bias.device}, the logits on {router_logits.device}"
+    return _cupy_import_error()
+
+
+@functools.lru_cache(maxsize=None)
+def _cupy_import_error() -> str | None:
+    """Why CuPy cannot be imported (None: it can), tried once per process: a failing import
+    rescans sys.path every time, too slow for a per-layer call."""
     try:
         import cupy  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - any import failure means: use torch
