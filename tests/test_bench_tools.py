@@ -800,9 +800,8 @@ def test_probe_spin_gemm_routing_settings_rows_and_table():
 
 
 def test_gemm_sm_carveout_arguments_of_the_benchmarks():
-    # bench_step_graph and bench_afd pass --gemm-sm-carveout to their FFN ranks (and record it)
-    import bench_step_graph as tool
-    # ("auto" by default, the library's default; an int >= 0; anything else is a usage error)
+    # bench_step_graph and bench_afd pass --gemm-sm-carveout to their FFN ranks (and record it):
+    # "auto" by default, the library's default; an int >= 0; anything else is a usage error
     import bench_step_graph as tool
     for parse in (tool.parse_args, bench_afd.parse_args):
         assert parse([]).gemm_sm_carveout == "auto"
