@@ -54,6 +54,7 @@ afd_gate_topk(afd_u64 logits,           // [num_tokens, num_experts] of DT, row-
     float row_max = NEG_INF;
 #pragma unroll
     for (int j = 0; j < GATE_PER_LANE; ++j) {
+      if (j * 32 >= num_experts) break;  // warp-uniform: past the last expert
       const int e = j * 32 + lane;
       score[j] = e < num_experts ? load_elem<DT>(base, row + e) : NEG_INF;
       row_max = fmaxf(row_max, score[j]);
@@ -63,18 +64,26 @@ afd_gate_topk(afd_u64 logits,           // [num_tokens, num_experts] of DT, row-
       float sum = 0.f;
 #pragma unroll
       for (int j = 0; j < GATE_PER_LANE; ++j) {
+        if (j * 32 >= num_experts) break;  // warp-uniform: past the last expert
         score[j] = j * 32 + lane < num_experts ? expf(score[j] - row_max) : 0.f;
         sum += score[j];
       }
       for (int d = 16; d > 0; d >>= 1) sum += __shfl_xor_sync(ALL, sum, d);
 #pragma unroll
-      for (int j = 0; j < GATE_PER_LANE; ++j) score[j] = score[j] / sum;
+      for (int j = 0; j < GATE_PER_LANE; ++j) {
+        if (j * 32 >= num_experts) break;
+        score[j] = score[j] / sum;
+      }
     } else if (scoring == SCORE_SIGMOID) {
 #pragma unroll
-      for (int j = 0; j < GATE_PER_LANE; ++j) score[j] = 1.f / (1.f + expf(-score[j]));
+      for (int j = 0; j < GATE_PER_LANE; ++j) {
+        if (j * 32 >= num_experts) break;
+        score[j] = 1.f / (1.f + expf(-score[j]));
+      }
     }
 #pragma unroll
     for (int j = 0; j < GATE_PER_LANE; ++j) {
+      if (j * 32 >= num_experts) break;  // warp-uniform: past the last expert
       const int e = j * 32 + lane;
       float s = e < num_experts ? score[j] + (bias_f ? bias_f[e] : 0.f) : NEG_INF;
       sel[j] = s != s ? NEG_INF : s;  // NaN ranks below every number
