@@ -478,7 +478,7 @@ def resolve_gemm_sm_carveout(value, *, device=None, name: str = "gemm_sm_carveou
         if device is None or torch.device(device).type != "cuda" or _carveout_binding() is None:
             return 0
         return AUTO_GEMM_SM_CARVEOUT if _sm_count(torch.device(device)) > 2 * AUTO_GEMM_SM_CARVEOUT else 0
-    return check_sm_carveout(value, device=device if value else None, name=name)
+    return check_sm_carveout(value, device=device, name=name)
 
 
 def current_sm_carveout() -> int | None:
@@ -518,21 +518,21 @@ def sm_carveout(n: int | None, *, device=None):
         return
     n = check_sm_carveout(n, device=device, name="sm_carveout(n)")
     setter, getter = _carveout_binding()
-    scope = _CarveoutScope(n)
-    with _CARVEOUT_LOCK:
-        if not _CARVEOUT_SCOPES:
-            _CARVEOUT_BASE[0] = getter()
-        _CARVEOUT_SCOPES.append(scope)
+    scope = _CarveoutScope(n)  # compared by identity: list.remove takes out this block only
+    with _OPEN.lock:
+        if not _OPEN.scopes:
+            _OPEN.base = getter()
+        _OPEN.scopes.append(scope)
         setter(n)
     try:
         yield
     finally:
-        with _CARVEOUT_LOCK:
-            del _CARVEOUT_SCOPES[next(i for i, s in enumerate(_CARVEOUT_SCOPES) if s is scope)]
-            if _CARVEOUT_SCOPES:
-                setter(_CARVEOUT_SCOPES[-1].n)
+        with _OPEN.lock:
+            _OPEN.scopes.remove(scope)
+            if _OPEN.scopes:
+                setter(_OPEN.scopes[-1].n)
             else:
-                _restore_carveout(setter, _CARVEOUT_BASE[0])
+                _restore_carveout(setter, _OPEN.base)
 
 
 @dataclass(eq=False)
@@ -540,9 +540,16 @@ class _CarveoutScope:
     n: int
 
 
-_CARVEOUT_LOCK = threading.Lock()
-_CARVEOUT_SCOPES: list[_CarveoutScope] = []  # the open sm_carveout blocks, oldest first
-_CARVEOUT_BASE: list = [None]  # torch's value before the oldest open block
+@dataclass
+class _OpenScopes:
+    """The open ``sm_carveout`` blocks of this process, oldest first, and torch's value from
+    before the oldest; guarded by ``lock``."""
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    scopes: list = dataclasses.field(default_factory=list)
+    base: int | None = None
+
+
+_OPEN = _OpenScopes()
 
 
 def _restore_carveout(setter, previous: int | None) -> None:

@@ -992,7 +992,7 @@ def test_sm_carveout_blocks_on_two_threads_that_overlap(monkeypatch):
         assert fake.value == (3 if first == "a" else 2)
         steps[second][1].set()
         threads["ab".index(second)].join(5)
-        assert not errors and fake.value == 9 and not moe._CARVEOUT_SCOPES
+        assert not errors and fake.value == 9 and not moe._OPEN.scopes
 
 
 def test_sm_carveout_zero_or_none_does_not_touch_torch(monkeypatch):

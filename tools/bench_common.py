@@ -5,6 +5,7 @@ Nothing here starts a process or touches a GPU at import time.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import json
@@ -64,7 +65,6 @@ def add_common_args(parser, quick_help: str) -> None:
 def gemm_sm_carveout_arg(text: str):
     """argparse type of ``--gemm-sm-carveout``: ``auto`` (the library's default, see
     ``moe.resolve_gemm_sm_carveout``) or an int >= 0 (0: the GEMMs untouched)."""
-    import argparse
     if text == "auto":
         return text
     try:

@@ -378,9 +378,9 @@ def targets(rows: list, moe_traces: list | None = None) -> list:
 def beyond_experts_target(traces: list | None) -> list:
     """[] without traces; else one target row: the captured step's matched round trip less
     its "FFN experts" phase (median over round trips) at the largest traced batch."""
-    traced = [t for t in traces or () if t.get("mode") == "graph" and t.get("beyond_experts")]
     if traces is None:
         return []
+    traced = [t for t in traces if t.get("mode") == "graph" and t.get("beyond_experts")]
     best = max(traced, key=lambda t: (t["tokens"], t["layers"])) if traced else None
     value = best["beyond_experts"]["median_us"] if best else None
     note = (f"{best['tokens']} tokens, L={best['layers']}; FFN experts phase "
