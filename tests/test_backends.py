@@ -28,3 +28,40 @@ def test_backend_implements_every_data_path_method_with_its_signature(path_cls):
 def test_backend_modules_open_paths(name):
     module = __import__(BACKEND_MODULES[name], fromlist=["open_path"])
     assert callable(module.open_path) and callable(module.require_available)
+
+
+class _FakeStream:
+    """Stands in for ``cupy.cuda.Stream``: records how a foreign stream was wrapped."""
+
+    def __init__(self, how, handle, device_id=None):
+        self.how, self.handle, self.device_id = how, handle, device_id
+
+
+def _fake_cupy(with_from_external: bool):
+    class Stream:
+        pass
+
+    if with_from_external:  # CuPy >= 14
+        def from_external(obj):
+            version, handle = obj.__cuda_stream__()
+            assert version == 0
+            return _FakeStream("from_external", handle)
+
+        Stream.from_external = staticmethod(from_external)
+
+    def external_stream(handle, device_id=-1):
+        return _FakeStream("ExternalStream", handle, device_id)
+
+    cuda_ns = type("cuda", (), {"Stream": Stream, "ExternalStream": staticmethod(external_stream)})
+    return type("cp", (), {"cuda": cuda_ns})
+
+
+@pytest.mark.parametrize("with_from_external", [True, False], ids=["cupy14", "cupy13"])
+def test_cupy_stream_wraps_the_raw_handle_through_the_stream_protocol_when_cupy_has_it(with_from_external):
+    handle = 0x7F00_1234_5678
+    stream = cuda.cupy_stream(_fake_cupy(with_from_external), handle, 3)
+    assert stream.handle == handle
+    if with_from_external:  # the deprecated ExternalStream is not touched
+        assert (stream.how, stream.device_id) == ("from_external", None)
+    else:
+        assert (stream.how, stream.device_id) == ("ExternalStream", 3)

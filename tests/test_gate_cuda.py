@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from afd_cupy import gates
-from afd_cupy.kernels import specs
+from afd_cupy.kernels import PackedLaunch, specs
 
-cp = pytest.importorskip("cupy")
+pytest.importorskip("cupy")
 pytestmark = pytest.mark.cuda
 
 from test_gates import separated_logits  # noqa: E402
@@ -47,7 +47,7 @@ def run_kernel(logits: torch.Tensor, top_k: int, *, scoring: str, bias: torch.Te
         scoring=specs.GATE_SCORING[scoring], bias=0 if bias is None else bias.data_ptr(),
         renormalize=int(renormalize), topk_weights=weights.data_ptr(), topk_ids=ids.data_ptr(),
         max_blocks=max_blocks)
-    spec.launch(cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream))
+    PackedLaunch(spec).launch(torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     return weights.cpu().numpy(), ids.cpu().numpy()
 

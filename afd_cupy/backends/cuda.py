@@ -40,6 +40,31 @@ WIRE_MODES = ("pair", "dedup")
 TRANSPORTS = ("direct", "put", "auto")
 
 
+class _RawStream:
+    """A raw ``cudaStream_t`` handle behind the CUDA stream protocol (``__cuda_stream__``)."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return 0, self.handle
+
+
+def cupy_stream(cp, handle: int, device_id: int):
+    """A ``cupy.cuda.Stream`` over the raw stream ``handle`` (not owned: never destroyed).
+
+    CuPy >= 14 takes foreign streams through ``Stream.from_external`` (device unknown to
+    CuPy: callers select the device themselves) and deprecates ``ExternalStream``, which
+    older CuPy versions need.
+    """
+    from_external = getattr(cp.cuda.Stream, "from_external", None)
+    if from_external is None:
+        return cp.cuda.ExternalStream(handle, device_id)
+    return from_external(_RawStream(handle))
+
+
 def open_path(ctx: PathContext, *, store, job_id: str, device_id, startup_timeout_s: float,
               instance: int = 0, nvshmem_env: dict | None = None):
     """NVSHMEM heap and window of this rank (collective), and the cuda data path."""
@@ -126,7 +151,7 @@ class CudaDataPath(CudaAttentionSide, CudaFFNSide):
         handle = self.stream_ptr()
         stream = self._streams.get(handle)
         if stream is None:
-            stream = self._streams[handle] = self.cp.cuda.ExternalStream(handle, self.device_id)
+            stream = self._streams[handle] = cupy_stream(self.cp, handle, self.device_id)
         return stream
 
     def _no_capture(self, what: str) -> None:
