@@ -445,14 +445,16 @@ def _has_matplotlib() -> bool:
 
 
 @pytest.mark.timeout(120)
-def test_soak_short_host_run_checks_every_output(tmp_path):
+@pytest.mark.parametrize("wire_mode", ["pair", "dedup"])
+def test_soak_short_host_run_checks_every_output(tmp_path, wire_mode):
     env = dict(os.environ, PYTHONPATH=str(ROOT), AFD_BACKEND="host")
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "soak.py"), "--backend", "host",
                            "--round-trips", "120", "--attn", "2", "--ffn", "2", "--stall-prob", "0.05",
-                           "--peer-timeout", "0.3", "--out", str(tmp_path)],
+                           "--peer-timeout", "0.3", "--wire-mode", wire_mode, "--out", str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, f"soak failed:\n{proc.stdout}\n{proc.stderr}"
     report = json.loads((tmp_path / "soak.json").read_text())
+    assert (report["wire_mode"], report["transport"]) == (wire_mode, "direct")
     assert report["round_trips"] == 240 and report["mismatches"] == 0
     assert set(report["errors"]) <= {"PeerTimeoutError"}
     assert report["ffn_stalls"] > 0  # the stalls happened and every later layer was right

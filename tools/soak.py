@@ -29,7 +29,9 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig  # noqa: E402
+from afd_cupy.wire import WIRE_MODES  # noqa: E402
 from afd_cupy.launch import detect_backend, launch  # noqa: E402
+from afd_cupy.transport import TRANSPORTS  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -47,6 +49,10 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backend", choices=("cuda", "host"), default=None)
     parser.add_argument("--poll-mode", choices=("device", "host"), default="device")
+    parser.add_argument("--wire-mode", choices=WIRE_MODES, default="pair",
+                        help="ConnectorConfig.wire_mode (dedup: one row per token and FFN rank)")
+    parser.add_argument("--transport", choices=TRANSPORTS, default="direct",
+                        help="ConnectorConfig.transport (put: every peer by NVSHMEM put-with-signal; cuda only)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="whole-job bound (s)")
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
     return parser.parse_args(argv)
@@ -82,7 +88,8 @@ def _connect(ctx, args, model):
     if args.backend == "cuda":
         torch.cuda.set_device(ctx.device_id or 0)
     config = ConnectorConfig(async_moe_ubatching=True, async_moe_num_ubatches=2,
-                             routed_cap_multiplier=float(args.ffn))
+                             routed_cap_multiplier=float(args.ffn), wire_mode=args.wire_mode,
+                             transport=args.transport)
     return AFDConnector(model, TopologyConfig(args.attn, args.ffn), config, role=role,
                         role_rank=role_rank, store=ctx.store(), job_id=ctx.job_id,
                         backend=args.backend, device_id=ctx.device_id, poll_mode=args.poll_mode,
@@ -170,8 +177,9 @@ def _rank(ctx, args):
 def main(argv=None) -> int:
     args = parse_args(argv)
     args.backend = args.backend or detect_backend()
-    print(f"afd_cupy soak: {args.attn}A{args.ffn}F backend={args.backend} round_trips={args.round_trips} "
-          f"per attention rank, max_tokens={args.max_tokens} stall_prob={args.stall_prob}", flush=True)
+    print(f"afd_cupy soak: {args.attn}A{args.ffn}F backend={args.backend} wire_mode={args.wire_mode} "
+          f"transport={args.transport} round_trips={args.round_trips} per attention rank, "
+          f"max_tokens={args.max_tokens} stall_prob={args.stall_prob}", flush=True)
     shm_before = _shm_entries()
     reports = launch(_rank, args.attn + args.ffn, args=(args,), timeout_s=args.timeout)
     shm_after = _shm_entries()
@@ -181,7 +189,8 @@ def main(argv=None) -> int:
     for r in attn:
         errors.update(r["errors"])
     stalls = sum(r["stalls"] for r in ffn)
-    summary = {"backend": args.backend, "round_trips": sum(r["round_trips"] for r in attn),
+    summary = {"backend": args.backend, "wire_mode": args.wire_mode, "transport": args.transport,
+               "round_trips": sum(r["round_trips"] for r in attn),
                "mismatches": sum(r["mismatches"] for r in attn), "errors": dict(errors),
                "ffn_stalls": stalls, "max_abs_err": max(r["max_abs_err"] for r in attn),
                "shm_entries_before": shm_before, "shm_entries_after": shm_after, "ranks": reports}
@@ -202,7 +211,8 @@ def main(argv=None) -> int:
     summary["afd_segments_left"] = leaked
     ok = (summary["mismatches"] == 0 and not unexpected and timeouts <= stalls * args.attn * 2
           and not leaked)
-    print(f"SOAK {'PASS' if ok else 'FAIL'} backend={args.backend} round_trips={summary['round_trips']} "
+    print(f"SOAK {'PASS' if ok else 'FAIL'} backend={args.backend} wire_mode={args.wire_mode} "
+          f"transport={args.transport} round_trips={summary['round_trips']} "
           f"mismatches={summary['mismatches']} errors={dict(errors)} stalls={stalls} "
           f"afd segments left {len(leaked)}, /dev/shm entries (all owners) {shm_before}->{shm_after}")
     return 0 if ok else 1
