@@ -425,9 +425,11 @@ class AFDConnector:
         """Collective: every rank of the world calls it; frees the window. Idempotent.
 
         An Attention rank that has not announced shutdown does so first (best effort), so the
-        FFN ranks leave their loops even when this rank closes from an exception path. After a
-        peer failure (a timed-out wait, or a peer process found dead) the closing barrier is
-        short and its timeout is logged, not raised.
+        FFN ranks leave their loops even when this rank closes from an exception path. When a
+        peer process is found dead, or a wait timed out and some peer's liveness cannot be
+        seen from here (another host), the closing barrier is short; when the job gives up on
+        the barrier every rank abandons its window alike (logged, not raised; bounded, never a
+        hang: ``store.closing_barrier``).
         """
         if self._closed:
             return
@@ -441,11 +443,16 @@ class AFDConnector:
         finally:
             self._closed = True
             # a peer this rank never waited on may have died too: ask the OS where it can tell
-            dead = [p.world_rank for p in self._peer_processes if p.is_alive() is False]
+            alive = {p.world_rank: p.is_alive() for p in self._peer_processes}
+            dead = [rank for rank, is_alive in alive.items() if is_alive is False]
             if dead:
                 logger.warning("afd_cupy %s rank %d: world rank(s) %s are gone; closing without them",
                                self.role.value, self.role_rank, dead)
-            self.path.close(peers_healthy=not (self._peer_failed or dead))
+            # a short closing barrier when a peer is gone, or may be (a wait timed out and some
+            # peer's liveness is unknown here); a timed-out wait whose peers all still run (a
+            # slow FFN that answered late) waits for them like a clean close
+            unknown = any(is_alive is None for is_alive in alive.values())
+            self.path.close(peers_healthy=not dead and not (self._peer_failed and unknown))
 
     def __enter__(self) -> "AFDConnector":
         return self

@@ -11,12 +11,16 @@ terminated and joined, the store is dropped and the job's shared-memory segments
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import logging
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
+import signal
 import sys
+import tempfile
 import time
 import traceback
 import uuid
@@ -37,6 +41,10 @@ _TERMINATE_GRACE_S = 2.0
 _FAILURE_GRACE_S = 1.0  # after a first failure, time to collect the other ranks' reports
 _DONE_GRACE_S = 5.0  # least time a store host waits for the other launches' ranks to finish
 _POLL_S = 0.05
+_STACK_SIGNAL = getattr(signal, "SIGUSR1", None)  # None where there is no SIGUSR1 (Windows)
+_STACK_WAIT_S = 2.0  # how long a hung rank gets to write its stacks after the signal
+_STACK_MAX_CHARS = 8000  # of each rank's dump kept in the failure text (innermost frames first)
+_stack_file = None  # the child's open dump file (faulthandler writes to its descriptor)
 
 
 class LaunchError(AfdError):
@@ -312,9 +320,15 @@ def detect_backend() -> str:
 
 
 def _child_main(rank: int, fn_args_blob: bytes, ctx: ProcessContext, env: dict[str, str],
-                results: Any) -> None:
-    """Entry point of a child: set ``env``, then unpickle and run ``fn``; report to parent."""
+                results: Any, stack_path: str | None = None) -> None:
+    """Entry point of a child: set ``env``, then unpickle and run ``fn``; report to parent.
+    ``stack_path``: where the Python stacks of every thread go when the parent sends
+    SIGUSR1 (a rank that does not finish in time; :func:`_collect_stacks`)."""
+    global _stack_file
     os.environ.update(env)
+    if stack_path is not None and _STACK_SIGNAL is not None:
+        _stack_file = open(stack_path, "w")  # noqa: SIM115 - open for the process's life
+        faulthandler.register(_STACK_SIGNAL, file=_stack_file, all_threads=True)
     try:
         # Unpickled only now so that env (CUDA_VISIBLE_DEVICES, MPS, thread pools...) is set
         # before any import that fn's module triggers.
@@ -364,6 +378,7 @@ class _Job:
         self.expected_deaths = frozenset(expected_deaths)
         self.values: dict[int, Any] = {}
         self.failures: dict[int, str] = {}
+        self.timed_out: list[int] = []  # ranks still running at the deadline
 
     def pending(self) -> list[int]:
         return [r for r in range(self.nprocs) if r not in self.values and r not in self.failures]
@@ -398,18 +413,20 @@ class _Job:
                     self.failures[rank] = f"rank {rank} died without reporting (exit code {code})"
 
 
-def _wait(job: _Job, timeout_s: float, joining: "rendezvous.Rendezvous | None" = None) -> None:
-    """Wait for every rank, stopping shortly after the first failure or at the timeout.
+def _wait(job: _Job, deadline: float, timeout_s: float,
+          joining: "rendezvous.Rendezvous | None" = None) -> None:
+    """Wait for every rank, stopping shortly after the first failure or at ``deadline``
+    (``time.monotonic()``; the job's ``timeout_s`` is what a rank that misses it is told).
 
     Until ``joining`` is complete (every world rank of the job joined) its deadline applies
     too: past it, its PeerTimeoutError naming the missing world ranks is raised, unless a
     local rank failed first (then that failure is reported as usual)."""
-    deadline = time.monotonic() + timeout_s
     failure_deadline = None
     while job.pending():
         now = time.monotonic()
         if now >= deadline:
-            for rank in job.pending():
+            job.timed_out = job.pending()
+            for rank in job.timed_out:
                 job.failures[rank] = f"rank {rank} did not finish within {timeout_s:.1f} s"
             return
         if job.failures and failure_deadline is None:
@@ -421,6 +438,56 @@ def _wait(job: _Job, timeout_s: float, joining: "rendezvous.Rendezvous | None" =
             raise joining.error()
         job.drain(min(_POLL_S, deadline - now))
         job.note_silent_deaths()
+
+
+def _collect_stacks(job: _Job, stack_paths: list) -> None:
+    """Append the Python stacks of every thread of each rank that timed out to its failure
+    text: signal the live ones (faulthandler, registered by :func:`_child_main`), wait until
+    each dump stops growing (at most ``_STACK_WAIT_S``), keep its first ``_STACK_MAX_CHARS``.
+    A rank blocked in C (a CUDA synchronize, a lock) is dumped too: faulthandler writes from
+    the signal handler without the GIL."""
+    if _STACK_SIGNAL is None:
+        return
+    hung = []
+    for rank in job.timed_out:
+        if stack_paths[rank] is None or not job.processes[rank].is_alive():
+            continue
+        try:
+            os.kill(job.processes[rank].pid, _STACK_SIGNAL)
+        except OSError:  # it exited just now
+            continue
+        hung.append(rank)
+    sizes: dict[int, int] = {}
+    settled: set[int] = set()
+    deadline = time.monotonic() + _STACK_WAIT_S
+    while len(settled) < len(hung) and time.monotonic() < deadline:
+        time.sleep(2 * _POLL_S)
+        for rank in hung:
+            size = _file_size(stack_paths[rank])
+            if size > 0 and sizes.get(rank) == size:
+                settled.add(rank)
+            sizes[rank] = size
+    for rank in hung:
+        text = _read_text(stack_paths[rank])
+        if len(text) > _STACK_MAX_CHARS:
+            text = text[:_STACK_MAX_CHARS] + "\n..."
+        job.failures[rank] += (f"; the Python stacks of its threads then:\n{text.rstrip()}" if text.strip()
+                               else "; it wrote no stack dump on SIGUSR1")
+
+
+def _file_size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path, errors="replace") as dump:
+            return dump.read()
+    except OSError:
+        return ""
 
 
 def _failure_message(job: _Job, job_id: str) -> str:
@@ -507,7 +574,9 @@ def launch(fn: Callable, nprocs: int, *, args: tuple = (), timeout_s: float = 12
     and the other ranks run on to their own end.
 
     Raises LaunchError when any rank raises (with every failing rank's traceback), dies
-    without reporting (with its exit code) or does not finish within ``timeout_s``.
+    without reporting (with its exit code) or does not finish within ``timeout_s`` (with the
+    Python stacks of all its threads at that moment, taken by faulthandler on SIGUSR1 before
+    the rank is terminated: where a hung rank waits, even inside a CUDA call).
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
@@ -535,6 +604,8 @@ def launch(fn: Callable, nprocs: int, *, args: tuple = (), timeout_s: float = 12
     spawn = mp.get_context("spawn")
     results = spawn.Queue()
     processes: list = []
+    stack_dir = tempfile.mkdtemp(prefix=f"afd-{job_id}-stacks-")
+    stack_paths = [os.path.join(stack_dir, f"rank{local}.txt") for local in range(nprocs)]
     master = store = joining = None
     ok = False
     try:
@@ -556,12 +627,14 @@ def launch(fn: Callable, nprocs: int, *, args: tuple = (), timeout_s: float = 12
             ctx = ProcessContext(rank, world_size, job_id, host, port, device, timeout_s,
                                  where.sm_percent)
             proc = spawn.Process(target=_child_main, name=f"afd-{job_id}-rank{rank}",
-                                 args=(local, fn_args_blob, ctx, rank_env, results))
+                                 args=(local, fn_args_blob, ctx, rank_env, results,
+                                       stack_paths[local]))
             proc.start()
             processes.append(proc)
         job = _Job(nprocs, processes, results, expected_deaths)
-        _wait(job, max(0.0, timeout_s - (time.monotonic() - start)), joining)
+        _wait(job, start + timeout_s, timeout_s, joining)
         if job.failures:
+            _collect_stacks(job, stack_paths)
             raise LaunchError(_failure_message(job, job_id), failures=job.failures)
         if joining is not None:
             joining.wait()  # ranks that never needed their peers: the job must still assemble
@@ -576,6 +649,7 @@ def launch(fn: Callable, nprocs: int, *, args: tuple = (), timeout_s: float = 12
                          wait_s=max(0.0, timeout_s - (time.monotonic() - start)))
         del store, master  # a hosted master stops serving when dropped
         cleanup_job_segments(job_id, ranks=None if world_size == nprocs else ranks)
+        shutil.rmtree(stack_dir, ignore_errors=True)
 
 
 def _join_job(host: str, port: int, master, ranks: list[int], world_size: int, job_id: str,

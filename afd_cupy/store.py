@@ -153,3 +153,45 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
         return sock.getsockname()[1]
+
+
+#: how long a rank waits for the decision of a closing barrier once someone has taken it (s):
+#: the decider publishes it right after winning, so only a decider that dies in between
+#: makes this wait run out
+_DECISION_WAIT_S = 10.0
+
+
+def closing_barrier(store: Store, name: str, world_size: int, timeout_s: float) -> bool:
+    """Collective and bounded: True when every one of ``world_size`` ranks arrived (all of
+    them may now run a collective teardown), False when the job gave up on it.
+
+    The answer is the same on every rank that returns: the first rank to see either all
+    arrivals or its own ``timeout_s`` run out takes the decision ("go" or "abandon") by an
+    atomic add and publishes it; every rank, a late one included, returns that decision.
+    With a plain barrier a rank that timed out would leave while a later one, seeing the
+    count complete, entered a collective teardown (``nvshmem_barrier_all``) that the gone rank
+    never joins: a hang. A decider that dies before publishing counts as "abandon".
+    """
+    generation = _next_generation(store, name)
+    key = f"{name}/{generation}"
+    decided_key = f"{name}/{generation}/decided"
+    decision_key = f"{name}/{generation}/decision"
+    store.add(key, 1)
+    seen = {"arrived": 0, "decided": 0}
+
+    def done() -> bool:
+        seen["decided"] = store.add(decided_key, 0)
+        if seen["decided"]:
+            return True
+        seen["arrived"] = store.add(key, 0)
+        return seen["arrived"] >= world_size
+
+    _poll_until(done, timeout_s)
+    if not seen["decided"] and store.add(decided_key, 1) == 1:  # this rank decides
+        go = store.add(key, 0) >= world_size
+        store_publish(store, decision_key, b"go" if go else b"abandon")
+        return go
+    try:
+        return store_fetch(store, decision_key, _DECISION_WAIT_S) == b"go"
+    except PeerTimeoutError:
+        return False

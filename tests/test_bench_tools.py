@@ -857,3 +857,27 @@ def test_bench_gate_arguments_table_and_the_cpu_skip(tmp_path):
         assert bench_gate.main(["--out", str(tmp_path)]) == 0
         report = json.loads((tmp_path / "bench_gate.json").read_text())
         assert report["skipped"] and "rows" not in report
+
+
+def test_gpu_suite_soak1_arguments_parse_and_fit_the_device_call():
+    # soak1 is a whole device call: every soak it runs must parse, stop itself (--timeout, so
+    # that a hang comes back with the ranks' stacks) before its step limit, and all of them
+    # together must fit one 600 s call
+    import re
+
+    import soak
+
+    script = (ROOT / "tools" / "gpu_suite.sh").read_text()
+    block = script[script.index("  soak1)"):script.index("  trace1)")]
+    base = re.search(r'SOAK="python3 tools/soak.py ([^"]*)"', block).group(1).split()
+    steps = re.findall(r"run_step (\S+) (\d+) \$SOAK (.*)", block)
+    assert len(steps) >= 4, steps
+    covered = set()
+    for name, limit, rest in steps:
+        argv = base + [a for a in rest.split() if not a.startswith(("\"$OUT", ";;"))]
+        argv = [a for a in argv if a != "--out"]
+        args = soak.parse_args(argv)
+        assert args.timeout + 10 <= int(limit), (name, args.timeout, limit)
+        covered.add((args.wire_mode, args.transport))
+    assert covered >= {("pair", "direct"), ("dedup", "direct"), ("pair", "put"), ("dedup", "put")}
+    assert sum(int(limit) for _, limit, _ in steps) + 10 * len(steps) <= 600

@@ -765,3 +765,41 @@ def test_2a2f_one_rank_dies_and_the_others_keep_serving(backend, victim):
     else:
         assert attn[0]["timeout_peer"] == 0 and attn[1]["timeout_peer"] == 0, attn
         assert ffn[0]["served"] >= 8, ffn  # FFN rank 1 served both replicas
+
+
+class _Peer:
+    def __init__(self, world_rank, alive):
+        self.world_rank, self._alive = world_rank, alive
+
+    def is_alive(self):
+        return self._alive
+
+
+class _ClosingPath:
+    def __init__(self):
+        self.healthy = []
+
+    def close(self, *, peers_healthy):
+        self.healthy.append(peers_healthy)
+
+
+@pytest.mark.parametrize("peer_failed,liveness,healthy", [
+    (False, (True, True), True),
+    (True, (True, True), True),     # a timed-out wait whose peers all still run (the soak's case)
+    (True, (True, None), False),    # ... and a peer this host cannot see: it may be gone
+    (False, (True, None), True),    # no failure: unknown liveness alone changes nothing
+    (False, (True, False), False),  # a dead peer
+    (True, (False, None), False),
+])
+def test_close_waits_for_live_peers_after_a_recovered_timeout(peer_failed, liveness, healthy):
+    # The closing barrier is short (UNHEALTHY_CLOSE_S) only when a peer is gone or may be. A
+    # replica that recovered from one timeout and finished first used to close "unhealthy",
+    # give up on its late peers after 0.5 s, and leave them in NVSHMEM's collective teardown
+    conn = object.__new__(AFDConnector)
+    conn.role, conn.role_rank, conn._shutdown_announced, conn._closed = Role.ATTENTION, 0, True, False
+    conn._peer_failed = peer_failed
+    conn._peer_processes = [_Peer(rank + 1, alive) for rank, alive in enumerate(liveness)]
+    conn.path = _ClosingPath()
+    conn.close()
+    conn.close()  # idempotent
+    assert conn.path.healthy == [healthy]

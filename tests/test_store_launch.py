@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 
+import numpy as np
 import pytest
 
 from afd_cupy.errors import AfdError, PeerTimeoutError
 from afd_cupy.launch import LaunchError, ProcessContext, device_for_rank, launch
-from afd_cupy.store import NamespacedStore, create_store, free_port, store_barrier
+from afd_cupy.store import NamespacedStore, closing_barrier, create_store, free_port, store_barrier
 
 # ---------------------------------------------------------------------------------------------
 # Child functions (top level: pickled by reference into spawned processes)
@@ -33,9 +35,20 @@ def _exit_rank_one(ctx: ProcessContext):
     time.sleep(30)
 
 
+def _helper_thread_sleeps():
+    time.sleep(600)
+
+
+def _main_thread_blocks_on_a_lock():
+    lock = threading.Lock()
+    lock.acquire()
+    lock.acquire()  # blocked in C with the GIL released, like a CUDA synchronize
+
+
 def _hang_rank_one(ctx: ProcessContext):
     if ctx.rank == 1:
-        time.sleep(600)
+        threading.Thread(target=_helper_thread_sleeps, daemon=True).start()
+        _main_thread_blocks_on_a_lock()
     return ctx.rank
 
 
@@ -112,6 +125,12 @@ def test_hung_child_is_killed_at_timeout():
         launch(_hang_rank_one, 2, timeout_s=4.0, num_gpus=0)
     assert set(info.value.failures) == {1}
     assert time.monotonic() - start < 15
+    # where it hung: every thread's Python stack (faulthandler on SIGUSR1), the blocked main
+    # thread and the sleeping helper both named
+    failure = info.value.failures[1]
+    assert "the Python stacks of its threads then" in failure, failure
+    assert "in _main_thread_blocks_on_a_lock" in failure and "in _helper_thread_sleeps" in failure, failure
+    assert "in _hang_rank_one" in failure, failure
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,6 +161,51 @@ def test_store_barrier_timeout_names_counts(master_store):
     # The next barrier of that name is a new generation, also bounded.
     with pytest.raises(PeerTimeoutError, match=r"'lonely/1'"):
         store_barrier(store, "lonely", 3, timeout_s=0.1)
+
+
+def _closing_round(name: str, delays, timeouts):
+    """Ranks as threads, each with its own store client: sleep its delay, then
+    closing_barrier with its timeout. Returns [(verdict, seconds in the barrier)] by rank."""
+    port = free_port()
+    master = create_store("127.0.0.1", port, len(delays), is_master=True, timeout_s=30.0)
+    results = [None] * len(delays)
+
+    def rank(i):
+        store = create_store("127.0.0.1", port, len(delays), is_master=False, timeout_s=30.0)
+        time.sleep(delays[i])
+        start = time.monotonic()
+        results[i] = (closing_barrier(store, name, len(delays), timeouts[i]), time.monotonic() - start)
+
+    threads = [threading.Thread(target=rank, args=(i,)) for i in range(len(delays))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    del master
+    assert all(r is not None for r in results), results
+    return results
+
+
+@pytest.mark.timeout(30)
+def test_closing_barrier_gives_every_rank_the_same_verdict():
+    # all arrive in time: every rank may run the collective teardown
+    assert [v for v, _ in _closing_round("all", [0, 0.05, 0.1], [5, 5, 5])] == [True] * 3
+    # the soak's hang: rank 0 (a short, "unhealthy" wait) gives up before the others arrive.
+    # A plain barrier let the late ranks see a full count and enter nvshmem_barrier_all
+    # without it; here every rank abandons, the late ones at once (not after their 5 s)
+    late = _closing_round("late", [0, 0.8, 0.8], [0.3, 5, 5])
+    assert [v for v, _ in late] == [False] * 3, late
+    assert late[0][1] < 1.0 and late[1][1] < 1.0 and late[2][1] < 1.0, late
+    # near the deadline: whatever the verdict, it is the same on every rank
+    rng = np.random.default_rng(7)
+    verdicts = set()
+    for trial in range(12):
+        delays = list(rng.uniform(0, 0.15, 3))
+        timeouts = list(rng.uniform(0.02, 0.2, 3))
+        got = {v for v, _ in _closing_round(f"race{trial}", delays, timeouts)}
+        assert len(got) == 1, (trial, delays, timeouts, got)
+        verdicts |= got
+    assert verdicts == {True, False}  # both outcomes were exercised
 
 
 @pytest.mark.timeout(20)

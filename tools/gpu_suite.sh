@@ -3,7 +3,7 @@
 # `cuda`-marked test (multi-process ones included), the smoke tool (1A1F and 2A2F) and the
 # short benchmarks, stop MPS, print a summary table last. Logs go to $OUT (or ./gpu_out).
 #
-#   bash tools/gpu_suite.sh [full|quick|bench|part1|part2|part3|twogpu1..twogpu4|trace1]
+#   bash tools/gpu_suite.sh [full|quick|bench|part1|part2|part3|twogpu1..twogpu4|trace1|soak1]
 #     quick: tests + smoke only; bench: benchmarks only; part1..3: the cuda tests in three
 #     device calls (part1: kernels, FFN graph, moe, step graph, e2e errors, window, adapters +
 #     smoke + hf_generate; part2: test_e2e.py; part3: model gates, NVSHMEM
@@ -14,6 +14,8 @@
 #     twogpu3 the multigpu tests, bench_step_graph --trace (pair, dedup), bench_graph_ffn (#13);
 #     twogpu4 the GEMM SM carve-out (0 vs "auto") with the FFN on its own GPU: the V2-Lite-shaped
 #     MoE step traced, and bench_afd --overlap ffn (~7 min at most)
+#     soak1: one GPU, the fault model's soak (tools/soak.py: random sizes, stages, stalls; every
+#     output checked) 2A2F pair and dedup, 1A2F dedup + put, 2A1F pair + put, 1A1F pair 10^5
 #     trace1: one GPU, the 50-layer step's phases (fused vs two-kernel dispatch and FFN wait +
 #     stage; dedup), the staged step on one stream vs a stream per stage (S = 1 2 4), the
 #     V2-Lite-shaped MoE step with the GEMM SM carve-out 0 and "auto" (the default), the step
@@ -109,6 +111,14 @@ case "$MODE" in
     AFD="python3 tools/bench_afd.py --quick --attn 2 --ffn 1 --placement 0:50,0:50,1 --workloads uniform --schedules async --overlap ffn --duration 2 --solo-duration 0"
     run_step afd_ffn_c0 120 $AFD --gemm-sm-carveout 0 --out "$OUT/afd_ffn_c0"
     run_step afd_ffn_auto 120 $AFD --out "$OUT/afd_ffn_auto" ;;
+  soak1)  # one GPU, MPS: the fault model's soak over topologies, wire modes and transports;
+    # a rank still running at --timeout is reported with its Python stacks (launch)
+    SOAK="python3 tools/soak.py --stall-prob 0.0002 --progress-s 10"
+    run_step soak_2a2f_pair 110 $SOAK --attn 2 --ffn 2 --round-trips 5000 --timeout 90 --out "$OUT/soak_2a2f_pair"
+    run_step soak_2a2f_dedup 110 $SOAK --attn 2 --ffn 2 --wire-mode dedup --round-trips 5000 --timeout 90 --out "$OUT/soak_2a2f_dedup"
+    run_step soak_1a2f_dedup_put 90 $SOAK --attn 1 --ffn 2 --wire-mode dedup --transport put --round-trips 10000 --timeout 70 --out "$OUT/soak_1a2f_dedup_put"
+    run_step soak_2a1f_pair_put 90 $SOAK --attn 2 --ffn 1 --transport put --round-trips 10000 --timeout 70 --out "$OUT/soak_2a1f_pair_put"
+    run_step soak_1a1f_pair 120 $SOAK --round-trips 100000 --timeout 100 --out "$OUT/soak_1a1f_pair" ;;
   trace1)  # one GPU: the round trip by phase (both dispatch kernels, both FFN modes) and single-kernel costs
     SG="python3 tools/bench_step_graph.py --quick --layers 50 --tokens 128 --stages 1 --trace"
     run_step step_fused 120 $SG --dispatch fused --out "$OUT/step_fused"
@@ -124,7 +134,7 @@ case "$MODE" in
     NO_MPS=1 run_step spin_gemm 60 python3 tools/probe_spin_gemm.py --out "$OUT/spin_gemm"
     NO_MPS=1 run_step gate 90 python3 tools/bench_gate.py --quick --out "$OUT/gate" ;;
 esac
-case "$MODE" in twogpu*|trace1) MODE=none ;; esac
+case "$MODE" in twogpu*|trace1|soak1) MODE=none ;; esac
 if [ "$MODE" != bench ] && [ "$MODE" != none ]; then
 run_step pytest_cuda "$SUITE_TIMEOUT" python3 -m pytest -m cuda -q -p no:cacheprovider \
   --timeout=${TEST_TIMEOUT:-90} -rfEs --durations=25 $TEST_FILES
@@ -139,7 +149,7 @@ run_step pytest_cuda "$SUITE_TIMEOUT" python3 -m pytest -m cuda -q -p no:cachepr
   python3 tools/hf_generate.py --ffn 2 --steps 16 --out "$OUT"
 # random sizes, layers, stages and stalls, every output checked (the fault model's soak)
 [ "${SKIP_SOAK:-0}" = 1 ] || run_step soak "${SOAK_TIMEOUT:-300}" python3 tools/soak.py \
-  --round-trips "${SOAK_N:-100000}" --out "$OUT" ${SOAK_ARGS:-}
+  --round-trips "${SOAK_N:-100000}" --timeout $(( ${SOAK_TIMEOUT:-300} - 20 )) --out "$OUT" ${SOAK_ARGS:-}
 fi
 if [ "$MODE" = full ] || [ "$MODE" = bench ]; then
   for bench in ${BENCHES:-bench_poll bench_transport bench_afd profile_roundtrip}; do

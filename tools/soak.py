@@ -53,7 +53,10 @@ def parse_args(argv=None):
                         help="ConnectorConfig.wire_mode (dedup: one row per token and FFN rank)")
     parser.add_argument("--transport", choices=TRANSPORTS, default="direct",
                         help="ConnectorConfig.transport (put: every peer by NVSHMEM put-with-signal; cuda only)")
-    parser.add_argument("--timeout", type=float, default=3600.0, help="whole-job bound (s)")
+    parser.add_argument("--timeout", type=float, default=3600.0,
+                        help="whole-job bound (s); a rank still running then is reported with its stacks")
+    parser.add_argument("--progress-s", type=float, default=10.0,
+                        help="each Attention rank prints its progress this often (s; 0: never)")
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
     return parser.parse_args(argv)
 
@@ -124,7 +127,12 @@ def _attention(conn, args, rank_seed):
     errors, mismatches, worst = collections.Counter(), 0, 0.0
     done = 0
     rss_warm = None
+    start = next_progress = time.monotonic()
     while done < args.round_trips:
+        if args.progress_s > 0 and time.monotonic() >= next_progress + args.progress_s:
+            next_progress = time.monotonic()
+            print(f"soak attention {conn.role_rank}: {done}/{args.round_trips} round trips in "
+                  f"{next_progress - start:.1f} s, mismatches {mismatches}, errors {dict(errors)}", flush=True)
         if rss_warm is None and done >= args.round_trips // 10:
             rss_warm = _rss_kib()  # after the warm-up: the flat-memory baseline
         layer = rng.randrange(model.num_layers)

@@ -19,9 +19,9 @@ import weakref
 
 import numpy as np
 
-from afd_cupy.errors import HeapError, PeerTimeoutError
+from afd_cupy.errors import HeapError
 from afd_cupy.heap.base import UNHEALTHY_CLOSE_S, SymmetricBuffer, SymmetricHeap
-from afd_cupy.store import Store, store_barrier, store_fetch, store_publish
+from afd_cupy.store import Store, closing_barrier, store_barrier, store_fetch, store_publish
 
 logger = logging.getLogger("afd_cupy")
 
@@ -248,22 +248,18 @@ class HostHeap(SymmetricHeap):
     def close(self, *, peers_healthy: bool = True) -> None:
         """Collective: barrier, unmap every buffer, unlink own segments. Idempotent.
 
-        With ``peers_healthy=False`` (a peer timed out or died) the barrier waits at most
-        ``UNHEALTHY_CLOSE_S`` and its timeout is logged, not raised: close() returns promptly.
+        The barrier waits ``timeout_s``, or at most ``UNHEALTHY_CLOSE_S`` with
+        ``peers_healthy=False`` (a peer died); when the job gives up on it the ranks close
+        without each other (logged, not raised).
         """
         if self._closed:
             return
         self._closed = True
         try:
-            if peers_healthy:
-                store_barrier(self._store, f"{self._key_prefix}/close", self.world_size,
-                              self.timeout_s)
-            else:
-                try:
-                    store_barrier(self._store, f"{self._key_prefix}/close", self.world_size,
-                                  min(UNHEALTHY_CLOSE_S, self.timeout_s))
-                except PeerTimeoutError as exc:
-                    logger.warning("host heap of rank %d closed without its peers: %s", self.rank, exc)
+            timeout_s = self.timeout_s if peers_healthy else min(UNHEALTHY_CLOSE_S, self.timeout_s)
+            if not closing_barrier(self._store, f"{self._key_prefix}/close", self.world_size, timeout_s):
+                logger.warning("host heap of rank %d closed without its peers: not every rank reached "
+                               "the closing barrier (this rank waited %.1f s)", self.rank, timeout_s)
         finally:
             for buffer in self._buffers.values():
                 buffer._release()

@@ -18,15 +18,14 @@ from __future__ import annotations
 import ctypes
 import logging
 
-from afd_cupy.errors import (BackendUnavailableError, HeapError, NvshmemError,
-                             PeerTimeoutError)
+from afd_cupy.errors import BackendUnavailableError, HeapError, NvshmemError, PeerTimeoutError
 from afd_cupy.heap.base import UNHEALTHY_CLOSE_S, SymmetricBuffer, SymmetricHeap
 from afd_cupy.heap.nvshmem_env import (NVSHMEM_DEFAULTS, REMOTE_TRANSPORTS,  # noqa: F401 - re-exported
                                        apply_nvshmem_env, nvshmem_env, nvshmem_heap_bytes)
 from afd_cupy.heap.nvshmem_lib import (NVSHMEMX_INIT_WITH_UNIQUEID, STATUS_NOT_INITIALIZED,
                                        SUPPORTED_MAJOR, UniqueId, _check, library_version,
                                        load_library, new_init_attr, new_unique_id)
-from afd_cupy.store import Store, store_barrier, store_fetch, store_publish
+from afd_cupy.store import Store, closing_barrier, store_barrier, store_fetch, store_publish
 
 logger = logging.getLogger("afd_cupy")
 
@@ -269,28 +268,34 @@ class NvshmemHeap(SymmetricHeap):
 
     def _bounded_barrier(self) -> None:
         """``nvshmem_barrier_all`` once every PE has arrived at a store barrier bounded by
-        ``timeout_s``: NVSHMEM's own barrier has no timeout, a dead peer would hang it."""
-        store_barrier(self._store, self._barrier_name, self.world_size, self.timeout_s)
+        ``timeout_s``: NVSHMEM's own barrier has no timeout, a dead peer would hang it. The
+        store barrier's verdict is the same on every PE (:func:`closing_barrier`): all enter
+        ``nvshmem_barrier_all``, or all raise PeerTimeoutError."""
+        if not closing_barrier(self._store, self._barrier_name, self.world_size, self.timeout_s):
+            raise PeerTimeoutError(f"NVSHMEM barrier of rank {self.rank}: not every one of the "
+                                   f"{self.world_size} PEs arrived within {self.timeout_s:.1f} s")
         self._lib.nvshmem_barrier_all()
 
     def close(self, *, peers_healthy: bool = True) -> None:
         """Collective: barrier, ``nvshmem_free`` every buffer, ``nvshmemx_hostlib_finalize``.
 
-        Idempotent. Every view handed out becomes invalid. With ``peers_healthy=False``, or
-        when a peer does not reach the bounded closing barrier, the heap is abandoned instead:
-        NVSHMEM's teardown is collective and would hang on a dead peer, so nothing is freed
-        and this process cannot start NVSHMEM again (restart it).
+        Idempotent. Every view handed out becomes invalid. The closing barrier waits
+        ``timeout_s``, or ``UNHEALTHY_CLOSE_S`` with ``peers_healthy=False``; when the job gives
+        up on it (:func:`~afd_cupy.store.closing_barrier`: the same verdict on every rank) the
+        heap is abandoned instead: NVSHMEM's teardown is collective and would hang on a peer
+        that is gone, so nothing is freed and this process cannot start NVSHMEM again
+        (restart it).
         """
         global _heap_alive
         if self._closed:
             return
         self._closed = True
-        try:
-            self._cupy.cuda.runtime.deviceSynchronize()
-            timeout_s = self.timeout_s if peers_healthy else min(UNHEALTHY_CLOSE_S, self.timeout_s)
-            store_barrier(self._store, self._barrier_name, self.world_size, timeout_s)
-        except PeerTimeoutError as exc:
-            logger.warning("NVSHMEM heap of rank %d abandoned (a peer is gone): %s", self.rank, exc)
+        self._cupy.cuda.runtime.deviceSynchronize()
+        timeout_s = self.timeout_s if peers_healthy else min(UNHEALTHY_CLOSE_S, self.timeout_s)
+        # every rank learns the same verdict: all of them free and finalize, or none does
+        if not closing_barrier(self._store, f"{self._barrier_name}/close", self.world_size, timeout_s):
+            logger.warning("NVSHMEM heap of rank %d abandoned: not every rank reached the closing "
+                           "barrier (this rank waited %.1f s)", self.rank, timeout_s)
             self._buffers.clear()
             return
         try:
