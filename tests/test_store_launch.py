@@ -208,6 +208,46 @@ def test_closing_barrier_gives_every_rank_the_same_verdict():
     assert verdicts == {True, False}  # both outcomes were exercised
 
 
+def _verdict_round(name: str, delays, timeouts, problems):
+    """NvshmemHeap._every_pe_says on threads standing in for PEs (own store client each)."""
+    from types import SimpleNamespace
+
+    from afd_cupy.heap.nvshmem import NvshmemHeap
+
+    port = free_port()
+    master = create_store("127.0.0.1", port, len(delays), is_master=True, timeout_s=30.0)
+    results = [None] * len(delays)
+
+    def pe(i):
+        store = create_store("127.0.0.1", port, len(delays), is_master=False, timeout_s=30.0)
+        heap = SimpleNamespace(_barrier_name=name, _store=store, rank=i, world_size=len(delays),
+                               timeout_s=timeouts[i])
+        time.sleep(delays[i])
+        try:
+            results[i] = NvshmemHeap._every_pe_says(heap, "fits/window", problems[i])
+        except PeerTimeoutError as err:
+            results[i] = err
+
+    threads = [threading.Thread(target=pe, args=(i,)) for i in range(len(delays))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    del master
+    return results
+
+
+@pytest.mark.timeout(30)
+def test_nvshmem_verdict_exchange_is_one_verdict_for_every_pe():
+    # in time: every PE gets every PE's non-empty problem, in PE order
+    ok = _verdict_round("ok", [0, 0.05, 0.1], [5, 5, 5], ["", "PE 1 short", "PE 2 short"])
+    assert ok == [["PE 1 short", "PE 2 short"]] * 3, ok
+    # PE 2 publishes after PE 0 gave up but while PE 1 still waits: before, PE 0 raised and
+    # PE 1 went on into nvshmem_malloc without it; now every PE raises
+    late = _verdict_round("late", [0, 0, 0.8], [0.3, 5, 5], ["", "", ""])
+    assert all(isinstance(r, PeerTimeoutError) for r in late), late
+
+
 @pytest.mark.timeout(20)
 def test_store_barrier_single_rank_passes(master_store):
     store_barrier(master_store, "solo", 1, timeout_s=1.0)

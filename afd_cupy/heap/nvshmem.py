@@ -241,9 +241,16 @@ class NvshmemHeap(SymmetricHeap):
     def _every_pe_says(self, topic: str, problem: str) -> list[str]:
         """Collective (bounded by ``timeout_s``): publish this PE's ``problem`` ("" = none)
         and return every PE's non-empty one, in PE order: the same list on every PE, so
-        every PE takes the same branch before the next NVSHMEM collective."""
+        every PE takes the same branch before the next NVSHMEM collective. A PE that is late
+        past ``timeout_s`` makes every PE raise PeerTimeoutError (one verdict through
+        :func:`closing_barrier`), never some PEs raise while the others go on into a
+        collective the raising ones will not join."""
         key = f"{self._barrier_name}/{topic}"
         store_publish(self._store, f"{key}/{self.rank}", problem.encode())
+        if not closing_barrier(self._store, f"{key}/published", self.world_size, self.timeout_s):
+            raise PeerTimeoutError(f"NVSHMEM PE {self.rank}: not every one of the {self.world_size} "
+                                   f"PEs published {topic!r} within {self.timeout_s:.1f} s")
+        # every PE published before it arrived at the barrier: these return at once
         said = [store_fetch(self._store, f"{key}/{pe}", self.timeout_s, peer=pe).decode()
                 for pe in range(self.world_size)]
         return [text for text in said if text]
