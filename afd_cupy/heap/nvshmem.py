@@ -136,6 +136,11 @@ class NvshmemHeap(SymmetricHeap):
 
     def _init_runtime(self, store: Store, uid_key: str) -> None:
         uid = self._exchange_unique_id(store, uid_key)
+        # NVSHMEM's bootstrap waits for every PE: enter it only when all PEs hold the unique
+        # id, with the same verdict on every PE (a PE late past timeout_s: all raise here)
+        if not closing_barrier(store, f"{uid_key}/init", self.world_size, self.timeout_s):
+            raise PeerTimeoutError(f"NVSHMEM PE {self.rank}: not every one of the {self.world_size} "
+                                   f"PEs was ready to initialize within {self.timeout_s:.1f} s")
         attr = new_init_attr()
         _check(self._lib.nvshmemx_set_attr_uniqueid_args(
             self.rank, self.world_size, ctypes.byref(uid), ctypes.byref(attr)),
