@@ -429,7 +429,7 @@ class AFDConnector:
         peer process is found dead, or a wait timed out and some peer's liveness cannot be
         seen from here (another host), the closing barrier is short; when the job gives up on
         the barrier every rank abandons its window alike (logged, not raised; bounded, never a
-        hang: ``store.closing_barrier``).
+        hang: ``store.agreed_barrier``).
         """
         if self._closed:
             return

@@ -155,15 +155,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-#: how long a rank waits for the decision of a closing barrier once someone has taken it (s):
+#: how long a rank waits for the decision of an agreed barrier once someone has taken it (s):
 #: the decider publishes it right after winning, so only a decider that dies in between
 #: makes this wait run out
 _DECISION_WAIT_S = 10.0
 
 
-def closing_barrier(store: Store, name: str, world_size: int, timeout_s: float) -> bool:
+def agreed_barrier(store: Store, name: str, world_size: int, timeout_s: float) -> bool:
     """Collective and bounded: True when every one of ``world_size`` ranks arrived (all of
-    them may now run a collective teardown), False when the job gave up on it.
+    them may now enter a collective that waits for every rank: NVSHMEM's init, barrier,
+    malloc, free, finalize), False when the job gave up on it.
 
     The answer is the same on every rank that returns: the first rank to see either all
     arrivals or its own ``timeout_s`` run out takes the decision ("go" or "abandon") by an

@@ -11,7 +11,7 @@ import pytest
 
 from afd_cupy.errors import AfdError, PeerTimeoutError
 from afd_cupy.launch import LaunchError, ProcessContext, device_for_rank, launch
-from afd_cupy.store import NamespacedStore, closing_barrier, create_store, free_port, store_barrier
+from afd_cupy.store import NamespacedStore, agreed_barrier, create_store, free_port, store_barrier
 
 # ---------------------------------------------------------------------------------------------
 # Child functions (top level: pickled by reference into spawned processes)
@@ -163,9 +163,9 @@ def test_store_barrier_timeout_names_counts(master_store):
         store_barrier(store, "lonely", 3, timeout_s=0.1)
 
 
-def _closing_round(name: str, delays, timeouts):
+def _agreed_round(name: str, delays, timeouts):
     """Ranks as threads, each with its own store client: sleep its delay, then
-    closing_barrier with its timeout. Returns [(verdict, seconds in the barrier)] by rank."""
+    agreed_barrier with its timeout. Returns [(verdict, seconds in the barrier)] by rank."""
     port = free_port()
     master = create_store("127.0.0.1", port, len(delays), is_master=True, timeout_s=30.0)
     results = [None] * len(delays)
@@ -174,7 +174,7 @@ def _closing_round(name: str, delays, timeouts):
         store = create_store("127.0.0.1", port, len(delays), is_master=False, timeout_s=30.0)
         time.sleep(delays[i])
         start = time.monotonic()
-        results[i] = (closing_barrier(store, name, len(delays), timeouts[i]), time.monotonic() - start)
+        results[i] = (agreed_barrier(store, name, len(delays), timeouts[i]), time.monotonic() - start)
 
     threads = [threading.Thread(target=rank, args=(i,)) for i in range(len(delays))]
     for thread in threads:
@@ -187,13 +187,13 @@ def _closing_round(name: str, delays, timeouts):
 
 
 @pytest.mark.timeout(30)
-def test_closing_barrier_gives_every_rank_the_same_verdict():
+def test_agreed_barrier_gives_every_rank_the_same_verdict():
     # all arrive in time: every rank may run the collective teardown
-    assert [v for v, _ in _closing_round("all", [0, 0.05, 0.1], [5, 5, 5])] == [True] * 3
+    assert [v for v, _ in _agreed_round("all", [0, 0.05, 0.1], [5, 5, 5])] == [True] * 3
     # the soak's hang: rank 0 (a short, "unhealthy" wait) gives up before the others arrive.
     # A plain barrier let the late ranks see a full count and enter nvshmem_barrier_all
     # without it; here every rank abandons, the late ones at once (not after their 5 s)
-    late = _closing_round("late", [0, 0.8, 0.8], [0.3, 5, 5])
+    late = _agreed_round("late", [0, 0.8, 0.8], [0.3, 5, 5])
     assert [v for v, _ in late] == [False] * 3, late
     assert late[0][1] < 1.0 and late[1][1] < 1.0 and late[2][1] < 1.0, late
     # near the deadline: whatever the verdict, it is the same on every rank
@@ -202,7 +202,7 @@ def test_closing_barrier_gives_every_rank_the_same_verdict():
     for trial in range(12):
         delays = list(rng.uniform(0, 0.15, 3))
         timeouts = list(rng.uniform(0.02, 0.2, 3))
-        got = {v for v, _ in _closing_round(f"race{trial}", delays, timeouts)}
+        got = {v for v, _ in _agreed_round(f"race{trial}", delays, timeouts)}
         assert len(got) == 1, (trial, delays, timeouts, got)
         verdicts |= got
     assert verdicts == {True, False}  # both outcomes were exercised

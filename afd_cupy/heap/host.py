@@ -21,7 +21,7 @@ import numpy as np
 
 from afd_cupy.errors import HeapError
 from afd_cupy.heap.base import UNHEALTHY_CLOSE_S, SymmetricBuffer, SymmetricHeap
-from afd_cupy.store import Store, closing_barrier, store_barrier, store_fetch, store_publish
+from afd_cupy.store import Store, agreed_barrier, store_barrier, store_fetch, store_publish
 
 logger = logging.getLogger("afd_cupy")
 
@@ -257,7 +257,7 @@ class HostHeap(SymmetricHeap):
         self._closed = True
         try:
             timeout_s = self.timeout_s if peers_healthy else min(UNHEALTHY_CLOSE_S, self.timeout_s)
-            if not closing_barrier(self._store, f"{self._key_prefix}/close", self.world_size, timeout_s):
+            if not agreed_barrier(self._store, f"{self._key_prefix}/close", self.world_size, timeout_s):
                 logger.warning("host heap of rank %d closed without its peers: not every rank reached "
                                "the closing barrier (this rank waited %.1f s)", self.rank, timeout_s)
         finally:

@@ -25,7 +25,7 @@ from afd_cupy.heap.nvshmem_env import (NVSHMEM_DEFAULTS, REMOTE_TRANSPORTS,  # n
 from afd_cupy.heap.nvshmem_lib import (NVSHMEMX_INIT_WITH_UNIQUEID, STATUS_NOT_INITIALIZED,
                                        SUPPORTED_MAJOR, UniqueId, _check, library_version,
                                        load_library, new_init_attr, new_unique_id)
-from afd_cupy.store import Store, closing_barrier, store_barrier, store_fetch, store_publish
+from afd_cupy.store import Store, agreed_barrier, store_barrier, store_fetch, store_publish
 
 logger = logging.getLogger("afd_cupy")
 
@@ -138,7 +138,7 @@ class NvshmemHeap(SymmetricHeap):
         uid = self._exchange_unique_id(store, uid_key)
         # NVSHMEM's bootstrap waits for every PE: enter it only when all PEs hold the unique
         # id, with the same verdict on every PE (a PE late past timeout_s: all raise here)
-        if not closing_barrier(store, f"{uid_key}/init", self.world_size, self.timeout_s):
+        if not agreed_barrier(store, f"{uid_key}/init", self.world_size, self.timeout_s):
             raise PeerTimeoutError(f"NVSHMEM PE {self.rank}: not every one of the {self.world_size} "
                                    f"PEs was ready to initialize within {self.timeout_s:.1f} s")
         attr = new_init_attr()
@@ -248,11 +248,11 @@ class NvshmemHeap(SymmetricHeap):
         and return every PE's non-empty one, in PE order: the same list on every PE, so
         every PE takes the same branch before the next NVSHMEM collective. A PE that is late
         past ``timeout_s`` makes every PE raise PeerTimeoutError (one verdict through
-        :func:`closing_barrier`), never some PEs raise while the others go on into a
+        :func:`agreed_barrier`), never some PEs raise while the others go on into a
         collective the raising ones will not join."""
         key = f"{self._barrier_name}/{topic}"
         store_publish(self._store, f"{key}/{self.rank}", problem.encode())
-        if not closing_barrier(self._store, f"{key}/published", self.world_size, self.timeout_s):
+        if not agreed_barrier(self._store, f"{key}/published", self.world_size, self.timeout_s):
             raise PeerTimeoutError(f"NVSHMEM PE {self.rank}: not every one of the {self.world_size} "
                                    f"PEs published {topic!r} within {self.timeout_s:.1f} s")
         # every PE published before it arrived at the barrier: these return at once
@@ -281,9 +281,9 @@ class NvshmemHeap(SymmetricHeap):
     def _bounded_barrier(self) -> None:
         """``nvshmem_barrier_all`` once every PE has arrived at a store barrier bounded by
         ``timeout_s``: NVSHMEM's own barrier has no timeout, a dead peer would hang it. The
-        store barrier's verdict is the same on every PE (:func:`closing_barrier`): all enter
+        store barrier's verdict is the same on every PE (:func:`agreed_barrier`): all enter
         ``nvshmem_barrier_all``, or all raise PeerTimeoutError."""
-        if not closing_barrier(self._store, self._barrier_name, self.world_size, self.timeout_s):
+        if not agreed_barrier(self._store, self._barrier_name, self.world_size, self.timeout_s):
             raise PeerTimeoutError(f"NVSHMEM barrier of rank {self.rank}: not every one of the "
                                    f"{self.world_size} PEs arrived within {self.timeout_s:.1f} s")
         self._lib.nvshmem_barrier_all()
@@ -293,7 +293,7 @@ class NvshmemHeap(SymmetricHeap):
 
         Idempotent. Every view handed out becomes invalid. The closing barrier waits
         ``timeout_s``, or ``UNHEALTHY_CLOSE_S`` with ``peers_healthy=False``; when the job gives
-        up on it (:func:`~afd_cupy.store.closing_barrier`: the same verdict on every rank) the
+        up on it (:func:`~afd_cupy.store.agreed_barrier`: the same verdict on every rank) the
         heap is abandoned instead: NVSHMEM's teardown is collective and would hang on a peer
         that is gone, so nothing is freed and this process cannot start NVSHMEM again
         (restart it).
@@ -305,7 +305,7 @@ class NvshmemHeap(SymmetricHeap):
         self._cupy.cuda.runtime.deviceSynchronize()
         timeout_s = self.timeout_s if peers_healthy else min(UNHEALTHY_CLOSE_S, self.timeout_s)
         # every rank learns the same verdict: all of them free and finalize, or none does
-        if not closing_barrier(self._store, f"{self._barrier_name}/close", self.world_size, timeout_s):
+        if not agreed_barrier(self._store, f"{self._barrier_name}/close", self.world_size, timeout_s):
             logger.warning("NVSHMEM heap of rank %d abandoned: not every rank reached the closing "
                            "barrier (this rank waited %.1f s)", self.rank, timeout_s)
             self._buffers.clear()
