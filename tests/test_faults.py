@@ -21,6 +21,7 @@ from afd_cupy.errors import (BackendUnavailableError, ConfigError, InvalidRoutin
                              PeerLostError, PeerTimeoutError, ProtocolError, WireError)
 from afd_cupy.ffn_worker import FFNWorker
 from afd_cupy.launch import DiedAsExpected, LaunchError, launch
+from afd_cupy.store import store_fetch, store_publish
 from afd_cupy.topology import Role, Topology
 
 #: "cuda-put": the cuda backend with ConnectorConfig(transport="put") (design.md §6.1): the
@@ -803,3 +804,70 @@ def test_close_waits_for_live_peers_after_a_recovered_timeout(peer_failed, liven
     conn.close()
     conn.close()  # idempotent
     assert conn.path.healthy == [healthy]
+
+
+# --- a replica that recovered from a timeout and finished first: one closing verdict ---------
+def _record_agreed_barriers(log):
+    """Wrap the heaps' agreed_barrier (both backends) to log (name tail, timeout, verdict)."""
+    from afd_cupy.heap import host as host_heap
+    from afd_cupy.heap import nvshmem as nvshmem_heap
+
+    for module in (host_heap, nvshmem_heap):
+        original = module.agreed_barrier
+
+        def recorded(store, name, world_size, timeout_s, _original=original):
+            verdict = _original(store, name, world_size, timeout_s)
+            log.append((name.rsplit("/", 1)[-1], timeout_s, verdict))
+            return verdict
+
+        module.agreed_barrier = recorded
+
+
+def _early_finisher_program(ctx, backend):
+    log = []
+    _record_agreed_barriers(log)
+    conn, role, role_rank = _connect(ctx, backend, 2, 1)
+    out = {"rank": ctx.rank}
+    try:
+        if role is Role.FFN:
+            stalled = []
+
+            def stall_replica_1_once(item):
+                if item.src_rank == 1 and not stalled:
+                    stalled.append(item.layer_idx)
+                    time.sleep(1.6 * TIMEOUT_S)
+                return _identity(item)
+
+            out["served"] = FFNWorker(conn, expert_fn=stall_replica_1_once).run()
+            return out
+        if role_rank == 1:  # times out once, recovers (the stall is over), finishes first
+            try:
+                _round_trip_error(conn, 0, seed=0)
+            except PeerTimeoutError as err:
+                out["timeout"] = err.peer
+            out["errors"] = [_round_trip_error(conn, layer, seed=layer) for layer in (1, 2)]
+            store_publish(ctx.store(), "test/replica1_recovered", b"1")
+        else:  # starts once the FFN's stall is over, reaches close() well after replica 1
+            store_fetch(ctx.store(), "test/replica1_recovered", 30.0)
+            out["errors"] = [_round_trip_error(conn, layer, seed=10 + layer) for layer in range(3)]
+            time.sleep(1.5)  # > UNHEALTHY_CLOSE_S after replica 1 entered its closing barrier
+        conn.announce_shutdown()
+        return out
+    finally:
+        conn.close()
+        out["close"] = [entry for entry in log if entry[0] == "close"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_replica_that_recovered_from_a_timeout_closes_with_its_live_peers(backend):
+    # The cuda soak's hang (session 13): replica 1 timed out once, finished first and closed
+    # with the short "unhealthy" barrier; it gave up after 0.5 s and left, and the others then
+    # entered NVSHMEM's collective teardown without it. Every peer is alive, so replica 1 now
+    # waits for them (startup_timeout_s), and every rank gets the same verdict: go.
+    results = launch(_early_finisher_program, 3, args=(backend,), timeout_s=90)
+    attn0, attn1, ffn = results
+    assert attn1["timeout"] == 0, attn1
+    assert max(attn0["errors"] + attn1["errors"]) < 0.1, results
+    for r in results:
+        assert [verdict for _, _, verdict in r["close"]] == [True], r
+    assert attn1["close"][0][1] == 30.0, attn1  # the full start-up bound, not UNHEALTHY_CLOSE_S
