@@ -25,7 +25,7 @@ from afd_cupy.heap.nvshmem_env import (NVSHMEM_DEFAULTS, REMOTE_TRANSPORTS,  # n
 from afd_cupy.heap.nvshmem_lib import (NVSHMEMX_INIT_WITH_UNIQUEID, STATUS_NOT_INITIALIZED,
                                        SUPPORTED_MAJOR, UniqueId, _check, library_version,
                                        load_library, new_init_attr, new_unique_id)
-from afd_cupy.store import Store, agreed_barrier, store_barrier, store_fetch, store_publish
+from afd_cupy.store import Store, agreed_barrier, store_fetch, store_publish
 
 logger = logging.getLogger("afd_cupy")
 
