@@ -101,23 +101,28 @@ def gate_topk_reference(logits, top_k: int, *, scoring_func: str = "softmax", bi
     increasing expert id; weights = their unbiased scores, divided by their sum (summed in k
     order) when ``renormalize``. Returns (weights float32 [T, K], ids int32 [T, K]).
     """
-    x = np.asarray(logits, dtype=np.float32)
-    num_tokens, num_experts = x.shape
-    with np.errstate(over="ignore", invalid="ignore"):
-        if scoring_func == "softmax":
-            e = np.exp(x - x.max(axis=1, keepdims=True))
-            scores = e / e.sum(axis=1, keepdims=True, dtype=np.float32)
-        else:
-            scores = np.float32(1) / (np.float32(1) + np.exp(-x))
+    scores = gate_scores_reference(logits, scoring_func)
+    with np.errstate(invalid="ignore"):
         sel = scores if bias is None else scores + np.asarray(bias, dtype=np.float32)
     sel = np.where(np.isnan(sel), -np.inf, sel).astype(np.float32)
-    expert = np.broadcast_to(np.arange(num_experts), sel.shape)
+    expert = np.broadcast_to(np.arange(scores.shape[1]), sel.shape)
     order = np.lexsort((expert, -sel), axis=-1)
     ids = order[:, :top_k].astype(np.int32)
     weights = np.take_along_axis(scores, ids, axis=1).astype(np.float32)
     if renormalize:
         weights = weights / np.cumsum(weights, axis=1, dtype=np.float32)[:, -1:]
     return weights, ids
+
+
+def gate_scores_reference(logits, scoring_func: str = "softmax") -> np.ndarray:
+    """float32 [T, E] scores of ``gate_topk_reference``: softmax (``exp(x - max) / sum``) or
+    sigmoid (``1 / (1 + exp(-x))``) of ``logits`` read as float32."""
+    x = np.asarray(logits, dtype=np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        if scoring_func == "softmax":
+            e = np.exp(x - x.max(axis=1, keepdims=True))
+            return e / e.sum(axis=1, keepdims=True, dtype=np.float32)
+        return np.float32(1) / (np.float32(1) + np.exp(-x))
 
 
 def model_gate(model, router_logits: torch.Tensor,

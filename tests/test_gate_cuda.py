@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from afd_cupy import gates
+from afd_cupy import gates, kernels
 from afd_cupy.kernels import PackedLaunch, specs
 
 pytest.importorskip("cupy")
@@ -24,7 +24,6 @@ pytestmark = pytest.mark.cuda
 from test_gates import separated_logits  # noqa: E402
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-DTYPE_CODES = {"bfloat16": 0, "float16": 1, "float32": 2}
 SHAPES = [(8, 1), (8, 8), (64, 6), (100, 8), (160, 8), (256, 8), (1024, 32)]
 WEIGHT_RTOL = 1e-5
 
@@ -42,7 +41,7 @@ def run_kernel(logits: torch.Tensor, top_k: int, *, scoring: str, bias: torch.Te
     weights = torch.full((num_tokens, top_k), float("nan"), dtype=torch.float32, device=logits.device)
     ids = torch.full((num_tokens, top_k), -7, dtype=torch.int32, device=logits.device)
     spec = specs.gate_topk_spec(
-        dtype_code=DTYPE_CODES[str(logits.dtype).removeprefix("torch.")], logits=logits.data_ptr(),
+        dtype_code=kernels.DTYPE_CODES[str(logits.dtype).removeprefix("torch.")], logits=logits.data_ptr(),
         num_tokens=num_tokens, num_experts=num_experts, top_k=top_k,
         scoring=specs.GATE_SCORING[scoring], bias=0 if bias is None else bias.data_ptr(),
         renormalize=int(renormalize), topk_weights=weights.data_ptr(), topk_ids=ids.data_ptr(),
@@ -60,12 +59,7 @@ def reference(logits: torch.Tensor, top_k: int, *, scoring: str, bias, renormali
 
 def selections(logits: torch.Tensor, scoring: str, bias=None) -> np.ndarray:
     """[T, E] float32 selections in numpy (scores + bias), as the reference ranks them."""
-    x = logits.float().cpu().numpy()
-    if scoring == "softmax":
-        e = np.exp(x - x.max(axis=1, keepdims=True))
-        sel = e / e.sum(axis=1, keepdims=True, dtype=np.float32)
-    else:
-        sel = np.float32(1) / (np.float32(1) + np.exp(-x))
+    sel = gates.gate_scores_reference(logits.float().cpu().numpy(), scoring)
     return sel if bias is None else sel + bias.cpu().numpy()
 
 

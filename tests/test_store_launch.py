@@ -163,18 +163,22 @@ def test_store_barrier_timeout_names_counts(master_store):
         store_barrier(store, "lonely", 3, timeout_s=0.1)
 
 
-def _agreed_round(name: str, delays, timeouts):
-    """Ranks as threads, each with its own store client: sleep its delay, then
-    agreed_barrier with its timeout. Returns [(verdict, seconds in the barrier)] by rank."""
+def _on_threads(delays, body):
+    """Ranks as threads of this process, each with its own client of a fresh store master:
+    once every client is connected, rank i sleeps ``delays[i]``, then returns
+    ``body(i, store)``. Results by rank. (Connected first: on a busy machine a client's
+    connect can take seconds, which would make the delays meaningless.)"""
     port = free_port()
     master = create_store("127.0.0.1", port, len(delays), is_master=True, timeout_s=30.0)
     results = [None] * len(delays)
+    connected = threading.Barrier(len(delays), timeout=30)
 
     def rank(i):
         store = create_store("127.0.0.1", port, len(delays), is_master=False, timeout_s=30.0)
+        store.add("connected", 1)  # a round trip: the connection is up
+        connected.wait()
         time.sleep(delays[i])
-        start = time.monotonic()
-        results[i] = (agreed_barrier(store, name, len(delays), timeouts[i]), time.monotonic() - start)
+        results[i] = body(i, store)
 
     threads = [threading.Thread(target=rank, args=(i,)) for i in range(len(delays))]
     for thread in threads:
@@ -184,6 +188,15 @@ def _agreed_round(name: str, delays, timeouts):
     del master
     assert all(r is not None for r in results), results
     return results
+
+
+def _agreed_round(name: str, delays, timeouts):
+    """agreed_barrier with each rank's timeout after its delay: [(verdict, seconds in it)]."""
+    def body(i, store):
+        start = time.monotonic()
+        return agreed_barrier(store, name, len(delays), timeouts[i]), time.monotonic() - start
+
+    return _on_threads(delays, body)
 
 
 @pytest.mark.timeout(30)
@@ -209,32 +222,21 @@ def test_agreed_barrier_gives_every_rank_the_same_verdict():
 
 
 def _verdict_round(name: str, delays, timeouts, problems):
-    """NvshmemHeap._every_pe_says on threads standing in for PEs (own store client each)."""
+    """NvshmemHeap._every_pe_says on threads standing in for PEs: each PE's list, or its
+    PeerTimeoutError."""
     from types import SimpleNamespace
 
     from afd_cupy.heap.nvshmem import NvshmemHeap
 
-    port = free_port()
-    master = create_store("127.0.0.1", port, len(delays), is_master=True, timeout_s=30.0)
-    results = [None] * len(delays)
-
-    def pe(i):
-        store = create_store("127.0.0.1", port, len(delays), is_master=False, timeout_s=30.0)
+    def body(i, store):
         heap = SimpleNamespace(_barrier_name=name, _store=store, rank=i, world_size=len(delays),
                                timeout_s=timeouts[i])
-        time.sleep(delays[i])
         try:
-            results[i] = NvshmemHeap._every_pe_says(heap, "fits/window", problems[i])
+            return NvshmemHeap._every_pe_says(heap, "fits/window", problems[i])
         except PeerTimeoutError as err:
-            results[i] = err
+            return err
 
-    threads = [threading.Thread(target=pe, args=(i,)) for i in range(len(delays))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    del master
-    return results
+    return _on_threads(delays, body)
 
 
 @pytest.mark.timeout(30)

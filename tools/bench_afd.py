@@ -245,7 +245,8 @@ def _ffn(conn, spec: Spec, ffn_rank: int, device) -> dict:
     start = time.monotonic()
     worker.run()
     return {"role": "ffn", "rank": ffn_rank, "served": worker.num_served, "batches": worker.num_batches,
-            "gemm_sm_carveout": worker.gemm_sm_carveout, "seconds": time.monotonic() - start, "stats": recorder.result() if recorder else None}
+            "gemm_sm_carveout": worker.gemm_sm_carveout, "seconds": time.monotonic() - start,
+            "stats": recorder.result() if recorder else None}
 
 
 class AttentionReplica:

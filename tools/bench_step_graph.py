@@ -68,6 +68,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench_common as bc  # noqa: E402
 import device_trace as dt  # noqa: E402
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig  # noqa: E402
+from afd_cupy.gates import GATE_IMPLS  # noqa: E402
 
 FFN_MODES = ("graph", "eager")
 #: where the micro-batches of a step are issued: one stream, a stream per stage (--stage-streams)
@@ -114,7 +115,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="FFN ranks: gemm_sm_carveout of GraphFFNServer / FFNWorker (the expert "
                              "GEMMs leave N SMs free; auto: the library default, 2 on a GPU; 0: "
                              "untouched). Only GEMMs: --experts moe")
-    parser.add_argument("--gate-impl", choices=("auto", "torch", "kernel"), default="auto",
+    parser.add_argument("--gate-impl", choices=GATE_IMPLS, default="auto",
                         help="the Attention side's gate: DecodeStepGraph(gate_impl=...) (auto: the "
                              "one-kernel greedy gate, raw_kernels/gate.cu; torch: torch's ops)")
     parser.add_argument("--hidden", type=int, default=7168)

@@ -19,10 +19,11 @@ import functools
 
 import torch
 
+from afd_cupy.dtypes import PAYLOAD_DTYPES
 from afd_cupy.kernels import specs
 
 #: torch dtype -> the kernels' payload dtype code (raw_kernels/wire.cuh DT_*)
-_DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+_DTYPE_CODES = {payload.torch_dtype: payload.kernel_code for payload in PAYLOAD_DTYPES.values()}
 _LAUNCHES: dict = {}
 
 

@@ -1034,4 +1034,3 @@ def gate_topk_spec(*, dtype_code, logits, num_tokens, num_experts, top_k, scorin
             "topk_ids": _address("topk_ids", topk_ids, allow_null=empty)}
     kernel = get_kernel("gate.cu", "afd_gate_topk", dtype_code=_dtype(dtype_code))
     return _spec(kernel, gate_grid(int(num_tokens), max_blocks), GATE_LIMITS["GATE_THREADS"], args)
-
