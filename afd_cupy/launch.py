@@ -31,12 +31,11 @@ from afd_cupy import rendezvous
 from afd_cupy.env import THREAD_POOL_VARS  # noqa: F401 - re-exported (tests, tools)
 from afd_cupy.errors import AfdError, ConfigError
 from afd_cupy.heap.host import cleanup_job_segments
-from afd_cupy.store import NamespacedStore, Store, create_store, free_port
+from afd_cupy.store import NamespacedStore, Store, bound_listener, create_store
 
 logger = logging.getLogger("afd_cupy")
 
 STORE_HOST = "127.0.0.1"
-_PORT_ATTEMPTS = 8
 _TERMINATE_GRACE_S = 2.0
 _FAILURE_GRACE_S = 1.0  # after a first failure, time to collect the other ranks' reports
 _DONE_GRACE_S = 5.0  # least time a store host waits for the other launches' ranks to finish
@@ -157,7 +156,7 @@ class ProcessContext:
         try:
             if host_store:
                 _hosted_masters[key] = _start_store(self.world_size, self.store_timeout_s,
-                                                    self.store_host, self.store_port)[0]
+                                                    self.store_host, self.store_port)
             else:
                 rendezvous.wait_for_master(self.store_host, self.store_port, startup_timeout_s,
                                            job_id=self.job_id, world_size=self.world_size,
@@ -351,21 +350,32 @@ def _apply_torch_threads() -> None:
         torch.set_num_threads(int(value))
 
 
-def _start_store(world_size: int, timeout_s: float, host: str = STORE_HOST,
-                 port: int | None = None) -> tuple[Store, int]:
-    """Start the store master at ``host:port``; ``port`` None: on a free port, retrying when
-    another process took it. Raises LaunchError when it cannot listen."""
-    last_error: Exception | None = None
-    for _ in range(_PORT_ATTEMPTS if port is None else 1):
-        try_port = free_port() if port is None else port
-        try:
-            return create_store(host, try_port, world_size, is_master=True,
-                                timeout_s=timeout_s), try_port
-        except Exception as err:  # noqa: BLE001 - torch raises DistNetworkError/RuntimeError
-            last_error = err
-            logger.debug("store master on port %d failed (%s)", try_port, err)
-    where = f"{host}:{port}" if port is not None else f"a free port ({_PORT_ATTEMPTS} attempts)"
-    raise LaunchError(f"could not start the store master at {where}: {last_error}")
+def _start_store(world_size: int, timeout_s: float, host: str, port: int) -> Store:
+    """Start the store master at ``host:port`` (a job's given address). Raises LaunchError
+    when it cannot listen there."""
+    try:
+        return create_store(host, port, world_size, is_master=True, timeout_s=timeout_s)
+    except Exception as err:  # noqa: BLE001 - torch raises DistNetworkError/RuntimeError
+        raise LaunchError(f"could not start the store master at {host}:{port}: {err}") from err
+
+
+def _bind_listener(host: str):
+    """The store master's socket, bound to a free port of ``host`` and listening (the master
+    itself comes later, :func:`_serve_store`). Raises LaunchError when it cannot listen."""
+    try:
+        return bound_listener(host)
+    except OSError as err:
+        raise LaunchError(f"could not listen for the store master on {host}: {err}") from err
+
+
+def _serve_store(listener, host: str, port: int, world_size: int, timeout_s: float) -> Store:
+    """The store master on ``listener`` (bound to ``host:port``, see :func:`_bind_listener`),
+    which it owns from here on. Raises LaunchError when torch cannot start it."""
+    try:
+        return create_store(host, port, world_size, is_master=True, timeout_s=timeout_s,
+                            listen_socket=listener)
+    except Exception as err:  # noqa: BLE001 - torch raises DistNetworkError/RuntimeError
+        raise LaunchError(f"could not start the store master at {host}:{port}: {err}") from err
 
 
 class _Job:
@@ -606,12 +616,18 @@ def launch(fn: Callable, nprocs: int, *, args: tuple = (), timeout_s: float = 12
     processes: list = []
     stack_dir = tempfile.mkdtemp(prefix=f"afd-{job_id}-stacks-")
     stack_paths = [os.path.join(stack_dir, f"rank{local}.txt") for local in range(nprocs)]
-    master = store = joining = None
+    master = store = joining = listener = None
     ok = False
     try:
-        if store_addr is None or host_store:
-            host, port = (STORE_HOST, None) if store_addr is None else env_mod.parse_store_addr(store_addr)
-            master, port = _start_store(world_size, timeout_s, host, port)
+        if store_addr is None:
+            # The master is started only after the ranks are spawned: creating it imports
+            # torch (seconds), which the ranks' own imports then overlap. They connect to the
+            # bound, listening socket at once and wait in its backlog until the master serves.
+            host, listener = STORE_HOST, _bind_listener(STORE_HOST)
+            port = listener.getsockname()[1]
+        elif host_store:
+            host, port = env_mod.parse_store_addr(store_addr)
+            master = _start_store(world_size, timeout_s, host, port)
         else:
             host, port = env_mod.parse_store_addr(store_addr)
         if store_addr is not None:
@@ -631,6 +647,9 @@ def launch(fn: Callable, nprocs: int, *, args: tuple = (), timeout_s: float = 12
                                        stack_paths[local]))
             proc.start()
             processes.append(proc)
+        if listener is not None:
+            master = _serve_store(listener, host, port, world_size, timeout_s)
+            listener = None  # the master owns it now
         job = _Job(nprocs, processes, results, expected_deaths)
         _wait(job, start + timeout_s, timeout_s, joining)
         if job.failures:
@@ -642,6 +661,8 @@ def launch(fn: Callable, nprocs: int, *, args: tuple = (), timeout_s: float = 12
         return [job.values[local] for local in range(nprocs)]
     finally:
         _stop_all(processes)
+        if listener is not None:
+            listener.close()
         results.close()
         results.join_thread()
         if store is not None:

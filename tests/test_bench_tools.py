@@ -459,6 +459,9 @@ def test_soak_short_host_run_checks_every_output(tmp_path, wire_mode):
     assert set(report["errors"]) <= {"PeerTimeoutError"}
     assert report["ffn_stalls"] > 0  # the stalls happened and every later layer was right
     assert "SOAK PASS backend=host" in proc.stdout
+    # what the job left in /dev/shm, by name (no afd segment: the PASS line checked them)
+    assert all(isinstance(name, str) for name in report["shm_new_entries"])
+    assert (f"new /dev/shm entries ({len(report['shm_new_entries'])})" in proc.stdout) == bool(report["shm_new_entries"])
 
 
 @pytest.mark.timeout(120)

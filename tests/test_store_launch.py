@@ -11,7 +11,8 @@ import pytest
 
 from afd_cupy.errors import AfdError, PeerTimeoutError
 from afd_cupy.launch import LaunchError, ProcessContext, device_for_rank, launch
-from afd_cupy.store import NamespacedStore, agreed_barrier, create_store, free_port, store_barrier
+from afd_cupy.store import (NamespacedStore, agreed_barrier, bound_listener, create_store, free_port,
+                            store_barrier)
 
 # ---------------------------------------------------------------------------------------------
 # Child functions (top level: pickled by reference into spawned processes)
@@ -277,6 +278,95 @@ def test_free_port_is_bindable():
     assert 0 < port < 65536
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", port))
+
+
+def test_clients_that_connect_before_the_master_exists_are_served():
+    listener = bound_listener("127.0.0.1")
+    port = listener.getsockname()[1]
+    got = {}
+
+    def client():
+        store = create_store("127.0.0.1", port, 2, is_master=False, timeout_s=20.0)
+        store.set("early", b"client")
+        got["sum"] = store.add("n", 3)
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    time.sleep(0.5)  # the client is connected and waiting in the socket's backlog
+    assert "sum" not in got
+    master = create_store("127.0.0.1", port, 2, is_master=True, timeout_s=20.0,
+                          listen_socket=listener)
+    thread.join(timeout=20.0)
+    assert not thread.is_alive()
+    assert listener.fileno() == -1  # detached: the master owns the descriptor
+    assert got["sum"] == 3
+    assert master.get("early") == b"client"
+    assert master.add("n", 0) == 3
+
+
+def test_listen_socket_falls_back_to_the_classic_server(monkeypatch):
+    import torch.distributed as dist
+
+    real, calls = dist.TCPStore, []
+
+    def no_libuv_fd(*args, **kwargs):
+        calls.append(kwargs.get("use_libuv", True))
+        if kwargs.get("master_listen_fd") is not None and kwargs.get("use_libuv", True):
+            raise RuntimeError("libuv server cannot adopt a descriptor (simulated)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "TCPStore", no_libuv_fd)
+    listener = bound_listener("127.0.0.1")
+    port = listener.getsockname()[1]
+    fds_before = len(os.listdir("/proc/self/fd"))
+    master = create_store("127.0.0.1", port, 1, is_master=True, timeout_s=10.0, listen_socket=listener)
+    assert calls == [True, False]
+    master.set("k", b"v")
+    client = real("127.0.0.1", port, 1, False)
+    assert client.get("k") == b"v"
+    del client, master
+    # the descriptor the failed attempt left open was closed: none of the socket's stays behind
+    assert len(os.listdir("/proc/self/fd")) <= fds_before - 1
+
+
+def test_listen_socket_is_for_the_master_only():
+    listener = bound_listener("127.0.0.1")
+    with pytest.raises(ValueError, match="listen_socket is for the store master only"):
+        create_store("127.0.0.1", listener.getsockname()[1], 1, is_master=False, timeout_s=1.0,
+                     listen_socket=listener)
+
+
+def test_launch_starts_the_store_master_after_spawning_the_ranks(monkeypatch):
+    import multiprocessing
+
+    from afd_cupy import launch as launch_mod
+
+    seen = []
+    real = launch_mod.create_store
+
+    def record(*args, **kwargs):
+        seen.append(len(multiprocessing.active_children()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(launch_mod, "create_store", record)
+    assert [r[0] for r in launch(_report_identity, 2, args=(0,), timeout_s=60.0)] == [0, 1]
+    assert seen == [2]  # both ranks were running (importing) while the master started
+
+
+def test_launch_whose_store_master_fails_stops_its_ranks(monkeypatch):
+    import multiprocessing
+
+    from afd_cupy import launch as launch_mod
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no store today")
+
+    monkeypatch.setattr(launch_mod, "create_store", broken)
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match=r"could not start the store master at 127\.0\.0\.1:\d+: no store today"):
+        launch(_report_identity, 2, args=(0,), timeout_s=60.0)
+    assert time.monotonic() - start < 30.0
+    assert multiprocessing.active_children() == []
 
 
 def test_detect_backend_override_and_cpu_fallback(monkeypatch):

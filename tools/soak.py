@@ -69,9 +69,14 @@ def _rss_kib() -> int:
     return -1
 
 
+def _shm_names() -> set[str]:
+    """Names in /dev/shm (all owners: NVSHMEM, MPS and multiprocessing keep some too)."""
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
 def _shm_entries() -> int:
-    """Entries in /dev/shm (all owners: NVSHMEM, MPS and multiprocessing keep some too)."""
-    return len(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else -1
+    """How many entries /dev/shm has (-1: no /dev/shm)."""
+    return len(_shm_names()) if os.path.isdir("/dev/shm") else -1
 
 
 def _afd_segments(job_id: str) -> list[str]:
@@ -188,9 +193,9 @@ def main(argv=None) -> int:
     print(f"afd_cupy soak: {args.attn}A{args.ffn}F backend={args.backend} wire_mode={args.wire_mode} "
           f"transport={args.transport} round_trips={args.round_trips} per attention rank, "
           f"max_tokens={args.max_tokens} stall_prob={args.stall_prob}", flush=True)
-    shm_before = _shm_entries()
+    shm_before, names_before = _shm_entries(), _shm_names()
     reports = launch(_rank, args.attn + args.ffn, args=(args,), timeout_s=args.timeout)
-    shm_after = _shm_entries()
+    shm_after, shm_new = _shm_entries(), sorted(_shm_names() - names_before)
     attn = [r for r in reports if r["role"] == "attention"]
     ffn = [r for r in reports if r["role"] == "ffn"]
     errors = collections.Counter()
@@ -201,7 +206,8 @@ def main(argv=None) -> int:
                "round_trips": sum(r["round_trips"] for r in attn),
                "mismatches": sum(r["mismatches"] for r in attn), "errors": dict(errors),
                "ffn_stalls": stalls, "max_abs_err": max(r["max_abs_err"] for r in attn),
-               "shm_entries_before": shm_before, "shm_entries_after": shm_after, "ranks": reports}
+               "shm_entries_before": shm_before, "shm_entries_after": shm_after,
+               "shm_new_entries": shm_new, "ranks": reports}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "soak.json").write_text(json.dumps(summary, indent=1, default=str))
     print(f"{'rank':<14}{'round trips':>12}{'mismatch':>10}{'errors':>28}{'RSS KiB start':>15}"
@@ -223,6 +229,9 @@ def main(argv=None) -> int:
           f"transport={args.transport} round_trips={summary['round_trips']} "
           f"mismatches={summary['mismatches']} errors={dict(errors)} stalls={stalls} "
           f"afd segments left {len(leaked)}, /dev/shm entries (all owners) {shm_before}->{shm_after}")
+    if shm_new:  # not this job's segments (checked above): whose they are is worth knowing
+        print(f"new /dev/shm entries ({len(shm_new)}): {', '.join(shm_new[:8])}"
+              f"{', ...' if len(shm_new) > 8 else ''}")
     return 0 if ok else 1
 
 
