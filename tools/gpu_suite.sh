@@ -7,7 +7,7 @@
 #     quick: tests + smoke only; bench: benchmarks only; part1..3: the cuda tests in three
 #     device calls (part1: kernels, FFN graph, moe, step graph, e2e errors, window, adapters +
 #     smoke + hf_generate; part2: test_e2e.py; part3: model gates, NVSHMEM
-#     binding, faults); twogpu1..3: the measurements that need two GPUs
+#     binding, faults; part1 also tools/startup_profile.py); twogpu1..3: the measurements that need two GPUs
 #     (nvidia-h200-x2; docs/benchmarks.md "Two GPUs"), one device call each (< 600 s):
 #     twogpu1 bench_transport decode + prefill, both wire modes and transports (#12, #16);
 #     twogpu2 bench_afd placement 0:50,0:50,1: overlap, sweep, timeline (#15);
@@ -24,7 +24,7 @@
 #     grouped GEMM next to a spinning warp, with and without an SM carve-out)
 # Knobs (environment): SUITE_TESTS (test files or ids instead of all), SUITE_TIMEOUT, TEST_TIMEOUT (per test), SMOKE_ARGS, SKIP_SMOKE_1A1F=1, SKIP_SMOKE_2A2F=1,
 # SKIP_HOSTPOLL=1 / HOSTPOLL_TIMEOUT (the e2e cases with host polling and no MPS),
-# SKIP_HF=1 (tools/hf_generate.py), SKIP_SOAK=1 / SOAK_N / SOAK_TIMEOUT / SOAK_ARGS (tools/soak.py),
+# SKIP_HF=1 (tools/hf_generate.py), SKIP_STARTUP=0 (tools/startup_profile.py; part1 runs it), SKIP_SOAK=1 / SOAK_N / SOAK_TIMEOUT / SOAK_ARGS (tools/soak.py),
 # BENCHES (names of tools/*.py run with --quick), BENCH_TIMEOUT, AFD_COMMIT (for the table).
 # The whole cuda test set no longer fits one 600 s device call: part1..part3 split it in three
 # (session 12, one H200 under MPS: test_e2e.py alone ~410 s, binding + faults ~285 s, step
@@ -44,7 +44,7 @@ MODE=${1:-full}
 # part1 also runs both smoke runs and hf_generate. The knobs still override them.
 case "$MODE" in
   part1) SUITE_TESTS=${SUITE_TESTS:-"tests/test_gate_cuda.py tests/test_kernels_cuda_dedup_attn.py tests/test_kernels_cuda_dedup_ffn.py tests/test_kernels_cuda.py tests/test_ffn_graph_cuda.py tests/test_moe.py tests/test_step_graph_cuda.py tests/test_e2e_errors.py tests/test_window.py tests/test_adapters.py"}
-         SKIP_HF=${SKIP_HF:-0} SUITE_TIMEOUT=${SUITE_TIMEOUT:-480} ;;
+         SKIP_HF=${SKIP_HF:-0} SKIP_STARTUP=${SKIP_STARTUP:-0} SUITE_TIMEOUT=${SUITE_TIMEOUT:-480} ;;
   part2) SUITE_TESTS=${SUITE_TESTS:-"tests/test_e2e.py"}
          SKIP_SMOKE_1A1F=${SKIP_SMOKE_1A1F:-1} SKIP_SMOKE_2A2F=${SKIP_SMOKE_2A2F:-1}
          SUITE_TIMEOUT=${SUITE_TIMEOUT:-550} TEST_TIMEOUT=${TEST_TIMEOUT:-60} ;;
@@ -144,6 +144,8 @@ run_step pytest_cuda "$SUITE_TIMEOUT" python3 -m pytest -m cuda -q -p no:cachepr
 # (timed: wall and CPU time of the whole main job go to the end of its log)
 [ "${SKIP_SMOKE_1A1F:-0}" = 1 ] || run_step smoke_1a1f 120 bash -c "time python3 tools/smoke.py --layers 4 ${SMOKE_ARGS:-}"
 [ "${SKIP_SMOKE_2A2F:-0}" = 1 ] || run_step smoke_2a2f 150 bash -c "time python3 tools/smoke.py --2a2f --layers 4 ${SMOKE_ARGS:-}"
+# the main job's start-up by phase (imports, connector, first round trip, reference check; #13)
+[ "${SKIP_STARTUP:-1}" = 1 ] || run_step startup_profile 90 python3 tools/startup_profile.py --layers 4 --out "$OUT"
 # a Hugging Face MoE model of every adapter family, disaggregated 1A2F vs one process (tokens/s)
 [ "${SKIP_HF:-0}" = 1 ] || ! python3 -c "import transformers" 2>/dev/null || run_step hf_generate 180 \
   python3 tools/hf_generate.py --ffn 2 --steps 16 --out "$OUT"
