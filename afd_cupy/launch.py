@@ -350,32 +350,25 @@ def _apply_torch_threads() -> None:
         torch.set_num_threads(int(value))
 
 
-def _start_store(world_size: int, timeout_s: float, host: str, port: int) -> Store:
-    """Start the store master at ``host:port`` (a job's given address). Raises LaunchError
-    when it cannot listen there."""
+def _start_store(world_size: int, timeout_s: float, host: str, port: int,
+                 listener=None) -> Store:
+    """Start the store master at ``host:port``: listening there itself, or serving on
+    ``listener`` (a socket bound to that address, :func:`_bind_listener`, which the master
+    owns from here on). Raises LaunchError when it cannot start."""
     try:
-        return create_store(host, port, world_size, is_master=True, timeout_s=timeout_s)
+        return create_store(host, port, world_size, is_master=True, timeout_s=timeout_s,
+                            listen_socket=listener)
     except Exception as err:  # noqa: BLE001 - torch raises DistNetworkError/RuntimeError
         raise LaunchError(f"could not start the store master at {host}:{port}: {err}") from err
 
 
 def _bind_listener(host: str):
     """The store master's socket, bound to a free port of ``host`` and listening (the master
-    itself comes later, :func:`_serve_store`). Raises LaunchError when it cannot listen."""
+    itself comes later, :func:`_start_store`). Raises LaunchError when it cannot listen."""
     try:
         return bound_listener(host)
     except OSError as err:
         raise LaunchError(f"could not listen for the store master on {host}: {err}") from err
-
-
-def _serve_store(listener, host: str, port: int, world_size: int, timeout_s: float) -> Store:
-    """The store master on ``listener`` (bound to ``host:port``, see :func:`_bind_listener`),
-    which it owns from here on. Raises LaunchError when torch cannot start it."""
-    try:
-        return create_store(host, port, world_size, is_master=True, timeout_s=timeout_s,
-                            listen_socket=listener)
-    except Exception as err:  # noqa: BLE001 - torch raises DistNetworkError/RuntimeError
-        raise LaunchError(f"could not start the store master at {host}:{port}: {err}") from err
 
 
 class _Job:
@@ -460,7 +453,7 @@ def _collect_stacks(job: _Job, stack_paths: list) -> None:
         return
     hung = []
     for rank in job.timed_out:
-        if stack_paths[rank] is None or not job.processes[rank].is_alive():
+        if not job.processes[rank].is_alive():
             continue
         try:
             os.kill(job.processes[rank].pid, _STACK_SIGNAL)
@@ -648,7 +641,7 @@ def launch(fn: Callable, nprocs: int, *, args: tuple = (), timeout_s: float = 12
             proc.start()
             processes.append(proc)
         if listener is not None:
-            master = _serve_store(listener, host, port, world_size, timeout_s)
+            master = _start_store(world_size, timeout_s, host, port, listener)
             listener = None  # the master owns it now
         job = _Job(nprocs, processes, results, expected_deaths)
         _wait(job, start + timeout_s, timeout_s, joining)

@@ -69,14 +69,15 @@ def _rss_kib() -> int:
     return -1
 
 
-def _shm_names() -> set[str]:
-    """Names in /dev/shm (all owners: NVSHMEM, MPS and multiprocessing keep some too)."""
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+def _shm_names() -> set[str] | None:
+    """Names in /dev/shm (all owners: NVSHMEM, MPS and multiprocessing keep some too); None
+    without /dev/shm."""
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else None
 
 
-def _shm_entries() -> int:
-    """How many entries /dev/shm has (-1: no /dev/shm)."""
-    return len(_shm_names()) if os.path.isdir("/dev/shm") else -1
+def _shm_entries(names: set[str] | None) -> int:
+    """How many entries ``names`` (:func:`_shm_names`) has, -1 without /dev/shm."""
+    return -1 if names is None else len(names)
 
 
 def _afd_segments(job_id: str) -> list[str]:
@@ -137,7 +138,8 @@ def _attention(conn, args, rank_seed):
         if args.progress_s > 0 and time.monotonic() >= next_progress + args.progress_s:
             next_progress = time.monotonic()
             print(f"soak attention {conn.role_rank}: {done}/{args.round_trips} round trips in "
-                  f"{next_progress - start:.1f} s, mismatches {mismatches}, errors {dict(errors)}", flush=True)
+                  f"{next_progress - start:.1f} s, mismatches {mismatches}, errors {dict(errors)}",
+                  flush=True)
         if rss_warm is None and done >= args.round_trips // 10:
             rss_warm = _rss_kib()  # after the warm-up: the flat-memory baseline
         layer = rng.randrange(model.num_layers)
@@ -172,7 +174,7 @@ def _rank(ctx, args):
     model = ModelConfig(hidden_size=args.hidden, num_experts=args.experts, top_k=args.top_k,
                         moe_intermediate_size=args.hidden, num_shared_experts=1, dtype="bfloat16",
                         max_num_batched_tokens=args.max_tokens, num_layers=args.layers)
-    shm0 = _shm_entries()
+    shm0 = _shm_entries(_shm_names())
     conn, role, role_rank = _connect(ctx, args, model)
     rss0 = _rss_kib()
     start = time.perf_counter()
@@ -183,7 +185,8 @@ def _rank(ctx, args):
         conn.close()
     report.update(role=role.value, role_rank=role_rank, wall_s=time.perf_counter() - start,
                   rss_kib_before=rss0, rss_kib_after=_rss_kib(), shm_before=shm0,
-                  shm_after=_shm_entries(), afd_segments_after_close=_afd_segments(ctx.job_id))
+                  shm_after=_shm_entries(_shm_names()),
+                  afd_segments_after_close=_afd_segments(ctx.job_id))
     return report
 
 
@@ -193,9 +196,11 @@ def main(argv=None) -> int:
     print(f"afd_cupy soak: {args.attn}A{args.ffn}F backend={args.backend} wire_mode={args.wire_mode} "
           f"transport={args.transport} round_trips={args.round_trips} per attention rank, "
           f"max_tokens={args.max_tokens} stall_prob={args.stall_prob}", flush=True)
-    shm_before, names_before = _shm_entries(), _shm_names()
+    names_before = _shm_names()
     reports = launch(_rank, args.attn + args.ffn, args=(args,), timeout_s=args.timeout)
-    shm_after, shm_new = _shm_entries(), sorted(_shm_names() - names_before)
+    names_after = _shm_names()
+    shm_before, shm_after = _shm_entries(names_before), _shm_entries(names_after)
+    shm_new = sorted((names_after or set()) - (names_before or set()))
     attn = [r for r in reports if r["role"] == "attention"]
     ffn = [r for r in reports if r["role"] == "ffn"]
     errors = collections.Counter()
