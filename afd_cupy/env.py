@@ -33,6 +33,12 @@ logger = logging.getLogger("afd_cupy")
 
 #: thread-pool sizes of the libraries a rank loads; read once, when each library loads
 THREAD_POOL_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS")
+#: what every launched child gets unless the caller's environment or ``env=`` sets it (idle
+#: pools must not spin on cores a rank's GPU work does not need): OpenMP workers sleep
+#: between parallel regions; OpenBLAS workers (numpy) sleep after 2^4 cycles instead of
+#: 2^28 (each spins ~0.1 s at numpy's import and after each call: ~1 CPU-s per process at
+#: start-up on a 16-core machine). Read when each library loads.
+IDLE_POOL_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "OPENBLAS_THREAD_TIMEOUT": "4"}
 
 
 def nvshmem_lib_override() -> str | None:

@@ -1,8 +1,9 @@
 """The one launch helper shared by tests and tools: run ``fn(ctx, *args)`` in local processes.
 
-The parent process starts a TCPStore master on a free port (or joins a store given as
-``store_addr``, for a job whose ranks several launchers start: one launch per node, each
-running a contiguous block of world ranks), spawns ``nprocs`` children
+The parent process serves the job's store (a :class:`~afd_cupy.kvstore.KVServer` on a free
+port: no torch in the parent; or joins a TCPStore given as ``store_addr``, for a job whose
+ranks several launchers start: one launch per node, each running a contiguous block of world
+ranks), spawns ``nprocs`` children
 ("spawn" start method: no inherited CUDA state), places them on GPUs, collects their
 results in rank order and turns any failure (exception, crash, timeout) into a
 :class:`LaunchError` carrying every failing rank's story. Cleanup always runs: children are
@@ -28,10 +29,11 @@ from typing import Any, Callable
 
 from afd_cupy import env as env_mod
 from afd_cupy import rendezvous
-from afd_cupy.env import THREAD_POOL_VARS  # noqa: F401 - re-exported (tests, tools)
+from afd_cupy.env import IDLE_POOL_DEFAULTS, THREAD_POOL_VARS  # noqa: F401 - re-exported
 from afd_cupy.errors import AfdError, ConfigError
 from afd_cupy.heap.host import cleanup_job_segments
-from afd_cupy.store import NamespacedStore, Store, bound_listener, create_store
+from afd_cupy.kvstore import KVServer
+from afd_cupy.store import NamespacedStore, Store, bound_listener, connect_store, create_store
 
 logger = logging.getLogger("afd_cupy")
 
@@ -115,6 +117,13 @@ class ProcessContext:
     device_id: int | None
     store_timeout_s: float = 120.0
     sm_percent: int | None = None  # this rank's MPS SM share, when the launch placed it
+    #: what serves the store: "torch" (a ``torch.distributed.TCPStore`` master) or "afd"
+    #: (the :class:`~afd_cupy.kvstore.KVServer` a launch hosts for a job it runs alone)
+    store_kind: str = "torch"
+
+    def __post_init__(self):
+        if self.store_kind not in ("torch", "afd"):
+            raise ValueError(f"store_kind must be 'torch' or 'afd', got {self.store_kind!r}")
 
     @classmethod
     def from_env(cls, environ=None, *, store_timeout_s: float = 120.0) -> "ProcessContext":
@@ -196,8 +205,8 @@ class ProcessContext:
         """
         key = (self.store_host, self.store_port, self.job_id)
         if key not in _client_stores:
-            client = create_store(self.store_host, self.store_port, self.world_size,
-                                  is_master=False, timeout_s=self.store_timeout_s)
+            client = connect_store(self.store_kind, self.store_host, self.store_port,
+                                   self.world_size, self.store_timeout_s)
             _client_stores[key] = NamespacedStore(client, self.job_id)
         return _client_stores[key]
 
@@ -350,25 +359,22 @@ def _apply_torch_threads() -> None:
         torch.set_num_threads(int(value))
 
 
-def _start_store(world_size: int, timeout_s: float, host: str, port: int,
-                 listener=None) -> Store:
-    """Start the store master at ``host:port``: listening there itself, or serving on
-    ``listener`` (a socket bound to that address, :func:`_bind_listener`, which the master
-    owns from here on). Raises LaunchError when it cannot start."""
+def _start_store(world_size: int, timeout_s: float, host: str, port: int) -> Store:
+    """Start a TCPStore master at ``host:port`` (a job several launchers start). Raises
+    LaunchError when it cannot start."""
     try:
-        return create_store(host, port, world_size, is_master=True, timeout_s=timeout_s,
-                            listen_socket=listener)
+        return create_store(host, port, world_size, is_master=True, timeout_s=timeout_s)
     except Exception as err:  # noqa: BLE001 - torch raises DistNetworkError/RuntimeError
         raise LaunchError(f"could not start the store master at {host}:{port}: {err}") from err
 
 
-def _bind_listener(host: str):
-    """The store master's socket, bound to a free port of ``host`` and listening (the master
-    itself comes later, :func:`_start_store`). Raises LaunchError when it cannot listen."""
+def _serve_own_store(host: str) -> KVServer:
+    """The store of a job this launch runs alone: a KVServer on a free port of ``host``.
+    Raises LaunchError when it cannot listen."""
     try:
-        return bound_listener(host)
+        return KVServer(bound_listener(host))
     except OSError as err:
-        raise LaunchError(f"could not listen for the store master on {host}: {err}") from err
+        raise LaunchError(f"could not listen for the job's store on {host}: {err}") from err
 
 
 class _Job:
@@ -600,24 +606,25 @@ def launch(fn: Callable, nprocs: int, *, args: tuple = (), timeout_s: float = 12
     fn_args_blob = pickle.dumps((fn, tuple(args)))
     child_env = {**thread_limits(nprocs, threads_per_process),
                  **{str(k): str(v) for k, v in (env or {}).items()}}
-    # OpenMP workers (torch's CPU ops) otherwise spin between parallel regions and burn the
-    # cores a rank's GPU work does not need; the caller's or env='s setting wins
-    if not os.environ.get("OMP_WAIT_POLICY"):
-        child_env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # idle thread pools must not spin on the cores a rank's GPU work does not need: OpenMP
+    # workers (torch's CPU ops) between parallel regions, OpenBLAS's (numpy) after numpy's
+    # import and after each call; the caller's or env='s setting wins
+    for var, value in IDLE_POOL_DEFAULTS.items():
+        if not os.environ.get(var):
+            child_env.setdefault(var, value)
     spawn = mp.get_context("spawn")
     results = spawn.Queue()
     processes: list = []
     stack_dir = tempfile.mkdtemp(prefix=f"afd-{job_id}-stacks-")
     stack_paths = [os.path.join(stack_dir, f"rank{local}.txt") for local in range(nprocs)]
-    master = store = joining = listener = None
+    master = store = joining = None
+    store_kind = "torch"
     ok = False
     try:
         if store_addr is None:
-            # The master is started only after the ranks are spawned: creating it imports
-            # torch (seconds), which the ranks' own imports then overlap. They connect to the
-            # bound, listening socket at once and wait in its backlog until the master serves.
-            host, listener = STORE_HOST, _bind_listener(STORE_HOST)
-            port = listener.getsockname()[1]
+            # torch-free and up at once (a TCPStore master cost the parent a torch import)
+            master, store_kind = _serve_own_store(STORE_HOST), "afd"
+            host, port = master.host, master.port
         elif host_store:
             host, port = env_mod.parse_store_addr(store_addr)
             master = _start_store(world_size, timeout_s, host, port)
@@ -634,15 +641,12 @@ def launch(fn: Callable, nprocs: int, *, args: tuple = (), timeout_s: float = 12
             if where.sm_percent is not None:
                 rank_env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(where.sm_percent)
             ctx = ProcessContext(rank, world_size, job_id, host, port, device, timeout_s,
-                                 where.sm_percent)
+                                 where.sm_percent, store_kind)
             proc = spawn.Process(target=_child_main, name=f"afd-{job_id}-rank{rank}",
                                  args=(local, fn_args_blob, ctx, rank_env, results,
                                        stack_paths[local]))
             proc.start()
             processes.append(proc)
-        if listener is not None:
-            master = _start_store(world_size, timeout_s, host, port, listener)
-            listener = None  # the master owns it now
         job = _Job(nprocs, processes, results, expected_deaths)
         _wait(job, start + timeout_s, timeout_s, joining)
         if job.failures:
@@ -654,8 +658,8 @@ def launch(fn: Callable, nprocs: int, *, args: tuple = (), timeout_s: float = 12
         return [job.values[local] for local in range(nprocs)]
     finally:
         _stop_all(processes)
-        if listener is not None:
-            listener.close()
+        if isinstance(master, KVServer):
+            master.close()
         results.close()
         results.join_thread()
         if store is not None:

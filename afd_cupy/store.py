@@ -1,15 +1,16 @@
 """The rendezvous store: a small key-value service every rank of a job can reach.
 
 Ranks use it only at start-up and teardown (unique ids, segment names, barriers), never on
-the hot path. ``torch.distributed.TCPStore`` satisfies the :class:`Store` protocol; the
-launcher (``afd_cupy.launch``) runs the master in the parent process.
+the hot path. ``torch.distributed.TCPStore`` and :class:`afd_cupy.kvstore.KVClient` satisfy the
+:class:`Store` protocol; the launcher (``afd_cupy.launch``) serves the store from the parent
+process (a :class:`~afd_cupy.kvstore.KVServer`, or a TCPStore master for a job several
+launchers start).
 
 Every wait here is bounded: a missing peer becomes a :class:`~afd_cupy.errors.PeerTimeoutError`
 naming how many ranks arrived, never a hang.
 """
 from __future__ import annotations
 
-import os
 import socket
 import threading
 import time
@@ -39,59 +40,40 @@ class Store(Protocol):
 
 
 def create_store(host: str, port: int, world_size: int, is_master: bool,
-                 timeout_s: float, listen_socket: socket.socket | None = None) -> Store:
-    """A ``torch.distributed.TCPStore`` (master or client) with a ``timeout_s`` bound.
+                 timeout_s: float) -> Store:
+    """A ``torch.distributed.TCPStore`` (master or client) with a ``timeout_s`` bound: the
+    store of a job whose ranks several launchers start (a launch running a job alone hosts
+    the torch-free :class:`afd_cupy.kvstore.KVServer` instead).
 
     The master does not wait for workers (``wait_for_workers=False``) so that it can be
     started before the processes that connect to it. torch is imported here, lazily.
-    ``listen_socket`` (master only): a socket already bound to ``port`` and listening
-    (:func:`bound_listener`); the store serves on it and owns it from then on (the socket
-    object is detached, whatever happens). Clients that connected to it before the master
-    existed wait in its backlog and are served.
     """
     import datetime
 
     from torch.distributed import TCPStore
 
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if listen_socket is None:
-        return TCPStore(host, port, world_size, is_master, timeout=timeout,
-                        wait_for_workers=False if is_master else True)
-    if not is_master:
-        raise ValueError("listen_socket is for the store master only")
-    fd = listen_socket.detach()
-    spare = os.dup(fd)  # the store owns (and closes) the descriptor it is given
-    try:
-        try:
-            store = TCPStore(host, port, world_size, True, timeout=timeout, wait_for_workers=False,
-                             master_listen_fd=fd)
-        except (RuntimeError, TypeError, ValueError):
-            # a torch whose libuv server cannot adopt a descriptor: the classic server can.
-            # Whether the failed attempt closed `fd` is not documented: close it if it is
-            # still this socket, so that no stray descriptor keeps the port bound.
-            if _same_open_file(fd, spare):
-                os.close(fd)
-            store = TCPStore(host, port, world_size, True, timeout=timeout, wait_for_workers=False,
-                             master_listen_fd=os.dup(spare), use_libuv=False)
-    finally:
-        os.close(spare)
-    return store
+    return TCPStore(host, port, world_size, is_master, timeout=datetime.timedelta(seconds=timeout_s),
+                    wait_for_workers=False if is_master else True)
 
 
-def _same_open_file(fd: int, other: int) -> bool:
-    """Whether descriptor ``fd`` is open and refers to the same file as ``other``."""
-    try:
-        a, b = os.fstat(fd), os.fstat(other)
-    except OSError:
-        return False
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+def connect_store(kind: str, host: str, port: int, world_size: int, timeout_s: float) -> Store:
+    """A client of the store at ``host:port``: ``kind`` "afd" for a
+    :class:`~afd_cupy.kvstore.KVServer` (what :func:`afd_cupy.launch.launch` hosts for a job it
+    runs alone), "torch" for a ``torch.distributed.TCPStore`` master."""
+    if kind == "afd":
+        from afd_cupy.kvstore import KVClient
+
+        return KVClient(host, port, timeout_s)
+    if kind == "torch":
+        return create_store(host, port, world_size, is_master=False, timeout_s=timeout_s)
+    raise ValueError(f"store kind must be 'afd' or 'torch', got {kind!r}")
 
 
 def bound_listener(host: str, port: int = 0, backlog: int = 1024) -> socket.socket:
     """A TCP socket bound to ``host:port`` (0: a free port, read it back with
     ``getsockname()[1]``) and listening: processes may connect to the address at once, and
-    a store master created later on the socket (:func:`create_store`) serves them. No race
-    with another process taking the port, unlike :func:`free_port`."""
+    a store server started later on the socket (:class:`afd_cupy.kvstore.KVServer`) serves
+    them. No race with another process taking the port, unlike :func:`free_port`."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -11,8 +13,11 @@ import pytest
 
 from afd_cupy.errors import AfdError, PeerTimeoutError
 from afd_cupy.launch import LaunchError, ProcessContext, device_for_rank, launch
+from afd_cupy.kvstore import KVClient, KVServer
 from afd_cupy.store import (NamespacedStore, agreed_barrier, bound_listener, create_store, free_port,
                             store_barrier)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # ---------------------------------------------------------------------------------------------
 # Child functions (top level: pickled by reference into spawned processes)
@@ -139,9 +144,24 @@ def test_hung_child_is_killed_at_timeout():
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def master_store():
-    return create_store("127.0.0.1", free_port(), 1, is_master=True, timeout_s=10.0)
+def _store_pair(kind: str, world_size: int, timeout_s: float):
+    """(server, connect): a fresh store of ``kind`` ("torch": a TCPStore master; "afd": a
+    KVServer) and a function returning a new client of it."""
+    if kind == "torch":
+        port = free_port()
+        master = create_store("127.0.0.1", port, world_size, is_master=True, timeout_s=timeout_s)
+        return master, lambda: create_store("127.0.0.1", port, world_size, is_master=False,
+                                            timeout_s=timeout_s)
+    server = KVServer(bound_listener("127.0.0.1"))
+    return server, lambda: KVClient(server.host, server.port, timeout_s)
+
+
+@pytest.fixture(params=["torch", "afd"])
+def master_store(request):
+    server, connect = _store_pair(request.param, 1, 10.0)
+    yield server if request.param == "torch" else connect()
+    if request.param == "afd":
+        server.close()
 
 
 @pytest.mark.timeout(60)
@@ -164,18 +184,17 @@ def test_store_barrier_timeout_names_counts(master_store):
         store_barrier(store, "lonely", 3, timeout_s=0.1)
 
 
-def _on_threads(delays, body):
-    """Ranks as threads of this process, each with its own client of a fresh store master:
-    once every client is connected, rank i sleeps ``delays[i]``, then returns
-    ``body(i, store)``. Results by rank. (Connected first: on a busy machine a client's
-    connect can take seconds, which would make the delays meaningless.)"""
-    port = free_port()
-    master = create_store("127.0.0.1", port, len(delays), is_master=True, timeout_s=30.0)
+def _on_threads(delays, body, kind="torch"):
+    """Ranks as threads of this process, each with its own client of a fresh store (``kind``,
+    :func:`_store_pair`): once every client is connected, rank i sleeps ``delays[i]``, then
+    returns ``body(i, store)``. Results by rank. (Connected first: on a busy machine a
+    client's connect can take seconds, which would make the delays meaningless.)"""
+    master, connect = _store_pair(kind, len(delays), 30.0)
     results = [None] * len(delays)
     connected = threading.Barrier(len(delays), timeout=30)
 
     def rank(i):
-        store = create_store("127.0.0.1", port, len(delays), is_master=False, timeout_s=30.0)
+        store = connect()
         store.add("connected", 1)  # a round trip: the connection is up
         connected.wait()
         time.sleep(delays[i])
@@ -186,28 +205,31 @@ def _on_threads(delays, body):
         thread.start()
     for thread in threads:
         thread.join(30)
+    if kind == "afd":
+        master.close()
     del master
     assert all(r is not None for r in results), results
     return results
 
 
-def _agreed_round(name: str, delays, timeouts):
+def _agreed_round(name: str, delays, timeouts, kind="torch"):
     """agreed_barrier with each rank's timeout after its delay: [(verdict, seconds in it)]."""
     def body(i, store):
         start = time.monotonic()
         return agreed_barrier(store, name, len(delays), timeouts[i]), time.monotonic() - start
 
-    return _on_threads(delays, body)
+    return _on_threads(delays, body, kind)
 
 
-@pytest.mark.timeout(30)
-def test_agreed_barrier_gives_every_rank_the_same_verdict():
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["torch", "afd"])
+def test_agreed_barrier_gives_every_rank_the_same_verdict(kind):
     # all arrive in time: every rank may run the collective teardown
-    assert [v for v, _ in _agreed_round("all", [0, 0.05, 0.1], [5, 5, 5])] == [True] * 3
+    assert [v for v, _ in _agreed_round("all", [0, 0.05, 0.1], [5, 5, 5], kind)] == [True] * 3
     # the soak's hang: rank 0 (a short, "unhealthy" wait) gives up before the others arrive.
     # A plain barrier let the late ranks see a full count and enter nvshmem_barrier_all
     # without it; here every rank abandons, the late ones at once (not after their 5 s)
-    late = _agreed_round("late", [0, 0.8, 0.8], [0.3, 5, 5])
+    late = _agreed_round("late", [0, 0.8, 0.8], [0.3, 5, 5], kind)
     assert [v for v, _ in late] == [False] * 3, late
     assert late[0][1] < 1.0 and late[1][1] < 1.0 and late[2][1] < 1.0, late
     # near the deadline: whatever the verdict, it is the same on every rank
@@ -216,13 +238,13 @@ def test_agreed_barrier_gives_every_rank_the_same_verdict():
     for trial in range(12):
         delays = list(rng.uniform(0, 0.15, 3))
         timeouts = list(rng.uniform(0.02, 0.2, 3))
-        got = {v for v, _ in _agreed_round(f"race{trial}", delays, timeouts)}
+        got = {v for v, _ in _agreed_round(f"race{trial}", delays, timeouts, kind)}
         assert len(got) == 1, (trial, delays, timeouts, got)
         verdicts |= got
     assert verdicts == {True, False}  # both outcomes were exercised
 
 
-def _verdict_round(name: str, delays, timeouts, problems):
+def _verdict_round(name: str, delays, timeouts, problems, kind="torch"):
     """NvshmemHeap._every_pe_says on threads standing in for PEs: each PE's list, or its
     PeerTimeoutError."""
     from types import SimpleNamespace
@@ -237,17 +259,18 @@ def _verdict_round(name: str, delays, timeouts, problems):
         except PeerTimeoutError as err:
             return err
 
-    return _on_threads(delays, body)
+    return _on_threads(delays, body, kind)
 
 
 @pytest.mark.timeout(30)
-def test_nvshmem_verdict_exchange_is_one_verdict_for_every_pe():
+@pytest.mark.parametrize("kind", ["torch", "afd"])
+def test_nvshmem_verdict_exchange_is_one_verdict_for_every_pe(kind):
     # in time: every PE gets every PE's non-empty problem, in PE order
-    ok = _verdict_round("ok", [0, 0.05, 0.1], [5, 5, 5], ["", "PE 1 short", "PE 2 short"])
+    ok = _verdict_round("ok", [0, 0.05, 0.1], [5, 5, 5], ["", "PE 1 short", "PE 2 short"], kind)
     assert ok == [["PE 1 short", "PE 2 short"]] * 3, ok
     # PE 2 publishes after PE 0 gave up but while PE 1 still waits: before, PE 0 raised and
     # PE 1 went on into nvshmem_malloc without it; now every PE raises
-    late = _verdict_round("late", [0, 0, 0.8], [0.3, 5, 5], ["", "", ""])
+    late = _verdict_round("late", [0, 0, 0.8], [0.3, 5, 5], ["", "", ""], kind)
     assert all(isinstance(r, PeerTimeoutError) for r in late), late
 
 
@@ -280,93 +303,44 @@ def test_free_port_is_bindable():
         sock.bind(("", port))
 
 
-def test_clients_that_connect_before_the_master_exists_are_served():
-    listener = bound_listener("127.0.0.1")
-    port = listener.getsockname()[1]
-    got = {}
+def _store_kind_and_torch(ctx: ProcessContext):
+    import sys
 
-    def client():
-        store = create_store("127.0.0.1", port, 2, is_master=False, timeout_s=20.0)
-        store.set("early", b"client")
-        got["sum"] = store.add("n", 3)
-
-    thread = threading.Thread(target=client)
-    thread.start()
-    time.sleep(0.5)  # the client is connected and waiting in the socket's backlog
-    assert "sum" not in got
-    master = create_store("127.0.0.1", port, 2, is_master=True, timeout_s=20.0,
-                          listen_socket=listener)
-    thread.join(timeout=20.0)
-    assert not thread.is_alive()
-    assert listener.fileno() == -1  # detached: the master owns the descriptor
-    assert got["sum"] == 3
-    assert master.get("early") == b"client"
-    assert master.add("n", 0) == 3
+    ctx.store().set(f"hello/{ctx.rank}", b"x")
+    return ctx.store_kind, "torch" in sys.modules
 
 
-def test_listen_socket_falls_back_to_the_classic_server(monkeypatch):
-    import torch.distributed as dist
-
-    real, calls = dist.TCPStore, []
-
-    def no_libuv_fd(*args, **kwargs):
-        calls.append(kwargs.get("use_libuv", True))
-        if kwargs.get("master_listen_fd") is not None and kwargs.get("use_libuv", True):
-            raise RuntimeError("libuv server cannot adopt a descriptor (simulated)")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(dist, "TCPStore", no_libuv_fd)
-    listener = bound_listener("127.0.0.1")
-    port = listener.getsockname()[1]
-    fds_before = len(os.listdir("/proc/self/fd"))
-    master = create_store("127.0.0.1", port, 1, is_master=True, timeout_s=10.0, listen_socket=listener)
-    assert calls == [True, False]
-    master.set("k", b"v")
-    client = real("127.0.0.1", port, 1, False)
-    assert client.get("k") == b"v"
-    del client, master
-    # the descriptor the failed attempt left open was closed: none of the socket's stays behind
-    assert len(os.listdir("/proc/self/fd")) <= fds_before - 1
+def test_a_launch_run_alone_serves_its_store_without_torch():
+    # the parent of a job run alone hosts a KVServer: it never imports torch for the store
+    # (a TCPStore master cost the main job's parent a torch import, 4-5 s of CPU on the GPU
+    # machine); the ranks reach it through ctx.store()
+    code = ("import sys; sys.path.insert(0, 'tests'); from test_store_launch import "
+            "_store_kind_and_torch as f; from afd_cupy.launch import launch; "
+            "print(launch(f, 2, timeout_s=60.0), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["[('afd',", "False),", "('afd',", "False)]", "False"], out.stdout
 
 
-def test_listen_socket_is_for_the_master_only():
-    listener = bound_listener("127.0.0.1")
-    with pytest.raises(ValueError, match="listen_socket is for the store master only"):
-        create_store("127.0.0.1", listener.getsockname()[1], 1, is_master=False, timeout_s=1.0,
-                     listen_socket=listener)
-
-
-def test_launch_starts_the_store_master_after_spawning_the_ranks(monkeypatch):
+def test_launch_that_cannot_listen_for_its_store_starts_no_rank(monkeypatch):
     import multiprocessing
 
     from afd_cupy import launch as launch_mod
 
-    seen = []
-    real = launch_mod.create_store
+    def broken(host):
+        raise OSError(98, "Address already in use (simulated)")
 
-    def record(*args, **kwargs):
-        seen.append(len(multiprocessing.active_children()))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(launch_mod, "create_store", record)
-    assert [r[0] for r in launch(_report_identity, 2, args=(0,), timeout_s=60.0)] == [0, 1]
-    assert seen == [2]  # both ranks were running (importing) while the master started
-
-
-def test_launch_whose_store_master_fails_stops_its_ranks(monkeypatch):
-    import multiprocessing
-
-    from afd_cupy import launch as launch_mod
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("no store today")
-
-    monkeypatch.setattr(launch_mod, "create_store", broken)
-    start = time.monotonic()
-    with pytest.raises(LaunchError, match=r"could not start the store master at 127\.0\.0\.1:\d+: no store today"):
+    monkeypatch.setattr(launch_mod, "bound_listener", broken)
+    with pytest.raises(LaunchError, match=r"could not listen for the job's store on 127\.0\.0\.1: "
+                                          r"\[Errno 98\] Address already in use"):
         launch(_report_identity, 2, args=(0,), timeout_s=60.0)
-    assert time.monotonic() - start < 30.0
     assert multiprocessing.active_children() == []
+
+
+def test_process_context_refuses_an_unknown_store_kind():
+    with pytest.raises(ValueError, match="store_kind must be 'torch' or 'afd', got 'redis'"):
+        ProcessContext(0, 1, "job", "127.0.0.1", 1, None, store_kind="redis")
 
 
 def test_detect_backend_override_and_cpu_fallback(monkeypatch):

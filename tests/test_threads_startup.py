@@ -15,7 +15,7 @@ from afd_cupy import connector as connector_mod
 from afd_cupy import env, planner
 from afd_cupy.errors import ConfigError
 from afd_cupy.handshake import PeerProcess
-from afd_cupy.launch import THREAD_POOL_VARS, launch, thread_limits
+from afd_cupy.launch import IDLE_POOL_DEFAULTS, THREAD_POOL_VARS, launch, thread_limits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -113,17 +113,45 @@ def test_startup_profile_writes_json(tmp_path):
 
 
 def _child_wait_policy(ctx):
-    return os.environ.get("OMP_WAIT_POLICY")
+    return os.environ.get("OMP_WAIT_POLICY"), os.environ.get("OPENBLAS_THREAD_TIMEOUT")
 
 
-def test_children_get_passive_openmp_waits_unless_the_user_chose(monkeypatch):
+def test_children_get_sleeping_idle_pools_unless_the_user_chose(monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    assert launch(_child_wait_policy, 1, timeout_s=60, num_gpus=0) == ["PASSIVE"]
+    monkeypatch.delenv("OPENBLAS_THREAD_TIMEOUT", raising=False)
+    assert launch(_child_wait_policy, 1, timeout_s=60, num_gpus=0) == [("PASSIVE", "4")]
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the caller's environment wins
-    assert launch(_child_wait_policy, 1, timeout_s=60, num_gpus=0) == ["ACTIVE"]
+    monkeypatch.setenv("OPENBLAS_THREAD_TIMEOUT", "28")
+    assert launch(_child_wait_policy, 1, timeout_s=60, num_gpus=0) == [("ACTIVE", "28")]
     monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.delenv("OPENBLAS_THREAD_TIMEOUT")
     assert launch(_child_wait_policy, 1, timeout_s=60, num_gpus=0,
-                  env={"OMP_WAIT_POLICY": "ACTIVE"}) == ["ACTIVE"]
+                  env={"OMP_WAIT_POLICY": "ACTIVE", "OPENBLAS_THREAD_TIMEOUT": "10"}) == [("ACTIVE", "10")]
+
+
+_NUMPY_IMPORT_CPU = ("import time; t = time.process_time(); import numpy; time.sleep(0.4); "
+                     "print(time.process_time() - t)")
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="OpenBLAS starts no worker on one core")
+def test_openblas_workers_sleep_under_the_idle_defaults():
+    # numpy's OpenBLAS starts a worker per core at import, and each spins ~0.1 s (2^28
+    # cycles) before it sleeps; under IDLE_POOL_DEFAULTS they sleep at once. CPU seconds of
+    # `import numpy` + 0.4 s asleep, three fresh interpreters each way, the least of each
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_THREAD_TIMEOUT", "OPENBLAS_NUM_THREADS",
+                                                          "OMP_NUM_THREADS")}
+
+    def cpu(apply: bool) -> float:
+        runs = [subprocess.run([sys.executable, "-c", _NUMPY_IMPORT_CPU], capture_output=True,
+                               text=True, check=True,
+                               env={**env, **(IDLE_POOL_DEFAULTS if apply else {})})
+                for _ in range(3)]
+        return min(float(r.stdout) for r in runs)
+
+    spinning, sleeping = cpu(False), cpu(True)
+    extra_workers = len(os.sched_getaffinity(0)) - 1
+    # default: every extra worker spins for a sizeable part of its 2^28 cycles
+    assert spinning - sleeping > 0.02 * extra_workers, (spinning, sleeping)
 
 
 def test_visible_gpu_count_reads_cuda_visible_devices_as_the_runtime_does():
