@@ -148,6 +148,10 @@ class KVServer:
             self._closed = True
             clients = list(self._clients)
             self._changed.notify_all()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread (Linux)
+        except OSError:
+            pass
         self._listener.close()
         for conn in clients:
             try:

@@ -138,3 +138,17 @@ def test_a_closed_server_is_a_store_lost_error_never_a_hang():
 def test_client_timeout_must_be_positive(server):
     with pytest.raises(ValueError, match="timeout_s must be > 0, got 0"):
         KVClient(server.host, server.port, 0)
+
+
+def test_close_wakes_the_accepting_thread_at_once(monkeypatch):
+    # close() must not wait out the accept poll (it ends every launch): with a 30 s poll, a
+    # close that relied on it would take 30 s
+    from afd_cupy import kvstore
+
+    monkeypatch.setattr(kvstore, "_ACCEPT_POLL_S", 30.0)
+    server = KVServer(bound_listener("127.0.0.1"))
+    KVClient(server.host, server.port, 5.0).add("x", 1)
+    start = time.monotonic()
+    server.close()
+    assert time.monotonic() - start < 5.0
+    assert not server._acceptor.is_alive()
