@@ -96,6 +96,44 @@ def test_launch_returns_results_by_rank(nprocs):
     assert results == [(r, nprocs, 100 + r * r, None, "set-in-child") for r in range(nprocs)]
 
 
+def _slow_exit(ctx: ProcessContext, marker_dir: str, exit_s: float):
+    """Report at once, then take ``exit_s`` to exit (as a rank tearing CUDA down does)."""
+    import atexit
+
+    def finish():
+        time.sleep(exit_s)
+        with open(os.path.join(marker_dir, f"exited{ctx.rank}"), "w") as f:
+            f.write("clean")
+
+    atexit.register(finish)
+    return ctx.rank
+
+
+@pytest.mark.timeout(60)
+def test_exit_grace_lets_ranks_that_reported_finish_their_exit(tmp_path):
+    # by default the launch terminates every rank the moment all results are in, inside its
+    # teardown (on the GPU machine each rank then leaves its /dev/shm/cuda.shm.* file);
+    # with exit_grace_s it waits (bounded) for the ranks to exit on their own
+    assert launch(_slow_exit, 2, args=(str(tmp_path), 0.5), timeout_s=30, num_gpus=0,
+                  exit_grace_s=10.0) == [0, 1]
+    assert sorted(os.listdir(tmp_path)) == ["exited0", "exited1"]
+    clean = tmp_path / "default"
+    clean.mkdir()
+    assert launch(_slow_exit, 2, args=(str(clean), 0.5), timeout_s=30, num_gpus=0) == [0, 1]
+    assert os.listdir(clean) == []  # terminated inside the 0.5 s exit
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_never_exits_is_stopped_after_the_exit_grace(tmp_path):
+    start = time.monotonic()
+    assert launch(_slow_exit, 1, args=(str(tmp_path), 30.0), timeout_s=30, num_gpus=0,
+                  exit_grace_s=1.0) == [0]
+    assert time.monotonic() - start < 15.0  # grace + terminate, not the rank's 30 s
+    assert os.listdir(tmp_path) == []  # it was stopped inside its exit
+    with pytest.raises(ValueError, match="exit_grace_s must be >= 0, got -1"):
+        launch(_slow_exit, 1, args=(str(tmp_path), 0.0), exit_grace_s=-1)
+
+
 def test_launch_error_is_an_afd_error():
     assert issubclass(LaunchError, AfdError)
 

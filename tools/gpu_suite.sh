@@ -15,7 +15,8 @@
 #     twogpu4 the GEMM SM carve-out (0 vs "auto") with the FFN on its own GPU: the V2-Lite-shaped
 #     MoE step traced, and bench_afd --overlap ffn (~7 min at most)
 #     soak1: one GPU, the fault model's soak (tools/soak.py: random sizes, stages, stalls; every
-#     output checked) 2A2F pair and dedup, 1A2F dedup + put, 2A1F pair + put, 1A1F pair 8e4
+#     output checked) 2A2F pair and dedup, 1A2F dedup + put, 2A1F pair + put, 1A1F pair 8e4,
+#     1A1F with launch(exit_grace_s=10) (the /dev/shm entries a job leaves, with and without)
 #     trace1: one GPU, the 50-layer step's phases (fused vs two-kernel dispatch and FFN wait +
 #     stage; dedup), the staged step on one stream vs a stream per stage (S = 1 2 4), the
 #     V2-Lite-shaped MoE step with the GEMM SM carve-out 0 and "auto" (the default), the step
@@ -114,11 +115,13 @@ case "$MODE" in
   soak1)  # one GPU, MPS: the fault model's soak over topologies, wire modes and transports;
     # a rank still running at --timeout is reported with its Python stacks (launch)
     SOAK="python3 tools/soak.py --stall-prob 0.0002 --progress-s 10"
-    run_step soak_2a2f_pair 110 $SOAK --attn 2 --ffn 2 --round-trips 5000 --timeout 90 --out "$OUT/soak_2a2f_pair"
-    run_step soak_2a2f_dedup 110 $SOAK --attn 2 --ffn 2 --wire-mode dedup --round-trips 5000 --timeout 90 --out "$OUT/soak_2a2f_dedup"
+    run_step soak_2a2f_pair 100 $SOAK --attn 2 --ffn 2 --round-trips 5000 --timeout 80 --out "$OUT/soak_2a2f_pair"
+    run_step soak_2a2f_dedup 100 $SOAK --attn 2 --ffn 2 --wire-mode dedup --round-trips 5000 --timeout 80 --out "$OUT/soak_2a2f_dedup"
     run_step soak_1a2f_dedup_put 90 $SOAK --attn 1 --ffn 2 --wire-mode dedup --transport put --round-trips 10000 --timeout 70 --out "$OUT/soak_1a2f_dedup_put"
     run_step soak_2a1f_pair_put 90 $SOAK --attn 2 --ffn 1 --transport put --round-trips 10000 --timeout 70 --out "$OUT/soak_2a1f_pair_put"
-    run_step soak_1a1f_pair 120 $SOAK --round-trips 80000 --timeout 100 --out "$OUT/soak_1a1f_pair" ;;
+    run_step soak_1a1f_pair 120 $SOAK --round-trips 80000 --timeout 100 --out "$OUT/soak_1a1f_pair"
+    # the same ranks let exit on their own: are CUDA's per-process /dev/shm files still left?
+    run_step soak_1a1f_exit 40 $SOAK --round-trips 2000 --timeout 25 --exit-grace-s 10 --out "$OUT/soak_1a1f_exit" ;;
   trace1)  # one GPU: the round trip by phase (both dispatch kernels, both FFN modes) and single-kernel costs
     SG="python3 tools/bench_step_graph.py --quick --layers 50 --tokens 128 --stages 1 --trace"
     run_step step_fused 120 $SG --dispatch fused --out "$OUT/step_fused"

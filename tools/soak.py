@@ -57,6 +57,10 @@ def parse_args(argv=None):
                         help="whole-job bound (s); a rank still running then is reported with its stacks")
     parser.add_argument("--progress-s", type=float, default=10.0,
                         help="each Attention rank prints its progress this often (s; 0: never)")
+    parser.add_argument("--exit-grace-s", type=float, default=0.0,
+                        help="launch(exit_grace_s=): let the ranks exit on their own after a "
+                             "clean run before they are terminated (does CUDA then remove "
+                             "its per-process /dev/shm files?)")
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
     return parser.parse_args(argv)
 
@@ -186,7 +190,7 @@ def _rank(ctx, args):
     report.update(role=role.value, role_rank=role_rank, wall_s=time.perf_counter() - start,
                   rss_kib_before=rss0, rss_kib_after=_rss_kib(), shm_before=shm0,
                   shm_after=_shm_entries(_shm_names()),
-                  afd_segments_after_close=_afd_segments(ctx.job_id))
+                  afd_segments_after_close=_afd_segments(ctx.job_id), returned_at=time.time())
     return report
 
 
@@ -197,7 +201,10 @@ def main(argv=None) -> int:
           f"transport={args.transport} round_trips={args.round_trips} per attention rank, "
           f"max_tokens={args.max_tokens} stall_prob={args.stall_prob}", flush=True)
     names_before = _shm_names()
-    reports = launch(_rank, args.attn + args.ffn, args=(args,), timeout_s=args.timeout)
+    reports = launch(_rank, args.attn + args.ffn, args=(args,), timeout_s=args.timeout,
+                     exit_grace_s=args.exit_grace_s)
+    # from the last rank's return to the launch's: the ranks' exit, with --exit-grace-s
+    exit_s = time.time() - max(r["returned_at"] for r in reports)
     names_after = _shm_names()
     shm_before, shm_after = _shm_entries(names_before), _shm_entries(names_after)
     shm_new = sorted((names_after or set()) - (names_before or set()))
@@ -212,7 +219,8 @@ def main(argv=None) -> int:
                "mismatches": sum(r["mismatches"] for r in attn), "errors": dict(errors),
                "ffn_stalls": stalls, "max_abs_err": max(r["max_abs_err"] for r in attn),
                "shm_entries_before": shm_before, "shm_entries_after": shm_after,
-               "shm_new_entries": shm_new, "ranks": reports}
+               "shm_new_entries": shm_new, "exit_grace_s": args.exit_grace_s,
+               "launch_return_after_last_rank_s": exit_s, "ranks": reports}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "soak.json").write_text(json.dumps(summary, indent=1, default=str))
     print(f"{'rank':<14}{'round trips':>12}{'mismatch':>10}{'errors':>28}{'RSS KiB start':>15}"
@@ -233,7 +241,8 @@ def main(argv=None) -> int:
     print(f"SOAK {'PASS' if ok else 'FAIL'} backend={args.backend} wire_mode={args.wire_mode} "
           f"transport={args.transport} round_trips={summary['round_trips']} "
           f"mismatches={summary['mismatches']} errors={dict(errors)} stalls={stalls} "
-          f"afd segments left {len(leaked)}, /dev/shm entries (all owners) {shm_before}->{shm_after}")
+          f"afd segments left {len(leaked)}, /dev/shm entries (all owners) {shm_before}->{shm_after}, "
+          f"launch returned {exit_s:.2f} s after the last rank (exit grace {args.exit_grace_s:g} s)")
     if shm_new:  # not this job's segments (checked above): whose they are is worth knowing
         print(f"new /dev/shm entries ({len(shm_new)}): {', '.join(shm_new[:8])}"
               f"{', ...' if len(shm_new) > 8 else ''}")
