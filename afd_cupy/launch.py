@@ -511,10 +511,9 @@ def _failure_message(job: _Job, job_id: str) -> str:
 
 
 def _stop_all(processes: list, exit_grace_s: float = 0.0) -> None:
-    """Give the children ``exit_grace_s`` to exit on their own (after a clean run: a rank
-    that reported still tears down its libraries: CUDA removes its per-process
-    ``/dev/shm/cuda.shm.*`` file, atexit handlers run), then terminate, and kill the ones
-    that ignore it within ``_TERMINATE_GRACE_S``."""
+    """Give the children ``exit_grace_s`` to exit on their own (after a clean run a rank
+    that reported still tears its interpreter and libraries down: atexit handlers, CUDA),
+    then terminate the rest, and kill the ones that ignore it within ``_TERMINATE_GRACE_S``."""
     deadline = time.monotonic() + exit_grace_s
     for proc in processes:
         proc.join(max(0.0, deadline - time.monotonic()))
