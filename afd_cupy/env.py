@@ -41,6 +41,13 @@ THREAD_POOL_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"
 IDLE_POOL_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "OPENBLAS_THREAD_TIMEOUT": "4"}
 
 
+def idle_pool_env(environ=None) -> dict[str, str]:
+    """The :data:`IDLE_POOL_DEFAULTS` that ``environ`` (default ``os.environ``) leaves unset
+    or empty: what a process that wants sleeping idle pools adds to its environment."""
+    environ = os.environ if environ is None else environ
+    return {var: value for var, value in IDLE_POOL_DEFAULTS.items() if not environ.get(var)}
+
+
 def nvshmem_lib_override() -> str | None:
     """Path from ``AFD_NVSHMEM_LIB`` or None."""
     value = os.environ.get("AFD_NVSHMEM_LIB", "").strip()

@@ -36,7 +36,7 @@ _F64 = struct.Struct("!d")
 _SET, _GET, _ADD = 1, 2, 3
 _OK, _TIMEOUT, _ERROR = 0, 1, 2
 _MAX_KEY = 0xFFFF
-_ACCEPT_POLL_S = 0.2  # how soon the accept thread sees close()
+_ACCEPT_POLL_S = 0.2  # close() wakes accept() on Linux; elsewhere the thread sees it this soon
 _CONNECT_RETRY_S = (0.01, 0.2)  # first and longest pause between connection attempts
 
 

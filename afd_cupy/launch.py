@@ -623,9 +623,8 @@ def launch(fn: Callable, nprocs: int, *, args: tuple = (), timeout_s: float = 12
     # idle thread pools must not spin on the cores a rank's GPU work does not need: OpenMP
     # workers (torch's CPU ops) between parallel regions, OpenBLAS's (numpy) after numpy's
     # import and after each call; the caller's or env='s setting wins
-    for var, value in IDLE_POOL_DEFAULTS.items():
-        if not os.environ.get(var):
-            child_env.setdefault(var, value)
+    for var, value in env_mod.idle_pool_env().items():
+        child_env.setdefault(var, value)
     spawn = mp.get_context("spawn")
     results = spawn.Queue()
     processes: list = []

@@ -52,7 +52,8 @@ def create_store(host: str, port: int, world_size: int, is_master: bool,
 
     from torch.distributed import TCPStore
 
-    return TCPStore(host, port, world_size, is_master, timeout=datetime.timedelta(seconds=timeout_s),
+    return TCPStore(host, port, world_size, is_master,
+                    timeout=datetime.timedelta(seconds=timeout_s),
                     wait_for_workers=False if is_master else True)
 
 

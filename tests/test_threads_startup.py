@@ -129,6 +129,12 @@ def test_children_get_sleeping_idle_pools_unless_the_user_chose(monkeypatch):
                   env={"OMP_WAIT_POLICY": "ACTIVE", "OPENBLAS_THREAD_TIMEOUT": "10"}) == [("ACTIVE", "10")]
 
 
+def test_idle_pool_env_fills_only_what_the_environment_leaves_unset():
+    assert env.idle_pool_env({}) == env.IDLE_POOL_DEFAULTS
+    assert env.idle_pool_env({"OMP_WAIT_POLICY": "ACTIVE", "OPENBLAS_THREAD_TIMEOUT": ""}) == {
+        "OPENBLAS_THREAD_TIMEOUT": "4"}  # empty counts as unset, as the launcher reads it
+
+
 _NUMPY_IMPORT_CPU = ("import time; t = time.process_time(); import numpy; time.sleep(0.4); "
                      "print(time.process_time() - t)")
 

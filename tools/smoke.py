@@ -16,12 +16,11 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from afd_cupy.env import IDLE_POOL_DEFAULTS  # noqa: E402 - no numpy yet
+from afd_cupy.env import idle_pool_env  # noqa: E402 - no numpy yet
 
 # this process only starts ranks: numpy's OpenBLAS workers, started by the next imports,
 # must not spin (the ranks get the same from the launcher)
-for _var, _value in IDLE_POOL_DEFAULTS.items():
-    os.environ.setdefault(_var, _value)
+os.environ.update(idle_pool_env())
 
 from afd_cupy.config import ModelConfig  # noqa: E402
 from afd_cupy.launch import detect_backend, launch  # noqa: E402
