@@ -304,3 +304,26 @@ def target_row(name: str, target: str, measured: float | None, unit: str,
 def targets_table(targets: Sequence[dict]) -> str:
     rows = [(t["name"], t["target"], t["measured"], t["unit"], t["status"], t["note"]) for t in targets]
     return format_table(("target (shared DESIGN.md §10)", "goal", "measured", "unit", "status", "note"), rows)
+
+
+def short_replica_times(replica: int, times: dict) -> dict:
+    """The short replica's time under each schedule (``times``: ``{"async": ms, "lockstep": ms,
+    "solo": ms}``, any subset) and its async / solo and async / lockstep ratios (None where a
+    time is missing or not > 0): the number the short replica's users feel under skew."""
+    out = {"replica": replica, **{k: times.get(k) for k in ("async", "lockstep", "solo")}}
+    fast = out["async"]
+    for other in ("solo", "lockstep"):
+        base = out[other]
+        ok = fast is not None and base is not None and base > 0 and not math.isnan(base) and not math.isnan(fast)
+        out[f"vs_{other}"] = fast / base if ok else None
+    return out
+
+
+def short_replica_line(workload: str, what: str, entry: dict, unit: str = "ms") -> str:
+    """One headline line of :func:`short_replica_times`' ``entry``."""
+    def show(value):
+        return "-" if value is None or math.isnan(value) else f"{value:.3g}"
+
+    return (f"headline {workload}: short replica {entry['replica']} {what} async {show(entry['async'])} / "
+            f"lockstep {show(entry['lockstep'])} / solo {show(entry['solo'])} {unit}; async/solo "
+            f"{show(entry['vs_solo'])}x, async/lockstep {show(entry['vs_lockstep'])}x")
