@@ -604,6 +604,12 @@ def compare(rows: list) -> dict:
                          lockstep_batch_ms=lockstep_ms,
                          ideal_async_tokens_per_s=sum(n * 1e3 / m for n, m in zip(tokens, solo_ms)),
                          lockstep_vs_slowest_solo=max(lockstep_ms) / max(solo_ms))
+        tokens = [rep["tokens_per_batch"] for rep in fast["replicas"]]
+        if len(set(tokens)) > 1:  # under skew the headline: the short replica's batch time
+            short = tokens.index(min(tokens))
+            entry["short_replica"] = bc.short_replica_times(short, {
+                "async": fast["replicas"][short]["batch_mean_ms"], "lockstep": slow["replicas"][short]["batch_mean_ms"],
+                "solo": solo[short]["batch_mean_ms"] if solo and solo[short] else None})
         out[workload] = entry
     return out
 
@@ -753,6 +759,10 @@ def print_summary(report: dict) -> None:
         print(f"overlap: {report['overlap']} ({METHOD['overlap']})")
     print(results_tables(report["results"], report["comparison"]))
     print()
+    headlines = [bc.short_replica_line(workload, "batch time (mean)", entry["short_replica"])
+                 for workload, entry in report["comparison"].items() if "short_replica" in entry]
+    if headlines:
+        print("\n".join(headlines) + "\n")
     print(bc.targets_table(report["targets"]))
 
 
@@ -881,6 +891,8 @@ METHOD = {"tokens_per_s": "sum over replicas of tokens / own measured wall time"
                    "lockstep_a mean batch times; an upper bound of async/lockstep (a replica next to "
                    "the others is no faster than alone)",
           "achieved_fraction": "(async/lockstep) / ideal = async tokens/s / ideal async tokens/s",
+          "short_replica": "workloads whose replicas differ in tokens per batch: the replica with the fewest; its "
+                           "batch_mean_ms async / lockstep / solo and async/solo, async/lockstep (the headline)",
           "ffn_busy_fraction": "FFN compute-batch time (expert call start to first reply start; CUDA "
                                "events on cuda) inside the window every replica was measuring / window",
           "ffn_items_waiting": "per item taken: arrived-not-taken items in the window + items held "
