@@ -16,9 +16,17 @@ host backend (tiny size).
 
 Skew = context lengths and batch sizes that differ between replicas. Workloads (one phase
 each inside a launch): ``--presets`` of ``uniform`` (1x), ``skew4x``, ``skew16x``: replica 0
-has mean context ``base * sqrt(s)``, the others ``base / sqrt(s)`` (cuda base 4096: 16x is
-16384 against 1024), ``--batch-size`` requests each; or one ``custom`` workload from
-``--context 1024,16384 --batch 64,64`` (one value per replica, or one for all).
+has mean context ``base * sqrt(s)``, the others ``base / sqrt(s)`` (cuda quick: base 8192, so
+16x is 32768 against 2048 and uniform 8192 each), ``--batch-size`` requests each; or one
+``custom`` workload from ``--context 1024,16384 --batch 64,64`` (one value per replica, or one
+for all).
+
+Model (random bf16 weights; ``--quick`` on cuda): DeepSeek-V2-Lite's hidden size (2048), heads
+(16, head dim 128), top-6 gate, 2 shared experts and expert shape (intermediate 1408), with 4
+KV heads and 16 routed experts (not 64), 4 layers. Why 16: at decode an async FFN reads every
+expert's weights once per replica's item, lockstep once per merged batch; with 64 experts one
+FFN rank on a share of one GPU is the bottleneck at any split, and the async gain needs an FFN
+with room. ``--experts 64`` measures that case.
 
 Per (placement, schedule, workload), per replica: steps, tokens, tokens/s, time per output
 token (TPOT: each token's time is the wall time of the step that produced it) p50/p99 over
@@ -30,7 +38,7 @@ as bench_afd: async replicas stop at their own deadline, lockstep replicas run t
 of steps (replica 0 decides).
 
 Arrivals: ``--arrival-rate auto`` (default) gives each run a rate of ``--overload`` (2) x the
-replica's service rate measured on its warm-up steps (``B / (output_len * step time)``), so the
+replica's service rate measured on its fastest warm-up step (``B / (output_len * step time)``), so the
 batch stays full and a queue builds: a saturated open loop, the capacity each schedule reaches.
 A number (requests/s, per replica with commas) sets an offered load below capacity instead.
 
@@ -213,7 +221,7 @@ def _arrival_rate(spec: Spec, attn_rank: int, batch: db.DecodeBatch, warm_times:
     rate = spec.arrival_rates[attn_rank]
     if rate is not None:
         return rate
-    step_s = bc.median(warm_times) if warm_times else float("nan")
+    step_s = min(warm_times) if warm_times else float("nan")  # the fastest: warm-up steps run slow, not fast
     if not step_s > 0:
         raise RuntimeError(f"replica {attn_rank}: no warm-up step time to derive the auto arrival rate from")
     return db.auto_rate(batch.batch, spec.output_len, step_s, spec.overload)
@@ -442,8 +450,8 @@ def timeline_panels(spec: Spec, results: list, steps: int, label: str) -> list:
 # --------------------------------------------------------------------------- plan
 
 QUICK_DEFAULTS = {  # backend -> defaults applied when the flag is not given
-    "cuda": dict(layers=4, duration=3.0, warmup=3, attn=2, ffn=1, hidden=2048, heads=16, kv_heads=4,
-                 experts=32, top_k=6, shared=2, intermediate=1408, base_context=4096, batch_size=64,
+    "cuda": dict(layers=4, duration=3.0, warmup=5, attn=2, ffn=1, hidden=2048, heads=16, kv_heads=4,
+                 experts=16, top_k=6, shared=2, intermediate=1408, base_context=8192, batch_size=64,
                  output_len=128, solo_duration=1.5),
     "host": dict(layers=2, duration=1.0, warmup=2, attn=2, ffn=1, hidden=64, heads=4, kv_heads=2,
                  experts=8, top_k=2, shared=1, intermediate=32, base_context=64, batch_size=4,
@@ -525,7 +533,7 @@ METHOD = {"tpot": "each output token's time = the wall time of the step that pro
           "stop": "async: own deadline; lockstep: same step count, decided by replica 0",
           "solo": "async launch, after each phase: each replica alone in turn (others at a barrier), "
                   f"{SOLO_WARMUP_STEPS} warm-up steps, then --solo-duration s",
-          "arrivals": "seeded Poisson in wall time; auto = --overload x B / (output_len x warm-up step median)",
+          "arrivals": "seeded Poisson in wall time; auto = --overload x B / (output_len x fastest warm-up step)",
           "ideal": "(sum_a solo tokens/s) / lockstep tokens/s (bench_afd's ideal with n_a tokens per step)",
           "achieved_fraction": "(async/lockstep) / ideal",
           "short_replica": "smallest mean context; its TPOT p50 async / solo and async / lockstep",
@@ -576,6 +584,11 @@ def print_summary(report: dict) -> None:
         print(f"workload {w['name']}: mean context per replica {w['contexts']}, batch {w['batches']}")
     print(results_tables(report["results"], report["comparison"]))
     print()
+    if report["arrival_rate"] == "auto":
+        short_of = [f"{r['placement']}/{r['workload']}/{r['schedule']} replica {rep['rank']}: {rep['mean_active']:.3g}"
+                    for r in report["results"] for rep in r["replicas"] if rep["mean_active"] < 0.95 * rep["batch"]]
+        if short_of:
+            print("NOTE auto arrivals did not keep the batch full (mean active < 95% of B): " + "; ".join(short_of))
     skewed = {w["name"] for w in report["workloads"] if len(set(w["contexts"])) > 1 or len(set(w["batches"])) > 1}
     for key, entry in report["comparison"].items():
         if entry["workload"] in skewed:

@@ -124,7 +124,7 @@ class DecodeReplica:
         self.layers = [{"wqkv": _randn((qkv_out, h), h, device, gen), "wo": _randn((h, h), h, device, gen),
                         "wgate": _randn((d.experts, h), h, device, gen)} for _ in range(d.layers)]
         self.k_cache, self.v_cache = [], []
-        self.inputs = None
+        self.inputs = self.slot_rows = None
 
     def allocate(self, batch: int, cache_len: int) -> None:
         """Fresh K/V caches [batch, kv_heads, cache_len, head_dim] per layer (random bf16) and
@@ -140,12 +140,14 @@ class DecodeReplica:
         self.v_cache = [torch.randn(shape, device=self.device, generator=gen).to(torch.bfloat16)
                         for _ in range(d.layers)]
         self.inputs = torch.randn((batch, d.hidden), device=self.device, generator=gen).to(torch.bfloat16)
+        self.slot_rows = torch.arange(batch, device=self.device)
 
     def cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k_cache + self.v_cache)
 
     def step_inputs(self, kv_lengths: np.ndarray):
-        """(x [n, H], positions int64 [n] on the device, mask bool [n, 1, 1, L]) of one step."""
+        """(x [n, H], positions int64 [n] on the device, mask bool [n, 1, 1, L]) of one step
+        (L: the longest length + 1, rounded up to 16: the alignment SDPA's masked kernels want)."""
         import torch
 
         n = int(kv_lengths.shape[0])
@@ -164,7 +166,7 @@ class DecodeReplica:
         n, span = x.shape[0], mask.shape[-1]
         qkv = F.linear(F.rms_norm(x, (d.hidden,)), w["wqkv"])
         q, k, v = qkv.split([d.heads * d.head_dim, d.kv_heads * d.head_dim, d.kv_heads * d.head_dim], dim=-1)
-        rows = torch.arange(n, device=x.device)
+        rows = self.slot_rows[:n]
         k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]
         k_cache[rows, :, positions] = k.view(n, d.kv_heads, d.head_dim)
         v_cache[rows, :, positions] = v.view(n, d.kv_heads, d.head_dim)
