@@ -174,21 +174,31 @@ def test_weighted_percentile_is_the_percentile_of_the_repeated_values():
 
 # --------------------------------------------------------------------------- decode attention
 
-def test_decode_attention_matches_a_per_request_softmax():
-    dims = decode_model.DecodeDims(layers=1, hidden=32, heads=4, kv_heads=2, experts=4, top_k=2, shared=0,
-                                   intermediate=8)
-    replica = decode_model.DecodeReplica(dims, torch.device("cpu"), seed=1)
-    replica.allocate(batch=3, cache_len=48)
-    lengths = np.array([5, 30, 17], np.int64)
+ATTENTION_CASES = [  # (device, hidden, heads, kv_heads, cache_len, KV lengths, mask span)
+    pytest.param("cpu", 32, 4, 2, 48, (5, 30, 17), 32, id="cpu"),
+    pytest.param("cuda", 2048, 16, 4, 4096, (5, 3000, 1700, 4000), 4016, id="cuda-quick-shape",
+                 marks=pytest.mark.cuda),
+]
+
+
+@pytest.mark.parametrize("device, hidden, heads, kv_heads, cache_len, kv_lengths, span", ATTENTION_CASES)
+def test_decode_attention_matches_a_per_request_softmax(device, hidden, heads, kv_heads, cache_len, kv_lengths,
+                                                        span):
+    dims = decode_model.DecodeDims(layers=1, hidden=hidden, heads=heads, kv_heads=kv_heads, experts=4, top_k=2,
+                                   shared=0, intermediate=8)
+    replica = decode_model.DecodeReplica(dims, torch.device(device), seed=1)
+    n = len(kv_lengths)
+    replica.allocate(batch=n + 1, cache_len=cache_len)
+    lengths = np.array(kv_lengths, np.int64)
     k_before = replica.k_cache[0].clone()
     x, positions, mask = replica.step_inputs(lengths)
-    assert mask.shape == (3, 1, 1, 32)  # the longest length + 1, rounded up to 16
+    assert mask.shape == (n, 1, 1, span)  # the longest length + 1, rounded up to 16
     out = replica.attention(0, x, positions, mask)
 
     w, d = replica.layers[0], dims
     qkv = torch.nn.functional.linear(torch.nn.functional.rms_norm(x, (d.hidden,)), w["wqkv"]).float()
     q, k, v = qkv.split([d.heads * d.head_dim, d.kv_heads * d.head_dim, d.kv_heads * d.head_dim], dim=-1)
-    heads_out = torch.empty(3, d.heads, d.head_dim)
+    heads_out = torch.empty(n, d.heads, d.head_dim, device=device)
     for t, length in enumerate(lengths.tolist()):
         assert torch.equal(replica.k_cache[0][t, :, length], k[t].view(d.kv_heads, d.head_dim).bfloat16())
         assert torch.equal(replica.k_cache[0][t, :, :length], k_before[t, :, :length])  # older rows kept
@@ -198,8 +208,10 @@ def test_decode_attention_matches_a_per_request_softmax():
             values = replica.v_cache[0][t, kv, :length + 1].float()
             scores = keys @ q[t, h * d.head_dim:(h + 1) * d.head_dim] / math.sqrt(d.head_dim)
             heads_out[t, h] = torch.softmax(scores, dim=0) @ values
-    expected = torch.nn.functional.linear(heads_out.reshape(3, d.hidden).bfloat16(), w["wo"]).float()
-    torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
+    expected = torch.nn.functional.linear(heads_out.reshape(n, d.hidden).bfloat16(), w["wo"]).float()
+    rel_err = float((out.float() - expected).norm() / expected.norm())
+    assert rel_err < 2e-2, rel_err  # bf16 rounding of the attention output; a wrong row or head is O(1)
+    assert torch.equal(replica.k_cache[0][n], k_before[n])  # the slot past the batch is untouched
 
 
 def test_apply_moves_copies_the_rows_of_every_layer():
