@@ -139,13 +139,23 @@ def prepare(weights: moe.ExpertWeights, variant: str) -> PreparedExperts:
         return PreparedExperts(variant, weights, weights.w13.transpose(1, 2).contiguous(),
                                weights.w2.transpose(1, 2).contiguous())
     if variant == FP8_VARIANT:
-        q13, s13 = quantize_rowwise_fp8(weights.w13)
-        q2, s2 = quantize_rowwise_fp8(weights.w2)
+        q13, s13 = _quantize_experts(weights.w13)
+        q2, s2 = _quantize_experts(weights.w2)
         return PreparedExperts(variant, weights, q13, q2, scale_a=s13, scale_b=s2)
     carveout = 0
     if variant == "carveout_auto":
         carveout = moe.resolve_gemm_sm_carveout("auto", device=weights.device)
     return PreparedExperts(variant, weights, carveout=carveout)
+
+
+def _quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_rowwise_fp8` of w [E, N, K] one expert at a time (the fp32 temporaries
+    of a whole DeepSeek-V3 layer would need ~90 GB)."""
+    q = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
+    scale = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
+    for expert in range(w.shape[0]):
+        q[expert], scale[expert] = quantize_rowwise_fp8(w[expert])
+    return q, scale
 
 
 def plan(prepared: PreparedExperts, group_counts: torch.Tensor, group_counts_host) -> RowPlan:
