@@ -43,6 +43,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -627,7 +628,10 @@ def main(argv=None) -> int:
     copy_bps = copy_rate(device)
     print(f"device {bc.device_name(device)}: copy {copy_bps / 1e12:.3f} TB/s (read + write)", flush=True)
     shapes, ffn_info, failed = {}, {}, []
-    for name in args.shapes:
+    result = {"tool": "bench_moe_layer", "run": bc.run_info(backend), "device": bc.device_name(device),
+              "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+              "copy_bytes_per_s": copy_bps, "shapes": shapes, "ffn": ffn_info}
+    for name in args.shapes:  # the JSON is rewritten after each shape: a cut run keeps the done ones
         shape = SHAPES[name]
         t0 = time.perf_counter()
         report, refs = measure_shape(shape, args, device, copy_bps)
@@ -635,23 +639,23 @@ def main(argv=None) -> int:
         afd_rows = None
         if not args.no_afd:
             t0 = time.perf_counter()
-            afd_rows, ffn_info[name] = run_afd(shape, args, backend, refs)
+            try:
+                afd_rows, ffn_info[name] = run_afd(shape, args, backend, refs)
+            except Exception as exc:  # noqa: BLE001 - the other shapes still run; reported, exit 1
+                traceback.print_exc()
+                ffn_info[name] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+                failed.append((name, "AFD launch", ffn_info[name]["error"]))
             print(f"[{name}] AFD 1A1F: {time.perf_counter() - t0:.1f} s", flush=True)
         enrich(report, afd_rows)
         shapes[name] = report
         failed += [(name, r["tokens"], r["afd_rel_err"]) for r in report["rows"]
                    if "afd_rel_err" in r and not r["afd_rel_err"] <= CHECK_TOL]
-    result = {"tool": "bench_moe_layer", "run": bc.run_info(backend), "device": bc.device_name(device),
-              "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "copy_bytes_per_s": copy_bps, "shapes": shapes, "ffn": ffn_info,
-              "seconds": time.perf_counter() - start}
-    result["targets"] = targets(shapes)
-    path = bc.write_json(args.out, "bench_moe_layer.json", result)
-    for name, report in shapes.items():
-        print(f"\n==== {name}: {Shape(**report['shape'])} on {result['device']} (µs: medians) ====")
+        result["targets"], result["seconds"] = targets(shapes), time.perf_counter() - start
+        path = bc.write_json(args.out, "bench_moe_layer.json", result)
+        print(f"\n==== {name}: {shape} on {result['device']} (µs: medians) ====")
         print(shape_table(report))
         print(f"\n---- {name}: routed experts alone by variant (µs, x of current) ----")
-        print(variant_table(report))
+        print(variant_table(report), flush=True)
     print()
     print(bc.targets_table(result["targets"]))
     plot = bc.save_plot(args.out, "bench_moe_layer.png",
@@ -659,7 +663,8 @@ def main(argv=None) -> int:
     print(f"wrote {path}" + (f" and {plot}" if plot else ""))
     print(f"total {result['seconds']:.1f} s")
     if failed:
-        print(f"CHECK FAILED: AFD output differs from the one-process output (shape, tokens, rel err): {failed}")
+        print(f"CHECK FAILED: AFD output differs from the one-process output or the launch failed "
+              f"(shape, tokens, rel err or error): {failed}")
         return 1
     return 0
 
