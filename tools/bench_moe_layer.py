@@ -543,9 +543,11 @@ def targets(shapes: dict) -> list:
             return rows.get(tokens, {}).get(key)
 
         t, goal = TARGETS["floor_decode"]
+        best_us, floor_us = get(t, "best_variant_us"), get(t, "routed_floor_us")
+        best = f"{get(t, 'best_variant')} {floor_us / best_us:.2f}" if best_us else "-"
         out.append(bc.target_row(f"{name}: routed experts at decode {t} / weight-read floor",
                                  f">= {goal:.2f}", get(t, "routed_floor_fraction"), "fraction",
-                                 lambda v, g=goal: v >= g, note=f"alone; best variant {get(t, 'best_variant')}"))
+                                 lambda v, g=goal: v >= g, note=f"current path, alone; best variant {best}"))
         t, goal = TARGETS["dense_prefill"]
         out.append(bc.target_row(f"{name}: prefill {t} grouped GEMM / dense bf16 rate", f">= {goal:.2f}",
                                  get(t, "grouped_over_dense"), "fraction", lambda v, g=goal: v >= g))
@@ -588,9 +590,13 @@ def variant_table(report: dict) -> str:
                 cells.append("error" if "error" in v else "-")
             else:
                 ratio = f" ({v['median_us'] / base:.2f}x)" if base and name != "current" else ""
-                cells.append(f"{v['median_us']:.1f}{ratio}{'' if v.get('graph', True) else ' eager'}")
+                cells.append(f"{v['median_us']:.1f}{ratio}{' eager' if 'capture_error' in v else ''}")
         body.append((t, *cells))
-    return bc.format_table(("tokens", *[f"{n} us" for n in names]), body)
+    errors = [f"  {v['variant']} at {v['tokens']} tokens: {v['error']}" for v in report["variants"] if "error" in v]
+    errors += [f"  {v['variant']} at {v['tokens']} tokens: timed eagerly, capture failed: {v['capture_error']}"
+               for v in report["variants"] if "capture_error" in v]
+    table = bc.format_table(("tokens", *[f"{n} us" for n in names]), body)
+    return table + ("\n" + "\n".join(errors) if errors else "")
 
 
 def draw(shapes: dict, title: str):
@@ -623,7 +629,7 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     backend = "cuda" if device.type == "cuda" else "host"
     if device.type == "cpu":
-        torch.set_num_threads(min(4, os.cpu_count() or 1))
+        torch.set_num_threads(1)  # timings on the CPU only keep the tool working
     start = time.perf_counter()
     copy_bps = copy_rate(device)
     print(f"device {bc.device_name(device)}: copy {copy_bps / 1e12:.3f} TB/s (read + write)", flush=True)
