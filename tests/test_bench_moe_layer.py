@@ -80,3 +80,28 @@ def test_floors_and_targets_arithmetic():
     assert status["FP8 weights speedup vs bf16 at decode 128"] == "PASS"  # 2.0 >= 1.6
     expected = "PASS" if f["routed_floor_us"] / 100.0 >= 0.85 else "MISS"
     assert status["routed experts at decode 128 / weight-read floor"] == expected
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(200)
+def test_bench_moe_layer_small_cuda(tmp_path):
+    """The GPU paths (CUDA graphs of the one-process layer and of the Attention step, the graph
+    FFN, every variant, native FP8) at a small shape; on one GPU this needs CUDA MPS running
+    (the FFN's device polling), as tools/gpu_suite.sh provides."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_moe_layer.py"), "--device", "cuda",
+                           "--shapes", "small", "--tokens", "1", "128", "2048", "--quick", "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=190)
+    assert proc.returncode == 0, f"failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    report = json.loads((tmp_path / "bench_moe_layer.json").read_text())
+    (small,) = report["shapes"].values()
+    for row in small["rows"]:
+        assert row["afd_rel_err"] <= 1e-2 and row["one_process"]["graph"] and row["afd_timing"]["graph"]
+        assert row["routed_us"] > 0 and row["afd_us"] > 0
+    errors = [v for v in small["variants"] if "error" in v or "capture_error" in v]
+    assert not errors, errors
+    assert small["rows"][-1]["grouped_over_dense"] > 0 and report["dense_peak_tflops"] > 0
+    from afd_cupy.expert_gemm import fp8_unavailable_reason
+
+    if fp8_unavailable_reason("cuda") is None:
+        assert all(r["fp8_native"] and r["fp8_rel_err"] < 0.15 for r in small["rows"])

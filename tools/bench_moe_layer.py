@@ -2,7 +2,7 @@
 """One MoE layer in one process against the same layer through AFD (issue #34).
 
 For each shape (``--shapes``: DeepSeek-V2-Lite, Qwen3-30B-A3B, one DeepSeek-V3 layer; ``tiny``
-for the CPU) and each batch size (``--tokens``: decode 1 8 32 128 256, prefill 2048 4096 8192):
+and ``small`` for the tests) and each batch size (``--tokens``: decode 1 8 32 128 256, prefill 2048 4096 8192):
 
 - **one process** (this process, nothing else on the GPU): router linear, the model's gate
   (``gates.model_gate``), routing (tokens sorted by expert), ``moe.grouped_mlp`` over the
@@ -33,7 +33,8 @@ Prints a table per shape, the variants, and the targets (PASS / MISS, never asse
 routed experts at decode 128 >= 85 % of the floor, prefill 4096 grouped GEMM >= 70 % of the
 dense rate, AFD / one process <= 1.15 at decode 128 and <= 1.05 at prefill 4096, FP8 >= 1.6x
 bf16 at decode 128. Writes ``bench_moe_layer.json`` (and ``bench_moe_layer.png`` with
-matplotlib) to ``--out``. ``--device cpu``: the host backend, tiny shapes only (the test).
+matplotlib) to ``--out``. ``--device cpu``: the host backend, the tiny shapes only (the test).
+The device's dense 8192^3 bf16 matmul rate is printed and written for context.
 """
 from __future__ import annotations
 
@@ -74,6 +75,7 @@ SHAPES = {
     "v3": Shape("v3", 7168, 256, 8, 2048, 1, scoring_func="sigmoid", routed_scaling_factor=2.5,
                 n_group=8, topk_group=4, topk_method="noaux_tc"),
     "tiny": Shape("tiny", 64, 8, 2, 32, 1, routed_scaling_factor=2.5),
+    "small": Shape("small", 256, 16, 4, 128, 1, routed_scaling_factor=2.5),  # the cuda test's
 }
 GPU_SHAPES = ("v2lite", "qwen3", "v3")
 DECODE_TOKENS, PREFILL_TOKENS = (1, 8, 32, 128, 256), (2048, 4096, 8192)
@@ -110,8 +112,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.device is None:
         args.device = "cuda" if bc.num_visible_gpus() else "cpu"
     args.shapes = args.shapes or (list(GPU_SHAPES) if args.device == "cuda" else ["tiny"])
-    if args.device == "cpu" and set(args.shapes) - {"tiny"}:
-        parser.error("--device cpu runs the tiny shape only")
+    if args.device == "cpu" and set(args.shapes) - {"tiny", "small"}:
+        parser.error("--device cpu runs the tiny and small shapes only")
     args.tokens = sorted(set(args.tokens or (DECODE_TOKENS + PREFILL_TOKENS if args.device == "cuda"
                                              else CPU_TOKENS)))
     if min(args.tokens) < 1 or args.check_rows < 1:
@@ -300,6 +302,18 @@ def dense_pair_tflops(rows: int, shape: Shape, device, iters: int) -> float:
     del a, h, w13, w2
     torch.cuda.empty_cache() if device.type == "cuda" else None
     return pair_flops(rows, shape) / (result["median_us"] * 1e-6) / 1e12
+
+
+def dense_peak_tflops(device) -> float | None:
+    """TFLOP/s of one 8192^3 bf16 matmul (cuda only: the device's dense rate, for context)."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    gen = _generator(device, 98)
+    a, b = _randn((8192, 8192), 1.0, gen, device), _randn((8192, 8192), 0.01, gen, device)
+    result = time_us(lambda: torch.matmul(a, b), device, 10, 2)
+    return 2.0 * 8192 ** 3 / (result["median_us"] * 1e-6) / 1e12
 
 
 def pair_flops(rows: int, shape: Shape) -> float:
@@ -631,12 +645,13 @@ def main(argv=None) -> int:
     if device.type == "cpu":
         torch.set_num_threads(1)  # timings on the CPU only keep the tool working
     start = time.perf_counter()
-    copy_bps = copy_rate(device)
-    print(f"device {bc.device_name(device)}: copy {copy_bps / 1e12:.3f} TB/s (read + write)", flush=True)
+    copy_bps, peak = copy_rate(device), dense_peak_tflops(device)
+    print(f"device {bc.device_name(device)}: copy {copy_bps / 1e12:.3f} TB/s (read + write), dense bf16 "
+          f"8192^3 {peak or float('nan'):.0f} TFLOP/s", flush=True)
     shapes, ffn_info, failed = {}, {}, []
     result = {"tool": "bench_moe_layer", "run": bc.run_info(backend), "device": bc.device_name(device),
               "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "copy_bytes_per_s": copy_bps, "shapes": shapes, "ffn": ffn_info}
+              "copy_bytes_per_s": copy_bps, "dense_peak_tflops": peak, "shapes": shapes, "ffn": ffn_info}
     for name in args.shapes:  # the JSON is rewritten after each shape: a cut run keeps the done ones
         shape = SHAPES[name]
         t0 = time.perf_counter()
