@@ -290,7 +290,6 @@ def copy_rate(device) -> float:
 
 def dense_pair_tflops(rows: int, shape: Shape, device, iters: int) -> float:
     """TFLOP/s of the dense bf16 GEMM pair of the grouped pair's shape (module doc)."""
-    import torch
     import torch.nn.functional as F
 
     gen = _generator(device, 99)
@@ -300,7 +299,7 @@ def dense_pair_tflops(rows: int, shape: Shape, device, iters: int) -> float:
     w2 = _randn((shape.hidden, shape.intermediate), 0.02, gen, device)
     result = time_us(lambda: (F.linear(a, w13), F.linear(h, w2)), device, iters, 2)
     del a, h, w13, w2
-    torch.cuda.empty_cache() if device.type == "cuda" else None
+    _free(device)
     return pair_flops(rows, shape) / (result["median_us"] * 1e-6) / 1e12
 
 
@@ -354,7 +353,8 @@ def measure_shape(shape: Shape, args, device, copy_bps: float) -> tuple[dict, di
         x = make_hidden(shape, tokens, device, args.seed)
         layer = time_us(lambda: one_process_layer(x, router, routed, shared, model), device, iters, args.warmup)
         refs[tokens] = layer["out"][:args.check_rows].float().cpu()
-        layer.pop("_graph", None), layer.pop("out")
+        del layer["out"]
+        layer.pop("_graph", None)  # the graph and its pool go
         _, ids = route(x, router, model)
         order, counts = group_rows(ids, shape.num_experts)
         counts_host = counts.tolist()
