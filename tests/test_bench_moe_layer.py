@@ -105,3 +105,19 @@ def test_bench_moe_layer_small_cuda(tmp_path):
 
     if fp8_unavailable_reason("cuda") is None:
         assert all(r["fp8_native"] and r["fp8_rel_err"] < 0.15 for r in small["rows"])
+
+
+def test_gpu_suite_moe1_runs_the_quick_benchmark_and_its_arguments_parse():
+    import re
+    import shlex
+
+    script = (ROOT / "tools" / "gpu_suite.sh").read_text()
+    (line,) = re.findall(r"run_step moe_layer (\d+) python3 tools/bench_moe_layer.py (.+)$", script, re.M)
+    limit, argv = int(line[0]), shlex.split(line[1].replace('"$OUT/moe_layer"', "out").rstrip("; "))
+    assert limit <= 300  # with the tests before it, one device call of about 4-5 minutes
+    args = bench_moe_layer.parse_args(argv + ["--device", "cuda"])
+    assert args.quick and args.shapes == ["v2lite", "qwen3", "v3"]
+    assert args.tokens == [1, 8, 32, 128, 256, 2048, 4096, 8192] and (args.iters, args.prefill_iters) == (20, 5)
+    for bad in (["--device", "cpu", "--shapes", "v3"], ["--tokens", "0"]):
+        with pytest.raises(SystemExit):
+            bench_moe_layer.parse_args(bad)
