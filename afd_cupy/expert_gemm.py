@@ -160,8 +160,8 @@ def _quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def plan(prepared: PreparedExperts, group_counts: torch.Tensor, group_counts_host) -> RowPlan:
     """Host-side work of one routing: ``group_counts`` int [E] on the weights' device,
-    ``group_counts_host`` the same as a list (sum = the rows :func:`run` gets). Copies to the
-    device without synchronizing; run it outside a CUDA graph capture."""
+    ``group_counts_host`` the same as a list (sum = the rows :func:`run` gets). May copy host
+    arrays to the device (pad_rows16): run it outside a CUDA graph capture."""
     counts_host = [int(c) for c in group_counts_host]
     num_experts = prepared.weights.num_experts
     if len(counts_host) != num_experts or min(counts_host, default=0) < 0:
@@ -172,20 +172,20 @@ def plan(prepared: PreparedExperts, group_counts: torch.Tensor, group_counts_hos
     hit = [e for e, c in enumerate(counts_host) if c]
     if prepared.variant == "trim_empty" and hit:
         first, last = hit[0], hit[-1] + 1
-        return RowPlan(counts, counts_host, offs[first:last].contiguous(), first, last)
+        return RowPlan(counts, counts_host, offs[first:last].clone(), first, last)  # own, aligned
     if prepared.variant == "pad_rows16":
-        return _pad_plan(counts, counts_host, offs, device)
+        return _pad_plan(counts, counts_host, device)
     return RowPlan(counts, counts_host, offs, 0, num_experts)
 
 
-def _pad_plan(counts, counts_host, offs, device) -> RowPlan:
+def _pad_plan(counts, counts_host, device) -> RowPlan:
     counts_np = np.asarray(counts_host, np.int64)
     padded = -(-counts_np // PAD_ROWS) * PAD_ROWS
     src_start = np.cumsum(counts_np) - counts_np
     dst_start = np.cumsum(padded) - padded
     index = np.repeat(dst_start - src_start, counts_np) + np.arange(int(counts_np.sum()))
-    pad_index = torch.from_numpy(index).to(device, non_blocking=True)
-    pad_offs = torch.from_numpy(np.cumsum(padded).astype(np.int32)).to(device, non_blocking=True)
+    pad_index = torch.from_numpy(index).to(device)
+    pad_offs = torch.from_numpy(np.cumsum(padded).astype(np.int32)).to(device)
     return RowPlan(counts, counts_host, pad_offs, pad_index=pad_index, padded_rows=int(padded.sum()))
 
 
