@@ -3,11 +3,11 @@
 # `cuda`-marked test (multi-process ones included), the smoke tool (1A1F and 2A2F) and the
 # short benchmarks, stop MPS, print a summary table last. Logs go to $OUT (or ./gpu_out).
 #
-#   bash tools/gpu_suite.sh [full|quick|bench|part1|part2|part3|twogpu1..twogpu4|trace1|soak1]
+#   bash tools/gpu_suite.sh [full|quick|bench|part1|part2|part3|twogpu1..twogpu4|trace1|soak1|moe1]
 #     quick: tests + smoke only; bench: benchmarks only; part1..3: the cuda tests in three
-#     device calls (part1: kernels, FFN graph, moe, step graph, e2e errors, window, adapters +
+#     device calls (part1: kernels, FFN graph, moe, step graph, e2e errors, window, adapters, expert_gemm +
 #     smoke + hf_generate; part2: test_e2e.py; part3: model gates, NVSHMEM
-#     binding, faults; part1 also tools/startup_profile.py); twogpu1..3: the measurements that need two GPUs
+#     binding, bench_moe_layer at a small shape, faults; part1 also tools/startup_profile.py); twogpu1..3: the measurements that need two GPUs
 #     (nvidia-h200-x2; docs/benchmarks.md "Two GPUs"), one device call each (< 600 s):
 #     twogpu1 bench_transport decode + prefill, both wire modes and transports (#12, #16);
 #     twogpu2 bench_afd placement 0:50,0:50,1: overlap, sweep, timeline (#15);
@@ -17,6 +17,9 @@
 #     soak1: one GPU, the fault model's soak (tools/soak.py: random sizes, stages, stalls; every
 #     output checked) 2A2F pair and dedup, 1A2F dedup + put, 2A1F pair + put, 1A1F pair 8e4,
 #     1A1F with launch(exit_grace_s=10) (the /dev/shm entries a job leaves, with and without)
+#     moe1: one GPU, MPS: the expert_gemm cuda tests, then tools/bench_moe_layer.py --quick (the
+#     MoE layer in one process vs AFD 1A1F for V2-Lite, Qwen3-30B-A3B and one DeepSeek-V3
+#     layer; expert GEMM variants, FP8 weights; issue #34), ~4 min in all
 #     trace1: one GPU, the 50-layer step's phases (fused vs two-kernel dispatch and FFN wait +
 #     stage; dedup), the staged step on one stream vs a stream per stage (S = 1 2 4), the
 #     V2-Lite-shaped MoE step with the GEMM SM carve-out 0 and "auto" (the default), the step
@@ -44,12 +47,12 @@ MODE=${1:-full}
 # part1 / part2 / part3: the cuda tests in three calls that each fit a 600 s device call;
 # part1 also runs both smoke runs and hf_generate. The knobs still override them.
 case "$MODE" in
-  part1) SUITE_TESTS=${SUITE_TESTS:-"tests/test_gate_cuda.py tests/test_kernels_cuda_dedup_attn.py tests/test_kernels_cuda_dedup_ffn.py tests/test_kernels_cuda.py tests/test_ffn_graph_cuda.py tests/test_moe.py tests/test_step_graph_cuda.py tests/test_e2e_errors.py tests/test_window.py tests/test_adapters.py"}
+  part1) SUITE_TESTS=${SUITE_TESTS:-"tests/test_gate_cuda.py tests/test_kernels_cuda_dedup_attn.py tests/test_kernels_cuda_dedup_ffn.py tests/test_kernels_cuda.py tests/test_ffn_graph_cuda.py tests/test_moe.py tests/test_step_graph_cuda.py tests/test_e2e_errors.py tests/test_window.py tests/test_adapters.py tests/test_expert_gemm.py"}
          SKIP_HF=${SKIP_HF:-0} SKIP_STARTUP=${SKIP_STARTUP:-0} SUITE_TIMEOUT=${SUITE_TIMEOUT:-480} ;;
   part2) SUITE_TESTS=${SUITE_TESTS:-"tests/test_e2e.py"}
          SKIP_SMOKE_1A1F=${SKIP_SMOKE_1A1F:-1} SKIP_SMOKE_2A2F=${SKIP_SMOKE_2A2F:-1}
          SUITE_TIMEOUT=${SUITE_TIMEOUT:-550} TEST_TIMEOUT=${TEST_TIMEOUT:-60} ;;
-  part3) SUITE_TESTS=${SUITE_TESTS:-"tests/test_gates_e2e.py tests/test_nvshmem_binding.py tests/test_faults.py"}
+  part3) SUITE_TESTS=${SUITE_TESTS:-"tests/test_gates_e2e.py tests/test_nvshmem_binding.py tests/test_bench_moe_layer.py tests/test_faults.py"}
          SKIP_SMOKE_1A1F=${SKIP_SMOKE_1A1F:-1} SKIP_SMOKE_2A2F=${SKIP_SMOKE_2A2F:-1}
          SUITE_TIMEOUT=${SUITE_TIMEOUT:-550} ;;
 esac
@@ -122,6 +125,9 @@ case "$MODE" in
     run_step soak_1a1f_pair 120 $SOAK --round-trips 80000 --timeout 100 --out "$OUT/soak_1a1f_pair"
     # the same ranks let exit on their own: are CUDA's per-process /dev/shm files still left?
     run_step soak_1a1f_exit 40 $SOAK --round-trips 2000 --timeout 25 --exit-grace-s 10 --out "$OUT/soak_1a1f_exit" ;;
+  moe1)  # one GPU, MPS: the MoE layer, one process vs AFD 1A1F (#34)
+    run_step moe_tests 70 python3 -m pytest -m cuda -q -p no:cacheprovider --timeout=60 -rfEs tests/test_expert_gemm.py
+    run_step moe_layer 240 python3 tools/bench_moe_layer.py --quick --out "$OUT/moe_layer" ;;
   trace1)  # one GPU: the round trip by phase (both dispatch kernels, both FFN modes) and single-kernel costs
     SG="python3 tools/bench_step_graph.py --quick --layers 50 --tokens 128 --stages 1 --trace"
     run_step step_fused 120 $SG --dispatch fused --out "$OUT/step_fused"
@@ -137,7 +143,7 @@ case "$MODE" in
     NO_MPS=1 run_step spin_gemm 60 python3 tools/probe_spin_gemm.py --out "$OUT/spin_gemm"
     NO_MPS=1 run_step gate 90 python3 tools/bench_gate.py --quick --out "$OUT/gate" ;;
 esac
-case "$MODE" in twogpu*|trace1|soak1) MODE=none ;; esac
+case "$MODE" in twogpu*|trace1|soak1|moe1) MODE=none ;; esac
 if [ "$MODE" != bench ] && [ "$MODE" != none ]; then
 run_step pytest_cuda "$SUITE_TIMEOUT" python3 -m pytest -m cuda -q -p no:cacheprovider \
   --timeout=${TEST_TIMEOUT:-90} -rfEs --durations=25 $TEST_FILES
