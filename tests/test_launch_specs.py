@@ -8,6 +8,7 @@ tests.
 """
 import ctypes
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -383,7 +384,7 @@ def test_packed_launch_rejects_untyped_arguments():
 
 def test_backend_sets_only_arguments_its_specs_have(fake_specs):
     """Every ``<launch>.set("name", ...)`` of the cuda backend names an argument of that kernel."""
-    backends = kernels.KERNEL_DIR.parent / "afd_cupy" / "backends"
+    backends = Path(__file__).resolve().parent.parent / "afd_cupy" / "backends"  # the checkout's
     source = "\n".join((backends / name).read_text()
                        for name in ("cuda_attention.py", "cuda_ffn.py", "cuda_ffn_dedup.py"))
     by_var = {"plan": "afd_dispatch_plan", "scatter": "afd_dispatch_scatter",
