@@ -97,7 +97,9 @@ def test_pyproject_ships_every_package_and_kernel_directory():
                        for p in (ROOT / "afd_cupy").rglob("__init__.py")}
     kernel_dirs = {Path(f).parent for f in _kernel_files()}
     kernel_packages = {".".join(("afd_cupy", "raw_kernels") + d.parts) for d in kernel_dirs}
-    assert set(packages) == python_packages | kernel_packages
+    wanted = python_packages | kernel_packages
+    assert set(packages) == wanted, (f"pyproject.toml [tool.setuptools] packages: add "
+                                     f"{sorted(wanted - set(packages))}, remove {sorted(set(packages) - wanted)}")
     assert config.get("package-dir") == {"afd_cupy.raw_kernels": "raw_kernels"}
     data = config.get("package-data", {})
     for package in kernel_packages:

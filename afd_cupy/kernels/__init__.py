@@ -8,8 +8,9 @@
   in-process cache. Probes (``raw_kernels/probes/``) have their own registry. The sources
   (``KERNEL_DIR``) are the installed package's ``afd_cupy/raw_kernels/`` (a wheel), else the
   checkout's top-level ``raw_kernels/``.
-- :mod:`~afd_cupy.kernels.specs`: one spec builder per kernel, keyword names equal to the C
-  parameter names; window geometry as one ``geo`` value (``WindowLayout.kernel_geometry()``,
+- :mod:`~afd_cupy.kernels.specs`: one spec builder per kernel (a module per kernel file),
+  keyword names equal to the C parameter names, their arguments checked by
+  :mod:`~afd_cupy.kernels.checks`; window geometry as one ``geo`` value (``WindowLayout.kernel_geometry()``,
   ``struct SlotGeometry`` in ``wire.cuh``); the kernels' limits (:data:`KERNEL_LIMITS`).
 - :mod:`~afd_cupy.kernels.launches`: :class:`LaunchSpec` and :class:`PackedLaunch` (one
   ``cuLaunchKernel`` per launch, arguments rewritten in place). None of the launches
