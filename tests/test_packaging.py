@@ -5,15 +5,19 @@ maps them into the package (``afd_cupy/raw_kernels/`` in a wheel) and the loader
 (``afd_cupy.kernels.loader.KERNEL_DIR``) takes the installed copy first, the checkout's second.
 
 The build and install tests work on a copy of the tree in a temporary directory, offline
-(``--no-deps --no-build-isolation --no-index``), in venvs made with ``--system-site-packages
---without-pip`` (numpy, torch, numba and the build backend come from this interpreter). Each
-takes a few seconds; the one that installs the wheel also runs the README's main job
-(``tools/smoke.py --backend host``) at a small size, from outside the checkout.
+(``--no-deps --no-build-isolation --no-index``: they skip, saying why, where this
+interpreter's setuptools cannot build a wheel so), in fresh venvs that see this interpreter's
+packages (numpy, torch, numba, pip, setuptools). Each takes a few seconds; the one that
+installs the wheel also runs the README's main job (``tools/smoke.py --backend host``) at a
+small size, from outside the checkout (~10 s here).
 """
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import os
 import shutil
+import site
 import subprocess
 import sys
 import tomllib
@@ -80,9 +84,33 @@ def _build_wheel(tmp_path: Path) -> Path:
 
 
 def _venv(path: Path) -> Path:
-    """A fresh venv that sees this interpreter's site-packages; its python."""
+    """A fresh venv that sees this interpreter's packages (torch, numpy, numba, pip,
+    setuptools); its python. ``--system-site-packages`` reaches the base interpreter's only:
+    when the tests run inside a venv (CI), a .pth file adds that venv's site-packages too."""
     _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", path], cwd=path.parent)
-    return path / "bin" / "python"
+    python = path / "bin" / "python"
+    purelib = _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                   cwd=path.parent).stdout.strip()
+    (Path(purelib) / "_afd_test_outer_env.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    return python
+
+
+def _offline_build_problem() -> str | None:
+    """Why this interpreter cannot build a wheel offline (``--no-build-isolation``), or None:
+    setuptools >= 70.1 builds wheels itself, an older one needs the wheel package."""
+    try:
+        version = importlib.metadata.version("setuptools")
+    except importlib.metadata.PackageNotFoundError:
+        return "no setuptools in this interpreter"
+    major, minor = (int(part) for part in version.split(".")[:2])
+    if (major, minor) >= (70, 1) or importlib.util.find_spec("wheel") is not None:
+        return None
+    return (f"setuptools {version} without the wheel package cannot build a wheel offline "
+            "(pip install 'setuptools>=70.1')")
+
+
+needs_offline_build = pytest.mark.skipif(_offline_build_problem() is not None,
+                                         reason=str(_offline_build_problem()))
 
 
 # --- the configuration -------------------------------------------------------------------
@@ -128,6 +156,7 @@ def test_from_the_checkout_the_kernels_are_the_checkouts():
 
 
 # --- the wheel ---------------------------------------------------------------------------
+@needs_offline_build
 def test_wheel_ships_every_kernel_and_module(tmp_path):
     with zipfile.ZipFile(_build_wheel(tmp_path)) as wheel:
         names = set(wheel.namelist())
@@ -155,6 +184,7 @@ print("INSTALLED", loader.KERNEL_DIR)
 """
 
 
+@needs_offline_build
 def test_installed_wheel_finds_its_kernels_and_runs_the_main_job(tmp_path):
     """A non-editable install of the wheel into a fresh venv: KERNEL_DIR is inside the
     installed package and holds every kernel file; then ``tools/smoke.py`` (copied out of the
@@ -172,6 +202,7 @@ def test_installed_wheel_finds_its_kernels_and_runs_the_main_job(tmp_path):
     assert "PASS backend=host" in result.stdout, result.stdout
 
 
+@needs_offline_build
 def test_editable_install_finds_the_checkout_kernels(tmp_path):
     """``pip install -e .`` of the (copied) tree: KERNEL_DIR is the tree's raw_kernels/."""
     src = _copy_tree(tmp_path)
