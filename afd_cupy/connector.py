@@ -471,6 +471,82 @@ class AFDConnector:
         if self._closed:
             raise ProtocolError(f"{what} on a closed connector")
 
+    # --- seams of the loops built on the connector (issue #32) ------------------------------
+    # afd_cupy.step_graph and the graph FFN server (backends/cuda_ffn_graph.py) drive the
+    # connector from outside; these public calls give them what they used to read from the
+    # private bookkeeping above. NOTE: keep this block last in the class.
+    @property
+    def supports_nonblocking(self) -> bool:
+        """True when ``recv_ffn_output(blocking=False)`` enqueues the wait and the combine
+        without a host synchronization (the data path's declared capability: cuda), so a step
+        of such calls can be captured in a CUDA graph; False where a receive blocks (host)."""
+        return bool(self.path.supports_nonblocking)
+
+    def pending_rings(self) -> tuple[int, ...]:
+        """Attention side: the rings with a dispatch in flight (sent and neither received nor
+        forgotten; a ring a send is reserving counts too), sorted. Not collective; never
+        blocks."""
+        return tuple(sorted(self._pending))
+
+    def check_attention_alive(self) -> None:
+        """FFN side, for a loop that waits for arrivals itself (a graph replay) instead of
+        :meth:`recv_ffn_work_item`: the idle-time liveness check that receive runs when a poll
+        finds nothing. Raises PeerLostError once every Attention rank has shut down or died
+        and some died (same host only)."""
+        self._require_ffn_loop("check_attention_alive")
+        self._check_attention_alive()
+
+    def note_shutdown(self, src_rank: int) -> None:
+        """FFN side, for such a loop: count the shutdown header of Attention rank
+        ``src_rank`` that it found, as :meth:`recv_ffn_work_item` counts one (the same
+        announcement seen on another ring counts once). Raises ConnectorShutdown once every
+        Attention rank has announced, PeerLostError as :meth:`check_attention_alive`."""
+        self._require_ffn_loop("note_shutdown")
+        self._note_shutdown(int(src_rank))
+
+    def accept_arrival(self, arrival: Arrival) -> FFNWorkItem:
+        """FFN side, for such a loop: the work item of a dispatch it found (``arrival``: region,
+        ring and decoded header), recorded as received exactly as :meth:`recv_ffn_work_item`
+        records one, so :meth:`send_ffn_work_item_output` answers it once. Raises
+        ProtocolError when the header's source rank is not its region's."""
+        self._require_ffn_loop("accept_arrival")
+        return self._work_item(arrival)
+
+    def reply_seq_counters(self):
+        """FFN side, cuda: a copy of the data path's reply seq per slot (int64 numpy
+        ``[num_slots]``, slot = region * ring_depth + ring: the seq of the last reply this rank
+        wrote there), for a loop that takes the replies over (the graph FFN server keeps them
+        on the device while it runs). ProtocolError where the path keeps none (host)."""
+        return self._reply_seqs("reply_seq_counters").copy()
+
+    def set_reply_seq_counters(self, counters, *, slot: int | None = None) -> None:
+        """FFN side, cuda: give the counters back (``counters`` int ``[num_slots]``), or with
+        ``slot`` set that slot's counter to ``counters`` (an int: the next reply on the slot
+        carries ``counters + 1``). ValueError for a wrong length or slot. Not collective."""
+        seqs = self._reply_seqs("set_reply_seq_counters")
+        if slot is None:
+            if len(counters) != len(seqs):
+                raise ValueError(f"set_reply_seq_counters: {len(counters)} counters for "
+                                 f"{len(seqs)} slots")
+            seqs[:] = counters
+            return
+        if isinstance(slot, bool) or not isinstance(slot, numbers.Integral) or not 0 <= slot < len(seqs):
+            raise ValueError(f"set_reply_seq_counters: slot={slot!r} outside [0, {len(seqs)})")
+        seqs[int(slot)] = int(counters)
+
+    def _reply_seqs(self, what: str):
+        self._require_ffn_loop(what)
+        seqs = getattr(self.path, "reply_seqs", None)
+        if seqs is None:
+            raise ProtocolError(f"{what}: backend {self.backend!r} keeps no host reply-seq counters")
+        return seqs
+
+    def _require_ffn_loop(self, what: str) -> None:
+        # role only: a loop's close() may still hand back what it holds after the connector
+        # saw the last shutdown
+        if self.role is not Role.FFN:
+            raise ProtocolError(f"{what} is an ffn-side call; this connector is {self.role.value}")
+
 
 def _check_cpu_threads(value) -> None:
     if value is None or value == "auto":

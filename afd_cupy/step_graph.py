@@ -38,7 +38,7 @@ The FFN is another process, so while the stream waits in R(l, s) for stage s's r
 stages s+1.. of layer l and stages < s of layer l+1 are already at the FFN: the attention of
 one micro-batch runs while the others' round trips are in flight (S = 1 is the plain step
 above, issue for issue). Legal because stage s only ever uses its own ring(s) (the
-connector's ``_acquire_ring(s)``: rings s, s+S', ... of a connector with S' >= S stages) and
+connector's ring rule: stage s takes rings s, s+S', ... of a connector with S' >= S stages) and
 its send of layer l+1 comes after its receive of layer l in stream order, so the host's
 send-then-recv rule per (peer, stage) holds at every point of the issue order (at most S
 dispatches pending, one per stage) and on the device each ring is rewritten only after the
@@ -63,15 +63,18 @@ each receive's spinning wait kernel; with a stream per stage, one micro-batch's 
 gate, dispatch and combine run while another's wait kernel spins for its reply. Legal for the
 reasons above, per chain: stage s's send of layer l+1 follows its receive of layer l on
 stream s, stages share no device state but the error status and the per-slot ``last_seen``,
-and the host order still keeps send-then-recv per stage. The connector's ring ordering
-(``_order_ring``) sees ring s always used from stream s, so it adds nothing inside the step;
+and the host order still keeps send-then-recv per stage. The cuda path's ring ordering
+(per ring, the stream of its last use) sees ring s always used from stream s, so it adds nothing inside the step;
 a replay on the current stream is ordered after the rings' last eager use on a stage stream
 by ``order_graph_replay`` (and by the join, which already made the current stream wait).
 Outputs are bit-identical to the one-stream step's (the same kernels on the same rows).
 ``stage_streams=True`` with S = 1 is the plain step (no extra stream).
 
 Why a new module rather than a connector method: the helper composes user callables, torch's
-graph API and the connector's public calls; the connector stays one call per protocol step.
+graph API and the connector's public calls (``pending_rings``, ``supports_nonblocking`` and
+the protocol calls; nothing private); the connector stays one call per protocol step. The
+plan (:func:`split_rows`, :func:`pipeline_schedule`, :func:`check_capturable`) lives in
+:mod:`afd_cupy.step_schedule` and is re-exported here.
 """
 from __future__ import annotations
 
@@ -86,7 +89,10 @@ import torch
 
 from afd_cupy import gates
 from afd_cupy.errors import ConfigError, ProtocolError
-from afd_cupy.topology import Role
+# the plan (split, issue order, capture checks) lives in step_schedule; re-exported here, the
+# public import path of these names
+from afd_cupy.step_schedule import (RECV, SEND, check_capturable, check_stages,  # noqa: F401
+                                    pipeline_schedule, split_rows)
 
 #: ``attention[l](x)`` -> ``h`` (MoE input and residual) or ``(residual, h)``; x, h, residual
 #: [T, hidden_size] in the model dtype on the connector's device
@@ -107,98 +113,6 @@ class LayerTensors:
     topk_ids: torch.Tensor
     moe_output: torch.Tensor
     output: torch.Tensor
-
-
-#: the two operations of the step's schedule (:func:`pipeline_schedule`)
-SEND, RECV = "send", "recv"
-
-
-def _check_stages(stages) -> int:
-    if isinstance(stages, bool) or not isinstance(stages, numbers.Integral) or stages < 1:
-        raise ConfigError(f"stages must be an int >= 1, got {stages!r}")
-    return int(stages)
-
-
-def split_rows(num_tokens: int, stages: int) -> tuple[tuple[int, int], ...]:
-    """The ``stages`` contiguous micro-batches of ``num_tokens`` rows: ``(start, stop)`` per
-    stage, sizes as even as possible (the first ``num_tokens % stages`` one row larger), each
-    at least one row. ConfigError (with the values) when ``num_tokens < stages``."""
-    stages = _check_stages(stages)
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, numbers.Integral) or num_tokens < stages:
-        raise ConfigError(f"num_tokens={num_tokens!r} rows cannot be split into stages={stages} "
-                          "micro-batches of at least one row each (need num_tokens >= stages)")
-    base, extra = divmod(int(num_tokens), stages)
-    bounds, start = [], 0
-    for stage in range(stages):
-        stop = start + base + (1 if stage < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return tuple(bounds)
-
-
-def pipeline_schedule(num_layers: int, stages: int) -> tuple[tuple[str, int, int], ...]:
-    """The step's issue order on its one stream: ``(op, layer, stage)`` with op ``SEND``
-    (attention + gate + send of micro-batch ``stage`` at ``layer``) or ``RECV`` (its receive +
-    residual add). Layer 0 is sent for every stage, then for each layer and stage in order:
-    receive, and send the stage's next layer. Each stage alternates send, recv (at most one
-    dispatch per stage pending); ``stages=1`` is send, recv per layer (module doc)."""
-    stages = _check_stages(stages)
-    order = [(SEND, 0, stage) for stage in range(stages)]
-    for layer in range(num_layers):
-        for stage in range(stages):
-            order.append((RECV, layer, stage))
-            if layer + 1 < num_layers:
-                order.append((SEND, layer + 1, stage))
-    return tuple(order)
-
-
-def check_capturable(connector, num_tokens: int, num_layers: int, stages: int = 1) -> None:
-    """Raise ConfigError (with the values) when a step of ``num_layers`` layers of
-    ``num_tokens`` tokens in ``stages`` micro-batches cannot be captured on ``connector``.
-
-    Needs: an Attention-side connector on the cuda backend (the host backend's steps run on
-    the CPU and block) with ``poll_mode="device"`` (host polling synchronizes per receive);
-    1 <= num_tokens <= the window's ``token_cap``; 1 <= num_layers <= ``model.num_layers``
-    (layer l of the step is the model's layer l); 1 <= stages <= the connector's
-    ``ConnectorConfig.num_stages`` (micro-batch s is sent as stage s, on that stage's rings:
-    S stages in flight need S ring sets) and stages <= num_tokens (every micro-batch has a
-    row). The ring depth is no limit: each stage has one dispatch in flight at a time (its
-    receive precedes its next send), so micro-batch s always reuses ring s and any
-    ``ring_depth`` (>= num_stages, as the config requires) suffices.
-    """
-    if connector.role is not Role.ATTENTION:
-        raise ConfigError(f"a decode step is captured on an Attention-side connector, got role "
-                          f"{connector.role.value!r}")
-    if connector.backend != "cuda":
-        raise ConfigError(f"backend={connector.backend!r}: only the cuda backend can be captured in "
-                          "a CUDA graph (the host backend's steps run on the CPU and block)")
-    poll_mode = connector.path.ctx.poll_mode
-    if poll_mode != "device":
-        raise ConfigError(f"poll_mode={poll_mode!r}: a captured receive must wait on the device "
-                          "(poll_mode='device'); host polling synchronizes per receive")
-    cap = connector.layout.token_cap
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, numbers.Integral) \
-            or not 1 <= num_tokens <= cap:
-        raise ConfigError(f"num_tokens={num_tokens!r} must be an int in [1, token_cap={cap}] "
-                          "(token_cap = ModelConfig.max_num_batched_tokens)")
-    total = connector.model.num_layers
-    if not 1 <= num_layers <= total:
-        raise ConfigError(f"{num_layers} layers in the step: must be in [1, model.num_layers={total}]")
-    check_stages(connector, stages)
-    split_rows(num_tokens, stages)
-
-
-def check_stages(connector, stages: int) -> int:
-    """``stages`` if the connector has that many micro-batch stages, else ConfigError."""
-    stages = _check_stages(stages)
-    config = connector.config
-    if stages > config.num_stages:
-        raise ConfigError(f"stages={stages} needs a connector with at least {stages} micro-batch stages "
-                          f"(ConnectorConfig(async_moe_ubatching=True, async_moe_num_ubatches={stages}) on "
-                          f"every rank); this one has num_stages={config.num_stages} "
-                          f"(async_moe_ubatching={config.async_moe_ubatching}, "
-                          f"async_moe_num_ubatches={config.async_moe_num_ubatches})")
-    return stages
 
 
 class DecodeStepGraph:
@@ -460,7 +374,7 @@ class DecodeStepGraph:
     def _check_no_pending(self, what: str) -> None:
         # NOTE: a replay bypasses the connector's ring bookkeeping; an eager dispatch still in
         # flight on a ring the graph sends on would be overwritten by the replay's send
-        pending = sorted(ring for ring in self.connector._pending if not self.rings or ring in self.rings)
+        pending = [ring for ring in self.connector.pending_rings() if not self.rings or ring in self.rings]
         if pending:
             raise ProtocolError(f"{what}: dispatch(es) of this connector pending on ring(s) {pending}; "
                                 "receive them (recv_ffn_output) first")

@@ -8,12 +8,13 @@ tests.
 """
 import ctypes
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from afd_cupy import kernels, wire
-from afd_cupy.kernels import launches, specs
+from afd_cupy.kernels import checks, launches, loader, specs
 
 # C parameter type -> the numpy scalar type a spec must hold for it ("ptr": an array argument)
 _C_TYPES = {"afd_i32": np.int32, "afd_i64": np.int64, "afd_u64": np.uint64, "float": np.float32,
@@ -44,8 +45,9 @@ class _FakeArray:
 
 @pytest.fixture
 def fake_specs(monkeypatch):
-    monkeypatch.setattr(specs, "get_kernel", lambda *a, **kw: "kernel")
-    monkeypatch.setattr(specs, "_array", lambda name, arr, dtype, min_size: _FakeArray())
+    # every spec module looks both up at call time (loader.get_kernel, checks.device_array)
+    monkeypatch.setattr(loader, "get_kernel", lambda *a, **kw: "kernel")
+    monkeypatch.setattr(checks, "device_array", lambda name, arr, dtype, min_size: _FakeArray())
 
 
 _LAYOUT = wire.WindowLayout(num_regions=3, ring_depth=2, expert_per_rank=4, hidden_size=64,
@@ -309,9 +311,9 @@ def test_dedup_grids_and_mode_checks(fake_specs):
 
 
 def test_dedup_specs_size_expected_counts_with_three_columns(monkeypatch):
-    monkeypatch.setattr(specs, "get_kernel", lambda *a, **kw: "kernel")
+    monkeypatch.setattr(loader, "get_kernel", lambda *a, **kw: "kernel")
     seen = {}
-    monkeypatch.setattr(specs, "_array", lambda name, arr, dtype, min_size: seen.setdefault(
+    monkeypatch.setattr(checks, "device_array", lambda name, arr, dtype, min_size: seen.setdefault(
         (len(seen), name), min_size))
     arr = _FakeArray()
     wait = dict(window=0x3000, geo=_DEDUP_LAYOUT.kernel_geometry(), num_ffn_ranks=2, ring=1,
@@ -383,7 +385,7 @@ def test_packed_launch_rejects_untyped_arguments():
 
 def test_backend_sets_only_arguments_its_specs_have(fake_specs):
     """Every ``<launch>.set("name", ...)`` of the cuda backend names an argument of that kernel."""
-    backends = kernels.KERNEL_DIR.parent / "afd_cupy" / "backends"
+    backends = Path(__file__).resolve().parent.parent / "afd_cupy" / "backends"  # the checkout's
     source = "\n".join((backends / name).read_text()
                        for name in ("cuda_attention.py", "cuda_ffn.py", "cuda_ffn_dedup.py"))
     by_var = {"plan": "afd_dispatch_plan", "scatter": "afd_dispatch_scatter",
@@ -403,7 +405,14 @@ def test_backend_sets_only_arguments_its_specs_have(fake_specs):
 
 
 def test_launches_module_has_no_cupy_import_at_module_level():
-    assert launches.__dict__.get("cupy") is None and specs.__dict__.get("cupy") is None
+    import importlib
+    import pkgutil
+
+    modules = [launches, checks, specs] + [importlib.import_module(f"afd_cupy.kernels.specs.{m.name}")
+                                           for m in pkgutil.iter_modules(specs.__path__)]
+    assert len(modules) > 3
+    for module in modules:
+        assert module.__dict__.get("cupy") is None, module.__name__
 
 
 @pytest.mark.parametrize("put", [False, True], ids=["direct", "put"])

@@ -20,13 +20,16 @@ from afd_cupy.topology import Role
 
 
 def _conn(role=Role.ATTENTION, backend="cuda", poll_mode="device", token_cap=16, num_layers=4, pending=(),
-          num_stages=1):
-    """The attributes of an AFDConnector that the checks read."""
+          num_stages=1, supports_nonblocking=None):
+    """The public attributes of an AFDConnector that the checks read (no private one: the
+    step graph uses the connector's public calls only)."""
     config = ConnectorConfig(async_moe_ubatching=num_stages > 1, async_moe_num_ubatches=max(num_stages, 2))
+    nonblocking = backend == "cuda" if supports_nonblocking is None else supports_nonblocking
     return SimpleNamespace(role=role, backend=backend, path=SimpleNamespace(ctx=SimpleNamespace(poll_mode=poll_mode)),
                            layout=SimpleNamespace(token_cap=token_cap, ring_depth=config.ring_depth),
                            model=SimpleNamespace(num_layers=num_layers), config=config,
-                           _pending={ring: None for ring in pending})
+                           supports_nonblocking=nonblocking,
+                           pending_rings=lambda: tuple(sorted(pending)))
 
 
 def _fns(n):
@@ -34,7 +37,9 @@ def _fns(n):
 
 
 @pytest.mark.parametrize("conn,tokens,layers,match", [
-    (_conn(backend="host"), 8, 2, r"backend='host': only the cuda backend"),
+    (_conn(backend="host"), 8, 2, r"backend='host': its receive blocks on the host \(supports_nonblocking=False\)"),
+    # the capability decides, not the backend's name
+    (_conn(supports_nonblocking=False), 8, 2, r"backend='cuda': its receive blocks on the host"),
     (_conn(poll_mode="host"), 8, 2, r"poll_mode='host': a captured receive must wait on the device"),
     (_conn(role=Role.FFN), 8, 2, r"Attention-side connector, got role 'ffn'"),
     (_conn(token_cap=16), 17, 2, r"num_tokens=17 must be an int in \[1, token_cap=16\]"),
@@ -128,6 +133,8 @@ def test_pipeline_schedule_keeps_send_then_recv_per_stage(layers, stages):
 def test_capturable_arguments_pass_the_check():
     check_capturable(_conn(token_cap=16, num_layers=4), 16, 4)
     check_capturable(_conn(token_cap=16, num_layers=4), 1, 1)
+    # a backend of another name that declares non-blocking receives is capturable
+    check_capturable(_conn(backend="other", supports_nonblocking=True), 8, 2)
 
 
 def test_constructor_argument_mismatches():
@@ -172,7 +179,13 @@ class _RecordingConnector:
                                       ring_depth=ring_depth)
         self.layout = SimpleNamespace(token_cap=token_cap, ring_depth=self.config.ring_depth)
         self.model = SimpleNamespace(num_layers=num_layers)
+        self.supports_nonblocking = True
         self._pending, self.calls = {}, []
+
+    def pending_rings(self):
+        from afd_cupy.connector import AFDConnector
+
+        return AFDConnector.pending_rings(self)  # the real call on this object's _pending
 
     def select_experts(self, logits, bias=None, impl="auto"):
         self.gate_impls = getattr(self, "gate_impls", []) + [impl]
@@ -577,7 +590,7 @@ def test_a_real_host_connector_is_refused():
     from afd_cupy.launch import launch
 
     attn, served = launch(_host_rank, 2, timeout_s=100)
-    assert "backend='host': only the cuda backend" in attn and served == 0
+    assert "backend='host': its receive blocks on the host (supports_nonblocking=False)" in attn and served == 0
 
 
 def _host_staged_rank(ctx):
@@ -618,7 +631,7 @@ def _host_staged_rank(ctx):
             rel = float((staged.double() - unsplit.double()).norm() / unsplit.double().norm())
             return {"rings": sorted(steps[2].rings), "splits": steps[2].splits,
                     "bitwise_alone": bool(torch.equal(staged, alone)), "rel_unsplit": rel,
-                    "pending": sorted(conn._pending)}
+                    "pending": list(conn.pending_rings())}
         finally:
             conn.announce_shutdown()
     finally:

@@ -358,9 +358,9 @@ class GraphFFNServer:
         if self._started:
             return
         path = self.path
-        path._use_device()
+        path.cp.cuda.Device(path.device_id).use()  # this server's GPU, whichever thread runs it
         torch.cuda.synchronize(self.device)  # eager replies queued before read their seqs
-        self.reply_seqs.set(path.reply_seqs.astype(np.int64))
+        self.reply_seqs.set(self.connector.reply_seq_counters().astype(np.int64))
         path.cp.cuda.Device(path.device_id).synchronize()
         self._started = True
         while len(self._inflight) < self.depth:
@@ -387,7 +387,7 @@ class GraphFFNServer:
                 except ConnectorShutdown:
                     pass
         finally:
-            self.path.reply_seqs[:] = self.reply_seqs.get()  # synchronizes the copy
+            self.connector.set_reply_seq_counters(self.reply_seqs.get())  # synchronizes the copy
             self._started = False
 
     def __enter__(self) -> "GraphFFNServer":
@@ -432,11 +432,11 @@ class GraphFFNServer:
             now = time.monotonic()
             if raising and now - self._last_liveness > _LIVENESS_PERIOD_S:
                 self._last_liveness = now
-                self.connector._check_attention_alive()  # PeerLostError once no sender is left
+                self.connector.check_attention_alive()  # PeerLostError once no sender is left
             return 0
         self._idle_sleep_s = 0.0  # busy: poll without sleeping
         if status == ffn_graph.GS_SHUTDOWN:
-            self.connector._note_shutdown(int(words[wire.HDR_SRC_RANK]))  # may raise ConnectorShutdown
+            self.connector.note_shutdown(int(words[wire.HDR_SRC_RANK]))  # may raise ConnectorShutdown
             return 0
         if status in (ffn_graph.GS_SERVED, ffn_graph.GS_EAGER):
             self.policy.observe(int(words[wire.HDR_ROUTED_TOKENS]), int(words[wire.HDR_SHARED_TOKENS]))
@@ -467,8 +467,8 @@ class GraphFFNServer:
         """An item the graph did not serve: the eager worker on the second stream, replying
         with the seq the stage reserved (the eager path's host counter is set to seq - 1)."""
         arrival = self._arrival(words, slot)
-        self.path.reply_seqs[slot] = seq - 1
-        item = self.connector._work_item(arrival)  # ProtocolError for a wrong source rank
+        self.connector.set_reply_seq_counters(seq - 1, slot=slot)
+        item = self.connector.accept_arrival(arrival)  # ProtocolError for a wrong source rank
         with torch.cuda.stream(self.eager_stream):
             self.eager_worker.serve(item)
         self.num_eager += 1

@@ -5,9 +5,12 @@
   -I raw_kernels``, no jitify); the cache key covers the contents of the file and of every
   header it includes, and the same digest is passed as ``-DAFD_SOURCE_KEY=...`` so that CuPy's
   on-disk cache is invalidated by a header edit too. ``AFD_KERNEL_CACHE=0`` disables the
-  in-process cache. Probes (``raw_kernels/probes/``) have their own registry.
-- :mod:`~afd_cupy.kernels.specs`: one spec builder per kernel, keyword names equal to the C
-  parameter names; window geometry as one ``geo`` value (``WindowLayout.kernel_geometry()``,
+  in-process cache. Probes (``raw_kernels/probes/``) have their own registry. The sources
+  (``KERNEL_DIR``) are the installed package's ``afd_cupy/raw_kernels/`` (a wheel), else the
+  checkout's top-level ``raw_kernels/``.
+- :mod:`~afd_cupy.kernels.specs`: one spec builder per kernel (a module per kernel file),
+  keyword names equal to the C parameter names, their arguments checked by
+  :mod:`~afd_cupy.kernels.checks`; window geometry as one ``geo`` value (``WindowLayout.kernel_geometry()``,
   ``struct SlotGeometry`` in ``wire.cuh``); the kernels' limits (:data:`KERNEL_LIMITS`).
 - :mod:`~afd_cupy.kernels.launches`: :class:`LaunchSpec` and :class:`PackedLaunch` (one
   ``cuLaunchKernel`` per launch, arguments rewritten in place). None of the launches

@@ -1,6 +1,7 @@
 """Checked kernel launches: the argument checks, :class:`LaunchSpec` and :class:`PackedLaunch`.
 
-A spec builder (:mod:`afd_cupy.kernels.specs`) checks its arguments once and returns a
+A spec builder (:mod:`afd_cupy.kernels.specs`) checks its arguments once
+(:mod:`afd_cupy.kernels.checks`) and returns a
 :class:`LaunchSpec` whose argument names are the kernel's C parameter names. Scalars are numpy
 scalars of the C type, arrays are CuPy arrays, the window geometry is a numpy structured scalar
 (``struct SlotGeometry``). :class:`PackedLaunch` packs a spec into a ``cuLaunchKernel``
@@ -14,62 +15,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from afd_cupy import wire
-
-
-# --- argument checks ---------------------------------------------------------------------------
-def _count(name: str, value, *, low: int = 0, high: int = 2**31 - 1) -> np.int32:
-    value = int(value)
-    if not low <= value <= high:
-        raise ValueError(f"{name} must lie in [{low}, {high}], got {value}")
-    return np.int32(value)
-
-
-def _i64(name: str, value, *, low: int = -(2**63)) -> np.int64:
-    value = int(value)
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-    return np.int64(value)
-
-
-def _address(name: str, value, *, allow_null: bool = False) -> np.uint64:
-    value = int(value)
-    if value < 0 or value >= 2**64 or (value == 0 and not allow_null):
-        raise ValueError(f"{name} must be a non-null device-visible address, got {value:#x}")
-    return np.uint64(value)
-
-
-def _array(name: str, arr, dtype, min_size: int):
-    import cupy
-
-    if not isinstance(arr, cupy.ndarray):
-        raise ValueError(f"{name} must be a cupy.ndarray, got {type(arr).__name__}")
-    if arr.dtype != dtype or not arr.flags.c_contiguous or arr.size < min_size:
-        raise ValueError(f"{name} must be a contiguous {np.dtype(dtype).name} array of at least "
-                         f"{min_size} elements, got {arr.dtype} shape {arr.shape} "
-                         f"contiguous={arr.flags.c_contiguous}")
-    return arr
-
-
-def _dtype(value) -> int:
-    if value not in (0, 1, 2):
-        raise ValueError(f"dtype_code must be one of [0, 1, 2], got {value!r}")
-    return int(value)
-
-
-def _geometry(name: str, geo, *, header_words: int | None = None) -> np.void:
-    """Check a ``WindowLayout.kernel_geometry()`` value (``header_words`` if given)."""
-    dtype = wire.WindowLayout.KERNEL_GEOMETRY_DTYPE
-    if not isinstance(geo, np.void) or geo.dtype != dtype:
-        raise ValueError(f"{name} must be a WindowLayout.kernel_geometry() value, "
-                         f"got {type(geo).__name__} {getattr(geo, 'dtype', '')}")
-    if min(int(geo[field]) for field in dtype.names) < 0 or int(geo["ring_depth"]) < 1 \
-            or int(geo["num_regions"]) < 1 or int(geo["header_words"]) < wire.HDR_FIXED_WORDS:
-        raise ValueError(f"{name} holds an impossible geometry: {geo}")
-    if header_words is not None and int(geo["header_words"]) != header_words:
-        raise ValueError(f"{name}.header_words = {int(geo['header_words'])}, expected "
-                         f"{header_words} (HDR_FIXED_WORDS + expert_per_rank)")
-    return geo
 
 
 # --- specs -------------------------------------------------------------------------------------
@@ -97,7 +42,9 @@ class LaunchSpec:
         PackedLaunch(self).launch(stream.ptr)
 
 
-def _spec(kernel, grid: int, block: int, args: dict, shared_mem: int = 0) -> LaunchSpec:
+def launch_spec(kernel, grid: int, block: int, args: dict, shared_mem: int = 0) -> LaunchSpec:
+    """The :class:`LaunchSpec` of ``kernel`` with ``args`` (C parameter name -> checked value,
+    in the kernel's order)."""
     return LaunchSpec(kernel, int(grid), int(block), int(shared_mem), tuple(args), tuple(args.values()))
 
 

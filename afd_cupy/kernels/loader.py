@@ -7,6 +7,12 @@ passed to NVRTC as ``-DAFD_SOURCE_KEY=...`` so that CuPy's on-disk cache, which 
 top-level source, is invalidated by a header edit too. ``AFD_KERNEL_CACHE=0``
 (:func:`afd_cupy.env.kernel_cache_enabled`) disables the in-process cache.
 
+Where the sources are (:data:`KERNEL_DIR`, :func:`find_kernel_dir`): the repository keeps them
+in the top-level ``raw_kernels/``; a wheel ships them inside the package as
+``afd_cupy/raw_kernels/`` (``pyproject.toml`` maps the one onto the other). The installed
+package's copy is taken first, the source checkout's second (a checkout on ``PYTHONPATH``, an
+editable install).
+
 Importing this module does not import CuPy.
 """
 from __future__ import annotations
@@ -17,7 +23,23 @@ from pathlib import Path
 
 from afd_cupy import env
 
-KERNEL_DIR = Path(__file__).resolve().parent.parent.parent / "raw_kernels"
+#: the kernels inside an installed package (a wheel: ``afd_cupy/raw_kernels/``)
+PACKAGE_KERNEL_DIR = Path(__file__).resolve().parent.parent / "raw_kernels"
+#: the kernels of a source checkout (the repository's top-level ``raw_kernels/``)
+SOURCE_KERNEL_DIR = Path(__file__).resolve().parent.parent.parent / "raw_kernels"
+
+
+def find_kernel_dir() -> Path:
+    """The directory of the kernel sources: :data:`PACKAGE_KERNEL_DIR` when it exists (an
+    installed wheel), else :data:`SOURCE_KERNEL_DIR` when it exists (a checkout, an editable
+    install), else :data:`PACKAGE_KERNEL_DIR` (loads then fail naming both places)."""
+    for candidate in (PACKAGE_KERNEL_DIR, SOURCE_KERNEL_DIR):
+        if candidate.is_dir():
+            return candidate
+    return PACKAGE_KERNEL_DIR
+
+
+KERNEL_DIR = find_kernel_dir()
 BASE_OPTIONS = ("-std=c++17",)
 
 #: payload dtype name -> template argument DT of the payload kernels (wire.cuh DT_*)
@@ -53,9 +75,15 @@ _KERNEL_CACHE: dict = {}
 
 
 def kernel_path(filename) -> Path:
-    """Absolute path of a kernel source: ``filename`` itself if absolute, else in KERNEL_DIR."""
+    """Absolute path of a kernel source: ``filename`` itself if absolute, else in KERNEL_DIR.
+    FileNotFoundError naming the places searched when there is no such file."""
     path = Path(filename)
-    return path if path.is_absolute() else KERNEL_DIR / path
+    path = path if path.is_absolute() else KERNEL_DIR / path
+    if not path.is_file():
+        raise FileNotFoundError(f"kernel source {path} not found (kernel sources are searched in "
+                                f"{PACKAGE_KERNEL_DIR}, then {SOURCE_KERNEL_DIR}; a wheel built "
+                                "from pyproject.toml ships them in the package)")
+    return path
 
 
 def _resolve_include(name: str, including: Path) -> Path:
@@ -85,7 +113,8 @@ def source_key(filename) -> str:
 
 def _registered(filename) -> tuple:
     """The (name, is_template) entries of a file in FILE_KERNELS or PROBE_KERNELS."""
-    path = kernel_path(filename)
+    path = Path(filename)
+    path = path if path.is_absolute() else KERNEL_DIR / path
     try:
         key = path.relative_to(KERNEL_DIR).as_posix()
     except ValueError:
