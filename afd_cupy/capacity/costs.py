@@ -62,6 +62,16 @@ class Costs:
     def replace(self, **kw) -> "Costs":
         return dataclasses.replace(self, **kw)
 
+    def scaled(self, factor: float) -> "Costs":
+        """Every time x ``factor`` (rates / ``factor``): a process that runs ``factor`` times
+        slower, e.g. more busy-polling processes than CPU cores on the host backend."""
+        check_float("Costs.scaled", "factor", factor)
+        times = {f.name: getattr(self, f.name) * factor for f in dataclasses.fields(self)
+                 if f.name.endswith("_s")}
+        return self.replace(gemm_tflops=self.gemm_tflops / factor,
+                            weight_read_gbps=self.weight_read_gbps / factor,
+                            source=f"{self.source}; x{factor:.3g} slower", **times)
+
 
 def rate(share: float, saturation: float) -> float:
     """Fraction of the full-GPU rate a process with ``share`` of the SMs gets."""

@@ -5,6 +5,8 @@ A replica's step: per layer, attention on its own process, then one item to ever
 layer starts after the combine. An FFN rank serves compute batches FIFO, one at a time:
 
 - ``async``: every item is its own batch, served in arrival order;
+- ``async_merge`` (a what-if: FFNWorker does not do it): as async, but a compute batch takes
+  every waiting item of the head item's layer with it (weights read once for all of them);
 - ``lockstep``: the items of (step, layer) from every replica form one merged batch, which
   enters the FIFO once the last of them arrived (a barrier per layer; replicas run the same
   number of steps, and a replica with nothing to do still sends an empty item).
@@ -71,7 +73,8 @@ class Simulator:
         groups: dict = {}
         for j, p in enumerate(self.dep.ffn):
             links = tuple(self.dep.link(a, j) for a in range(self.dep.num_attn))
-            groups.setdefault((p.node, p.gpu, p.share, links), []).append(j)
+            gpu = p.gpu if self.dep.hbm_contention > 0 else -1  # the GPU matters only for contention
+            groups.setdefault((p.node, gpu, p.share, links), []).append(j)
         return [_Class(ranks, key[2], key[:2], key[3], deque(), pending={}, take_samples=[], busy_spans=[])
                 for key, ranks in groups.items()]
 
@@ -204,8 +207,8 @@ class Simulator:
     def _arrive(self, c: int, a: int, step: int, layer: int, tokens: int) -> None:
         cls = self.classes[c]
         self._set_waiting(cls, +1)
-        item = (a, tokens, self.now)
-        if self.cfg.schedule == "async":
+        item = (a, tokens, self.now, layer)
+        if self.cfg.schedule != "lockstep":
             cls.queue.append([item])
         else:
             group = cls.pending.setdefault((step, layer), [])
@@ -219,12 +222,18 @@ class Simulator:
     def _serve(self, c: int) -> None:
         cls = self.classes[c]
         batch = cls.queue.popleft()
+        if self.cfg.schedule == "async_merge":  # every waiting item of the head's layer joins it
+            layer = batch[0][3]
+            same = [b for b in cls.queue if b[0][3] == layer]
+            for b in same:
+                cls.queue.remove(b)
+                batch = batch + b
         cls.take_samples.append((self.now, cls.waiting - len(batch)))
         self._set_waiting(cls, -len(batch))
-        for _, _, arrived in batch:
+        for _, _, arrived, _ in batch:
             cls.waits_total += self.now - arrived
         cls.items_started += len(batch)
-        tokens = sum(t for _, t, _ in batch)
+        tokens = sum(item[1] for item in batch)
         duration = cm.ffn_batch_time(self.costs, self.shape, tokens, self.dep.num_ffn, cls.share)
         duration *= self._contention(cls.gpu, ("f", c))
         cls.busy_until = self.now + duration
@@ -234,7 +243,7 @@ class Simulator:
 
     def _ffn_done(self, c: int, batch: tuple) -> None:
         cls = self.classes[c]
-        for a, tokens, _ in batch:
+        for a, tokens, _, _ in batch:
             nbytes = cm.wire_rows(self.shape, tokens, self.dep.num_ffn, self.cfg.wire_mode) * self.shape.row_bytes
             self._push(self.now + cls.links[a].time_s(nbytes), _REPLY, a)
         if cls.queue:
@@ -269,7 +278,7 @@ class Simulator:
             self._set_waiting(cls, 0)
             held = [item for batch in cls.queue for item in batch]
             held += [item for group in cls.pending.values() for item in group]
-            cls.waits_total += sum(self.now - arrived for _, _, arrived in held)
+            cls.waits_total += sum(self.now - item[2] for item in held)
             cls.items_started += len(held)  # Little's law counts every arrival
         replicas = tuple(ReplicaResult.from_steps(st["idx"], st["load"].kind, st["steps"][warm:])
                          for st in self.replicas)

@@ -12,7 +12,7 @@ from typing import Any
 
 from afd_cupy.errors import ConfigError
 
-SCHEDULES = ("async", "lockstep")
+SCHEDULES = ("async", "lockstep", "async_merge")
 WIRE_MODES = ("pair", "dedup")
 LOAD_KINDS = ("prefill", "decode")
 
