@@ -146,10 +146,13 @@ GEMM_SCALES = tuple(float(x) for x in np.geomspace(0.05, 20.0, 241))
 
 
 def fit_costs(shape: ModelShape, points: list, base: cm.Costs, link: Link, *,
-              fit_attention: bool = False, scale_floor: bool = False) -> cm.Costs:
+              fit_attention: bool = False, scale_floor: bool = False, fixed_on: str = "ffn") -> cm.Costs:
     """``base`` fitted so that a replica alone reproduces ``points`` (least squares on the
-    solo batch times, every coefficient >= 0). Always fitted: the Attention-side fixed cost
-    per layer (``attn_fixed_s``, an added term) and the expert GEMM's compute rate
+    solo batch times, every coefficient >= 0). Always fitted: a fixed cost per layer, added
+    to the FFN's per-item host cost (``fixed_on="ffn"``, ``ffn_item_s``: on cuda the Attention
+    host issues a whole batch ahead of its stream, one sync per batch, so its issue cost hides
+    behind the device, while the FFN's host loop must see an item before it can launch the
+    GEMMs) or to the Attention's (``"attention"``, ``attn_fixed_s``), and the expert GEMM's compute rate
     (``gemm_tflops``, by a scale factor searched on a log grid since the GEMM time is
     max(floor, compute)). ``fit_attention``: the attention variable costs scale too (needs
     three or more distinct points); ``scale_floor``: the weight-read floor scales with the
@@ -172,13 +175,17 @@ def fit_costs(shape: ModelShape, points: list, base: cm.Costs, link: Link, *,
     _, k_f, coef = best
     k_a = coef[1] if fit_attention else 1.0
     extra = coef[0]
-    return base.replace(attn_per_token_s=base.attn_per_token_s * k_a, attn_per_pair_s=base.attn_per_pair_s * k_a,
-                        attn_per_ctx_token_s=base.attn_per_ctx_token_s * k_a, attn_fixed_s=base.attn_fixed_s + extra,
+    if fixed_on not in ("ffn", "attention"):
+        raise ConfigError(f"fit_costs fixed_on must be 'ffn' or 'attention', got {fixed_on!r}")
+    fixed = ({"ffn_item_s": base.ffn_item_s + extra} if fixed_on == "ffn"
+             else {"attn_fixed_s": base.attn_fixed_s + extra})
+    return base.replace(**fixed, attn_per_token_s=base.attn_per_token_s * k_a, attn_per_pair_s=base.attn_per_pair_s * k_a,
+                        attn_per_ctx_token_s=base.attn_per_ctx_token_s * k_a,
                         gemm_tflops=base.gemm_tflops / k_f,
                         weight_read_gbps=base.weight_read_gbps / (k_f if scale_floor else 1.0),
                         source=f"{base.source}; fitted to {len(points)} solo batches: attention x{k_a:.3g}, "
                                f"expert compute x{k_f:.3g}{' (floor too)' if scale_floor else ''}, "
-                               f"Attention fixed +{extra * 1e6:.0f} us/layer")
+                               f"{fixed_on} fixed +{extra * 1e6:.0f} us/layer")
 
 
 def _nnls(design: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -6,7 +6,7 @@ All costs are for a process holding a whole GPU (share 1.0). A share ``s`` scale
 
 with ``s_sat = compute_sat`` for FLOP-bound parts (GEMM FLOPs, attention FLOPs) and
 ``bandwidth_sat`` for byte-bound parts (expert weight reads, KV-cache reads): a few SMs
-cannot keep HBM busy, but past ~60 % of them more SMs buy no bandwidth. Fixed parts (host
+cannot keep HBM busy, but past ~55 % of them more SMs buy no bandwidth. Fixed parts (host
 issue, kernel launches, polling) do not scale with the share.
 
 Expert GEMM of one FFN compute batch (routed rows ``r`` over the rank's experts, shared rows
@@ -32,7 +32,11 @@ class Costs:
     Transport, per layer and FFN rank: ``dispatch_fixed_s`` / ``combine_fixed_s`` (the
     kernels' own cost) + the link's latency + bytes / bandwidth. FFN side, per compute batch:
     ``ffn_item_s`` (poll, header decode, launches, reply issue) + the expert GEMM;
-    ``ffn_poll_s``: delay between an arrival and the FFN noticing it.
+    ``ffn_poll_s``: delay between an arrival and the FFN noticing it. The FFN rank is a host
+    loop feeding a device stream: the host takes an arrival (``ffn_item_s``), then the device
+    runs the GEMMs; with ``ffn_host_overlap`` (cuda: launches are stream-ordered) the host takes
+    the next arrival while the device computes, without it (the host backend: one thread
+    computes) the next take waits for the compute.
     """
 
     attn_fixed_s: float = 100e-6
@@ -40,18 +44,19 @@ class Costs:
     attn_per_pair_s: float = 0.0
     attn_per_ctx_token_s: float = 0.0
     gemm_tflops: float = 600.0
-    weight_read_gbps: float = 3000.0
+    weight_read_gbps: float = 2600.0
     ffn_item_s: float = 65e-6
     ffn_poll_s: float = 5e-6
     dispatch_fixed_s: float = 20e-6
     combine_fixed_s: float = 15e-6
     compute_sat: float = 1.0
-    bandwidth_sat: float = 0.6
+    bandwidth_sat: float = 0.55
+    ffn_host_overlap: bool = True
     source: str = "defaults"
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
-            if f.name == "source":
+            if f.name in ("source", "ffn_host_overlap"):
                 continue
             value = getattr(self, f.name)
             if f.name in ("gemm_tflops", "weight_read_gbps", "compute_sat", "bandwidth_sat"):
@@ -87,8 +92,10 @@ def h200_costs(shape: ModelShape, attn_params: float | None = None,
       per causal pair ``pair_flops`` (default 4 x hidden: QK^T and PV);
     - decode: ``kv_bytes_per_token`` (default 2 x hidden x dtype bytes: K and V) per cached
       token, read at 3.0 TB/s effective (4.8 TB/s peak);
-    - expert GEMMs 600 TFLOP/s, weight reads 3.0 TB/s, saturating at 60 % of the SMs
-      (bench_step_graph, V2-Lite shape at 50 %: 66 experts' 1.14 GB in ~0.47 ms, 2.4 TB/s);
+    - expert GEMMs 600 TFLOP/s; weight reads 2.6 TB/s for the whole GPU (probe_spin_gemm,
+      one process, 64 V2-Lite experts = 1.11 GB in 423 us at 768 rows), saturating at 55 %
+      of the SMs (bench_step_graph 1A1F at a 50 % MPS share: 66 experts' 1.14 GB in 483 us,
+      2.36 TB/s = 2.6 x 0.5 / 0.55);
     - fixed costs of the eager path: 100 us Attention-side per layer, dispatch 20 us,
       combine 15 us, FFN item 65 us (bench_transport's eager decode round trip ~100 us).
     """

@@ -12,14 +12,12 @@ from afd_cupy.capacity.spec import ModelShape
 from afd_cupy.capacity.validate import Case, MeasuredRun
 
 #: The expert weight-read floor is not identifiable from two solo batches (both scale with
-#: the FFN), so it is pinned by a ONE-replica measurement of the same expert shape:
-#: bench_step_graph --experts moe --hidden 2048 --top-k 6 --intermediate 1408 --shared-experts 2
-#: (1A1F, MPS 50 % each; docs/benchmarks.md, the GEMM carve-out section): the FFN experts phase
-#: at 32-128 tokens is 468-485 us with the carve-out ("auto", the default since e055514) and
-#: 673-690 us without; 66 experts x 17.3 MB = 1.14 GB, so 2.35 / 1.66 TB/s at a 50 % share,
-#: i.e. 2.83 / 1.99 TB/s for the whole GPU under the bandwidth saturation at 60 % of the SMs.
-WEIGHT_READ_CARVEOUT_GBPS = 1.142e9 / 485e-6 / 1e9 / (0.5 / 0.6)
-WEIGHT_READ_NO_CARVEOUT_GBPS = 1.142e9 / 690e-6 / 1e9 / (0.5 / 0.6)
+#: the FFN), so it comes from ONE-process measurements of the same expert shape (the H200
+#: defaults of costs.h200_costs: 2.6 TB/s, saturating at 55 % of the SMs, i.e. 483 us for the
+#: 66 experts at a 50 % share, bench_step_graph with the carve-out "auto"). 0210a59 predates
+#: the carve-out (e055514): its expert GEMMs ran next to the Attention's spinning wait, 1.45x
+#: slower (probe_spin_gemm: 423 -> 615 us at 768 rows), so its weight-read rate is / 1.45.
+WEIGHT_READ_NO_CARVEOUT_GBPS = 2600.0 / 1.45
 
 #: bench_afd --quick's synthetic DeepSeek-V2-Lite shape: 4 layers
 V2_LITE_QUICK = ModelShape(layers=4, hidden=2048, experts=64, top_k=6, intermediate=1408, shared_experts=2)
@@ -31,7 +29,7 @@ V2_LITE_QUICK = ModelShape(layers=4, hidden=2048, experts=64, top_k=6, intermedi
 #: for both replicas.
 CA1687D_30_30_40 = MeasuredRun(
     name="ca1687d 2A1F 30/30/40", source="issue #36 (bench_afd --quick, one H200, MPS)",
-    shape=V2_LITE_QUICK, placement="0:30,0:30,0:40", num_attn=2, weight_read_gbps=WEIGHT_READ_CARVEOUT_GBPS,
+    shape=V2_LITE_QUICK, placement="0:30,0:30,0:40", num_attn=2,
     cases=(Case("uniform", ((2048,), (2048,)), (None, None), ratio=1.70, ideal=1.94),
            Case("skewed", ((4096,), (256,)), (23.9, 6.57),
                 batch_ms={"async": (26.4, 14.5), "lockstep": (26.7, 26.7)}, ratio=1.06, ideal=1.29)))

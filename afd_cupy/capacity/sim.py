@@ -28,7 +28,7 @@ from afd_cupy.capacity.results import ReplicaResult, SimResult, ffn_result
 from afd_cupy.capacity.spec import Deployment, ModelShape, ReplicaLoad, SimConfig
 from afd_cupy.errors import ConfigError
 
-_ATTN_DONE, _ARRIVE, _FFN_DONE, _REPLY, _REQUEST = range(5)
+_ATTN_DONE, _ARRIVE, _HOST_DONE, _FFN_DONE, _REPLY, _REQUEST = range(6)
 
 
 @dataclass
@@ -39,7 +39,9 @@ class _Class:
     share: float
     gpu: tuple
     links: tuple  # one Link per replica
-    queue: deque = None
+    queue: deque = None  # arrivals the host loop has not taken yet
+    gpu_queue: deque = None  # compute batches the device has not started yet
+    host_busy_until: float = -1.0
     busy_until: float = -1.0
     busy_s: float = 0.0
     pending: dict = None
@@ -47,6 +49,7 @@ class _Class:
     last_change: float = 0.0
     waiting: int = 0
     waits_total: float = 0.0
+    arrival_sum: float = 0.0  # sum of the arrival times of the items still waiting
     items_started: int = 0
     take_samples: list = None
     busy_spans: list = None
@@ -75,7 +78,7 @@ class Simulator:
             links = tuple(self.dep.link(a, j) for a in range(self.dep.num_attn))
             gpu = p.gpu if self.dep.hbm_contention > 0 else -1  # the GPU matters only for contention
             groups.setdefault((p.node, gpu, p.share, links), []).append(j)
-        return [_Class(ranks, key[2], key[:2], key[3], deque(), pending={}, take_samples=[], busy_spans=[])
+        return [_Class(ranks, key[2], key[:2], key[3], deque(), deque(), pending={}, take_samples=[], busy_spans=[])
                 for key, ranks in groups.items()]
 
     # ------------------------------------------------------------------ event plumbing
@@ -204,37 +207,63 @@ class Simulator:
         cls.queued_area += cls.waiting * (self.now - cls.last_change)
         cls.last_change, cls.waiting = self.now, cls.waiting + delta
 
+    def _release(self, cls: _Class, items) -> None:
+        """``items`` stop waiting now (taken by the host loop; lockstep: their batch formed)."""
+        self._set_waiting(cls, -len(items))
+        cls.arrival_sum -= sum(item[2] for item in items)
+        cls.waits_total += sum(self.now - item[2] for item in items)
+        cls.items_started += len(items)
+
     def _arrive(self, c: int, a: int, step: int, layer: int, tokens: int) -> None:
         cls = self.classes[c]
         self._set_waiting(cls, +1)
-        item = (a, tokens, self.now, layer)
+        cls.arrival_sum += self.now
+        cls.queue.append((a, tokens, self.now, layer, step))
+        self._kick_host(c)
+
+    def _kick_host(self, c: int) -> None:
+        """The FFN's host loop takes the next arrival when it is free (and, without
+        ``ffn_host_overlap``, only once the device finished: one thread does both)."""
+        cls = self.classes[c]
+        if not cls.queue or cls.host_busy_until > self.now:
+            return
+        if not self.costs.ffn_host_overlap and (cls.busy_until > self.now or cls.gpu_queue):
+            return
+        item = cls.queue.popleft()
+        cls.take_samples.append((self.now, cls.waiting - 1))
         if self.cfg.schedule != "lockstep":
-            cls.queue.append([item])
-        else:
-            group = cls.pending.setdefault((step, layer), [])
+            self._release(cls, (item,))
+        cls.host_busy_until = self.now + self.costs.ffn_item_s
+        self._push(cls.host_busy_until, _HOST_DONE, c, item)
+
+    def _host_done(self, c: int, item: tuple) -> None:
+        cls = self.classes[c]
+        if self.cfg.schedule == "lockstep":
+            key = (item[4], item[3])
+            group = cls.pending.setdefault(key, [])
             group.append(item)
-            if len(group) < self.dep.num_attn:
-                return
-            cls.queue.append(cls.pending.pop((step, layer)))
+            if len(group) == self.dep.num_attn:
+                self._release(cls, group)
+                cls.gpu_queue.append(cls.pending.pop(key))
+        else:
+            cls.gpu_queue.append([item])
         if cls.busy_until <= self.now:
             self._serve(c)
+        self._kick_host(c)
 
     def _serve(self, c: int) -> None:
+        """The device runs the next compute batch (expert GEMMs), FIFO."""
         cls = self.classes[c]
-        batch = cls.queue.popleft()
-        if self.cfg.schedule == "async_merge":  # every waiting item of the head's layer joins it
-            layer = batch[0][3]
-            same = [b for b in cls.queue if b[0][3] == layer]
+        if not cls.gpu_queue:
+            return
+        batch = cls.gpu_queue.popleft()
+        if self.cfg.schedule == "async_merge":  # every queued item of the head's layer joins it
+            same = [b for b in cls.gpu_queue if b[0][3] == batch[0][3]]
             for b in same:
-                cls.queue.remove(b)
+                cls.gpu_queue.remove(b)
                 batch = batch + b
-        cls.take_samples.append((self.now, cls.waiting - len(batch)))
-        self._set_waiting(cls, -len(batch))
-        for _, _, arrived, _ in batch:
-            cls.waits_total += self.now - arrived
-        cls.items_started += len(batch)
         tokens = sum(item[1] for item in batch)
-        duration = cm.ffn_batch_time(self.costs, self.shape, tokens, self.dep.num_ffn, cls.share)
+        duration = cm.expert_gemm_time(self.costs, self.shape, tokens, self.dep.num_ffn, cls.share)
         duration *= self._contention(cls.gpu, ("f", c))
         cls.busy_until = self.now + duration
         cls.busy_spans.append((self.now, cls.busy_until))
@@ -243,11 +272,12 @@ class Simulator:
 
     def _ffn_done(self, c: int, batch: tuple) -> None:
         cls = self.classes[c]
-        for a, tokens, _, _ in batch:
+        for item in batch:
+            a, tokens = item[0], item[1]
             nbytes = cm.wire_rows(self.shape, tokens, self.dep.num_ffn, self.cfg.wire_mode) * self.shape.row_bytes
             self._push(self.now + cls.links[a].time_s(nbytes), _REPLY, a)
-        if cls.queue:
-            self._serve(c)
+        self._serve(c)
+        self._kick_host(c)
 
     # ------------------------------------------------------------------ run
     def run(self, max_events: int = 20_000_000) -> SimResult:
@@ -256,7 +286,8 @@ class Simulator:
         self.replicas = [self._new_replica(a, load) for a, load in enumerate(self.loads)]
         for st in self.replicas:
             self._start_step(st)
-        handlers = {_ATTN_DONE: self._attn_done, _ARRIVE: self._arrive, _FFN_DONE: self._ffn_done,
+        handlers = {_ATTN_DONE: self._attn_done, _ARRIVE: self._arrive, _HOST_DONE: self._host_done,
+                    _FFN_DONE: self._ffn_done,
                     _REPLY: self._reply, _REQUEST: self._request}
         events = 0
         while self.heap and not self._finished():
@@ -276,10 +307,9 @@ class Simulator:
         end = max(st["steps"][-1][1] for st in self.replicas)
         for cls in self.classes:
             self._set_waiting(cls, 0)
-            held = [item for batch in cls.queue for item in batch]
-            held += [item for group in cls.pending.values() for item in group]
-            cls.waits_total += sum(self.now - item[2] for item in held)
-            cls.items_started += len(held)  # Little's law counts every arrival
+            # Little's law counts every arrival: the ones still waiting add their age so far
+            cls.waits_total += cls.waiting * self.now - cls.arrival_sum
+            cls.items_started += cls.waiting
         replicas = tuple(ReplicaResult.from_steps(st["idx"], st["load"].kind, st["steps"][warm:])
                          for st in self.replicas)
         ffn = tuple(ffn_result(cls.ranks, cls.busy_spans, cls.take_samples, start, end, cls.queued_area,

@@ -49,11 +49,13 @@ class MeasuredRun:
     weight_read_gbps: float | None = None  # measured one-replica weight-read rate, full GPU
     fit_attention: bool = False
     scale_floor: bool = False
+    fixed_on: str = "ffn"  # where the fitted fixed cost goes (calibrate.fit_costs)
 
-    def deployment(self, only: int | None = None) -> Deployment:
+    def deployment(self, only: int | None = None, hbm_contention: float = 0.0) -> Deployment:
         places = parse_placements(self.placement)
         attn = places[:self.num_attn] if only is None else (places[only],)
-        return Deployment(attn, places[self.num_attn:], same_gpu=self.link, intra_node=self.link)
+        return Deployment(attn, places[self.num_attn:], same_gpu=self.link, intra_node=self.link,
+                          hbm_contention=hbm_contention)
 
 
 def calibrated_costs(run: MeasuredRun, base: cm.Costs | None = None) -> cm.Costs:
@@ -67,11 +69,13 @@ def calibrated_costs(run: MeasuredRun, base: cm.Costs | None = None) -> cm.Costs
                             places[run.num_attn].share, len(places) - run.num_attn)
               for c in run.cases for a, ms in enumerate(c.solo_ms) if ms]
     fitted = cal.fit_costs(run.shape, points, base.scaled(run.slowdown[0]), run.link,
-                           fit_attention=run.fit_attention, scale_floor=run.scale_floor)
+                           fit_attention=run.fit_attention, scale_floor=run.scale_floor,
+                           fixed_on=run.fixed_on)
     return fitted.scaled(1.0 / run.slowdown[0])
 
 
-def predict(run: MeasuredRun, costs: cm.Costs, case: Case, config: SimConfig = cal.SIM_FOR_BENCH) -> dict:
+def predict(run: MeasuredRun, costs: cm.Costs, case: Case, config: SimConfig = cal.SIM_FOR_BENCH,
+            hbm_contention: float = 0.0) -> dict:
     """Simulated solo batch per replica, and per schedule batch ms per replica, tokens/s, FFN
     busy; plus ratio, ideal and fraction computed as bench_afd computes them."""
     loads = tuple(ReplicaLoad("prefill", tuple(l)) for l in case.lengths)
@@ -80,7 +84,7 @@ def predict(run: MeasuredRun, costs: cm.Costs, case: Case, config: SimConfig = c
             for a in range(run.num_attn)]
     out = {"solo_ms": [s * 1e3 for s in solo]}
     for schedule in ("async", "lockstep"):
-        res = simulate(run.shape, run.deployment(), loads, run_costs,
+        res = simulate(run.shape, run.deployment(hbm_contention=hbm_contention), loads, run_costs,
                        SimConfig(schedule=schedule, warmup_steps=config.warmup_steps, steps=config.steps))
         out[schedule] = {"batch_ms": [r.step_mean_s * 1e3 for r in res.replicas],
                          "tokens_per_s": res.tokens_per_s, "ffn_busy": res.ffn_busy}
@@ -99,12 +103,14 @@ def _row(run, case, quantity, predicted, measured) -> dict:
             "measured": measured, "error": err}
 
 
-def validate(run: MeasuredRun, base: cm.Costs | None = None) -> tuple[cm.Costs, list]:
-    """(the calibrated costs, one row per measured quantity: predicted, measured, error)."""
+def validate(run: MeasuredRun, base: cm.Costs | None = None, hbm_contention: float = 0.0) -> tuple[cm.Costs, list]:
+    """(the calibrated costs, one row per measured quantity: predicted, measured, error).
+    ``hbm_contention``: the one-GPU contention term of the multi-replica runs (Deployment);
+    it does not touch the solo fit (a replica alone never overlaps its FFN)."""
     costs = calibrated_costs(run, base)
     rows = []
     for case in run.cases:
-        pred = predict(run, costs, case)
+        pred = predict(run, costs, case, hbm_contention=hbm_contention)
         for a, ms in enumerate(case.solo_ms):
             if ms:
                 rows.append(_row(run, case, f"solo batch ms, replica {a} (fit input)", pred["solo_ms"][a], ms))
@@ -151,4 +157,5 @@ def run_from_report(report: dict, name: str, placement: str | None = None, cores
     link = Link(1000.0, 0.0, "host") if cores else Link(2000.0, 2e-6, "same_gpu")
     return MeasuredRun(name, f"bench_afd {report.get('run', {}).get('commit')} {report.get('backend')}",
                        cal.bench_shape(report), placement, num_attn, tuple(cases), slowdown, link,
-                       fit_attention=bool(cores), scale_floor=bool(cores))
+                       fit_attention=bool(cores), scale_floor=bool(cores),
+                       fixed_on="attention" if cores else "ffn")
