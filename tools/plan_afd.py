@@ -67,7 +67,9 @@ def base_costs(args, shape: ModelShape, cost_kw: dict):
     costs = h200_costs(shape, **cost_kw)
     if args.costs_from:
         costs, _ = cal.transport_costs(args.costs_from, costs)
-    return costs
+    overrides = {name: getattr(args, name.replace("_s", "_us")) * 1e-6 for name in ("ffn_item_s", "attn_fixed_s")
+                 if getattr(args, name.replace("_s", "_us")) is not None}
+    return costs.replace(**overrides) if overrides else costs
 
 
 def run_example(args) -> dict:
@@ -100,14 +102,15 @@ def run_example(args) -> dict:
 
 
 def run_validate(args) -> dict:
-    runs = list(measured.GPU_RUNS)
+    runs = [(run, None) for run in measured.GPU_RUNS]
     for i, path in enumerate(args.bench_afd or []):
         report = cal.read_json(path, "bench_afd")
-        runs.append(validate.run_from_report(report, f"{report.get('backend')} run {i} "
-                                             f"({report.get('run', {}).get('commit')})", cores=args.cores))
+        run = validate.run_from_report(report, f"{report.get('backend')} run {i} "
+                                       f"({report.get('run', {}).get('commit')})", cores=args.cores)
+        runs.append((run, base_costs(args, run.shape, {})))  # --costs-from: that backend's transport
     out, all_rows = [], []
-    for run in runs:
-        costs, rows = validate.validate(run)
+    for run, base in runs:
+        costs, rows = validate.validate(run, base, hbm_contention=args.hbm_contention)
         all_rows += rows
         out.append({"run": run.name, "source": run.source, "placement": run.placement,
                     "costs": dataclasses.asdict(costs), "rows": rows})
@@ -166,6 +169,9 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=6, help="measured steps per replica")
     p.add_argument("--wire-mode", choices=("pair", "dedup"), default="pair")
     p.add_argument("--costs-from", help="a bench_transport.json for the transport's fixed costs")
+    p.add_argument("--ffn-item-us", type=float, default=None,
+                   help="FFN host cost per item (default 65 us, the eager FFNWorker; a CUDA-graph FFN: ~10)")
+    p.add_argument("--attn-fixed-us", type=float, default=None, help="Attention fixed cost per layer (default 100 us)")
     p.add_argument("--bench-afd", nargs="+", help="validate: bench_afd.json files")
     p.add_argument("--cores", type=int, default=None, help="validate: CPU cores of host-backend runs")
     p.add_argument("--placement", default="0:30,0:30,0:40")

@@ -141,8 +141,8 @@ def _parts(shape: ModelShape, base: cm.Costs, link: Link, p: SoloPoint) -> tuple
     return L * fixed, L * attn_var, L * floor, L * compute
 
 
-#: expert-compute scale factors tried by :func:`fit_costs` (log grid, 0.05x .. 20x)
-GEMM_SCALES = tuple(float(x) for x in np.geomspace(0.05, 20.0, 241))
+#: expert-compute scale factors tried by :func:`fit_costs` (log grid, 0.05x .. 1e5x: a CPU too)
+GEMM_SCALES = tuple(float(x) for x in np.geomspace(0.05, 1e5, 421))
 
 
 def fit_costs(shape: ModelShape, points: list, base: cm.Costs, link: Link, *,

@@ -50,6 +50,7 @@ class MeasuredRun:
     fit_attention: bool = False
     scale_floor: bool = False
     fixed_on: str = "ffn"  # where the fitted fixed cost goes (calibrate.fit_costs)
+    ffn_host_overlap: bool = True  # False on the host backend (one thread takes and computes)
 
     def deployment(self, only: int | None = None, hbm_contention: float = 0.0) -> Deployment:
         places = parse_placements(self.placement)
@@ -62,6 +63,7 @@ def calibrated_costs(run: MeasuredRun, base: cm.Costs | None = None) -> cm.Costs
     """``base`` (default: the H200 defaults for the run's shape) fitted to the run's solo
     batches, as a process would run them with no slowdown."""
     base = base or cm.h200_costs(run.shape)
+    base = base.replace(ffn_host_overlap=run.ffn_host_overlap)
     if run.weight_read_gbps:
         base = base.replace(weight_read_gbps=run.weight_read_gbps)
     places = parse_placements(run.placement)
@@ -158,4 +160,4 @@ def run_from_report(report: dict, name: str, placement: str | None = None, cores
     return MeasuredRun(name, f"bench_afd {report.get('run', {}).get('commit')} {report.get('backend')}",
                        cal.bench_shape(report), placement, num_attn, tuple(cases), slowdown, link,
                        fit_attention=bool(cores), scale_floor=bool(cores),
-                       fixed_on="attention" if cores else "ffn")
+                       fixed_on="attention" if cores else "ffn", ffn_host_overlap=not cores)
