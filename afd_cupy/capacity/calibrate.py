@@ -162,16 +162,21 @@ def fit_costs(shape: ModelShape, points: list, base: cm.Costs, link: Link, *,
         raise ConfigError("fit_costs needs at least one solo point (run bench_afd with --solo-duration > 0)")
     parts = np.array([_parts(shape, base, link, p) for p in points])
     y = np.array([p.solo_batch_s for p in points]) - parts[:, 0]
-    best = None
-    for k in GEMM_SCALES:
-        floor = parts[:, 2] * (k if scale_floor else 1.0)
-        expert = np.maximum(floor, parts[:, 3] * k)
-        cols = [np.full(len(points), float(shape.layers))] + ([parts[:, 1]] if fit_attention else [])
+    cols = [np.full(len(points), float(shape.layers))] + ([parts[:, 1]] if fit_attention else [])
+    design = np.stack(cols, axis=1)
+
+    def fit_for(k: float) -> tuple:
+        expert = np.maximum(parts[:, 2] * (k if scale_floor else 1.0), parts[:, 3] * k)
         rest = y - expert - (0.0 if fit_attention else parts[:, 1])
-        coef = _nnls(np.stack(cols, axis=1), rest)
-        err = float(np.sum((np.stack(cols, axis=1) @ coef - rest) ** 2))
-        if best is None or err < best[0] - 1e-18:
-            best = (err, k, coef)
+        coef = _nnls(design, rest)
+        return float(np.sum((design @ np.asarray(coef) - rest) ** 2)), k, coef
+
+    best = min((fit_for(k) for k in GEMM_SCALES), key=lambda r: r[0])
+    step = GEMM_SCALES[1] / GEMM_SCALES[0]
+    for _ in range(3):  # refine around the best grid point
+        grid = np.geomspace(best[1] / step, best[1] * step, 41)
+        best = min([best] + [fit_for(float(k)) for k in grid], key=lambda r: r[0])
+        step = grid[1] / grid[0]
     _, k_f, coef = best
     k_a = coef[1] if fit_attention else 1.0
     extra = coef[0]
