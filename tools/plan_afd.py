@@ -140,7 +140,17 @@ def run_simulate(args) -> dict:
         loads = tuple(ReplicaLoad("prefill", (int(n),)) for n in args.prefill.split(","))
     shape = ModelShape(layers=args.layers, hidden=args.hidden, experts=args.experts, top_k=args.top_k,
                        intermediate=args.intermediate, shared_experts=args.shared)
-    costs = base_costs(args, shape, {})
+    cost_kw = {k: v for k, v in (("attn_params", args.attn_params), ("kv_bytes_per_token", args.kv_bytes))
+               if v is not None}
+    costs = base_costs(args, shape, cost_kw)
+    if args.costs_run:  # a measured GPU run's fitted host and GEMM costs on this shape
+        runs = {run.name.split()[0]: run for run in measured.GPU_RUNS}
+        if args.costs_run not in runs:
+            raise SystemExit(f"--costs-run must be one of {sorted(runs)}, got {args.costs_run!r}")
+        fitted = validate.calibrated_costs(runs[args.costs_run])
+        costs = costs.replace(ffn_item_s=fitted.ffn_item_s, gemm_tflops=fitted.gemm_tflops,
+                              weight_read_gbps=fitted.weight_read_gbps,
+                              source=f"{costs.source}; FFN host and GEMM fitted on {args.costs_run}")
     results = []
     for schedule in args.schedule:
         res = simulate(shape, dep, loads, costs, SimConfig(schedule, args.wire_mode, 2, args.steps))
@@ -180,6 +190,10 @@ def parse_args(argv=None):
     p.add_argument("--decode", default=None, help="simulate: B:CTX per replica, e.g. 64:1024,64:16384")
     p.add_argument("--schedule", nargs="+", default=["async", "lockstep"])
     p.add_argument("--hbm-contention", type=float, default=0.0)
+    p.add_argument("--costs-run", default=None, help="simulate: FFN host + GEMM costs fitted on a measured GPU "
+                                                    "run (measured.GPU_RUNS, e.g. ca1687d)")
+    p.add_argument("--attn-params", type=float, default=None, help="simulate: attention parameters per layer")
+    p.add_argument("--kv-bytes", type=float, default=None, help="simulate: KV-cache bytes per token and layer")
     for name, default in (("layers", 4), ("hidden", 2048), ("experts", 64), ("top-k", 6),
                           ("intermediate", 1408), ("shared", 2)):
         p.add_argument(f"--{name}", type=int, default=default, help="simulate: model shape")
