@@ -54,8 +54,10 @@ def transport_costs(path: str, base: cm.Costs) -> tuple[cm.Costs, Link]:
     decode = [r for r in report.get("decode", []) if r.get("rt_median_us")]
     if not prefill:
         raise ConfigError(f"{path!r} has no prefill rows with dispatch_ms and combine_ms")
-    d_fixed, d_slope = _line_fit([r["dispatch_wire_bytes"] for r in prefill], [r["dispatch_ms"] * 1e-3 for r in prefill])
-    c_fixed, c_slope = _line_fit([r["reply_wire_bytes"] for r in prefill], [r["combine_ms"] * 1e-3 for r in prefill])
+    d_fixed, d_slope = _line_fit([r["dispatch_wire_bytes"] for r in prefill],
+                                 [r["dispatch_ms"] * 1e-3 for r in prefill])
+    c_fixed, c_slope = _line_fit([r["reply_wire_bytes"] for r in prefill],
+                                 [r["combine_ms"] * 1e-3 for r in prefill])
     updates = {"dispatch_fixed_s": d_fixed, "combine_fixed_s": c_fixed}
     if decode:
         smallest = min(decode, key=lambda r: r["tokens"])
@@ -184,7 +186,8 @@ def fit_costs(shape: ModelShape, points: list, base: cm.Costs, link: Link, *,
         raise ConfigError(f"fit_costs fixed_on must be 'ffn' or 'attention', got {fixed_on!r}")
     fixed = ({"ffn_item_s": base.ffn_item_s + extra} if fixed_on == "ffn"
              else {"attn_fixed_s": base.attn_fixed_s + extra})
-    return base.replace(**fixed, attn_per_token_s=base.attn_per_token_s * k_a, attn_per_pair_s=base.attn_per_pair_s * k_a,
+    return base.replace(**fixed, attn_per_token_s=base.attn_per_token_s * k_a,
+                        attn_per_pair_s=base.attn_per_pair_s * k_a,
                         attn_per_ctx_token_s=base.attn_per_ctx_token_s * k_a,
                         gemm_tflops=base.gemm_tflops / k_f,
                         weight_read_gbps=base.weight_read_gbps / (k_f if scale_floor else 1.0),

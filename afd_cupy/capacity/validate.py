@@ -124,7 +124,8 @@ def validate(run: MeasuredRun, base: cm.Costs | None = None, hbm_contention: flo
                 rows.append(_row(run, case, f"{schedule} tokens/s", pred[schedule]["tokens_per_s"],
                                  case.tokens_per_s[schedule]))
             if case.ffn_busy.get(schedule) is not None:
-                rows.append(_row(run, case, f"{schedule} FFN busy", pred[schedule]["ffn_busy"], case.ffn_busy[schedule]))
+                rows.append(_row(run, case, f"{schedule} FFN busy", pred[schedule]["ffn_busy"],
+                                 case.ffn_busy[schedule]))
         if case.ratio:
             rows.append(_row(run, case, "async / lockstep", pred["ratio"], case.ratio))
         if case.ideal:
