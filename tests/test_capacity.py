@@ -16,7 +16,7 @@ from afd_cupy.capacity import (
 from afd_cupy.capacity import calibrate as cal
 from afd_cupy.capacity import costs as cm
 from afd_cupy.capacity.search import Target, search
-from afd_cupy.capacity.validate import Case, MeasuredRun, calibrated_costs, run_from_report
+from afd_cupy.capacity.validate import Case, MeasuredRun, calibrated_costs, run_from_report, runs_from_sweep
 from afd_cupy.errors import ConfigError
 
 SHAPE = ModelShape(layers=4, hidden=256, experts=16, top_k=2, intermediate=128, shared_experts=1)
@@ -208,6 +208,31 @@ def test_run_from_a_bench_afd_report():
     run = run_from_report(report, "r", cores=2)
     assert run.slowdown == (1.0, 1.5) and run.placement == "0:30,0:30,0:40"
     assert run.cases[0].batch_ms["lockstep"] == (4.0 * 1.3, 3.0 * 1.3)
+
+
+def test_runs_from_a_bench_afd_sweep_report():
+    plain = _bench_afd_report()
+    rows = [dict(r, split=label) for label in ("0:50,0:50,1", "0:25,0:25,0:50") for r in plain["results"]]
+    sweep = {**plain, "mode": "sweep", "results": rows,
+             "splits": [{"label": "0:50,0:50,1", "placement": "x"}, {"label": "0:25,0:25,0:50", "placement": "y"}],
+             "points": [{"split": label, "workload": "skewed", "lengths": [[64], [8]], "ratio": 1.2, "ideal": 1.5}
+                        for label in ("0:50,0:50,1", "0:25,0:25,0:50")]}
+    runs = runs_from_sweep(sweep, "s")
+    assert [r.placement for r in runs] == ["0:50,0:50,1", "0:25,0:25,0:50"]
+    assert runs[0].cases[0].ratio == 1.2 and runs[0].cases[0].solo_ms == (4.0, 3.0)
+    assert parse_placements(runs[0].placement)[2].gpu == 1
+
+
+def test_hbm_contention_slows_only_overlapping_phases():
+    dep = dict(attention=parse_placements("0:50,0:50"), ffn=parse_placements("1"), same_gpu=LINK, intra_node=LINK)
+    loads = (prefill(256), prefill(256))
+    fast_ffn = costs(gemm_tflops=1000.0)  # attention-bound: the two replicas' attention overlaps
+    plain = simulate(SHAPE, Deployment(**dep), loads, fast_ffn, SimConfig(steps=4))
+    slowed = simulate(SHAPE, Deployment(**dep, hbm_contention=1.0), loads, fast_ffn, SimConfig(steps=4))
+    assert slowed.replicas[1].step_mean_s > 1.1 * plain.replicas[1].step_mean_s
+    solo = [simulate(SHAPE, Deployment(dep["attention"][:1], dep["ffn"], same_gpu=LINK, intra_node=LINK,
+                                       hbm_contention=k), loads[:1], costs(), SimConfig(steps=4)) for k in (0.0, 1.0)]
+    assert solo[0].replicas[0].step_mean_s == solo[1].replicas[0].step_mean_s  # nothing runs beside it
 
 
 def test_search_respects_the_sla_and_the_expert_memory():

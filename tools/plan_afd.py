@@ -12,8 +12,9 @@ Three modes; each prints tables and writes ``plan_afd.json`` into ``--out``:
   async, async_merge (a what-if) and lockstep, and picks the most tokens/s per GPU whose
   worst time per output token p99 <= ``--sla-ms``. ``--example tiny``: the same at a toy size.
 - ``--validate``: predicted vs measured (afd_cupy.capacity.validate): the GPU runs quoted in
-  docs/benchmarks.md and issue #36, and each ``--bench-afd JSON`` (host-backend runs need
-  ``--cores``: busy-polling processes share that many CPU cores).
+  docs/benchmarks.md and issue #36, and each ``--bench-afd JSON`` (a plain run's
+  ``bench_afd.json`` or a ``--sweep``'s ``bench_afd_sweep.json``, one run per split; host-backend
+  runs need ``--cores``: busy-polling processes share that many CPU cores).
 - ``--simulate``: one deployment: ``--placement`` (``GPU:share%`` per rank, Attention first,
   ``node/GPU`` for several nodes), ``--attn``, ``--prefill`` lengths or ``--decode B:CTX`` per
   replica (comma separated), ``--schedule``.
@@ -105,9 +106,10 @@ def run_validate(args) -> dict:
     runs = [(run, None) for run in measured.GPU_RUNS]
     for i, path in enumerate(args.bench_afd or []):
         report = cal.read_json(path, "bench_afd")
-        run = validate.run_from_report(report, f"{report.get('backend')} run {i} "
-                                       f"({report.get('run', {}).get('commit')})", cores=args.cores)
-        runs.append((run, base_costs(args, run.shape, {})))  # --costs-from: that backend's transport
+        label = f"{report.get('backend')} run {i} ({report.get('run', {}).get('commit')})"
+        found = (validate.runs_from_sweep(report, label, cores=args.cores) if report.get("mode") == "sweep"
+                 else [validate.run_from_report(report, label, cores=args.cores)])
+        runs += [(run, base_costs(args, run.shape, {})) for run in found]  # --costs-from: that backend's
     out, all_rows = [], []
     for run, base in runs:
         costs, rows = validate.validate(run, base, hbm_contention=args.hbm_contention)

@@ -162,3 +162,23 @@ def run_from_report(report: dict, name: str, placement: str | None = None, cores
                        cal.bench_shape(report), placement, num_attn, tuple(cases), slowdown, link,
                        fit_attention=bool(cores), scale_floor=bool(cores),
                        fixed_on="attention" if cores else "ffn", ffn_host_overlap=not cores)
+
+
+def runs_from_sweep(report: dict, name: str, cores: int | None = None) -> list:
+    """One MeasuredRun per split of a ``bench_afd_sweep.json`` (``--sweep``): the split's
+    label is its ``--placement`` string (``"default"``: the report's MPS split)."""
+    out = []
+    for split in report.get("splits", []):
+        label = split["label"]
+        rows = [r for r in report.get("results", []) if r.get("split") == label]
+        names = list(dict.fromkeys(r["workload"] for r in rows))
+        lengths = {p["workload"]: p["lengths"] for p in report.get("points", []) if p.get("split") == label}
+        ratios = {p["workload"]: p for p in report.get("points", []) if p.get("split") == label}
+        sub = {**report, "mps": {**report.get("mps", {}), "placement": split.get("placement", "")},
+               "results": rows, "workloads": [{"name": n, "lengths": lengths[n]} for n in names if n in lengths],
+               "comparison": {n: {"ratio": ratios[n].get("ratio"), "ideal": ratios[n].get("ideal")}
+                              for n in ratios}}
+        placement = label if label != "default" else None
+        out.append(run_from_report(sub, f"{name} {label}", placement=placement, cores=cores))
+    return out
+
