@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from afd_cupy.capacity import calibrate as cal
 from afd_cupy.capacity import costs as cm
 from afd_cupy.capacity.sim import simulate
-from afd_cupy.capacity.spec import Deployment, Link, ModelShape, ReplicaLoad, SimConfig, parse_placements
+from afd_cupy.capacity.spec import (
+    LINK_PRESETS, Deployment, Link, ModelShape, ReplicaLoad, SimConfig, parse_placements,
+)
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,8 @@ class MeasuredRun:
     num_attn: int
     cases: tuple
     slowdown: tuple = (1.0, 1.0)
-    link: Link = Link(2000.0, 2e-6, "same_gpu")
+    link: Link = Link(2000.0, 2e-6, "same_gpu")  # a pair on one GPU (host backend: every pair)
+    intra_link: Link = LINK_PRESETS["nvlink"]  # a pair on two GPUs of the node
     weight_read_gbps: float | None = None  # measured one-replica weight-read rate, full GPU
     fit_attention: bool = False
     scale_floor: bool = False
@@ -55,7 +58,7 @@ class MeasuredRun:
     def deployment(self, only: int | None = None, hbm_contention: float = 0.0) -> Deployment:
         places = parse_placements(self.placement)
         attn = places[:self.num_attn] if only is None else (places[only],)
-        return Deployment(attn, places[self.num_attn:], same_gpu=self.link, intra_node=self.link,
+        return Deployment(attn, places[self.num_attn:], same_gpu=self.link, intra_node=self.intra_link,
                           hbm_contention=hbm_contention)
 
 
@@ -160,6 +163,7 @@ def run_from_report(report: dict, name: str, placement: str | None = None, cores
     link = Link(1000.0, 0.0, "host") if cores else Link(2000.0, 2e-6, "same_gpu")
     return MeasuredRun(name, f"bench_afd {report.get('run', {}).get('commit')} {report.get('backend')}",
                        cal.bench_shape(report), placement, num_attn, tuple(cases), slowdown, link,
+                       intra_link=link if cores else LINK_PRESETS["nvlink"],
                        fit_attention=bool(cores), scale_floor=bool(cores),
                        fixed_on="attention" if cores else "ffn", ffn_host_overlap=not cores)
 
