@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from afd_cupy.capacity import costs as cm
-from afd_cupy.capacity.spec import Deployment, Link, ModelShape, Placement, ReplicaLoad, SimConfig
+from afd_cupy.capacity.spec import Link, ModelShape, Placement, SimConfig
 from afd_cupy.errors import ConfigError
 
 
@@ -213,20 +213,5 @@ def _nnls(design: np.ndarray, y: np.ndarray) -> np.ndarray:
     return [float(c) for c in best]
 
 
-def bench_deployment(report: dict, shares: tuple | None = None, **kw) -> Deployment:
-    """The bench run's deployment (one GPU under MPS, or one process per GPU)."""
-    num_attn, num_ffn = bench_topology(report)
-    places = report_placements(report, num_attn, num_ffn)
-    if shares:
-        places = tuple(Placement(p.gpu, shares[0] if i < num_attn else shares[1], p.node)
-                       for i, p in enumerate(places))
-    return Deployment(places[:num_attn], places[num_attn:], **kw)
-
-
-def bench_loads(report: dict) -> dict:
-    """{workload name: one prefill ReplicaLoad per replica} of a bench_afd report."""
-    return {w["name"]: tuple(ReplicaLoad("prefill", tuple(lengths)) for lengths in w["lengths"])
-            for w in report.get("workloads", [])}
-
-
+#: the simulation length the validation uses for a bench run (steps per replica)
 SIM_FOR_BENCH = SimConfig(warmup_steps=2, steps=20)
