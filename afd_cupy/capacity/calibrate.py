@@ -1,0 +1,217 @@
+"""Costs from the benchmarks' JSON: ``tools/bench_transport.py`` and ``tools/bench_afd.py``.
+
+- :func:`transport_costs` reads a ``bench_transport.json``: the prefill rows' dispatch and
+  combine times against their wire bytes give each direction's fixed cost and bandwidth (a
+  least-squares line; one point: the fixed part from the decode round trip), the decode round
+  trip at its smallest token count gives the FFN's fixed cost per item.
+- :func:`solo_points` reads a ``bench_afd.json``: every replica's SOLO batch time (the async
+  launch runs each replica alone after each phase) with its request lengths and the shares.
+- :func:`fit_costs` scales the attention and the expert costs (two factors, and the fixed
+  per-layer cost when there are three or more distinct solo points) so that one replica
+  alone reproduces those solo batch times. Only solo numbers are used: the multi-replica
+  rows of the same run stay out of the fit, so they can validate the simulator.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from afd_cupy.capacity import costs as cm
+from afd_cupy.capacity.spec import Link, ModelShape, Placement, SimConfig
+from afd_cupy.errors import ConfigError
+
+
+def read_json(path: str, tool: str) -> dict:
+    """The report at ``path``; ConfigError unless its ``tool`` field is ``tool``."""
+    try:
+        with open(path) as fh:
+            report = json.load(fh)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"cannot read {tool} JSON {path!r}: {err}") from None
+    if report.get("tool") != tool:
+        raise ConfigError(f"{path!r} is a {report.get('tool')!r} report, expected {tool!r}")
+    return report
+
+
+def _line_fit(xs, ys) -> tuple[float, float]:
+    """(intercept, slope) of a least-squares line; one point: (0, y / x)."""
+    xs, ys = np.asarray(xs, float), np.asarray(ys, float)
+    if len(xs) == 1 or np.ptp(xs) == 0:
+        return 0.0, float(ys.mean() / xs.mean())
+    slope, intercept = np.polyfit(xs, ys, 1)
+    return max(0.0, float(intercept)), max(float(slope), 1e-18)
+
+
+def transport_costs(path: str, base: cm.Costs) -> tuple[cm.Costs, Link]:
+    """(``base`` with dispatch/combine/FFN-item fixed costs from ``path``, the measured link).
+
+    The link's bandwidth is the slower direction's; its latency 0 (the fixed costs hold it)."""
+    report = read_json(path, "bench_transport")
+    prefill = [r for r in report.get("prefill", []) if r.get("dispatch_ms") and r.get("combine_ms")]
+    decode = [r for r in report.get("decode", []) if r.get("rt_median_us")]
+    if not prefill:
+        raise ConfigError(f"{path!r} has no prefill rows with dispatch_ms and combine_ms")
+    d_fixed, d_slope = _line_fit([r["dispatch_wire_bytes"] for r in prefill],
+                                 [r["dispatch_ms"] * 1e-3 for r in prefill])
+    c_fixed, c_slope = _line_fit([r["reply_wire_bytes"] for r in prefill],
+                                 [r["combine_ms"] * 1e-3 for r in prefill])
+    updates = {"dispatch_fixed_s": d_fixed, "combine_fixed_s": c_fixed}
+    if decode:
+        smallest = min(decode, key=lambda r: r["tokens"])
+        rt = smallest["rt_median_us"] * 1e-6
+        updates["ffn_item_s"] = max(0.0, rt - d_fixed - c_fixed)
+    link = Link(1.0 / max(d_slope, c_slope) / 1e9, 0.0, f"measured ({path})")
+    return base.replace(source=f"{base.source} + bench_transport {report.get('run', {}).get('commit')}",
+                        **updates), link
+
+
+@dataclass(frozen=True)
+class SoloPoint:
+    """One replica alone: its request ``lengths``, mean solo batch time, the shares and F."""
+
+    workload: str
+    replica: int
+    lengths: tuple
+    solo_batch_s: float
+    attn_share: float
+    ffn_share: float
+    num_ffn: int
+
+
+_GPU_RE = re.compile(r"rank (\d+) \((attention|ffn)\): GPU (\d+)(?: at (\d+)% of its SMs)?")
+
+
+def report_placements(report: dict, num_attn: int, num_ffn: int) -> tuple:
+    """One Placement per rank (Attention first) from a bench_afd report's ``mps`` record;
+    share 1.0 where none was set (one process per GPU, or the host backend)."""
+    mps = report.get("mps", {})
+    found = {int(r): Placement(int(g), int(p) / 100 if p else 1.0)
+             for r, _, g, p in _GPU_RE.findall(mps.get("placement", ""))}
+    out = []
+    for rank in range(num_attn + num_ffn):
+        pct = mps.get("attention_pct") if rank < num_attn else mps.get("ffn_pct")
+        default = Placement(0, pct / 100) if mps.get("shared_gpu") and pct else Placement(rank, 1.0)
+        out.append(found.get(rank, default))
+    return tuple(out)
+
+
+def bench_topology(report: dict) -> tuple[int, int]:
+    match = re.fullmatch(r"(\d+)A(\d+)F", str(report.get("topology", "")))
+    if not match:
+        raise ConfigError(f"bench_afd report has no topology like '2A1F': {report.get('topology')!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def bench_shape(report: dict) -> ModelShape:
+    m = report["model"]
+    return ModelShape(layers=m["layers"], hidden=m["hidden"], experts=m["experts"], top_k=m["top_k"],
+                      intermediate=m["intermediate"], shared_experts=m["shared"])
+
+
+def solo_points(report: dict, shares: tuple | None = None) -> list:
+    """Every solo batch of a bench_afd report (async rows); ``shares`` overrides the
+    (attention share, ffn share) read from the report."""
+    num_attn, num_ffn = bench_topology(report)
+    places = report_placements(report, num_attn, num_ffn)
+    points = []
+    for row in report.get("results", []):
+        if row.get("schedule") != "async":
+            continue
+        for rep in row["replicas"]:
+            if not rep.get("solo"):
+                continue
+            a_share, f_share = shares or (places[rep["rank"]].share, places[num_attn].share)
+            points.append(SoloPoint(row["workload"], rep["rank"], tuple(rep["lengths"]),
+                                    rep["solo"]["batch_mean_ms"] * 1e-3, a_share, f_share, num_ffn))
+    return points
+
+
+def _parts(shape: ModelShape, base: cm.Costs, link: Link, p: SoloPoint) -> tuple:
+    """(fixed, attention variable, expert floor, expert compute) seconds of one solo batch."""
+    tokens = sum(p.lengths)
+    pairs = float(sum(n * (n + 1) // 2 for n in p.lengths))
+    attn_var = cm.attention_time(base, tokens, pairs, 0.0, p.attn_share) - base.attn_fixed_s
+    floor = cm.expert_gemm_time(base.replace(gemm_tflops=1e12), shape, tokens, p.num_ffn, p.ffn_share)
+    compute = cm.expert_gemm_time(base.replace(weight_read_gbps=1e15), shape, tokens, p.num_ffn, p.ffn_share)
+    nbytes = cm.wire_rows(shape, tokens, p.num_ffn, "pair") * shape.row_bytes
+    fixed = (base.attn_fixed_s + base.dispatch_fixed_s + base.combine_fixed_s + base.ffn_item_s
+             + base.ffn_poll_s + 2 * link.time_s(nbytes))
+    L = shape.layers
+    return L * fixed, L * attn_var, L * floor, L * compute
+
+
+#: expert-compute scale factors tried by :func:`fit_costs` (log grid, 0.05x .. 1e5x: a CPU too)
+GEMM_SCALES = tuple(float(x) for x in np.geomspace(0.05, 1e5, 421))
+
+
+def fit_costs(shape: ModelShape, points: list, base: cm.Costs, link: Link, *,
+              fit_attention: bool = False, scale_floor: bool = False, fixed_on: str = "ffn") -> cm.Costs:
+    """``base`` fitted so that a replica alone reproduces ``points`` (least squares on the
+    solo batch times, every coefficient >= 0). Always fitted: a fixed cost per layer, added
+    to the FFN's per-item host cost (``fixed_on="ffn"``, ``ffn_item_s``: on cuda the Attention
+    host issues a whole batch ahead of its stream, one sync per batch, so its issue cost hides
+    behind the device, while the FFN's host loop must see an item before it can launch the
+    GEMMs) or to the Attention's (``"attention"``, ``attn_fixed_s``), and the expert GEMM's compute rate
+    (``gemm_tflops``, by a scale factor searched on a log grid since the GEMM time is
+    max(floor, compute)). ``fit_attention``: the attention variable costs scale too (needs
+    three or more distinct points); ``scale_floor``: the weight-read floor scales with the
+    compute (otherwise ``weight_read_gbps`` stays as given: measure it with one replica at
+    small batches, bench_step_graph's FFN experts phase)."""
+    if not points:
+        raise ConfigError("fit_costs needs at least one solo point (run bench_afd with --solo-duration > 0)")
+    parts = np.array([_parts(shape, base, link, p) for p in points])
+    y = np.array([p.solo_batch_s for p in points]) - parts[:, 0]
+    cols = [np.full(len(points), float(shape.layers))] + ([parts[:, 1]] if fit_attention else [])
+    design = np.stack(cols, axis=1)
+
+    def fit_for(k: float) -> tuple:
+        expert = np.maximum(parts[:, 2] * (k if scale_floor else 1.0), parts[:, 3] * k)
+        rest = y - expert - (0.0 if fit_attention else parts[:, 1])
+        coef = _nnls(design, rest)
+        return float(np.sum((design @ np.asarray(coef) - rest) ** 2)), k, coef
+
+    best = min((fit_for(k) for k in GEMM_SCALES), key=lambda r: r[0])
+    step = GEMM_SCALES[1] / GEMM_SCALES[0]
+    for _ in range(3):  # refine around the best grid point
+        grid = np.geomspace(best[1] / step, best[1] * step, 41)
+        best = min([best] + [fit_for(float(k)) for k in grid], key=lambda r: r[0])
+        step = grid[1] / grid[0]
+    _, k_f, coef = best
+    k_a = coef[1] if fit_attention else 1.0
+    extra = coef[0]
+    if fixed_on not in ("ffn", "attention"):
+        raise ConfigError(f"fit_costs fixed_on must be 'ffn' or 'attention', got {fixed_on!r}")
+    fixed = ({"ffn_item_s": base.ffn_item_s + extra} if fixed_on == "ffn"
+             else {"attn_fixed_s": base.attn_fixed_s + extra})
+    return base.replace(**fixed, attn_per_token_s=base.attn_per_token_s * k_a,
+                        attn_per_pair_s=base.attn_per_pair_s * k_a,
+                        attn_per_ctx_token_s=base.attn_per_ctx_token_s * k_a,
+                        gemm_tflops=base.gemm_tflops / k_f,
+                        weight_read_gbps=base.weight_read_gbps / (k_f if scale_floor else 1.0),
+                        source=f"{base.source}; fitted to {len(points)} solo batches: attention x{k_a:.3g}, "
+                               f"expert compute x{k_f:.3g}{' (floor too)' if scale_floor else ''}, "
+                               f"{fixed_on} fixed +{extra * 1e6:.0f} us/layer")
+
+
+def _nnls(design: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0 (active set over the few columns)."""
+    cols = design.shape[1]
+    best, best_err = np.zeros(cols), float(np.sum(y ** 2))
+    for mask in range(1, 2 ** cols):
+        keep = [c for c in range(cols) if mask >> c & 1]
+        sol, *_ = np.linalg.lstsq(design[:, keep], y, rcond=None)
+        if np.any(sol < 0):
+            continue
+        coef = np.zeros(cols)
+        coef[keep] = sol
+        err = float(np.sum((design @ coef - y) ** 2))
+        if err < best_err - 1e-30:
+            best, best_err = coef, err
+    return [float(c) for c in best]
+
+
+#: the simulation length the validation uses for a bench run (steps per replica)
+SIM_FOR_BENCH = SimConfig(warmup_steps=2, steps=20)

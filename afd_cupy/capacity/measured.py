@@ -1,0 +1,56 @@
+"""GPU runs of ``tools/bench_afd.py`` quoted in docs/benchmarks.md and issue #36, as
+:class:`~afd_cupy.capacity.validate.MeasuredRun` (their JSON is not in the repository).
+
+Numbers marked *derived* are not printed in the source but follow from printed ones through
+bench_afd's own definitions (tokens/s = tokens per batch / mean batch time; ideal =
+(sum n_a / solo_a) / (sum n_a / lockstep_a); lockstep replicas run the same number of batches
+in the same wall time, so their mean batch times are equal).
+"""
+from __future__ import annotations
+
+from afd_cupy.capacity.spec import ModelShape
+from afd_cupy.capacity.validate import Case, MeasuredRun
+
+#: The expert weight-read floor is not identifiable from two solo batches (both scale with
+#: the FFN), so it comes from ONE-process measurements of the same expert shape (the H200
+#: defaults of costs.h200_costs: 2.6 TB/s, saturating at 55 % of the SMs, i.e. 483 us for the
+#: 66 experts at a 50 % share, bench_step_graph with the carve-out "auto"). 0210a59 predates
+#: the carve-out (e055514): its expert GEMMs ran next to the Attention's spinning wait, 1.45x
+#: slower (probe_spin_gemm: 423 -> 615 us at 768 rows), so its weight-read rate is / 1.45.
+WEIGHT_READ_NO_CARVEOUT_GBPS = 2600.0 / 1.45
+
+#: bench_afd --quick's synthetic DeepSeek-V2-Lite shape: 4 layers
+V2_LITE_QUICK = ModelShape(layers=4, hidden=2048, experts=64, top_k=6, intermediate=1408, shared_experts=2)
+
+#: issue #36 (ca1687d, one H200, MPS 30/30/40 %: ``bench_afd --quick --attn 2 --ffn 1
+#: --placement 0:30,0:30,0:40``). Printed: uniform async/lockstep 1.70, ideal 1.94; skewed 1.06,
+#: ideal 1.29, short replica async / lockstep / solo 14.5 / 26.7 / 6.57 ms. Derived: the long
+#: replica's solo 23.9 ms (from the ideal) and async 26.4 ms (from the ratio); lockstep 26.7
+#: for both replicas.
+CA1687D_30_30_40 = MeasuredRun(
+    name="ca1687d 2A1F 30/30/40", source="issue #36 (bench_afd --quick, one H200, MPS)",
+    shape=V2_LITE_QUICK, placement="0:30,0:30,0:40", num_attn=2,
+    cases=(Case("uniform", ((2048,), (2048,)), (None, None), ratio=1.70, ideal=1.94),
+           Case("skewed", ((4096,), (256,)), (23.9, 6.57),
+                batch_ms={"async": (26.4, 14.5), "lockstep": (26.7, 26.7)}, ratio=1.06, ideal=1.29)))
+
+#: docs/benchmarks.md "bench_afd on the GPU, first run" (0210a59, one H200, MPS 25/25/50 %,
+#: 2 s per phase, skewed only). Printed: tokens/s total and per replica (solo), FFN busy,
+#: async/lockstep 1.08, ideal 1.39. Derived: batch ms = tokens per batch / tokens/s.
+R0210A59_25_25_50 = MeasuredRun(
+    name="0210a59 2A1F 25/25/50", source="docs/benchmarks.md, first GPU run of bench_afd",
+    shape=V2_LITE_QUICK, placement="0:25,0:25,0:50", num_attn=2, weight_read_gbps=WEIGHT_READ_NO_CARVEOUT_GBPS,
+    cases=(Case("skewed", ((4096,), (256,)), (4096 / 1.92e5 * 1e3, 256 / 45041 * 1e3),
+                batch_ms={"async": (4096 / 1.65e5 * 1e3, 256 / 20590 * 1e3),
+                          "lockstep": (4096 / 1.61e5 * 1e3, 256 / 10066 * 1e3)},
+                tokens_per_s={"async": 1.85e5, "lockstep": 1.71e5},
+                ffn_busy={"async": 0.905, "lockstep": 0.689}, ratio=1.08, ideal=1.39),))
+
+GPU_RUNS = (CA1687D_30_30_40, R0210A59_25_25_50)
+
+#: rows no run has measured yet (the doc's validation table lists them)
+NOT_MEASURED = (
+    "decode workload (issue #36): time per output token under context skew, async vs lockstep",
+    "two GPUs (nvidia-h200-x2): replicas on GPU 0, the FFN on GPU 1 (0:50,0:50,1), NVLink link",
+    "2A2F at 25 % each (8a90d44, a845bad): no solo batches in those runs, so nothing to calibrate on",
+)

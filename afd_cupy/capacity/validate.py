@@ -1,0 +1,188 @@
+"""Predicted vs measured: calibrate a run's costs from its solo batches only, then predict
+its multi-replica async and lockstep rows with the simulator.
+
+A :class:`MeasuredRun` is one benchmark launch pair (async + lockstep) with one
+:class:`Case` per workload; :func:`run_from_report` builds one from a ``bench_afd.json``,
+``afd_cupy.capacity.measured`` holds the GPU runs quoted in docs/benchmarks.md and the
+issues. :func:`validate` returns one row per compared quantity with its relative error.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from afd_cupy.capacity import calibrate as cal
+from afd_cupy.capacity import costs as cm
+from afd_cupy.capacity.sim import simulate
+from afd_cupy.capacity.spec import (
+    LINK_PRESETS, Deployment, Link, ModelShape, ReplicaLoad, SimConfig, parse_placements,
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One workload of a run. ``solo_ms``: each replica's mean solo batch (None: unknown).
+    ``batch_ms`` / ``tokens_per_s`` / ``ffn_busy``: measured per schedule (missing: not
+    measured); ``ratio``, ``ideal``: async/lockstep tokens/s and bench_afd's ideal ratio."""
+
+    workload: str
+    lengths: tuple
+    solo_ms: tuple
+    batch_ms: dict = field(default_factory=dict)
+    tokens_per_s: dict = field(default_factory=dict)
+    ffn_busy: dict = field(default_factory=dict)
+    ratio: float | None = None
+    ideal: float | None = None
+
+
+@dataclass(frozen=True)
+class MeasuredRun:
+    """A measured launch pair: the model, the placement (``'0:30,0:30,0:40'``, Attention
+    first), its cases; ``slowdown`` = (solo, measured) time factors of every process (host
+    backend: busy-polling processes over CPU cores; 1 on a GPU)."""
+
+    name: str
+    source: str
+    shape: ModelShape
+    placement: str
+    num_attn: int
+    cases: tuple
+    slowdown: tuple = (1.0, 1.0)
+    link: Link = Link(2000.0, 2e-6, "same_gpu")  # a pair on one GPU (host backend: every pair)
+    intra_link: Link = LINK_PRESETS["nvlink"]  # a pair on two GPUs of the node
+    weight_read_gbps: float | None = None  # measured one-replica weight-read rate, full GPU
+    fit_attention: bool = False
+    scale_floor: bool = False
+    fixed_on: str = "ffn"  # where the fitted fixed cost goes (calibrate.fit_costs)
+    ffn_host_overlap: bool = True  # False on the host backend (one thread takes and computes)
+
+    def deployment(self, only: int | None = None, hbm_contention: float = 0.0) -> Deployment:
+        places = parse_placements(self.placement)
+        attn = places[:self.num_attn] if only is None else (places[only],)
+        return Deployment(attn, places[self.num_attn:], same_gpu=self.link, intra_node=self.intra_link,
+                          hbm_contention=hbm_contention)
+
+
+def calibrated_costs(run: MeasuredRun, base: cm.Costs | None = None) -> cm.Costs:
+    """``base`` (default: the H200 defaults for the run's shape) fitted to the run's solo
+    batches, as a process would run them with no slowdown."""
+    base = base or cm.h200_costs(run.shape)
+    base = base.replace(ffn_host_overlap=run.ffn_host_overlap)
+    if run.weight_read_gbps:
+        base = base.replace(weight_read_gbps=run.weight_read_gbps)
+    places = parse_placements(run.placement)
+    points = [cal.SoloPoint(c.workload, a, c.lengths[a], ms * 1e-3, places[a].share,
+                            places[run.num_attn].share, len(places) - run.num_attn)
+              for c in run.cases for a, ms in enumerate(c.solo_ms) if ms]
+    fitted = cal.fit_costs(run.shape, points, base.scaled(run.slowdown[0]), run.link,
+                           fit_attention=run.fit_attention, scale_floor=run.scale_floor,
+                           fixed_on=run.fixed_on)
+    return fitted.scaled(1.0 / run.slowdown[0])
+
+
+def predict(run: MeasuredRun, costs: cm.Costs, case: Case, config: SimConfig = cal.SIM_FOR_BENCH,
+            hbm_contention: float = 0.0) -> dict:
+    """Simulated solo batch per replica, and per schedule batch ms per replica, tokens/s, FFN
+    busy; plus ratio, ideal and fraction computed as bench_afd computes them."""
+    loads = tuple(ReplicaLoad("prefill", tuple(l)) for l in case.lengths)
+    solo_costs, run_costs = costs.scaled(run.slowdown[0]), costs.scaled(run.slowdown[1])
+    solo = [simulate(run.shape, run.deployment(only=a), (loads[a],), solo_costs, config).replicas[0].step_mean_s
+            for a in range(run.num_attn)]
+    out = {"solo_ms": [s * 1e3 for s in solo]}
+    for schedule in ("async", "lockstep"):
+        res = simulate(run.shape, run.deployment(hbm_contention=hbm_contention), loads, run_costs,
+                       SimConfig(schedule=schedule, warmup_steps=config.warmup_steps, steps=config.steps))
+        out[schedule] = {"batch_ms": [r.step_mean_s * 1e3 for r in res.replicas],
+                         "tokens_per_s": res.tokens_per_s, "ffn_busy": res.ffn_busy}
+    tokens = [sum(l) for l in case.lengths]
+    ideal_num = sum(n / s for n, s in zip(tokens, out["solo_ms"]))
+    lock = sum(n / b for n, b in zip(tokens, out["lockstep"]["batch_ms"]))
+    out["ratio"] = out["async"]["tokens_per_s"] / out["lockstep"]["tokens_per_s"]
+    out["ideal"] = ideal_num / lock
+    out["fraction"] = out["ratio"] / out["ideal"]
+    return out
+
+
+def _row(run, case, quantity, predicted, measured) -> dict:
+    err = (predicted - measured) / measured if measured else float("nan")
+    return {"run": run.name, "workload": case.workload, "quantity": quantity, "predicted": predicted,
+            "measured": measured, "error": err}
+
+
+def validate(run: MeasuredRun, base: cm.Costs | None = None, hbm_contention: float = 0.0) -> tuple[cm.Costs, list]:
+    """(the calibrated costs, one row per measured quantity: predicted, measured, error).
+    ``hbm_contention``: the one-GPU contention term of the multi-replica runs (Deployment);
+    it does not touch the solo fit (a replica alone never overlaps its FFN)."""
+    costs = calibrated_costs(run, base)
+    rows = []
+    for case in run.cases:
+        pred = predict(run, costs, case, hbm_contention=hbm_contention)
+        for a, ms in enumerate(case.solo_ms):
+            if ms:
+                rows.append(_row(run, case, f"solo batch ms, replica {a} (fit input)", pred["solo_ms"][a], ms))
+        for schedule in ("async", "lockstep"):
+            for a, ms in enumerate(case.batch_ms.get(schedule, ())):
+                if ms:
+                    rows.append(_row(run, case, f"{schedule} batch ms, replica {a}", pred[schedule]["batch_ms"][a], ms))
+            if case.tokens_per_s.get(schedule):
+                rows.append(_row(run, case, f"{schedule} tokens/s", pred[schedule]["tokens_per_s"],
+                                 case.tokens_per_s[schedule]))
+            if case.ffn_busy.get(schedule) is not None:
+                rows.append(_row(run, case, f"{schedule} FFN busy", pred[schedule]["ffn_busy"],
+                                 case.ffn_busy[schedule]))
+        if case.ratio:
+            rows.append(_row(run, case, "async / lockstep", pred["ratio"], case.ratio))
+        if case.ideal:
+            rows.append(_row(run, case, "ideal ratio", pred["ideal"], case.ideal))
+            rows.append(_row(run, case, "fraction of ideal", pred["fraction"], case.ratio / case.ideal))
+    return costs, rows
+
+
+def run_from_report(report: dict, name: str, placement: str | None = None, cores: int | None = None) -> MeasuredRun:
+    """A MeasuredRun from a bench_afd report. ``placement`` overrides the report's;
+    ``cores``: the host backend's CPU cores (slowdown = busy processes / cores, at least 1:
+    solo = one replica + the FFN ranks, measured = every process)."""
+    num_attn, num_ffn = cal.bench_topology(report)
+    places = cal.report_placements(report, num_attn, num_ffn)
+    placement = placement or ",".join(f"{p.gpu}:{round(p.share * 100)}" for p in places)
+    slowdown = (1.0, 1.0)
+    if cores:
+        slowdown = (max(1.0, (1 + num_ffn) / cores), max(1.0, (num_attn + num_ffn) / cores))
+    cases = []
+    rows = report.get("results", [])
+    for w in report.get("workloads", []):
+        by = {r["schedule"]: r for r in rows if r["workload"] == w["name"]}
+        if "async" not in by:
+            continue
+        solo = tuple((rep.get("solo") or {}).get("batch_mean_ms") for rep in by["async"]["replicas"])
+        cmp_ = report.get("comparison", {}).get(w["name"], {})
+        cases.append(Case(w["name"], tuple(tuple(l) for l in w["lengths"]), solo,
+                          batch_ms={s: tuple(rep["batch_mean_ms"] for rep in r["replicas"]) for s, r in by.items()},
+                          tokens_per_s={s: r["tokens_per_s"] for s, r in by.items()},
+                          ffn_busy={s: r["ffn"]["busy_fraction"] for s, r in by.items()},
+                          ratio=cmp_.get("ratio"), ideal=cmp_.get("ideal")))
+    link = Link(1000.0, 0.0, "host") if cores else Link(2000.0, 2e-6, "same_gpu")
+    return MeasuredRun(name, f"bench_afd {report.get('run', {}).get('commit')} {report.get('backend')}",
+                       cal.bench_shape(report), placement, num_attn, tuple(cases), slowdown, link,
+                       intra_link=link if cores else LINK_PRESETS["nvlink"],
+                       fit_attention=bool(cores), scale_floor=bool(cores),
+                       fixed_on="attention" if cores else "ffn", ffn_host_overlap=not cores)
+
+
+def runs_from_sweep(report: dict, name: str, cores: int | None = None) -> list:
+    """One MeasuredRun per split of a ``bench_afd_sweep.json`` (``--sweep``): the split's
+    label is its ``--placement`` string (``"default"``: the report's MPS split)."""
+    out = []
+    for split in report.get("splits", []):
+        label = split["label"]
+        rows = [r for r in report.get("results", []) if r.get("split") == label]
+        names = list(dict.fromkeys(r["workload"] for r in rows))
+        lengths = {p["workload"]: p["lengths"] for p in report.get("points", []) if p.get("split") == label}
+        ratios = {p["workload"]: p for p in report.get("points", []) if p.get("split") == label}
+        sub = {**report, "mps": {**report.get("mps", {}), "placement": split.get("placement", "")},
+               "results": rows, "workloads": [{"name": n, "lengths": lengths[n]} for n in names if n in lengths],
+               "comparison": {n: {"ratio": ratios[n].get("ratio"), "ideal": ratios[n].get("ideal")}
+                              for n in ratios}}
+        placement = label if label != "default" else None
+        out.append(run_from_report(sub, f"{name} {label}", placement=placement, cores=cores))
+    return out
+
