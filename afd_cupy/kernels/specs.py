@@ -169,7 +169,7 @@ def dispatch_scatter_spec(*, dtype_code, hidden, num_tokens, hidden_size, topk_i
     ``hidden``: payload [T, H] row-major; plan arrays and ``verdict`` from
     :func:`dispatch_plan_spec`; ``peer_windows`` uint64 [F] (device) base address of each FFN
     rank's window as mapped here; the message goes to slot (region = ``src_rank``, ``ring``).
-    A 0 entry marks an FFN rank reached by puts (docs/design.md §6.1): its message and flag go
+    A 0 entry marks an FFN rank reached by puts (docs/design/put-transport.md): its message and flag go
     to slot (region = that rank, ``ring``) of ``staging`` (this rank's symmetric put staging,
     required non-zero then), and the host puts them.
     Outputs: ``pos_out`` int32 [NK] (row of each partial in its destination's segment),
@@ -324,7 +324,7 @@ def wait_replies_spec(*, window, geo, num_ffn_ranks, ring, expected, expected_co
     word gets the dispatch's pass mark when every reply passed (0 otherwise): the combine's
     blocks that find it skip their own re-check (zeros on allocation; the combine clears it).
 
-    ``dedup`` = 1: the replies of a dedup dispatch (docs/design.md §3.5): ``FLAG_DEDUP`` required
+    ``dedup`` = 1: the replies of a dedup dispatch (docs/design/dedup.md): ``FLAG_DEDUP`` required
     (and forbidden with 0), ``geo.header_words`` = HDR_FIXED_WORDS + epr + 1 with ``num_rows``
     last, ``expected_counts`` int32 [F, 3] (routed, shared, rows: :func:`dedup_scatter_spec`'s);
     a ``num_rows`` fault reports ST_COUNT = HDR_FIXED_WORDS + epr.
@@ -415,7 +415,7 @@ def reply_spec(*, dtype_code, dst_window, geo, src_rank, ring, routed_out, num_r
     ``header_src``: pinned int32 [header_words] prepared by the host; it must stay unchanged
     until the kernel has run (one buffer per in-flight reply). ``dst_window`` 0: the peer is
     reached by puts: rows and header go to slot (region = ``dst_peer``, ``ring``) of
-    ``staging`` and no flag is stored (the host's put-with-signal sets it; §6.1).
+    ``staging`` and no flag is stored (the host's put-with-signal sets it; docs/design/put-transport.md).
     Grid: :func:`reply_grid`.
     """
     num_routed = _count("num_routed", num_routed)
@@ -504,7 +504,7 @@ def dedup_reply_spec(*, dtype_code, dst_window, geo, src_rank, ring, route_copy,
     [header_words] (``wire.reply_header`` words with ``num_rows``), unchanged until the kernel
     ran. ``dst_window`` 0: the peer is reached by puts: rows and header go to slot (region =
     ``dst_peer``, ``ring``) of ``staging`` and no flag is stored (the host's put-with-signal
-    sets it; §6.1), as :func:`reply_spec`. Grid: :func:`dedup_reply_grid`.
+    sets it; docs/design/put-transport.md), as :func:`reply_spec`. Grid: :func:`dedup_reply_grid`.
     """
     geo = _geometry("geo", geo)
     is_put = not int(dst_window or 0)
@@ -551,7 +551,7 @@ def dedup_reply_grid(num_rows: int, row_bytes: int = 0, max_blocks: int = MAX_BL
     return _row_grid(int(num_rows) * row_parts(row_bytes), max_blocks)
 
 
-# --- dedup wire mode, Attention side (raw_kernels/dedup_attn.cu, docs/design.md §3.5) -----------
+# --- dedup wire mode, Attention side (raw_kernels/dedup_attn.cu, docs/design/dedup.md) -----------
 def dedup_rows_spec(*, topk_ids, num_tokens, top_k, expert_per_rank, num_ffn_ranks, has_shared,
                     verdict, rows_hist, rows_local, row_map, shared_rank, num_rows, shared_rows,
                     done_counter) -> LaunchSpec:
