@@ -156,8 +156,8 @@ class ConnectorConfig:
     - ``async_moe_split``: how a batch is split into micro-batches (``"even"``).
     - ``wire_mode``: ``"pair"`` (one row per (token, expert) partial: the RFC's format) or
       ``"dedup"`` (one row per (token, FFN rank it goes to), expanded and reduced on the FFN
-      rank); docs/design.md §3.5. Every rank must use the same mode (checked at start-up).
-    - ``transport``: how messages reach a peer (docs/design.md §6.1): ``"direct"`` (stores
+      rank); docs/design/dedup.md. Every rank must use the same mode (checked at start-up).
+    - ``transport``: how messages reach a peer (docs/design/put-transport.md): ``"direct"`` (stores
       through the peer's mapped window; every peer must be load/store reachable), ``"put"``
       (NVSHMEM one-sided puts from a local staging slot, for every peer: the multi-node path,
       testable on one node) or ``"auto"`` (direct where the peer's window maps, put
@@ -165,7 +165,7 @@ class ConnectorConfig:
     - ``fused_dispatch``: the cuda backend's dispatch in one kernel (every block plans in its
       shared memory) whenever a dispatch of ``max_num_batched_tokens`` fits it: pair mode
       ``afd_dispatch_fused`` (plan + scatter), dedup mode ``afd_dedup_dispatch_fused`` (plan +
-      rows + scatter); docs/design.md §5. False: always the separate kernels. The same bytes
+      rows + scatter); docs/design/kernels.md. False: always the separate kernels. The same bytes
       reach the window either way.
     """
 

@@ -1,4 +1,4 @@
-"""The AFD connector: one object per process, Attention side or FFN side (docs/design.md §4).
+"""The AFD connector: one object per process, Attention side or FFN side (docs/design/protocol.md).
 
 Attention side::
 
@@ -69,7 +69,7 @@ class AFDConnector:
             spins on the wait kernel's doorbell before it sleeps in the CUDA driver until the
             kernel ends (a blocking-sync event), so an idle FFN burns no host core. Items that
             arrive within the spin are seen at once; later ones pay the driver's wake-up
-            (docs/design.md §5). 0: sleep at once. Default 500.
+            (docs/design/kernels.md). 0: sleep at once. Default 500.
         peer_timeout_s: bound of every wait for a peer's reply (finite, > 0).
         startup_timeout_s: bound of the collective start-up (NVSHMEM bootstrap, heap barriers).
         nvshmem_env: cuda backend: NVSHMEM's environment as one dict

@@ -1,4 +1,4 @@
-"""The dedup wire mode's host steps in numba (docs/design.md §3.5).
+"""The dedup wire mode's host steps in numba (docs/design/dedup.md).
 
 A token crosses the link once per FFN rank that owns at least one of its top-k experts, not
 once per expert. Steps, named as the future kernels (numpy references of each, with their

@@ -18,7 +18,7 @@ intra-op pool, OpenMP, MKL, OpenBLAS and numba to all cores of the machine, and 
 oversubscribe it N-fold (idle OpenMP workers spin). :func:`thread_share` is one process's
 share of the cores, :func:`thread_env` the variables that give it before the libraries load
 (what ``afd_cupy.launch`` puts in each child), :func:`limit_threads` the same for a process
-started elsewhere (docs/design.md §4.5, "Threads").
+started elsewhere (docs/design/startup.md, "Threads").
 """
 from __future__ import annotations
 

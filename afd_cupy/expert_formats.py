@@ -1,6 +1,6 @@
 """How a torch MoE block's experts compute, detected from the block or a Hugging Face
 config: the gated activation, the gate/up layout (concatenated or interleaved, standard or
-transposed), biases, and the shared expert (docs/design.md §1.4). Used by
+transposed), biases, and the shared expert (docs/design/models.md). Used by
 :mod:`afd_cupy.adapters`, which re-exports ``UnsupportedModelError`` and
 ``config_activation``.
 """

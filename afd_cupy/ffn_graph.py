@@ -1,5 +1,5 @@
 """The graph-driven FFN's protocol words, its numpy references and its bucket policy
-(docs/design.md §5.1). Pure Python and numpy: no CuPy, no GPU.
+(docs/design/cuda-graphs.md). Pure Python and numpy: no CuPy, no GPU.
 
 One CUDA graph per size bucket serves one work item per replay with no host step:
 ``afd_graph_wait_stage`` (the wait and the stage in one kernel; or ``afd_wait_any`` into a
@@ -262,7 +262,7 @@ def buckets_for_tokens(token_counts, layout: wire.WindowLayout, *, top_k: int,
     most rows a batch of that many tokens can bring one FFN rank (every partial on this rank:
     ``t * top_k``; shared slice ``ceil(t / F)``), clipped at the window's capacities.
 
-    Dedup layouts (docs/design.md §3.5): a rank gets at most one row per token (``rows = t``)
+    Dedup layouts (docs/design/dedup.md): a rank gets at most one row per token (``rows = t``)
     and may run every one of those tokens' shared experts (shared ``t``, not ``ceil(t / F)``);
     the staging still holds up to ``t * top_k`` partials."""
     if not token_counts or min(token_counts) < 1:

@@ -1,4 +1,4 @@
-"""Where an overlapping FFN worker's replies run (``FFNWorker(overlap=True)``; docs/design.md §4.9).
+"""Where an overlapping FFN worker's replies run (``FFNWorker(overlap=True)``; docs/design/overlap.md).
 
 The default worker writes each reply on its own thread and, on cuda, on the stream that
 computed it: the reply kernel of item i sits between item i's GEMMs and item i+1's. With

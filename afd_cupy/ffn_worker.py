@@ -1,4 +1,4 @@
-"""The self-driven FFN loop (docs/design.md §4.4, FFN side), with two schedules.
+"""The self-driven FFN loop (docs/design/protocol.md, FFN side), with two schedules.
 
 - ``schedule="async"`` (the default, the point of the library): the worker pulls work items as
   they arrive, from any Attention replica and any layer, and answers each one on its own.
@@ -16,12 +16,12 @@ ordering rides on the stream.
 (:mod:`afd_cupy.ffn_overlap`): on cuda a communication stream that waits on an event of the
 compute stream, so item i's reply runs while the worker receives item i+1 and its GEMMs run;
 on the host backend a reply thread (the same ordering, emulated with real concurrency). The
-wire, the replies and their order per worker are unchanged; see docs/design.md §4.9.
+wire, the replies and their order per worker are unchanged; see docs/design/overlap.md.
 
 ``gemm_sm_carveout`` ("auto" by default: 2 SMs on a CUDA device, 0 on the host backend)
 launches each expert call's GEMMs inside ``moe.sm_carveout(n)``: they leave n SMs free for a
 kernel spinning next to them (the next item's wait under ``overlap``, a peer's wait under MPS),
-which otherwise makes torch's persistent grouped GEMM 1.45x slower; docs/design.md §8.
+which otherwise makes torch's persistent grouped GEMM 1.45x slower; docs/design/performance-decisions.md.
 
 Instrumentation is opt-in: ``FFNWorker(..., recorder=...)`` calls the :class:`FFNRecorder`
 hooks around each receive, compute and reply (benchmarks use it for busy time, queue depth and
@@ -192,7 +192,7 @@ class FFNWorker:
     per lockstep batch) runs inside ``moe.sm_carveout(n)``, so the persistent grouped GEMM
     launches ``SMs - n`` CTAs and a kernel spinning next to it (the next item's ``wait_any``
     under ``overlap``, a peer's wait under MPS) does not push one CTA's tiles to the tail
-    (docs/design.md §8, "SM carve-out": 1.45x slower without, 0.99x of alone with it, on an
+    (docs/design/performance-decisions.md, "SM carve-out": 1.45x slower without, 0.99x of alone with it, on an
     H200). The setting is process-global while the call runs (see ``moe.sm_carveout``);
     "auto" or an int >= 0 and < the device's SM count, else ConfigError. The resolved int is
     ``self.gemm_sm_carveout``. No effect on the host backend (CPU GEMMs).

@@ -1,5 +1,5 @@
 """What the connector hands out: the Attention side's DispatchHandle and the FFN side's
-FFNWorkItem (docs/design.md §4.4)."""
+FFNWorkItem (docs/design/protocol.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

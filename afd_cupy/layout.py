@@ -1,5 +1,5 @@
 """Window geometry: capacities, the slot layout of each wire mode and the window's size
-(docs/design.md §3.1, §3.4). Re-exported by :mod:`afd_cupy.wire`, the protocol's home, which
+(docs/design/wire-format.md). Re-exported by :mod:`afd_cupy.wire`, the protocol's home, which
 owns every other rule; the few constants the geometry needs are defined here and imported
 there (this module imports nothing from ``wire``).
 
@@ -18,7 +18,7 @@ import numpy as np
 from afd_cupy.errors import GeometryMismatchError, WireError
 
 ALIGN = 256
-#: ``ConnectorConfig.wire_mode`` values (docs/design.md §3.1, §3.5)
+#: ``ConnectorConfig.wire_mode`` values (docs/design/wire-format.md, docs/design/dedup.md)
 WIRE_MODES = ("pair", "dedup")
 HDR_FIXED_WORDS = 12  # header words before expert_counts[expert_per_rank] (wire.HDR_*)
 ROUTE_FIXED_WORDS = 2  # dedup route-table words before the top-k slots and weights (wire.ROUTE_*)
@@ -233,7 +233,7 @@ class WindowLayout:
 def window_size_hint(model, topology, connector) -> int:
     """Bytes of one window (the symmetric allocation per rank) for these configs, in the
     connector's ``wire_mode``: pair slots hold ``routed_cap + shared_cap`` rows, dedup slots
-    ``token_cap`` rows (docs/design.md §3.4). In dedup mode each FFN rank also needs
+    ``token_cap`` rows (docs/design/wire-format.md). In dedup mode each FFN rank also needs
     :func:`ffn_staging_size_hint` bytes of ordinary (not symmetric) memory."""
     return WindowLayout.from_configs(model, topology, connector).window_bytes
 

@@ -15,7 +15,7 @@ activation ``glu(gate, up)`` (``ExpertWeights.activation``, see ``gated_activati
 ``act(gate) * up`` with act SiLU (default) or GELU (erf or tanh), or gpt-oss's clamped SwiGLU.
 
 ``sm_carveout`` (a context manager) makes the expert GEMMs launched inside it leave SMs free
-for a kernel that spins next to them (docs/design.md §8, "SM carve-out").
+for a kernel that spins next to them (docs/design/performance-decisions.md, "SM carve-out").
 
 Only torch is used; nothing here touches CUDA at import time.
 """
@@ -459,7 +459,7 @@ def check_sm_carveout(value, *, device=None, name: str = "gemm_sm_carveout") -> 
 
 AUTO_GEMM_SM_CARVEOUT = 2
 """What ``gemm_sm_carveout="auto"`` (the FFN side's default) leaves free on a CUDA device.
-Measured on an H200 (docs/benchmarks.md "Session 12", tools/probe_spin_gemm.py): a one-warp
+Measured on an H200 (docs/performance.md, "A spinning warp next to the expert GEMMs"): a one-warp
 spinner resident next to the V2-Lite-shaped routed GEMM pair makes it 1.45x slower (615 vs
 423 µs); with 1, 2 or 4 SMs carved out it runs at 0.99x of alone, and the GEMM alone with 2
 SMs carved out is itself 0.99x of alone (nothing lost when no spinner is there). Two, not

@@ -15,7 +15,7 @@ L layers, what such a step does on an Attention rank::
 
 into one ``torch.cuda.CUDAGraph`` over a static input and a static output buffer;
 :meth:`DecodeStepGraph.replay` copies fresh inputs in and replays it with no host step per
-layer. Why this is legal (docs/design.md §4.10): each
+layer. Why this is legal (docs/design/cuda-graphs.md): each
 layer has exactly one dispatch in flight, on the same ring, and the layer's receive (device
 wait + combine) precedes the next layer's send in stream order, so the slot is free again
 before it is rewritten; sequence numbers and what each reply must echo live on the device;

@@ -1,4 +1,4 @@
-"""Roles, role ranks, world ranks and expert ownership (docs/design.md §2).
+"""Roles, role ranks, world ranks and expert ownership (docs/design/topology.md).
 
 World rank = NVSHMEM PE. Attention ranks come first: attention role rank i is world rank i,
 FFN role rank j is world rank ``num_attn_ranks + j``. FFN rank r owns the global experts

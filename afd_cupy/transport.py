@@ -1,4 +1,4 @@
-"""How a message reaches a peer (docs/design.md §6.1): ``direct`` (the sender's kernels store
+"""How a message reaches a peer (docs/design/put-transport.md): ``direct`` (the sender's kernels store
 into the peer's window through its ``nvshmem_ptr`` mapping) or ``put`` (the kernels write the
 same bytes into the sender's own symmetric staging slot for that (peer, ring), laid out like
 the receiver's slot, and NVSHMEM copies them with host-initiated on-stream puts, the flag

@@ -37,7 +37,7 @@ class Window:
         self.layout = layout
         self.xp = heap.xp
         # allow_unmapped (cuda put transport): a peer that does not map has no view here
-        # (peer_bytes None, peer_ptr 0); only NVSHMEM puts reach it (docs/design.md §6.1)
+        # (peer_bytes None, peer_ptr 0); only NVSHMEM puts reach it (docs/design/put-transport.md)
         self.buffer = (heap.alloc(layout.window_bytes, name, allow_unmapped=True) if allow_unmapped
                        else heap.alloc(layout.window_bytes, name))
         self._exchange_geometry(store, name, geometry_timeout_s)

@@ -1,5 +1,5 @@
 """The protocol's home: header words and flags, encode/decode, reply and route-table checks,
-status and doorbell words (docs/design.md §3, §4). The window geometry (capacities, slot
+status and doorbell words (docs/design/wire-format.md, docs/design/protocol.md). The window geometry (capacities, slot
 layout, sizes) lives in :mod:`afd_cupy.layout` and is re-exported here.
 
 ``raw_kernels/wire.cuh`` mirrors the constants here and takes the offsets as kernel
@@ -10,7 +10,7 @@ arguments from :class:`WindowLayout`; ``tests`` check the mirror with a tiny ker
     window = [ flags: int64[num_regions * ring_depth], padded to 256 B | slot(0,0) | slot(0,1) | ... ]
     slot   = [ header | route_table | routed_x | shared_idx | shared_x ]   every field 256-B aligned
 
-Two wire modes (``ConnectorConfig.wire_mode``, docs/design.md §3.5) share these field names:
+Two wire modes (``ConnectorConfig.wire_mode``, docs/design/dedup.md) share these field names:
 ``"pair"`` sends one row per (token, expert) partial plus a round-robin shared slice;
 ``"dedup"`` sends one row per (token, FFN rank it goes to) with a wider route table
 (``route_table`` [token_cap, 2 + 2*top_k], ``routed_x`` [token_cap, hidden], empty shared
@@ -110,7 +110,7 @@ HDR_WORD_NAMES = {HDR_MAGIC: "magic", HDR_VERSION: "version", HDR_SEQ: "seq",
 # --- header ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Header:
-    """Decoded slot header (docs/design.md §3.2). ``expert_counts`` is a tuple of ints;
+    """Decoded slot header (docs/design/wire-format.md). ``expert_counts`` is a tuple of ints;
     ``num_rows`` is the dedup trailer word (rows of the message; 0 in pair mode)."""
 
     seq: int
@@ -237,7 +237,7 @@ def check_route_table(table: np.ndarray, *, num_tokens: int, routed_tokens: int,
     """Validate a received dedup route table (int32 [num_rows, 2 + 2 * top_k], host numpy)
     before anything is written through it; raise WireError naming the first bad row.
 
-    Rules (docs/design.md §3.5): token indices in ``[0, num_tokens)``; the shared flag is 1
+    Rules (docs/design/dedup.md): token indices in ``[0, num_tokens)``; the shared flag is 1
     exactly on the first ``shared_tokens`` rows; each row has 1..top_k staging rows packed
     first (-1 pad after); the staging rows of the message are each of ``[0, routed_tokens)``
     exactly once (so the expansion writes every grouped row once).

@@ -1,4 +1,4 @@
-// combine.cu: Attention-side wait for the expected FFN replies + weighted combine (docs/design.md §5).
+// combine.cu: Attention-side wait for the expected FFN replies + weighted combine (docs/design/kernels.md).
 //
 //   out[t] = out_scale * ( sum_k w[t,k] * routed_x[region dest(t,k)][pos[t,k]]
 //                          + (has_shared ? shared_x[region t % F][t / F] : 0) )
@@ -31,7 +31,7 @@ afd_wait_replies(afd_u64 window,  // this rank's own window
                  const afd_i64* __restrict__ last_seen,  // [num_slots], read only
                  afd_i64* reply_flags,  // [num_ffn_ranks + 1] out: flags consumed, pass mark
                  afd_i64 timeout_ns, afd_i64* status,
-                 afd_i32 dedup) {  // 1: dedup-mode replies (docs/design.md §3.5), 0: pair
+                 afd_i32 dedup) {  // 1: dedup-mode replies (docs/design/dedup.md), 0: pair
   if (blockIdx.x != 0 || threadIdx.x >= 32) return;
   const bool ok = wait_replies(window, geo, num_ffn_ranks, ring, expected, expected_counts,
                                layer_idx, stage_idx, last_seen, reply_flags, timeout_ns, status,

@@ -1,4 +1,4 @@
-// dedup_attn.cu: Attention side of the dedup wire mode (docs/design.md §3.5, §5).
+// dedup_attn.cu: Attention side of the dedup wire mode (docs/design/dedup.md, docs/design/kernels.md).
 //
 // A token crosses the link once per FFN rank that owns one of its top-k experts. After the pair
 // plan (afd_dispatch_plan, dispatch.cu: pos, expert_counts, verdict):
@@ -222,7 +222,7 @@ __device__ __forceinline__ void record_dedup_sends(afd_i32 num_ffn_ranks, const 
 // expected[F] and expected_counts[F, 3] = (routed, shared, rows), the headers (flags = hdr_flags |
 // FLAG_DEDUP, num_rows at HDR_FIXED_WORDS + epr), fences and stores the flags.
 // A zero peer_windows[j] marks a rank reached by puts: its message and flag go to staging slot
-// (j, ring), as in afd_dispatch_scatter (docs/design.md §6.1).
+// (j, ring), as in afd_dispatch_scatter (docs/design/put-transport.md).
 // NOTE: the send decision is the plan's `verdict` (see afd_dispatch_scatter); on a bad verdict
 // nothing is written to any peer and `expected` is all 0. pos[t, k] is computed from the plan's
 // arrays with the formula of afd_dispatch_scatter (it is never materialized in dedup mode).
@@ -394,7 +394,7 @@ afd_dedup_combine(afd_u64 out,  // payload [num_tokens, hidden_size]
   finish_combine(done_counter, geo, num_ffn_ranks, ring, expected, reply_flags, last_seen, status);
 }
 
-// Plan, rows and scatter of a decode-size dedup dispatch in ONE kernel (docs/design.md §5, as
+// Plan, rows and scatter of a decode-size dedup dispatch in ONE kernel (docs/design/kernels.md, as
 // afd_dispatch_fused does for pair mode): every block plans the whole dispatch in its shared
 // memory from the ids, then writes its (token, rank) cells; no block waits for another before
 // its rows. Same wire order and outputs as afd_dispatch_plan -> afd_dedup_rows ->

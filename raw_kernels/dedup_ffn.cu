@@ -1,4 +1,4 @@
-// dedup_ffn.cu: the FFN side of the dedup wire mode (docs/design.md §3.5, §5).
+// dedup_ffn.cu: the FFN side of the dedup wire mode (docs/design/dedup.md, docs/design/kernels.md).
 //
 // afd_dedup_expand<DT>: after wait_any, copy the slot's route table into local memory, check
 // it row by row (the rules of wire.check_route_table) and scatter each received row into the
@@ -55,7 +55,7 @@ afd_dedup_expand(afd_u64 window,  // own window
   const RouteVerdict v = expand_finish(fault, num_claimed, claims, route_copy, width, num_tokens,
                                        num_routed, num_shared, top_k);
   if (tid == 0 && v.rule != 0) {
-    // ST_SLOT holds the route-table column, ST_CAP the rule (docs/design.md §5)
+    // ST_SLOT holds the route-table column, ST_CAP the rule (docs/design/kernels.md)
     report_status(static_cast<afd_i64*>(byte_ptr(status, 0)), STATUS_BAD_HEADER, region, v.column,
                   ring, v.expected, v.observed, v.row, v.rule, layer_idx);
   }

@@ -1,6 +1,6 @@
-// dedup_ffn.cuh: device steps of the dedup wire mode's FFN side (docs/design.md §3.5, §5), shared
+// dedup_ffn.cuh: device steps of the dedup wire mode's FFN side (docs/design/dedup.md, docs/design/kernels.md), shared
 // by dedup_ffn.cu (afd_dedup_expand, afd_dedup_reply: the eager path) and ffn_graph.cu
-// (afd_graph_dedup_expand, afd_graph_dedup_reply: the graph-driven FFN, §5.1).
+// (afd_graph_dedup_expand, afd_graph_dedup_reply: the graph-driven FFN, docs/design/cuda-graphs.md).
 //
 // - expand_row: one warp copies one route-table row into local memory, checks the copy with the
 //   rules of wire.check_route_table, claims its staging rows and scatters the received row;
@@ -137,7 +137,7 @@ __device__ __forceinline__ afd_u64 expand_row(const afd_i32* table, afd_i32* wor
 }
 
 // The verdict of an expansion: rule 0 = the table is accepted, else wire.ROUTE_FAULT_* with the
-// words of the status record afd_dedup_expand latches (docs/design.md §5: ST_COUNT = row,
+// words of the status record afd_dedup_expand latches (docs/design/kernels.md: ST_COUNT = row,
 // ST_SLOT = column, ST_EXPECTED, ST_OBSERVED; -1 where a word does not apply).
 struct RouteVerdict {
   afd_i64 rule, row, column, expected, observed;

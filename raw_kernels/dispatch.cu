@@ -1,4 +1,4 @@
-// dispatch.cu: Attention-side routing plan and one-sided scatter to every FFN rank (docs/design.md §5).
+// dispatch.cu: Attention-side routing plan and one-sided scatter to every FFN rank (docs/design/kernels.md).
 //
 // afd_dispatch_plan computes, on the device and without a host round trip, the same wire order
 // as planner.plan_dispatch_reference (a stable sort of the flat partials by global expert):
@@ -250,7 +250,7 @@ afd_dispatch_scatter(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-
   if (ok) {
     // Headers, then per rank a system fence and the flag. A put peer's flag goes to the local
     // staging flag word: the host's flag put, queued behind this kernel and a quiet, copies it
-    // (docs/design.md §6.1).
+    // (docs/design/put-transport.md).
     const DispatchHeader hdr{src_rank, layer_idx, stage_idx, num_tokens, top_k, hdr_flags};
     publish_dispatch</*DEDUP=*/false>(geo, peer_windows, staging, ring, num_ffn_ranks,
                                       expert_per_rank, hdr, s_seq, s_routed, s_shared,
@@ -259,7 +259,7 @@ afd_dispatch_scatter(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-
   reset_done_counter(done_counter);
 }
 
-// Plan and scatter in ONE kernel, for decode-size dispatches (docs/design.md §5): every block
+// Plan and scatter in ONE kernel, for decode-size dispatches (docs/design/kernels.md): every block
 // plans the whole dispatch itself, in shared memory, from the ids (a few KiB at decode sizes),
 // then writes its rows; no block waits for another before its rows, so the plan kernel's
 // launch and its chain of global round trips (chunk histograms, the last-block atomic, fences)

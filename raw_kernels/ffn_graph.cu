@@ -1,10 +1,10 @@
-// ffn_graph.cu: the device steps of the graph-driven FFN (docs/design.md §5.1). One CUDA graph
+// ffn_graph.cu: the device steps of the graph-driven FFN (docs/design/cuda-graphs.md). One CUDA graph
 // per size bucket replays, with no host step per item:
 //
 //   afd_graph_wait_stage -> afd_graph_gather<DT>
 //   -> grouped GEMMs over the stacked layers (torch) -> afd_graph_reply<DT>
 //
-// and in the dedup wire mode (docs/design.md §3.5):
+// and in the dedup wire mode (docs/design/dedup.md):
 //
 //   afd_graph_wait_stage -> afd_graph_dedup_expand<DT> -> grouped GEMMs
 //   -> afd_graph_dedup_reply<DT>
@@ -440,7 +440,7 @@ afd_graph_reply(afd_u64 own_window,
                 state[STATE_SEQ], done_counter);
 }
 
-// ---- dedup wire mode (docs/design.md §3.5, §5.1) ----------------------------------------------
+// ---- dedup wire mode (docs/design/dedup.md, docs/design/cuda-graphs.md) ----------------------------------------------
 
 // grid = dedup_expand_grid(bucket rows) (frozen at capture), block = REPLY_THREADS; a warp per
 // route-table row. afd_dedup_expand with everything it needs read from the stage's state (slot,

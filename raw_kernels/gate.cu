@@ -1,4 +1,4 @@
-// gate.cu: the greedy MoE gate in one kernel (afd_cupy/gates.py select_experts, docs/design.md §5).
+// gate.cu: the greedy MoE gate in one kernel (afd_cupy/gates.py select_experts, docs/design/kernels.md).
 //
 // What torch does in ~7 kernels (float cast, softmax or sigmoid, optional bias, top-k, gather,
 // renormalize, int32 cast), per token in one warp: the scores in fp32, the selection (scores

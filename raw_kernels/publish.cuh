@@ -1,4 +1,4 @@
-// publish.cuh: how a sender publishes a message (docs/design.md §4.3, §5): the last block writes
+// publish.cuh: how a sender publishes a message (docs/design/protocol.md, docs/design/kernels.md): the last block writes
 // the header words, one system-scope release fence, then the flag. Shared by the dispatch
 // scatters (dispatch.cu, dedup_attn.cu) and the replies (reply.cu, dedup_ffn.cu, ffn_graph.cu).
 //
@@ -23,7 +23,7 @@ struct DispatchHeader {
 // then per such rank a system fence and flag = seqs[j] in the storing thread (cumulative over
 // the headers and every block's rows, so all precede the flag). Rank j's message goes to slot
 // (src_rank, ring) of peer_windows[j], or for a put peer (peer_windows[j] 0) to the own staging
-// slot (j, ring), whose flag word the host's flag put copies (§6.1). seqs, routed, shared,
+// slot (j, ring), whose flag word the host's flag put copies (docs/design/put-transport.md). seqs, routed, shared,
 // rows: per-rank words in shared memory; DEDUP: rows[j] is the num_rows trailer word at
 // HDR_FIXED_WORDS + epr (pair mode: rows unused, null). expert_counts: the plan's [F * epr].
 template <bool DEDUP>
@@ -83,7 +83,7 @@ __device__ __forceinline__ void publish_dispatch(const SlotGeometry& geo, const 
 // the header words into `slot`; a barrier puts them before thread 0's system fence (cumulative
 // over header and rows), which precedes flag = seq in slot (src_rank, ring) of dst_window; then
 // the done counter is reset. dst_window 0 (a put peer): no flag, the host's put-with-signal
-// queued behind this kernel sets it (§6.1). header_src: pinned host words (read volatile) when
+// queued behind this kernel sets it (docs/design/put-transport.md). header_src: pinned host words (read volatile) when
 // `pinned_src`, else device words of an earlier kernel.
 // NOTE: `seq` by reference: thread 0 reads it after its fence, as the graph replies (which pass
 // the stage's state word) always did.

@@ -1,8 +1,8 @@
 // reply.cu: FFN-side one-sided write of the expert outputs back into the Attention sender's
-// window (docs/design.md §5): routed rows, shared rows, then (last block, after a system fence) the
+// window (docs/design/kernels.md): routed rows, shared rows, then (last block, after a system fence) the
 // header prepared by the host in pinned memory, a second fence, and the flag = seq. For a peer
 // reached by puts (dst_window 0) the same bytes go to the own staging slot and the host's
-// put-with-signal sets the flag (§6.1).
+// put-with-signal sets the flag (docs/design/put-transport.md).
 #include "wire.cuh"
 #include "publish.cuh"  // publish_reply
 

@@ -1,10 +1,10 @@
-// reply_check.cuh: the Attention side's reply wait and checks (docs/design.md §4.7, §5), shared by
+// reply_check.cuh: the Attention side's reply wait and checks (docs/design/protocol.md, docs/design/kernels.md), shared by
 // the pair combine (combine.cu) and the dedup combine (dedup_attn.cu).
 //
 // wait_replies spins (one warp) until every FFN rank with expected[j] != 0 replied in slot
 // (j, ring) of the own window, skips late replies (wire.is_late_reply) and checks each header like
 // wire.decode_header then wire.check_reply, in their order; the first error is latched in the
-// status block. `dedup` selects the receiver's wire mode (docs/design.md §3.5): FLAG_DEDUP must be
+// status block. `dedup` selects the receiver's wire mode (docs/design/dedup.md): FLAG_DEDUP must be
 // set exactly in dedup mode, the header has one more word (num_rows at geo.header_words - 1, not
 // an expert count) and expected_counts has three columns (routed, shared, rows) instead of two.
 // The combines' common frame is here too: combine_wait (the first warp re-runs the wait unless

@@ -1,5 +1,5 @@
 // wait_any.cu: FFN-side arrival detection over every (region, ring) flag of the own window
-// (docs/design.md §5). One warp scans the flags in rotated order from *scan_start; the first slot
+// (docs/design/kernels.md). One warp scans the flags in rotated order from *scan_start; the first slot
 // whose flag differs from last_seen wins, its header is copied into a doorbell in pinned host
 // memory, and the ticket is written last: the host spins on doorbell[DB_TICKET] == ticket.
 // The header's expert counts go, from the same loads, into counts_snapshot[slot] (device): the

@@ -1,4 +1,4 @@
-// wire.cuh: device mirror of afd_cupy/wire.py (docs/design.md §3) and helpers shared by every kernel.
+// wire.cuh: device mirror of afd_cupy/wire.py (docs/design/wire-format.md) and helpers shared by every kernel.
 //
 // The constants below mirror wire.py and the limit table of afd_cupy/kernels/specs.py;
 // tests/test_kernels_cpu.py parses this file and tests/test_kernels_cuda.py reads them back
@@ -22,7 +22,7 @@ constexpr afd_i64 MAGIC = 0x41464447;  // "AFDG"
 constexpr afd_i64 VERSION = 1;
 constexpr afd_i64 ALIGN = 256;
 constexpr afd_i64 FLAG_SHUTDOWN = 2;  // 1 << 1
-constexpr afd_i64 FLAG_DEDUP = 4;     // 1 << 2: a dedup-mode message (docs/design.md §3.5)
+constexpr afd_i64 FLAG_DEDUP = 4;     // 1 << 2: a dedup-mode message (docs/design/dedup.md)
 
 constexpr int HDR_MAGIC = 0;
 constexpr int HDR_VERSION = 1;
@@ -138,7 +138,7 @@ struct SlotGeometry {
   __device__ __forceinline__ char* slot(afd_u64 base, afd_i32 region, afd_i32 ring) const {
     return slot_at(base, slot_index(region, ring));
   }
-  // Where a sender writes its message for `peer` (docs/design.md §6.1). A non-zero `window`
+  // Where a sender writes its message for `peer` (docs/design/put-transport.md). A non-zero `window`
   // is the peer's window mapped here (direct transport): slot (region = own role rank, ring)
   // of it. A zero `window` marks a peer reached by NVSHMEM puts: the sender's own symmetric
   // `staging`, slot (region = peer, ring), laid out like the receiver's slot; the host then

@@ -1,4 +1,4 @@
-"""Hugging Face MoE models disaggregated through afd_cupy.adapters (docs/design.md §1): every
+"""Hugging Face MoE models disaggregated through afd_cupy.adapters (docs/design/architecture.md): every
 family's blocks are recognised, its config maps to the right gate, and greedy generation with
 the Attention side in one process and F FFN ranks matches the same model run in one process
 (logits within tolerance at every step, the same tokens)."""

@@ -13,7 +13,7 @@ from afd_cupy.launch import launch
 from afd_cupy.testing.scenario import Scenario, run_rank, tolerance
 
 #: a backend, or "cuda-put": the cuda backend with ConnectorConfig(transport="put"), every
-#: peer reached by NVSHMEM puts from the staging (design.md §6.1), on one node; "cuda-mixed":
+#: peer reached by NVSHMEM puts from the staging (docs/design/put-transport.md), on one node; "cuda-mixed":
 #: transport="auto" with Scenario.mixed_transport (the pairs with a + j odd by puts, the others
 #: direct: a mixed job on one node)
 BACKENDS = [pytest.param("host", id="host"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda),
@@ -160,7 +160,7 @@ def test_attention_layers_replayed_from_cuda_graphs(backend, wire_mode, num_attn
 @pytest.mark.parametrize("wire_mode", ["pair", "dedup"])
 @pytest.mark.parametrize("num_attn,num_ffn", [(2, 2), (1, 2), (2, 1), (3, 2)])
 def test_mixed_job_direct_and_put_peers(wire_mode, num_attn, num_ffn):
-    # transport="auto" where some peers need puts (design.md §6.1): every rank with two or more
+    # transport="auto" where some peers need puts (docs/design/put-transport.md): every rank with two or more
     # peers has both kinds; the scatter, the reply and the shutdown choose per peer
     model = _model(num_layers=3)
     tokens = tuple((0, 17, 40) if a == 0 else (40, 1, 23) for a in range(num_attn))  # empty layer too

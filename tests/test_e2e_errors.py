@@ -19,7 +19,7 @@ from afd_cupy.topology import Role, Topology
 
 BACKENDS = [pytest.param("host", id="host"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
 #: (backend, wire_mode): the same failure paths in both modes; "cuda-put": the cuda backend with
-#: ConnectorConfig(transport="put") (design.md §6.1: capacity verdicts, timeouts and shutdown
+#: ConnectorConfig(transport="put") (docs/design/put-transport.md: capacity verdicts, timeouts and shutdown
 #: messages over NVSHMEM puts)
 PATHS = [pytest.param("host", "pair", id="host"), pytest.param("host", "dedup", id="host-dedup"),
          pytest.param("cuda", "pair", id="cuda", marks=pytest.mark.cuda),

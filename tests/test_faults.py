@@ -1,4 +1,4 @@
-"""Fault injection: slow, dead, duplicate and misconfigured peers, bad input (docs/design.md §7,
+"""Fault injection: slow, dead, duplicate and misconfigured peers, bad input (docs/design/fault-model.md,
 "Fault model"). Every case bounds its own run time and asserts the error type and what it
 names; the same cases run on the host backend (CI) and the cuda backend (GPU suite)."""
 from __future__ import annotations
@@ -24,7 +24,7 @@ from afd_cupy.launch import DiedAsExpected, LaunchError, launch
 from afd_cupy.store import store_fetch, store_publish
 from afd_cupy.topology import Role, Topology
 
-#: "cuda-put": the cuda backend with ConnectorConfig(transport="put") (design.md §6.1): the
+#: "cuda-put": the cuda backend with ConnectorConfig(transport="put") (docs/design/put-transport.md): the
 #: fault model must hold unchanged over NVSHMEM puts (the receivers' waits are the same)
 BACKENDS = [pytest.param("host", id="host"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda),
             pytest.param("cuda-put", id="cuda-put", marks=pytest.mark.cuda)]
@@ -534,7 +534,7 @@ def test_dict_configs_are_rejected_with_a_hint():
 
 
 def test_dedup_over_puts_passes_the_config_checks_host_puts_do_not():
-    # design.md §6.1: the cuda backend runs both wire modes over every transport; the host
+    # docs/design/put-transport.md: the cuda backend runs both wire modes over every transport; the host
     # backend refuses puts in either mode, before any collective step (store=None)
     from afd_cupy.backends.base import require_backend
 

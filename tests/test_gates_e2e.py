@@ -1,4 +1,4 @@
-"""Model gates through the connector (docs/design.md §4.4): DeepSeek-V3's noaux_tc gate with a
+"""Model gates through the connector (docs/design/protocol.md): DeepSeek-V3's noaux_tc gate with a
 selection bias and a routed scaling factor, Qwen2-MoE's gated shared expert, and gpt-oss-style
 experts (biases, clamped SwiGLU, no shared expert), in 1A2F and 2A1F, against the float64
 reference MoE on fresh random inputs."""

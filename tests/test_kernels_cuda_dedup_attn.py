@@ -60,7 +60,7 @@ class DedupDispatch:
         self.weights = (rng.random((num_tokens, top_k)) + 0.05).astype(np.float32)
         self.prefill = [rng.integers(0, 256, self.layout.window_bytes, dtype=np.uint8) for _ in range(num_ffn)]
         self.windows = [cp.asarray(p) for p in self.prefill]
-        # put peers (design.md §6.1): window pointer 0, their messages go to the own staging
+        # put peers (docs/design/put-transport.md): window pointer 0, their messages go to the own staging
         self.put_peers = frozenset(put_peers)
         self.staging_prefill = (rng.integers(0, 256, self.layout.window_bytes, dtype=np.uint8)
                                 if self.put_peers else None)
@@ -284,7 +284,7 @@ def test_dedup_dispatch_matches_reference(request, dtype, num_ffn, num_tokens, h
 @pytest.mark.parametrize("put_peers", [(0,), (1, 2), (0, 1, 2, 3)], ids=["put0", "put12", "put-all"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dedup_dispatch_to_put_peers_fills_the_staging(request, dtype, put_peers, fused):
-    """Mixed peers in one scatter (design.md §6.1): a zero window pointer sends rank j's route
+    """Mixed peers in one scatter (docs/design/put-transport.md): a zero window pointer sends rank j's route
     table, rows, header and flag to slot (j, ring) of the own staging, the others to their
     windows; a put peer's window is never touched, an empty one's staging slot neither."""
     rng = base._rng(request)

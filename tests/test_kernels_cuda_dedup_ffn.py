@@ -213,7 +213,7 @@ def test_dedup_reply_lands_exactly(request, dtype, num_ffn, num_tokens, has_shar
     """Reply rows = reduce_reference rounded once (bitwise: no FMA on either side), header
     words and flag; every other byte of the Attention window untouched. ``put``: the same rows
     and header in staging slot (dst_peer, ring) of the FFN's own staging, and no flag at all
-    (the host's put-with-signal sets it, design.md §6.1)."""
+    (the host's put-with-signal sets it, docs/design/put-transport.md)."""
     rng = _rng(request)
     case = REPLY_CASES.index((num_ffn, num_tokens)) + has_shared + DTYPES.index(dtype)
     top_k, hidden = TOP_KS[case % 3], HIDDENS[(case + 1) % 3]

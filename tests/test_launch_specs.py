@@ -422,7 +422,7 @@ def test_launches_module_has_no_cupy_import_at_module_level():
 def test_backend_builds_the_launches_of_its_wire_mode(fake_specs, monkeypatch, wire_mode, fused, put):
     """CudaAttentionSide._attention_launches checks every spec of the layout's mode (a spec of
     the other mode would refuse the geometry); numpy arrays stand in for the CuPy buffers.
-    With a put channel every mode's scatter gets its staging (§6.1). Pair mode with
+    With a put channel every mode's scatter gets its staging (docs/design/put-transport.md). Pair mode with
     ``fused_dispatch``: one afd_dispatch_fused instead of plan + scatter; dedup mode: one
     afd_dedup_dispatch_fused instead of plan + rows + scatter."""
     import types

@@ -202,7 +202,7 @@ def test_decode_header_bounds_sizes_by_the_window_capacities(field, cap_name):
         wire.decode_header(over, 3, layout)
 
 
-# --- dedup wire mode (docs/design.md §3.5) ------------------------------------------------------
+# --- dedup wire mode (docs/design/dedup.md) ------------------------------------------------------
 def _dedup_layout(**overrides):
     fields = dict(num_regions=2, ring_depth=1, expert_per_rank=3, hidden_size=8, itemsize=2,
                   top_k=2, token_cap=5, routed_cap=6, shared_cap=5, wire_mode="dedup")
@@ -239,7 +239,7 @@ def test_dedup_slot_holds_token_cap_rows_and_a_wide_route_table(num_attn, num_ff
 
 
 def test_deepseek_example_sizes_of_design_doc():
-    """The numbers of docs/design.md §3.4 (hidden 7168, bf16, 256 experts, top-8, one shared
+    """The numbers of docs/design/wire-format.md (hidden 7168, bf16, 256 experts, top-8, one shared
     expert, T_cap 4096, 4A4F, ring depth 1)."""
     model = ModelConfig(hidden_size=7168, num_experts=256, top_k=8, moe_intermediate_size=2048,
                         num_shared_experts=1, max_num_batched_tokens=4096)

@@ -87,7 +87,7 @@ on GPU 0 under CUDA MPS (start it first; tools/gpu_suite.sh does) with
 process creates its CUDA context.
 
 ``--gemm-sm-carveout auto|N``: the FFN ranks' ``FFNWorker(gemm_sm_carveout=...)`` (the expert
-GEMMs leave N SMs free for the kernels spinning next to them; docs/design.md §8; default auto,
+GEMMs leave N SMs free for the kernels spinning next to them; docs/design/performance-decisions.md; default auto,
 the library's default: 2 on a GPU); the argument and each FFN rank's resolved value are in the
 JSON report. ``0`` measures without.
 
@@ -833,7 +833,7 @@ def parse_args(argv=None):
                              "else the default split)")
     parser.add_argument("--gemm-sm-carveout", type=bc.gemm_sm_carveout_arg, default="auto", metavar="auto|N",
                         help="FFN ranks: FFNWorker(gemm_sm_carveout=...), the expert GEMMs leave N SMs "
-                             "free (docs/design.md §8; auto: the library default, 2 on a GPU; 0: "
+                             "free (docs/design/performance-decisions.md; auto: the library default, 2 on a GPU; 0: "
                              "untouched; no effect on the host backend)")
     parser.add_argument("--max-batches", type=int, default=100_000)
     parser.add_argument("--timeout", type=float, default=None, help="per launch, seconds")

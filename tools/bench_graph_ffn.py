@@ -142,7 +142,7 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--experts", default="identity", choices=("identity", "moe"))
     parser.add_argument("--wire-mode", default="pair", choices=("pair", "dedup"),
-                        help="the connector's wire mode (docs/design.md §3.5)")
+                        help="the connector's wire mode (docs/design/dedup.md)")
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--intermediate", type=int, default=256, help="moe_intermediate_size (--experts moe)")
     parser.add_argument("--num-experts", type=int, default=64)

@@ -33,7 +33,7 @@ comparison is relative and in fp64.)
 
 ``--gemm-sm-carveout auto|N`` (default auto, the library's default: 2 on a GPU): the FFN ranks'
 expert GEMMs leave N SMs free (``GraphFFNServer`` / ``FFNWorker(gemm_sm_carveout=...)``,
-docs/design.md §8 "SM carve-out"), so that the wait kernel spinning next to them does not push
+docs/design/performance-decisions.md "SM carve-out"), so that the wait kernel spinning next to them does not push
 a CTA's tiles to the tail; the argument is in the JSON config, each FFN rank's resolved value
 in its "ffn" entry and the report's title. ``0`` measures without (one launch each).
 
@@ -100,7 +100,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="Attention stand-in per layer: x + x W^T with one [H, H] weight (streams "
                              "H*H*2 bytes through L2 every layer, as a model's attention does) or x * 1")
     parser.add_argument("--wire-mode", choices=("pair", "dedup"), default="pair",
-                        help="ConnectorConfig.wire_mode of every rank (docs/design.md §3.5)")
+                        help="ConnectorConfig.wire_mode of every rank (docs/design/dedup.md)")
     parser.add_argument("--dispatch", choices=("fused", "two-kernel"), default="fused",
                         help="ConnectorConfig.fused_dispatch: one kernel (afd_dispatch_fused; dedup: "
                              "afd_dedup_dispatch_fused) or plan + scatter (dedup: plan + rows + scatter)")

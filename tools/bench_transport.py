@@ -36,14 +36,14 @@ shape runs inside it.
       run after the connector's part (the FFN ranks leave ``FFNWorker.run()`` first), CUDA
       events on the Attention rank around each call after a barrier.
 (c) the shared DESIGN.md §10 targets next to the numbers, PASS/MISS (reported, never asserted).
-(d) ``--wire-mode both``: pair and dedup (docs/design.md §3.5) side by side, one launch per
+(d) ``--wire-mode both``: pair and dedup (docs/design/dedup.md) side by side, one launch per
     mode and shape: bytes on the wire per direction (``dedup.wire_bytes``: rows, route tables,
     headers, flags) and times, with the issue #12 targets. Every row carries its ``wire_mode``
     and ``dispatch_wire_bytes`` / ``reply_wire_bytes`` and their time at the link's limit
     (``LINK_GBPS``); decode rows also the dispatch alone (``dispatch_us``: CUDA events around
     ``send_attn_output`` on cuda, wall time on host).
 
-(e) ``--transport both`` (cuda): direct stores and the put transport (docs/design.md §6.1,
+(e) ``--transport both`` (cuda): direct stores and the put transport (docs/design/put-transport.md,
     every peer by NVSHMEM puts, on one node) side by side in the same run, with issue #16's
     targets: put within 1.3x of direct for prefill (dispatch + combine), within 20 us of it for
     the 128-token decode round trip. Every row carries its ``transport``.

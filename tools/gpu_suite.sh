@@ -8,7 +8,7 @@
 #     device calls (part1: kernels, FFN graph, moe, step graph, e2e errors, window, adapters, expert_gemm +
 #     smoke + hf_generate; part2: test_e2e.py; part3: model gates, NVSHMEM
 #     binding, bench_moe_layer at a small shape, faults; part1 also tools/startup_profile.py); twogpu1..3: the measurements that need two GPUs
-#     (nvidia-h200-x2; docs/benchmarks.md "Two GPUs"), one device call each (< 600 s):
+#     (docs/performance.md "Waiting for two GPUs"), one device call each (< 600 s):
 #     twogpu1 bench_transport decode + prefill, both wire modes and transports (#12, #16);
 #     twogpu2 bench_afd placement 0:50,0:50,1: overlap, sweep, timeline (#15);
 #     twogpu3 the multigpu tests, bench_step_graph --trace (pair, dedup), bench_graph_ffn (#13);
@@ -23,17 +23,14 @@
 #     trace1: one GPU, the 50-layer step's phases (fused vs two-kernel dispatch and FFN wait +
 #     stage; dedup), the staged step on one stream vs a stream per stage (S = 1 2 4), the
 #     V2-Lite-shaped MoE step with the GEMM SM carve-out 0 and "auto" (the default), the step
-#     with torch's gate against the one-kernel gate (step_fused), bench_gate,
-#     probe_kernel_cost (what single round-trip kernels cost) and probe_spin_gemm (the routed
-#     grouped GEMM next to a spinning warp, with and without an SM carve-out)
+#     with torch's gate against the one-kernel gate (step_fused), bench_gate
 # Knobs (environment): SUITE_TESTS (test files or ids instead of all), SUITE_TIMEOUT, TEST_TIMEOUT (per test), SMOKE_ARGS, SKIP_SMOKE_1A1F=1, SKIP_SMOKE_2A2F=1,
 # SKIP_HOSTPOLL=1 / HOSTPOLL_TIMEOUT (the e2e cases with host polling and no MPS),
 # SKIP_HF=1 (tools/hf_generate.py), SKIP_STARTUP=0 (tools/startup_profile.py; part1 runs it), SKIP_SOAK=1 / SOAK_N / SOAK_TIMEOUT / SOAK_ARGS (tools/soak.py),
 # BENCHES (names of tools/*.py run with --quick), BENCH_TIMEOUT, AFD_COMMIT (for the table).
-# The whole cuda test set no longer fits one 600 s device call: part1..part3 split it in three
-# (session 12, one H200 under MPS: test_e2e.py alone ~410 s, binding + faults ~285 s, step
-# graph + e2e errors ~140 s, the kernel files + FFN graph + moe ~95 s, smoke ~13 s each). Each
-# pytest step prints its 25 slowest tests (--durations) so that the split can follow them.
+# The whole cuda test set does not fit one 600 s device call: part1..part3 split it in three
+# (one H200 under MPS, eb9e1c8: part1 ~390 s, part2 ~475 s, part3 ~355 s). Each pytest step
+# prints its 25 slowest tests (--durations) so that the split can follow them.
 # Pass AFD_COMMIT: the device's copy has no usable git HEAD.
 set -u
 cd "$(dirname "$0")/.."
@@ -128,7 +125,7 @@ case "$MODE" in
   moe1)  # one GPU, MPS: the MoE layer, one process vs AFD 1A1F (#34)
     run_step moe_tests 70 python3 -m pytest -m cuda -q -p no:cacheprovider --timeout=60 -rfEs tests/test_expert_gemm.py
     run_step moe_layer 240 python3 tools/bench_moe_layer.py --quick --out "$OUT/moe_layer" ;;
-  trace1)  # one GPU: the round trip by phase (both dispatch kernels, both FFN modes) and single-kernel costs
+  trace1)  # one GPU: the round trip by phase (both dispatch kernels, both FFN modes), the gate
     SG="python3 tools/bench_step_graph.py --quick --layers 50 --tokens 128 --stages 1 --trace"
     run_step step_fused 120 $SG --dispatch fused --out "$OUT/step_fused"
     run_step step_gate_torch 120 $SG --dispatch fused --gate-impl torch --out "$OUT/step_gate_torch"
@@ -139,8 +136,6 @@ case "$MODE" in
     MOE="--layers 10 --tokens 128 --stages 1 --trace --experts moe --hidden 2048 --top-k 6 --intermediate 1408 --shared-experts 2"
     run_step step_moe_c0 100 python3 tools/bench_step_graph.py --quick $MOE --gemm-sm-carveout 0 --out "$OUT/step_moe_c0"
     run_step step_moe_auto 100 python3 tools/bench_step_graph.py --quick $MOE --out "$OUT/step_moe_auto"
-    NO_MPS=1 run_step probe 120 python3 tools/probe_kernel_cost.py --out "$OUT/probe"
-    NO_MPS=1 run_step spin_gemm 60 python3 tools/probe_spin_gemm.py --out "$OUT/spin_gemm"
     NO_MPS=1 run_step gate 90 python3 tools/bench_gate.py --quick --out "$OUT/gate" ;;
 esac
 case "$MODE" in twogpu*|trace1|soak1|moe1) MODE=none ;; esac

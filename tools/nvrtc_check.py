@@ -1,4 +1,4 @@
-"""Compile every registered kernel file with NVRTC, without a GPU (docs/design.md §5).
+"""Compile every registered kernel file with NVRTC, without a GPU (docs/design/kernels.md).
 
 The loader (``afd_cupy.kernels.loader``) compiles ``raw_kernels/*.cu`` through CuPy on the
 device. This tool runs the same NVRTC compile (same options, same name expressions, every

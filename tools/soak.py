@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Soak: N Attention round trips with random sizes, layers and stages, random FFN stalls
-longer than the peer timeout, every output checked against its expected value (docs/design.md,
-§7, fault model).
+longer than the peer timeout, every output checked against its expected value
+(docs/design/fault-model.md).
 
 Identity experts make the expected output exact to compute on the Attention side:
 ``out = (hidden * sum_k w[t,k] + hidden) * out_scale`` (routed rows plus the shared row).

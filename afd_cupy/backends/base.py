@@ -1,4 +1,4 @@
-"""The data-path seam: what a backend implements and what it may know (docs/design.md §1.3, §6).
+"""The data-path seam: what a backend implements and what it may know (docs/design/architecture.md, docs/design/backends.md).
 
 ::
 
@@ -53,9 +53,9 @@ class PathContext:
     peer_timeout_s: float
     always_send: bool = False
     poll_mode: str = "device"
-    transport: str = "direct"  # ConnectorConfig.transport (docs/design.md §6.1)
-    recv_spin_s: float = 5e-4  # FFN device-polled receive: spin this long, then sleep (§5)
-    fused_dispatch: bool = True  # ConnectorConfig.fused_dispatch (cuda, both wire modes; §5)
+    transport: str = "direct"  # ConnectorConfig.transport (docs/design/put-transport.md)
+    recv_spin_s: float = 5e-4  # FFN device-polled receive: spin this long, then sleep (docs/design/kernels.md)
+    fused_dispatch: bool = True  # ConnectorConfig.fused_dispatch (cuda, both wire modes; docs/design/kernels.md)
 
     @property
     def world_rank(self) -> int:

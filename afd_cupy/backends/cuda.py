@@ -1,4 +1,4 @@
-"""cuda backend data path: NVSHMEM windows, CuPy RawKernels, torch tensors (docs/design.md §5, §6).
+"""cuda backend data path: NVSHMEM windows, CuPy RawKernels, torch tensors (docs/design/kernels.md, docs/design/backends.md).
 
 Every launch goes to torch's current stream of the connector's device, so ordering with the
 caller's torch work needs no synchronization. The Attention side issues two launches per
@@ -33,9 +33,9 @@ except ImportError:  # CPU-only torch builds
     _raw_current_stream = None
 
 #: wire modes this backend implements (``ConnectorConfig.wire_mode``; dedup: the kernels of
-#: docs/design.md §5, ``dedup_attn.cu`` and ``dedup_ffn.cu``)
+#: docs/design/kernels.md, ``dedup_attn.cu`` and ``dedup_ffn.cu``)
 WIRE_MODES = ("pair", "dedup")
-#: transports (``ConnectorConfig.transport``, docs/design.md §6.1), in both wire modes: the
+#: transports (``ConnectorConfig.transport``, docs/design/put-transport.md), in both wire modes: the
 #: scatter and reply kernels of each mode write a put peer's message into the put staging
 TRANSPORTS = ("direct", "put", "auto")
 
@@ -104,7 +104,7 @@ class CudaDataPath(CudaAttentionSide, CudaFFNSide):
         self.ctx = ctx
         self.heap = heap
         self.window = window
-        # the put transport (docs/design.md §6.1): a cuda_put.PutChannel when some opposite
+        # the put transport (docs/design/put-transport.md): a cuda_put.PutChannel when some opposite
         # peer (by role rank) is reached by NVSHMEM puts, which peer_is_put names
         self.put = put
         self.peer_is_put = list(peer_is_put or [False] * len(ctx.opposite_pes()))
@@ -185,7 +185,7 @@ class CudaDataPath(CudaAttentionSide, CudaFFNSide):
 
     def _put_control(self, stream, peer: int, ring: int, words, seq: int) -> None:
         """A header-only message to a put peer: the words into staging slot (peer, ring), then
-        a put-with-signal of the header setting the peer's flag to ``seq`` (§6.1)."""
+        a put-with-signal of the header setting the peer's flag to ``seq`` (docs/design/put-transport.md)."""
         from afd_cupy import transport
 
         words = np.ascontiguousarray(words, np.int32)

@@ -6,7 +6,7 @@ built once; per call only the token count, pointers, layer and stage are rewritt
 numbers and what each reply must echo live on the device (``seq_counters``, ``expected``,
 ``expected_counts``).
 
-Dedup wire mode (docs/design.md §3.5): plan -> rows (``afd_dedup_rows``) -> dedup scatter on
+Dedup wire mode (docs/design/dedup.md): plan -> rows (``afd_dedup_rows``) -> dedup scatter on
 send (``topk_weights`` read here: they travel in the route tables), wait_replies (``dedup=1``)
 -> dedup combine over the ring's ``row_map`` on receive. Every buffer is allocated per ring
 when the path opens, so both modes stay free of host syncs and allocations on the hot path.
@@ -118,7 +118,7 @@ class CudaAttentionSide:
         cp, ctx, layout = self.cp, self.ctx, self.layout
         num_ffn = ctx.num_ffn_ranks
         max_partials = layout.token_cap * layout.top_k
-        # 0 marks an FFN rank reached by puts: the scatter fills the staging instead (§6.1)
+        # 0 marks an FFN rank reached by puts: the scatter fills the staging instead (docs/design/put-transport.md)
         self.peer_windows = cp.array([0 if self.peer_is_put[j] else self.window.peer_ptr(ctx.peer_pe(Role.FFN, j))
                                       for j in range(num_ffn)], dtype=cp.uint64)
         self.seq_counters = cp.zeros((layout.ring_depth, num_ffn), cp.int64)
@@ -324,7 +324,7 @@ class CudaAttentionSide:
 
     def _put_dispatch(self, stream: int, ring: int, num_tokens: int) -> None:
         """Put peers (both modes): staging -> their windows, flags last, behind the scatter on
-        ``stream`` (§6.1; the byte bound is the layout's: ``transport.dispatch_ranges``)."""
+        ``stream`` (docs/design/put-transport.md; the byte bound is the layout's: ``transport.dispatch_ranges``)."""
         if self.put is not None:
             self.put.after_dispatch(stream, ring, num_tokens, num_ffn_ranks=self.ctx.num_ffn_ranks,
                                     has_shared=self.ctx.has_shared)

@@ -218,7 +218,7 @@ class CudaFFNSide(CudaFFNDedupSteps):
         # it only for work queued later on this same stream, after the kernel has read it.
         stream = self.stream_ptr()
         launch.launch(stream, grid)
-        if self.peer_is_put[arrival.region]:  # staging -> the sender's window, flag = seq (§6.1)
+        if self.peer_is_put[arrival.region]:  # staging -> the sender's window, flag = seq (docs/design/put-transport.md)
             # dedup: one reply row per dispatch row, all in routed_x (the shared outputs are
             # folded into the first rows by the reduce)
             rows = (header.num_rows, 0) if layout.is_dedup else (num_routed, num_shared)

@@ -1,4 +1,4 @@
-"""cuda backend, FFN side of the dedup wire mode (docs/design.md §3.5, §5): the local staging
+"""cuda backend, FFN side of the dedup wire mode (docs/design/dedup.md, docs/design/kernels.md): the local staging
 of each slot, the expand step of ``item_views`` and the packed launch of the fused reduce+reply.
 A mixin of :class:`afd_cupy.backends.cuda_ffn.CudaFFNSide` (it uses the path's context, layout,
 window, poll stream, views and status memory).
@@ -122,7 +122,7 @@ class CudaFFNDedupSteps:
                             done_counter) -> kernels.PackedLaunch:
         """afd_dedup_reply of one (Attention rank, ring), checked and packed once; it reduces
         through that slot's route-table copy. ``dst_window`` 0: a put peer, the reply goes to
-        staging slot (``attn_rank``, ``ring``) of ``staging`` (§6.1)."""
+        staging slot (``attn_rank``, ``ring``) of ``staging`` (docs/design/put-transport.md)."""
         layout = self.layout
         return kernels.PackedLaunch(kernels.dedup_reply_spec(
             dtype_code=self.dtype_code, dst_window=dst_window, staging=staging, dst_peer=attn_rank,

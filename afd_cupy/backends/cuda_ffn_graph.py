@@ -1,4 +1,4 @@
-"""The graph-driven FFN server (cuda backend, both wire modes; docs/design.md §5.1).
+"""The graph-driven FFN server (cuda backend, both wire modes; docs/design/cuda-graphs.md).
 
 One CUDA graph per size bucket serves one work item per replay with no host step per item::
 
@@ -9,7 +9,7 @@ One CUDA graph per size bucket serves one work item per replay with no host step
 
 (``fused_wait_stage=False``: ``afd_wait_any`` into a device doorbell, then ``afd_graph_stage``.)
 
-In the dedup wire mode (§3.5) ``afd_graph_dedup_expand`` replaces the gather (it copies and
+In the dedup wire mode (docs/design/dedup.md) ``afd_graph_dedup_expand`` replaces the gather (it copies and
 checks the route table, scatters the received rows into the grouped staging and copies the
 shared rows) and ``afd_graph_dedup_reply`` the reply (the fused reduce: one row per received
 row). A route table the expand rejects ends the replay as BAD_ROUTE (nothing answered, the
@@ -75,7 +75,7 @@ class GraphFFNServer:
     (``SMs - n`` CTAs) are frozen into the graphs, and the eager fallback worker gets the same
     value. The server's own replays run one after another on one stream, so the spinner that
     the carve-out makes room for is another process's: on one GPU under MPS, the Attention's
-    reply wait (docs/design.md §8, "SM carve-out": on an H200 the V2-Lite-shaped experts phase
+    reply wait (docs/design/performance-decisions.md, "SM carve-out": on an H200 the V2-Lite-shaped experts phase
     of the 1A1F round trip drops from ~690 to ~485 µs). "auto" or an int >= 0 and < the device's
     SM count (ConfigError). With ``identity=True`` there are no GEMMs: no effect.
 

@@ -1,4 +1,4 @@
-"""The cuda backend's put transport (docs/design.md §6.1): host-initiated NVSHMEM on-stream
+"""The cuda backend's put transport (docs/design/put-transport.md): host-initiated NVSHMEM on-stream
 puts of messages the kernels laid out in this rank's symmetric staging.
 
 For a peer reached by puts the kernels write exactly what they would have written into the
@@ -20,7 +20,7 @@ of that slot. Right behind the kernel, on the same stream, the host enqueues:
 
 Not safe to call from two streams at once for the same ring (the connector's ring ordering
 covers the Attention side; the FFN replies on one stream). Whether the on-stream calls can be
-captured in a CUDA graph is measured by the e2e capture test (§6.1), not assumed here.
+captured in a CUDA graph is measured by the e2e capture test (docs/design/put-transport.md), not assumed here.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Host backend, dedup wire mode: the steps of :class:`~afd_cupy.backends.host.HostDataPath`
-that differ from pair mode (docs/design.md §3.5). A mixin: it uses the path's context,
+that differ from pair mode (docs/design/dedup.md). A mixin: it uses the path's context,
 layout, window, seqs and reply wait.
 
 Attention: plan (:func:`dedup.plan_dedup`) -> scatter (route table + one row per (token,

@@ -1,4 +1,4 @@
-"""Host polling of a window's flags: the one host-side flag wait (docs/design.md §4.2, §4.3).
+"""Host polling of a window's flags: the one host-side flag wait (docs/design/protocol.md).
 
 Used by the host backend for everything and by the cuda backend with ``poll_mode="host"``
 (one device-to-host copy of the flags per poll, no spinning kernel, no MPS needed).
@@ -32,7 +32,7 @@ class HostPolling:
     NOTE: on the host backend the flags are plain loads of shared memory; x86-64 keeps load
     order (TSO), so a header read after the flag read sees the writer's header. A weakly
     ordered host (Grace/ARM) needs an acquire fence between the two (numpy has none; see
-    ``docs/design.md`` §4.3, §7).
+    ``docs/design/protocol.md``, ``docs/design/fault-model.md``).
     """
 
     def __init__(self, window):

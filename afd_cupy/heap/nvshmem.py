@@ -175,7 +175,7 @@ class NvshmemHeap(SymmetricHeap):
         Every rank must call with the same ``nbytes`` and ``name``, in the same order.
         Raises NvshmemError when the symmetric heap is exhausted, HeapError when a PE is not
         reachable by load/store (``nvshmem_ptr`` NULL), unless ``allow_unmapped`` (the put
-        transport, docs/design.md §6.1): then such a PE's ``ptr`` is 0 and its ``peer`` view
+        transport, docs/design/put-transport.md): then such a PE's ``ptr`` is 0 and its ``peer`` view
         None, and only NVSHMEM puts reach it.
         """
         self._check_open()

@@ -127,7 +127,7 @@ PROTOTYPES: dict[str, tuple] = {
     "nvshmem_ptr": (c_void_p, [c_void_p, c_int]),
     # void nvshmem_barrier_all(void);
     "nvshmem_barrier_all": (None, []),
-    # The put transport (docs/design.md §6.1); host/nvshmemx_api.h. All return void: NVSHMEM
+    # The put transport (docs/design/put-transport.md); host/nvshmemx_api.h. All return void: NVSHMEM
     # reports a failure of an on-stream operation through the stream / its own abort.
     # void nvshmemx_putmem_on_stream(void *dest, const void *source, size_t bytes, int pe,
     #                                cudaStream_t cstrm);

@@ -1,4 +1,4 @@
-"""The CuPy RawKernels of ``raw_kernels/*.cu``: loader, checked launches, status (docs/design.md §5).
+"""The CuPy RawKernels of ``raw_kernels/*.cu``: loader, checked launches, status (docs/design/kernels.md).
 
 - :mod:`~afd_cupy.kernels.loader`: one cached loader. :func:`load_module` compiles a ``.cu``
   file once per (file, options, name expressions, device) with NVRTC (``-std=c++17

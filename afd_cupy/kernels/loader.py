@@ -1,4 +1,4 @@
-"""One cached loader for ``raw_kernels/*.cu`` (docs/design.md §5).
+"""One cached loader for ``raw_kernels/*.cu`` (docs/design/kernels.md).
 
 :func:`load_module` compiles a ``.cu`` file once per (file, options, name expressions, device)
 with NVRTC (``-std=c++17 -I raw_kernels``, no jitify). The cache key covers the contents of the

@@ -1,4 +1,4 @@
-"""numpy references of every dedup-mode step (docs/design.md §3.5): the specification the
+"""numpy references of every dedup-mode step (docs/design/dedup.md): the specification the
 host twin (:mod:`afd_cupy.dedup`, numba) is tested against, and the one the CUDA kernels are
 to be tested against. Straightforward loops and masks; slow; small sizes only.
 

@@ -45,7 +45,7 @@ class Scenario:
     mixed_transport: bool = False  # cuda with transport="auto": a mixed job on one node, the
     #                                (Attention a, FFN j) pairs with a + j odd reached by puts in
     #                                both directions as if nvshmem_ptr did not map them, the
-    #                                others direct (design.md §6.1)
+    #                                others direct (docs/design/put-transport.md)
 
     @property
     def num_checks(self) -> int:

@@ -39,7 +39,7 @@ def wait_replies_spec(*, window, geo, num_ffn_ranks, ring, expected, expected_co
     word gets the dispatch's pass mark when every reply passed (0 otherwise): the combine's
     blocks that find it skip their own re-check (zeros on allocation; the combine clears it).
 
-    ``dedup`` = 1: the replies of a dedup dispatch (docs/design.md §3.5): ``FLAG_DEDUP`` required
+    ``dedup`` = 1: the replies of a dedup dispatch (docs/design/dedup.md): ``FLAG_DEDUP`` required
     (and forbidden with 0), ``geo.header_words`` = HDR_FIXED_WORDS + epr + 1 with ``num_rows``
     last, ``expected_counts`` int32 [F, 3] (routed, shared, rows: :func:`dedup_scatter_spec`'s);
     a ``num_rows`` fault reports ST_COUNT = HDR_FIXED_WORDS + epr.

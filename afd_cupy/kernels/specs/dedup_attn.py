@@ -1,5 +1,5 @@
 """Spec builders of ``raw_kernels/dedup_attn.cu``: the Attention side of the dedup wire mode
-(docs/design.md §3.5): afd_dedup_rows, afd_dedup_scatter, afd_dedup_dispatch_fused and
+(docs/design/dedup.md): afd_dedup_rows, afd_dedup_scatter, afd_dedup_dispatch_fused and
 afd_dedup_combine, with their grids and the fused kernel's shared-memory bound.
 """
 from __future__ import annotations

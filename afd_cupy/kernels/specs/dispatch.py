@@ -108,7 +108,7 @@ def dispatch_scatter_spec(*, dtype_code, hidden, num_tokens, hidden_size, topk_i
     ``hidden``: payload [T, H] row-major; plan arrays and ``verdict`` from
     :func:`dispatch_plan_spec`; ``peer_windows`` uint64 [F] (device) base address of each FFN
     rank's window as mapped here; the message goes to slot (region = ``src_rank``, ``ring``).
-    A 0 entry marks an FFN rank reached by puts (docs/design.md §6.1): its message and flag go
+    A 0 entry marks an FFN rank reached by puts (docs/design/put-transport.md): its message and flag go
     to slot (region = that rank, ``ring``) of ``staging`` (this rank's symmetric put staging,
     required non-zero then), and the host puts them.
     Outputs: ``pos_out`` int32 [NK] (row of each partial in its destination's segment),

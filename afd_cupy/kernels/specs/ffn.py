@@ -47,7 +47,7 @@ def reply_spec(*, dtype_code, dst_window, geo, src_rank, ring, routed_out, num_r
     ``header_src``: pinned int32 [header_words] prepared by the host; it must stay unchanged
     until the kernel has run (one buffer per in-flight reply). ``dst_window`` 0: the peer is
     reached by puts: rows and header go to slot (region = ``dst_peer``, ``ring``) of
-    ``staging`` and no flag is stored (the host's put-with-signal sets it; §6.1).
+    ``staging`` and no flag is stored (the host's put-with-signal sets it; docs/design/put-transport.md).
     Grid: :func:`reply_grid`.
     """
     num_routed = checks.count("num_routed", num_routed)
@@ -136,7 +136,7 @@ def dedup_reply_spec(*, dtype_code, dst_window, geo, src_rank, ring, route_copy,
     [header_words] (``wire.reply_header`` words with ``num_rows``), unchanged until the kernel
     ran. ``dst_window`` 0: the peer is reached by puts: rows and header go to slot (region =
     ``dst_peer``, ``ring``) of ``staging`` and no flag is stored (the host's put-with-signal
-    sets it; §6.1), as :func:`reply_spec`. Grid: :func:`dedup_reply_grid`.
+    sets it; docs/design/put-transport.md), as :func:`reply_spec`. Grid: :func:`dedup_reply_grid`.
     """
     geo = checks.geometry("geo", geo)
     is_put = not int(dst_window or 0)
