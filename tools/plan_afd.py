@@ -12,7 +12,7 @@ Three modes; each prints tables and writes ``plan_afd.json`` into ``--out``:
   async, async_merge (a what-if) and lockstep, and picks the most tokens/s per GPU whose
   worst time per output token p99 <= ``--sla-ms``. ``--example tiny``: the same at a toy size.
 - ``--validate``: predicted vs measured (afd_cupy.capacity.validate): the GPU runs quoted in
-  docs/benchmarks.md and issue #36, and each ``--bench-afd JSON`` (a plain run's
+  docs/benchmarks.md of ca1687d (git history) and issue #36, and each ``--bench-afd JSON`` (a plain run's
   ``bench_afd.json`` or a ``--sweep``'s ``bench_afd_sweep.json``, one run per split; host-backend
   runs need ``--cores``: busy-polling processes share that many CPU cores).
 - ``--simulate``: one deployment: ``--placement`` (``GPU:share%`` per rank, Attention first,

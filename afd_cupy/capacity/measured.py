@@ -1,4 +1,4 @@
-"""GPU runs of ``tools/bench_afd.py`` quoted in docs/benchmarks.md and issue #36, as
+"""GPU runs of ``tools/bench_afd.py`` quoted in docs/benchmarks.md of ca1687d (git history) and issue #36, as
 :class:`~afd_cupy.capacity.validate.MeasuredRun` (their JSON is not in the repository).
 
 Numbers marked *derived* are not printed in the source but follow from printed ones through
@@ -34,11 +34,11 @@ CA1687D_30_30_40 = MeasuredRun(
            Case("skewed", ((4096,), (256,)), (23.9, 6.57),
                 batch_ms={"async": (26.4, 14.5), "lockstep": (26.7, 26.7)}, ratio=1.06, ideal=1.29)))
 
-#: docs/benchmarks.md "bench_afd on the GPU, first run" (0210a59, one H200, MPS 25/25/50 %,
+#: docs/benchmarks.md of ca1687d (git history) "bench_afd on the GPU, first run" (0210a59, one H200, MPS 25/25/50 %,
 #: 2 s per phase, skewed only). Printed: tokens/s total and per replica (solo), FFN busy,
 #: async/lockstep 1.08, ideal 1.39. Derived: batch ms = tokens per batch / tokens/s.
 R0210A59_25_25_50 = MeasuredRun(
-    name="0210a59 2A1F 25/25/50", source="docs/benchmarks.md, first GPU run of bench_afd",
+    name="0210a59 2A1F 25/25/50", source="docs/benchmarks.md of ca1687d (git history), first GPU run of bench_afd",
     shape=V2_LITE_QUICK, placement="0:25,0:25,0:50", num_attn=2, weight_read_gbps=WEIGHT_READ_NO_CARVEOUT_GBPS,
     cases=(Case("skewed", ((4096,), (256,)), (4096 / 1.92e5 * 1e3, 256 / 45041 * 1e3),
                 batch_ms={"async": (4096 / 1.65e5 * 1e3, 256 / 20590 * 1e3),

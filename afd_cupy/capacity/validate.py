@@ -3,7 +3,7 @@ its multi-replica async and lockstep rows with the simulator.
 
 A :class:`MeasuredRun` is one benchmark launch pair (async + lockstep) with one
 :class:`Case` per workload; :func:`run_from_report` builds one from a ``bench_afd.json``,
-``afd_cupy.capacity.measured`` holds the GPU runs quoted in docs/benchmarks.md and the
+``afd_cupy.capacity.measured`` holds the GPU runs quoted in docs/benchmarks.md of ca1687d (git history) and the
 issues. :func:`validate` returns one row per compared quantity with its relative error.
 """
 from __future__ import annotations
