@@ -1,6 +1,8 @@
 """Hugging Face MoE models disaggregated through afd_cupy.adapters (docs/design.md §1): every
-family's blocks are recognised, its config maps to the right gate, and greedy generation with
-the Attention side in one process and F FFN ranks matches the same model run in one process
+family's blocks are recognised, its config maps to the right gate (and gpt-oss's SwiGLU to
+the config's alpha and limit), the proxies gate the HF routers' own logits, every block
+matches its HF block and the fp64 truth, and teacher-forced greedy generation with the
+Attention side in one process and F FFN ranks matches the same model run in one process
 (logits within tolerance at every step, the same tokens)."""
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from afd_cupy import adapters, gates  # noqa: E402
 from afd_cupy.launch import launch  # noqa: E402
 from afd_cupy.testing.logit_check import LOGIT_TOLERANCE  # noqa: E402
 from afd_cupy.testing.reference import reference_moe  # noqa: E402
-from afd_cupy.testing.hf_models import generation_rank, tiny_config, tiny_model  # noqa: E402
+from afd_cupy.testing.hf_models import (RouterRecorder, generation_rank, greedy_steps, tiny_config,  # noqa: E402
+                                        tiny_model)
 
 BACKENDS = [pytest.param("host", id="host"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}  # relative, against the model's own block
@@ -296,6 +299,25 @@ def test_unsupported_gpt_oss_variants_are_named():
                        match=r"GptOssMLP: expert weights gate_up_proj \(8, 64, 64\) and down_proj \(8, 31, 64\) "
                              r"are neither"):
         adapters.ffn_weights(model, ffn_rank=0, num_ffn_ranks=1, num_experts=8)
+
+
+def test_teacher_forcing_feeds_the_given_tokens_and_records_every_router():
+    """greedy_steps(forced=) grows the sequence by the forced tokens, not its own greedy ones:
+    step i's logits are the model's on prompt + forced[:i]; RouterRecorder keeps each step's
+    routers' (logits, ids) in layer order."""
+    model = tiny_model("qwen3_moe", seed=15)
+    prompt = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(16))
+    free_tokens = greedy_steps(model, prompt, 4)[0]
+    forced = [(t + 1) % 96 for t in free_tokens]  # never the greedy token
+    with RouterRecorder(model) as recorder:
+        tokens, logits, _ = greedy_steps(model, prompt, 4, forced=forced)
+    assert tokens[0] == free_tokens[0] and len(recorder.steps) == 4
+    for i in range(4):
+        with torch.no_grad():
+            want = model(torch.cat([prompt, torch.tensor([forced[:i]], dtype=prompt.dtype)], dim=1),
+                         use_cache=False).logits[0, -1]
+        assert torch.equal(logits[i], want) and tokens[i] == int(want.argmax())
+        assert [tuple(ids.shape) for _, ids in recorder.steps[i]] == [(5 + i, 2)] * 3
 
 
 def _generation_program(ctx, backend, num_ffn):

@@ -7,7 +7,7 @@ The model is built from a config with seeded random weights (no network; see
 ``afd_cupy.testing.hf_models``). The comparison is teacher-forced: the one-process run
 generates greedily, the disaggregated run is fed the same tokens, and every step's logits
 must be within the dtype's tolerance (``afd_cupy.testing.logit_check``: max |logit error| /
-rms(logits) <= 1e-4 in fp32, 0.1 in bf16). A step whose greedy token differs passes when the
+rms(logits) <= 1e-4 in fp32, 0.2 in bf16). A step whose greedy token differs passes when the
 flip is a near-tie (margin <= 2 tol); a bf16 step above tolerance passes when a router
 near-tie explains it (the first sparse-MoE layer routing a token elsewhere saw router logits
 within tolerance). Prints per family the worst step error, the flips and their margins, the

@@ -132,18 +132,18 @@ def generation_rank(ctx, family: str, *, backend: str, num_ffn: int, steps: int,
                                generator=torch.Generator().manual_seed(seed + 7)).to(device)
         fp32_copy = copy.deepcopy(model).float() if dtype != "float32" else None
         with RouterRecorder(model) as ref_routing:
-            ref_tokens, ref_logits, ref_s = _generate(model, prompt, steps)
+            ref_tokens, ref_logits, ref_s = greedy_steps(model, prompt, steps)
         recorder = RouterRecorder(model)  # the routers stay (in the proxies) when the experts go
         adapters.disaggregate_attention(model, conn)
         with recorder as afd_routing:
-            tokens, logits, afd_s = _generate(model, prompt, steps, forced=ref_tokens)
+            tokens, logits, afd_s = greedy_steps(model, prompt, steps, forced=ref_tokens)
         conn.announce_shutdown()
         check = logit_check.check_generation(ref_logits, logits, dtype, ref_routing.steps, afd_routing.steps)
         report = {"tokens": tokens, "ref_tokens": ref_tokens, "check": check,
                   "errors": [step["error"] for step in check["steps"]],
                   "tokens_per_s": steps / afd_s, "ref_tokens_per_s": steps / ref_s}
         if fp32_copy is not None:
-            fp32_logits = _generate(fp32_copy, prompt, steps, forced=ref_tokens)[1]
+            fp32_logits = greedy_steps(fp32_copy, prompt, steps, forced=ref_tokens)[1]
             report["ref_noise"] = [logit_check.scaled_error(a, b) for a, b in zip(ref_logits, fp32_logits)]
         return report
     finally:
@@ -186,7 +186,7 @@ class RouterRecorder:
         return False
 
 
-def _generate(model, prompt: torch.Tensor, steps: int, *, forced: list[int] | None = None):
+def greedy_steps(model, prompt: torch.Tensor, steps: int, *, forced: list[int] | None = None):
     """Greedy decoding without a KV cache (every step recomputes the sequence): the greedy
     tokens, the last-position logits of every step (CPU), wall seconds. With ``forced``
     (teacher forcing) the sequence grows by ``forced[i]`` after step i instead of by the

@@ -9,10 +9,13 @@ the inputs equal, so every step is judged on its own:
 - **error** of a step: ``max_v |got[v] - ref[v]| / rms(ref)``, the worst logit's deviation in
   units of the reference logits' scale (their root mean square over the vocabulary).
   ``LOGIT_TOLERANCE[dtype]`` bounds it: fp32 ``1e-4`` (fp32 arithmetic in another order:
-  measured <= 2e-6 on the tiny models, host backend); bf16 ``0.1`` (bf16 keeps 8 bits, one
-  rounding is up to ``2**-9`` relative, and the tiny models' bf16 run is itself 0.02-0.08 of
-  the scale off the same weights run in fp32 when no routing decision changes; the
-  disaggregated bf16 run measured 0.02-0.08 off the one-process bf16 run).
+  measured <= 2e-6 on the tiny models, host backend); bf16 ``0.2``: bf16 keeps 8 bits (one
+  rounding is up to ``2**-9`` relative); without a routing change the disaggregated bf16 run
+  measured up to 0.036 off the one-process bf16 run for six families and 0.083 for gpt-oss
+  (its experts' gate/up values are large enough to reach the clamp), and the one-process bf16
+  run itself up to 0.14 off the same weights run in fp32 (host backend). A defect worth the name (a wrong layout, activation, scaling or
+  routing) moves logits by a sizeable part of their scale; the per-block tests against an
+  fp64 truth (tests/test_adapters.py) catch the subtle ones.
 - **flip**: the greedy tokens differ. Its **margin** is ``(ref[a] - ref[b]) / rms(ref)`` with
   ``a`` the reference's token and ``b`` the other run's (the top-2 margin when ``b`` is the
   reference's runner-up). Two runs within ``tol`` of each other can swap tokens only when
@@ -34,7 +37,7 @@ from __future__ import annotations
 import torch
 
 #: max |logit error| / rms(reference logits) per step, by dtype (see the module doc)
-LOGIT_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.1}
+LOGIT_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.2}
 
 
 def scaled_error(got: torch.Tensor, ref: torch.Tensor) -> float:
