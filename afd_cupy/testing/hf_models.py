@@ -170,9 +170,9 @@ class RouterRecorder:
         self._handles = [router.register_forward_hook(self._record) for router in self.routers]
         return self
 
-    def _record(self, _module, _inputs, output):
+    def _record(self, module, _inputs, output):
         if not (isinstance(output, tuple) and len(output) == 3):
-            raise TypeError(f"router {type(_module).__name__} returned {type(output).__name__}, "
+            raise TypeError(f"router {type(module).__name__} returned {type(output).__name__}, "
                             "expected (logits, weights, ids)")
         if self._num_calls % len(self.routers) == 0:
             self.steps.append([])
