@@ -104,7 +104,7 @@ def _num_moe_layers(c, family: str) -> int:
 
 
 # --- blocks ----------------------------------------------------------------------------
-def _router_of(module: nn.Module) -> nn.Module | None:
+def router_of(module: nn.Module) -> nn.Module | None:
     """The router of a block: ``gate`` or ``router`` with a ``weight``, or None."""
     for name in ("gate", "router"):
         router = getattr(module, name, None)
@@ -117,7 +117,7 @@ def is_sparse_moe_block(module: nn.Module) -> bool:
     """Whether ``module`` has a router (``gate`` or ``router``) and fused ``experts`` (see the
     module doc)."""
     experts = getattr(module, "experts", None)
-    return (_router_of(module) is not None and experts is not None
+    return (router_of(module) is not None and experts is not None
             and hasattr(experts, "gate_up_proj") and hasattr(experts, "down_proj"))
 
 
@@ -174,7 +174,7 @@ def disaggregate_attention(model: nn.Module, connector, *, blocking: bool = True
         _check_block(block)
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, DisaggregatedMoE(_router_of(block), connector, layer_idx, blocking=blocking,
+        setattr(parent, attr, DisaggregatedMoE(router_of(block), connector, layer_idx, blocking=blocking,
                                                return_scores=return_scores))
     return len(blocks)
 

@@ -6,6 +6,7 @@ transposed), biases, and the shared expert (docs/design/models.md). Used by
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,8 @@ from torch import nn
 from afd_cupy import moe
 from afd_cupy.errors import ConfigError
 
-#: gpt-oss's clamped SwiGLU, as transformers' GptOssExperts hard-codes it (limit, alpha)
+#: gpt-oss's clamped SwiGLU defaults (limit, alpha), for configs that name neither
+#: (``GptOssConfig.swiglu_limit`` / ``swiglu_alpha``, read by transformers 5's GptOssExperts)
 _GPT_OSS_SWIGLU = (7.0, 1.702)
 
 
@@ -61,14 +63,20 @@ def _config_format(hf_config) -> _Format:
     """The experts' format a Hugging Face config describes (for a state dict)."""
     if getattr(hf_config, "model_type", None) != "gpt_oss":
         return _Format(config_activation(hf_config))
-    limit, alpha = _GPT_OSS_SWIGLU
-    configured = getattr(hf_config, "swiglu_limit", limit)
-    if configured != limit:
-        # NOTE: transformers 5's GptOssExperts ignores the config and clamps at 7.0; rather
-        # than pick one of two answers, refuse.
-        raise UnsupportedModelError(f"gpt_oss: swiglu_limit={configured!r} in the config, but "
-                                    f"transformers' GptOssExperts clamps at {limit}")
+    limit, alpha = (_swiglu_param(hf_config, name, default)
+                    for name, default in zip(("swiglu_limit", "swiglu_alpha"), _GPT_OSS_SWIGLU))
     return _Format("clamped_swiglu", interleaved=True, swiglu_limit=limit, swiglu_alpha=alpha)
+
+
+def _swiglu_param(hf_config, name: str, default: float) -> float:
+    """``hf_config.<name>`` (``default`` when absent or None) as a finite float > 0, as
+    transformers' GptOssExperts reads it; UnsupportedModelError naming the value otherwise."""
+    value = getattr(hf_config, name, None)
+    value = default if value is None else value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise UnsupportedModelError(f"gpt_oss: {name}={value!r} in the config; the clamped SwiGLU "
+                                    "needs a finite number > 0")
+    return float(value)
 
 
 _ACTIVATIONS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUActivation": "gelu",

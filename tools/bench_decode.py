@@ -204,12 +204,16 @@ def _new_batch(spec: Spec, workload: Workload, attn_rank: int, phase_idx: int) -
 
 def _warmup(conn, spec: Spec, replica, batch: db.DecodeBatch, steps: int, check: bool) -> tuple:
     """``steps`` steps on ``batch``; (step seconds of the last ones, layer 0's check or None)."""
-    times, verify = [], None
-    for step_idx in range(max(1, steps)):
+    times, verify, checks = [], None, []
+    for step_idx in range(max(1, steps) + (1 if check else 0)):  # check steps 0 and 1 untimed
         begin = time.perf_counter()
-        if check and step_idx == 0:
-            _, record = dm.decode_step(conn, replica, batch.kv_lengths(), record_layer=0)
-            verify = dm.check_layer(spec.dims, 0, spec.seed, record, conn.model.routed_scaling_factor)
+        if check and step_idx < 2:  # step 0: the timed (non-blocking) receive; step 1: a blocking one
+            _, record = dm.decode_step(conn, replica, batch.kv_lengths(), record_layer=0,
+                                       record_blocking=step_idx == 1)
+            result = dm.check_layer(spec.dims, 0, spec.seed, record, conn.model.routed_scaling_factor)
+            result["blocking"] = step_idx == 1
+            checks.append(result)
+            verify = next((c for c in checks if not c["ok"]), result) | {"checks": list(checks)}
         else:
             dm.decode_step(conn, replica, batch.kv_lengths())
             times.append(time.perf_counter() - begin)

@@ -189,10 +189,11 @@ class DecodeReplica:
 
 
 def decode_step(conn, replica: DecodeReplica, kv_lengths: np.ndarray, recorder=None, step_idx: int = 0,
-                record_layer: int | None = None):
+                record_layer: int | None = None, record_blocking: bool = False):
     """All layers of one decode step of the active requests; one synchronization at the end
     (``conn.check_errors()``, which raises latched errors). Returns the final hidden [n, H], and
-    with ``record_layer`` also (hidden sent, topk_ids, topk_weights, AFD output) of that layer.
+    with ``record_layer`` also (hidden sent, topk_ids, topk_weights, AFD output) of that layer
+    (``record_blocking``: that layer's receive blocks, the others do not).
 
     ``recorder`` (a ``bench_spans.SpanRecorder``): attention, dispatch and combine spans of
     every layer on the stream lane, tagged ``(step_idx, layer)`` (bench_afd's tags)."""
@@ -209,9 +210,10 @@ def decode_step(conn, replica: DecodeReplica, kv_lengths: np.ndarray, recorder=N
         handle = conn.send_attn_output(normed, ids, weights, layer_idx)
         if recorder is not None:
             recorder.mark(spans.STREAM, "combine", (step_idx, layer_idx))
-        moe_out = conn.recv_ffn_output(handle, blocking=False)
-        if layer_idx == record_layer:
-            record = (normed, ids, weights, moe_out)
+        recorded = layer_idx == record_layer
+        moe_out = conn.recv_ffn_output(handle, blocking=recorded and record_blocking)
+        if recorded:  # copies: what the check reads must not depend on later layers' buffers
+            record = (normed.clone(), ids.clone(), weights.clone(), moe_out.clone())
         x = x + moe_out
     if recorder is not None:
         recorder.mark(spans.STREAM, None)

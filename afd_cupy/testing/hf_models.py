@@ -52,7 +52,10 @@ def tiny_model(family: str, *, seed: int, dtype=torch.float32, **overrides):
     Router weights and DeepSeek-V3's selection bias are drawn wide enough that routing
     differs between tokens; the fused expert weights (and gpt-oss's expert biases) are
     initialised explicitly (transformers leaves them empty or zero); gpt-oss's gate/up
-    weights are scaled so that its SwiGLU clamp is reached, its router biases drawn wide."""
+    weights are scaled so that its SwiGLU clamp is reached, its router biases drawn wide.
+    Tensors the family keeps in fp32 (``_keep_in_fp32_modules_strict``: DeepSeek's router
+    weight and ``e_score_correction_bias``) stay fp32 whatever ``dtype``, as in a checkpoint
+    loaded by ``from_pretrained``."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -70,23 +73,42 @@ def tiny_model(family: str, *, seed: int, dtype=torch.float32, **overrides):
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(torch.randn(buf.shape, generator=gen) * 0.1)
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    # as from_pretrained loads a checkpoint: what the family keeps in fp32 (DeepSeek's router
+    # weights and selection bias) stays fp32 in a bf16 model
+    keep = tuple(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if any(pattern in name for pattern in keep) and tensor.is_floating_point():
+                tensor.data = tensor.data.float()
+    return model
 
 
 def generation_rank(ctx, family: str, *, backend: str, num_ffn: int, steps: int,
                     prompt_len: int = 6, dtype: str = "float32", seed: int = 0,
                     overrides: dict | None = None) -> dict:
-    """One rank of a disaggregated greedy generation (rank 0: Attention, the model minus its
-    experts; ranks 1..F: FFN ranks holding only their experts, taken from a state dict).
+    """One rank of a disaggregated, teacher-forced greedy generation (rank 0: Attention, the
+    model minus its experts; ranks 1..F: FFN ranks holding only their experts, taken from a
+    state dict).
 
-    Rank 0 first runs the same model undisaggregated as the reference, then disaggregated,
-    and reports per step the relative logit error, both token lists and both wall times.
+    Rank 0 first runs the model undisaggregated as the reference (greedy, ``steps`` tokens),
+    then disaggregated, fed the reference's tokens (teacher forcing: every step sees the same
+    sequence in both runs), recording every sparse-MoE router's logits and choice in both. It
+    returns ``logit_check.check_generation`` of the two (``"check"``), the per-step errors
+    (``"errors"``: ``max |logit error| / rms(ref logits)``), both token lists (``"tokens"``:
+    the disaggregated run's greedy choice at each step), both tokens/s, and for a dtype other
+    than fp32 ``"ref_noise"``: the same error of the reference against itself run in fp32
+    (same weights, same tokens), bf16's own deviation for scale. FFN ranks return
+    ``{"served": work items}``.
     """
+    import copy
+
     from afd_cupy import adapters
     from afd_cupy.config import TopologyConfig
     from afd_cupy.connector import AFDConnector
     from afd_cupy.dtypes import torch_dtype
     from afd_cupy.ffn_worker import FFNWorker
+    from afd_cupy.testing import logit_check
 
     device = torch.device("cuda", ctx.device_id or 0) if backend == "cuda" else torch.device("cpu")
     if backend == "cuda":
@@ -108,29 +130,77 @@ def generation_rank(ctx, family: str, *, backend: str, num_ffn: int, steps: int,
             return {"served": FFNWorker(conn, experts, shared if any(s is not None for s in shared) else None).run()}
         prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len),
                                generator=torch.Generator().manual_seed(seed + 7)).to(device)
-        ref_tokens, ref_logits, ref_s = _greedy(model, prompt, steps)
+        fp32_copy = copy.deepcopy(model).float() if dtype != "float32" else None
+        with RouterRecorder(model) as ref_routing:
+            ref_tokens, ref_logits, ref_s = greedy_steps(model, prompt, steps)
+        recorder = RouterRecorder(model)  # the routers stay (in the proxies) when the experts go
         adapters.disaggregate_attention(model, conn)
-        tokens, logits, afd_s = _greedy(model, prompt, steps)
-        errors = [float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(logits, ref_logits)]
+        with recorder as afd_routing:
+            tokens, logits, afd_s = greedy_steps(model, prompt, steps, forced=ref_tokens)
         conn.announce_shutdown()
-        return {"tokens": tokens, "ref_tokens": ref_tokens, "errors": errors,
-                "tokens_per_s": steps / afd_s, "ref_tokens_per_s": steps / ref_s}
+        check = logit_check.check_generation(ref_logits, logits, dtype, ref_routing.steps, afd_routing.steps)
+        report = {"tokens": tokens, "ref_tokens": ref_tokens, "check": check,
+                  "errors": [step["error"] for step in check["steps"]],
+                  "tokens_per_s": steps / afd_s, "ref_tokens_per_s": steps / ref_s}
+        if fp32_copy is not None:
+            fp32_logits = greedy_steps(fp32_copy, prompt, steps, forced=ref_tokens)[1]
+            report["ref_noise"] = [logit_check.scaled_error(a, b) for a, b in zip(ref_logits, fp32_logits)]
+        return report
     finally:
         conn.close()
 
 
-def _greedy(model, prompt: torch.Tensor, steps: int):
-    """Greedy decoding without a KV cache (every step recomputes the sequence): tokens, the
-    last-position logits of every step, wall seconds."""
+class RouterRecorder:
+    """Records, per forward pass of ``model``, every sparse-MoE router's ``(logits [T, E],
+    topk_ids [T, K])`` in forward order (the router's own choice: the Hugging Face routers
+    return ``(logits, weights, ids)``); ``steps`` holds one list per forward, on the CPU once
+    the ``with`` block exits. Hooks the router modules, which stay in place (inside the
+    proxies) when ``disaggregate_attention`` replaces the blocks. Adds no host synchronization
+    while recording (the tensors are kept and copied at exit)."""
+
+    def __init__(self, model):
+        from afd_cupy import adapters
+
+        self.routers = [adapters.router_of(block) for _, block in adapters.moe_blocks(model)]
+        self.steps: list[list] = []
+        self._handles = []
+        self._num_calls = 0
+
+    def __enter__(self):
+        self._handles = [router.register_forward_hook(self._record) for router in self.routers]
+        return self
+
+    def _record(self, module, _inputs, output):
+        if not (isinstance(output, tuple) and len(output) == 3):
+            raise TypeError(f"router {type(module).__name__} returned {type(output).__name__}, "
+                            "expected (logits, weights, ids)")
+        if self._num_calls % len(self.routers) == 0:
+            self.steps.append([])
+        self._num_calls += 1
+        self.steps[-1].append((output[0].detach(), output[2].detach()))
+
+    def __exit__(self, *exc):
+        for handle in self._handles:
+            handle.remove()
+        self.steps = [[(logits.float().cpu(), ids.cpu()) for logits, ids in step] for step in self.steps]
+        return False
+
+
+def greedy_steps(model, prompt: torch.Tensor, steps: int, *, forced: list[int] | None = None):
+    """Greedy decoding without a KV cache (every step recomputes the sequence): the greedy
+    tokens, the last-position logits of every step (CPU), wall seconds. With ``forced``
+    (teacher forcing) the sequence grows by ``forced[i]`` after step i instead of by the
+    greedy token; the greedy tokens are still returned."""
     import time
 
     ids, tokens, logits = prompt, [], []
     start = time.perf_counter()
     with torch.no_grad():
-        for _ in range(steps):
+        for step in range(steps):
             step_logits = model(ids, use_cache=False).logits[0, -1]
             token = int(step_logits.argmax())
             tokens.append(token)
             logits.append(step_logits.cpu())
-            ids = torch.cat([ids, torch.tensor([[token]], device=ids.device)], dim=1)
+            fed = token if forced is None else forced[step]
+            ids = torch.cat([ids, torch.tensor([[fed]], device=ids.device)], dim=1)
     return tokens, logits, time.perf_counter() - start
