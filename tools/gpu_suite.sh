@@ -24,7 +24,7 @@
 #     stage; dedup), the staged step on one stream vs a stream per stage (S = 1 2 4), the
 #     V2-Lite-shaped MoE step with the GEMM SM carve-out 0 and "auto" (the default), the step
 #     with torch's gate against the one-kernel gate (step_fused), bench_gate
-# Knobs (environment): SUITE_TESTS (test files or ids instead of all), SUITE_TIMEOUT, TEST_TIMEOUT (per test), SMOKE_ARGS, SKIP_SMOKE_1A1F=1, SKIP_SMOKE_2A2F=1,
+# Knobs (environment): SUITE_TESTS (test files or ids instead of all), SUITE_TIMEOUT, TEST_TIMEOUT (per test), PYTEST_ARGS (extra pytest arguments for the cuda tests, e.g. "-n 4" with pytest-xdist), SMOKE_ARGS, SKIP_SMOKE_1A1F=1, SKIP_SMOKE_2A2F=1,
 # SKIP_HOSTPOLL=1 / HOSTPOLL_TIMEOUT (the e2e cases with host polling and no MPS),
 # SKIP_HF=1 (tools/hf_generate.py), SKIP_STARTUP=0 (tools/startup_profile.py; part1 runs it), SKIP_SOAK=1 / SOAK_N / SOAK_TIMEOUT / SOAK_ARGS (tools/soak.py),
 # BENCHES (names of tools/*.py run with --quick), BENCH_TIMEOUT, AFD_COMMIT (for the table).
@@ -140,7 +140,7 @@ case "$MODE" in
 esac
 case "$MODE" in twogpu*|trace1|soak1|moe1) MODE=none ;; esac
 if [ "$MODE" != bench ] && [ "$MODE" != none ]; then
-run_step pytest_cuda "$SUITE_TIMEOUT" python3 -m pytest -m cuda -q -p no:cacheprovider \
+run_step pytest_cuda "$SUITE_TIMEOUT" python3 -m pytest -m cuda -q -p no:cacheprovider ${PYTEST_ARGS:-} \
   --timeout=${TEST_TIMEOUT:-90} -rfEs --durations=25 $TEST_FILES
 # the end-to-end cases again with host polling and WITHOUT MPS (no spinning kernels at all)
 [ "${SKIP_HOSTPOLL:-0}" = 1 ] || AFD_TEST_POLL_MODE=host NO_MPS=1 run_step pytest_hostpoll "${HOSTPOLL_TIMEOUT:-300}" \
