@@ -29,8 +29,9 @@ from afd_cupy import env, gates, handshake, moe
 from afd_cupy.backends.base import POLL_MODES, Arrival, PathContext, open_path, require_backend
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig
 from afd_cupy.dtypes import torch_dtype
-from afd_cupy.errors import (ConfigError, ConnectorShutdown, PeerLostError, PeerTimeoutError,
-                             ProtocolError, RingExhaustedError, token_cap_error)
+from afd_cupy.errors import (AfdError, ConfigError, ConnectorShutdown, PeerLostError,
+                             PeerTimeoutError, ProtocolError, RingExhaustedError, token_cap_error)
+from afd_cupy import peer_state
 from afd_cupy.handles import DispatchHandle, FFNWorkItem  # noqa: F401 - part of this module's API
 from afd_cupy.heap.nvshmem_env import check_nvshmem_env
 from afd_cupy.topology import Role, Topology
@@ -136,6 +137,10 @@ class AFDConnector:
         self._shutdown_from: set[int] = set()
         self._lost: set[int] = set()  # FFN: attention ranks found dead
         self._shutdown_announced = False
+        self._store = store  # read again only on error paths (a failed FFN's reason)
+        # Attention: FFN rank -> why it is gone (shut down, dead, failed): later sends to it
+        # raise at once instead of waiting out the peer timeout (issue 35, item 8)
+        self._ffn_gone: dict[int, peer_state.GoneReason] = {}
         self._peer_failed = False  # a wait timed out or a peer died: close() must not hang on it
         self._closed = False
         self.instance, peers = handshake.exchange(
@@ -160,6 +165,9 @@ class AFDConnector:
         except BaseException:
             self._closed = True  # nothing to close: no "not closed" warning from __del__
             raise
+        # pair mode, Attention: the combine's routing, owned from send_attn_output on
+        self._owned_routing = (peer_state.owned_routing_buffers(self.layout, model.top_k, self.device)
+                               if self.role is Role.ATTENTION and not self.layout.is_dedup else None)
         logger.info("afd_cupy %s rank %d (world rank %d/%d) up: backend=%s window=%.1f MiB",
                     self.role.value, role_rank, self.world_rank, self.topology.world_size,
                     backend, self.layout.window_bytes / 2**20)
@@ -216,10 +224,26 @@ class AFDConnector:
         except BaseException:
             self._pending.pop(ring, None)
             raise
+        if self._ffn_gone:
+            self._refuse_gone_peers(state, ring)
+        if self._owned_routing is not None:  # pair mode: the combine reads them, so own them
+            topk_ids, topk_weights = peer_state.own_routing(self._owned_routing[ring], topk_ids,
+                                                            topk_weights)
         handle = DispatchHandle(layer_idx, stage_idx, ring, hidden.shape[0], topk_ids,
                                 topk_weights, state)
         self._pending[ring] = handle
         return handle
+
+    def _refuse_gone_peers(self, state, ring: int) -> None:
+        """Raise at once when this dispatch went to an FFN rank known gone (shut down, dead or
+        failed): its wait could only time out. Not while a CUDA graph is captured (``sent_to``
+        may synchronize)."""
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
+        gone = sorted(set(self.path.sent_to(state)) & set(self._ffn_gone))
+        if gone:
+            self._pending.pop(ring, None)
+            raise self._ffn_gone[gone[0]].error(gone)
 
     def recv_ffn_output(self, handle: DispatchHandle, *, blocking: bool = True) -> torch.Tensor:
         """Wait for the replies of exactly the FFN ranks that were sent to, and combine.
@@ -238,11 +262,30 @@ class AFDConnector:
                                      ring=handle.ring, layer_idx=handle.layer_idx,
                                      stage_idx=handle.stage_idx, out_scale=self.out_scale,
                                      blocking=blocking)
-        except PeerTimeoutError:
-            self._peer_failed = True
-            raise
+        except AfdError as exc:
+            self._note_reply_error(exc)
         finally:
             del self._pending[handle.ring]
+
+    def _note_reply_error(self, exc: AfdError):
+        """Remember an FFN rank that shut down, died or failed (from the error of a wait for
+        its reply) and raise: ``exc`` itself, or the PeerFailedError of a rank that announced
+        why it failed."""
+        if isinstance(exc, PeerTimeoutError):
+            self._peer_failed = True
+        reason = peer_state.gone_reason(exc, self._ffn_processes(), self._store, self.instance)
+        if reason is None:
+            raise exc
+        self._ffn_gone.setdefault(reason.rank, reason)
+        replacement = reason.error([reason.rank]) if reason.failure is not None else None
+        if replacement is None:
+            raise exc
+        raise replacement from exc
+
+    def _ffn_processes(self) -> dict:
+        """FFN role rank -> its PeerProcess (liveness, same host only)."""
+        return {self.topology.role_of(p.world_rank)[1]: p for p in self._peer_processes
+                if self.topology.role_of(p.world_rank)[0] is Role.FFN}
 
     def forget_dispatch(self, handle: DispatchHandle) -> None:
         """Release the ring of a dispatch that will not be received (the caller's step failed
@@ -262,9 +305,10 @@ class AFDConnector:
         """Synchronize and raise any error latched by a non-blocking call (no-op on host)."""
         try:
             self.path.check_errors()
-        except PeerTimeoutError:
-            self._peer_failed = True
-            raise
+        except AfdError as exc:
+            if self.role is not Role.ATTENTION:
+                raise
+            self._note_reply_error(exc)
 
     def _check_pending(self, handle: DispatchHandle) -> None:
         if self._pending.get(handle.ring) is not handle:
@@ -340,6 +384,11 @@ class AFDConnector:
         if len(self._shutdown_from) == self.topology.num_attn_ranks:
             raise ConnectorShutdown("every Attention rank announced shutdown", src_rank=src_rank)
 
+    def finished_attention_ranks(self) -> frozenset:
+        """FFN side: Attention role ranks that will send no more (announced shutdown, or found
+        dead by an idle poll). The lockstep schedule serves the others without them."""
+        return frozenset(self._shutdown_from)
+
     def _check_attention_alive(self) -> None:
         """Idle-time liveness check: raise PeerLostError once no Attention rank can send."""
         dead = [self.topology.role_of(pe)[1] for pe, proc in self._attn_processes.items()
@@ -384,6 +433,10 @@ class AFDConnector:
         out and moved on) is not answered: the reply would be dropped there anyway.
         """
         self._require(Role.FFN, "send_ffn_work_item_output")
+        if self._shutdown_announced:
+            raise ProtocolError(f"send_ffn_work_item_output after announce_shutdown(): the reply to "
+                                f"{item!r} would not be read (the attention ranks were told this "
+                                "rank is done)", peer=item.src_rank, layer_idx=item.layer_idx)
         self._check_outputs(item, routed_out, shared_out)
         key = (item.src_rank, item.ring)
         with self._ffn_lock:  # the flag write and the bookkeeping before the next item on the slot
@@ -418,8 +471,24 @@ class AFDConnector:
         """Write a shutdown header to every ring of every opposite-role peer. After it, an
         Attention rank may not send again; an FFN rank's pending replies are not answered."""
         self._require(self.role, "announce_shutdown")
-        self.path.announce_shutdown()
-        self._shutdown_announced = True
+        with self._ffn_lock:  # FFN: not in the middle of a reply on another thread
+            self.path.announce_shutdown()
+            self._shutdown_announced = True
+
+    def announce_failure(self, exc: BaseException) -> None:
+        """FFN side: tell every Attention rank that this rank's own code raised ``exc`` and
+        that it stops: the reason (type and message) is written to the store, then a shutdown
+        is announced; an Attention rank waiting for this rank (or sending to it later) raises
+        ``PeerFailedError`` naming this rank and the exception. Best effort: a store that
+        cannot be reached leaves a plain shutdown (logged)."""
+        self._require(Role.FFN, "announce_failure")
+        try:
+            peer_state.publish_failure(self._store, self.instance, self.role_rank, exc)
+        except Exception as store_exc:  # the shutdown below still releases the peers
+            logger.warning("afd_cupy ffn rank %d: could not publish the failure %r: %s",
+                           self.role_rank, exc, store_exc)
+        if not self._shutdown_announced:
+            self.announce_shutdown()
 
     def close(self) -> None:
         """Collective: every rank of the world calls it; frees the window. Idempotent.
