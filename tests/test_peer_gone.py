@@ -250,3 +250,19 @@ def test_lockstep_dead_replica_does_not_stall_the_others(backend):
     kinds = [info["kind"] for info in attn0]
     assert all(isinstance(kind, float) and kind < 0.1 for kind in kinds), attn0
     assert ffn["lost"] == (1,) and ffn["served"] == 1 + MODEL.num_layers, ffn
+
+
+# --- UX: the idle back-off's measuring tool keeps working (numbers are not asserted) --------
+def test_host_idle_cpu_tool_runs_at_tiny_size(tmp_path):
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import host_idle_cpu
+
+    report = host_idle_cpu.main(["--seconds", "0.3", "--layers", "5", "--json", str(tmp_path / "r.json")])
+    assert json.loads((tmp_path / "r.json").read_text()) == report
+    for mode in host_idle_cpu.MODES:
+        assert set(report["results"][mode]) == {"ffn_idle", "attn_wait", "busy_rtt_us"}
+        assert all(value > 0 for value in report["results"][mode].values()), report
