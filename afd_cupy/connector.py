@@ -138,9 +138,6 @@ class AFDConnector:
         self._lost: set[int] = set()  # FFN: attention ranks found dead
         self._shutdown_announced = False
         self._store = store  # read again only on error paths (a failed FFN's reason)
-        # Attention: FFN rank -> why it is gone (shut down, dead, failed): later sends to it
-        # raise at once instead of waiting out the peer timeout (issue 35, item 8)
-        self._ffn_gone: dict[int, peer_state.GoneReason] = {}
         self._peer_failed = False  # a wait timed out or a peer died: close() must not hang on it
         self._closed = False
         self.instance, peers = handshake.exchange(
@@ -148,6 +145,8 @@ class AFDConnector:
             record=handshake.config_record(model, topology, self.config, backend=backend),
             timeout_s=self.startup_timeout_s)
         self._peer_processes = peers
+        # Attention: FFN ranks known gone (shut down, dead, failed): refused at once later
+        self._ffn_peers = peer_state.FFNPeers(self.topology, peers, store, self.instance)
         _apply_cpu_threads(cpu_threads, peers)
         self._attn_processes = {p.world_rank: p for p in peers
                                 if self.topology.role_of(p.world_rank)[0] is Role.ATTENTION}
@@ -224,8 +223,12 @@ class AFDConnector:
         except BaseException:
             self._pending.pop(ring, None)
             raise
-        if self._ffn_gone:
-            self._refuse_gone_peers(state, ring)
+        if self._ffn_peers.gone and not _capturing(self.device):  # sent_to may synchronize
+            try:
+                self._ffn_peers.refuse(self.path.sent_to(state))
+            except AfdError:
+                self._pending.pop(ring, None)
+                raise
         if self._owned_routing is not None:  # pair mode: the combine reads them, so own them
             topk_ids, topk_weights = peer_state.own_routing(self._owned_routing[ring], topk_ids,
                                                             topk_weights)
@@ -233,17 +236,6 @@ class AFDConnector:
                                 topk_weights, state)
         self._pending[ring] = handle
         return handle
-
-    def _refuse_gone_peers(self, state, ring: int) -> None:
-        """Raise at once when this dispatch went to an FFN rank known gone (shut down, dead or
-        failed): its wait could only time out. Not while a CUDA graph is captured (``sent_to``
-        may synchronize)."""
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return
-        gone = sorted(set(self.path.sent_to(state)) & set(self._ffn_gone))
-        if gone:
-            self._pending.pop(ring, None)
-            raise self._ffn_gone[gone[0]].error(gone)
 
     def recv_ffn_output(self, handle: DispatchHandle, *, blocking: bool = True) -> torch.Tensor:
         """Wait for the replies of exactly the FFN ranks that were sent to, and combine.
@@ -268,24 +260,14 @@ class AFDConnector:
             del self._pending[handle.ring]
 
     def _note_reply_error(self, exc: AfdError):
-        """Remember an FFN rank that shut down, died or failed (from the error of a wait for
-        its reply) and raise: ``exc`` itself, or the PeerFailedError of a rank that announced
-        why it failed."""
+        """Raise ``exc`` (a wait for replies failed), or the PeerFailedError of the FFN rank
+        that published why it failed; a rank it shows gone is refused at once later."""
         if isinstance(exc, PeerTimeoutError):
             self._peer_failed = True
-        reason = peer_state.gone_reason(exc, self._ffn_processes(), self._store, self.instance)
-        if reason is None:
-            raise exc
-        self._ffn_gone.setdefault(reason.rank, reason)
-        replacement = reason.error([reason.rank]) if reason.failure is not None else None
-        if replacement is None:
+        replacement = self._ffn_peers.note(exc)
+        if replacement is exc:
             raise exc
         raise replacement from exc
-
-    def _ffn_processes(self) -> dict:
-        """FFN role rank -> its PeerProcess (liveness, same host only)."""
-        return {self.topology.role_of(p.world_rank)[1]: p for p in self._peer_processes
-                if self.topology.role_of(p.world_rank)[0] is Role.FFN}
 
     def forget_dispatch(self, handle: DispatchHandle) -> None:
         """Release the ring of a dispatch that will not be received (the caller's step failed
@@ -433,13 +415,13 @@ class AFDConnector:
         out and moved on) is not answered: the reply would be dropped there anyway.
         """
         self._require(Role.FFN, "send_ffn_work_item_output")
-        if self._shutdown_announced:
-            raise ProtocolError(f"send_ffn_work_item_output after announce_shutdown(): the reply to "
-                                f"{item!r} would not be read (the attention ranks were told this "
-                                "rank is done)", peer=item.src_rank, layer_idx=item.layer_idx)
         self._check_outputs(item, routed_out, shared_out)
         key = (item.src_rank, item.ring)
         with self._ffn_lock:  # the flag write and the bookkeeping before the next item on the slot
+            if self._shutdown_announced:
+                raise ProtocolError(f"send_ffn_work_item_output after announce_shutdown(): the reply "
+                                    f"to {item!r} would not be read (the attention ranks were told "
+                                    "this rank is done)", peer=item.src_rank, layer_idx=item.layer_idx)
             newest = self._received.get(key)
             if newest == item.seq and key in self._answered:
                 raise ProtocolError(f"work item from attention rank {item.src_rank} (layer {item.layer_idx}, "
@@ -569,6 +551,10 @@ def _apply_cpu_threads(cpu_threads, peers) -> None:
                     "(AFDConnector(cpu_threads=None) keeps them)", num_local,
                     torch.get_num_threads(), share)
         env.limit_threads(share)
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _check_index(name: str, value, bound: int) -> None:

@@ -105,6 +105,37 @@ def gone_reason(exc: Exception, ffn_processes: dict, store, instance: int) -> Go
     return None
 
 
+class FFNPeers:
+    """An Attention-side connector's memory of FFN ranks that are gone (issue 35, item 8).
+
+    ``processes``: FFN role rank -> ``handshake.PeerProcess`` (liveness, same host only);
+    ``store`` / ``instance``: where a failed FFN rank published its reason."""
+
+    def __init__(self, topology, peer_processes, store, instance: int):
+        from afd_cupy.topology import Role
+
+        self.processes = {topology.role_of(p.world_rank)[1]: p for p in peer_processes
+                          if topology.role_of(p.world_rank)[0] is Role.FFN}
+        self.store = store
+        self.instance = instance
+        self.gone: dict[int, GoneReason] = {}
+
+    def refuse(self, sent_to: list[int]) -> None:
+        """Raise the typed error of a dispatch sent to a rank known gone (lowest first)."""
+        gone = sorted(set(sent_to) & set(self.gone))
+        if gone:
+            raise self.gone[gone[0]].error(gone)
+
+    def note(self, exc: Exception) -> Exception:
+        """Remember the rank ``exc`` (the error of a wait for its reply) shows gone; return
+        what to raise: ``exc``, or the PeerFailedError of a rank that published a failure."""
+        reason = gone_reason(exc, self.processes, self.store, self.instance)
+        if reason is None:
+            return exc
+        self.gone.setdefault(reason.rank, reason)
+        return reason.error([reason.rank]) if reason.failure is not None else exc
+
+
 def owned_routing_buffers(layout, top_k: int, device: torch.device) -> list[tuple]:
     """Per ring: (int32 [token_cap, top_k], fp32 [token_cap, top_k]) on ``device``, allocated
     once (static addresses: a captured CUDA graph keeps using them)."""
