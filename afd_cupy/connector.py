@@ -203,7 +203,13 @@ class AFDConnector:
         [0, num_layers); stage_idx in [0, num_stages). Not collective; never blocks on peers.
 
         In dedup mode (``ConnectorConfig.wire_mode``) ``topk_weights`` travel and are read
-        here; in pair mode the combine reads them in ``recv_ffn_output``.
+        here; in pair mode the combine needs both, and this call copies them (stream-ordered,
+        no host synchronization, into buffers allocated per ring at start-up: capturable), so
+        the caller may overwrite its tensors as soon as this returns.
+
+        A dispatch that went to an FFN rank known gone (its shutdown, death or published
+        failure seen by an earlier receive) raises at once: ConnectorShutdown, PeerLostError
+        or PeerFailedError naming the rank.
 
         Raises ValueError for bad arguments and CapacityError when T > token_cap, here. A
         rank's routed partials over routed_cap, or an expert id out of range found on the
@@ -245,7 +251,10 @@ class AFDConnector:
         recognised by their seq and dropped. ``blocking=False`` (where the backend supports
         it: cuda) enqueues the wait and the combine on the current stream without a host
         synchronization; errors then surface at the next blocking call or ``check_errors()``,
-        and failed rows are NaN.
+        and failed rows are NaN. A reply the FFN rank sent before its shutdown is delivered;
+        the shutdown is raised by the next wait for that rank. An FFN rank whose code failed
+        (``announce_failure``, called by ``FFNWorker.run``) raises PeerFailedError naming the
+        rank and its exception.
         """
         self._require(Role.ATTENTION, "recv_ffn_output")
         self._check_pending(handle)
@@ -451,7 +460,9 @@ class AFDConnector:
     # --- both sides -------------------------------------------------------------------------
     def announce_shutdown(self) -> None:
         """Write a shutdown header to every ring of every opposite-role peer. After it, an
-        Attention rank may not send again; an FFN rank's pending replies are not answered."""
+        Attention rank may not send again; an FFN rank may not reply again (ProtocolError).
+        An FFN rank's shutdown keeps the replies it already wrote readable
+        (``wire.FLAG_KEPT_REPLY``; not over the cuda put transport)."""
         self._require(self.role, "announce_shutdown")
         with self._ffn_lock:  # FFN: not in the middle of a reply on another thread
             self.path.announce_shutdown()

@@ -27,6 +27,11 @@ Instrumentation is opt-in: ``FFNWorker(..., recorder=...)`` calls the :class:`FF
 hooks around each receive, compute and reply (benchmarks use it for busy time, queue depth and
 timelines); without a recorder each hook site costs one ``is None`` test.
 
+A replica that announced shutdown, or that an idle poll found dead, leaves the lockstep set:
+the worker serves the others without it (its held items are dropped, logged). When the loop
+fails (an expert raises), :meth:`FFNWorker.run` calls ``AFDConnector.announce_failure`` before
+it re-raises: the Attention ranks raise PeerFailedError naming this rank and the exception.
+
 NOTE (lockstep): every replica must send every layer to every FFN rank, even when it has no
 rows for it, or the worker waits for a message that never comes (until the Attention side's
 peer timeout). Build the Attention-side connectors with ``AFDConnector(..., always_send=True)``.
