@@ -29,8 +29,9 @@ from afd_cupy import env, gates, handshake, moe
 from afd_cupy.backends.base import POLL_MODES, Arrival, PathContext, open_path, require_backend
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig
 from afd_cupy.dtypes import torch_dtype
-from afd_cupy.errors import (ConfigError, ConnectorShutdown, PeerLostError, PeerTimeoutError,
-                             ProtocolError, RingExhaustedError, token_cap_error)
+from afd_cupy.errors import (AfdError, ConfigError, ConnectorShutdown, PeerLostError,
+                             PeerTimeoutError, ProtocolError, RingExhaustedError, token_cap_error)
+from afd_cupy import peer_state
 from afd_cupy.handles import DispatchHandle, FFNWorkItem  # noqa: F401 - part of this module's API
 from afd_cupy.heap.nvshmem_env import check_nvshmem_env
 from afd_cupy.topology import Role, Topology
@@ -136,6 +137,7 @@ class AFDConnector:
         self._shutdown_from: set[int] = set()
         self._lost: set[int] = set()  # FFN: attention ranks found dead
         self._shutdown_announced = False
+        self._store = store  # read again only on error paths (a failed FFN's reason)
         self._peer_failed = False  # a wait timed out or a peer died: close() must not hang on it
         self._closed = False
         self.instance, peers = handshake.exchange(
@@ -143,6 +145,8 @@ class AFDConnector:
             record=handshake.config_record(model, topology, self.config, backend=backend),
             timeout_s=self.startup_timeout_s)
         self._peer_processes = peers
+        # Attention: FFN ranks known gone (shut down, dead, failed): refused at once later
+        self._ffn_peers = peer_state.FFNPeers(self.topology, peers, store, self.instance)
         _apply_cpu_threads(cpu_threads, peers)
         self._attn_processes = {p.world_rank: p for p in peers
                                 if self.topology.role_of(p.world_rank)[0] is Role.ATTENTION}
@@ -160,6 +164,9 @@ class AFDConnector:
         except BaseException:
             self._closed = True  # nothing to close: no "not closed" warning from __del__
             raise
+        # pair mode, Attention: the combine's routing, owned from send_attn_output on
+        self._owned_routing = (peer_state.owned_routing_buffers(self.layout, model.top_k, self.device)
+                               if self.role is Role.ATTENTION and not self.layout.is_dedup else None)
         logger.info("afd_cupy %s rank %d (world rank %d/%d) up: backend=%s window=%.1f MiB",
                     self.role.value, role_rank, self.world_rank, self.topology.world_size,
                     backend, self.layout.window_bytes / 2**20)
@@ -196,7 +203,13 @@ class AFDConnector:
         [0, num_layers); stage_idx in [0, num_stages). Not collective; never blocks on peers.
 
         In dedup mode (``ConnectorConfig.wire_mode``) ``topk_weights`` travel and are read
-        here; in pair mode the combine reads them in ``recv_ffn_output``.
+        here; in pair mode the combine needs both, and this call copies them (stream-ordered,
+        no host synchronization, into buffers allocated per ring at start-up: capturable), so
+        the caller may overwrite its tensors as soon as this returns.
+
+        A dispatch that went to an FFN rank known gone (its shutdown, death or published
+        failure seen by an earlier receive) raises at once: ConnectorShutdown, PeerLostError
+        or PeerFailedError naming the rank.
 
         Raises ValueError for bad arguments and CapacityError when T > token_cap, here. A
         rank's routed partials over routed_cap, or an expert id out of range found on the
@@ -216,6 +229,15 @@ class AFDConnector:
         except BaseException:
             self._pending.pop(ring, None)
             raise
+        if self._ffn_peers.gone and not _capturing(self.device):  # sent_to may synchronize
+            try:
+                self._ffn_peers.refuse(self.path.sent_to(state))
+            except AfdError:
+                self._pending.pop(ring, None)
+                raise
+        if self._owned_routing is not None:  # pair mode: the combine reads them, so own them
+            topk_ids, topk_weights = peer_state.own_routing(self._owned_routing[ring], topk_ids,
+                                                            topk_weights)
         handle = DispatchHandle(layer_idx, stage_idx, ring, hidden.shape[0], topk_ids,
                                 topk_weights, state)
         self._pending[ring] = handle
@@ -229,7 +251,10 @@ class AFDConnector:
         recognised by their seq and dropped. ``blocking=False`` (where the backend supports
         it: cuda) enqueues the wait and the combine on the current stream without a host
         synchronization; errors then surface at the next blocking call or ``check_errors()``,
-        and failed rows are NaN.
+        and failed rows are NaN. A reply the FFN rank sent before its shutdown is delivered;
+        the shutdown is raised by the next wait for that rank. An FFN rank whose code failed
+        (``announce_failure``, called by ``FFNWorker.run``) raises PeerFailedError naming the
+        rank and its exception.
         """
         self._require(Role.ATTENTION, "recv_ffn_output")
         self._check_pending(handle)
@@ -238,11 +263,20 @@ class AFDConnector:
                                      ring=handle.ring, layer_idx=handle.layer_idx,
                                      stage_idx=handle.stage_idx, out_scale=self.out_scale,
                                      blocking=blocking)
-        except PeerTimeoutError:
-            self._peer_failed = True
-            raise
+        except AfdError as exc:
+            self._note_reply_error(exc)
         finally:
             del self._pending[handle.ring]
+
+    def _note_reply_error(self, exc: AfdError):
+        """Raise ``exc`` (a wait for replies failed), or the PeerFailedError of the FFN rank
+        that published why it failed; a rank it shows gone is refused at once later."""
+        if isinstance(exc, PeerTimeoutError):
+            self._peer_failed = True
+        replacement = self._ffn_peers.note(exc)
+        if replacement is exc:
+            raise exc
+        raise replacement from exc
 
     def forget_dispatch(self, handle: DispatchHandle) -> None:
         """Release the ring of a dispatch that will not be received (the caller's step failed
@@ -262,9 +296,10 @@ class AFDConnector:
         """Synchronize and raise any error latched by a non-blocking call (no-op on host)."""
         try:
             self.path.check_errors()
-        except PeerTimeoutError:
-            self._peer_failed = True
-            raise
+        except AfdError as exc:
+            if self.role is not Role.ATTENTION:
+                raise
+            self._note_reply_error(exc)
 
     def _check_pending(self, handle: DispatchHandle) -> None:
         if self._pending.get(handle.ring) is not handle:
@@ -340,6 +375,11 @@ class AFDConnector:
         if len(self._shutdown_from) == self.topology.num_attn_ranks:
             raise ConnectorShutdown("every Attention rank announced shutdown", src_rank=src_rank)
 
+    def finished_attention_ranks(self) -> frozenset:
+        """FFN side: Attention role ranks that will send no more (announced shutdown, or found
+        dead by an idle poll). The lockstep schedule serves the others without them."""
+        return frozenset(self._shutdown_from)
+
     def _check_attention_alive(self) -> None:
         """Idle-time liveness check: raise PeerLostError once no Attention rank can send."""
         dead = [self.topology.role_of(pe)[1] for pe, proc in self._attn_processes.items()
@@ -387,6 +427,10 @@ class AFDConnector:
         self._check_outputs(item, routed_out, shared_out)
         key = (item.src_rank, item.ring)
         with self._ffn_lock:  # the flag write and the bookkeeping before the next item on the slot
+            if self._shutdown_announced:
+                raise ProtocolError(f"send_ffn_work_item_output after announce_shutdown(): the reply "
+                                    f"to {item!r} would not be read (the attention ranks were told "
+                                    "this rank is done)", peer=item.src_rank, layer_idx=item.layer_idx)
             newest = self._received.get(key)
             if newest == item.seq and key in self._answered:
                 raise ProtocolError(f"work item from attention rank {item.src_rank} (layer {item.layer_idx}, "
@@ -416,10 +460,28 @@ class AFDConnector:
     # --- both sides -------------------------------------------------------------------------
     def announce_shutdown(self) -> None:
         """Write a shutdown header to every ring of every opposite-role peer. After it, an
-        Attention rank may not send again; an FFN rank's pending replies are not answered."""
+        Attention rank may not send again; an FFN rank may not reply again (ProtocolError).
+        An FFN rank's shutdown keeps the replies it already wrote readable
+        (``wire.FLAG_KEPT_REPLY``; not over the cuda put transport)."""
         self._require(self.role, "announce_shutdown")
-        self.path.announce_shutdown()
-        self._shutdown_announced = True
+        with self._ffn_lock:  # FFN: not in the middle of a reply on another thread
+            self.path.announce_shutdown()
+            self._shutdown_announced = True
+
+    def announce_failure(self, exc: BaseException) -> None:
+        """FFN side: tell every Attention rank that this rank's own code raised ``exc`` and
+        that it stops: the reason (type and message) is written to the store, then a shutdown
+        is announced; an Attention rank waiting for this rank (or sending to it later) raises
+        ``PeerFailedError`` naming this rank and the exception. Best effort: a store that
+        cannot be reached leaves a plain shutdown (logged)."""
+        self._require(Role.FFN, "announce_failure")
+        try:
+            peer_state.publish_failure(self._store, self.instance, self.role_rank, exc)
+        except Exception as store_exc:  # the shutdown below still releases the peers
+            logger.warning("afd_cupy ffn rank %d: could not publish the failure %r: %s",
+                           self.role_rank, exc, store_exc)
+        if not self._shutdown_announced:
+            self.announce_shutdown()
 
     def close(self) -> None:
         """Collective: every rank of the world calls it; frees the window. Idempotent.
@@ -576,6 +638,10 @@ def _apply_cpu_threads(cpu_threads, peers) -> None:
                     "(AFDConnector(cpu_threads=None) keeps them)", num_local,
                     torch.get_num_threads(), share)
         env.limit_threads(share)
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _check_index(name: str, value, bound: int) -> None:

@@ -140,6 +140,17 @@ class ConnectorShutdown(AfdError):
         self.src_rank = src_rank
 
 
+class PeerFailedError(PeerLostError):
+    """A peer's own code raised; it published why and left (shutdown announced).
+
+    ``peers``: (its role rank,); ``error_type`` / ``error_message``: the peer's exception."""
+
+    def __init__(self, message: str, *, peers=(), error_type: str = "", error_message: str = ""):
+        super().__init__(message, peers=peers)
+        self.error_type = error_type
+        self.error_message = error_message
+
+
 def shutdown_during_reply_error(peer: int, layer_idx=None) -> ConnectorShutdown:
     """FFN rank ``peer`` announced shutdown while this Attention rank waited for its reply."""
     return ConnectorShutdown(f"FFN rank {peer} announced shutdown while a reply{_for_layer(layer_idx)} "

@@ -27,6 +27,11 @@ Instrumentation is opt-in: ``FFNWorker(..., recorder=...)`` calls the :class:`FF
 hooks around each receive, compute and reply (benchmarks use it for busy time, queue depth and
 timelines); without a recorder each hook site costs one ``is None`` test.
 
+A replica that announced shutdown, or that an idle poll found dead, leaves the lockstep set:
+the worker serves the others without it (its held items are dropped, logged). When the loop
+fails (an expert raises), :meth:`FFNWorker.run` calls ``AFDConnector.announce_failure`` before
+it re-raises: the Attention ranks raise PeerFailedError naming this rank and the exception.
+
 NOTE (lockstep): every replica must send every layer to every FFN rank, even when it has no
 rows for it, or the worker waits for a message that never comes (until the Attention side's
 peer timeout). Build the Attention-side connectors with ``AFDConnector(..., always_send=True)``.
@@ -352,19 +357,42 @@ class FFNWorker:
                     else self._recorded_receive(timeout_ms))
             if item is None:
                 break
-            batch = self._hold(item, num_attn)
+            batch = self._hold(item, self._lockstep_ranks())
             if batch:
                 self.serve_batch(batch)
                 served += len(batch)
+        # a replica that shut down or died leaves the lockstep set: serve what the others sent
+        for batch in self._ready_batches(self._lockstep_ranks()):
+            self.serve_batch(batch)
+            served += len(batch)
         return served
 
-    def _hold(self, item: FFNWorkItem, num_attn: int) -> list[FFNWorkItem]:
-        """Buffer ``item``; return the batch it completes (one item per Attention rank, by
-        rank), or [] while some rank has not sent this (layer, stage) yet."""
+    def _lockstep_ranks(self) -> frozenset:
+        """Attention ranks a lockstep batch waits for: every rank not known finished (shut
+        down, or found dead by the connector's idle poll)."""
+        finished = getattr(self.connector, "finished_attention_ranks", None)
+        done = finished() if finished is not None else frozenset()
+        return frozenset(range(self.connector.topology.num_attn_ranks)) - done
+
+    def _hold(self, item: FFNWorkItem, ranks: frozenset) -> list[FFNWorkItem]:
+        """Buffer ``item``; return the batch it completes (one item per rank of ``ranks``, the
+        live Attention ranks, by rank), or [] while some of them has not sent this (layer,
+        stage) yet."""
         key = (item.layer_idx, item.stage_idx)
         by_rank = self._waiting.setdefault(key, {})
         by_rank.setdefault(item.src_rank, deque()).append(item)
-        if len(by_rank) < num_attn:
+        return self._take_batch(key, ranks)
+
+    def _take_batch(self, key, ranks: frozenset) -> list[FFNWorkItem]:
+        by_rank = self._waiting[key]
+        for rank in [rank for rank in by_rank if rank not in ranks]:  # finished: never answered
+            logger.warning("afd_cupy ffn rank %d: dropping %d lockstep item(s) of attention rank %d "
+                           "(layer %d stage %d): it shut down or died", self.connector.role_rank,
+                           len(by_rank[rank]), rank, key[0], key[1])
+            del by_rank[rank]
+        if not by_rank or not ranks <= set(by_rank):
+            if not by_rank:
+                del self._waiting[key]
             return []
         batch = [by_rank[rank].popleft() for rank in sorted(by_rank)]
         for rank in [rank for rank, queue in by_rank.items() if not queue]:
@@ -372,6 +400,17 @@ class FFNWorker:
         if not by_rank:
             del self._waiting[key]
         return batch
+
+    def _ready_batches(self, ranks: frozenset) -> list[list[FFNWorkItem]]:
+        """Batches the held items complete with ``ranks`` (after a rank left the set)."""
+        batches = []
+        for key in sorted(self._waiting):
+            while key in self._waiting:
+                batch = self._take_batch(key, ranks)
+                if not batch:
+                    break
+                batches.append(batch)
+        return batches
 
     @property
     def num_waiting(self) -> int:
@@ -392,11 +431,30 @@ class FFNWorker:
             logger.info("afd_cupy ffn rank %d: shutdown after %d items",
                         self.connector.role_rank, self.num_served)
             self._warn_unserved()
+        except Exception as exc:
+            self._close_replies(quiet=True)
+            self._announce_failure(exc)
+            raise
         except BaseException:
             self._close_replies(quiet=True)
             raise
         self._close_replies(quiet=False)
         return self.num_served
+
+    def _announce_failure(self, exc: Exception) -> None:
+        """Tell the Attention ranks that this loop failed (``AFDConnector.announce_failure``):
+        they raise PeerFailedError naming this rank and ``exc`` instead of timing out. Not
+        for a lost peer (nobody is left to tell) or a shut-down connector."""
+        from afd_cupy.errors import PeerLostError
+
+        announce = getattr(self.connector, "announce_failure", None)
+        if announce is None or isinstance(exc, PeerLostError):
+            return
+        try:
+            announce(exc)
+        except Exception as announce_exc:  # the loop's own error matters more
+            logger.warning("afd_cupy ffn rank %d: could not announce the failure %r: %s",
+                           self.connector.role_rank, exc, announce_exc)
 
     def _close_replies(self, *, quiet: bool) -> None:
         if self._replies is None:

@@ -13,8 +13,10 @@ from afd_cupy.backends.base import Arrival
 class DispatchHandle:
     """What ``send_attn_output`` returns; pass it to ``recv_ffn_output``.
 
-    Pair mode: ``topk_ids``/``topk_weights`` never travel: they stay here for the combine,
-    which reads them when it runs (keep them unchanged until ``recv_ffn_output`` returns).
+    Pair mode: ``topk_ids``/``topk_weights`` never travel: they stay here for the combine.
+    They are the connector's own copies (int32 / fp32 views of buffers allocated per ring at
+    start-up, filled by a stream-ordered copy in ``send_attn_output``), so the caller may reuse
+    its tensors as soon as the send returns.
     Dedup mode: the weights travel in the route tables (read at send time) and the combine
     uses the send state's row map instead.
     """

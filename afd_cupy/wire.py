@@ -37,6 +37,10 @@ VERSION = 1
 FLAG_SHUTDOWN = 1 << 1
 #: header flag of every dedup-mode message (dispatch, reply, shutdown); never set in pair mode
 FLAG_DEDUP = 1 << 2
+#: with FLAG_SHUTDOWN, FFN -> Attention only: the shutdown was written over this rank's last
+#: reply on the slot, whose header words (and rows) it kept: a reply the Attention side has not
+#: read yet is still delivered, then the shutdown is seen (issue 35, item 13)
+FLAG_KEPT_REPLY = 1 << 3
 
 # Header words (int32). Keep in sync with raw_kernels/wire.cuh (checked by a test).
 HDR_MAGIC = 0
@@ -133,6 +137,11 @@ class Header:
     @property
     def is_dedup(self) -> bool:
         return bool(self.flags & FLAG_DEDUP)
+
+    @property
+    def keeps_reply(self) -> bool:
+        """A shutdown written over a reply that it kept (``FLAG_KEPT_REPLY``)."""
+        return bool(self.flags & FLAG_SHUTDOWN) and bool(self.flags & FLAG_KEPT_REPLY)
 
     @property
     def wire_mode(self) -> str:
@@ -369,6 +378,33 @@ def shutdown_header(*, src_rank: int, top_k: int, expert_per_rank: int,
                   expert_counts=(0,) * expert_per_rank)
 
 
+def shutdown_over_reply(words: np.ndarray, flag: int, fresh: np.ndarray) -> np.ndarray:
+    """The header words an FFN rank's shutdown writes into a slot whose current header words
+    are ``words`` (int32 [header_words], read from the receiver's slot) and flag ``flag``:
+
+    - a reply (0 < flag < SHUTDOWN_SEQ): the same words with ``FLAG_SHUTDOWN |
+      FLAG_KEPT_REPLY`` added, so a reply not yet read stays deliverable (rows untouched);
+    - already a shutdown (flag == SHUTDOWN_SEQ): the words unchanged (announcing twice keeps
+      a kept reply);
+    - nothing yet (flag 0): ``fresh``, the plain :func:`shutdown_header` words."""
+    flag = int(flag)
+    if flag == SHUTDOWN_SEQ:
+        return np.array(words, np.int32, copy=True)
+    if flag <= 0:
+        return np.array(fresh, np.int32, copy=True)
+    kept = np.array(words, np.int32, copy=True)
+    kept[HDR_FLAGS] |= FLAG_SHUTDOWN | FLAG_KEPT_REPLY
+    return kept
+
+
+def answers(header: Header, want_seq: int) -> bool:
+    """True when ``header`` is, or keeps (``FLAG_KEPT_REPLY``), the reply to the dispatch of
+    seq ``want_seq`` (low 32 bits compared, like every echo)."""
+    if header.is_shutdown and not header.keeps_reply:
+        return False
+    return header.echo_seq == want_seq & 0xFFFFFFFF
+
+
 @dataclass(frozen=True)
 class ReplyExpectation:
     """What the reply of FFN rank ``peer`` to one dispatch must echo."""
@@ -399,12 +435,13 @@ def check_reply(header: Header, want: ReplyExpectation) -> None:
     """Raise the typed error of a reply that does not answer the pending dispatch ``want``.
 
     Checks, in this order (the device's ``afd_wait_replies`` checks the same words in the same
-    order and latches the matching status): the shutdown flag (ConnectorShutdown), then the
+    order and latches the matching status): the shutdown flag (ConnectorShutdown; not for a
+    shutdown that kept the reply to ``want``, ``FLAG_KEPT_REPLY``: that is the reply), then the
     echoed seq, layer, stage, routed and shared row counts and (dedup) ``num_rows``
     (ProtocolError naming the field). Magic, version, mode and the expert-count sum were
     checked by :func:`decode_header` (WireError).
     """
-    if header.is_shutdown:
+    if header.is_shutdown and not answers(header, want.seq):
         raise errors.shutdown_during_reply_error(want.peer, want.layer_idx)
     for name, observed, expected in (("echo_seq", header.echo_seq, want.seq & 0xFFFFFFFF),
                                      ("layer_idx", header.layer_idx, want.layer_idx),
@@ -470,6 +507,8 @@ class StatusRecord:
         if code == STATUS_CAPACITY:
             return errors.routed_capacity_error(self.count, peer, self.cap, nothing_sent=True,
                                                 layer_idx=layer_idx)
+        if code == STATUS_TIMEOUT and self.observed == SHUTDOWN_SEQ:
+            return errors.shutdown_during_reply_error(peer, layer_idx)  # no raw sentinel shown
         if code == STATUS_TIMEOUT:
             return errors.reply_timeout_error(peer, self.ring, layer_idx, self.expected,
                                               self.observed, timeout_s)

@@ -75,13 +75,14 @@ __device__ inline bool check_reply(const afd_i32* header, afd_i64 counts_sum, bo
       return fail(STATUS_BAD_HEADER, num_rows_word, shared > min_rows ? shared : min_rows, rows);
     }
   }
-  if (flags & FLAG_SHUTDOWN) {
+  const afd_i64 echo = static_cast<afd_u32>(load_volatile32(header + HDR_ECHO_SEQ));
+  const afd_i64 want_echo = want.seq & 0xffffffffll;
+  // a shutdown that kept the reply to this dispatch (FLAG_KEPT_REPLY, wire.answers) is the reply
+  if ((flags & FLAG_SHUTDOWN) && !((flags & FLAG_KEPT_REPLY) && echo == want_echo)) {
     report_status(status, STATUS_SHUTDOWN, want.peer, want.slot, want.ring, want.seq,
                   want.seen_flag, -1, -1, want.layer_idx);
     return false;
   }
-  const afd_i64 echo = static_cast<afd_u32>(load_volatile32(header + HDR_ECHO_SEQ));
-  const afd_i64 want_echo = want.seq & 0xffffffffll;
   if (echo != want_echo) return fail(STATUS_REPLY_MISMATCH, HDR_ECHO_SEQ, want_echo, echo);
   const afd_i64 layer = load_volatile32(header + HDR_LAYER);
   if (layer != want.layer_idx) return fail(STATUS_REPLY_MISMATCH, HDR_LAYER, want.layer_idx, layer);
@@ -122,6 +123,10 @@ __device__ inline bool wait_replies(afd_u64 window, const SlotGeometry& geo, afd
     if (lane == 0) {
       afd_i64 seen = last_seen[slot];
       const afd_i64* flag_word = geo.flag_at(window, slot);
+      if (seen == SHUTDOWN_SEQ) {  // the peer's shutdown was consumed on this slot: at once
+        report_status(status, STATUS_SHUTDOWN, j, slot, ring, want_seq, seen, -1, -1, layer_idx);
+        ok = 0;
+      }
       for (int spin = 1; ok; ++spin) {
         flag = load_volatile(flag_word);
         if (flag != seen) {

@@ -23,6 +23,9 @@ constexpr afd_i64 VERSION = 1;
 constexpr afd_i64 ALIGN = 256;
 constexpr afd_i64 FLAG_SHUTDOWN = 2;  // 1 << 1
 constexpr afd_i64 FLAG_DEDUP = 4;     // 1 << 2: a dedup-mode message (docs/design/dedup.md)
+constexpr afd_i64 FLAG_KEPT_REPLY = 8;  // 1 << 3: with FLAG_SHUTDOWN, the FFN's last reply kept
+// flag value (and header seq) of a shutdown message: above every data seq
+constexpr afd_i64 SHUTDOWN_SEQ = 0x7fffffffffffffff;
 
 constexpr int HDR_MAGIC = 0;
 constexpr int HDR_VERSION = 1;

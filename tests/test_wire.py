@@ -371,3 +371,39 @@ def test_route_table_checks_name_the_bad_row(rows, pattern):
     gap[1, 2:4] = -1, 0
     with pytest.raises(WireError, match=r"row 1: staging rows \[-1, 0\]"):
         wire.check_route_table(gap, num_tokens=5, routed_tokens=3, shared_tokens=1, top_k=2)
+
+
+# --- a shutdown written over a reply keeps it (issue 35, item 13) -----------------------
+@pytest.mark.parametrize("epr", [1, 4])
+def test_shutdown_over_a_reply_keeps_it_deliverable_and_nothing_else(epr):
+    rng = np.random.default_rng(35 + epr)
+    dispatch = _header(epr, rng)
+    reply = wire.reply_header(dispatch, seq=7, src_rank=1)
+    words = wire.encode_header(reply, epr)
+    fresh = wire.encode_header(wire.shutdown_header(src_rank=1, top_k=8, expert_per_rank=epr), epr)
+    kept = wire.shutdown_over_reply(words, 7, fresh)
+    header = wire.decode_header(kept, epr)
+    assert header.is_shutdown and header.keeps_reply
+    assert np.array_equal(np.delete(kept, wire.HDR_FLAGS), np.delete(words, wire.HDR_FLAGS))
+    want = wire.ReplyExpectation(peer=1, seq=dispatch.seq, layer_idx=dispatch.layer_idx,
+                                 stage_idx=dispatch.stage_idx, routed_tokens=dispatch.routed_tokens,
+                                 shared_tokens=dispatch.shared_tokens)
+    wire.check_reply(header, want)  # the kept reply answers its dispatch...
+    assert wire.answers(header, dispatch.seq) and not wire.is_late_reply(header, dispatch.seq)
+    newer = wire.ReplyExpectation(**{**want.__dict__, "seq": dispatch.seq + 1})
+    with pytest.raises(ConnectorShutdown):  # ...and is a shutdown for any later dispatch
+        wire.check_reply(header, newer)
+    # an empty slot gets the plain shutdown, an announced one stays as it is
+    assert np.array_equal(wire.shutdown_over_reply(words, 0, fresh), fresh)
+    assert np.array_equal(wire.shutdown_over_reply(kept, wire.SHUTDOWN_SEQ, fresh), kept)
+    plain = wire.decode_header(fresh, epr)
+    assert plain.is_shutdown and not plain.keeps_reply and not wire.answers(plain, 0)
+    with pytest.raises(ConnectorShutdown):
+        wire.check_reply(plain, wire.ReplyExpectation(**{**want.__dict__, "seq": 1 << 32}))
+
+
+def test_timeout_status_on_a_consumed_shutdown_names_the_shutdown_not_the_sentinel():
+    record = wire.StatusRecord(wire.STATUS_TIMEOUT, 0, 0, 0, 5, wire.SHUTDOWN_SEQ, -1, -1, 3)
+    error = record.error(timeout_s=1.0)
+    assert isinstance(error, ConnectorShutdown) and error.src_rank == 0
+    assert str(wire.SHUTDOWN_SEQ) not in str(error)

@@ -174,13 +174,23 @@ class CudaDataPath(CudaAttentionSide, CudaFFNSide):
                                                         wire_mode=ctx.wire_mode),
                                    layout.expert_per_rank)
         stream = self.stream()
+        keep_replies = ctx.role is Role.FFN
+        if keep_replies:  # every reply enqueued so far has landed before its header is read
+            torch.cuda.synchronize(self.device_id)
+        window = self.window
         with stream:
             for peer, pe in enumerate(ctx.opposite_pes()):
                 for ring in range(layout.ring_depth):
                     if self.peer_is_put[peer]:
+                        # NOTE: over puts the reply is not kept (the peer's slot is not mapped)
                         self._put_control(stream, peer, ring, words, wire.SHUTDOWN_SEQ)
-                    else:
-                        self.window.write_message(pe, ctx.role_rank, ring, words, wire.SHUTDOWN_SEQ)
+                        continue
+                    out = words
+                    if keep_replies:  # a reply the Attention side may not have read stays readable
+                        flag = int(window.to_host(window.flag_view(pe, ctx.role_rank, ring))[0])
+                        current = window.to_host(window.header_view(pe, ctx.role_rank, ring))
+                        out = wire.shutdown_over_reply(current, flag, words)
+                    window.write_message(pe, ctx.role_rank, ring, out, wire.SHUTDOWN_SEQ)
         stream.synchronize()
 
     def _put_control(self, stream, peer: int, ring: int, words, seq: int) -> None:

@@ -359,7 +359,9 @@ class CudaAttentionSide:
         else:
             combine.set("out", out.data_ptr())
             combine.set("num_tokens", num_tokens)
-            combine.set("topk_ids", state.topk_ids.data_ptr())
+            # the connector's own copy (taken at send time), not the caller's tensor
+            ids = topk_ids.to(torch.int32).reshape(-1).contiguous()
+            combine.set("topk_ids", ids.data_ptr())
             combine.set("topk_weights", weights.data_ptr())
             combine.set("out_scale", out_scale)
             combine.launch(stream, kernels.combine_grid(num_tokens))
@@ -387,6 +389,8 @@ class CudaAttentionSide:
         polling = self.host_polling
         for j in np.flatnonzero(expected):
             want_seq = int(expected[j])
+            if polling.last_seen(int(j), ring) == wire.SHUTDOWN_SEQ:
+                continue  # the peer's shutdown was consumed: the combine's check raises at once
             while True:
                 if polling.wait_flag(int(j), ring, deadline) is None:
                     raise reply_timeout_error(int(j), ring, layer_idx, want_seq,

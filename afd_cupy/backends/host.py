@@ -182,7 +182,12 @@ class HostDataPath(HostDedupSteps):
         return torch.from_numpy(out).to(ctx.torch_dtype)
 
     def _wait_reply(self, want: wire.ReplyExpectation, ring: int, deadline: float) -> wire.Header:
-        """The reply answering ``want``; late replies to earlier dispatches are dropped."""
+        """The reply answering ``want``; late replies to earlier dispatches are dropped.
+
+        A shutdown that kept the reply to ``want`` (``wire.FLAG_KEPT_REPLY``) is that reply;
+        once a peer's shutdown was consumed on the slot, the next wait raises at once."""
+        if self.polling.last_seen(want.peer, ring) == wire.SHUTDOWN_SEQ:
+            raise errors.shutdown_during_reply_error(want.peer, want.layer_idx)
         while True:
             flag = self.polling.wait_flag(want.peer, ring, deadline)
             if flag is None:
@@ -250,9 +255,15 @@ class HostDataPath(HostDedupSteps):
                                                         expert_per_rank=layout.expert_per_rank,
                                                         wire_mode=layout.wire_mode),
                                    layout.expert_per_rank)
+        window = self.window
         for pe in ctx.opposite_pes():
             for ring in range(layout.ring_depth):
-                self.window.write_message(pe, ctx.role_rank, ring, words, wire.SHUTDOWN_SEQ)
+                out = words
+                if ctx.role is Role.FFN:  # keep a reply the Attention side may not have read
+                    flag = int(window.flag_view(pe, ctx.role_rank, ring)[0])
+                    current = window.to_host(window.header_view(pe, ctx.role_rank, ring))
+                    out = wire.shutdown_over_reply(current, flag, words)
+                window.write_message(pe, ctx.role_rank, ring, out, wire.SHUTDOWN_SEQ)
 
     def close(self, *, peers_healthy: bool = True) -> None:
         self.window.close()

@@ -14,7 +14,7 @@ extern "C" __global__ void afd_read_wire_constants(afd_i64* out) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
   const SlotGeometry geo{};
   const afd_i64 values[] = {
-      MAGIC, VERSION, ALIGN, FLAG_SHUTDOWN, FLAG_DEDUP,
+      MAGIC, VERSION, ALIGN, FLAG_SHUTDOWN, FLAG_DEDUP, FLAG_KEPT_REPLY, SHUTDOWN_SEQ,
       HDR_MAGIC, HDR_VERSION, HDR_SEQ, HDR_SRC_RANK, HDR_LAYER, HDR_STAGE, HDR_NUM_TOKENS,
       HDR_ROUTED_TOKENS, HDR_SHARED_TOKENS, HDR_TOPK, HDR_FLAGS, HDR_ECHO_SEQ, HDR_FIXED_WORDS,
       ROUTE_TOKEN, ROUTE_SHARED, ROUTE_SLOTS, ROUTE_FIXED_WORDS,
