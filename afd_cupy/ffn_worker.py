@@ -478,7 +478,8 @@ class FFNWorker:
                        self.connector.role_rank, self.num_waiting, held)
 
 
-def _per_layer(weights, num_layers: int) -> list:
+def per_layer(weights, num_layers: int) -> list:
+    """One entry per layer: ``weights`` (one ExpertWeights or None) repeated, or its list."""
     if weights is None or isinstance(weights, moe.ExpertWeights):
         return [weights] * num_layers
     return list(weights)
@@ -489,7 +490,7 @@ def _check_weights(connector: AFDConnector, experts, shared) -> None:
     ``expert_per_rank`` experts of ``moe_intermediate_size`` x ``hidden_size`` in the payload
     dtype, per layer, and shared experts exactly when ``num_shared_experts > 0``."""
     model, layout = connector.model, connector.layout
-    routed, fused = _per_layer(experts, model.num_layers), _per_layer(shared, model.num_layers)
+    routed, fused = per_layer(experts, model.num_layers), per_layer(shared, model.num_layers)
     if len(routed) != model.num_layers or len(fused) != model.num_layers:
         raise ConfigError(f"weights for {len(routed)} routed / {len(fused)} shared layers, "
                           f"ModelConfig.num_layers={model.num_layers}")

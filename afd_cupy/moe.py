@@ -197,8 +197,8 @@ def gated_activation(gate_up: torch.Tensor, activation: str, *, swiglu_limit: fl
     return ACTIVATIONS[activation](gate) * up
 
 
-def _act_and_mul(gate_up: torch.Tensor, out_dtype: torch.dtype, weights: ExpertWeights,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
+def act_and_mul(gate_up: torch.Tensor, out_dtype: torch.dtype, weights: ExpertWeights,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
     """gate_up [n, 2I] (+ bias [n, 2I], added in fp32) -> glu(gate, up) [n, I] in out_dtype,
     computed in fp32 (one rounding, like vLLM's fused silu_and_mul)."""
     gate_up = gate_up.float() if bias is None else torch.add(gate_up.float(), bias)
@@ -213,7 +213,7 @@ def _dense_mlp(x: torch.Tensor, weights: ExpertWeights, expert: int,
     b13, b2 = weights.w13_bias, weights.w2_bias
     gate_up = F.linear(x.to(compute_dtype), weights.w13[expert].to(compute_dtype),
                        None if b13 is None else b13[expert].to(compute_dtype))
-    return F.linear(_act_and_mul(gate_up, compute_dtype, weights),
+    return F.linear(act_and_mul(gate_up, compute_dtype, weights),
                     weights.w2[expert].to(compute_dtype),
                     None if b2 is None else b2[expert].to(compute_dtype))
 
@@ -337,7 +337,7 @@ def _grouped_mlp_fused(x: torch.Tensor, group_counts: torch.Tensor,
             group_counts.to(x.device, non_blocking=True), output_size=x.shape[0])
     gate_up = torch._grouped_mm(x, weights.w13.transpose(1, 2), offs=offs)
     b13 = None if weights.w13_bias is None else weights.w13_bias[row_expert]
-    hidden = _act_and_mul(gate_up, x.dtype, weights, b13)
+    hidden = act_and_mul(gate_up, x.dtype, weights, b13)
     out = torch._grouped_mm(hidden, weights.w2.transpose(1, 2), offs=offs)
     if weights.w2_bias is not None:
         out.add_(weights.w2_bias[row_expert])

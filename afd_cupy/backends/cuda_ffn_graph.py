@@ -38,7 +38,7 @@ from afd_cupy import ffn_graph, kernels, moe, wire
 from afd_cupy.backends.base import Arrival
 from afd_cupy.backends.cuda_ffn_dedup import UNCLAIMED
 from afd_cupy.errors import ConfigError, ConnectorShutdown, ProtocolError, PeerTimeoutError
-from afd_cupy.ffn_worker import FFNWorker, _per_layer
+from afd_cupy.ffn_worker import FFNWorker, per_layer
 from afd_cupy.kernels import specs
 from afd_cupy.testing.reference import identity_experts
 from afd_cupy.topology import Role
@@ -157,8 +157,8 @@ class GraphFFNServer:
     def _stack_weights(self, experts, shared) -> None:
         """Stacked copies of every layer's weights; the eager worker gets views of them."""
         num_layers, epr = self.num_layers, self.layout.expert_per_rank
-        routed = _per_layer(experts, num_layers)
-        fused = _per_layer(shared, num_layers)
+        routed = per_layer(experts, num_layers)
+        fused = per_layer(shared, num_layers)
         first = routed[0]
         if first.dtype != torch.bfloat16 or any(w.has_bias for w in routed + [s for s in fused if s]):
             raise ConfigError("the graph FFN's GEMM mode needs bf16 experts without biases")
@@ -489,5 +489,5 @@ def _gated_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch
     ``moe._grouped_mlp_fused`` without biases. NOTE: output rows past ``offs[-1]`` are left
     unwritten by torch._grouped_mm (no GEMM work for them); nobody reads them."""
     gate_up = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs)
-    hidden = moe._act_and_mul(gate_up, x.dtype, weights)
+    hidden = moe.act_and_mul(gate_up, x.dtype, weights)
     return torch._grouped_mm(hidden, w2.transpose(1, 2), offs=offs)
