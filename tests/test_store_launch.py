@@ -364,12 +364,12 @@ def test_a_launch_run_alone_serves_its_store_without_torch():
 def test_launch_that_cannot_listen_for_its_store_starts_no_rank(monkeypatch):
     import multiprocessing
 
-    from afd_cupy import launch as launch_mod
+    from afd_cupy import process_context
 
     def broken(host):
         raise OSError(98, "Address already in use (simulated)")
 
-    monkeypatch.setattr(launch_mod, "bound_listener", broken)
+    monkeypatch.setattr(process_context, "bound_listener", broken)
     with pytest.raises(LaunchError, match=r"could not listen for the job's store on 127\.0\.0\.1: "
                                           r"\[Errno 98\] Address already in use"):
         launch(_report_identity, 2, args=(0,), timeout_s=60.0)
@@ -383,6 +383,7 @@ def test_process_context_refuses_an_unknown_store_kind():
 
 def test_detect_backend_override_and_cpu_fallback(monkeypatch):
     from afd_cupy import launch as launch_mod
+    from afd_cupy import placement
 
     monkeypatch.setenv("AFD_BACKEND", "cuda")
     assert launch_mod.detect_backend() == "cuda"
@@ -392,7 +393,7 @@ def test_detect_backend_override_and_cpu_fallback(monkeypatch):
     with pytest.raises(ValueError, match="AFD_BACKEND must be 'cuda' or 'host', got 'tpu'"):
         launch_mod.detect_backend()
     monkeypatch.delenv("AFD_BACKEND")
-    monkeypatch.setattr(launch_mod, "_detect_num_gpus", lambda: 0)
+    monkeypatch.setattr(placement, "detect_num_gpus", lambda: 0)
     assert launch_mod.detect_backend() == "host"
 
 

@@ -19,7 +19,7 @@ import ctypes
 import logging
 
 from afd_cupy.errors import BackendUnavailableError, HeapError, NvshmemError, PeerTimeoutError
-from afd_cupy.heap.base import UNHEALTHY_CLOSE_S, SymmetricBuffer, SymmetricHeap
+from afd_cupy.heap.base import UNHEALTHY_CLOSE_S, SymmetricBuffer, SymmetricHeap, closing_barrier
 from afd_cupy.heap.nvshmem_env import (NVSHMEM_DEFAULTS, REMOTE_TRANSPORTS,  # noqa: F401 - re-exported
                                        apply_nvshmem_env, nvshmem_env, nvshmem_heap_bytes)
 from afd_cupy.heap.nvshmem_lib import (NVSHMEMX_INIT_WITH_UNIQUEID, STATUS_NOT_INITIALIZED,
@@ -305,7 +305,7 @@ class NvshmemHeap(SymmetricHeap):
         self._cupy.cuda.runtime.deviceSynchronize()
         timeout_s = self.timeout_s if peers_healthy else min(UNHEALTHY_CLOSE_S, self.timeout_s)
         # every rank learns the same verdict: all of them free and finalize, or none does
-        if not agreed_barrier(self._store, f"{self._barrier_name}/close", self.world_size, timeout_s):
+        if not closing_barrier(self._store, f"{self._barrier_name}/close", self.world_size, timeout_s):
             logger.warning("NVSHMEM heap of rank %d abandoned: not every rank reached the closing "
                            "barrier (this rank waited %.1f s)", self.rank, timeout_s)
             self._buffers.clear()
