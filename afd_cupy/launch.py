@@ -31,6 +31,7 @@ from afd_cupy import env as env_mod
 from afd_cupy import rendezvous
 from afd_cupy.children import (FAILURE_GRACE_S, DiedAsExpected, Job, LaunchError,  # noqa: F401
                                child_main, collect_stacks, failure_message, stop_all, wait_for_job)
+from afd_cupy.errors import ConfigError
 from afd_cupy.env import IDLE_POOL_DEFAULTS, THREAD_POOL_VARS  # noqa: F401 - re-exported
 from afd_cupy.heap.host import cleanup_job_segments
 from afd_cupy.kvstore import KVServer
@@ -97,8 +98,8 @@ def launch(fn: Callable, nprocs: int, *, args: tuple = (), timeout_s: float = 12
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
     check_timeout("timeout_s", timeout_s)
     check_optional_timeout("startup_timeout_s", startup_timeout_s)
-    if not exit_grace_s >= 0:
-        raise ValueError(f"exit_grace_s must be >= 0, got {exit_grace_s}")
+    if isinstance(exit_grace_s, bool) or not 0 <= exit_grace_s < float("inf"):
+        raise ConfigError(f"exit_grace_s must be a finite number of seconds >= 0, got {exit_grace_s!r}")
     if placement is not None and len(placement) != nprocs:
         raise ValueError(f"placement has {len(placement)} entries for {nprocs} ranks")
     world_size = nprocs if world_size is None else world_size

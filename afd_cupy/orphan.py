@@ -83,9 +83,8 @@ def exit_orphaned(parent_pid: int | None) -> None:
     """Unlink this process's own heap segments and exit with :data:`ORPHAN_EXIT_CODE` (no
     atexit handlers, no collective teardown: the job is gone)."""
     try:
-        from afd_cupy.heap.host import unlink_own_segments
-
-        removed = unlink_own_segments()
+        host_heap = sys.modules.get("afd_cupy.heap.host")  # not loaded: no segment to unlink
+        removed = host_heap.unlink_own_segments() if host_heap is not None else []
         logger.warning("afd_cupy rank pid %d: its launcher%s died; exiting (unlinked %d "
                        "shared-memory segment(s))", os.getpid(),
                        "" if parent_pid is None else f" (pid {parent_pid})", len(removed))

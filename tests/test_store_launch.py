@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from afd_cupy.errors import AfdError, PeerTimeoutError
+from afd_cupy.errors import AfdError, ConfigError, PeerTimeoutError
 from afd_cupy.launch import LaunchError, ProcessContext, device_for_rank, launch
 from afd_cupy.kvstore import KVClient, KVServer
 from afd_cupy.store import (NamespacedStore, agreed_barrier, bound_listener, create_store, free_port,
@@ -130,8 +130,10 @@ def test_a_rank_that_never_exits_is_stopped_after_the_exit_grace(tmp_path):
                   exit_grace_s=1.0) == [0]
     assert time.monotonic() - start < 15.0  # grace + terminate, not the rank's 30 s
     assert os.listdir(tmp_path) == []  # it was stopped inside its exit
-    with pytest.raises(ValueError, match="exit_grace_s must be >= 0, got -1"):
+    with pytest.raises(ValueError, match="exit_grace_s must be a finite number of seconds >= 0, got -1"):
         launch(_slow_exit, 1, args=(str(tmp_path), 0.0), exit_grace_s=-1)
+    with pytest.raises(ConfigError, match="exit_grace_s must be a finite number of seconds >= 0, got inf"):
+        launch(_slow_exit, 1, args=(str(tmp_path), 0.0), exit_grace_s=float("inf"))
 
 
 def test_launch_error_is_an_afd_error():

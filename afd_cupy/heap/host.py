@@ -28,6 +28,7 @@ import numpy as np
 from afd_cupy.errors import HeapError, PeerTimeoutError
 from afd_cupy.heap.base import UNHEALTHY_CLOSE_S, SymmetricBuffer, SymmetricHeap, closing_barrier
 from afd_cupy.store import Store, store_barrier, store_fetch, store_publish
+from afd_cupy.timeouts import check_timeout
 
 logger = logging.getLogger("afd_cupy")
 
@@ -225,10 +226,10 @@ class HostHeap(SymmetricHeap):
                  timeout_s: float = 60.0):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of {world_size}")
+        self.timeout_s = check_timeout("host heap timeout_s", timeout_s)
         self.rank = rank
         self.world_size = world_size
         self.job_id = job_id
-        self.timeout_s = timeout_s
         self._store = store
         heap_idx = _heap_counts.get(job_id, 0)
         _heap_counts[job_id] = heap_idx + 1

@@ -26,6 +26,7 @@ from afd_cupy.heap.nvshmem_lib import (NVSHMEMX_INIT_WITH_UNIQUEID, STATUS_NOT_I
                                        SUPPORTED_MAJOR, UniqueId, _check, library_version,
                                        load_library, new_init_attr, new_unique_id)
 from afd_cupy.store import Store, agreed_barrier, store_fetch, store_publish
+from afd_cupy.timeouts import check_timeout
 
 logger = logging.getLogger("afd_cupy")
 
@@ -90,6 +91,7 @@ class NvshmemHeap(SymmetricHeap):
         global _heap_alive, _heap_count
         if _heap_alive:
             raise HeapError("an NvshmemHeap is already open in this process (one per process)")
+        timeout_s = check_timeout("NVSHMEM heap timeout_s", timeout_s)
         # NOTE: first, so that a conflicting environment fails before any CUDA or NVSHMEM work;
         # NVSHMEM reads these variables in nvshmemx_hostlib_init_attr (_init_runtime).
         self.nvshmem_env = apply_nvshmem_env(env)
