@@ -80,7 +80,11 @@ class ProcessContext:
         process of the job does, and must call :meth:`close` last so that the store outlives
         every rank). Host-blocking. Raises ConfigError for a rank joined twice or a world-size
         disagreement, PeerTimeoutError naming the missing world ranks (``missing_ranks``)
-        when the master does not answer or the job is incomplete within ``startup_timeout_s``.
+        when the master does not answer or the job is incomplete within ``startup_timeout_s``
+        (every rank alike: the first to give up tells the others, who raise at once, and the
+        store's host waits until they have read it; a rank whose store went away raises it
+        too, naming the ranks it still missed). ConfigError for a ``startup_timeout_s`` that
+        is not a finite number > 0.
         """
         check_timeout("startup_timeout_s", startup_timeout_s)
         key = (self.store_host, self.store_port)

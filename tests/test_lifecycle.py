@@ -150,6 +150,9 @@ def _die_in_heap_setup(ctx, startup_s: float):
             os._exit(3)
 
         host.store_barrier = die
+    from afd_cupy.store import store_barrier
+
+    store_barrier(ctx.store(), "both-imported", 2, 60.0)  # the handshake itself waits for no one
     start = time.monotonic()
     try:
         AFDConnector(MODEL, TopologyConfig(1, 1), role="attention" if ctx.rank == 0 else "ffn",
@@ -161,11 +164,13 @@ def _die_in_heap_setup(ctx, startup_s: float):
 
 
 def test_a_peer_dying_in_heap_setup_fails_within_the_startup_bound():
-    startup_s = 3.0
+    startup_s = 4.0
     elapsed, message = launch(_die_in_heap_setup, 2, args=(startup_s,), timeout_s=90.0,
                               expected_deaths=(1,))[0]
-    assert "host heap of rank 0, alloc('window0')" in message and "3.0 s" in message, message
-    assert elapsed < startup_s + 1.5, (elapsed, message)  # before: 6.2 s (a second full bound in close)
+    assert "host heap of rank 0, alloc('window0')" in message and "bound is 4.0 s" in message, message
+    # before: twice the bound (the failed set-up's close waited a second full bound); the
+    # margin covers the short closing barrier and a loaded machine
+    assert elapsed < startup_s + 2.0, (elapsed, message)
 
 
 # --- item 5: recv_ffn_work_item; local knobs need not match -------------------------------------
@@ -250,6 +255,7 @@ _LAUNCHER_SCRIPT = textwrap.dedent("""
 
     def hold_a_segment(ctx, out_dir):
         # a heap of 3 ranks with only 2 started: each rank holds its segment while it waits
+        # on the store (the test's, which outlives the launcher), as a busy rank would run on
         heap = HostHeap(ctx.rank, 3, ctx.store(), ctx.job_id, timeout_s=600.0)
         with open(os.path.join(out_dir, f"rank{ctx.rank}.pid"), "w") as f:
             f.write(str(os.getpid()))
@@ -257,7 +263,8 @@ _LAUNCHER_SCRIPT = textwrap.dedent("""
 
     if __name__ == "__main__":
         sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
-        launch(hold_a_segment, 2, args=(sys.argv[2],), job_id=sys.argv[1], timeout_s=600.0)
+        launch(hold_a_segment, 2, args=(sys.argv[2],), job_id=sys.argv[1], timeout_s=600.0,
+               store_addr=sys.argv[3])
 """)
 
 
@@ -273,7 +280,9 @@ def test_ranks_die_with_their_killed_launcher_and_leave_no_segments(tmp_path):
     job_id = uuid.uuid4().hex[:12]
     script = tmp_path / "killed_launcher.py"
     script.write_text(_LAUNCHER_SCRIPT)
-    launcher = subprocess.Popen([sys.executable, str(script), job_id, str(tmp_path)],
+    port = free_port()
+    master = create_store("127.0.0.1", port, 3, is_master=True, timeout_s=60.0)  # outlives the launcher
+    launcher = subprocess.Popen([sys.executable, str(script), job_id, str(tmp_path), f"127.0.0.1:{port}"],
                                 env=_subprocess_env(), stderr=subprocess.PIPE, text=True)
     pid_files = [tmp_path / f"rank{rank}.pid" for rank in range(2)]
     pids = []
@@ -300,6 +309,7 @@ def test_ranks_die_with_their_killed_launcher_and_leave_no_segments(tmp_path):
                 os.kill(pid, 9)
         for path in glob.glob(f"/dev/shm/afd_{job_id}_*"):
             os.unlink(path)
+        del master
 
 
 def test_the_orphan_watchdog_exits_a_rank_whose_parent_is_gone(tmp_path):
@@ -339,5 +349,15 @@ def test_a_role_rank_claimed_twice_is_named():
     assert "attention role rank 0 (world rank 0) is claimed by two processes" in claims[0], results
 
 
-def test_died_as_expected_is_still_exported():
+def test_launch_keeps_every_public_name_and_its_modules_stay_small():
+    """Issue #32: launch.py split by concept; every name it had is still importable from it."""
+    import afd_cupy.launch as launch_mod
+
+    for name in ("DiedAsExpected", "IDLE_POOL_DEFAULTS", "LaunchError", "Placement", "ProcessContext",
+                 "STORE_HOST", "THREAD_POOL_VARS", "connect", "detect_backend", "device_for_rank",
+                 "launch", "parse_placement", "thread_limits", "visible_gpu_count"):
+        assert hasattr(launch_mod, name), name
     assert DiedAsExpected(1, 3).exit_code == 3
+    for module in ("launch", "children", "placement", "process_context", "orphan", "timeouts"):
+        with open(os.path.join(REPO, "afd_cupy", f"{module}.py")) as source:
+            assert len(source.readlines()) < 400, module
