@@ -27,7 +27,7 @@ import numpy as np
 
 from afd_cupy.errors import HeapError, PeerTimeoutError
 from afd_cupy.heap.base import UNHEALTHY_CLOSE_S, SymmetricBuffer, SymmetricHeap, closing_barrier
-from afd_cupy.store import Store, store_barrier, store_fetch, store_publish
+from afd_cupy.store import Store, agreed_barrier, store_barrier, store_fetch, store_publish
 from afd_cupy.timeouts import check_timeout
 
 logger = logging.getLogger("afd_cupy")
@@ -317,7 +317,8 @@ class HostHeap(SymmetricHeap):
         try:
             healthy = peers_healthy and not self._peer_failed
             timeout_s = self.timeout_s if healthy else min(UNHEALTHY_CLOSE_S, self.timeout_s)
-            if not closing_barrier(self._store, f"{self._key_prefix}/close", self.world_size, timeout_s):
+            if not closing_barrier(agreed_barrier, self._store, f"{self._key_prefix}/close",
+                                   self.world_size, timeout_s):
                 logger.warning("host heap of rank %d closed without its peers: not every rank reached "
                                "the closing barrier (this rank waited %.1f s)", self.rank, timeout_s)
         finally:

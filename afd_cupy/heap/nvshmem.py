@@ -307,7 +307,8 @@ class NvshmemHeap(SymmetricHeap):
         self._cupy.cuda.runtime.deviceSynchronize()
         timeout_s = self.timeout_s if peers_healthy else min(UNHEALTHY_CLOSE_S, self.timeout_s)
         # every rank learns the same verdict: all of them free and finalize, or none does
-        if not closing_barrier(self._store, f"{self._barrier_name}/close", self.world_size, timeout_s):
+        if not closing_barrier(agreed_barrier, self._store, f"{self._barrier_name}/close",
+                               self.world_size, timeout_s):
             logger.warning("NVSHMEM heap of rank %d abandoned: not every rank reached the closing "
                            "barrier (this rank waited %.1f s)", self.rank, timeout_s)
             self._buffers.clear()
