@@ -10,6 +10,10 @@ Records are keyed by an instance number: the n-th connector a rank creates in a 
 with the n-th connector of every other rank, so connectors created one after another in the
 same job never read each other's records. Each record also carries the process id, host name
 and PID namespace of its rank, which the FFN side uses to notice that an Attention rank died.
+A rank's local knobs (``afd_cupy.config.RANK_LOCAL_FIELDS``) are not compared. A second
+process claiming a world rank (it gets the next instance number) is a ConfigError naming
+both processes: at once when the first claimant still runs on this host, else when its
+peers do not answer within the bound.
 """
 from __future__ import annotations
 
