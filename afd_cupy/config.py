@@ -21,6 +21,13 @@ SCORING_FUNCS = ("softmax", "sigmoid")
 #: DeepSeek's gate names (None: group_limited_greedy with n_group, greedy without)
 TOPK_METHODS = (None, "greedy", "group_limited_greedy", "noaux_tc")
 MOE_SPLITS = ("even",)
+#: ConnectorConfig fields local to a rank: they change nothing another rank sees (how long
+#: this FFN rank polls, which of two kernel paths writes the same bytes), so they need not
+#: agree across ranks (the start-up handshake leaves them out)
+RANK_LOCAL_FIELDS = ("recv_poll_timeout_ms", "fused_dispatch")
+#: largest ConnectorConfig.routed_cap_multiplier: the cap is clipped at every partial of a
+#: batch anyway (multiplier = number of FFN ranks covers the worst case)
+MAX_ROUTED_CAP_MULTIPLIER = 65536.0
 
 
 def _require_int(owner: str, name: str, value: Any, *, minimum: int = 1) -> None:
@@ -46,11 +53,17 @@ def _require_bool(owner: str, name: str, value: Any) -> None:
 def _from_mapping(cls, mapping: Mapping[str, Any]):
     if not isinstance(mapping, Mapping):
         raise ConfigError(f"{cls.__name__}.from_mapping expects a mapping, got {type(mapping).__name__}")
-    known = {f.name for f in dataclasses.fields(cls) if f.init}
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    known = {f.name for f in fields}
     unknown = sorted(set(mapping) - known)
     if unknown:
         raise ConfigError(
             f"unknown {cls.__name__} keys: {unknown}; known keys: {sorted(known)}")
+    required = [f.name for f in fields if f.default is dataclasses.MISSING
+                and f.default_factory is dataclasses.MISSING]
+    missing = [name for name in required if name not in mapping]
+    if missing:
+        raise ConfigError(f"{cls.__name__} keys missing: {missing} (required: {required})")
     return cls(**dict(mapping))
 
 
@@ -151,7 +164,8 @@ class ConnectorConfig:
       inside a replica); only rank 0 of a replica sends when > 1.
     - ``ring_depth``: slots per (peer, region); defaults to the number of stages (None).
     - ``routed_cap_multiplier``: head-room of ``routed_cap`` over the even split.
-    - ``recv_poll_timeout_ms``: how long one FFN receive polls before returning None.
+    - ``recv_poll_timeout_ms``: how long one FFN receive polls before returning None (local
+      to the rank: need not match across ranks, :data:`RANK_LOCAL_FIELDS`).
     - ``async_moe_ubatching`` / ``async_moe_num_ubatches``: micro-batch stages per layer.
     - ``async_moe_split``: how a batch is split into micro-batches (``"even"``).
     - ``wire_mode``: ``"pair"`` (one row per (token, expert) partial: the RFC's format) or
@@ -166,7 +180,7 @@ class ConnectorConfig:
       shared memory) whenever a dispatch of ``max_num_batched_tokens`` fits it: pair mode
       ``afd_dispatch_fused`` (plan + scatter), dedup mode ``afd_dedup_dispatch_fused`` (plan +
       rows + scatter); docs/design/kernels.md. False: always the separate kernels. The same bytes
-      reach the window either way.
+      reach the window either way (local to the rank, like ``recv_poll_timeout_ms``).
     """
 
     attn_ranks_per_dp: int = 1
@@ -185,6 +199,10 @@ class ConnectorConfig:
         _require_bool(owner, "fused_dispatch", self.fused_dispatch)
         _require_int(owner, "attn_ranks_per_dp", self.attn_ranks_per_dp)
         _require_float(owner, "routed_cap_multiplier", self.routed_cap_multiplier)
+        if self.routed_cap_multiplier > MAX_ROUTED_CAP_MULTIPLIER:
+            raise ConfigError(f"{owner}.routed_cap_multiplier must be <= {MAX_ROUTED_CAP_MULTIPLIER:g} "
+                              f"(the cap is clipped at every partial of a batch; the number of FFN "
+                              f"ranks covers the worst case), got {self.routed_cap_multiplier!r}")
         _require_int(owner, "recv_poll_timeout_ms", self.recv_poll_timeout_ms)
         _require_bool(owner, "async_moe_ubatching", self.async_moe_ubatching)
         _require_int(owner, "async_moe_num_ubatches", self.async_moe_num_ubatches)

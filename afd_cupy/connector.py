@@ -34,6 +34,7 @@ from afd_cupy.errors import (AfdError, ConfigError, ConnectorShutdown, PeerLostE
 from afd_cupy import peer_state
 from afd_cupy.handles import DispatchHandle, FFNWorkItem  # noqa: F401 - part of this module's API
 from afd_cupy.heap.nvshmem_env import check_nvshmem_env
+from afd_cupy.timeouts import check_optional_timeout
 from afd_cupy.topology import Role, Topology
 from afd_cupy.wire import WindowLayout
 
@@ -354,7 +355,7 @@ class AFDConnector:
         PeerLostError once every Attention rank has shut down or died (a dead rank is noticed
         when a poll finds nothing: its process is gone; same host only)."""
         self._require(Role.FFN, "recv_ffn_work_item")
-        timeout_ms = self.config.recv_poll_timeout_ms if timeout_ms is None else timeout_ms
+        timeout_ms = check_optional_timeout("timeout_ms", timeout_ms, unit="ms") or self.config.recv_poll_timeout_ms
         while True:
             arrival = self.path.wait_any(timeout_ms / 1000.0)
             if arrival is None:

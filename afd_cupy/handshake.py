@@ -10,6 +10,10 @@ Records are keyed by an instance number: the n-th connector a rank creates in a 
 with the n-th connector of every other rank, so connectors created one after another in the
 same job never read each other's records. Each record also carries the process id, host name
 and PID namespace of its rank, which the FFN side uses to notice that an Attention rank died.
+A rank's local knobs (``afd_cupy.config.RANK_LOCAL_FIELDS``) are not compared. A second
+process claiming a world rank (it gets the next instance number) is a ConfigError naming
+both processes: at once when the first claimant still runs on this host, else when its
+peers do not answer within the bound.
 """
 from __future__ import annotations
 
@@ -20,7 +24,8 @@ import socket
 from dataclasses import dataclass
 
 from afd_cupy import wire
-from afd_cupy.errors import GeometryMismatchError
+from afd_cupy.config import RANK_LOCAL_FIELDS
+from afd_cupy.errors import ConfigError, GeometryMismatchError, PeerTimeoutError
 from afd_cupy.store import store_fetch, store_publish
 
 
@@ -69,10 +74,13 @@ def _is_zombie(pid: int) -> bool:
 
 
 def config_record(model, topology, connector, *, backend: str) -> dict:
-    """Flat ``{"model.hidden_size": 2048, ...}`` of every value that must agree across ranks."""
+    """Flat ``{"model.hidden_size": 2048, ...}`` of every value that must agree across ranks
+    (a rank's local knobs, :data:`afd_cupy.config.RANK_LOCAL_FIELDS`, are left out)."""
     record = {"wire.version": wire.VERSION, "backend": backend}
     for prefix, config in (("model", model), ("topology", topology), ("connector", connector)):
         for f in dataclasses.fields(config):
+            if prefix == "connector" and f.name in RANK_LOCAL_FIELDS:
+                continue
             record[f"{prefix}.{f.name}"] = getattr(config, f.name)
     return record
 
@@ -93,16 +101,48 @@ def exchange(store, *, world_rank: int, world_size: int, record: dict,
     mine = {"config": record, "pid": os.getpid(), "host": socket.gethostname(),
             "pid_namespace": _pid_namespace()}
     store_publish(store, f"handshake/{instance}/{world_rank}", json.dumps(mine).encode())
+    rival = _rival_claim(store, world_rank, instance, mine)
+    if rival is not None and rival.is_alive():
+        raise _claimed_twice_error(world_rank, rival, mine)
     peers = []
     for other in range(world_size):
         if other == world_rank:
             continue
-        theirs = json.loads(bytes(store_fetch(store, f"handshake/{instance}/{other}", timeout_s,
-                                              peer=other)).decode())
+        try:
+            raw = store_fetch(store, f"handshake/{instance}/{other}", timeout_s, peer=other)
+        except PeerTimeoutError:
+            if rival is not None:  # its peers paired with the other claimant
+                raise _claimed_twice_error(world_rank, rival, mine) from None
+            raise
+        theirs = json.loads(bytes(raw).decode())
         _compare(record, theirs["config"], world_rank, other)
         peers.append(PeerProcess(other, int(theirs["pid"]), str(theirs["host"]),
                                  str(theirs["pid_namespace"])))
     return instance, peers
+
+
+def _rival_claim(store, world_rank: int, instance: int, mine: dict) -> "PeerProcess | None":
+    """The process that published the previous instance of ``world_rank`` when it is not
+    this one (a second process claiming the same rank gets the next instance number)."""
+    if instance == 0:
+        return None
+    key = f"handshake/{instance - 1}/{world_rank}"
+    if store.add(f"{key}/ready", 0) < 1:
+        return None
+    theirs = json.loads(bytes(store.get(key)).decode())
+    if (theirs["host"], theirs["pid"], theirs["pid_namespace"]) == \
+            (mine["host"], mine["pid"], mine["pid_namespace"]):
+        return None  # this process's own earlier connector
+    return PeerProcess(world_rank, int(theirs["pid"]), str(theirs["host"]), str(theirs["pid_namespace"]))
+
+
+def _claimed_twice_error(world_rank: int, rival: PeerProcess, mine: dict) -> ConfigError:
+    num_attn = mine["config"].get("topology.num_attn_ranks", 0)
+    role = (f"attention role rank {world_rank}" if world_rank < num_attn
+            else f"ffn role rank {world_rank - num_attn}")
+    return ConfigError(f"{role} (world rank {world_rank}) is claimed by two processes: pid {rival.pid} on "
+                       f"{rival.host} and pid {mine['pid']} on {mine['host']} (this one); give each "
+                       f"process its own role rank")
 
 
 def _compare(mine: dict, theirs: dict, my_rank: int, other_rank: int) -> None:

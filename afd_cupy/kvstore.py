@@ -28,6 +28,7 @@ import threading
 import time
 
 from afd_cupy.errors import AfdError, PeerTimeoutError
+from afd_cupy.timeouts import check_timeout
 
 _REQUEST = struct.Struct("!BHI")
 _REPLY = struct.Struct("!BI")
@@ -165,12 +166,12 @@ class KVClient:
     """A connection to a :class:`KVServer` at ``host:port``; calls are bounded by
     ``timeout_s`` (the connection attempts too). Thread-safe (one call at a time).
 
-    Raises StoreLostError when no server answers within ``timeout_s``."""
+    Raises ConfigError for a ``timeout_s`` that is not a finite number > 0, StoreLostError
+    when no server answers within ``timeout_s``."""
 
     def __init__(self, host: str, port: int, timeout_s: float):
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        self.host, self.port, self.timeout_s = host, port, float(timeout_s)
+        self.host, self.port = host, port
+        self.timeout_s = check_timeout("KVClient timeout_s", timeout_s)
         self._lock = threading.Lock()
         self._sock = self._connect()
 

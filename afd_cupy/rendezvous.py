@@ -11,6 +11,13 @@ world size are a :class:`~afd_cupy.errors.ConfigError`. When a launcher's ranks 
 adds ``launch/done/{rank}``; the process that hosts the store master waits (bounded) for
 every rank to be done before it drops the master, so that no rank of another node loses the
 store inside its collective ``close()``. Not collective in the NVSHMEM sense; host-blocking.
+
+The first launcher whose rendezvous deadline passes gives the job up for everyone
+(``launch/abandoned``, with the missing ranks): every launcher still waiting raises the same
+PeerTimeoutError at once, and the store's host lingers (bounded) until they have read it
+before it drops the store. A launcher that loses the store while it waits (its host gave up
+without that record, or died) raises a PeerTimeoutError naming the ranks it still missed,
+not the store's connection error.
 """
 from __future__ import annotations
 
@@ -20,14 +27,17 @@ import os
 import socket
 import time
 
-from afd_cupy.errors import ConfigError, PeerTimeoutError
-from afd_cupy.store import Store, _poll_until
+from afd_cupy.errors import AfdError, ConfigError, PeerTimeoutError
+from afd_cupy.store import Store, poll_until, store_publish
 
 logger = logging.getLogger("afd_cupy")
 
 JOINED = "launch/joined"
 DONE = "launch/done"
+ABANDONED = "launch/abandoned"
 _MASTER_PROBE_S = 0.1
+#: how long the store's host waits for the other launchers to read that it gave the job up
+LINGER_S = 2.0
 
 
 def _missing_error(message: str, missing: list[int]) -> PeerTimeoutError:
@@ -88,15 +98,46 @@ class Rendezvous:
         self.here, self.where = here, where
         self.waiting = list(range(world_size))
         self.complete = False
+        self.abandoned = False  # this launcher gave the job up (error())
 
     def poll(self) -> bool:
-        """True once every rank joined (then checks that every launcher has this world size)."""
-        if not self.complete:
+        """True once every rank joined (then checks that every launcher has this world size).
+        Raises PeerTimeoutError naming the missing ranks when another launcher gave the job
+        up, or the store is lost."""
+        if self.complete:
+            return True
+        try:
+            self._check_abandoned()
             self.waiting = _missing(self.store, JOINED, self.waiting)
             if not self.waiting:
                 self._check_world_size()
                 self.complete = True
+        except AfdError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - torch's DistNetworkError, StoreLostError...
+            raise self._lost_error(exc) from exc
         return self.complete
+
+    def _check_abandoned(self) -> None:
+        if self.store.add(f"{ABANDONED}/ready", 0) < 1:
+            return
+        verdict = json.loads(bytes(self.store.get(ABANDONED)).decode())
+        self.store.add(f"{ABANDONED}/seen", len(self.here))
+        missing = [int(r) for r in verdict["missing"]]
+        self.waiting = missing
+        raise _missing_error(
+            f"job {self.job_id}: world ranks {missing} of {self.world_size} did not join: the "
+            f"launcher of ranks {verdict['by']} gave the job up after {verdict['waited_s']:.1f} s "
+            f"(ranks {self.here} started {self.where}, bound {self.timeout_s:.1f} s): is the "
+            f"launcher of the missing ranks running, with the same store address and job id?",
+            missing)
+
+    def _lost_error(self, exc: Exception) -> PeerTimeoutError:
+        missing = list(self.waiting)
+        return _missing_error(
+            f"job {self.job_id}: world ranks {missing} of {self.world_size} had not joined when "
+            f"the job's store went away ({type(exc).__name__}: {exc}); its host gave up on them or "
+            f"died (ranks {self.here} started {self.where}, bound {self.timeout_s:.1f} s)", missing)
 
     def _check_world_size(self) -> None:
         for rank in range(self.world_size):
@@ -108,7 +149,15 @@ class Rendezvous:
                     f"here with world_size={self.world_size}")
 
     def error(self) -> PeerTimeoutError:
+        """The PeerTimeoutError naming the missing ranks; it also tells every other launcher
+        of the job (``launch/abandoned``, best effort) so that they raise it at once."""
         missing = list(self.waiting)
+        self.abandoned = True
+        try:
+            verdict = {"missing": missing, "by": self.here, "waited_s": self.timeout_s}
+            store_publish(self.store, ABANDONED, json.dumps(verdict).encode())
+        except Exception as exc:  # noqa: BLE001 - the store may be gone: this rank raises anyway
+            logger.debug("job %s: could not publish that the job was given up: %s", self.job_id, exc)
         return _missing_error(
             f"job {self.job_id}: world ranks {missing} of {self.world_size} did not join within "
             f"{self.timeout_s:.1f} s (ranks {self.here} started {self.where}): is the launcher "
@@ -116,8 +165,18 @@ class Rendezvous:
 
     def wait(self) -> None:
         """Block until complete; raise :meth:`error` at the deadline."""
-        if not _poll_until(self.poll, max(0.0, self.deadline - time.monotonic())):
+        if not poll_until(self.poll, max(0.0, self.deadline - time.monotonic())):
             raise self.error()
+
+    def linger(self, timeout_s: float = LINGER_S) -> None:
+        """For the store's host after the job was given up: wait (bounded) until every rank
+        that joined elsewhere has read that (:meth:`poll`), so that it gets the
+        PeerTimeoutError and not a lost store."""
+        expected = self.world_size - len(self.waiting) - len(self.here)
+        try:
+            poll_until(lambda: self.store.add(f"{ABANDONED}/seen", 0) >= expected, timeout_s)
+        except Exception as exc:  # noqa: BLE001 - nothing more to do for them
+            logger.debug("job %s: store failed while lingering: %s", self.job_id, exc)
 
 
 def mark_done(store: Store, ranks) -> None:
@@ -134,7 +193,7 @@ def await_done(store: Store, world_size: int, timeout_s: float, job_id: str) -> 
         return not waiting[0]
 
     try:
-        if _poll_until(all_done, timeout_s):
+        if poll_until(all_done, timeout_s):
             return True
     except Exception as exc:  # noqa: BLE001 - the store is going away anyway
         logger.warning("job %s: store unusable while waiting for the ranks to finish: %s", job_id, exc)

@@ -11,13 +11,15 @@ naming how many ranks arrived, never a hang.
 """
 from __future__ import annotations
 
+import math
 import socket
 import threading
 import time
 import weakref
 from typing import Protocol, runtime_checkable
 
-from afd_cupy.errors import PeerTimeoutError
+from afd_cupy.errors import ConfigError, PeerTimeoutError
+from afd_cupy.timeouts import check_timeout
 
 # Polling interval bounds of the bounded waits (seconds): start short for latency, back off
 # so that a long wait does not burn a core.
@@ -48,6 +50,7 @@ def create_store(host: str, port: int, world_size: int, is_master: bool,
     The master does not wait for workers (``wait_for_workers=False``) so that it can be
     started before the processes that connect to it. torch is imported here, lazily.
     """
+    check_timeout("timeout_s", timeout_s)
     import datetime
 
     from torch.distributed import TCPStore
@@ -114,8 +117,13 @@ class NamespacedStore:
         return f"NamespacedStore({self.store!r}, namespace={self.namespace!r})"
 
 
-def _poll_until(predicate, timeout_s: float) -> bool:
-    """Call ``predicate()`` with backing-off sleeps until it is true or ``timeout_s`` passed."""
+def poll_until(predicate, timeout_s: float) -> bool:
+    """Call ``predicate()`` with backing-off sleeps until it is true or ``timeout_s`` passed.
+
+    ConfigError for a ``timeout_s`` that is NaN, infinite or negative (the wait would never
+    end, or end at once by accident)."""
+    if not 0 <= timeout_s < math.inf:
+        raise ConfigError(f"a store wait needs a finite timeout >= 0 s, got {timeout_s!r}")
     deadline = time.monotonic() + timeout_s
     sleep_s = _POLL_MIN_S
     while True:
@@ -157,7 +165,7 @@ def store_barrier(store: Store, name: str, world_size: int, timeout_s: float) ->
         arrived[0] = store.add(key, 0)
         return arrived[0] >= world_size
 
-    if not _poll_until(all_arrived, timeout_s):
+    if not poll_until(all_arrived, timeout_s):
         raise PeerTimeoutError(
             f"store barrier {key!r}: {arrived[0]} of {world_size} ranks arrived "
             f"within {timeout_s:.1f} s")
@@ -174,7 +182,7 @@ def store_fetch(store: Store, key: str, timeout_s: float, *, peer: int | None = 
 
     Raises PeerTimeoutError naming the key (and ``peer``, when given) on timeout.
     """
-    if not _poll_until(lambda: store.add(f"{key}/ready", 0) >= 1, timeout_s):
+    if not poll_until(lambda: store.add(f"{key}/ready", 0) >= 1, timeout_s):
         who = f" from peer {peer}" if peer is not None else ""
         raise PeerTimeoutError(
             f"store key {key!r}{who} was not published within {timeout_s:.1f} s", peer=peer)
@@ -220,7 +228,7 @@ def agreed_barrier(store: Store, name: str, world_size: int, timeout_s: float) -
         seen["arrived"] = store.add(key, 0)
         return seen["arrived"] >= world_size
 
-    _poll_until(done, timeout_s)
+    poll_until(done, timeout_s)
     if not seen["decided"] and store.add(decided_key, 1) == 1:  # this rank decides
         go = store.add(key, 0) >= world_size
         store_publish(store, decision_key, b"go" if go else b"abandon")

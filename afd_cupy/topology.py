@@ -8,6 +8,7 @@ padding that never receives tokens.
 from __future__ import annotations
 
 import enum
+import numbers
 from dataclasses import dataclass
 
 from afd_cupy.errors import TopologyError
@@ -66,6 +67,9 @@ class Topology:
         """World rank (NVSHMEM PE) of ``role_rank`` of ``role``."""
         role = Role(role)
         size = self.num_role_ranks(role)
+        if isinstance(role_rank, bool) or not isinstance(role_rank, numbers.Integral):
+            raise TopologyError(f"{role.value} role rank must be an int, got "
+                                f"{type(role_rank).__name__} {role_rank!r}")
         if not 0 <= role_rank < size:
             raise TopologyError(f"{role.value} role rank {role_rank} out of range [0, {size})")
         return role_rank if role is Role.ATTENTION else self.num_attn_ranks + role_rank

@@ -102,3 +102,38 @@ def test_connector_recv_spin_us_is_checked_before_any_collective_step(bad):
     model = ModelConfig(hidden_size=64, num_experts=4, top_k=2, moe_intermediate_size=32)
     with pytest.raises(ConfigError, match=rf"recv_spin_us must be an int >= 0 \(microseconds\), got {bad!r}"):
         AFDConnector(model, TopologyConfig(1, 1), role="ffn", role_rank=0, store=None, recv_spin_us=bad)
+
+
+def test_from_mapping_names_the_missing_required_keys():
+    partial = {k: v for k, v in MODEL.items() if k not in ("top_k", "hidden_size")}
+    with pytest.raises(ConfigError, match=r"ModelConfig keys missing: \['hidden_size', 'top_k'\]"):
+        ModelConfig.from_mapping(partial)
+    with pytest.raises(ConfigError, match=r"TopologyConfig keys missing: \['num_ffn_ranks'\]"):
+        TopologyConfig.from_mapping({"num_attn_ranks": 1})
+
+
+@pytest.mark.parametrize("value", [1e308, 1e6])
+def test_a_huge_routed_cap_multiplier_is_a_config_error(value):
+    with pytest.raises(ConfigError, match=r"routed_cap_multiplier must be <= 65536"):
+        ConnectorConfig.from_mapping({"routed_cap_multiplier": value})
+    ConnectorConfig(routed_cap_multiplier=8.0)  # any FFN count is fine
+
+
+@pytest.mark.parametrize("bad", [1.0, "1", None])
+def test_a_role_rank_that_is_not_an_int_says_so(bad):
+    from afd_cupy.topology import Role, Topology
+
+    with pytest.raises(ConfigError, match=rf"attention role rank must be an int, got \w+ {bad!r}"):
+        Topology(2, 1, 4).world_rank(Role.ATTENTION, bad)
+
+
+def test_rank_local_knobs_are_left_out_of_the_handshake_record():
+    from afd_cupy.config import RANK_LOCAL_FIELDS
+    from afd_cupy.handshake import config_record
+
+    model, topology = ModelConfig(**MODEL), TopologyConfig(1, 1)
+    mine = config_record(model, topology, ConnectorConfig(), backend="host")
+    theirs = config_record(model, topology, ConnectorConfig(recv_poll_timeout_ms=7, fused_dispatch=False),
+                           backend="host")
+    assert mine == theirs and set(RANK_LOCAL_FIELDS) == {"recv_poll_timeout_ms", "fused_dispatch"}
+    assert "connector.wire_mode" in mine and "connector.routed_cap_multiplier" in mine

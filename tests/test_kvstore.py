@@ -3,13 +3,14 @@ typed errors (CPU only)."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import threading
 import time
 
 import pytest
 
-from afd_cupy.errors import PeerTimeoutError
+from afd_cupy.errors import ConfigError, PeerTimeoutError
 from afd_cupy.kvstore import KVClient, KVServer, StoreLostError
 from afd_cupy.store import Store, bound_listener
 
@@ -136,8 +137,10 @@ def test_a_closed_server_is_a_store_lost_error_never_a_hang():
 
 
 def test_client_timeout_must_be_positive(server):
-    with pytest.raises(ValueError, match="timeout_s must be > 0, got 0"):
-        KVClient(server.host, server.port, 0)
+    for bad in (0, -1.0, float("nan"), float("inf"), True, "5"):
+        with pytest.raises(ConfigError, match=rf"KVClient timeout_s must be a finite number of "
+                                              rf"seconds > 0, got {re.escape(repr(bad))}"):
+            KVClient(server.host, server.port, bad)
 
 
 def test_close_wakes_the_accepting_thread_at_once(monkeypatch):

@@ -63,8 +63,12 @@ def test_rendezvous_names_every_missing_rank(job_store):
     with pytest.raises(PeerTimeoutError, match=r"world ranks \[1, 3\] of 4 did not join within 0.3 s") as info:
         joining.wait()
     assert info.value.missing_ranks == [1, 3] and info.value.peer == 1
+    # the job was given up for everyone: a launcher still waiting raises the same at once
     rendezvous.join(job_store, [1, 3], 4, "j")
-    assert joining.poll() and joining.complete
+    late = rendezvous.Rendezvous(job_store, 4, "j", 30.0, [1, 3], "late")
+    with pytest.raises(PeerTimeoutError, match=r"world ranks \[1, 3\] of 4 did not join: the launcher "
+                                               r"of ranks \[0, 2\] gave the job up after 0.3 s"):
+        late.wait()
 
 
 def test_a_launch_whose_store_master_never_answers_names_the_other_ranks():

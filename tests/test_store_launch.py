@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from afd_cupy.errors import AfdError, PeerTimeoutError
+from afd_cupy.errors import AfdError, ConfigError, PeerTimeoutError
 from afd_cupy.launch import LaunchError, ProcessContext, device_for_rank, launch
 from afd_cupy.kvstore import KVClient, KVServer
 from afd_cupy.store import (NamespacedStore, agreed_barrier, bound_listener, create_store, free_port,
@@ -130,8 +130,10 @@ def test_a_rank_that_never_exits_is_stopped_after_the_exit_grace(tmp_path):
                   exit_grace_s=1.0) == [0]
     assert time.monotonic() - start < 15.0  # grace + terminate, not the rank's 30 s
     assert os.listdir(tmp_path) == []  # it was stopped inside its exit
-    with pytest.raises(ValueError, match="exit_grace_s must be >= 0, got -1"):
+    with pytest.raises(ValueError, match="exit_grace_s must be a finite number of seconds >= 0, got -1"):
         launch(_slow_exit, 1, args=(str(tmp_path), 0.0), exit_grace_s=-1)
+    with pytest.raises(ConfigError, match="exit_grace_s must be a finite number of seconds >= 0, got inf"):
+        launch(_slow_exit, 1, args=(str(tmp_path), 0.0), exit_grace_s=float("inf"))
 
 
 def test_launch_error_is_an_afd_error():
@@ -364,12 +366,12 @@ def test_a_launch_run_alone_serves_its_store_without_torch():
 def test_launch_that_cannot_listen_for_its_store_starts_no_rank(monkeypatch):
     import multiprocessing
 
-    from afd_cupy import launch as launch_mod
+    from afd_cupy import process_context
 
     def broken(host):
         raise OSError(98, "Address already in use (simulated)")
 
-    monkeypatch.setattr(launch_mod, "bound_listener", broken)
+    monkeypatch.setattr(process_context, "bound_listener", broken)
     with pytest.raises(LaunchError, match=r"could not listen for the job's store on 127\.0\.0\.1: "
                                           r"\[Errno 98\] Address already in use"):
         launch(_report_identity, 2, args=(0,), timeout_s=60.0)
@@ -383,6 +385,7 @@ def test_process_context_refuses_an_unknown_store_kind():
 
 def test_detect_backend_override_and_cpu_fallback(monkeypatch):
     from afd_cupy import launch as launch_mod
+    from afd_cupy import placement
 
     monkeypatch.setenv("AFD_BACKEND", "cuda")
     assert launch_mod.detect_backend() == "cuda"
@@ -392,7 +395,7 @@ def test_detect_backend_override_and_cpu_fallback(monkeypatch):
     with pytest.raises(ValueError, match="AFD_BACKEND must be 'cuda' or 'host', got 'tpu'"):
         launch_mod.detect_backend()
     monkeypatch.delenv("AFD_BACKEND")
-    monkeypatch.setattr(launch_mod, "_detect_num_gpus", lambda: 0)
+    monkeypatch.setattr(placement, "detect_num_gpus", lambda: 0)
     assert launch_mod.detect_backend() == "host"
 
 

@@ -20,6 +20,20 @@ logger = logging.getLogger("afd_cupy")
 UNHEALTHY_CLOSE_S = 0.5
 
 
+def closing_barrier(barrier, store, name: str, world_size: int, timeout_s: float) -> bool:
+    """``barrier(store, name, world_size, timeout_s)`` (the heap's
+    :func:`afd_cupy.store.agreed_barrier`) for a heap's ``close()``, which never raises: a
+    store that fails (its host is gone: torch's ``DistNetworkError``, a
+    :class:`~afd_cupy.kvstore.StoreLostError`) is logged and counts as "not every rank
+    arrived" (False), the verdict a rank gets when its peers give up on the barrier."""
+    try:
+        return barrier(store, name, world_size, timeout_s)
+    except Exception as exc:  # noqa: BLE001 - close problems are logged, not raised
+        logger.warning("closing barrier %r: the store is unusable (%s: %s); closing without the "
+                       "peers", name, type(exc).__name__, exc)
+        return False
+
+
 class SymmetricBuffer(abc.ABC):
     """One symmetric allocation of ``nbytes`` bytes on every rank."""
 

@@ -2,8 +2,12 @@
 
 Every rank creates its own segment per allocation and maps every peer's segment, so rank r
 can write one-sided into ``buf.peer(s)`` exactly as on the cuda backend. Segment files are
-named ``afd_{job_id}_{name}_{rank}`` (sanitized); the owner unlinks them in ``close()``, at
-interpreter exit, or the launcher does it (:func:`cleanup_job_segments`) after a kill.
+named ``afd_{job_id}_{name}_{rank}_{token}`` (sanitized; ``token``: the creating process's
+pid and a random suffix, so that two jobs on one host never collide, even with the same
+``job_id``: peers learn the path through the store). The owner unlinks them once every peer
+mapped them, in ``close()``, at interpreter exit, when its launcher dies
+(:func:`unlink_own_segments`), or the launcher does it (:func:`cleanup_job_segments`)
+after a kill.
 
 NOTE: multiprocessing.shared_memory is not used: its resource tracker unlinks segments that
 another process still maps (and warns about "leaks") when several processes share them.
@@ -15,13 +19,16 @@ import logging
 import mmap
 import os
 import re
+import secrets
+import time
 import weakref
 
 import numpy as np
 
-from afd_cupy.errors import HeapError
-from afd_cupy.heap.base import UNHEALTHY_CLOSE_S, SymmetricBuffer, SymmetricHeap
+from afd_cupy.errors import HeapError, PeerTimeoutError
+from afd_cupy.heap.base import UNHEALTHY_CLOSE_S, SymmetricBuffer, SymmetricHeap, closing_barrier
 from afd_cupy.store import Store, agreed_barrier, store_barrier, store_fetch, store_publish
+from afd_cupy.timeouts import check_timeout
 
 logger = logging.getLogger("afd_cupy")
 
@@ -32,15 +39,29 @@ _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9_.-]")
 # Heap instances per job in this process, in creation order: every rank creates its heaps in
 # the same order, so the counter is a key prefix that all ranks agree on.
 _heap_counts: dict[str, int] = {}
+# Every segment this process created and has not unlinked yet (unlink_own_segments).
+_live_segments: set[str] = set()
+_process_token: list = [None, ""]  # [pid it was made for, token]
 
 
 def _sanitize(text: str) -> str:
     return _UNSAFE_CHARS.sub("_", text)
 
 
-def segment_path(job_id: str, name: str, rank: int) -> str:
-    """Path of rank ``rank``'s segment of allocation ``name`` in job ``job_id``."""
-    return os.path.join(SHM_DIR, f"{_SEGMENT_PREFIX}{_sanitize(job_id)}_{_sanitize(name)}_{rank}")
+def process_token() -> str:
+    """This process's part of its segment names: its pid and a random suffix (made anew in a
+    forked child), without ``_``."""
+    if _process_token[0] != os.getpid():
+        _process_token[:] = [os.getpid(), f"{os.getpid()}x{secrets.token_hex(3)}"]
+    return _process_token[1]
+
+
+def segment_path(job_id: str, name: str, rank: int, token: str | None = None) -> str:
+    """Path of rank ``rank``'s segment of allocation ``name`` in job ``job_id``, created by
+    the process of ``token`` (default: this process, :func:`process_token`)."""
+    token = process_token() if token is None else token
+    return os.path.join(SHM_DIR, f"{_SEGMENT_PREFIX}{_sanitize(job_id)}_{_sanitize(name)}_{rank}_"
+                                 f"{_sanitize(token)}")
 
 
 def segment_glob(job_id: str) -> str:
@@ -57,10 +78,10 @@ def cleanup_job_segments(job_id: str, ranks=None) -> list[str]:
     NOTE: job ids must not be prefixes of one another (the launcher uses random hex ids).
     """
     pattern = segment_glob(job_id)
-    suffixes = None if ranks is None else tuple(f"_{int(rank)}" for rank in ranks)
+    wanted = None if ranks is None else {int(rank) for rank in ranks}
     removed = []
     for path in glob.glob(pattern):
-        if suffixes is not None and not path.endswith(suffixes):
+        if wanted is not None and _segment_rank(path) not in wanted:
             continue
         try:
             os.unlink(path)
@@ -72,11 +93,28 @@ def cleanup_job_segments(job_id: str, ranks=None) -> list[str]:
     return removed
 
 
+def _segment_rank(path: str) -> int | None:
+    """The rank field of a segment path (``..._{rank}_{token}``), None when it has none."""
+    parts = os.path.basename(path).rsplit("_", 2)
+    return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
+
+
+def unlink_own_segments() -> list[str]:
+    """Unlink every segment this process created and still owns (peers that mapped one keep
+    their mapping). For a rank about to die without its ``close()`` (its launcher is gone:
+    :mod:`afd_cupy.orphan`). Not collective; returns the paths removed."""
+    paths = sorted(_live_segments)
+    _unlink_all(list(paths))
+    return paths
+
+
 def _unlink_all(paths: list[str]) -> None:
     """Finalizer: unlink own segments (no collective work, safe at interpreter exit)."""
     while paths:
+        path = paths.pop()
+        _live_segments.discard(path)
         try:
-            os.unlink(paths.pop())
+            os.unlink(path)
         except FileNotFoundError:
             pass
 
@@ -89,12 +127,13 @@ def _create_segment(path: str, nbytes: int) -> mmap.mmap:
         raise HeapError(f"shared-memory segment {path} already exists: allocation name "
                         f"reused in this job, or a previous run of the job was not cleaned"
                         ) from None
+    _live_segments.add(path)  # from here on a dying rank unlinks it (unlink_own_segments)
     try:
         os.ftruncate(fd, nbytes)
         _reserve(fd, path, nbytes)
         return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
-        os.unlink(path)
+        _unlink_all([path])
         raise
     finally:
         os.close(fd)
@@ -187,10 +226,10 @@ class HostHeap(SymmetricHeap):
                  timeout_s: float = 60.0):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of {world_size}")
+        self.timeout_s = check_timeout("host heap timeout_s", timeout_s)
         self.rank = rank
         self.world_size = world_size
         self.job_id = job_id
-        self.timeout_s = timeout_s
         self._store = store
         heap_idx = _heap_counts.get(job_id, 0)
         _heap_counts[job_id] = heap_idx + 1
@@ -198,6 +237,7 @@ class HostHeap(SymmetricHeap):
         self._buffers: dict[str, HostBuffer] = {}
         self._own_paths: list[str] = []
         self._finalizer = weakref.finalize(self, _unlink_all, self._own_paths)
+        self._peer_failed = False  # an alloc failed waiting on a peer
         self._closed = False
 
     @property
@@ -219,26 +259,44 @@ class HostHeap(SymmetricHeap):
         own_path = segment_path(self.job_id, name, self.rank)
         own_map = _create_segment(own_path, nbytes)
         self._own_paths.append(own_path)
-        store_publish(self._store, self._segment_key(name, self.rank), own_path.encode())
-        maps = [self._map_peer(name, pe, nbytes) if pe != self.rank else own_map
-                for pe in range(self.world_size)]
-        buffer = HostBuffer(name, nbytes, self.rank, maps)
-        self._buffers[name] = buffer
-        # Once every rank mapped every segment, the names are no longer needed: unlinking
-        # them now means a kill -9 of any rank leaves nothing behind in /dev/shm.
-        store_barrier(self._store, f"{self._key_prefix}/mapped/{name}", self.world_size,
-                      self.timeout_s)
+        try:
+            maps = self._exchange_segments(name, nbytes, own_path, own_map)
+        except BaseException:
+            self._peer_failed = True  # close() must not wait the full bound for a lost peer
+            raise
+        self._buffers[name] = HostBuffer(name, nbytes, self.rank, maps)
         _unlink_all([own_path])
         self._own_paths.remove(own_path)
-        return buffer
+        return self._buffers[name]
+
+    def _exchange_segments(self, name: str, nbytes: int, own_path: str, own_map) -> list:
+        """Publish this rank's segment, map every peer's, and wait until every rank mapped
+        every segment: one ``timeout_s`` deadline for all of it (not one per peer)."""
+        deadline = time.monotonic() + self.timeout_s
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
+        store_publish(self._store, self._segment_key(name, self.rank), own_path.encode())
+        maps = []
+        try:
+            for pe in range(self.world_size):
+                if pe == self.rank:
+                    maps.append(own_map)
+                    continue
+                path = store_fetch(self._store, self._segment_key(name, pe), left(), peer=pe).decode()
+                maps.append(_map_peer_segment(path, nbytes, pe))
+            # Once every rank mapped every segment, the names are no longer needed: unlinking
+            # them now means a kill -9 of any rank leaves nothing behind in /dev/shm.
+            store_barrier(self._store, f"{self._key_prefix}/mapped/{name}", self.world_size, left())
+        except PeerTimeoutError as err:
+            raise PeerTimeoutError(f"host heap of rank {self.rank}, alloc({name!r}): {err} (the "
+                                   f"alloc's bound is {self.timeout_s:.1f} s in all)",
+                                   peer=err.peer) from None
+        return maps
 
     def _segment_key(self, name: str, pe: int) -> str:
         return f"{self._key_prefix}/{name}/{pe}"
-
-    def _map_peer(self, name: str, pe: int, nbytes: int) -> mmap.mmap:
-        key = self._segment_key(name, pe)
-        path = store_fetch(self._store, key, self.timeout_s, peer=pe).decode()
-        return _map_peer_segment(path, nbytes, pe)
 
     def barrier(self) -> None:
         """Collective host-blocking barrier over the world, bounded by ``timeout_s``."""
@@ -249,15 +307,18 @@ class HostHeap(SymmetricHeap):
         """Collective: barrier, unmap every buffer, unlink own segments. Idempotent.
 
         The barrier waits ``timeout_s``, or at most ``UNHEALTHY_CLOSE_S`` with
-        ``peers_healthy=False`` (a peer died); when the job gives up on it the ranks close
-        without each other (logged, not raised).
+        ``peers_healthy=False`` (a peer died) or after an ``alloc`` that failed on a peer;
+        when the job gives up on it, or the store is gone (its host died), the ranks close
+        without each other (logged, never raised).
         """
         if self._closed:
             return
         self._closed = True
         try:
-            timeout_s = self.timeout_s if peers_healthy else min(UNHEALTHY_CLOSE_S, self.timeout_s)
-            if not agreed_barrier(self._store, f"{self._key_prefix}/close", self.world_size, timeout_s):
+            healthy = peers_healthy and not self._peer_failed
+            timeout_s = self.timeout_s if healthy else min(UNHEALTHY_CLOSE_S, self.timeout_s)
+            if not closing_barrier(agreed_barrier, self._store, f"{self._key_prefix}/close",
+                                   self.world_size, timeout_s):
                 logger.warning("host heap of rank %d closed without its peers: not every rank reached "
                                "the closing barrier (this rank waited %.1f s)", self.rank, timeout_s)
         finally:

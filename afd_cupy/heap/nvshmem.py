@@ -19,13 +19,14 @@ import ctypes
 import logging
 
 from afd_cupy.errors import BackendUnavailableError, HeapError, NvshmemError, PeerTimeoutError
-from afd_cupy.heap.base import UNHEALTHY_CLOSE_S, SymmetricBuffer, SymmetricHeap
+from afd_cupy.heap.base import UNHEALTHY_CLOSE_S, SymmetricBuffer, SymmetricHeap, closing_barrier
 from afd_cupy.heap.nvshmem_env import (NVSHMEM_DEFAULTS, REMOTE_TRANSPORTS,  # noqa: F401 - re-exported
                                        apply_nvshmem_env, nvshmem_env, nvshmem_heap_bytes)
 from afd_cupy.heap.nvshmem_lib import (NVSHMEMX_INIT_WITH_UNIQUEID, STATUS_NOT_INITIALIZED,
                                        SUPPORTED_MAJOR, UniqueId, _check, library_version,
                                        load_library, new_init_attr, new_unique_id)
 from afd_cupy.store import Store, agreed_barrier, store_fetch, store_publish
+from afd_cupy.timeouts import check_timeout
 
 logger = logging.getLogger("afd_cupy")
 
@@ -90,6 +91,7 @@ class NvshmemHeap(SymmetricHeap):
         global _heap_alive, _heap_count
         if _heap_alive:
             raise HeapError("an NvshmemHeap is already open in this process (one per process)")
+        timeout_s = check_timeout("NVSHMEM heap timeout_s", timeout_s)
         # NOTE: first, so that a conflicting environment fails before any CUDA or NVSHMEM work;
         # NVSHMEM reads these variables in nvshmemx_hostlib_init_attr (_init_runtime).
         self.nvshmem_env = apply_nvshmem_env(env)
@@ -305,7 +307,8 @@ class NvshmemHeap(SymmetricHeap):
         self._cupy.cuda.runtime.deviceSynchronize()
         timeout_s = self.timeout_s if peers_healthy else min(UNHEALTHY_CLOSE_S, self.timeout_s)
         # every rank learns the same verdict: all of them free and finalize, or none does
-        if not agreed_barrier(self._store, f"{self._barrier_name}/close", self.world_size, timeout_s):
+        if not closing_barrier(agreed_barrier, self._store, f"{self._barrier_name}/close",
+                               self.world_size, timeout_s):
             logger.warning("NVSHMEM heap of rank %d abandoned: not every rank reached the closing "
                            "barrier (this rank waited %.1f s)", self.rank, timeout_s)
             self._buffers.clear()
