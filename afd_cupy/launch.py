@@ -44,8 +44,6 @@ from afd_cupy.timeouts import check_optional_timeout, check_timeout
 
 logger = logging.getLogger("afd_cupy")
 
-#: the name tools/bench_transport.py imports; new code uses afd_cupy.placement.detect_num_gpus
-_detect_num_gpus = detect_num_gpus
 _DONE_GRACE_S = 5.0  # least time a store host waits for the other launches' ranks to finish
 
 

@@ -52,7 +52,6 @@ ALLOWED = {
     ("heap/host.py", "_release"): "HostBuffer._release from HostHeap.close (same module)",
     ("heap/nvshmem.py", "_views"): "NvshmemBuffer._views from NvshmemHeap.close (same module)",
     ("heap/nvshmem.py", "_check"): "nvshmem_lib._check, the binding's error check",
-    ("rendezvous.py", "_poll_until"): "store._poll_until, the bounded poll",
     ("testing/graph_ffn.py", "_attention"): "testing.scenario's Attention rank body",
     ("testing/graph_ffn.py", "_device"): "testing.scenario's device choice",
     ("wire.py", "_for_layer"): "errors._for_layer, the message fragment",

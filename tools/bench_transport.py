@@ -71,7 +71,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as bc  # noqa: E402
 from afd_cupy import dedup  # noqa: E402
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig  # noqa: E402
-from afd_cupy.launch import Placement, _detect_num_gpus, launch  # noqa: E402
+from afd_cupy.launch import Placement, launch  # noqa: E402
+from afd_cupy.placement import detect_num_gpus  # noqa: E402
 from afd_cupy.planner import shared_count  # noqa: E402
 from afd_cupy.store import store_fetch, store_publish  # noqa: E402
 from afd_cupy.wire import window_size_hint  # noqa: E402
@@ -647,7 +648,7 @@ def run_group(group: Group, timeout_s: float) -> dict:
     world = 1 + group.num_ffn
     window = window_size_hint(model, TopologyConfig(1, group.num_ffn), group.connector())
     child_env = bc.launch_env(group.backend, world, window, nccl=group.nccl_baseline)
-    num_gpus = _detect_num_gpus() if group.backend == "cuda" else 0
+    num_gpus = detect_num_gpus() if group.backend == "cuda" else 0
     placement = cross_gpu_placement(world, num_gpus)
     results = launch(_rank, world, args=(group,), timeout_s=timeout_s, env=child_env,
                      num_gpus=num_gpus, placement=placement)
