@@ -8,6 +8,7 @@ import glob
 import json
 import logging
 import math
+import re
 import os
 import subprocess
 import sys
@@ -170,7 +171,10 @@ def test_a_peer_dying_in_heap_setup_fails_within_the_startup_bound():
     # before: twice the bound (the failed set-up's close waited a second full bound); the
     # margin covers the short closing barrier and a loaded machine
     assert elapsed < startup_s + 2.0, (elapsed, message)
-    assert "host heap of rank 0, alloc('window0')" in message and "bound is 4.0 s" in message, message
+    assert "host heap of rank 0, alloc('window0')" in message, message
+    # the heap gets what the handshake left of the one start-up bound, and says so truly
+    bound = re.search(r"the alloc's bound is ([0-9.]+) s", message)
+    assert bound and 0 < float(bound.group(1)) <= startup_s, message
 
 
 # --- item 5: recv_ffn_work_item; local knobs need not match -------------------------------------

@@ -77,7 +77,7 @@ def open_path(ctx: PathContext, *, store, job_id: str, device_id, startup_timeou
                        timeout_s=startup_timeout_s, env=nvshmem_env)
     try:
         window = Window(heap, ctx.layout, store, name=f"window{instance}",
-                        allow_unmapped=ctx.transport != "direct")
+                        geometry_timeout_s=startup_timeout_s, allow_unmapped=ctx.transport != "direct")
         put, is_put = open_put_channel(heap, window, ctx.layout, ctx, instance=instance)
     except BaseException:
         heap.close(peers_healthy=False)

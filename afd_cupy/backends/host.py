@@ -61,7 +61,8 @@ def open_path(ctx: PathContext, *, store, job_id: str, device_id, startup_timeou
     heap = HostHeap(ctx.world_rank, ctx.topology.world_size, store, job_id,
                     timeout_s=startup_timeout_s)
     try:
-        window = Window(heap, ctx.layout, store, name=f"window{instance}")
+        window = Window(heap, ctx.layout, store, name=f"window{instance}",
+                        geometry_timeout_s=startup_timeout_s)
     except BaseException:
         heap.close()
         raise
