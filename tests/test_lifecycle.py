@@ -8,8 +8,8 @@ import glob
 import json
 import logging
 import math
-import re
 import os
+import re
 import subprocess
 import sys
 import textwrap
