@@ -22,7 +22,6 @@ import math
 import numbers
 import socket
 import threading
-import time
 
 import torch
 
@@ -142,8 +141,6 @@ class AFDConnector:
         self._store = store  # read again only on error paths (a failed FFN's reason)
         self._peer_failed = False  # a wait timed out or a peer died: close() must not hang on it
         self._closed = False
-        # one bound for the whole start-up: the path's set-up gets what the handshake left
-        startup_deadline = time.monotonic() + self.startup_timeout_s
         self.instance, peers = handshake.exchange(
             store, world_rank=self.world_rank, world_size=self.topology.world_size,
             record=handshake.config_record(model, topology, self.config, backend=backend),
@@ -163,8 +160,7 @@ class AFDConnector:
                           recv_spin_s=recv_spin_us * 1e-6, fused_dispatch=self.config.fused_dispatch)
         try:
             self.path = open_path(backend, ctx, store=store, job_id=job_id, device_id=device_id,
-                                  startup_timeout_s=max(1e-3, startup_deadline - time.monotonic()),
-                                  instance=self.instance,
+                                  startup_timeout_s=self.startup_timeout_s, instance=self.instance,
                                   nvshmem_env=nvshmem_env)
         except BaseException:
             self._closed = True  # nothing to close: no "not closed" warning from __del__

@@ -47,7 +47,7 @@ def _layer(conn, layer, seed, *, num_tokens=6):
         out = conn.recv_ffn_output(conn.send_attn_output(hidden, ids, weights, layer))
     except Exception as exc:  # noqa: BLE001 - the test names the type
         return type(exc).__name__, str(exc), time.monotonic() - start, exc
-    err = float((out.float() - _expected(hidden, weights).cpu()).abs().max())
+    err = float((out.float().cpu() - _expected(hidden, weights).cpu()).abs().max())
     return err, "", time.monotonic() - start, None
 
 
@@ -82,7 +82,7 @@ def _shutdown_after_reply_program(ctx, backend, wire_mode):
         handle = conn.send_attn_output(hidden, ids, weights, 0)
         time.sleep(0.5)  # the FFN's shutdown lands over the reply before it is read
         first = conn.recv_ffn_output(handle)
-        out = {"first": float((first.float() - _expected(hidden, weights).cpu()).abs().max())}
+        out = {"first": float((first.float().cpu() - _expected(hidden, weights).cpu()).abs().max())}
         out["next"] = [_summary(_layer(conn, 1, 1))]
         # this rank's shutdown (close) would overwrite layer 1's dispatch if the FFN had not
         # taken it yet
