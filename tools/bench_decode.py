@@ -184,8 +184,10 @@ def _ffn(conn, spec: Spec, ffn_rank: int, device) -> dict:
     worker = FFNWorker(conn, experts, shared, schedule=spec.schedule, recorder=recorder,
                        gemm_sm_carveout=spec.gemm_sm_carveout)
     start = time.monotonic()
+    weights_nan = dm.count_nan(experts, shared)
     worker.run()
     return {"role": "ffn", "rank": ffn_rank, "served": worker.num_served, "batches": worker.num_batches,
+            "weights_nan": weights_nan, "weights_nan_after": dm.count_nan(experts, shared),
             "gemm_sm_carveout": worker.gemm_sm_carveout, "seconds": time.monotonic() - start,
             "stats": recorder.result()}
 

@@ -90,6 +90,15 @@ def ffn_weights(dims: DecodeDims, ffn_rank: int, expert_per_rank: int, seed: int
     return experts, (shared if dims.shared else None)
 
 
+def count_nan(experts, shared) -> int:
+    """NaNs in an FFN rank's per-layer routed and shared weights (a diagnostic of the check)."""
+    import torch
+
+    tensors = [t for layer in list(experts) + list(shared or []) if layer is not None
+               for t in (layer.w13, layer.w2)]
+    return int(sum(int(torch.isnan(t).sum()) for t in tensors))
+
+
 def check_layer(dims: DecodeDims, layer_idx: int, seed: int, record: tuple, routed_scaling_factor: float) -> dict:
     """Relative error of one layer's AFD output against the fp64 reference.
 
@@ -108,7 +117,25 @@ def check_layer(dims: DecodeDims, layer_idx: int, seed: int, record: tuple, rout
     rel = float((got - ref).norm()) / (float(ref.norm()) or 1.0) if num_nan == 0 else float("inf")
     tol = tolerance("bfloat16")
     return {"layer": layer_idx, "num_tokens": int(hidden.shape[0]), "rel_err": rel, "num_nan": num_nan,
-            "tolerance": tol, "ok": bool(num_nan == 0 and tuple(got.shape) == tuple(ref.shape) and rel <= tol)}
+            "tolerance": tol, "ok": bool(num_nan == 0 and tuple(got.shape) == tuple(ref.shape) and rel <= tol),
+            **(nan_report(hidden, ids, weights, got, ref, dims.experts) if num_nan else {})}
+
+
+def nan_report(hidden, ids, weights, got, ref, num_experts: int) -> dict:
+    """Where a check's NaNs are: in its inputs, its reference, which rows and columns of the
+    output, and the experts whose tokens all came back with NaNs."""
+    import torch
+
+    ids_cpu, bad = ids.long().cpu(), torch.isnan(got)
+    bad_rows = bad.any(dim=1)
+    per_expert = [(e, int(bad_rows[(ids_cpu == e).any(dim=1)].sum()), int((ids_cpu == e).any(dim=1).sum()))
+                  for e in range(num_experts)]
+    return {"nan_in_hidden": int(torch.isnan(hidden.float()).sum()),
+            "nan_in_weights": int(torch.isnan(weights.float()).sum()),
+            "ids_out_of_range": int(((ids_cpu < 0) | (ids_cpu >= num_experts)).sum()),
+            "nan_in_ref": int(torch.isnan(ref).sum()), "rows_with_nan": int(bad_rows.sum()),
+            "columns_with_nan": int(bad.any(dim=0).sum()),
+            "experts_all_nan": [e for e, nan_rows, rows in per_expert if rows and nan_rows == rows]}
 
 
 class DecodeReplica:
