@@ -338,7 +338,8 @@ def _phase(conn, spec: Spec, attn_rank: int, store, phase_idx: int, workload: Wo
         _batch(conn, replica, x, lengths)
     recorder = spans.SpanRecorder(device) if spec.timeline else None
     store_barrier(store, f"bench_afd/phase{phase_idx}", spec.num_attn, spec.peer_timeout_s)
-    stopper = _Stopper(spec, attn_rank, store, phase_idx)
+    stopper = bc.PhaseStopper(spec.schedule, attn_rank, store, f"bench_afd/{phase_idx}",
+                              spec.duration_s, spec.max_batches)
     latencies_ms = []
     start_ns = time.perf_counter_ns()
     while not stopper.should_stop(len(latencies_ms)):
@@ -391,38 +392,6 @@ def _solo(conn, spec: Spec, attn_rank: int, store, phase_idx: int, replica, x, l
         mine = _pace(latencies_ms, (time.perf_counter_ns() - start_ns) / 1e9, sum(lengths))
     store_barrier(store, f"bench_afd/solo{phase_idx}", spec.num_attn, spec.peer_timeout_s)
     return mine
-
-
-class _Stopper:
-    """When a replica stops its measured batches (see the module doc).
-
-    async: at its own deadline. lockstep: every replica runs the same number of batches:
-    replica 0, at the start of the first batch b past its deadline, publishes stop = b + 1
-    (nobody can have started b + 1 yet: that needs replica 0's batch b). Every replica reads
-    the flag once per batch under both schedules, so both pay the same store round trip.
-    """
-
-    def __init__(self, spec: Spec, attn_rank: int, store, phase_idx: int):
-        self.spec, self.attn_rank, self.store = spec, attn_rank, store
-        self.flag_key = f"bench_afd/stop_flag/{phase_idx}"
-        self.value_key = f"bench_afd/stop_at/{phase_idx}"
-        self.deadline = time.monotonic() + spec.duration_s
-        self.stop_at: int | None = None
-
-    def should_stop(self, batch_idx: int) -> bool:
-        if batch_idx >= self.spec.max_batches:
-            return True
-        past_deadline = time.monotonic() >= self.deadline
-        if self.spec.schedule == "lockstep" and self.attn_rank == 0 and past_deadline and self.stop_at is None:
-            self.stop_at = batch_idx + 1
-            self.store.set(self.value_key, str(self.stop_at).encode())
-            self.store.add(self.flag_key, 1)
-        published = self.store.add(self.flag_key, 0) >= 1
-        if self.spec.schedule == "async":
-            return past_deadline
-        if self.stop_at is None and published:
-            self.stop_at = int(bytes(self.store.get(self.value_key)).decode())
-        return self.stop_at is not None and batch_idx >= self.stop_at
 
 
 # --------------------------------------------------------------------------- plan, report

@@ -187,6 +187,37 @@ class Stopwatch:
             torch.cuda.synchronize()
 
 
+class PhaseStopper:
+    """When a replica stops its measured batches or steps (bench_afd, bench_decode).
+
+    async: at its own deadline. lockstep: every replica runs the same number of them: replica
+    0, at the start of the first one (index i) past its deadline, publishes stop = i + 1
+    (nobody can have started i + 1 yet: that needs replica 0's i). Every replica reads the
+    flag once per batch or step under both schedules, so both pay the same store round trip.
+    """
+
+    def __init__(self, schedule: str, attn_rank: int, store, key: str, duration_s: float, max_count: int):
+        self.schedule, self.attn_rank, self.store, self.max_count = schedule, attn_rank, store, max_count
+        self.flag_key, self.value_key = f"{key}/stop_flag", f"{key}/stop_at"
+        self.deadline = time.monotonic() + duration_s
+        self.stop_at: int | None = None
+
+    def should_stop(self, index: int) -> bool:
+        if index >= self.max_count:
+            return True
+        past_deadline = time.monotonic() >= self.deadline
+        if self.schedule == "lockstep" and self.attn_rank == 0 and past_deadline and self.stop_at is None:
+            self.stop_at = index + 1
+            self.store.set(self.value_key, str(self.stop_at).encode())
+            self.store.add(self.flag_key, 1)
+        published = self.store.add(self.flag_key, 0) >= 1
+        if self.schedule == "async":
+            return past_deadline
+        if self.stop_at is None and published:
+            self.stop_at = int(bytes(self.store.get(self.value_key)).decode())
+        return self.stop_at is not None and index >= self.stop_at
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile (q in [0, 100]); NaN for no values."""
     if not values:

@@ -261,7 +261,8 @@ def _phase(conn, spec: Spec, attn_rank: int, store, phase_idx: int, workload: Wo
     rate = _arrival_rate(spec, attn_rank, batch, warm_times)
     recorder = spans.SpanRecorder(replica.device) if spec.timeline else None
     store_barrier(store, f"bench_decode/phase{phase_idx}", spec.num_attn, spec.peer_timeout_s)
-    stopper = StepStopper(spec, attn_rank, store, phase_idx)
+    stopper = bc.PhaseStopper(spec.schedule, attn_rank, store, f"bench_decode/{phase_idx}",
+                              spec.duration_s, spec.max_steps)
     batch.start_arrivals(rate, time.perf_counter())
     row = {"workload": workload.name, "context": workload.contexts[attn_rank],
            "batch": workload.batches[attn_rank], "arrival_rate": rate, "cache_bytes": replica.cache_bytes(),
@@ -297,35 +298,6 @@ def _solo(conn, spec: Spec, attn_rank: int, store, phase_idx: int, workload: Wor
         mine.pop("window_ns")
     store_barrier(store, f"bench_decode/solo{phase_idx}", spec.num_attn, spec.peer_timeout_s)
     return mine
-
-
-class StepStopper:
-    """When a replica stops its measured steps: bench_afd's rule for batches. async: at its
-    own deadline. lockstep: replica 0, at the start of the first step s past its deadline,
-    publishes stop = s + 1 (nobody can have started s + 1: it needs replica 0's step s); every
-    replica reads the flag once per step under both schedules (the same store round trip)."""
-
-    def __init__(self, spec: Spec, attn_rank: int, store, phase_idx: int):
-        self.spec, self.attn_rank, self.store = spec, attn_rank, store
-        self.flag_key = f"bench_decode/stop_flag/{phase_idx}"
-        self.value_key = f"bench_decode/stop_at/{phase_idx}"
-        self.deadline = time.monotonic() + spec.duration_s
-        self.stop_at: int | None = None
-
-    def should_stop(self, step_idx: int) -> bool:
-        if step_idx >= self.spec.max_steps:
-            return True
-        past_deadline = time.monotonic() >= self.deadline
-        if self.spec.schedule == "lockstep" and self.attn_rank == 0 and past_deadline and self.stop_at is None:
-            self.stop_at = step_idx + 1
-            self.store.set(self.value_key, str(self.stop_at).encode())
-            self.store.add(self.flag_key, 1)
-        published = self.store.add(self.flag_key, 0) >= 1
-        if self.spec.schedule == "async":
-            return past_deadline
-        if self.stop_at is None and published:
-            self.stop_at = int(bytes(self.store.get(self.value_key)).decode())
-        return self.stop_at is not None and step_idx >= self.stop_at
 
 
 # --------------------------------------------------------------------------- launches, rows
