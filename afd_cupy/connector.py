@@ -18,33 +18,25 @@ Construction and ``close()`` are collective over the whole AFD world.
 from __future__ import annotations
 
 import logging
-import math
 import numbers
 import socket
 import threading
 
 import torch
 
-from afd_cupy import env, gates, handshake, moe
+from afd_cupy import env, gates, handshake, moe, peer_state
 from afd_cupy.backends.base import POLL_MODES, Arrival, PathContext, open_path, require_backend
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig
 from afd_cupy.dtypes import torch_dtype
 from afd_cupy.errors import (AfdError, ConfigError, ConnectorShutdown, PeerLostError,
                              PeerTimeoutError, ProtocolError, RingExhaustedError, token_cap_error)
-from afd_cupy import peer_state
 from afd_cupy.handles import DispatchHandle, FFNWorkItem  # noqa: F401 - part of this module's API
 from afd_cupy.heap.nvshmem_env import check_nvshmem_env
-from afd_cupy.timeouts import check_optional_timeout
+from afd_cupy.timeouts import check_optional_timeout, check_timeout
 from afd_cupy.topology import Role, Topology
 from afd_cupy.wire import WindowLayout
 
 logger = logging.getLogger("afd_cupy")
-
-
-def _check_timeout(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{name} must be a finite number of seconds > 0, got {value!r}")
-    return float(value)
 
 
 def _check_config(name: str, value, cls):
@@ -112,8 +104,8 @@ class AFDConnector:
         self.role_rank = role_rank
         self.topology = Topology.from_configs(model, topology)
         self.backend = backend
-        self.peer_timeout_s = _check_timeout("peer_timeout_s", peer_timeout_s)
-        self.startup_timeout_s = _check_timeout("startup_timeout_s", startup_timeout_s)
+        self.peer_timeout_s = check_timeout("peer_timeout_s", peer_timeout_s)
+        self.startup_timeout_s = check_timeout("startup_timeout_s", startup_timeout_s)
         self.world_rank = self.topology.world_rank(self.role, role_rank)
         require_backend(backend, self.config.wire_mode, self.config.transport)  # before any collective step
         if poll_mode not in POLL_MODES:
