@@ -14,7 +14,7 @@
 // reply_flags int64 [F + 1]: words 0..F-1 the flag each accepted reply was consumed with; word F
 // the pass mark (wait_pass_mark) afd_wait_replies leaves when it accepted every expected reply of
 // this dispatch, 0 otherwise. A combine block that finds the mark of its own dispatch there (and
-// an OK status) skips the re-check: ~3 us of dependent header reads per block (session 10). The
+// an OK status) skips the re-check: ~3 us of dependent header reads per block on an H200. The
 // combine's last block clears it.
 #pragma once
 
