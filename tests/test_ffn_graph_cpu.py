@@ -310,18 +310,18 @@ def test_server_accepts_a_dedup_connector_and_keeps_its_other_limits():
 
     def fake(**kw):
         base = dict(role=Role.FFN, backend="cuda", layout=DEDUP_LAYOUT,
-                    path=SimpleNamespace(host_polling=None, peer_is_put=[False, False]),
+                    path=SimpleNamespace(host_polling=None, link=SimpleNamespace(staged_peers=[])),
                     config=SimpleNamespace(transport="direct"))
         return SimpleNamespace(**{**base, **kw})
 
     GraphFFNServer._check_connector(fake(), True, None)  # dedup: no ConfigError any more
     GraphFFNServer._check_connector(fake(layout=LAYOUT), True, None)
     with pytest.raises(ConfigError, match="poll_mode='device'"):
-        GraphFFNServer._check_connector(fake(path=SimpleNamespace(host_polling=object(), peer_is_put=[])),
+        GraphFFNServer._check_connector(fake(path=SimpleNamespace(host_polling=object(), link=SimpleNamespace(staged_peers=[]))),
                                         True, None)
-    with pytest.raises(ConfigError, match=r"Attention rank\(s\) \[1\] are reached by NVSHMEM puts "
+    with pytest.raises(ConfigError, match=r"Attention rank\(s\) \[1\] are reached by host-initiated copies "
                                           r"\(transport='auto'\); use FFNWorker"):
-        GraphFFNServer._check_connector(fake(path=SimpleNamespace(host_polling=None, peer_is_put=[False, True]),
+        GraphFFNServer._check_connector(fake(path=SimpleNamespace(host_polling=None, link=SimpleNamespace(staged_peers=[1])),
                                              config=SimpleNamespace(transport="auto")), True, None)
     with pytest.raises(ConfigError, match="FFN-side cuda connector"):
         GraphFFNServer._check_connector(fake(backend="host"), True, None)

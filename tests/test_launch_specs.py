@@ -436,7 +436,7 @@ def test_backend_builds_the_launches_of_its_wire_mode(fake_specs, monkeypatch, w
     side.fused_dispatch = fused
     side.ctx = types.SimpleNamespace(num_ffn_ranks=2, has_shared=True, always_send=False, role_rank=0)
     side.own_window, side.dtype_code, side.timeout_ns = 0x3000, 0, 10**9
-    side.put = types.SimpleNamespace(staging_base=0x9000) if put else None
+    side.link = types.SimpleNamespace(staging_base=0x9000 if put else 0)
     side.status = types.SimpleNamespace(ptr=0x1000)
     side.scratch = [types.SimpleNamespace(local_rank=np.zeros(64, np.int32), **{
         name: _FakeArray() for name in ("chunk_hist", "pos", "expert_counts", "expert_start",
@@ -504,8 +504,8 @@ def test_ffn_reply_writes_put_peers_into_the_staging_and_puts_its_rows(fake_spec
     side = cuda_ffn.CudaFFNSide()
     side.layout, side.geometry, side.dtype_code = layout, layout.kernel_geometry(), 0
     side.ctx = types.SimpleNamespace(role_rank=1, peer_pe=lambda role, rank: 10 + rank)
-    side.peer_is_put = [False, True, False]
-    side.put = types.SimpleNamespace(staging_base=0x9000, after_reply=lambda *a, **kw: puts.append((a, kw)))
+    side.link = types.SimpleNamespace(is_staged=(False, True, False), staging_base=0x9000,
+                                      after_reply=lambda *a, **kw: puts.append((a, kw)))
     side.window = types.SimpleNamespace(peer_ptr=lambda pe: 0x3000 + pe)
     side._use_device = lambda: None
     side.stream_ptr, side.stream = (lambda: 77), (lambda: None)

@@ -45,8 +45,6 @@ ALLOWED = {
     ("adapters.py", "_layout"): "expert_formats.py API under private names",
     ("adapters.py", "_shared_from"): "expert_formats.py API under private names",
     ("adapters.py", "_shared_of"): "expert_formats.py API under private names",
-    # the put channel is built on the NVSHMEM heap's ctypes library handle
-    ("backends/cuda_put.py", "_lib"): "NvshmemHeap._lib, needs a public accessor",
     # heaps free their buffers (HostBuffer / NvshmemBuffer, same module) through the buffers'
     # private state
     ("heap/host.py", "_release"): "HostBuffer._release from HostHeap.close (same module)",

@@ -1,4 +1,4 @@
-"""The put transport's host-side rules (``afd_cupy.transport``), on the CPU: per-peer choice,
+"""The put transport's host-side rules (``afd_cupy.transports.put``), on the CPU: per-peer choice,
 config validation, and the byte ranges a put copies, checked against the reference planners
 on random and skewed routings (every byte a receiver reads is covered; nothing outside the
 slot is)."""
@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from afd_cupy import planner, transport
+from afd_cupy import planner
+from afd_cupy.transports import get_transport, put as transport
 from afd_cupy.backends.base import require_backend
 from afd_cupy.config import ConnectorConfig
 from afd_cupy.errors import ConfigError
@@ -30,14 +31,15 @@ def _covered(ranges, start, nbytes) -> bool:
     return nbytes == 0 or any(o <= start and start + nbytes <= o + n for o, n in ranges)
 
 
-def test_peer_transports_and_config():
-    assert transport.peer_transports("auto", [True, False, True]) == ["direct", "put", "direct"]
-    assert transport.peer_transports("put", [True, True]) == ["put", "put"]
-    assert transport.peer_transports("direct", [True, True]) == ["direct", "direct"]
-    with pytest.raises(ConfigError, match=r"transport='direct' but peers \[1, 2\] are not load/store reachable"):
-        transport.peer_transports("direct", [True, False, False])
+def test_staged_peers_and_config():
+    assert transport.staged_peers(False, [True, False, True]) == [False, True, False]  # auto
+    assert transport.staged_peers(True, [True, False]) == [True, True]  # put
+    put, auto, direct = get_transport("put"), get_transport("auto"), get_transport("direct")
+    assert (put.stages_mapped, auto.stages_mapped) == (True, False)
+    assert put.is_host_initiated and auto.is_host_initiated and not direct.is_host_initiated
+    assert put.allows_unmapped_peers and not direct.allows_unmapped_peers
     with pytest.raises(ConfigError, match=r"transport must be one of \('direct', 'put', 'auto'\), got 'rdma'"):
-        transport.peer_transports("rdma", [True])
+        get_transport("rdma")
     assert ConnectorConfig().transport == "direct"
     assert ConnectorConfig.from_mapping({"transport": "auto"}).transport == "auto"
     with pytest.raises(ConfigError, match=r"ConnectorConfig.transport must be one of .* got 'ib'"):
@@ -45,7 +47,8 @@ def test_peer_transports_and_config():
 
 
 def test_host_backend_refuses_the_put_transport_before_any_collective_step():
-    assert require_backend("host", "pair", "auto").TRANSPORTS == ("direct", "auto")
+    require_backend("host", "pair", "auto")
+    assert get_transport("put").backends == ("cuda",)
     with pytest.raises(ConfigError, match=r"backend 'host' does not implement transport='put' "
                                           r"\(it implements \('direct', 'auto'\)\)"):
         require_backend("host", "pair", "put")
@@ -131,7 +134,7 @@ def _dedup_routing(rng, num_tokens, num_ffn, epr, top_k, trial):
 
 
 def _put(staging: bytearray, remote: bytearray, ranges) -> None:
-    """What PutChannel's puts do to one slot: copy ``ranges`` of the staging slot."""
+    """What PutLink's puts do to one slot: copy ``ranges`` of the staging slot."""
     for offset, nbytes in ranges:
         remote[offset:offset + nbytes] = staging[offset:offset + nbytes]
 
@@ -278,11 +281,9 @@ class _RecordingLib:
 
 
 def _channel(layout, is_put):
-    from afd_cupy.backends.cuda_put import PutChannel
-
     lib = _RecordingLib()
-    channel = PutChannel(lib, layout, window_base=1 << 40, staging_base=2 << 40, own_region=1,
-                         peer_pes=[10, 11, 12], is_put=is_put)
+    channel = transport.PutLink(transport.PUT, _FakeWindow({}), lib, layout, staging_base=2 << 40,
+                                own_region=1, peer_pes=[10, 11, 12], is_staged=is_put)
     return channel, lib
 
 
@@ -324,10 +325,10 @@ def test_reply_sets_the_flag_by_put_with_signal_after_its_data():
 
 
 class _FakeHeap:
-    """What open_put_channel uses of NvshmemHeap: the agreement and the collective alloc."""
+    """What PutTransport.open uses of NvshmemHeap: the agreement and the collective alloc."""
 
     def __init__(self, others_need=()):
-        self.rank, self._lib, self.others_need = 0, _RecordingLib(), list(others_need)
+        self.rank, self.lib, self.others_need = 0, _RecordingLib(), list(others_need)
         self.topics, self.allocs = [], []
 
     def any_pe(self, topic, mine):
@@ -340,11 +341,20 @@ class _FakeHeap:
 
 
 class _FakeWindow:
-    def __init__(self, ptrs):
+    def __init__(self, ptrs, allow_unmapped=True):
         self.ptrs, self.buffer = ptrs, type("Buffer", (), {"base_ptr": 1 << 40})()
+        self.allow_unmapped = allow_unmapped
 
     def peer_ptr(self, pe):
         return self.ptrs[pe]
+
+
+def _ctx(mode, role_rank, num_attn, num_ffn, layout):
+    from afd_cupy.topology import Role, Topology
+
+    pes = [Topology(num_attn, num_ffn, 8).world_rank(Role.FFN, j) for j in range(num_ffn)]
+    return type("Ctx", (), {"transport": mode, "role_rank": role_rank, "layout": layout,
+                            "opposite_pes": lambda self: pes})()
 
 
 @pytest.mark.parametrize("mode,ptrs,others,expect_put,expect_alloc", [
@@ -353,48 +363,52 @@ class _FakeWindow:
     ("auto", {1: 5, 2: 6}, ["PE 2"], [False, False], True),       # another PE needs puts: allocate too
     ("auto", {1: 0, 2: 6}, [], [True, False], True),              # mixed job
     ("put", {1: 5, 2: 6}, [], [True, True], True)])
-def test_open_put_channel_agrees_before_the_collective_staging_alloc(mode, ptrs, others, expect_put, expect_alloc):
-    from afd_cupy.backends.cuda_put import open_put_channel
-    from afd_cupy.topology import Role, Topology
-
+def test_put_open_agrees_before_the_collective_staging_alloc(mode, ptrs, others, expect_put, expect_alloc):
     layout = _layout(num_ffn=2, epr=4, top_k=2, token_cap=16, hidden=32, wire_mode="pair", num_attn=1)
-    ctx = type("Ctx", (), {"transport": mode, "role_rank": 0,
-                           "opposite_pes": lambda self: [Topology(1, 2, 8).world_rank(Role.FFN, j) for j in range(2)]})()
     heap = _FakeHeap(others)
-    channel, is_put = open_put_channel(heap, _FakeWindow(ptrs), layout, ctx, instance=4)
-    assert is_put == expect_put
+    link = get_transport(mode).open(heap, _FakeWindow(ptrs), _ctx(mode, 0, 1, 2, layout), instance=4)
+    assert list(link.is_staged) == expect_put and link.transport is get_transport(mode)
     assert heap.topics == ([] if mode == "direct" else ["put/window4"])
     assert heap.allocs == ([(layout.window_bytes, "staging4", True)] if expect_alloc else [])
-    assert (channel is not None) == expect_alloc
-    if channel is not None:
-        assert channel.put_peers == [j for j, flag in enumerate(expect_put) if flag]
-        assert channel.staging_base == 3 << 40 and channel.peer_pes == [1, 2]
+    assert isinstance(link, transport.PutLink) == expect_alloc
+    assert link.staging_base == (3 << 40 if expect_alloc else 0)  # the kernels' staging argument
+    assert link.staged_peers == [j for j, flag in enumerate(expect_put) if flag] and link.peer_pes == [1, 2]
 
 
-def test_mixed_transport_scenario_puts_the_odd_pairs_through_open_put_channel():
+def test_auto_on_a_window_that_maps_every_peer_is_direct_without_an_agreement():
+    """The host backend: every PE's allocation mapped every peer, so no PE stages one and
+    ``auto`` needs no collective step (the host heap has none); ``put`` still stages."""
+    layout = _layout(num_ffn=2, epr=4, top_k=2, token_cap=16, hidden=32, wire_mode="pair", num_attn=1)
+    heap = _FakeHeap(["PE 2"])  # would make any agreement allocate
+    link = get_transport("auto").open(heap, _FakeWindow({1: 5, 2: 6}, allow_unmapped=False),
+                                      _ctx("auto", 0, 1, 2, layout), instance=0)
+    assert link.is_staged == (False, False) and link.staging_base == 0 and heap.topics == []
+    link = get_transport("put").open(heap, _FakeWindow({1: 5, 2: 6}, allow_unmapped=False),
+                                     _ctx("put", 0, 1, 2, layout), instance=0)
+    assert link.is_staged == (True, True) and heap.allocs
+
+
+def test_mixed_transport_scenario_stages_the_odd_pairs_through_put_open():
     """Scenario.mixed_transport (the GPU suite's one-node mixed job): while the connector opens,
-    open_put_channel sees peers p with role_rank + p odd as put peers, mapped or not, and
-    allocates the staging; afterwards peer_transports is the library's again."""
+    PutTransport.open sees peers p with role_rank + p odd as staged peers, mapped or not, and
+    allocates the staging; afterwards staged_peers is the library's again."""
     import dataclasses
 
-    from afd_cupy.backends.cuda_put import open_put_channel
     from afd_cupy.config import ModelConfig
     from afd_cupy.testing.scenario import Scenario, _mixed_transport
-    from afd_cupy.topology import Role, Topology
 
     model = ModelConfig(hidden_size=32, num_experts=6, top_k=2, moe_intermediate_size=16)
     scenario = Scenario(model, 2, 3, backend="cuda", connector=ConnectorConfig(transport="auto"),
                         mixed_transport=True)
     layout = _layout(num_ffn=3, epr=2, top_k=2, token_cap=16, hidden=32, wire_mode="dedup", num_attn=2)
-    ctx = type("Ctx", (), {"transport": "auto", "role_rank": 1,
-                           "opposite_pes": lambda self: [Topology(2, 3, 6).world_rank(Role.FFN, j) for j in range(3)]})()
     heap = _FakeHeap()
     with _mixed_transport(scenario, role_rank=1):
-        assert transport.peer_transports("auto", [True, False, True]) == ["put", "put", "put"]
-        channel, is_put = open_put_channel(heap, _FakeWindow({2: 5, 3: 6, 4: 7}), layout, ctx, instance=0)
-    assert is_put == [True, False, True] and channel.put_peers == [0, 2]
+        assert transport.staged_peers(False, [True, False, True]) == [True, True, True]
+        link = get_transport("auto").open(heap, _FakeWindow({2: 5, 3: 6, 4: 7}),
+                                          _ctx("auto", 1, 2, 3, layout), instance=0)
+    assert link.is_staged == (True, False, True) and link.staged_peers == [0, 2]
     assert heap.allocs == [(layout.window_bytes, "staging0", True)]
-    assert transport.peer_transports("auto", [True] * 3) == ["direct"] * 3  # restored
+    assert transport.staged_peers(False, [True] * 3) == [False] * 3  # restored
     with pytest.raises(ValueError, match=r"mixed_transport needs backend 'cuda' and transport 'auto', "
                                          r"got 'cuda' and 'put'"):
         with _mixed_transport(dataclasses.replace(scenario, connector=ConnectorConfig(transport="put")), 0):

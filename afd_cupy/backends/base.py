@@ -26,6 +26,7 @@ import torch
 from afd_cupy import wire
 from afd_cupy.errors import BackendUnavailableError, ConfigError
 from afd_cupy.topology import Role, Topology
+from afd_cupy.transports import get_transport, transports_of
 
 #: backend name -> module implementing ``open_path``
 BACKEND_MODULES = {"host": "afd_cupy.backends.host", "cuda": "afd_cupy.backends.cuda"}
@@ -169,7 +170,7 @@ def require_backend(backend: str, wire_mode: str = "pair", transport: str = "dir
     ``transport`` here.
 
     Raises ConfigError for an unknown name, a wire mode or a transport the backend does not
-    implement (its module's ``WIRE_MODES`` / ``TRANSPORTS``), BackendUnavailableError when its libraries are missing
+    implement (its module's ``WIRE_MODES``; the transport's ``backends``), BackendUnavailableError when its libraries are missing
     (checked before any collective step, so a misconfigured rank fails alone and fast).
     """
     if backend not in BACKEND_MODULES:
@@ -179,10 +180,9 @@ def require_backend(backend: str, wire_mode: str = "pair", transport: str = "dir
     if wire_mode not in modes:
         raise ConfigError(f"backend {backend!r} does not implement wire_mode={wire_mode!r} (it "
                           f"implements {modes}); use wire_mode='pair' or backend='host'")
-    transports = getattr(module, "TRANSPORTS", ("direct", "auto"))
-    if transport not in transports:
+    if backend not in get_transport(transport).backends:  # each transport lists its backends
         raise ConfigError(f"backend {backend!r} does not implement transport={transport!r} (it "
-                          f"implements {transports})")
+                          f"implements {transports_of(backend)})")
     try:
         module.require_available()
     except ImportError as exc:

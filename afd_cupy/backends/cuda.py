@@ -14,7 +14,6 @@ spinning kernels time-slice with the peers' kernels (correct, but ~100 ms per sw
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from afd_cupy import wire
@@ -35,9 +34,6 @@ except ImportError:  # CPU-only torch builds
 #: wire modes this backend implements (``ConnectorConfig.wire_mode``; dedup: the kernels of
 #: docs/design/kernels.md, ``dedup_attn.cu`` and ``dedup_ffn.cu``)
 WIRE_MODES = ("pair", "dedup")
-#: transports (``ConnectorConfig.transport``, docs/design/put-transport.md), in both wire modes: the
-#: scatter and reply kernels of each mode write a put peer's message into the put staging
-TRANSPORTS = ("direct", "put", "auto")
 
 
 class _RawStream:
@@ -71,18 +67,19 @@ def open_path(ctx: PathContext, *, store, job_id: str, device_id, startup_timeou
     from afd_cupy.heap.nvshmem import NvshmemHeap
     from afd_cupy.window import Window
 
-    from afd_cupy.backends.cuda_put import open_put_channel
+    from afd_cupy.transports import get_transport
 
+    transport = get_transport(ctx.transport)
     heap = NvshmemHeap(ctx.world_rank, ctx.topology.world_size, store, job_id, device_id or 0,
                        timeout_s=startup_timeout_s, env=nvshmem_env)
     try:
         window = Window(heap, ctx.layout, store, name=f"window{instance}",
-                        geometry_timeout_s=startup_timeout_s, allow_unmapped=ctx.transport != "direct")
-        put, is_put = open_put_channel(heap, window, ctx.layout, ctx, instance=instance)
+                        geometry_timeout_s=startup_timeout_s, allow_unmapped=transport.allows_unmapped_peers)
+        link = transport.open(heap, window, ctx, instance=instance)
     except BaseException:
         heap.close(peers_healthy=False)
         raise
-    return CudaDataPath(ctx, heap, window, put=put, peer_is_put=is_put)
+    return CudaDataPath(ctx, heap, window, link)
 
 
 class CudaDataPath(CudaAttentionSide, CudaFFNSide):
@@ -94,7 +91,7 @@ class CudaDataPath(CudaAttentionSide, CudaFFNSide):
 
     supports_nonblocking = True
 
-    def __init__(self, ctx: PathContext, heap, window, *, put=None, peer_is_put=None):
+    def __init__(self, ctx: PathContext, heap, window, link):
         if ctx.wire_mode not in WIRE_MODES:
             raise ConfigError(f"the cuda backend implements wire_mode {WIRE_MODES}, not "
                               f"{ctx.wire_mode!r}")
@@ -104,10 +101,9 @@ class CudaDataPath(CudaAttentionSide, CudaFFNSide):
         self.ctx = ctx
         self.heap = heap
         self.window = window
-        # the put transport (docs/design/put-transport.md): a cuda_put.PutChannel when some opposite
-        # peer (by role rank) is reached by NVSHMEM puts, which peer_is_put names
-        self.put = put
-        self.peer_is_put = list(peer_is_put or [False] * len(ctx.opposite_pes()))
+        # the transport's link (afd_cupy.transports): which opposite peers (by role rank) the
+        # kernels reach through the staging (link.is_staged), and the copies behind the kernels
+        self.link = link
         self.layout = layout = ctx.layout
         self.device_id = heap.device_id
         self.device = torch.device("cuda", self.device_id)
@@ -181,29 +177,15 @@ class CudaDataPath(CudaAttentionSide, CudaFFNSide):
         with stream:
             for peer, pe in enumerate(ctx.opposite_pes()):
                 for ring in range(layout.ring_depth):
-                    if self.peer_is_put[peer]:
-                        # NOTE: over puts the reply is not kept (the peer's slot is not mapped)
-                        self._put_control(stream, peer, ring, words, wire.SHUTDOWN_SEQ)
-                        continue
                     out = words
-                    if keep_replies:  # a reply the Attention side may not have read stays readable
+                    # a reply the Attention side may not have read stays readable; NOTE: not
+                    # over a staged peer (its slot may not be mapped here)
+                    if keep_replies and not self.link.is_staged[peer]:
                         flag = int(window.to_host(window.flag_view(pe, ctx.role_rank, ring))[0])
                         current = window.to_host(window.header_view(pe, ctx.role_rank, ring))
                         out = wire.shutdown_over_reply(current, flag, words)
-                    window.write_message(pe, ctx.role_rank, ring, out, wire.SHUTDOWN_SEQ)
+                    self.link.write_message(pe, ctx.role_rank, ring, out, wire.SHUTDOWN_SEQ, stream=stream)
         stream.synchronize()
-
-    def _put_control(self, stream, peer: int, ring: int, words, seq: int) -> None:
-        """A header-only message to a put peer: the words into staging slot (peer, ring), then
-        a put-with-signal of the header setting the peer's flag to ``seq`` (docs/design/put-transport.md)."""
-        from afd_cupy import transport
-
-        words = np.ascontiguousarray(words, np.int32)
-        runtime = self.cp.cuda.runtime
-        # NOTE: a pageable-source H2D copy has returned once the source was read
-        runtime.memcpyAsync(self.put.staging_slot(peer, ring) + self.layout.field_offset("header"),
-                            words.ctypes.data, words.nbytes, runtime.memcpyHostToDevice, stream.ptr)
-        self.put.send_signaled(stream.ptr, peer, ring, transport.control_ranges(self.layout), seq)
 
     def close(self, *, peers_healthy: bool = True) -> None:
         """Wait for this rank's queued kernels (all bounded by their timeouts), then release

@@ -135,10 +135,10 @@ class GraphFFNServer:
         if connector.role is not Role.FFN or connector.backend != "cuda":
             raise ConfigError(f"GraphFFNServer needs an FFN-side cuda connector, got "
                               f"{connector.role.value} / {connector.backend}")
-        put_peers = [rank for rank, is_put in enumerate(connector.path.peer_is_put) if is_put]
-        if put_peers:  # the graph's reply stores into the peers' windows; puts are host calls
+        staged = connector.path.link.staged_peers
+        if staged:  # the graph's reply stores into the peers' windows; the link's copies are host calls
             raise ConfigError(f"GraphFFNServer replies by direct stores only, but Attention rank(s) "
-                              f"{put_peers} are reached by NVSHMEM puts (transport="
+                              f"{staged} are reached by host-initiated copies (transport="
                               f"{connector.config.transport!r}); use FFNWorker")
         if connector.path.host_polling is not None:
             raise ConfigError("GraphFFNServer needs poll_mode='device' (the wait is in the graph)")

@@ -40,9 +40,6 @@ class HostSendState:
     error: AfdError | None = None
 
 
-#: transports (``ConnectorConfig.transport``): shared memory maps every peer on the host, so
-#: ``"auto"`` is direct; ``"put"`` (NVSHMEM puts) exists on the cuda backend only
-TRANSPORTS = ("direct", "auto")
 #: wire modes this backend implements (``ConnectorConfig.wire_mode``)
 WIRE_MODES = ("pair", "dedup")
 
@@ -56,17 +53,19 @@ def open_path(ctx: PathContext, *, store, job_id: str, device_id, startup_timeou
               instance: int = 0):
     """Shared-memory heap and window of this rank (collective), and the host data path."""
     from afd_cupy.heap.host import HostHeap
+    from afd_cupy.transports import get_transport
     from afd_cupy.window import Window
 
     heap = HostHeap(ctx.world_rank, ctx.topology.world_size, store, job_id,
                     timeout_s=startup_timeout_s)
     try:
         window = Window(heap, ctx.layout, store, name=f"window{instance}",
-                        geometry_timeout_s=startup_timeout_s)
+                        geometry_timeout_s=startup_timeout_s)  # shared memory maps every peer
+        link = get_transport(ctx.transport).open(heap, window, ctx, instance=instance)
     except BaseException:
         heap.close()
         raise
-    return HostDataPath(ctx, heap, window)
+    return HostDataPath(ctx, heap, window, link)
 
 
 class HostDataPath(HostDedupSteps):
@@ -76,10 +75,11 @@ class HostDataPath(HostDedupSteps):
     device = torch.device("cpu")
     supports_nonblocking = False
 
-    def __init__(self, ctx: PathContext, heap, window):
+    def __init__(self, ctx: PathContext, heap, window, link):
         self.ctx = ctx
         self.heap = heap
         self.window = window
+        self.link = link  # every message goes out through the transport (afd_cupy.transports)
         self.layout = ctx.layout
         self.raw = raw_dtype(ctx.dtype)
         self.polling = HostPolling(window)
@@ -144,8 +144,8 @@ class HostDataPath(HostDedupSteps):
                                       stage_idx=stage_idx, num_tokens=num_tokens,
                                       shared_tokens=num_shared, top_k=plan.top_k,
                                       expert_counts=plan.rank_counts(ffn_rank))
-        self.window.write_message(ctx.peer_pe(Role.FFN, ffn_rank), ctx.role_rank, ring,
-                                  wire.encode_header(header, self.layout.expert_per_rank), seq, fields)
+        self.link.write_message(ctx.peer_pe(Role.FFN, ffn_rank), ctx.role_rank, ring,
+                                wire.encode_header(header, self.layout.expert_per_rank), seq, fields)
 
     def sent_to(self, state: HostSendState) -> list[int]:
         return [int(j) for j in np.flatnonzero(state.expected)]
@@ -245,9 +245,9 @@ class HostDataPath(HostDedupSteps):
         fields = {"routed_x": torch_to_raw(routed_out.detach(), ctx.dtype)}
         if shared_out is not None and arrival.header.shared_tokens:
             fields["shared_x"] = torch_to_raw(shared_out.detach(), ctx.dtype)
-        self.window.write_message(ctx.peer_pe(Role.ATTENTION, arrival.region), ctx.role_rank,
-                                  arrival.ring, wire.encode_header(header, self.layout.expert_per_rank),
-                                  seq, fields)
+        self.link.write_message(ctx.peer_pe(Role.ATTENTION, arrival.region), ctx.role_rank,
+                                arrival.ring, wire.encode_header(header, self.layout.expert_per_rank),
+                                seq, fields)
 
     # --- both ---------------------------------------------------------------------------
     def announce_shutdown(self) -> None:
@@ -264,7 +264,7 @@ class HostDataPath(HostDedupSteps):
                     flag = int(window.flag_view(pe, ctx.role_rank, ring)[0])
                     current = window.to_host(window.header_view(pe, ctx.role_rank, ring))
                     out = wire.shutdown_over_reply(current, flag, words)
-                window.write_message(pe, ctx.role_rank, ring, out, wire.SHUTDOWN_SEQ)
+                self.link.write_message(pe, ctx.role_rank, ring, out, wire.SHUTDOWN_SEQ)
 
     def close(self, *, peers_healthy: bool = True) -> None:
         self.window.close()
