@@ -38,7 +38,9 @@ def layer_weights(model: ModelConfig, layer_idx: int, seed: int, device):
     return routed, shared
 
 
-def _device(scenario: Scenario, ctx) -> torch.device:
+def rank_device(scenario: Scenario, ctx) -> torch.device:
+    """The torch device of this process's rank (the CPU for the host backend; else its GPU,
+    made current)."""
     if scenario.backend == "host":
         return torch.device("cpu")
     torch.cuda.set_device(ctx.device_id or 0)
@@ -52,12 +54,12 @@ def run_rank(ctx, scenario: Scenario, timer=NO_PHASES) -> dict:
     shutdown phases of this rank (``tools/startup_profile.py``)."""
     topo = Topology(scenario.num_attn, scenario.num_ffn, scenario.model.num_experts)
     role, role_rank = topo.role_of(ctx.rank)
-    device = _device(scenario, ctx)
+    device = rank_device(scenario, ctx)
     with timer.phase("connector init"):
         conn = _connector(ctx, scenario, role, role_rank)
     try:
         if role is Role.ATTENTION:
-            report = _attention(conn, scenario, role_rank, device, timer)
+            report = run_attention(conn, scenario, role_rank, device, timer)
         else:
             report = _ffn(conn, scenario, role_rank, device, timer)
         return {**report, "device_id": ctx.device_id}
@@ -135,8 +137,10 @@ def _ffn(conn: AFDConnector, scenario: Scenario, ffn_rank: int, device, timer=NO
             "seconds": time.perf_counter() - start}
 
 
-def _attention(conn: AFDConnector, scenario: Scenario, attn_rank: int, device,
-               timer=NO_PHASES) -> dict:
+def run_attention(conn: AFDConnector, scenario: Scenario, attn_rank: int, device,
+                  timer=NO_PHASES) -> dict:
+    """The Attention rank ``attn_rank``'s body of a scenario (plain, two-stage or graph
+    replays, as ``scenario`` says) over the open ``conn``; returns its report dict."""
     if scenario.stage_streams:
         return _attention_two_stages(conn, scenario, attn_rank, device)
     if scenario.graph_replays:
