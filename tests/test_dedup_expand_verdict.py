@@ -34,9 +34,9 @@ def _record(verdict, *, peer=1, ring=0, layer=5) -> wire.StatusRecord:
 
 
 def test_rule_codes_of_the_kernel_match_wire_py():
-    text = (kernels.KERNEL_DIR / "dedup_ffn.cuh").read_text()
-    for user in ("dedup_ffn.cu", "ffn_graph.cu"):  # both expansions use the one definition
-        assert '#include "dedup_ffn.cuh"' in (kernels.KERNEL_DIR / user).read_text(), user
+    text = (kernels.KERNEL_DIR / "ffn" / "dedup_ffn.cuh").read_text()
+    for user in ("ffn/dedup_ffn.cu", "ffn/ffn_graph_rows.cu"):  # both expansions use the one definition
+        assert '#include "ffn/dedup_ffn.cuh"' in (kernels.KERNEL_DIR / user).read_text(), user
         assert "ROUTE_FAULT_TOKEN =" not in (kernels.KERNEL_DIR / user).read_text(), user
     parsed = dict(re.findall(r"constexpr\s+afd_i64\s+(ROUTE_FAULT_\w+)\s*=\s*(\d+)\s*;", text))
     assert {name: int(v) for name, v in parsed.items()} == \

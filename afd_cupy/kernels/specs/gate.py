@@ -38,5 +38,5 @@ def gate_topk_spec(*, dtype_code, logits, num_tokens, num_experts, top_k, scorin
             "renormalize": checks.count("renormalize", renormalize, high=1),
             "topk_weights": checks.address("topk_weights", topk_weights, allow_null=empty),
             "topk_ids": checks.address("topk_ids", topk_ids, allow_null=empty)}
-    kernel = loader.get_kernel("gate.cu", "afd_gate_topk", dtype_code=checks.dtype_code(dtype_code))
+    kernel = loader.get_kernel("model/gate.cu", "afd_gate_topk", dtype_code=checks.dtype_code(dtype_code))
     return launch_spec(kernel, gate_grid(int(num_tokens), max_blocks), GATE_LIMITS["GATE_THREADS"], args)

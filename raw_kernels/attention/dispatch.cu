@@ -7,9 +7,11 @@
 // id, an error latched earlier). afd_dispatch_scatter then writes route table, routed rows,
 // shared rows, header and flag into each non-empty FFN rank's window, flags last, or nothing at
 // all when the verdict is not STATUS_OK.
-#include "wire.cuh"
-#include "publish.cuh"     // publish_dispatch
-#include "plan_block.cuh"  // plan_in_block, store_block_plan (afd_dispatch_fused)
+#include "common/wire.cuh"
+#include "common/payload.cuh"
+#include "common/block.cuh"
+#include "common/publish.cuh"        // publish_dispatch
+#include "attention/plan_block.cuh"  // plan_in_block, store_block_plan (afd_dispatch_fused)
 
 using namespace afd;
 
