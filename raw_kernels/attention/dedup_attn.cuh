@@ -96,7 +96,7 @@ __device__ __forceinline__ void record_dedup_sends(afd_i32 num_ffn_ranks, const 
     const DedupRows r = rows_of(j);  // rows > 0 exactly when routed > 0
     afd_i64 seq = 0;
     if (send && (r.rows > 0 || always_send)) {
-      seq = seq_counters[j] + 1;
+      seq = next_seq(seq_counters[j]);
       seq_counters[j] = seq;
     }
     s_seq[j] = seq;

@@ -172,7 +172,7 @@ __device__ __forceinline__ void record_pair_sends(afd_i32 num_ffn_ranks, const a
     const afd_i32 shared = has_shared ? shared_rows_of(num_tokens, num_ffn_ranks, j) : 0;
     afd_i64 seq = 0;
     if (send && (routed + shared > 0 || always_send)) {
-      seq = seq_counters[j] + 1;
+      seq = next_seq(seq_counters[j]);
       seq_counters[j] = seq;
     }
     s_seq[j] = seq;

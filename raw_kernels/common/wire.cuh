@@ -1,5 +1,5 @@
 // wire.cuh: device mirror of afd_cupy/wire.py (docs/design/wire-format.md): constants, limits,
-// struct SlotGeometry, the late-reply rule and the status block.
+// struct SlotGeometry, the seq rule, the late-reply rule and the status block.
 //
 // The constants below mirror wire.py and the limit table of afd_cupy/kernels/specs/limits.py;
 // tests/test_kernels_cpu.py parses this file and tests/test_kernels_cuda.py reads them back
@@ -205,6 +205,11 @@ __device__ __forceinline__ afd_i64 globaltimer_ns() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return static_cast<afd_i64>(t);
 }
+
+// wire.py's seq rule, the one device home of it (dispatch.cu, dedup_attn.cuh, ffn_graph_stage.cu):
+// a sender's messages to one (peer, ring) carry seqs 1, 2, 3, ... (0: nothing sent yet), each its
+// predecessor + 1; the flag word of the slot is the seq. The caller owns the counter word.
+__device__ __forceinline__ afd_i64 next_seq(afd_i64 prev_seq) { return prev_seq + 1; }
 
 // wire.is_late_reply: a reply (not a shutdown) whose echo_seq lies in the 2**31 seqs before
 // `want_seq` (modulo 2**32) answers an earlier dispatch whose wait timed out; it is dropped.

@@ -153,7 +153,7 @@ __device__ inline void stage_item(const afd_i32* s_words, afd_i64 slot, bool arr
   if (tid == 0) {
     afd_i64 seq = 0;
     if (status == GS_SERVED || status == GS_EAGER) {
-      seq = prev_seq + 1;
+      seq = next_seq(prev_seq);
       reply_seqs[slot] = seq;
     }
     s_seq = seq;
