@@ -1,7 +1,7 @@
 """The route-table verdict of afd_dedup_expand, on the CPU: its numpy model
 (``dedup_reference.expand_verdict_reference``) against ``wire.check_route_table``, the decoder
-``wire.route_table_error``, and the rule codes of raw_kernels/dedup_ffn.cuh (the expand's device
-code, shared by dedup_ffn.cu and ffn_graph.cu) against wire.py.
+``wire.route_table_error``, and the rule codes of raw_kernels/ffn/dedup_ffn.cuh (the expand's device
+code, shared by dedup_ffn.cu and ffn_graph_rows.cu) against wire.py.
 The device kernel itself is compared with the same model in test_kernels_cuda_dedup_ffn.py.
 """
 import re

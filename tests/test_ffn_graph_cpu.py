@@ -1,4 +1,4 @@
-"""CPU checks of the graph-driven FFN (afd_cupy/ffn_graph.py, raw_kernels/ffn_graph.cu): the
+"""CPU checks of the graph-driven FFN (afd_cupy/ffn_graph.py, raw_kernels/ffn/ffn_graph*): the
 mirrored words, the stage reference against the protocol's rules, the offsets against what
 torch._grouped_mm computes with them, and the bucket policy. No GPU, no CuPy."""
 from __future__ import annotations

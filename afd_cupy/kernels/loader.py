@@ -1,4 +1,4 @@
-"""One cached loader for ``raw_kernels/*.cu`` (docs/design/kernels.md).
+"""One cached loader for ``raw_kernels/<role>/*.cu`` (docs/design/kernels.md).
 
 :func:`load_module` compiles a ``.cu`` file once per (file, options, name expressions, device)
 with NVRTC (``-std=c++17 -I raw_kernels``, no jitify). The cache key covers the contents of the
@@ -136,8 +136,9 @@ def kernel_name_expressions(filename) -> tuple:
 
 
 def load_module(filename, *, options=(), name_expressions=()):
-    """``cupy.RawModule`` of ``raw_kernels/<filename>``, compiled once per (file, options,
-    name_expressions, device, contents of the file and its headers)."""
+    """``cupy.RawModule`` of ``raw_kernels/<filename>`` (e.g. ``"attention/dispatch.cu"``),
+    compiled once per (file, options, name_expressions, device, contents of the file and its
+    headers)."""
     import cupy
 
     path = kernel_path(filename)

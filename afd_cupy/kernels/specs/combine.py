@@ -1,4 +1,4 @@
-"""Spec builders of ``raw_kernels/combine.cu``: the Attention side's receive.
+"""Spec builders of ``raw_kernels/attention/combine.cu``: the Attention side's receive.
 
 afd_wait_replies (a one-warp bounded wait that checks every reply) and afd_combine (the fp32
 weighted combine), with the combine's grid and the wait's pass mark.

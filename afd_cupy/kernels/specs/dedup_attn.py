@@ -1,6 +1,7 @@
-"""Spec builders of ``raw_kernels/dedup_attn.cu``: the Attention side of the dedup wire mode
-(docs/design/dedup.md): afd_dedup_rows, afd_dedup_scatter, afd_dedup_dispatch_fused and
-afd_dedup_combine, with their grids and the fused kernel's shared-memory bound.
+"""Spec builders of ``raw_kernels/attention/dedup_attn.cu`` and ``dedup_attn_fused.cu``: the
+Attention side of the dedup wire mode (docs/design/dedup.md): afd_dedup_rows,
+afd_dedup_scatter, afd_dedup_dispatch_fused and afd_dedup_combine, with their grids and the
+fused kernel's shared-memory bound.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Spec builders of ``raw_kernels/dispatch.cu``: the Attention side's pair-mode dispatch.
+"""Spec builders of ``raw_kernels/attention/dispatch.cu``: the Attention side's pair-mode dispatch.
 
 afd_dispatch_plan (the device routing plan), afd_dispatch_scatter (rows into the FFN ranks'
 windows, then the headers and flags) and afd_dispatch_fused (plan and scatter in one kernel

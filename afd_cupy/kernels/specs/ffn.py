@@ -1,4 +1,4 @@
-"""Spec builders of the FFN side's eager kernels: ``raw_kernels/wait_any.cu``, ``reply.cu``
+"""Spec builders of the FFN side's eager kernels: ``raw_kernels/ffn/wait_any.cu``, ``reply.cu``
 and ``dedup_ffn.cu`` (afd_wait_any, afd_reply, afd_dedup_expand, afd_dedup_reply), with
 their grids.
 """
