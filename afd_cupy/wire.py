@@ -2,7 +2,7 @@
 status and doorbell words (docs/design/wire-format.md, docs/design/protocol.md). The window geometry (capacities, slot
 layout, sizes) lives in :mod:`afd_cupy.layout` and is re-exported here.
 
-``raw_kernels/wire.cuh`` mirrors the constants here and takes the offsets as kernel
+``raw_kernels/common/wire.cuh`` mirrors the constants here and takes the offsets as kernel
 arguments from :class:`WindowLayout`; ``tests`` check the mirror with a tiny kernel.
 
 ::
@@ -42,7 +42,7 @@ FLAG_DEDUP = 1 << 2
 #: read yet is still delivered, then the shutdown is seen (issue 35, item 13)
 FLAG_KEPT_REPLY = 1 << 3
 
-# Header words (int32). Keep in sync with raw_kernels/wire.cuh (checked by a test).
+# Header words (int32). Keep in sync with raw_kernels/common/wire.cuh (checked by a test).
 HDR_MAGIC = 0
 HDR_VERSION = 1
 HDR_SEQ = 2
@@ -69,7 +69,7 @@ ROUTE_SLOTS = 2    # top_k staging rows of the token's partials on this rank, in
 #: monotonic and a shutdown is an arrival on any ring it is written to
 SHUTDOWN_SEQ = (1 << 63) - 1
 
-# --- status block and doorbell words (mirrored in raw_kernels/wire.cuh) ------------------
+# --- status block and doorbell words (mirrored in raw_kernels/common/wire.cuh) ------------------
 # A spinning or routing kernel latches its first error in a status block of STATUS_WORDS
 # int64 words; the host turns it into the same typed error the host backend raises.
 STATUS_OK = 0
@@ -278,7 +278,7 @@ def check_route_table(table: np.ndarray, *, num_tokens: int, routed_tokens: int,
                         f"[{rows.min() if rows.size else '-'}, {rows.max() if rows.size else '-'}]")
 
 
-# Route-table rules of the device check (afd_dedup_expand, raw_kernels/dedup_ffn.cu), in the
+# Route-table rules of the device check (afd_dedup_expand, raw_kernels/ffn/dedup_ffn.cu), in the
 # order check_route_table applies them; a latched record carries the rule in ST_CAP.
 ROUTE_FAULT_TOKEN = 1      # token outside [0, num_tokens)
 ROUTE_FAULT_SHARED = 2     # shared flag != (row < shared_tokens)

@@ -121,7 +121,7 @@ def reference_check_reply(header_words, *, seq: int, layer_idx: int, stage_idx: 
     reply's ``flag`` value. ``wire_mode``: the receiver's (``dedup=1`` of the kernel);
     ``num_rows``: the dedup dispatch's rows (the third column of ``expected_counts``).
 
-    Same checks, same order as ``raw_kernels/reply_check.cuh`` ``check_reply`` (and as
+    Same checks, same order as ``raw_kernels/attention/reply_check.cuh`` ``check_reply`` (and as
     ``wire.decode_header`` then ``wire.check_reply``).
     """
     w = [int(v) for v in np.asarray(header_words, np.int32)]

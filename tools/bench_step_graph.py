@@ -38,7 +38,7 @@ a CTA's tiles to the tail; the argument is in the JSON config, each FFN rank's r
 in its "ffn" entry and the report's title. ``0`` measures without (one launch each).
 
 ``--gate-impl auto|torch|kernel`` (default auto): the gate of every layer
-(``DecodeStepGraph(gate_impl=...)``): the one-kernel greedy gate (``raw_kernels/gate.cu``) or
+(``DecodeStepGraph(gate_impl=...)``): the one-kernel greedy gate (``raw_kernels/model/gate.cu``) or
 torch's ops; in the JSON config and the report's title. Run both to compare (one launch each).
 
 ``--trace`` (graph FFN, one FFN rank): device timestamps at the kernel boundaries of both sides
@@ -117,7 +117,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "untouched). Only GEMMs: --experts moe")
     parser.add_argument("--gate-impl", choices=GATE_IMPLS, default="auto",
                         help="the Attention side's gate: DecodeStepGraph(gate_impl=...) (auto: the "
-                             "one-kernel greedy gate, raw_kernels/gate.cu; torch: torch's ops)")
+                             "one-kernel greedy gate, raw_kernels/model/gate.cu; torch: torch's ops)")
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--num-experts", type=int, default=64)
     parser.add_argument("--top-k", type=int, default=8)

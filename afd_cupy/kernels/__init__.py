@@ -1,4 +1,5 @@
-"""The CuPy RawKernels of ``raw_kernels/*.cu``: loader, checked launches, status (docs/design/kernels.md).
+"""The CuPy RawKernels of ``raw_kernels/<role>/*.cu``: loader, checked launches, status
+(docs/design/kernels.md).
 
 - :mod:`~afd_cupy.kernels.loader`: one cached loader. :func:`load_module` compiles a ``.cu``
   file once per (file, options, name expressions, device) with NVRTC (``-std=c++17
@@ -11,7 +12,7 @@
 - :mod:`~afd_cupy.kernels.specs`: one spec builder per kernel (a module per kernel file),
   keyword names equal to the C parameter names, their arguments checked by
   :mod:`~afd_cupy.kernels.checks`; window geometry as one ``geo`` value (``WindowLayout.kernel_geometry()``,
-  ``struct SlotGeometry`` in ``wire.cuh``); the kernels' limits (:data:`KERNEL_LIMITS`).
+  ``struct SlotGeometry`` in ``common/wire.cuh``); the kernels' limits (:data:`KERNEL_LIMITS`).
 - :mod:`~afd_cupy.kernels.launches`: :class:`LaunchSpec` and :class:`PackedLaunch` (one
   ``cuLaunchKernel`` per launch, arguments rewritten in place). None of the launches
   synchronizes.

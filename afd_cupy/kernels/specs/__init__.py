@@ -9,12 +9,13 @@ CuPy arrays; ``geo`` is ``WindowLayout.kernel_geometry()``. Kernels that use a
 ``done_counter`` (uint32 [1], zero, device) leave it at zero again; one counter per kernel in
 flight.
 
-- :mod:`.limits`: :data:`KERNEL_LIMITS` (the constants of ``wire.cuh``) and the row geometry;
-  :mod:`.groups`: argument groups the pair and dedup kernels share.
-- :mod:`.dispatch` (``dispatch.cu``), :mod:`.combine` (``combine.cu``), :mod:`.dedup_attn`
-  (``dedup_attn.cu``), :mod:`.gate` (``gate.cu``): the Attention side.
-- :mod:`.ffn` (``wait_any.cu``, ``reply.cu``, ``dedup_ffn.cu``), :mod:`.graph`
-  (``ffn_graph.cu``): the FFN side.
+- :mod:`.limits`: :data:`KERNEL_LIMITS` (the constants of ``common/wire.cuh``) and the row
+  geometry; :mod:`.groups`: argument groups the pair and dedup kernels share.
+- :mod:`.dispatch` (``attention/dispatch.cu``), :mod:`.combine` (``attention/combine.cu``),
+  :mod:`.dedup_attn` (``attention/dedup_attn.cu``, ``attention/dedup_attn_fused.cu``): the
+  Attention side; :mod:`.gate` (``model/gate.cu``): the model's gate.
+- :mod:`.ffn` (``ffn/wait_any.cu``, ``ffn/reply.cu``, ``ffn/dedup_ffn.cu``), :mod:`.graph`
+  (``ffn/ffn_graph_stage.cu``, ``ffn/ffn_graph_rows.cu``): the FFN side.
 
 Every public name of those modules is importable from here (``afd_cupy.kernels.specs.X``).
 """

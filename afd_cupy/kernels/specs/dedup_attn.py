@@ -1,6 +1,7 @@
-"""Spec builders of ``raw_kernels/dedup_attn.cu``: the Attention side of the dedup wire mode
-(docs/design/dedup.md): afd_dedup_rows, afd_dedup_scatter, afd_dedup_dispatch_fused and
-afd_dedup_combine, with their grids and the fused kernel's shared-memory bound.
+"""Spec builders of ``raw_kernels/attention/dedup_attn.cu`` and ``dedup_attn_fused.cu``: the
+Attention side of the dedup wire mode (docs/design/dedup.md): afd_dedup_rows,
+afd_dedup_scatter, afd_dedup_dispatch_fused and afd_dedup_combine, with their grids and the
+fused kernel's shared-memory bound.
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def dedup_rows_spec(*, topk_ids, num_tokens, top_k, expert_per_rank, num_ffn_ran
             "num_rows": checks.device_array("num_rows", num_rows, np.int32, int(num_ffn)),
             "shared_rows": checks.device_array("shared_rows", shared_rows, np.int32, int(num_ffn)),
             "done_counter": checks.device_array("done_counter", done_counter, np.uint32, 1)}
-    return launch_spec(loader.get_kernel("dedup_attn.cu", "afd_dedup_rows"),
+    return launch_spec(loader.get_kernel("attention/dedup_attn.cu", "afd_dedup_rows"),
                  dedup_rows_grid(int(num_tokens), int(top_k)), KERNEL_LIMITS["PLAN_THREADS"], args)
 
 
@@ -132,7 +133,7 @@ def dedup_scatter_spec(*, dtype_code, hidden, num_tokens, hidden_size, topk_ids,
                 stage_idx=stage_idx, hdr_flags=hdr_flags, seq_counters=seq_counters,
                 expected=expected, expected_counts=expected_counts, done_counter=done_counter,
                 num_tokens=int(num_tokens), num_ffn=num_ffn, epr=epr)}
-    kernel = loader.get_kernel("dedup_attn.cu", "afd_dedup_scatter", dtype_code=checks.dtype_code(dtype_code))
+    kernel = loader.get_kernel("attention/dedup_attn.cu", "afd_dedup_scatter", dtype_code=checks.dtype_code(dtype_code))
     grid = dedup_scatter_grid(int(num_tokens), int(num_ffn), payload_row_bytes(hidden_size, dtype_code),
                               max_blocks)
     return launch_spec(kernel, grid, KERNEL_LIMITS["SCATTER_THREADS"], args)
@@ -220,7 +221,7 @@ def dedup_dispatch_fused_spec(*, dtype_code, hidden, num_tokens, hidden_size, to
                 expected=expected, expected_counts=expected_counts, done_counter=done_counter,
                 num_tokens=int(num_tokens), num_ffn=int(num_ffn), epr=epr),
             "status": checks.address("status", status)}
-    kernel = loader.get_kernel("dedup_attn.cu", "afd_dedup_dispatch_fused", dtype_code=checks.dtype_code(dtype_code))
+    kernel = loader.get_kernel("attention/dedup_attn_fused.cu", "afd_dedup_dispatch_fused", dtype_code=checks.dtype_code(dtype_code))
     grid = dedup_scatter_grid(int(num_tokens), int(num_ffn), payload_row_bytes(hidden_size, dtype_code),
                               max_blocks)
     return launch_spec(kernel, grid, KERNEL_LIMITS["SCATTER_THREADS"], args, shared_mem=shared_bytes)
@@ -256,5 +257,5 @@ def dedup_combine_spec(*, dtype_code, out, num_tokens, hidden_size, row_map, win
     args.update(timeout_ns=checks.int64("timeout_ns", timeout_ns, low=0), out_scale=np.float32(out_scale),
                 done_counter=checks.device_array("done_counter", done_counter, np.uint32, 1),
                 status=checks.address("status", status))
-    kernel = loader.get_kernel("dedup_attn.cu", "afd_dedup_combine", dtype_code=checks.dtype_code(dtype_code))
+    kernel = loader.get_kernel("attention/dedup_attn.cu", "afd_dedup_combine", dtype_code=checks.dtype_code(dtype_code))
     return launch_spec(kernel, combine_grid(int(num_tokens), max_blocks), KERNEL_LIMITS["COMBINE_THREADS"], args)
