@@ -56,6 +56,7 @@ FILE_KERNELS = {
     "dedup_ffn.cu": (("afd_dedup_expand", True), ("afd_dedup_reply", True)),
     "dedup_attn.cu": (("afd_dedup_rows", False), ("afd_dedup_scatter", True),
                       ("afd_dedup_combine", True), ("afd_dedup_dispatch_fused", True)),
+    "dedup_attn_ll.cu": (("afd_dedup_dispatch_ll", True),),
     "ffn_graph.cu": (("afd_graph_stage", False), ("afd_graph_wait_stage", False), ("afd_graph_gather", True),
                      ("afd_graph_reply", True), ("afd_graph_dedup_expand", True),
                      ("afd_graph_dedup_reply", True)),
