@@ -140,3 +140,30 @@ def test_backend_packs_the_ll_kernel_as_its_one_kernel_dispatch(fake_specs, monk
     want = ("dedup_attn_ll.cu", "afd_dedup_dispatch_ll") if ll else ("dedup_attn.cu", "afd_dedup_dispatch_fused")
     assert launches["fused"].kernel == want
     assert launches["combine"].kernel == ("dedup_attn.cu", "afd_dedup_combine")  # unchanged
+
+
+def test_bench_step_graph_selects_and_compares_the_dedup_dispatch():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import bench_step_graph as tool
+
+    assert tool.connector_config(tool.parse_args([])).dedup_dispatch == "plan"
+    ll = tool.parse_args(["--wire-mode", "dedup", "--dedup-dispatch", "ll"])
+    assert tool.connector_config(ll).dedup_dispatch == "ll"
+    both = tool.parse_args(["--wire-mode", "dedup", "--dedup-dispatch", "both"])
+    assert both.dedup_dispatch == "both" and tool.connector_config(both).dedup_dispatch == "plan"
+    with pytest.raises(SystemExit):
+        tool.parse_args(["--dedup-dispatch", "ll"])  # pair mode has no dedup dispatch
+
+    def report(layer_us, dispatch_us):
+        phases = {"dispatch (plan + scatter)": {"median_us": dispatch_us}, "combine": {"median_us": None}}
+        return {"rows": [{"tokens": 128, "layers": 1, "stages": 1, "graph_layer_median_us": layer_us}],
+                "traces": [{"label": "T=128 L=1 graph", "phases": phases}]}
+
+    text = tool.ab_table(report(80.0, 25.6), report(60.0, 6.4))
+    assert "T=128 L=1 S=1 graph per layer" in text and "0.75" in text
+    line = next(row for row in text.splitlines() if "dispatch (plan + scatter)" in row)
+    assert "25.6" in line and "6.4" in line and "0.25" in line
+    assert "combine" in text  # a phase without a median shows as "-"
