@@ -143,6 +143,14 @@ def _dedup_specs() -> dict:
             peer_windows=arr, geo=geo, ring=1, src_rank=0, layer_idx=3, stage_idx=0,
             seq_counters=arr, expected=arr, expected_counts=arr, done_counter=arr,
             status=0x6000, max_tokens=16),
+        ("attention/dedup_attn_ll.cu", "afd_dedup_dispatch_ll"): kernels.dedup_dispatch_ll_spec(
+            dtype_code=0, hidden=0x2000, num_tokens=8, hidden_size=64, topk_ids=arr,
+            topk_weights=arr, top_k=8, expert_per_rank=4, num_ffn_ranks=2, routed_cap=64,
+            has_shared=1, expert_counts=arr, expert_start=arr, rank_offsets=arr, verdict=arr,
+            skipped=arr, row_map=arr, shared_rank=arr, num_rows=arr, shared_rows=arr,
+            peer_windows=arr, geo=geo, ring=1, src_rank=0, layer_idx=3, stage_idx=0,
+            seq_counters=arr, expected=arr, expected_counts=arr, done_counter=arr,
+            status=0x6000, max_tokens=16),
         ("attention/dedup_attn.cu", "afd_dedup_combine"): kernels.dedup_combine_spec(
             dtype_code=2, out=0x4000, num_tokens=8, hidden_size=64, row_map=arr, out_scale=1.0,
             done_counter=arr, **replies),
@@ -199,6 +207,7 @@ def test_specs_use_the_block_sizes_of_the_limit_table(fake_specs):
               "afd_dedup_expand": "REPLY_THREADS", "afd_dedup_reply": "REPLY_THREADS",
               "afd_dedup_rows": "PLAN_THREADS", "afd_dedup_scatter": "SCATTER_THREADS",
               "afd_dedup_combine": "COMBINE_THREADS", "afd_dedup_dispatch_fused": "SCATTER_THREADS",
+              "afd_dedup_dispatch_ll": "SCATTER_THREADS",
               "afd_graph_stage": "REPLY_THREADS", "afd_graph_wait_stage": "REPLY_THREADS",
               "afd_graph_gather": "REPLY_THREADS",
               "afd_graph_reply": "REPLY_THREADS", "afd_graph_dedup_expand": "REPLY_THREADS",
@@ -433,7 +442,7 @@ def test_backend_builds_the_launches_of_its_wire_mode(fake_specs, monkeypatch, w
     layout = _DEDUP_LAYOUT if wire_mode == "dedup" else _LAYOUT
     side = cuda_attention.CudaAttentionSide()
     side.cp, side.layout, side.geometry, side.is_dedup = np, layout, layout.kernel_geometry(), layout.is_dedup
-    side.fused_dispatch = fused
+    side.fused_dispatch, side.ll_dispatch = fused, False
     side.ctx = types.SimpleNamespace(num_ffn_ranks=2, has_shared=True, always_send=False, role_rank=0)
     side.own_window, side.dtype_code, side.timeout_ns = 0x3000, 0, 10**9
     side.put = types.SimpleNamespace(staging_base=0x9000) if put else None

@@ -104,6 +104,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dispatch", choices=("fused", "two-kernel"), default="fused",
                         help="ConnectorConfig.fused_dispatch: one kernel (afd_dispatch_fused; dedup: "
                              "afd_dedup_dispatch_fused) or plan + scatter (dedup: plan + rows + scatter)")
+    parser.add_argument("--dedup-dispatch", choices=("plan", "ll", "both"), default="plan",
+                        help="ConnectorConfig.dedup_dispatch (with --wire-mode dedup): "
+                             "afd_dedup_dispatch_fused / the separate kernels (plan), "
+                             "afd_dedup_dispatch_ll (ll), or both one after the other in this run "
+                             "with an A/B table (their JSON: bench_step_graph_{plan,ll}.json)")
     parser.add_argument("--ffn-stage", choices=("fused", "two-kernel"), default="fused",
                         help="graph FFN: afd_graph_wait_stage (GraphFFNServer(fused_wait_stage=True)) "
                              "or afd_wait_any + afd_graph_stage")
@@ -139,6 +144,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--intermediate must be >= 1 and --shared-experts >= 0")
     if max(args.stages) > min(args.tokens):
         parser.error(f"--stages {max(args.stages)} > --tokens {min(args.tokens)}: every micro-batch needs a row")
+    if args.dedup_dispatch != "plan" and args.wire_mode != "dedup":
+        parser.error("--dedup-dispatch ll|both needs --wire-mode dedup")
     args.iters = args.iters or (30 if args.quick else 200)
     return args
 
@@ -156,7 +163,8 @@ def connector_config(args) -> ConnectorConfig:
     connector serves every S of the run (a step may use fewer stages than its connector)."""
     most = max(args.stages)
     return ConnectorConfig(async_moe_ubatching=most > 1, async_moe_num_ubatches=max(most, 2),
-                           wire_mode=args.wire_mode, fused_dispatch=args.dispatch == "fused")
+                           wire_mode=args.wire_mode, fused_dispatch=args.dispatch == "fused",
+                           dedup_dispatch="plan" if args.dedup_dispatch == "both" else args.dedup_dispatch)
 
 
 def model_config(args) -> ModelConfig:
@@ -406,19 +414,53 @@ def table(rows: list) -> str:
 
 
 def main(argv=None) -> int:
-    from afd_cupy.launch import launch
-    from afd_cupy.wire import window_size_hint
-
     args = parse_args(argv)
     if bc.detect_backend() != "cuda":
         print("bench_step_graph needs the cuda backend (a GPU, CuPy and NVSHMEM): a CUDA graph "
               "cannot capture the host backend", file=sys.stderr)
         return 2
+    if args.dedup_dispatch != "both":
+        return run(args)[1]
+    reports, codes = {}, []
+    for variant in ("plan", "ll"):  # the same run, one launch each
+        reports[variant], code = run(argparse.Namespace(**{**vars(args), "dedup_dispatch": variant}),
+                                     json_name=f"bench_step_graph_{variant}.json")
+        codes.append(code)
+    print()
+    print(ab_table(reports["plan"], reports["ll"]))
+    return max(codes)
+
+
+def ab_table(plan: dict, ll: dict) -> str:
+    """--dedup-dispatch both: captured per-layer median and (with --trace) each traced phase's
+    median, plan vs ll, in µs, with ll / plan."""
+    headers = ["what", "plan µs", "ll µs", "ll / plan"]
+    body = []
+    for a, b in zip(plan["rows"], ll["rows"]):
+        body.append((f"T={a['tokens']} L={a['layers']} S={a.get('stages', 1)} graph per layer",
+                     a["graph_layer_median_us"], b["graph_layer_median_us"]))
+    for a, b in zip(plan.get("traces", ()), ll.get("traces", ())):
+        phases_a = {**a["phases"], **a.get("round_trip_phases", {})}
+        phases_b = {**b["phases"], **b.get("round_trip_phases", {})}
+        for name in phases_a:
+            if name in phases_b:
+                body.append((f"{a['label']}: {name}", phases_a[name]["median_us"], phases_b[name]["median_us"]))
+    rows = [[what, f"{x:.1f}" if x is not None else "-", f"{y:.1f}" if y is not None else "-",
+             f"{y / x:.2f}" if x and y is not None else "-"] for what, x, y in body]
+    return ("==== A/B: ConnectorConfig(dedup_dispatch='plan') vs 'll', same run ====\n"
+            + bc.format_table(headers, rows))
+
+
+def run(args, json_name: str = "bench_step_graph.json") -> tuple:
+    """One launch of every rank with ``args``: (report, exit code)."""
+    from afd_cupy.launch import launch
+    from afd_cupy.wire import window_size_hint
+
     model, world = model_config(args), 1 + args.num_ffn
     env = bc.launch_env("cuda", world, window_size_hint(model, TopologyConfig(1, args.num_ffn), connector_config(args)))
     attn, *ffn = launch(_rank, world, args=(args,), timeout_s=600, num_gpus=args.num_gpus, env=env)
     report = {"tool": "bench_step_graph", "run": bc.run_info("cuda"), "device": attn["device"],
-              "config": {"ffn": args.ffn, "num_ffn": args.num_ffn, "wire_mode": args.wire_mode, "dispatch": args.dispatch, "ffn_stage": args.ffn_stage, "stand_in": args.stand_in, "experts": args.experts,
+              "config": {"ffn": args.ffn, "num_ffn": args.num_ffn, "wire_mode": args.wire_mode, "dispatch": args.dispatch, "dedup_dispatch": args.dedup_dispatch, "ffn_stage": args.ffn_stage, "stand_in": args.stand_in, "experts": args.experts,
                          "intermediate": args.intermediate, "shared_experts": args.shared_experts, "hidden": args.hidden,
                          "num_experts": args.num_experts, "top_k": args.top_k, "iters": args.iters,
                          "warmup": args.warmup, "layers": args.layers, "tokens": args.tokens,
@@ -430,7 +472,7 @@ def main(argv=None) -> int:
         report["config"]["trace_iters"] = args.trace_iters
         report["traces"] = trace_summaries(attn, ffn[0])
     report["targets"] = targets(attn["rows"], report.get("traces") if args.experts == "moe" else None)
-    path = bc.write_json(args.out, "bench_step_graph.json", report)
+    path = bc.write_json(args.out, json_name, report)
     print_report(report)
     if args.trace:
         summaries = {t["label"]: t for t in report["traces"]}
@@ -443,8 +485,8 @@ def main(argv=None) -> int:
            for r in report["rows"] if not r["out_rel_diff"] <= OUT_CHECK_TOL]
     if bad:
         print(f"CHECK FAILED: captured and eager outputs differ (tokens, L, S, streams, relative diff): {bad}")
-        return 1
-    return 0
+        return report, 1
+    return report, 0
 
 
 def trace_summaries(attn: dict, ffn: dict) -> list:
@@ -466,7 +508,8 @@ def print_report(report: dict) -> None:
     resolved = sorted({str(r.get("gemm_sm_carveout")) for r in report.get("ffn", ())})
     carveout = (f", GEMM SM carve-out {cfg.get('gemm_sm_carveout', 0)} = {'/'.join(resolved)}"
                 if cfg.get("experts") == "moe" and resolved else "")
-    print(f"==== decode step, 1A{cfg['num_ffn']}F, {cfg['wire_mode']}, FFN {cfg['ffn']} ({cfg.get('experts', 'identity')}{carveout}), hidden {cfg['hidden']}, "
+    mode = cfg["wire_mode"] + (f" (dedup_dispatch={cfg.get('dedup_dispatch', 'plan')})" if cfg["wire_mode"] == "dedup" else "")
+    print(f"==== decode step, 1A{cfg['num_ffn']}F, {mode}, FFN {cfg['ffn']} ({cfg.get('experts', 'identity')}{carveout}), hidden {cfg['hidden']}, "
           f"top-{cfg['top_k']}, gate {cfg.get('gate_impl', 'torch')}, {report['device']}: eager loop vs one captured graph, S stages "
           "(µs: median [p10, p90]) ====")
     print(table(report["rows"]))

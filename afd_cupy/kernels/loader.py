@@ -61,6 +61,7 @@ FILE_KERNELS = {
     "ffn/ffn_graph_stage.cu": (("afd_graph_stage", False), ("afd_graph_wait_stage", False)),
     "ffn/ffn_graph_rows.cu": (("afd_graph_gather", True), ("afd_graph_reply", True),
                               ("afd_graph_dedup_expand", True), ("afd_graph_dedup_reply", True)),
+    "attention/dedup_attn_ll.cu": (("afd_dedup_dispatch_ll", True),),
     "model/gate.cu": (("afd_gate_topk", True),),
 }
 

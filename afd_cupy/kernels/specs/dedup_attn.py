@@ -55,8 +55,8 @@ def dedup_rows_grid(num_tokens: int, top_k: int) -> int:
     return plan_grid(num_tokens * top_k)
 
 
-def _dedup_dispatch_head(*, hidden, num_tokens, hidden_size, topk_ids, topk_weights, top_k,
-                         expert_per_rank, num_ffn_ranks) -> dict:
+def dedup_dispatch_head_args(*, hidden, num_tokens, hidden_size, topk_ids, topk_weights, top_k,
+                             expert_per_rank, num_ffn_ranks) -> dict:
     """The leading arguments of afd_dedup_scatter and afd_dedup_dispatch_fused (hidden ..
     num_ffn_ranks, in their kernel order), checked."""
     num_tokens = checks.count("num_tokens", num_tokens)
@@ -70,10 +70,10 @@ def _dedup_dispatch_head(*, hidden, num_tokens, hidden_size, topk_ids, topk_weig
             "num_ffn_ranks": checks.count("num_ffn_ranks", num_ffn_ranks, low=1, high=MAX_FFN_RANKS)}
 
 
-def _dedup_dispatch_tail(*, row_map, shared_rank, num_rows, shared_rows, peer_windows, staging,
-                         geo, ring, always_send, src_rank, layer_idx, stage_idx, hdr_flags,
-                         seq_counters, expected, expected_counts, done_counter, num_tokens,
-                         num_ffn, epr) -> dict:
+def dedup_dispatch_tail_args(*, row_map, shared_rank, num_rows, shared_rows, peer_windows, staging,
+                             geo, ring, always_send, src_rank, layer_idx, stage_idx, hdr_flags,
+                             seq_counters, expected, expected_counts, done_counter, num_tokens,
+                             num_ffn, epr) -> dict:
     """The rows' and publishing arguments of afd_dedup_scatter and afd_dedup_dispatch_fused
     (row_map .. done_counter, in their kernel order), checked against a dedup layout of ``epr``
     experts per rank."""
@@ -112,9 +112,9 @@ def dedup_scatter_spec(*, dtype_code, hidden, num_tokens, hidden_size, topk_ids,
     not STATUS_OK nothing is written to any peer and ``expected`` is all 0.
     Grid: :func:`dedup_scatter_grid`.
     """
-    head = _dedup_dispatch_head(hidden=hidden, num_tokens=num_tokens, hidden_size=hidden_size,
-                                topk_ids=topk_ids, topk_weights=topk_weights, top_k=top_k,
-                                expert_per_rank=expert_per_rank, num_ffn_ranks=num_ffn_ranks)
+    head = dedup_dispatch_head_args(hidden=hidden, num_tokens=num_tokens, hidden_size=hidden_size,
+                                    topk_ids=topk_ids, topk_weights=topk_weights, top_k=top_k,
+                                    expert_per_rank=expert_per_rank, num_ffn_ranks=num_ffn_ranks)
     num_tokens, top_k = head["num_tokens"], head["top_k"]
     num_ffn, epr = int(head["num_ffn_ranks"]), int(head["expert_per_rank"])
     num_experts, num_partials = num_ffn * epr, int(num_tokens) * int(top_k)
@@ -126,7 +126,7 @@ def dedup_scatter_spec(*, dtype_code, hidden, num_tokens, hidden_size, topk_ids,
             "rank_offsets": checks.device_array("rank_offsets", rank_offsets, np.int32, num_ffn + 1),
             "expert_counts": checks.device_array("expert_counts", expert_counts, np.int32, num_experts),
             "verdict": checks.device_array("verdict", verdict, np.int32, 1),
-            **_dedup_dispatch_tail(
+            **dedup_dispatch_tail_args(
                 row_map=row_map, shared_rank=shared_rank, num_rows=num_rows,
                 shared_rows=shared_rows, peer_windows=peer_windows, staging=staging, geo=geo,
                 ring=ring, always_send=always_send, src_rank=src_rank, layer_idx=layer_idx,
@@ -191,9 +191,9 @@ def dedup_dispatch_fused_spec(*, dtype_code, hidden, num_tokens, hidden_size, to
     of this packed spec may use): at most :data:`DEDUP_FUSED_MAX_SHARED_BYTES`
     (:func:`fused_dedup_dispatch_fits`). Grid: :func:`dedup_scatter_grid`.
     """
-    head = _dedup_dispatch_head(hidden=hidden, num_tokens=num_tokens, hidden_size=hidden_size,
-                                topk_ids=topk_ids, topk_weights=topk_weights, top_k=top_k,
-                                expert_per_rank=expert_per_rank, num_ffn_ranks=num_ffn_ranks)
+    head = dedup_dispatch_head_args(hidden=hidden, num_tokens=num_tokens, hidden_size=hidden_size,
+                                    topk_ids=topk_ids, topk_weights=topk_weights, top_k=top_k,
+                                    expert_per_rank=expert_per_rank, num_ffn_ranks=num_ffn_ranks)
     num_tokens, top_k = head["num_tokens"], head["top_k"]
     num_ffn, epr = head["num_ffn_ranks"], int(head["expert_per_rank"])
     num_experts = int(num_ffn) * epr
@@ -213,7 +213,7 @@ def dedup_dispatch_fused_spec(*, dtype_code, hidden, num_tokens, hidden_size, to
             "rank_offsets": checks.device_array("rank_offsets", rank_offsets, np.int32, int(num_ffn) + 1),
             "verdict": checks.device_array("verdict", verdict, np.int32, 1),
             "skipped": checks.device_array("skipped", skipped, np.int32, 1),
-            **_dedup_dispatch_tail(
+            **dedup_dispatch_tail_args(
                 row_map=row_map, shared_rank=shared_rank, num_rows=num_rows,
                 shared_rows=shared_rows, peer_windows=peer_windows, staging=staging, geo=geo,
                 ring=ring, always_send=always_send, src_rank=src_rank, layer_idx=layer_idx,
