@@ -188,6 +188,35 @@ class Stopwatch:
             torch.cuda.synchronize()
 
 
+def serving_rank(ctx, spec, connector_config, serve_ffn: Callable, serve_attention: Callable) -> dict:
+    """One rank of an A Attention + F FFN serving job (bench_afd, bench_decode): its device, its
+    connector (``spec``: num_attn, num_ffn, backend, poll_mode, peer_timeout_s, schedule,
+    model(); lockstep Attention connectors send always), then ``serve_ffn(conn, spec, ffn_rank,
+    device)`` or ``serve_attention(conn, spec, attn_rank, device, store)``; the Attention rank
+    announces shutdown, every rank closes its connector."""
+    from afd_cupy.config import TopologyConfig
+    from afd_cupy.connector import AFDConnector
+    from afd_cupy.ffn_worker import attention_connector_kwargs
+
+    is_attn = ctx.rank < spec.num_attn
+    device = set_device(spec.backend, ctx)
+    role, role_rank = ("attention", ctx.rank) if is_attn else ("ffn", ctx.rank - spec.num_attn)
+    extra = attention_connector_kwargs(spec.schedule) if is_attn else {}
+    conn = AFDConnector(spec.model(), TopologyConfig(spec.num_attn, spec.num_ffn), connector_config,
+                        role=role, role_rank=role_rank, store=ctx.store(), job_id=ctx.job_id,
+                        backend=spec.backend, device_id=ctx.device_id, poll_mode=spec.poll_mode,
+                        peer_timeout_s=spec.peer_timeout_s, **extra)
+    try:
+        if not is_attn:
+            return serve_ffn(conn, spec, role_rank, device)
+        try:
+            return serve_attention(conn, spec, role_rank, device, ctx.store())
+        finally:
+            conn.announce_shutdown()
+    finally:
+        conn.close()
+
+
 class PhaseStopper:
     """When a replica stops its measured batches or steps (bench_afd, bench_decode).
 
