@@ -47,7 +47,9 @@ eager steps and as many replays run with the trace rows reset before each; each 
 trip is matched with the FFN replay that served it and split into telescoping phases (dispatch,
 doorbell to FFN, stage, gather, experts, reply, reply to Attention, combine) on the GPU's
 ``%globaltimer``. Printed as a table, written to the JSON (``traces``) and drawn as
-``step_phases.png``. The stamps are extra kernels on both sides: a traced run's timing table is
+``step_phases.png``; beside each phase its floor (one graph node + the bytes its kernel moves,
+``bench_common.kernel_bytes``, at the device copy rate; both measured in the same run) and
+time / floor (JSON: ``node_us``, ``copy_gbps``, per trace ``kernel_bytes`` and ``floors``). The stamps are extra kernels on both sides: a traced run's timing table is
 slower than an untraced one. With ``--experts moe`` the "FFN experts" phase is the expert GEMMs
 (plus one stamp hop, ~1.3 µs) and the row "round trip - FFN experts" is what the round trip
 costs beyond them (issue #13: <= 30 µs; a target row when traced). Phases across ranks need both on one GPU (one clock).
@@ -286,11 +288,23 @@ def _attention(conn, args, device) -> dict:
                                 run(hidden)
                                 conn.check_errors()
                             traces.append({"tokens": num_tokens, "layers": layers, "mode": mode,
-                                           "attention_rows": trace.rows()})
+                                           "attention_rows": trace.rows(),
+                                           "kernel_bytes": traced_kernel_bytes(conn, stand_in, hidden)})
                     del step, eager, captured
                     torch.cuda.synchronize()
-    return {"role": "attention", "device": bc.device_name(device), "rows": add_stage_ratios(rows),
-            "device_id": conn.path.device_id, "traces": traces}
+    result = {"role": "attention", "device": bc.device_name(device), "rows": add_stage_ratios(rows),
+              "device_id": conn.path.device_id, "traces": traces}
+    if trace is not None:  # the floors' two terms, measured on this GPU in this run
+        result["node_us"], result["copy_gbps"] = dt.measure_node_us(device), bc.measure_copy_gbps(device)
+    return result
+
+
+def traced_kernel_bytes(conn, stand_in, hidden) -> dict:
+    """bench_common.KernelBytes (as a dict) of one round trip of ``hidden`` routed as layer 0
+    routes it (with one FFN rank, as --trace runs, every route moves the same bytes)."""
+    _, ids = conn.select_experts(stand_in.router(0, stand_in.attention(0, hidden)[1]))
+    return bc.kernel_bytes(conn.layout, ids.cpu().numpy(), num_ffn_ranks=conn.topology.num_ffn_ranks,
+                           has_shared=conn.model.num_shared_experts > 0).as_dict()
 
 
 def _rel_diff(captured, eager) -> float:
@@ -470,6 +484,7 @@ def run(args, json_name: str = "bench_step_graph.json") -> tuple:
               "ffn": [{k: v for k, v in r.items() if k not in ("role", "trace_rows")} for r in ffn]}
     if args.trace:
         report["config"]["trace_iters"] = args.trace_iters
+        report["node_us"], report["copy_gbps"] = attn["node_us"], attn["copy_gbps"]
         report["traces"] = trace_summaries(attn, ffn[0])
     report["targets"] = targets(attn["rows"], report.get("traces") if args.experts == "moe" else None)
     path = bc.write_json(args.out, json_name, report)
@@ -498,7 +513,8 @@ def trace_summaries(attn: dict, ffn: dict) -> list:
         summary = dt.phase_summary(t["attention_rows"], ffn.get("trace_rows"), same_clock=same_clock,
                                    layers=t["layers"])
         summary.update({"label": f"T={t['tokens']} L={t['layers']} {t['mode']}", "tokens": t["tokens"],
-                        "layers": t["layers"], "mode": t["mode"]})
+                        "layers": t["layers"], "mode": t["mode"], "kernel_bytes": t["kernel_bytes"]})
+        summary["floors"] = dt.floor_rows(summary, t["kernel_bytes"], attn["node_us"], attn["copy_gbps"])
         out.append(summary)
     return out
 
@@ -526,6 +542,17 @@ def print_report(report: dict) -> None:
               "per point) ====")
         headers, rows = dt.phase_table({t["label"]: t for t in report["traces"]})
         print(bc.format_table(headers, rows))
+        print_floors(report)
+
+
+def print_floors(report: dict) -> None:
+    """Each traced case's phases beside their floors (the stamp closing a phase is one more
+    node: a byte-free phase near 2x its floor is the stamp)."""
+    for t in report.get("traces", ()):
+        if t.get("floors"):
+            print()
+            print(f"==== {t['label']}: each phase against its floor ====")
+            print(bc.floor_table(t["floors"], report["node_us"], report["copy_gbps"]))
 
 
 if __name__ == "__main__":
