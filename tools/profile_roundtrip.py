@@ -201,7 +201,7 @@ def _rank(ctx, args) -> dict:
     warmup, iters = args["warmup"], args["iters"]
     try:
         if role == "ffn":
-            worker = FFNWorker(conn, expert_fn=identity_experts)
+            worker = FFNWorker(conn, expert_fn=identity_experts, serving="loop")  # profiles the loop
             while len(stamps.rows) < warmup + iters:  # pass 1: phases
                 worker.step()
             stamps.enabled = False
