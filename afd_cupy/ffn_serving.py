@@ -89,12 +89,18 @@ def open_graph_server(worker, idle_timeout_s: float, previous=None):
     identity = _uses_identity(worker)
     if previous is not None and (previous.idle_timeout_s, previous.identity) == (idle_timeout_s, identity):
         return previous
-    if identity:
-        server = GraphFFNServer(worker.connector, identity=True, idle_timeout_s=idle_timeout_s,
-                                gemm_sm_carveout=worker.gemm_sm_carveout)
-    else:
-        server = GraphFFNServer(worker.connector, worker.experts, worker.shared,
-                                idle_timeout_s=idle_timeout_s, gemm_sm_carveout=worker.gemm_sm_carveout)
+    import cupy
+
+    device = torch.device(worker.connector.device)
+    # NOTE: run() may be called on a thread of its own, whose current device is GPU 0 for
+    # both torch and CuPy: the server allocates and captures on the connector's GPU
+    with torch.cuda.device(device), cupy.cuda.Device(device.index or 0):
+        if identity:
+            server = GraphFFNServer(worker.connector, identity=True, idle_timeout_s=idle_timeout_s,
+                                    gemm_sm_carveout=worker.gemm_sm_carveout)
+        else:
+            server = GraphFFNServer(worker.connector, worker.experts, worker.shared, idle_timeout_s=idle_timeout_s,
+                                    gemm_sm_carveout=worker.gemm_sm_carveout)
     server.eager_worker.serving = "loop"  # it serves single items; never a server of its own
     return server
 
