@@ -338,10 +338,11 @@ def test_server_settings_check_depth_timeout_and_the_gemm_sm_carveout(monkeypatc
     import torch
 
     from afd_cupy import moe
+    from afd_cupy.moe import carveout
     from afd_cupy.backends.cuda_ffn_graph import GraphFFNServer
 
     check = GraphFFNServer._check_settings
-    monkeypatch.setattr(moe, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(carveout, "_sm_count", lambda device: 132)
     assert check(4, 0.01, 0, torch.device("cuda", 0)) == 0
     assert check(1, 1, 2, torch.device("cuda", 0)) == 2
     assert check(1, 1, "auto", torch.device("cuda", 0)) == moe.AUTO_GEMM_SM_CARVEOUT

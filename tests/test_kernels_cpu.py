@@ -2,8 +2,9 @@
 
 The wire.cuh mirror (constants, limits, struct SlotGeometry) is parsed textually and compared
 with wire.py and kernels.KERNEL_LIMITS; the loader's cache key is checked to follow header
-edits; the device plan's index formula and the device reply checks are modelled in numpy and
-compared with the planner and with wire.decode_header + wire.check_reply. If NVRTC happens to
+edits; the device plan's index formula is modelled in numpy and compared with the planner, and
+the device's reply verdict (wire.reply_verdict) with the errors of wire.decode_header +
+wire.check_reply. If NVRTC happens to
 be loadable, every kernel file is also compiled for sm_90 (skipped otherwise).
 """
 from __future__ import annotations
@@ -249,7 +250,7 @@ def test_device_plan_formula_matches_reference(num_tokens, top_k, num_ffn, num_e
     np.testing.assert_array_equal(order, ref.order)
 
 
-# --- the device reply checks (numpy model) agree with wire.decode_header + wire.check_reply -----
+# --- the device's reply verdict (wire.reply_verdict) agrees with the host's errors ------------
 _EPR = 4
 _WANT = wire.ReplyExpectation(peer=1, seq=2**32 + 77, layer_idx=9, stage_idx=1, routed_tokens=6,
                               shared_tokens=3)
@@ -288,16 +289,15 @@ def _host_error(words):
 
 
 @pytest.mark.parametrize("fault", sorted(_REPLY_FAULTS))
-def test_reference_check_reply_agrees_with_the_host_checks(fault):
+def test_reply_verdict_agrees_with_the_host_checks(fault):
     words = _reply_words(fault)
-    code, count, expected, observed = helpers.reference_check_reply(
-        words, seq=_WANT.seq, layer_idx=_WANT.layer_idx, stage_idx=_WANT.stage_idx,
-        routed_tokens=_WANT.routed_tokens, shared_tokens=_WANT.shared_tokens, flag=_WANT.seq)
+    record = wire.reply_verdict(words, _WANT, slot=3, ring=1, flag=_WANT.seq)
+    code, count = record.code, record.count
     host = _host_error(words)
     if fault == "ok":
-        assert host is None and code == wire.STATUS_OK
+        assert host is None and record == wire.CLEAR_STATUS
         return
-    record = wire.StatusRecord(code, _WANT.peer, 3, 1, expected, observed, count, -1)
+    assert (record.peer, record.slot, record.ring, record.layer) == (_WANT.peer, 3, 1, _WANT.layer_idx)
     device = record.error(layer_idx=_WANT.layer_idx, timeout_s=1.0)
     assert type(device) is type(host), (fault, record, host, device)
     want_code = {"magic": wire.STATUS_BAD_HEADER, "version": wire.STATUS_BAD_HEADER,
@@ -321,7 +321,7 @@ _DEDUP_WANT = wire.ReplyExpectation(peer=1, seq=2**32 + 77, layer_idx=9, stage_i
                                     routed_tokens=6, shared_tokens=2, num_rows=4)
 _ROWS_WORD = wire.HDR_FIXED_WORDS + _EPR
 _DEDUP_FAULTS = {  # name -> (header word, value, (code, ST_COUNT))
-    "ok": (None, None, (wire.STATUS_OK, -1)),
+    "ok": (None, None, (wire.STATUS_OK, 0)),  # a clear status block (wire.CLEAR_STATUS)
     "missing_flag": (wire.HDR_FLAGS, 0, (wire.STATUS_BAD_HEADER, wire.HDR_FLAGS)),
     "pair_shutdown": (wire.HDR_FLAGS, wire.FLAG_SHUTDOWN, (wire.STATUS_BAD_HEADER, wire.HDR_FLAGS)),
     "shutdown": (wire.HDR_FLAGS, wire.FLAG_SHUTDOWN | wire.FLAG_DEDUP, (wire.STATUS_SHUTDOWN, -1)),
@@ -358,14 +358,12 @@ def _dedup_reply_words(fault: str) -> np.ndarray:
 
 
 @pytest.mark.parametrize("fault", sorted(_DEDUP_FAULTS))
-def test_reference_check_reply_agrees_with_the_host_checks_in_dedup_mode(fault):
+def test_reply_verdict_agrees_with_the_host_checks_in_dedup_mode(fault):
     words = _dedup_reply_words(fault)
     assert words.size == _ROWS_WORD + 1
     want = _DEDUP_WANT
-    code, count, expected, observed = helpers.reference_check_reply(
-        words, seq=want.seq, layer_idx=want.layer_idx, stage_idx=want.stage_idx,
-        routed_tokens=want.routed_tokens, shared_tokens=want.shared_tokens, flag=want.seq,
-        wire_mode="dedup", num_rows=want.num_rows)
+    record = wire.reply_verdict(words, want, wire_mode="dedup", slot=3, ring=1, flag=want.seq)
+    code, count = record.code, record.count
     assert (code, count) == _DEDUP_FAULTS[fault][2]
     try:
         wire.check_reply(wire.decode_header(words, _EPR, wire_mode="dedup"), want)
@@ -375,7 +373,6 @@ def test_reference_check_reply_agrees_with_the_host_checks_in_dedup_mode(fault):
     if fault == "ok":
         assert host is None
         return
-    record = wire.StatusRecord(code, want.peer, 3, 1, expected, observed, count, -1)
     device = record.error(layer_idx=want.layer_idx, timeout_s=1.0, expert_per_rank=_EPR)
     assert type(device) is type(host), (fault, record, host, device)
     if code == wire.STATUS_REPLY_MISMATCH:  # same field and values as the host's ProtocolError
@@ -385,12 +382,11 @@ def test_reference_check_reply_agrees_with_the_host_checks_in_dedup_mode(fault):
         assert "num_rows" in str(device)
 
 
-def test_reference_check_reply_dedup_size_faults_report_the_nearest_valid_num_rows():
+def test_reply_verdict_dedup_size_faults_report_the_nearest_valid_num_rows():
     """ST_EXPECTED of an impossible dedup size: the num_rows the other sizes allow."""
     def check(fault):
-        return helpers.reference_check_reply(
-            _dedup_reply_words(fault), seq=_DEDUP_WANT.seq, layer_idx=9, stage_idx=1,
-            routed_tokens=6, shared_tokens=2, wire_mode="dedup", num_rows=4)[2:]
+        record = wire.reply_verdict(_dedup_reply_words(fault), _DEDUP_WANT, wire_mode="dedup")
+        return record.expected, record.observed
     assert check("rows_over_routed") == (6, 7)    # num_rows <= routed_tokens = 6
     assert check("routed_over_rows_k") == (3, 2)  # routed 6 needs >= ceil(6 / top_k 2) = 3 rows
     assert check("shared_over_rows") == (5, 4)    # shared_tokens 5 needs >= 5 rows

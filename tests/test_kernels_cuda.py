@@ -786,25 +786,22 @@ REPLY_FAULT_RECORDS = {  # fault -> (code, header word in ST_COUNT)
 @pytest.mark.parametrize("wait_kernel", [True, False], ids=["wait+combine", "combine-alone"])
 @pytest.mark.parametrize("fault", sorted(REPLY_FAULTS))
 def test_combine_header_faults(request, fault, wait_kernel):
-    """Each faulty reply latches the record of tests/kernel_helpers.reference_check_reply (the
-    numpy twin of wire.decode_header + wire.check_reply) and leaves NaN rows."""
+    """Each faulty reply latches the record of wire.reply_verdict (the host's verdict for the
+    same words, whose errors wire.decode_header + wire.check_reply raise) and leaves NaN rows."""
     c = _two_rank_combine(request, dtype="float16")
     c.write_reply(0)
     words = REPLY_FAULTS[fault](c)
     c.write_reply(1, words=words)
     c.run(wait_kernel=wait_kernel)
     slot = c.layout.slot_index(1, c.ring)
-    code, count, expected, observed = kh.reference_check_reply(
-        words, seq=int(c.expected[1]), layer_idx=c.layer_idx, stage_idx=c.stage_idx,
-        routed_tokens=int(c.expected_counts[1, 0]), shared_tokens=int(c.expected_counts[1, 1]),
-        flag=c.new_flags[slot])
-    assert (code, count) == REPLY_FAULT_RECORDS[fault]
-    record = status_of(c.status.array)
-    assert record == wire.StatusRecord(code, 1, slot, c.ring, expected, observed, count, -1, c.layer_idx)
-    # the host backend, fed the same bytes, raises the same typed error
     want = wire.ReplyExpectation(peer=1, seq=int(c.expected[1]), layer_idx=c.layer_idx,
                                  stage_idx=c.stage_idx, routed_tokens=int(c.expected_counts[1, 0]),
                                  shared_tokens=int(c.expected_counts[1, 1]))
+    verdict = wire.reply_verdict(words, want, slot=slot, ring=c.ring, flag=c.new_flags[slot])
+    assert (verdict.code, verdict.count) == REPLY_FAULT_RECORDS[fault]
+    record = status_of(c.status.array)
+    assert record == verdict
+    # the host backend, fed the same bytes, raises the same typed error
     with pytest.raises(type(record.error(layer_idx=c.layer_idx))):
         wire.check_reply(wire.decode_header(words, c.epr), want)
     c.assert_rows_nan()

@@ -22,6 +22,7 @@ import re
 from pathlib import Path
 
 from afd_cupy import env
+from afd_cupy.dtypes import PAYLOAD_DTYPES
 
 #: the kernels inside an installed package (a wheel: ``afd_cupy/raw_kernels/``)
 PACKAGE_KERNEL_DIR = Path(__file__).resolve().parent.parent / "raw_kernels"
@@ -42,8 +43,9 @@ def find_kernel_dir() -> Path:
 KERNEL_DIR = find_kernel_dir()
 BASE_OPTIONS = ("-std=c++17",)
 
-#: payload dtype name -> template argument DT of the payload kernels (wire.cuh DT_*)
-DTYPE_CODES = {"bfloat16": 0, "float16": 1, "float32": 2}
+#: payload dtype name -> template argument DT of the payload kernels (wire.cuh DT_*), derived
+#: from the one dtype table (:data:`afd_cupy.dtypes.PAYLOAD_DTYPES`)
+DTYPE_CODES = {name: payload.kernel_code for name, payload in PAYLOAD_DTYPES.items()}
 
 #: production kernels of each file (relative to KERNEL_DIR: common/ holds headers only, each
 #: kernel sits in the folder of its role: attention/, ffn/, model/); True marks a template over
