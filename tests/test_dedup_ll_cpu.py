@@ -42,9 +42,9 @@ def test_ll_kernel_mirrors_and_includes():
     text = _source("attention/dedup_attn_ll.cu")
     assert int(re.search(r"constexpr int LL_MAX_FFN_RANKS = (\d+);", text).group(1)) == \
         dedup_attn_ll.LL_MAX_FFN_RANKS
-    assert set(re.findall(r'#\s*include\s*"([^"]+)"', text)) <= {"common/wire.cuh", "common/payload.cuh", "common/block.cuh",
-                                                                   "common/publish.cuh", "attention/plan_block.cuh",
-                                                                   "attention/dedup_attn.cuh"}
+    assert set(re.findall(r'#\s*include\s*"([^"]+)"', text)) <= {
+        "common/wire.cuh", "common/payload.cuh", "common/block.cuh", "common/publish.cuh",
+        "attention/plan_block.cuh", "attention/dedup_attn.cuh"}
     assert loader.FILE_KERNELS["attention/dedup_attn_ll.cu"] == (("afd_dedup_dispatch_ll", True),)
 
 
@@ -139,7 +139,8 @@ def test_backend_packs_the_ll_kernel_as_its_one_kernel_dispatch(fake_specs, monk
     side.seq_counters, side.last_seen, side.peer_windows = [_FakeArray()] * 2, _FakeArray(), _FakeArray()
     launches = side._attention_launches(1)
     assert sorted(launches) == ["combine", "fused", "wait"]
-    want = ("attention/dedup_attn_ll.cu", "afd_dedup_dispatch_ll") if ll else ("attention/dedup_attn_fused.cu", "afd_dedup_dispatch_fused")
+    want = (("attention/dedup_attn_ll.cu", "afd_dedup_dispatch_ll") if ll
+            else ("attention/dedup_attn_fused.cu", "afd_dedup_dispatch_fused"))
     assert launches["fused"].kernel == want
     assert launches["combine"].kernel == ("attention/dedup_attn.cu", "afd_dedup_combine")  # unchanged
 

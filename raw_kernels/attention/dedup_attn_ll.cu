@@ -1,6 +1,6 @@
-// dedup_attn_ll.cu: the low-latency dedup-mode dispatch (ConnectorConfig(dedup_dispatch="ll");
+// attention/dedup_attn_ll.cu: the low-latency dedup-mode dispatch (ConnectorConfig(dedup_dispatch="ll");
 // docs/design/dedup.md, docs/design/kernels.md). Same wire bytes and outputs as
-// afd_dedup_dispatch_fused (dedup_attn.cu), with a shorter critical path per block.
+// afd_dedup_dispatch_fused (dedup_attn_fused.cu), with a shorter critical path per block.
 //
 // Why: afd_dedup_dispatch_fused has every block rank all T*K partials by expert (the staging
 // rows pos[t, k]) before it writes a payload row, though a payload row only needs the ROW of its
@@ -23,10 +23,10 @@
 // afd_cupy/testing/dedup_reference.py (plan_reference, scatter_reference).
 #include "common/wire.cuh"
 #include "common/payload.cuh"
-#include "common/block.cuh"
+#include "common/block.cuh"          // last_block_done, reset_done_counter
 #include "common/publish.cuh"        // DispatchHeader, publish_dispatch
 #include "attention/plan_block.cuh"  // plan_in_block, store_block_plan
-#include "attention/dedup_attn.cuh"  // dedup_shared_rank, write_dedup_cell, record_dedup_sends
+#include "attention/dedup_attn.cuh"  // record_dedup_sends
 
 using namespace afd;
 
@@ -36,7 +36,7 @@ constexpr int LL_MAX_FFN_RANKS = 32;
 constexpr unsigned short LL_NO_ROW = 0xffff;
 
 // Rank running the shared experts of a token with rank mask `mask` (non-zero): the first of
-// first, first + 1, ..., F - 1, 0, ... in the mask (as dedup_attn.cu's dedup_shared_rank).
+// first, first + 1, ..., F - 1, 0, ... in the mask (as dedup_attn.cuh's dedup_shared_rank).
 __device__ __forceinline__ afd_i32 ll_shared_rank(afd_u32 mask, afd_i32 first) {
   const afd_u32 high = mask >> first;  // first < F <= 32
   return high ? first + __ffs(high) - 1 : __ffs(mask) - 1;
@@ -149,7 +149,7 @@ __device__ __forceinline__ void ll_rank_partials(const afd_i32* s_ids, afd_i32 n
 
 // One warp: the route-table row `row` of cell (t, j) in `slot`: token, shared flag, the staging
 // rows of t's partials on j in k order (-1 pad) and their fp32 weight bits (0 pad); the same
-// words as dedup_attn.cu's write_dedup_cell.
+// words as dedup_attn.cuh's write_dedup_cell.
 __device__ __forceinline__ void ll_route_row(const SlotGeometry& geo, char* slot, afd_i32 row,
                                              afd_i32 t, afd_i32 j, bool shared, const afd_i32* ids,
                                              const afd_i32* pos, const float* weights,
@@ -218,7 +218,7 @@ __device__ __forceinline__ void ll_block0_outputs(
 // grid = dedup_ll_grid (the spec: 1 + afd_dedup_scatter's grid, 1 without cells), block =
 // SCATTER_THREADS, dynamic shared memory = dedup_ll_shared_bytes (the spec):
 // 4 * (2 * round_up(T*K, 4) + 2 * E + 2 * round_up(T, 4)) + 16 * E + 2 * T * F bytes.
-// Arguments, outputs and errors exactly as afd_dedup_dispatch_fused (dedup_attn.cu), F <=
+// Arguments, outputs and errors exactly as afd_dedup_dispatch_fused (dedup_attn_fused.cu), F <=
 // LL_MAX_FFN_RANKS. Safe in graph capture (no host sync, no allocation).
 template <int DT>
 __global__ void __launch_bounds__(SCATTER_THREADS)
@@ -334,25 +334,13 @@ afd_dedup_dispatch_ll(afd_u64 hidden,  // payload [num_tokens, hidden_size], row
   }
   __syncthreads();
   const bool send = s_send != 0;
-  for (int j = tid; j < num_ffn_ranks; j += SCATTER_THREADS) {
-    const afd_i32 routed = s_rank_off[j + 1] - s_rank_off[j];
-    const afd_i32 shared = ok ? s_carry[2 * j] : 0;
-    const afd_i32 rows = ok ? s_carry[2 * j] + s_carry[2 * j + 1] : 0;  // > 0 iff routed > 0
-    afd_i64 seq = 0;
-    if (send && (rows > 0 || always_send)) {
-      seq = seq_counters[j] + 1;
-      seq_counters[j] = seq;
-    }
-    s_seq[j] = seq;
-    s_routed[j] = routed;
-    s_shared[j] = shared;
-    s_nrows[j] = rows;
-    expected[j] = seq;
-    expected_counts[3 * j] = routed;  // what the reply must echo (afd_wait_replies, dedup = 1)
-    expected_counts[3 * j + 1] = shared;
-    expected_counts[3 * j + 2] = rows;
-  }
-  __syncthreads();
+  record_dedup_sends(num_ffn_ranks, s_rank_off,
+                     [&](int j) {  // (0 and 0 when not ok, as afd_dedup_rows leaves them)
+                       return ok ? DedupRows{s_carry[2 * j], s_carry[2 * j] + s_carry[2 * j + 1]}
+                                 : DedupRows{0, 0};
+                     },
+                     send, always_send, seq_counters, s_seq, s_routed, s_shared, s_nrows, expected,
+                     expected_counts);
   if (send) {
     const DispatchHeader hdr{src_rank, layer_idx, stage_idx, num_tokens, top_k,
                              hdr_flags | static_cast<afd_i32>(FLAG_DEDUP)};

@@ -13,8 +13,8 @@ flight.
   geometry; :mod:`.groups`: argument groups the pair and dedup kernels share.
 - :mod:`.dispatch` (``attention/dispatch.cu``), :mod:`.combine` (``attention/combine.cu``),
   :mod:`.dedup_attn` (``attention/dedup_attn.cu``, ``attention/dedup_attn_fused.cu``),
-  :mod:`.dedup_attn_ll` (``attention/dedup_attn_ll.cu``): the
-  Attention side; :mod:`.gate` (``model/gate.cu``): the model's gate.
+  :mod:`.dedup_attn_ll` (``attention/dedup_attn_ll.cu``): the Attention side; :mod:`.gate`
+  (``model/gate.cu``): the model's gate.
 - :mod:`.ffn` (``ffn/wait_any.cu``, ``ffn/reply.cu``, ``ffn/dedup_ffn.cu``), :mod:`.graph`
   (``ffn/ffn_graph_stage.cu``, ``ffn/ffn_graph_rows.cu``): the FFN side.
 

@@ -1,6 +1,6 @@
-"""Spec builder of ``raw_kernels/attention/dedup_attn_ll.cu``: afd_dedup_dispatch_ll, the low-latency
-dedup-mode dispatch (``ConnectorConfig(dedup_dispatch="ll")``; docs/design/kernels.md), with
-its grid, shared-memory bound and fit test.
+"""Spec builder of ``raw_kernels/attention/dedup_attn_ll.cu``: afd_dedup_dispatch_ll, the
+low-latency dedup-mode dispatch (``ConnectorConfig(dedup_dispatch="ll")``;
+docs/design/kernels.md), with its grid, shared-memory bound and fit test.
 
 Same arguments, outputs, errors and window bytes as :func:`dedup_dispatch_fused_spec`; only
 block 0 ranks the partials by expert (the route tables), the other blocks write the payload
