@@ -4,7 +4,6 @@ the fp64 per-token MoE reference: the cases of tests/test_e2e.py that exercise t
 (topologies, 0 / 1 / token_cap tokens, stages, put peers, CUDA-graph replays, always_send).
 The host backend ignores the knob (its one dispatch path is the reference); it runs the
 topologies too, so the configuration's plumbing is covered without a GPU."""
-import dataclasses
 
 import pytest
 
@@ -42,7 +41,7 @@ def test_ll_zero_one_and_many_tokens(backend):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_ll_dtypes_with_routed_scaling_and_stages(backend, dtype):
     model = e2e._model(dtype=dtype, routed_scaling_factor=2.5)
-    cfg = dataclasses.replace(LL, async_moe_ubatching=True, async_moe_num_ubatches=2)
+    cfg = ConnectorConfig(dedup_dispatch="ll", async_moe_ubatching=True, async_moe_num_ubatches=2)
     e2e._run(_ll_scenario(backend, model, 2, 2, connector=cfg, num_tokens=31))
 
 
