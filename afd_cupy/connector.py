@@ -149,7 +149,8 @@ class AFDConnector:
                           has_shared=model.num_shared_experts > 0,
                           peer_timeout_s=self.peer_timeout_s, always_send=bool(always_send),
                           poll_mode=poll_mode, transport=self.config.transport,
-                          recv_spin_s=recv_spin_us * 1e-6, fused_dispatch=self.config.fused_dispatch)
+                          recv_spin_s=recv_spin_us * 1e-6, fused_dispatch=self.config.fused_dispatch,
+                          dedup_dispatch=self.config.dedup_dispatch)
         try:
             self.path = open_path(backend, ctx, store=store, job_id=job_id, device_id=device_id,
                                   startup_timeout_s=self.startup_timeout_s, instance=self.instance,

@@ -316,10 +316,10 @@ def test_device_trace_stamps_around_a_launch_inside_a_captured_graph():
     probe.launch(cp.cuda.get_current_stream().ptr)
     assert trace.rows().shape == (3, 2)
     # the names the stamps key on, for a template instance (CuPy keeps its mangled name) too
-    assert dt.kernel_base_name(kernels.get_kernel("combine.cu", "afd_combine", dtype_code=0)) == "afd_combine"
-    assert dt.kernel_base_name(kernels.get_kernel("ffn_graph.cu", "afd_graph_dedup_reply", dtype_code=0)) == \
+    assert dt.kernel_base_name(kernels.get_kernel("attention/combine.cu", "afd_combine", dtype_code=0)) == "afd_combine"
+    assert dt.kernel_base_name(kernels.get_kernel("ffn/ffn_graph_rows.cu", "afd_graph_dedup_reply", dtype_code=0)) == \
         "afd_graph_dedup_reply"
-    assert dt.kernel_base_name(kernels.get_kernel("wait_any.cu", "afd_wait_any")) == "afd_wait_any"
+    assert dt.kernel_base_name(kernels.get_kernel("ffn/wait_any.cu", "afd_wait_any")) == "afd_wait_any"
 
 
 # --- dispatch ----------------------------------------------------------------------------------
@@ -620,8 +620,8 @@ class Combine:
         self.window = cp.asarray(self.window_np)
         self.last_seen = cp.asarray(self.last_seen_before)
         self.reply_flags = cp.zeros(self.num_ffn + 1, cp.int64) if reply_flags is None else cp.asarray(reply_flags)
-        kernels.get_kernel("combine.cu", "afd_combine", dtype_code=kernels.DTYPE_CODES[self.dtype])  # compile
-        kernels.get_kernel("combine.cu", "afd_wait_replies")
+        kernels.get_kernel("attention/combine.cu", "afd_combine", dtype_code=kernels.DTYPE_CODES[self.dtype])  # compile
+        kernels.get_kernel("attention/combine.cu", "afd_wait_replies")
         replies = dict(window=self.window.data.ptr, geo=self.layout.kernel_geometry(),
                        num_ffn_ranks=self.num_ffn, ring=self.ring, expected=cp.asarray(self.expected),
                        expected_counts=cp.asarray(self.expected_counts), layer_idx=self.layer_idx,
@@ -918,7 +918,7 @@ class WaitAny:
         """One wait_any; the host spins on the ticket like the real FFN loop. Returns the doorbell."""
         self.ticket += 1
         layout = self.layout
-        kernels.get_kernel("wait_any.cu", "afd_wait_any")  # compile outside the timed region
+        kernels.get_kernel("ffn/wait_any.cu", "afd_wait_any")  # compile outside the timed region
         start = time.perf_counter()
         kh.launch_wait_any(
             window=self.window.data.ptr, geo=layout.kernel_geometry(), last_seen=self.last_seen,

@@ -1,4 +1,4 @@
-"""The Attention-side dedup kernels (raw_kernels/dedup_attn.cu, afd_wait_replies with dedup=1)
+"""The Attention-side dedup kernels (raw_kernels/attention/dedup_attn.cu, afd_wait_replies with dedup=1)
 against the numpy references of afd_cupy/testing/dedup_reference.py, in one process on one GPU.
 
 Same method as tests/test_kernels_cuda.py (whose helpers this reuses): F CuPy arrays act as F

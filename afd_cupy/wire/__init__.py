@@ -10,7 +10,7 @@ package's API too. One module per responsibility, every public name importable f
 - :mod:`~afd_cupy.wire.checks`: a message's capacity before sending, the dedup route table;
 - :mod:`~afd_cupy.wire.status`: status block and doorbell words, :class:`StatusRecord`.
 
-``raw_kernels/wire.cuh`` mirrors the constants here and takes the offsets as kernel
+``raw_kernels/common/wire.cuh`` mirrors the constants here and takes the offsets as kernel
 arguments from :class:`WindowLayout`; ``tests`` check the mirror with a tiny kernel.
 
 ::

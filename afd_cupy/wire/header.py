@@ -21,7 +21,7 @@ FLAG_DEDUP = 1 << 2
 #: read yet is still delivered, then the shutdown is seen (issue 35, item 13)
 FLAG_KEPT_REPLY = 1 << 3
 
-# Header words (int32). Keep in sync with raw_kernels/wire.cuh (checked by a test).
+# Header words (int32). Keep in sync with raw_kernels/common/wire.cuh (checked by a test).
 HDR_MAGIC = 0
 HDR_VERSION = 1
 HDR_SEQ = 2
@@ -172,7 +172,7 @@ def header_fault(words: list, is_dedup: bool, *, want_shared: int = -1,
     break, None when they pass. ``is_dedup``: the receiver's wire mode.
 
     The rules, in the order of the device's check (``check_reply`` of
-    ``raw_kernels/reply_check.cuh``), with the values it latches as ST_COUNT (``word``),
+    ``raw_kernels/attention/reply_check.cuh``), with the values it latches as ST_COUNT (``word``),
     ST_EXPECTED and ST_OBSERVED: magic; version; the mode flag (``FLAG_DEDUP`` set exactly in
     dedup mode); ``routed_tokens`` or an expert count negative (expected routed_tokens, observed
     the counts' sum); ``shared_tokens`` negative (expected ``want_shared``); ``num_rows``

@@ -1,5 +1,5 @@
 """The kernels' status block and the FFN doorbell, as words (mirrored in
-``raw_kernels/wire.cuh``), and :class:`StatusRecord`, a decoded status block and the typed error
+``raw_kernels/common/wire.cuh``), and :class:`StatusRecord`, a decoded status block and the typed error
 it stands for (docs/design/protocol.md). Part of :mod:`afd_cupy.wire`.
 """
 from __future__ import annotations

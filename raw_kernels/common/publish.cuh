@@ -1,12 +1,13 @@
 // publish.cuh: how a sender publishes a message (docs/design/protocol.md, docs/design/kernels.md): the last block writes
 // the header words, one system-scope release fence, then the flag. Shared by the dispatch
-// scatters (dispatch.cu, dedup_attn.cu) and the replies (reply.cu, dedup_ffn.cu, ffn_graph.cu).
+// scatters (dispatch.cu, dedup_attn.cu, dedup_attn_fused.cu) and the replies (reply.cu, dedup_ffn.cu,
+// ffn_graph_rows.cu).
 //
 // NOTE: every thread of the last block calls these helpers (they hold barriers); they are
 // inlined and keep the stores, fences and their order of the code they replaced.
 #pragma once
 
-#include "wire.cuh"
+#include "common/wire.cuh"
 
 namespace afd {
 

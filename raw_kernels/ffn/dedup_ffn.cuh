@@ -1,5 +1,5 @@
 // dedup_ffn.cuh: device steps of the dedup wire mode's FFN side (docs/design/dedup.md, docs/design/kernels.md), shared
-// by dedup_ffn.cu (afd_dedup_expand, afd_dedup_reply: the eager path) and ffn_graph.cu
+// by dedup_ffn.cu (afd_dedup_expand, afd_dedup_reply: the eager path) and ffn_graph_rows.cu
 // (afd_graph_dedup_expand, afd_graph_dedup_reply: the graph-driven FFN, docs/design/cuda-graphs.md).
 //
 // - expand_row: one warp copies one route-table row into local memory, checks the copy with the
@@ -10,7 +10,8 @@
 //   out = sum_s w_s * routed_out[pos_s] (+ shared_out[r]) in fp32 in slot order, rounded once.
 #pragma once
 
-#include "wire.cuh"
+#include "common/wire.cuh"
+#include "common/payload.cuh"
 
 namespace afd {
 

@@ -1,9 +1,9 @@
 // wait_any.cuh: the FFN side's scan over every (region, ring) flag of the own window, shared by
-// afd_wait_any (wait_any.cu: the eager path's doorbell) and afd_graph_wait_stage (ffn_graph.cu:
+// afd_wait_any (wait_any.cu: the eager path's doorbell) and afd_graph_wait_stage (ffn_graph_stage.cu:
 // the graph-driven FFN, wait and stage in one kernel).
 #pragma once
 
-#include "wire.cuh"
+#include "common/wire.cuh"
 
 namespace afd {
 

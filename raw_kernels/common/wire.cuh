@@ -1,13 +1,15 @@
-// wire.cuh: device mirror of afd_cupy/wire.py (docs/design/wire-format.md) and helpers shared by every kernel.
+// wire.cuh: device mirror of afd_cupy/wire.py (docs/design/wire-format.md): constants, limits,
+// struct SlotGeometry, the seq rule, the late-reply rule and the status block.
 //
-// The constants below mirror wire.py and the limit table of afd_cupy/kernels/specs.py;
+// The constants below mirror wire.py and the limit table of afd_cupy/kernels/specs/limits.py;
 // tests/test_kernels_cpu.py parses this file and tests/test_kernels_cuda.py reads them back
 // through raw_kernels/probes/wire_constants.cu. Byte offsets of window fields are computed once,
 // by wire.WindowLayout, and reach the kernels as one SlotGeometry value (kernel_geometry()).
+// Payload dtypes and row copies are in payload.cuh, block-wide steps in block.cuh.
 //
 // NOTE: compiled by NVRTC without system headers: no <cstdint>, no cuda_bf16.h / cuda_fp16.h.
 // Integer types are spelled with the afd_* typedefs; 16-bit floats are raw words converted
-// with inline PTX.
+// with inline PTX (payload.cuh).
 #pragma once
 
 typedef int afd_i32;
@@ -81,7 +83,7 @@ constexpr int DT_BF16 = 0;
 constexpr int DT_F16 = 1;
 constexpr int DT_F32 = 2;
 
-// ---- limits (afd_cupy/kernels/specs.py KERNEL_LIMITS; the specs check them) ---------------
+// ---- limits (afd_cupy/kernels/specs/limits.py KERNEL_LIMITS; the specs check them) --------
 constexpr int CHUNK = 256;           // partials per afd_dispatch_plan block
 constexpr int MAX_BLOCKS = 1024;     // grid cap of the row-copy and combine kernels
 constexpr int MAX_FFN_RANKS = 256;   // static shared arrays of afd_dispatch_scatter
@@ -172,90 +174,15 @@ struct SlotGeometry {
   }
 };
 
-template <int DT>
-__device__ __forceinline__ constexpr int itemsize() { return DT == DT_F32 ? 4 : 2; }
-
-// ---- dtype conversion (raw words <-> fp32) ---------------------------------------------------
-__device__ __forceinline__ float bf16_to_f32(unsigned short u) {
-  return __uint_as_float(static_cast<afd_u32>(u) << 16);
-}
-__device__ __forceinline__ unsigned short f32_to_bf16(float f) {
-  unsigned short u;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(u) : "f"(f));
-  return u;
-}
-__device__ __forceinline__ float f16_to_f32(unsigned short u) {
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(u));
-  return f;
-}
-__device__ __forceinline__ unsigned short f32_to_f16(float f) {
-  unsigned short u;
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(u) : "f"(f));
-  return u;
-}
-
-template <int DT>
-__device__ __forceinline__ float load_elem(const void* base, afd_i64 idx) {
-  if constexpr (DT == DT_F32) {
-    return static_cast<const float*>(base)[idx];
-  } else if constexpr (DT == DT_BF16) {
-    return bf16_to_f32(static_cast<const unsigned short*>(base)[idx]);
-  } else {
-    return f16_to_f32(static_cast<const unsigned short*>(base)[idx]);
-  }
-}
-
-template <int DT>
-__device__ __forceinline__ void store_elem(void* base, afd_i64 idx, float v) {
-  if constexpr (DT == DT_F32) {
-    static_cast<float*>(base)[idx] = v;
-  } else if constexpr (DT == DT_BF16) {
-    static_cast<unsigned short*>(base)[idx] = f32_to_bf16(v);
-  } else {
-    static_cast<unsigned short*>(base)[idx] = f32_to_f16(v);
-  }
-}
-
-// Elements per 16-byte vector.
-template <int DT>
-__device__ __forceinline__ constexpr int vec_elems() { return 16 / itemsize<DT>(); }
-
-// Unpack one 16-byte vector of DT elements into fp32 (vec_elems<DT>() values).
-template <int DT>
-__device__ __forceinline__ void unpack16(const uint4& v, float* out) {
-  const afd_u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if constexpr (DT == DT_F32) {
-      out[i] = __uint_as_float(w[i]);
-    } else if constexpr (DT == DT_BF16) {
-      out[2 * i] = __uint_as_float(w[i] << 16);
-      out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    } else {
-      out[2 * i] = f16_to_f32(static_cast<unsigned short>(w[i] & 0xffffu));
-      out[2 * i + 1] = f16_to_f32(static_cast<unsigned short>(w[i] >> 16));
-    }
-  }
-}
-
-// Pack vec_elems<DT>() fp32 values into one 16-byte vector of DT elements.
-template <int DT>
-__device__ __forceinline__ uint4 pack16(const float* in) {
-  afd_u32 w[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if constexpr (DT == DT_F32) {
-      w[i] = __float_as_uint(in[i]);
-    } else if constexpr (DT == DT_BF16) {
-      w[i] = static_cast<afd_u32>(f32_to_bf16(in[2 * i])) |
-             (static_cast<afd_u32>(f32_to_bf16(in[2 * i + 1])) << 16);
-    } else {
-      w[i] = static_cast<afd_u32>(f32_to_f16(in[2 * i])) |
-             (static_cast<afd_u32>(f32_to_f16(in[2 * i + 1])) << 16);
-    }
-  }
-  return make_uint4(w[0], w[1], w[2], w[3]);
+// Warps a wide payload row is split across by the dedup row kernels (afd_dedup_scatter,
+// afd_dedup_reply; kernels.specs.row_parts mirrors it for their grids): one per ROW_PART_BYTES,
+// 1..ROW_MAX_PARTS. A decode-size message has few rows (128 rows of 14 KiB), and one warp per
+// row keeps too few loads in flight to approach HBM or link bandwidth.
+constexpr afd_i64 ROW_PART_BYTES = 4096;
+constexpr afd_i64 ROW_MAX_PARTS = 8;
+__device__ __forceinline__ afd_i64 row_parts(afd_i64 row_bytes) {
+  const afd_i64 parts = (row_bytes + ROW_PART_BYTES - 1) / ROW_PART_BYTES;
+  return parts < 1 ? 1 : (parts > ROW_MAX_PARTS ? ROW_MAX_PARTS : parts);
 }
 
 // ---- memory helpers --------------------------------------------------------------------------
@@ -279,94 +206,10 @@ __device__ __forceinline__ afd_i64 globaltimer_ns() {
   return static_cast<afd_i64>(t);
 }
 
-// Warps a wide payload row is split across by the dedup row kernels (afd_dedup_scatter,
-// afd_dedup_reply; kernels.specs.row_parts mirrors it for their grids): one per ROW_PART_BYTES,
-// 1..ROW_MAX_PARTS. A decode-size message has few rows (128 rows of 14 KiB), and one warp per
-// row keeps too few loads in flight to approach HBM or link bandwidth.
-constexpr afd_i64 ROW_PART_BYTES = 4096;
-constexpr afd_i64 ROW_MAX_PARTS = 8;
-__device__ __forceinline__ afd_i64 row_parts(afd_i64 row_bytes) {
-  const afd_i64 parts = (row_bytes + ROW_PART_BYTES - 1) / ROW_PART_BYTES;
-  return parts < 1 ? 1 : (parts > ROW_MAX_PARTS ? ROW_MAX_PARTS : parts);
-}
-
-// One warp copies `nbytes` (a multiple of 2) from src to dst: 16-byte vectors when both
-// pointers and the size are 16-B aligned, else 4-byte, else 2-byte words. Plain (coherent)
-// loads: src may be a window written by a peer.
-__device__ __forceinline__ void warp_copy_row(void* dst, const void* src, afd_i64 nbytes, int lane) {
-  const afd_u64 misalign = reinterpret_cast<afd_u64>(dst) | reinterpret_cast<afd_u64>(src) |
-                           static_cast<afd_u64>(nbytes);
-  if ((misalign & 15) == 0) {
-    constexpr int UNROLL = 4;
-    const afd_i64 n = nbytes >> 4;
-    const uint4* s = static_cast<const uint4*>(src);
-    uint4* d = static_cast<uint4*>(dst);
-    for (afd_i64 base = lane; base < n; base += 32 * UNROLL) {
-      uint4 v[UNROLL];
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        const afd_i64 i = base + u * 32;
-        if (i < n) v[u] = s[i];
-      }
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        const afd_i64 i = base + u * 32;
-        if (i < n) d[i] = v[u];
-      }
-    }
-  } else if ((misalign & 3) == 0) {
-    const afd_i64 n = nbytes >> 2;
-    const afd_u32* s = static_cast<const afd_u32*>(src);
-    afd_u32* d = static_cast<afd_u32*>(dst);
-    for (afd_i64 i = lane; i < n; i += 32) d[i] = s[i];
-  } else {
-    const afd_i64 n = nbytes >> 1;
-    const unsigned short* s = static_cast<const unsigned short*>(src);
-    unsigned short* d = static_cast<unsigned short*>(dst);
-    for (afd_i64 i = lane; i < n; i += 32) d[i] = s[i];
-  }
-}
-
-// Last-block-done protocol. Every thread of every block calls it once, after its own writes.
-// The block's writes are gathered by a barrier and released by one fence of thread 0, which then
-// counts the block in; the block that completes the count gets true and must reset *counter to
-// 0 when done. `system_scope` must be true when the blocks wrote peer or host memory that a
-// reader elsewhere will acquire through a flag written after this (scatter, reply); false is
-// enough when only this GPU reads the results (plan, combine).
-// NOTE (memory model): bar.sync puts every thread's writes before thread 0's fence in
-// causality order, and a fence is cumulative over what precedes it, so fence + atomicAdd by
-// one thread releases the whole block's writes (the pattern of cooperative groups' grid
-// sync); a fence in every thread would add a MEMBAR per warp for nothing. The last block
-// acquires with atomicAdd + fence in thread 0 and shares it through bar.sync.
-// NOTE: one counter per kernel in flight; the counter is left at 0 for the next launch.
-__device__ __forceinline__ bool last_block_done(unsigned int* counter, bool system_scope) {
-  __shared__ bool s_is_last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    if (system_scope) {
-      __threadfence_system();
-    } else {
-      __threadfence();
-    }
-    const unsigned int prev = atomicAdd(counter, 1u);
-    const bool is_last = (prev == gridDim.x - 1);
-    if (is_last) __threadfence();  // acquire: every other block's writes precede its count
-    s_is_last = is_last;
-  }
-  __syncthreads();
-  return s_is_last;
-}
-
-// The end of a last block's work (every thread of it calls it once): a barrier orders every
-// thread's last-block writes before thread 0's GPU-scope fence, which precedes its reset of
-// *counter to 0 for the next launch.
-__device__ __forceinline__ void reset_done_counter(unsigned int* counter) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    *counter = 0u;
-  }
-}
+// wire.py's seq rule, the one device home of it (dispatch.cu, dedup_attn.cuh, ffn_graph_stage.cu):
+// a sender's messages to one (peer, ring) carry seqs 1, 2, 3, ... (0: nothing sent yet), each its
+// predecessor + 1; the flag word of the slot is the seq. The caller owns the counter word.
+__device__ __forceinline__ afd_i64 next_seq(afd_i64 prev_seq) { return prev_seq + 1; }
 
 // wire.is_late_reply: a reply (not a shutdown) whose echo_seq lies in the 2**31 seqs before
 // `want_seq` (modulo 2**32) answers an earlier dispatch whose wait timed out; it is dropped.
@@ -400,76 +243,6 @@ __device__ __forceinline__ bool report_status(afd_i64* status, afd_i64 code, afd
   store_volatile(status + ST_LAYER, layer);
   __threadfence_system();
   return true;
-}
-
-// Stable rank of this thread's `key` in a block: how many threads before it (lower threadIdx.x)
-// hold the same key in `keys` (shared memory, one key per thread, 16-byte aligned). Within the
-// warp from the lanes that match (a warp vote: every lane of the warp must call this), then a
-// count over the earlier warps' keys read four at a time: a one-key-at-a-time loop over up to
-// 255 shared words cost the dispatch plan ~2 us. The result for a negative key is unused by
-// the callers (not counted).
-__device__ __forceinline__ afd_i32 block_rank_of_key(const afd_i32* keys, afd_i32 key) {
-  const int tid = threadIdx.x, lane = tid & 31;
-  const unsigned int same = __match_any_sync(0xffffffffu, key);
-  afd_i32 rank = __popc(same & ((1u << lane) - 1u));
-  const int4* keys4 = reinterpret_cast<const int4*>(keys);
-  for (int j = 0; j < (tid >> 5) * 8; ++j) {
-    const int4 v = keys4[j];
-    rank += (v.x == key) + (v.y == key) + (v.z == key) + (v.w == key);
-  }
-  return rank;
-}
-
-// Exclusive scan over one value per thread of a block of exactly 256 threads; returns this
-// thread's exclusive prefix and writes the block total to *total. Uses 8+1 ints of shared memory.
-__device__ __forceinline__ afd_i32 block_exclusive_scan_256(afd_i32 value, afd_i32* total) {
-  __shared__ afd_i32 s_warp[8];
-  __shared__ afd_i32 s_total;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  afd_i32 inclusive = value;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const afd_i32 other = __shfl_up_sync(0xffffffffu, inclusive, d);
-    if (lane >= d) inclusive += other;
-  }
-  if (lane == 31) s_warp[warp] = inclusive;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    afd_i32 run = 0;
-    for (int w = 0; w < 8; ++w) {
-      const afd_i32 v = s_warp[w];
-      s_warp[w] = run;
-      run += v;
-    }
-    s_total = run;
-  }
-  __syncthreads();
-  const afd_i32 result = s_warp[warp] + inclusive - value;
-  *total = s_total;
-  __syncthreads();  // s_warp / s_total may be reused by a following call
-  return result;
-}
-
-// Exclusive scan of counts[0, num_experts) (shared memory) by a block of exactly 256 threads,
-// each thread owning a contiguous run of experts: start(e, exclusive_start) is called once per
-// expert, after counts[e] was read (so start may overwrite it in place). Returns the total to
-// every thread. Ends without a barrier: the caller syncs before reading what start wrote.
-template <class Start>
-__device__ __forceinline__ afd_i32 block_scan_expert_counts(const afd_i32* counts, int num_experts,
-                                                            Start start) {
-  const int per_thread = (num_experts + 255) / 256;
-  const int e_begin = min(static_cast<int>(threadIdx.x) * per_thread, num_experts);
-  const int e_end = min(e_begin + per_thread, num_experts);
-  afd_i32 local_sum = 0;
-  for (int e = e_begin; e < e_end; ++e) local_sum += counts[e];
-  afd_i32 total;
-  afd_i32 run = block_exclusive_scan_256(local_sum, &total);
-  for (int e = e_begin; e < e_end; ++e) {
-    const afd_i32 v = counts[e];
-    start(e, run);
-    run += v;
-  }
-  return total;
 }
 
 }  // namespace afd

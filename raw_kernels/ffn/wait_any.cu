@@ -5,8 +5,8 @@
 // The header's expert counts go, from the same loads, into counts_snapshot[slot] (device): the
 // FFN's grouped GEMM reads its group sizes there, i.e. exactly the counts the host validated in
 // the doorbell, never the live window header a sender could rewrite after a timeout.
-#include "wire.cuh"
-#include "wait_any.cuh"  // scan_flags
+#include "common/wire.cuh"
+#include "ffn/wait_any.cuh"  // scan_flags
 
 using namespace afd;
 

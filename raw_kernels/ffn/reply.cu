@@ -3,8 +3,10 @@
 // header prepared by the host in pinned memory, a second fence, and the flag = seq. For a peer
 // reached by puts (dst_window 0) the same bytes go to the own staging slot and the host's
 // put-with-signal sets the flag (docs/design/put-transport.md).
-#include "wire.cuh"
-#include "publish.cuh"  // publish_reply
+#include "common/wire.cuh"
+#include "common/payload.cuh"
+#include "common/block.cuh"
+#include "common/publish.cuh"  // publish_reply
 
 using namespace afd;
 

@@ -7,14 +7,15 @@
 // selections go to the lower expert id; a NaN selection ranks below every number (a row of
 // NaN logits still yields top_k distinct ids in range, with NaN weights). The numpy twin is
 // afd_cupy/gates.py gate_topk_reference.
-#include "wire.cuh"
+#include "common/wire.cuh"
+#include "common/payload.cuh"
 
 using namespace afd;
 
 // GATE_THREADS, GATE_MAX_EXPERTS and GATE_MAX_TOP_K live in wire.cuh with the other limits.
 constexpr int GATE_PER_LANE = GATE_MAX_EXPERTS / 32;
 
-// scoring codes (afd_cupy/kernels/specs.py GATE_SCORING)
+// scoring codes (afd_cupy/kernels/specs/gate.py GATE_SCORING)
 constexpr int SCORE_SOFTMAX = 0;
 constexpr int SCORE_SIGMOID = 1;
 

@@ -7,9 +7,11 @@
 // id, an error latched earlier). afd_dispatch_scatter then writes route table, routed rows,
 // shared rows, header and flag into each non-empty FFN rank's window, flags last, or nothing at
 // all when the verdict is not STATUS_OK.
-#include "wire.cuh"
-#include "publish.cuh"     // publish_dispatch
-#include "plan_block.cuh"  // plan_in_block, store_block_plan (afd_dispatch_fused)
+#include "common/wire.cuh"
+#include "common/payload.cuh"
+#include "common/block.cuh"
+#include "common/publish.cuh"        // publish_dispatch
+#include "attention/plan_block.cuh"  // plan_in_block, store_block_plan (afd_dispatch_fused)
 
 using namespace afd;
 
@@ -170,7 +172,7 @@ __device__ __forceinline__ void record_pair_sends(afd_i32 num_ffn_ranks, const a
     const afd_i32 shared = has_shared ? shared_rows_of(num_tokens, num_ffn_ranks, j) : 0;
     afd_i64 seq = 0;
     if (send && (routed + shared > 0 || always_send)) {
-      seq = seq_counters[j] + 1;
+      seq = next_seq(seq_counters[j]);
       seq_counters[j] = seq;
     }
     s_seq[j] = seq;

@@ -7,9 +7,11 @@
 // row, out[r] = sum_s w_s * routed_out[pos_s] (+ shared_out[r], r < S), in fp32 in slot order,
 // rounded once, straight into the Attention peer's window (a put peer: the own staging slot, as
 // afd_reply); then header, system fence, flag.
-#include "wire.cuh"
-#include "dedup_ffn.cuh"  // expand_row, expand_finish, load_route_slots, reduce_row_part
-#include "publish.cuh"    // publish_reply
+#include "common/wire.cuh"
+#include "common/payload.cuh"
+#include "common/block.cuh"
+#include "ffn/dedup_ffn.cuh"   // expand_row, expand_finish, load_route_slots, reduce_row_part
+#include "common/publish.cuh"  // publish_reply
 
 using namespace afd;
 
@@ -69,7 +71,7 @@ afd_dedup_expand(afd_u64 window,  // own window
 // in flight (one warp per row: 128 warps, ~225 GB/s). route_copy is the table afd_dedup_expand
 // accepted (a staging row outside [0, num_routed) ends the row's slots: never the case for an
 // accepted table). The reduce is dedup_ffn.cuh's load_route_slots / reduce_row_part, shared with
-// afd_graph_dedup_reply (ffn_graph.cu).
+// afd_graph_dedup_reply (ffn_graph_rows.cu).
 template <int DT>
 __global__ void __launch_bounds__(REPLY_THREADS)
 afd_dedup_reply(afd_u64 dst_window,  // the Attention peer's window as mapped here; 0: put peer

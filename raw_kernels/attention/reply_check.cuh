@@ -18,7 +18,9 @@
 // combine's last block clears it.
 #pragma once
 
-#include "wire.cuh"
+#include "common/wire.cuh"
+#include "common/payload.cuh"
+#include "common/block.cuh"
 
 namespace afd {
 

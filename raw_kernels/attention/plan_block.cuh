@@ -1,11 +1,12 @@
 // plan_block.cuh: the pair plan of a whole dispatch in one block's shared memory, for the
 // one-kernel dispatches (afd_dispatch_fused in dispatch.cu, afd_dedup_dispatch_fused in
-// dedup_attn.cu; docs/design/kernels.md). Every block of those kernels plans the same dispatch from
+// dedup_attn_fused.cu; docs/design/kernels.md). Every block of those kernels plans the same dispatch from
 // the ids, so no block waits for another; the counts, starts, rank offsets and verdict are the
 // ones afd_dispatch_plan (dispatch.cu) computes with a grid.
 #pragma once
 
-#include "wire.cuh"
+#include "common/wire.cuh"
+#include "common/block.cuh"
 
 namespace afd {
 

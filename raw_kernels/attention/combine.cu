@@ -8,8 +8,9 @@
 // timeout_ns) before reading; on any error the block writes NaN rows and the first error is
 // latched in the status block. The wait and its checks (reply_check.cuh) are shared with the
 // dedup combine (dedup_attn.cu).
-#include "wire.cuh"
-#include "reply_check.cuh"  // wait_replies, combine_wait, store_nan_row, finish_combine
+#include "common/wire.cuh"
+#include "common/payload.cuh"
+#include "attention/reply_check.cuh"  // wait_replies, combine_wait, store_nan_row, finish_combine
 
 using namespace afd;
 
