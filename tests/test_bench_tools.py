@@ -667,9 +667,12 @@ def test_bench_step_graph_trace_arguments_and_summaries():
             tool.parse_args(bad)
     a = np.array([[0, 4, 10, 12, 60, 65]], np.int64) * 1000
     f = np.array([[15, 18, -1, 20, 50]], np.int64) * 1000
-    attn = {"device_id": 0, "traces": [{"tokens": 32, "layers": 1, "mode": "graph", "attention_rows": a}]}
+    kernel_bytes = {field: 4000 for field in tool.dt.PHASE_BYTES.values() if isinstance(field, str)}
+    attn = {"device_id": 0, "node_us": 1.0, "copy_gbps": 4000.0,
+            "traces": [{"tokens": 32, "layers": 1, "mode": "graph", "attention_rows": a, "kernel_bytes": kernel_bytes}]}
     (one,) = tool.trace_summaries(attn, {"device_id": 0, "trace_rows": f})
     assert one["label"] == "T=32 L=1 graph" and one["matched"] == 1 and one["phase_medians_sum_us"] == 65.0
+    assert one["floors"][-1]["name"].startswith("round trip") and one["floors"][-1]["time_us"] == 65.0
     (two_gpus,) = tool.trace_summaries(attn, {"device_id": 1, "trace_rows": f})
     assert not two_gpus["same_clock"] and "round_trip_phases" not in two_gpus
     json.dumps([one, two_gpus])
