@@ -15,10 +15,9 @@ Both: ``announce_shutdown()``; receiving the opposite role's shutdown raises
 ``ConnectorShutdown`` (an FFN rank raises once every Attention rank has announced it).
 Construction and ``close()`` are collective over the whole AFD world.
 
-Shape: a thin facade. Construction (config checks, handshake, the backend's path) and
-``close()`` are here; every role call goes to the rank's endpoint: an
-:class:`~afd_cupy.attention_endpoint.AttentionEndpoint` over the backend's AttentionPath, or an
-:class:`~afd_cupy.ffn_endpoint.FFNEndpoint` over its FFNPath (docs/design/architecture.md).
+A thin facade: construction and ``close()`` are here, every role call goes to the rank's
+endpoint (:mod:`afd_cupy.attention_endpoint` / :mod:`afd_cupy.ffn_endpoint`, over the backend's
+AttentionPath / FFNPath; docs/design/architecture.md).
 """
 from __future__ import annotations
 
