@@ -131,12 +131,12 @@ class GraphCapture:
         """Capture one bucket's graph. Every kernel goes to the capture stream (torch's current
         stream inside ``torch.cuda.graph``); buffers are allocated before, torch's own in the
         graph's pool; nothing synchronizes inside."""
-        path, layout = self.res, self.layout
+        res, layout = self.res, self.layout
         hidden, dtype = layout.hidden_size, self.torch_dtype
         stage_args = dict(
-            geo=path.geometry,
-            expert_per_rank=layout.expert_per_rank, is_dedup=int(self.is_dedup), src_rank=path.src_rank,
-            num_attn_ranks=path.num_attn_ranks, token_cap=layout.token_cap,
+            geo=res.geometry,
+            expert_per_rank=layout.expert_per_rank, is_dedup=int(self.is_dedup), src_rank=res.src_rank,
+            num_attn_ranks=res.num_attn_ranks, token_cap=layout.token_cap,
             routed_cap=layout.routed_cap, shared_cap=layout.shared_cap,
             routed_bucket=bucket.routed_rows, shared_bucket=bucket.shared_rows,
             num_layers=self.num_layers, layers_per_chunk=self.lpc, routed_offs=self.routed_offs,
@@ -145,14 +145,14 @@ class GraphCapture:
             records=self.records.ptr, num_records=self.num_records, record_words=self.record_words)
         if self.fused_wait_stage:  # one kernel: the wait and the stage
             first = [kernels.PackedLaunch(specs.graph_wait_stage_spec(
-                window=path.own_window, last_seen=path.last_seen, scan_start=path.scan_start,
-                counts_snapshot=path.counts_snapshot, timeout_ns=int(self.idle_timeout_s * 1e9),
+                window=res.own_window, last_seen=res.last_seen, scan_start=res.scan_start,
+                counts_snapshot=res.counts_snapshot, timeout_ns=int(self.idle_timeout_s * 1e9),
                 **stage_args))]
         else:
             first = [self.wait_launch, kernels.PackedLaunch(specs.graph_stage_spec(
                 doorbell=self.doorbell.data.ptr, **stage_args))]
         num_chunks = self.num_chunks
-        routed_outs = path.cp.zeros(num_chunks, path.cp.uint64)
+        routed_outs = res.cp.zeros(num_chunks, res.cp.uint64)
         keep = {"routed_outs": routed_outs}
         if not self.identity:
             keep["x"] = torch.empty(max(1, bucket.routed_rows), hidden, dtype=dtype, device=self.device)
@@ -164,12 +164,12 @@ class GraphCapture:
             gather, reply = self._dedup_launches(bucket, routed_outs, staging, shared_staging)
         else:
             reply = kernels.PackedLaunch(specs.graph_reply_spec(
-                dtype_code=path.dtype_code, own_window=path.own_window, peer_windows=self.peer_windows,
-                geo=path.geometry, src_rank=path.src_rank, state=self.state, routed_outs=routed_outs,
+                dtype_code=res.dtype_code, own_window=res.own_window, peer_windows=self.peer_windows,
+                geo=res.geometry, src_rank=res.src_rank, state=self.state, routed_outs=routed_outs,
                 shared_out=0, hidden_size=hidden, done_counter=self.reply_done,
                 routed_bucket=bucket.routed_rows, shared_bucket=bucket.shared_rows, num_chunks=num_chunks))
             gather = None if self.identity else kernels.PackedLaunch(specs.graph_gather_spec(
-                dtype_code=path.dtype_code, window=path.own_window, geo=path.geometry,
+                dtype_code=res.dtype_code, window=res.own_window, geo=res.geometry,
                 state=self.state, hidden_size=hidden, routed_staging=staging,
                 shared_staging=shared_staging, routed_bucket=bucket.routed_rows,
                 shared_bucket=bucket.shared_rows))
@@ -196,25 +196,25 @@ class GraphCapture:
             reply.launch(stream_ptr)
         if not self.identity:  # the chunk outputs' addresses are fixed now: the reply reads them
             routed_outs.set(np.array([out.data_ptr() for out in keep["outs"]], np.uint64))
-        path.cp.cuda.Device(path.device_id).synchronize()
+        res.cp.cuda.Device(res.device_id).synchronize()
         self._graph_buffers.append(keep)  # the graph's buffers live as long as the server
         return graph
 
     def _dedup_launches(self, bucket: ffn_graph.Bucket, routed_outs, staging: int,
                         shared_staging: int):
         """(expand, reply) of one bucket's graph in the dedup wire mode, packed once."""
-        path, layout = self.res, self.layout
+        res, layout = self.res, self.layout
         rows = bucket.rows or layout.token_cap
         expand = kernels.PackedLaunch(specs.graph_dedup_expand_spec(
-            dtype_code=path.dtype_code, window=path.own_window, geo=path.geometry, state=self.state,
+            dtype_code=res.dtype_code, window=res.own_window, geo=res.geometry, state=self.state,
             top_k=layout.top_k, hidden_size=layout.hidden_size, routed_staging=staging,
             shared_staging=shared_staging, route_copy=self.route_copy, claims=self.expand_claims,
             fault=self.expand_fault, num_claimed=self.expand_claimed, reply_seqs=self.reply_seqs,
             done_counter=self.expand_done, token_cap=layout.token_cap,
             routed_cap=layout.routed_cap, rows_bucket=rows))
         reply = kernels.PackedLaunch(specs.graph_dedup_reply_spec(
-            dtype_code=path.dtype_code, own_window=path.own_window, peer_windows=self.peer_windows,
-            geo=path.geometry, src_rank=path.src_rank, state=self.state,
+            dtype_code=res.dtype_code, own_window=res.own_window, peer_windows=self.peer_windows,
+            geo=res.geometry, src_rank=res.src_rank, state=self.state,
             route_copy=self.route_copy, top_k=layout.top_k, routed_outs=routed_outs, shared_out=0,
             hidden_size=layout.hidden_size, done_counter=self.reply_done,
             token_cap=layout.token_cap, rows_bucket=rows, num_chunks=self.num_chunks))
