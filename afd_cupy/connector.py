@@ -26,8 +26,7 @@ import logging
 import torch
 
 from afd_cupy import connector_setup, gates, handshake, moe
-from afd_cupy.backends.base import (POLL_MODES, Arrival, Capabilities, PathContext, open_path,
-                                    require_backend)
+from afd_cupy.backends.base import Arrival, Capabilities, PathContext, open_path, require_backend
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig
 from afd_cupy.dtypes import torch_dtype
 from afd_cupy.connector_setup import check_config
@@ -106,11 +105,10 @@ class AFDConnector:
         self.startup_timeout_s = check_timeout("startup_timeout_s", startup_timeout_s)
         self.world_rank = self.topology.world_rank(self.role, role_rank)
         require_backend(backend, self.config.wire_mode, self.config.transport)  # before any collective step
-        if poll_mode not in POLL_MODES:
-            raise ConfigError(f"poll_mode must be one of {POLL_MODES}, got {poll_mode!r}")
+        connector_setup.check_poll_mode(poll_mode)
         connector_setup.check_cpu_threads(cpu_threads)
         connector_setup.check_recv_spin_us(recv_spin_us)
-        if nvshmem_env is not None:  # checked here, so a bad dict fails before any collective step
+        if nvshmem_env is not None:  # a bad dict fails here, before any collective step
             nvshmem_env = check_nvshmem_env(nvshmem_env)
         self.layout = WindowLayout.from_configs(model, topology, self.config)
         self.torch_dtype = torch_dtype(model.dtype)
@@ -128,7 +126,8 @@ class AFDConnector:
                           has_shared=model.num_shared_experts > 0,
                           peer_timeout_s=self.peer_timeout_s, always_send=bool(always_send),
                           poll_mode=poll_mode, transport=self.config.transport,
-                          recv_spin_s=recv_spin_us * 1e-6, fused_dispatch=self.config.fused_dispatch)
+                          recv_spin_s=recv_spin_us * 1e-6, fused_dispatch=self.config.fused_dispatch,
+                          dedup_dispatch=self.config.dedup_dispatch)
         try:
             self.path = open_path(backend, ctx, store=store, job_id=job_id, device_id=device_id,
                                   startup_timeout_s=self.startup_timeout_s, instance=self.instance,
@@ -136,7 +135,7 @@ class AFDConnector:
         except BaseException:
             self._closed = True  # nothing to close: no "not closed" warning from __del__
             raise
-        self.endpoint = connector_setup.open_endpoint(self, store, peers)
+        self.endpoint = connector_setup.open_endpoint(self, store, peers)  # the role calls' target
         logger.info("afd_cupy %s rank %d (world rank %d/%d) up: backend=%s window=%.1f MiB",
                     self.role.value, role_rank, self.world_rank, self.topology.world_size,
                     backend, self.layout.window_bytes / 2**20)

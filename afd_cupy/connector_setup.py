@@ -11,6 +11,7 @@ import torch
 
 from afd_cupy import env, peer_state
 from afd_cupy.attention_endpoint import AttentionEndpoint
+from afd_cupy.backends.base import POLL_MODES
 from afd_cupy.errors import ConfigError
 from afd_cupy.ffn_endpoint import FFNEndpoint
 from afd_cupy.topology import Role
@@ -23,6 +24,11 @@ def check_config(name: str, value, cls):
         hint = f" (use {cls.__name__}.from_mapping for a dict)" if isinstance(value, dict) else ""
         raise ConfigError(f"{name} must be a {cls.__name__}, got {type(value).__name__}{hint}")
     return value
+
+
+def check_poll_mode(value) -> None:
+    if value not in POLL_MODES:
+        raise ConfigError(f"poll_mode must be one of {POLL_MODES}, got {value!r}")
 
 
 def check_recv_spin_us(value) -> None:

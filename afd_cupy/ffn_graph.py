@@ -15,7 +15,7 @@ home; the dedup kernels' references (:func:`dedup_expand_reference`,
 :func:`route_verdict` turns a GS_BAD_ROUTE record into the eager path's WireError. The cuda
 server is :mod:`afd_cupy.backends.cuda_ffn_graph`.
 
-Words mirrored from ``raw_kernels/ffn_graph.cu`` (a CPU test parses the .cu):
+Words mirrored from ``raw_kernels/ffn/ffn_graph.cuh`` (a CPU test parses the .cuh):
 ``GS_*`` (what a replay did), ``STATE_*`` (device state, stage -> gather/reply) and ``REC_*``
 (one record per replay in a pinned ring the host reads after the replay's event).
 """

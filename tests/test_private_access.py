@@ -54,7 +54,6 @@ ALLOWED = {
     ("heap/nvshmem.py", "_check"): "nvshmem_lib._check, the binding's error check",
     ("testing/graph_ffn.py", "_attention"): "testing.scenario's Attention rank body",
     ("testing/graph_ffn.py", "_device"): "testing.scenario's device choice",
-    ("wire.py", "_for_layer"): "errors._for_layer, the message fragment",
     # third-party objects, not afd_cupy's seams (the rule cannot see an object's type)
     ("expert_formats.py", "_apply_gate"): "transformers' experts method, probed on purpose",
     ("heap/nvshmem_lib.py", "_name"): "ctypes.CDLL._name, the library's path",

@@ -59,6 +59,7 @@ class PathContext:
     transport: str = "direct"  # ConnectorConfig.transport (docs/design/put-transport.md)
     recv_spin_s: float = 5e-4  # FFN device-polled receive: spin this long, then sleep (docs/design/kernels.md)
     fused_dispatch: bool = True  # ConnectorConfig.fused_dispatch (cuda, both wire modes; docs/design/kernels.md)
+    dedup_dispatch: str = "plan"  # ConnectorConfig.dedup_dispatch (cuda, dedup mode: "plan" | "ll")
 
     @property
     def world_rank(self) -> int:

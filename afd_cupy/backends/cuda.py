@@ -37,7 +37,7 @@ except ImportError:  # CPU-only torch builds
     _raw_current_stream = None
 
 #: wire modes this backend implements (``ConnectorConfig.wire_mode``; dedup: the kernels of
-#: docs/design/kernels.md, ``dedup_attn.cu`` and ``dedup_ffn.cu``)
+#: docs/design/kernels.md, ``attention/dedup_attn*.cu`` and ``ffn/dedup_ffn.cu``)
 WIRE_MODES = ("pair", "dedup")
 #: transports (``ConnectorConfig.transport``, docs/design/put-transport.md), in both wire modes: the
 #: scatter and reply kernels of each mode write a put peer's message into the put staging

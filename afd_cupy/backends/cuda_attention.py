@@ -64,17 +64,16 @@ class CudaAttentionPath:
         self.scratch = [DispatchScratch.allocate(max_partials, num_ffn, layout.expert_per_rank)
                         for _ in range(layout.ring_depth)]
         self.expected = [cp.zeros(num_ffn, cp.int64) for _ in range(layout.ring_depth)]
-        # (routed, shared) rows sent to each FFN rank, + num_rows in dedup mode: what its reply
-        # must echo
         self.is_dedup = layout.is_dedup
         # the dispatch in one kernel when a full batch fits its shared memory (pair: plan +
-        # scatter; dedup: plan + rows + scatter)
-        num_experts = num_ffn * layout.expert_per_rank
-        if self.is_dedup:
-            self.fused_dispatch = ctx.fused_dispatch and kernels.fused_dedup_dispatch_fits(
-                layout.token_cap, layout.top_k, num_experts, num_ffn)
-        else:
-            self.fused_dispatch = ctx.fused_dispatch and kernels.fused_dispatch_fits(max_partials, num_experts)
+        # scatter; dedup: plan + rows + scatter, afd_dedup_dispatch_ll with dedup_dispatch="ll")
+        num_experts, fit = num_ffn * layout.expert_per_rank, (layout.token_cap, layout.top_k)
+        self.ll_dispatch = self.is_dedup and ctx.dedup_dispatch == "ll" and \
+            kernels.ll_dedup_dispatch_fits(*fit, num_experts, num_ffn)
+        fits = (kernels.fused_dedup_dispatch_fits(*fit, num_experts, num_ffn) if self.is_dedup
+                else kernels.fused_dispatch_fits(max_partials, num_experts))
+        self.fused_dispatch = self.ll_dispatch or (ctx.fused_dispatch and fits)
+        # expected_counts: (routed, shared) rows sent to each FFN rank (+ num_rows: dedup), echoed
         count_cols = 3 if self.is_dedup else 2
         self.expected_counts = [cp.zeros((num_ffn, count_cols), cp.int32)
                                 for _ in range(layout.ring_depth)]
@@ -158,8 +157,9 @@ class CudaAttentionPath:
         row_outputs = dict(row_map=rows.row_map, shared_rank=rows.shared_rank,
                            num_rows=rows.num_rows, shared_rows=rows.shared_rows)
         dedup = dict(sends, topk_weights=placeholder_ids.view(self.cp.float32), **row_outputs)
-        if self.fused_dispatch:
-            launches = {"fused": kernels.dedup_dispatch_fused_spec(**fused_only, **dedup)}
+        if self.fused_dispatch:  # the one-kernel dispatch: "ll" (where it fits) or the fused one
+            one_kernel = kernels.dedup_dispatch_ll_spec if self.ll_dispatch else kernels.dedup_dispatch_fused_spec
+            launches = {"fused": one_kernel(**fused_only, **dedup)}
         else:
             launches = {
                 "rows": kernels.dedup_rows_spec(
@@ -215,8 +215,8 @@ class CudaAttentionPath:
     def dispatch(self, hidden, topk_ids, topk_weights, *, layer_idx: int, stage_idx: int,
                  ring: int) -> CudaSendState:
         """Pair mode: plan -> scatter, or the one fused kernel (``self.fused_dispatch``);
-        ``topk_weights`` are read by the combine, not here. Dedup mode: plan -> rows -> scatter,
-        or its one fused kernel (the weights travel in the route tables)."""
+        ``topk_weights`` are read by the combine. Dedup mode: plan -> rows -> scatter, or one
+        kernel (fused, or ``self.ll_dispatch``; the weights travel in the route tables)."""
         ctx, layout = self.ctx, self.layout
         self.rank.use_device()
         self.rank.status.raise_latched()
@@ -234,7 +234,8 @@ class CudaAttentionPath:
         if self.is_dedup:  # the weights travel in the route tables: read by the sender
             weights = topk_weights.detach().to(torch.float32).reshape(-1).contiguous()
             per_call = (("topk_weights", weights.data_ptr()),)
-            grid = kernels.dedup_scatter_grid(num_tokens, ctx.num_ffn_ranks, layout.row_bytes)
+            grid = (kernels.dedup_ll_grid if self.ll_dispatch else kernels.dedup_scatter_grid)(
+                num_tokens, ctx.num_ffn_ranks, layout.row_bytes)
         else:
             per_call = (("num_partials", num_partials),)
             grid = kernels.scatter_grid(num_tokens, layout.top_k, int(ctx.has_shared))

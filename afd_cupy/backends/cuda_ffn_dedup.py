@@ -32,7 +32,7 @@ from afd_cupy.backends.base import Arrival, ItemViews
 from afd_cupy.dtypes import payload_dtype
 from afd_cupy.kernels import PinnedInt64
 
-#: claims[] value of a staging row no route-table row has named (raw_kernels/dedup_ffn.cu)
+#: claims[] value of a staging row no route-table row has named (raw_kernels/ffn/dedup_ffn.cu)
 UNCLAIMED = 0x7FFFFFFF
 
 

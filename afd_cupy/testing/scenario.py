@@ -113,7 +113,9 @@ def _ffn(conn: AFDConnector, scenario: Scenario, ffn_rank: int, device, timer=NO
     if scenario.ffn_overlap:
         kwargs["overlap"] = True
     kwargs["gemm_sm_carveout"] = scenario.gemm_sm_carveout
-    worker = FFNWorker(conn, routed, shared if model.num_shared_experts else None, **kwargs)
+    worker = FFNWorker(conn, routed, shared if model.num_shared_experts else None,
+                       serving=scenario.ffn_serving, **kwargs)
+    plan = worker.serving_plan()
     history = []
     compute = worker.expert_fn
 
@@ -125,11 +127,15 @@ def _ffn(conn: AFDConnector, scenario: Scenario, ffn_rank: int, device, timer=NO
         carveouts.add(moe.current_sm_carveout())  # what the expert GEMMs are launched with
         return compute(item)
 
-    worker.expert_fn = recording
+    if plan.mode == "loop":  # a custom expert_fn would keep the graph FFN from serving
+        worker.expert_fn = recording
     start = time.perf_counter()
     with timer.phase("serve (until shutdown)"):
         served = worker.run()
+    server = worker.graph_server if worker.served_by == "graph" else None
     return {"role": "ffn", "rank": ffn_rank, "served": served, "history": history,
+            "serving": worker.served_by, "serving_reason": worker.serving_reason,
+            "eager": None if server is None else server.num_eager,
             "stages": sorted(stages), "carveouts": sorted(carveouts, key=str),
             "gemm_sm_carveout": worker.gemm_sm_carveout,
             "seconds": time.perf_counter() - start}
