@@ -108,12 +108,14 @@ def open_graph_server(worker, idle_timeout_s: float, previous=None):
 # --------------------------------------------------------------------------- the rules
 
 def _backend_rule(worker) -> str:
-    backend = getattr(worker.connector, "backend", None)
-    if backend == "cuda":
+    # the data path's declared capabilities decide, not the backend's name
+    capabilities = getattr(worker.connector, "capabilities", None)
+    if capabilities is None:
+        return "the connector declares no data-path capabilities (backend None is not 'cuda')"
+    if capabilities.supports_nonblocking:  # receive and reply are enqueued kernels
         return ""
-    if backend == "host":
-        return "the host backend has no CUDA graphs (its receive and reply are host code)"
-    return f"backend {backend!r} is not 'cuda'"
+    return (f"the {capabilities.backend} backend has no CUDA graphs (its receive and reply are "
+            "host code)")
 
 
 def _worker_rule(worker) -> str:
@@ -130,13 +132,12 @@ def _worker_rule(worker) -> str:
 
 
 def _connector_rule(worker) -> str:
-    path = worker.connector.path
-    if getattr(path, "host_polling", None) is not None:
+    capabilities = worker.connector.capabilities
+    if not capabilities.device_polling:
         return "poll_mode='host' (the graph's wait is a device kernel: poll_mode='device')"
-    put_peers = [rank for rank, is_put in enumerate(getattr(path, "peer_is_put", ())) if is_put]
-    if put_peers:
-        return (f"Attention rank(s) {put_peers} are reached by NVSHMEM puts (the graph replies "
-                "by direct stores)")
+    if capabilities.put_peers:
+        return (f"Attention rank(s) {list(capabilities.put_peers)} are reached by NVSHMEM puts (the "
+                "graph replies by direct stores)")
     return ""
 
 

@@ -311,23 +311,30 @@ def test_server_accepts_a_dedup_connector_and_keeps_its_other_limits():
     from afd_cupy.backends.cuda_ffn_graph import GraphFFNServer
     from afd_cupy.topology import Role
 
+    from afd_cupy.backends.base import Capabilities
+
+    def caps(backend="cuda", device_polling=True, put_peers=()):
+        # the declared capabilities decide (as the cuda FFN path derives them), not the name
+        return Capabilities(backend=backend, wire_modes=("pair", "dedup"), transports=("direct",),
+                            supports_nonblocking=backend == "cuda", device_polling=device_polling,
+                            host_reply_seqs=backend == "cuda", put_peers=put_peers,
+                            supports_graph_server=backend == "cuda" and device_polling and not put_peers)
+
     def fake(**kw):
-        base = dict(role=Role.FFN, backend="cuda", layout=DEDUP_LAYOUT,
-                    path=SimpleNamespace(host_polling=None, peer_is_put=[False, False]),
+        base = dict(role=Role.FFN, backend="cuda", layout=DEDUP_LAYOUT, capabilities=caps(),
                     config=SimpleNamespace(transport="direct"))
         return SimpleNamespace(**{**base, **kw})
 
     GraphFFNServer._check_connector(fake(), True, None)  # dedup: no ConfigError any more
     GraphFFNServer._check_connector(fake(layout=LAYOUT), True, None)
     with pytest.raises(ConfigError, match="poll_mode='device'"):
-        GraphFFNServer._check_connector(fake(path=SimpleNamespace(host_polling=object(), peer_is_put=[])),
-                                        True, None)
+        GraphFFNServer._check_connector(fake(capabilities=caps(device_polling=False)), True, None)
     with pytest.raises(ConfigError, match=r"Attention rank\(s\) \[1\] are reached by NVSHMEM puts "
                                           r"\(transport='auto'\); use FFNWorker"):
-        GraphFFNServer._check_connector(fake(path=SimpleNamespace(host_polling=None, peer_is_put=[False, True]),
+        GraphFFNServer._check_connector(fake(capabilities=caps(put_peers=(1,)),
                                              config=SimpleNamespace(transport="auto")), True, None)
     with pytest.raises(ConfigError, match="FFN-side cuda connector"):
-        GraphFFNServer._check_connector(fake(backend="host"), True, None)
+        GraphFFNServer._check_connector(fake(capabilities=caps(backend="host")), True, None)
     with pytest.raises(ConfigError, match="exactly one of"):
         GraphFFNServer._check_connector(fake(), True, object())
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from afd_cupy import ffn_serving
+from afd_cupy.backends.base import Capabilities
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig
 from afd_cupy.connector import AFDConnector
 from afd_cupy.errors import ConfigError, ConnectorShutdown, PeerFailedError, WireError
@@ -48,7 +49,10 @@ def _fake_connector(*, backend="cuda", dtype=torch.bfloat16, host_polling=None, 
     return SimpleNamespace(
         backend=backend, role_rank=0, model=model, topology=SimpleNamespace(num_attn_ranks=1),
         layout=SimpleNamespace(expert_per_rank=EPR), torch_dtype=dtype, device=torch.device("cpu"),
-        path=SimpleNamespace(host_polling=host_polling, peer_is_put=list(peer_is_put)),
+        capabilities=None if backend is None else Capabilities(  # as the backend's path declares them
+            backend=backend, wire_modes=("pair",), transports=("direct",),
+            supports_nonblocking=backend == "cuda", device_polling=backend == "cuda" and host_polling is None,
+            put_peers=tuple(rank for rank, is_put in enumerate(peer_is_put) if is_put)),
         recv_ffn_work_item=recv, send_ffn_work_item_output=lambda *a: replies.append(a),
         announce_failure=announced.append, replies=replies, announced=announced)
 

@@ -440,13 +440,14 @@ def test_backend_builds_the_launches_of_its_wire_mode(fake_specs, monkeypatch, w
 
     monkeypatch.setattr(kernels, "PackedLaunch", lambda spec: spec)
     layout = _DEDUP_LAYOUT if wire_mode == "dedup" else _LAYOUT
-    side = cuda_attention.CudaAttentionSide()
-    side.cp, side.layout, side.geometry, side.is_dedup = np, layout, layout.kernel_geometry(), layout.is_dedup
+    side = cuda_attention.CudaAttentionPath.__new__(cuda_attention.CudaAttentionPath)
+    side.cp, side.layout, side.is_dedup = np, layout, layout.is_dedup
     side.fused_dispatch, side.ll_dispatch = fused, False
     side.ctx = types.SimpleNamespace(num_ffn_ranks=2, has_shared=True, always_send=False, role_rank=0)
-    side.own_window, side.dtype_code, side.timeout_ns = 0x3000, 0, 10**9
-    side.put = types.SimpleNamespace(staging_base=0x9000) if put else None
-    side.status = types.SimpleNamespace(ptr=0x1000)
+    side.rank = types.SimpleNamespace(  # the shared CudaRank's fields the launches read
+        geometry=layout.kernel_geometry(), own_window=0x3000, dtype_code=0, timeout_ns=10**9,
+        put=types.SimpleNamespace(staging_base=0x9000) if put else None,
+        status=types.SimpleNamespace(ptr=0x1000), last_seen=_FakeArray())
     side.scratch = [types.SimpleNamespace(local_rank=np.zeros(64, np.int32), **{
         name: _FakeArray() for name in ("chunk_hist", "pos", "expert_counts", "expert_start",
                                         "rank_offsets", "verdict", "plan_done", "scatter_done",
@@ -455,7 +456,7 @@ def test_backend_builds_the_launches_of_its_wire_mode(fake_specs, monkeypatch, w
     for name in ("row_map", "shared_rank", "num_rows", "shared_rows", "rows_hist", "rows_local", "rows_done"):
         setattr(side.dedup_rows[0], name, _FakeArray())
     side.expected = side.expected_counts = side.reply_flags = side.combine_done = [_FakeArray()] * 2
-    side.seq_counters, side.last_seen, side.peer_windows = [_FakeArray()] * 2, _FakeArray(), _FakeArray()
+    side.seq_counters, side.peer_windows = [_FakeArray()] * 2, _FakeArray()
     launches = side._attention_launches(1)
     if fused:
         assert sorted(launches) == ["combine", "fused", "wait"]
@@ -504,30 +505,36 @@ def test_ffn_reply_writes_put_peers_into_the_staging_and_puts_its_rows(fake_spec
 
     import torch
 
-    from afd_cupy.backends import cuda_ffn
+    from afd_cupy.backends import cuda_ffn, cuda_ffn_dedup
     from afd_cupy.backends.base import Arrival
+    from afd_cupy.seq import SeqCounter
 
     monkeypatch.setattr(kernels, "PackedLaunch", _RecordingLaunch)
     layout = _DEDUP_LAYOUT if wire_mode == "dedup" else _LAYOUT
     puts = []
-    side = cuda_ffn.CudaFFNSide()
-    side.layout, side.geometry, side.dtype_code = layout, layout.kernel_geometry(), 0
+    side = cuda_ffn.CudaFFNPath.__new__(cuda_ffn.CudaFFNPath)
+    side.layout = layout
     side.ctx = types.SimpleNamespace(role_rank=1, peer_pe=lambda role, rank: 10 + rank)
-    side.peer_is_put = [False, True, False]
-    side.put = types.SimpleNamespace(staging_base=0x9000, after_reply=lambda *a, **kw: puts.append((a, kw)))
     side.window = types.SimpleNamespace(peer_ptr=lambda pe: 0x3000 + pe)
-    side._use_device = lambda: None
-    side.stream_ptr, side.stream = (lambda: 77), (lambda: None)
     side.cp = types.SimpleNamespace(cuda=types.SimpleNamespace(
         Event=lambda disable_timing: types.SimpleNamespace(record=lambda stream: None)))
+    side.rank = types.SimpleNamespace(  # the shared CudaRank's fields and steps the reply uses
+        geometry=layout.kernel_geometry(), dtype_code=0, peer_is_put=[False, True, False],
+        put=types.SimpleNamespace(staging_base=0x9000, after_reply=lambda *a, **kw: puts.append((a, kw))),
+        use_device=lambda: None, stream_ptr=lambda: 77, stream=lambda: None)
     num_slots = layout.num_slots
-    side.reply_seqs, side.reply_launches = np.zeros(num_slots, np.int64), {}
+    side.reply_seqs, side.reply_launches = SeqCounter(num_slots), {}
     side.row_words = layout.header_words + layout.header_words % 2
     side.staging = types.SimpleNamespace(int32=np.zeros(num_slots * 4 * side.row_words, np.int32), ptr=0x7000)
     side._staging_row = lambda slot: slot * cuda_ffn.STAGING_DEPTH
     side.staging_events = [[None] * cuda_ffn.STAGING_DEPTH for _ in range(num_slots)]
-    side.reply_done = side.route_copies = [_FakeArray()] * num_slots
-    side.last_reply_event = [None] * num_slots
+    side.reply_done = [_FakeArray()] * num_slots
+    side.dedup = None
+    if wire_mode == "dedup":
+        side.dedup = cuda_ffn_dedup.CudaDedupStaging.__new__(cuda_ffn_dedup.CudaDedupStaging)
+        side.dedup.rank, side.dedup.ctx, side.dedup.layout = side.rank, side.ctx, layout
+        side.dedup.route_copies = [_FakeArray()] * num_slots
+        side.dedup.last_reply_event = [None] * num_slots
     # 5 rows (dedup), 7 partials over 4 local experts, 2 shared rows
     header = wire.dispatch_header(seq=3, src_rank=1, layer_idx=2, stage_idx=0, num_tokens=6,
                                   shared_tokens=2, top_k=8, expert_counts=[3, 0, 4, 0],

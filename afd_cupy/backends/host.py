@@ -4,7 +4,12 @@ Same wire format, protocol and step names as the cuda backend's RawKernels (plan
 wait_replies -> combine; wait_any; reply), real processes, every step on the calling thread.
 The rules both backends follow (headers, reply checks, capacities, late replies) are in
 ``afd_cupy.wire``; this file only applies them. Both wire modes: pair here, the dedup steps
-in :mod:`afd_cupy.backends.host_dedup` (the reference for its future kernels).
+in :mod:`afd_cupy.backends.host_dedup` (the reference for its kernels).
+
+Shape (composition, no mixins): :func:`open_path` builds one :class:`HostRank` (what both
+roles share: context, heap, window, polling, seq counters, the shutdown and close steps) and
+the path of the rank's role around it: :class:`HostAttentionPath` here, or
+:class:`~afd_cupy.backends.host_ffn.HostFFNPath`.
 """
 from __future__ import annotations
 
@@ -15,11 +20,12 @@ import numpy as np
 import torch
 
 from afd_cupy import dedup, errors, planner, wire
-from afd_cupy.backends.base import Arrival, ItemViews, PathContext
-from afd_cupy.backends.host_dedup import HostDedupSteps
+from afd_cupy.backends import host_dedup
+from afd_cupy.backends.base import Capabilities, PathContext
 from afd_cupy.backends.host_poll import HostPolling
 from afd_cupy.errors import AfdError, reply_timeout_error
-from afd_cupy.dtypes import raw_dtype, raw_to_f32, raw_to_torch, torch_to_raw
+from afd_cupy.dtypes import raw_dtype, raw_to_f32, torch_to_raw
+from afd_cupy.seq import SeqCounter
 from afd_cupy.topology import Role
 
 
@@ -45,6 +51,8 @@ class HostSendState:
 TRANSPORTS = ("direct", "auto")
 #: wire modes this backend implements (``ConnectorConfig.wire_mode``)
 WIRE_MODES = ("pair", "dedup")
+#: what every host path can do: every step runs on the calling thread and blocks
+CAPABILITIES = Capabilities(backend="host", wire_modes=WIRE_MODES, transports=TRANSPORTS)
 
 
 def require_available() -> None:
@@ -66,35 +74,76 @@ def open_path(ctx: PathContext, *, store, job_id: str, device_id, startup_timeou
     except BaseException:
         heap.close()
         raise
-    return HostDataPath(ctx, heap, window)
+    rank = HostRank(ctx, heap, window)
+    if ctx.role is Role.ATTENTION:
+        return HostAttentionPath(rank)
+    from afd_cupy.backends.host_ffn import HostFFNPath
+
+    return HostFFNPath(rank)
 
 
-class HostDataPath(HostDedupSteps):
-    """Dispatch/combine (Attention) and wait_any/reply (FFN) on numpy windows, in the
-    layout's wire mode (the dedup steps come from :class:`HostDedupSteps`)."""
+class HostRank:
+    """What both role paths of one host rank share, built once by :func:`open_path`.
 
-    device = torch.device("cpu")
-    supports_nonblocking = False
+    ``ctx``: the frozen :class:`PathContext`; ``heap`` / ``window``: this rank's shared
+    memory; ``raw``: the payload's raw numpy dtype; ``polling``: the host flag waits over the
+    own window; ``seqs``: the seq of this rank's last message per (opposite-role peer, ring)
+    (the flags are these values). Both roles' shutdown and close steps are here.
+    """
 
     def __init__(self, ctx: PathContext, heap, window):
         self.ctx = ctx
+        self.layout = ctx.layout
         self.heap = heap
         self.window = window
-        self.layout = ctx.layout
         self.raw = raw_dtype(ctx.dtype)
         self.polling = HostPolling(window)
-        # seq of this rank's last message to (peer role rank, ring); flags are these values
-        self._seqs = np.zeros((self.layout.num_regions, self.layout.ring_depth), np.int64)
-        # dedup FFN: slot -> (seq, route table copy) of the item whose reply is pending
-        self._dedup_tables: dict[int, tuple] = {}
+        self.seqs = SeqCounter((self.layout.num_regions, self.layout.ring_depth))
         if self.layout.is_dedup:
             dedup.warm_up()  # numba steps loaded now, not inside the first wait
         elif ctx.role is Role.ATTENTION:
             planner.warm_up()  # the FFN side of the pair mode runs no numba step
 
-    def _next_seq(self, peer: int, ring: int) -> int:
-        self._seqs[peer, ring] += 1
-        return int(self._seqs[peer, ring])
+    def rows(self, region: int, ring: int, name: str, count: int) -> np.ndarray:
+        """fp32 copy of ``count`` rows of field ``name`` of the own window's slot."""
+        view = self.window.field(self.window.own_pe, region, ring, name, self.raw,
+                                 (count, self.layout.hidden_size))
+        return raw_to_f32(np.asarray(view), self.ctx.dtype)
+
+    def announce_shutdown(self) -> None:
+        ctx, layout = self.ctx, self.layout
+        words = wire.encode_header(wire.shutdown_header(src_rank=ctx.role_rank, top_k=ctx.top_k,
+                                                        expert_per_rank=layout.expert_per_rank,
+                                                        wire_mode=layout.wire_mode),
+                                   layout.expert_per_rank)
+        window = self.window
+        for pe in ctx.opposite_pes():
+            for ring in range(layout.ring_depth):
+                out = words
+                if ctx.role is Role.FFN:  # keep a reply the Attention side may not have read
+                    flag = int(window.flag_view(pe, ctx.role_rank, ring)[0])
+                    current = window.to_host(window.header_view(pe, ctx.role_rank, ring))
+                    out = wire.shutdown_over_reply(current, flag, words)
+                window.write_message(pe, ctx.role_rank, ring, out, wire.SHUTDOWN_SEQ)
+
+    def close(self, *, peers_healthy: bool = True) -> None:
+        self.window.close()
+        self.heap.close(peers_healthy=peers_healthy)
+
+
+class HostAttentionPath:
+    """Dispatch/combine on numpy windows, in the layout's wire mode (the dedup steps are
+    :mod:`~afd_cupy.backends.host_dedup`'s functions)."""
+
+    device = torch.device("cpu")
+    capabilities = CAPABILITIES
+
+    def __init__(self, rank: HostRank):
+        self.rank = rank
+        self.ctx = rank.ctx  # (public for tools: the context, window, seq counters)
+        self.layout = rank.layout
+        self.window = rank.window
+        self.seqs = rank.seqs
 
     # --- Attention side: plan -> scatter ------------------------------------------------
     def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
@@ -111,9 +160,9 @@ class HostDataPath(HostDedupSteps):
                                             ctx.num_experts, layer_idx)
             return HostSendState(None, expected, shared, error=error)
         if layout.is_dedup:
-            return self._dispatch_dedup(HostSendState(None, expected, shared), ids.astype(np.int32),
-                                        hidden, topk_weights, layer_idx=layer_idx,
-                                        stage_idx=stage_idx, ring=ring)
+            return host_dedup.dispatch(self.rank, HostSendState(None, expected, shared),
+                                       ids.astype(np.int32), hidden, topk_weights,
+                                       layer_idx=layer_idx, stage_idx=stage_idx, ring=ring)
         plan = planner.plan_dispatch(ids.astype(np.int32), num_ffn, layout.expert_per_rank,
                                      ctx.num_experts)
         try:  # every check before any write: an overflowing dispatch sends nothing
@@ -127,7 +176,7 @@ class HostDataPath(HostDedupSteps):
         for j in range(num_ffn):
             if plan.routed_count(j) == 0 and shared[j] == 0 and not ctx.always_send:
                 continue  # empty message: not sent, not waited on
-            expected[j] = self._next_seq(j, ring)
+            expected[j] = self.seqs.advance((j, ring))
             self._scatter(j, plan, raw, int(shared[j]), ring, int(expected[j]), layer_idx, stage_idx)
         return HostSendState(plan, expected, shared)
 
@@ -157,8 +206,8 @@ class HostDataPath(HostDedupSteps):
         if state.error is not None:
             raise state.error
         if self.layout.is_dedup:
-            return self._combine_dedup(state, ring=ring, layer_idx=layer_idx, stage_idx=stage_idx,
-                                       out_scale=out_scale)
+            return host_dedup.combine(self.rank, state, self.wait_reply, ring=ring,
+                                      layer_idx=layer_idx, stage_idx=stage_idx, out_scale=out_scale)
         ctx, hidden = self.ctx, self.layout.hidden_size
         deadline = time.monotonic() + ctx.peer_timeout_s
         routed_rows, shared_rows = [], []
@@ -170,9 +219,9 @@ class HostDataPath(HostDedupSteps):
             want = wire.ReplyExpectation(
                 peer=j, seq=int(state.expected[j]), layer_idx=layer_idx, stage_idx=stage_idx,
                 routed_tokens=state.plan.routed_count(j), shared_tokens=int(state.shared_counts[j]))
-            header = self._wait_reply(want, ring, deadline)
-            routed_rows.append(self._rows(j, ring, "routed_x", header.routed_tokens))
-            shared_rows.append(self._rows(j, ring, "shared_x", header.shared_tokens))
+            header = self.wait_reply(want, ring, deadline)
+            routed_rows.append(self.rank.rows(j, ring, "routed_x", header.routed_tokens))
+            shared_rows.append(self.rank.rows(j, ring, "shared_x", header.shared_tokens))
         num_tokens = state.plan.num_tokens
         out = np.full((num_tokens, hidden), np.nan, np.float32)
         if num_tokens:
@@ -182,90 +231,33 @@ class HostDataPath(HostDedupSteps):
                             shared_rows if ctx.has_shared else None, out_scale)
         return torch.from_numpy(out).to(ctx.torch_dtype)
 
-    def _wait_reply(self, want: wire.ReplyExpectation, ring: int, deadline: float) -> wire.Header:
+    def wait_reply(self, want: wire.ReplyExpectation, ring: int, deadline: float) -> wire.Header:
         """The reply answering ``want``; late replies to earlier dispatches are dropped.
 
         A shutdown that kept the reply to ``want`` (``wire.FLAG_KEPT_REPLY``) is that reply;
         once a peer's shutdown was consumed on the slot, the next wait raises at once."""
-        if self.polling.last_seen(want.peer, ring) == wire.SHUTDOWN_SEQ:
+        polling = self.rank.polling
+        if polling.last_seen(want.peer, ring) == wire.SHUTDOWN_SEQ:
             raise errors.shutdown_during_reply_error(want.peer, want.layer_idx)
         while True:
-            flag = self.polling.wait_flag(want.peer, ring, deadline)
+            flag = polling.wait_flag(want.peer, ring, deadline)
             if flag is None:
                 raise reply_timeout_error(want.peer, ring, want.layer_idx, want.seq,
-                                          self.polling.last_seen(want.peer, ring), self.ctx.peer_timeout_s)
-            header = self.polling.read_header(want.peer, ring)
+                                          polling.last_seen(want.peer, ring), self.ctx.peer_timeout_s)
+            header = polling.read_header(want.peer, ring)
             if wire.is_late_reply(header, want.seq):
                 continue
             wire.check_reply(header, want)
             return header
 
-    def _rows(self, region: int, ring: int, name: str, count: int) -> np.ndarray:
-        view = self.window.field(self.window.own_pe, region, ring, name, self.raw,
-                                 (count, self.layout.hidden_size))
-        return raw_to_f32(np.asarray(view), self.ctx.dtype)
-
     def check_errors(self) -> None:
         """Nothing is ever latched: every host step raises where it fails."""
 
-    # --- FFN side -----------------------------------------------------------------------
-    def wait_any(self, timeout_s: float) -> Arrival | None:
-        found = self.polling.wait_any(timeout_s)
-        if found is None:
-            return None
-        return Arrival(found.region, found.ring, self.polling.read_header(found.region, found.ring))
+    def order_graph_replay(self, rings, stream: int) -> None:
+        """Nothing to order: the host path has no streams (and no graph capture)."""
 
-    def pending_arrivals(self) -> int:
-        return self.polling.num_pending()
-
-    def item_views(self, arrival: Arrival) -> ItemViews:
-        """Zero-copy torch views of a received slot (dedup: the rows expanded into staging)."""
-        if self.layout.is_dedup:
-            return self._item_views_dedup(arrival)
-        header, hidden, name = arrival.header, self.layout.hidden_size, self.ctx.dtype
-        region, ring, pe = arrival.region, arrival.ring, self.window.own_pe
-        routed = raw_to_torch(self.window.field(pe, region, ring, "routed_x", self.raw,
-                                                (header.routed_tokens, hidden)), name)
-        shared = raw_to_torch(self.window.field(pe, region, ring, "shared_x", self.raw,
-                                                (header.shared_tokens, hidden)), name)
-        route = torch.from_numpy(self.window.field(pe, region, ring, "route_table", np.int32,
-                                                   (header.routed_tokens, 2)))
-        group_counts = torch.tensor(header.expert_counts, dtype=torch.int32)
-        return ItemViews(routed, shared, route, group_counts)
-
-    def reply(self, arrival: Arrival, routed_out: torch.Tensor,
-              shared_out: torch.Tensor | None) -> None:
-        """Write the outputs, the reply header, then the flag (= this rank's reply seq)."""
-        if self.layout.is_dedup:
-            self._reply_dedup(arrival, routed_out, shared_out)
-            return
-        ctx = self.ctx
-        seq = self._next_seq(arrival.region, arrival.ring)
-        header = wire.reply_header(arrival.header, seq=seq, src_rank=ctx.role_rank)
-        fields = {"routed_x": torch_to_raw(routed_out.detach(), ctx.dtype)}
-        if shared_out is not None and arrival.header.shared_tokens:
-            fields["shared_x"] = torch_to_raw(shared_out.detach(), ctx.dtype)
-        self.window.write_message(ctx.peer_pe(Role.ATTENTION, arrival.region), ctx.role_rank,
-                                  arrival.ring, wire.encode_header(header, self.layout.expert_per_rank),
-                                  seq, fields)
-
-    # --- both ---------------------------------------------------------------------------
     def announce_shutdown(self) -> None:
-        ctx, layout = self.ctx, self.layout
-        words = wire.encode_header(wire.shutdown_header(src_rank=ctx.role_rank, top_k=ctx.top_k,
-                                                        expert_per_rank=layout.expert_per_rank,
-                                                        wire_mode=layout.wire_mode),
-                                   layout.expert_per_rank)
-        window = self.window
-        for pe in ctx.opposite_pes():
-            for ring in range(layout.ring_depth):
-                out = words
-                if ctx.role is Role.FFN:  # keep a reply the Attention side may not have read
-                    flag = int(window.flag_view(pe, ctx.role_rank, ring)[0])
-                    current = window.to_host(window.header_view(pe, ctx.role_rank, ring))
-                    out = wire.shutdown_over_reply(current, flag, words)
-                window.write_message(pe, ctx.role_rank, ring, out, wire.SHUTDOWN_SEQ)
+        self.rank.announce_shutdown()
 
     def close(self, *, peers_healthy: bool = True) -> None:
-        self.window.close()
-        self.heap.close(peers_healthy=peers_healthy)
+        self.rank.close(peers_healthy=peers_healthy)
