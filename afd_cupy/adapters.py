@@ -51,9 +51,9 @@ from torch import nn
 
 from afd_cupy import moe
 from afd_cupy.config import ModelConfig
-from afd_cupy.expert_formats import (UnsupportedModelError, _Format, _Shared, _check_block,  # noqa: F401
-                                     _config_format, _deinterleave, _layout, _shared_from,
-                                     _shared_of, config_activation)
+from afd_cupy.expert_formats import (ExpertFormat, SharedParts, UnsupportedModelError,  # noqa: F401
+                                     check_block, config_activation, config_format, deinterleave,
+                                     shared_from, shared_of, weight_layout)
 
 #: model_type -> how its config maps to ModelConfig (experts, intermediate size, gate)
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss")
@@ -171,7 +171,7 @@ def disaggregate_attention(model: nn.Module, connector, *, blocking: bool = True
                                     f"the connector's ModelConfig.num_layers is {connector.model.num_layers}")
     return_scores = getattr(getattr(model, "config", None), "model_type", None) in _BLOCK_RETURNS_SCORES
     for layer_idx, (name, block) in enumerate(blocks):
-        _check_block(block)
+        check_block(block)
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, DisaggregatedMoE(router_of(block), connector, layer_idx, blocking=blocking,
@@ -191,8 +191,8 @@ class _Layer:
     down: torch.Tensor
     gate_up_bias: torch.Tensor | None
     down_bias: torch.Tensor | None
-    shared: _Shared | None
-    format: _Format
+    shared: SharedParts | None
+    format: ExpertFormat
     owner: str  # for error messages: the block class or the state-dict prefix
 
 
@@ -218,7 +218,7 @@ def ffn_weights(source, *, ffn_rank: int, num_ffn_ranks: int, num_experts: int,
         if hf_config is not None and activation is not None:
             raise ValueError(f"pass activation ({activation!r}) or hf_config, not both: the config "
                              "names the experts' activation")
-        fmt = _config_format(hf_config) if hf_config is not None else _Format(activation or "silu")
+        fmt = config_format(hf_config) if hf_config is not None else ExpertFormat(activation or "silu")
         layers = _layers_from_state(source, fmt)
     epr = -(-num_experts // num_ffn_ranks)
     experts, shared = [], []
@@ -240,7 +240,7 @@ def _local_set(layer: _Layer, ffn_rank: int, epr: int, num_experts: int) -> moe.
     if layer.gate_up.shape[0] != num_experts:
         raise UnsupportedModelError(f"{layer.owner}: expert weights hold {layer.gate_up.shape[0]} experts, "
                                     f"expected {num_experts}")
-    transposed, inter, hidden = _layout(layer.gate_up.shape, layer.down.shape, layer.owner)
+    transposed, inter, hidden = weight_layout(layer.gate_up.shape, layer.down.shape, layer.owner)
     for name, bias, shape in (("gate_up_proj_bias", layer.gate_up_bias, (num_experts, 2 * inter)),
                               ("down_proj_bias", layer.down_bias, (num_experts, hidden))):
         if bias is not None and tuple(bias.shape) != shape:
@@ -252,8 +252,8 @@ def _local_set(layer: _Layer, ffn_rank: int, epr: int, num_experts: int) -> moe.
         w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
     b13 = None if layer.gate_up_bias is None else layer.gate_up_bias[owned]
     if layer.format.interleaved:
-        w13 = _deinterleave(w13, dim=1)
-        b13 = None if b13 is None else _deinterleave(b13, dim=1)
+        w13 = deinterleave(w13, dim=1)
+        b13 = None if b13 is None else deinterleave(b13, dim=1)
     mine = moe.ExpertWeights(w13=w13, w2=w2, num_experts=w13.shape[0], w13_bias=b13,
                              w2_bias=None if layer.down_bias is None else layer.down_bias[owned],
                              **layer.format.weights_kwargs())
@@ -262,15 +262,15 @@ def _local_set(layer: _Layer, ffn_rank: int, epr: int, num_experts: int) -> moe.
 
 def _layers_from_module(model: nn.Module):
     for _, block in moe_blocks(model):
-        fmt = _check_block(block)
+        fmt = check_block(block)
         experts = block.experts
         biases = [getattr(experts, name, None) for name in ("gate_up_proj_bias", "down_proj_bias")]
         yield _Layer(experts.gate_up_proj.detach(), experts.down_proj.detach(),
-                     *(None if b is None else b.detach() for b in biases), _shared_of(block), fmt,
+                     *(None if b is None else b.detach() for b in biases), shared_of(block), fmt,
                      type(block).__name__)
 
 
-def _layers_from_state(state: dict, fmt: _Format):
+def _layers_from_state(state: dict, fmt: ExpertFormat):
     prefixes = sorted({key[:-len("experts.gate_up_proj")] for key in state
                        if key.endswith("experts.gate_up_proj")}, key=_layer_number)
     if not prefixes:
@@ -280,7 +280,7 @@ def _layers_from_state(state: dict, fmt: _Format):
         shared = None
         for name in ("shared_experts.", "shared_expert."):
             if prefix + name + "gate_proj.weight" in state:
-                shared = _shared_from(*(state.get(f"{prefix}{name}{proj}.{attr}") for attr in ("weight", "bias")
+                shared = shared_from(*(state.get(f"{prefix}{name}{proj}.{attr}") for attr in ("weight", "bias")
                                         for proj in ("gate_proj", "up_proj", "down_proj")),
                                       state.get(prefix + "shared_expert_gate.weight"))
         yield _Layer(state[prefix + "experts.gate_up_proj"], state[prefix + "experts.down_proj"],

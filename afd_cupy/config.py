@@ -24,7 +24,9 @@ MOE_SPLITS = ("even",)
 #: ConnectorConfig fields local to a rank: they change nothing another rank sees (how long
 #: this FFN rank polls, which of two kernel paths writes the same bytes), so they need not
 #: agree across ranks (the start-up handshake leaves them out)
-RANK_LOCAL_FIELDS = ("recv_poll_timeout_ms", "fused_dispatch")
+RANK_LOCAL_FIELDS = ("recv_poll_timeout_ms", "fused_dispatch", "dedup_dispatch")
+#: ConnectorConfig.dedup_dispatch values: the dedup dispatch kernels of the cuda backend
+DEDUP_DISPATCHES = ("plan", "ll")
 #: largest ConnectorConfig.routed_cap_multiplier: the cap is clipped at every partial of a
 #: batch anyway (multiplier = number of FFN ranks covers the worst case)
 MAX_ROUTED_CAP_MULTIPLIER = 65536.0
@@ -182,6 +184,12 @@ class ConnectorConfig:
       ``afd_dispatch_fused`` (plan + scatter), dedup mode ``afd_dedup_dispatch_fused`` (plan +
       rows + scatter); docs/design/kernels.md. False: always the separate kernels. The same bytes
       reach the window either way (local to the rank, like ``recv_poll_timeout_ms``).
+    - ``dedup_dispatch``: which one-kernel dedup dispatch the cuda backend runs: ``"plan"``
+      (``afd_dedup_dispatch_fused``, or the separate kernels, as ``fused_dispatch`` says) or
+      ``"ll"`` (``afd_dedup_dispatch_ll``: only block 0 ranks the partials, the other blocks
+      write the payload rows after a per-token plan; used whenever a dispatch of
+      ``max_num_batched_tokens`` fits it, at most 32 FFN ranks, else ``"plan"``). Same bytes
+      either way (local to the rank); docs/design/kernels.md.
     """
 
     attn_ranks_per_dp: int = 1
@@ -194,6 +202,7 @@ class ConnectorConfig:
     wire_mode: str = "pair"
     transport: str = "direct"
     fused_dispatch: bool = True
+    dedup_dispatch: str = "plan"
 
     def __post_init__(self) -> None:
         owner = "ConnectorConfig"
@@ -211,6 +220,9 @@ class ConnectorConfig:
             raise ConfigError(f"{owner}.async_moe_split must be one of {MOE_SPLITS}, got {self.async_moe_split!r}")
         if self.wire_mode not in WIRE_MODES:
             raise ConfigError(f"{owner}.wire_mode must be one of {WIRE_MODES}, got {self.wire_mode!r}")
+        if self.dedup_dispatch not in DEDUP_DISPATCHES:
+            raise ConfigError(f"{owner}.dedup_dispatch must be one of {DEDUP_DISPATCHES}, "
+                              f"got {self.dedup_dispatch!r}")
         if self.transport not in transport_names():  # the registry (afd_cupy.transports)
             raise ConfigError(f"{owner}.transport must be one of {transport_names()}, got {self.transport!r}")
         if self.ring_depth is None:

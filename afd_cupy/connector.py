@@ -14,36 +14,30 @@ FFN side::
 Both: ``announce_shutdown()``; receiving the opposite role's shutdown raises
 ``ConnectorShutdown`` (an FFN rank raises once every Attention rank has announced it).
 Construction and ``close()`` are collective over the whole AFD world.
+
+A thin facade: construction and ``close()`` are here, every role call goes to the rank's
+endpoint (:mod:`afd_cupy.attention_endpoint` / :mod:`afd_cupy.ffn_endpoint`, over the backend's
+AttentionPath / FFNPath; docs/design/architecture.md).
 """
 from __future__ import annotations
 
 import logging
-import numbers
-import socket
-import threading
 
 import torch
 
-from afd_cupy import env, gates, handshake, moe, peer_state
-from afd_cupy.backends.base import POLL_MODES, Arrival, PathContext, open_path, require_backend
+from afd_cupy import connector_setup, gates, handshake, moe
+from afd_cupy.backends.base import Arrival, Capabilities, PathContext, open_path, require_backend
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig
 from afd_cupy.dtypes import torch_dtype
-from afd_cupy.errors import (AfdError, ConfigError, ConnectorShutdown, PeerLostError,
-                             PeerTimeoutError, ProtocolError, RingExhaustedError, token_cap_error)
+from afd_cupy.connector_setup import check_config
+from afd_cupy.errors import ConfigError, ProtocolError
 from afd_cupy.handles import DispatchHandle, FFNWorkItem  # noqa: F401 - part of this module's API
 from afd_cupy.heap.nvshmem_env import check_nvshmem_env
-from afd_cupy.timeouts import check_optional_timeout, check_timeout
+from afd_cupy.timeouts import check_timeout
 from afd_cupy.topology import Role, Topology
 from afd_cupy.wire import WindowLayout
 
 logger = logging.getLogger("afd_cupy")
-
-
-def _check_config(name: str, value, cls):
-    if not isinstance(value, cls):
-        hint = f" (use {cls.__name__}.from_mapping for a dict)" if isinstance(value, dict) else ""
-        raise ConfigError(f"{name} must be a {cls.__name__}, got {type(value).__name__}{hint}")
-    return value
 
 
 class AFDConnector:
@@ -84,8 +78,11 @@ class AFDConnector:
     Raises ConfigError for invalid arguments and BackendUnavailableError when ``backend``
     cannot run here. Construction and :meth:`close` are collective over the AFD world.
 
-    ``path`` is the backend's :class:`~afd_cupy.backends.base.DataPath` (public so that tools
-    can time its steps; the connector's own methods are the API).
+    ``path`` is the backend's path of this rank's role (an
+    :class:`~afd_cupy.backends.base.AttentionPath` or :class:`~afd_cupy.backends.base.FFNPath`;
+    public so that tools can time its steps; the connector's own methods are the API) and
+    ``endpoint`` the :class:`~afd_cupy.attention_endpoint.AttentionEndpoint` or
+    :class:`~afd_cupy.ffn_endpoint.FFNEndpoint` every role call goes to.
     """
 
     def __init__(self, model: ModelConfig, topology: TopologyConfig,
@@ -94,9 +91,9 @@ class AFDConnector:
                  poll_mode: str = "device", peer_timeout_s: float = 60.0, always_send: bool = False,
                  startup_timeout_s: float = 120.0, nvshmem_env: dict | None = None,
                  cpu_threads: int | str | None = "auto", recv_spin_us: int = 500):
-        self.model = _check_config("model", model, ModelConfig)
-        _check_config("topology", topology, TopologyConfig)
-        self.config = _check_config("connector", connector or ConnectorConfig(), ConnectorConfig)
+        self.model = check_config("model", model, ModelConfig)
+        check_config("topology", topology, TopologyConfig)
+        self.config = check_config("connector", connector or ConnectorConfig(), ConnectorConfig)
         if self.config.attn_ranks_per_dp != 1:
             raise ConfigError(f"attn_ranks_per_dp={self.config.attn_ranks_per_dp}: only 1 is supported "
                               "(one sending Attention rank per data-parallel replica)")
@@ -108,48 +105,29 @@ class AFDConnector:
         self.startup_timeout_s = check_timeout("startup_timeout_s", startup_timeout_s)
         self.world_rank = self.topology.world_rank(self.role, role_rank)
         require_backend(backend, self.config.wire_mode, self.config.transport)  # before any collective step
-        if poll_mode not in POLL_MODES:
-            raise ConfigError(f"poll_mode must be one of {POLL_MODES}, got {poll_mode!r}")
-        _check_cpu_threads(cpu_threads)
-        if isinstance(recv_spin_us, bool) or not isinstance(recv_spin_us, numbers.Integral) or recv_spin_us < 0:
-            raise ConfigError(f"recv_spin_us must be an int >= 0 (microseconds), got {recv_spin_us!r}")
-        if nvshmem_env is not None:  # checked here, so a bad dict fails before any collective step
+        connector_setup.check_poll_mode(poll_mode)
+        connector_setup.check_cpu_threads(cpu_threads)
+        connector_setup.check_recv_spin_us(recv_spin_us)
+        if nvshmem_env is not None:  # a bad dict fails here, before any collective step
             nvshmem_env = check_nvshmem_env(nvshmem_env)
         self.layout = WindowLayout.from_configs(model, topology, self.config)
         self.torch_dtype = torch_dtype(model.dtype)
         self.out_scale = moe.combine_scale(self.torch_dtype, model.routed_scaling_factor)
-        self._pending: dict[int, DispatchHandle | None] = {}
-        self._received: dict[tuple, int] = {}  # FFN: (src_rank, ring) -> seq of the newest item
-        self._answered: set[tuple] = set()  # FFN: (src_rank, ring) whose newest item was answered
-        # FFN: one receiving and one replying thread may share the connector (FFNWorker(overlap=
-        # True) on the host backend). NOTE: the Attention rank may send the next item on a slot
-        # as soon as a reply's flag is written; without the lock the receiving thread could
-        # record that item before the replying thread marks the slot answered, and the new item
-        # would count as answered. Taking an item and answering one are atomic w.r.t. each other.
-        self._ffn_lock = threading.Lock()
-        self._shutdown_from: set[int] = set()
-        self._lost: set[int] = set()  # FFN: attention ranks found dead
-        self._shutdown_announced = False
-        self._store = store  # read again only on error paths (a failed FFN's reason)
-        self._peer_failed = False  # a wait timed out or a peer died: close() must not hang on it
         self._closed = False
         self.instance, peers = handshake.exchange(
             store, world_rank=self.world_rank, world_size=self.topology.world_size,
             record=handshake.config_record(model, topology, self.config, backend=backend),
             timeout_s=self.startup_timeout_s)
         self._peer_processes = peers
-        # Attention: FFN ranks known gone (shut down, dead, failed): refused at once later
-        self._ffn_peers = peer_state.FFNPeers(self.topology, peers, store, self.instance)
-        _apply_cpu_threads(cpu_threads, peers)
-        self._attn_processes = {p.world_rank: p for p in peers
-                                if self.topology.role_of(p.world_rank)[0] is Role.ATTENTION}
+        connector_setup.apply_cpu_threads(cpu_threads, peers)
         ctx = PathContext(layout=self.layout, topology=self.topology, role=self.role,
                           role_rank=role_rank, dtype=model.dtype, torch_dtype=self.torch_dtype,
                           top_k=model.top_k, num_experts=model.num_experts,
                           has_shared=model.num_shared_experts > 0,
                           peer_timeout_s=self.peer_timeout_s, always_send=bool(always_send),
                           poll_mode=poll_mode, transport=self.config.transport,
-                          recv_spin_s=recv_spin_us * 1e-6, fused_dispatch=self.config.fused_dispatch)
+                          recv_spin_s=recv_spin_us * 1e-6, fused_dispatch=self.config.fused_dispatch,
+                          dedup_dispatch=self.config.dedup_dispatch)
         try:
             self.path = open_path(backend, ctx, store=store, job_id=job_id, device_id=device_id,
                                   startup_timeout_s=self.startup_timeout_s, instance=self.instance,
@@ -157,9 +135,7 @@ class AFDConnector:
         except BaseException:
             self._closed = True  # nothing to close: no "not closed" warning from __del__
             raise
-        # pair mode, Attention: the combine's routing, owned from send_attn_output on
-        self._owned_routing = (peer_state.owned_routing_buffers(self.layout, model.top_k, self.device)
-                               if self.role is Role.ATTENTION and not self.layout.is_dedup else None)
+        self.endpoint = connector_setup.open_endpoint(self, store, peers)  # the role calls' target
         logger.info("afd_cupy %s rank %d (world rank %d/%d) up: backend=%s window=%.1f MiB",
                     self.role.value, role_rank, self.world_rank, self.topology.world_size,
                     backend, self.layout.window_bytes / 2**20)
@@ -168,6 +144,12 @@ class AFDConnector:
     def device(self) -> torch.device:
         """torch device of this connector's payload tensors."""
         return self.path.device
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this rank's data path can do (:class:`~afd_cupy.backends.base.Capabilities`):
+        callers decide on these fields, never on the backend's name."""
+        return self.path.capabilities
 
     # --- Attention side ---------------------------------------------------------------------
     def select_experts(self, router_logits: torch.Tensor,
@@ -210,31 +192,7 @@ class AFDConnector:
         backends; with ``blocking=False`` on cuda, at the next blocking call).
         """
         self._require(Role.ATTENTION, "send_attn_output")
-        if self._shutdown_announced:
-            raise ProtocolError("send_attn_output after announce_shutdown(): the FFN ranks were told "
-                                "this rank is done")
-        self._check_send_args(hidden, topk_ids, topk_weights, layer_idx, stage_idx)
-        layer_idx, stage_idx = int(layer_idx), int(stage_idx)
-        ring = self._acquire_ring(stage_idx)
-        try:
-            state = self.path.dispatch(hidden, topk_ids, topk_weights, layer_idx=layer_idx,
-                                       stage_idx=stage_idx, ring=ring)
-        except BaseException:
-            self._pending.pop(ring, None)
-            raise
-        if self._ffn_peers.gone and not _capturing(self.device):  # sent_to may synchronize
-            try:
-                self._ffn_peers.refuse(self.path.sent_to(state))
-            except AfdError:
-                self._pending.pop(ring, None)
-                raise
-        if self._owned_routing is not None:  # pair mode: the combine reads them, so own them
-            topk_ids, topk_weights = peer_state.own_routing(self._owned_routing[ring], topk_ids,
-                                                            topk_weights)
-        handle = DispatchHandle(layer_idx, stage_idx, ring, hidden.shape[0], topk_ids,
-                                topk_weights, state)
-        self._pending[ring] = handle
-        return handle
+        return self.endpoint.send(hidden, topk_ids, topk_weights, layer_idx, stage_idx)
 
     def recv_ffn_output(self, handle: DispatchHandle, *, blocking: bool = True) -> torch.Tensor:
         """Wait for the replies of exactly the FFN ranks that were sent to, and combine.
@@ -250,26 +208,7 @@ class AFDConnector:
         rank and its exception.
         """
         self._require(Role.ATTENTION, "recv_ffn_output")
-        self._check_pending(handle)
-        try:
-            return self.path.combine(handle.state, handle.topk_ids, handle.topk_weights,
-                                     ring=handle.ring, layer_idx=handle.layer_idx,
-                                     stage_idx=handle.stage_idx, out_scale=self.out_scale,
-                                     blocking=blocking)
-        except AfdError as exc:
-            self._note_reply_error(exc)
-        finally:
-            del self._pending[handle.ring]
-
-    def _note_reply_error(self, exc: AfdError):
-        """Raise ``exc`` (a wait for replies failed), or the PeerFailedError of the FFN rank
-        that published why it failed; a rank it shows gone is refused at once later."""
-        if isinstance(exc, PeerTimeoutError):
-            self._peer_failed = True
-        replacement = self._ffn_peers.note(exc)
-        if replacement is exc:
-            raise exc
-        raise replacement from exc
+        return self.endpoint.recv(handle, blocking=blocking)
 
     def forget_dispatch(self, handle: DispatchHandle) -> None:
         """Release the ring of a dispatch that will not be received (the caller's step failed
@@ -278,66 +217,15 @@ class AFDConnector:
         its seq and dropped like any late reply. Raises ProtocolError if ``handle`` is not
         pending. Not collective; never blocks."""
         self._require(Role.ATTENTION, "forget_dispatch")
-        self._check_pending(handle)
-        del self._pending[handle.ring]
+        self.endpoint.forget(handle)
 
     def sent_to(self, handle: DispatchHandle) -> list[int]:
         """FFN ranks the dispatch of ``handle`` was sent to (may synchronize; for tools)."""
-        return self.path.sent_to(handle.state)
+        return self.endpoint.sent_to(handle)
 
     def check_errors(self) -> None:
         """Synchronize and raise any error latched by a non-blocking call (no-op on host)."""
-        try:
-            self.path.check_errors()
-        except AfdError as exc:
-            if self.role is not Role.ATTENTION:
-                raise
-            self._note_reply_error(exc)
-
-    def _check_pending(self, handle: DispatchHandle) -> None:
-        if self._pending.get(handle.ring) is not handle:
-            raise ProtocolError(f"handle for layer {handle.layer_idx} ring {handle.ring} is not pending "
-                                "(already received, or from another connector)")
-
-    def _acquire_ring(self, stage_idx: int) -> int:
-        num_stages, depth = self.config.num_stages, self.layout.ring_depth
-        for ring in range(stage_idx % num_stages, depth, num_stages):
-            if ring not in self._pending:
-                self._pending[ring] = None  # reserved until the handle exists
-                return ring
-        rings = list(range(stage_idx % num_stages, depth, num_stages))
-        raise RingExhaustedError(
-            f"stage {stage_idx}: all its rings {rings} have a dispatch in flight; Attention is "
-            f"send-then-recv per (peer, stage), so ring_depth={depth} with {num_stages} stage(s) "
-            "means the caller skipped a recv_ffn_output or the configs do not match")
-
-    def _check_send_args(self, hidden, topk_ids, topk_weights, layer_idx, stage_idx) -> None:
-        model = self.model
-        _check_index("layer_idx", layer_idx, model.num_layers)
-        _check_index("stage_idx", stage_idx, self.config.num_stages)
-        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2 or hidden.shape[1] != model.hidden_size:
-            raise ValueError(f"hidden must be a [num_tokens, {model.hidden_size}] tensor, got "
-                             f"{getattr(hidden, 'shape', type(hidden).__name__)}")
-        if hidden.dtype != self.torch_dtype:
-            raise ValueError(f"hidden has dtype {hidden.dtype}, the model dtype is {self.torch_dtype}")
-        self._check_device("hidden", hidden)
-        expected = (hidden.shape[0], model.top_k)
-        for name, tensor, is_float in (("topk_ids", topk_ids, False), ("topk_weights", topk_weights, True)):
-            if not isinstance(tensor, torch.Tensor):
-                raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-            if tuple(tensor.shape) != expected:
-                raise ValueError(f"{name} must have shape {expected}, got {tuple(tensor.shape)}")
-            if tensor.dtype.is_floating_point != is_float or tensor.dtype == torch.bool or tensor.is_complex():
-                raise ValueError(f"{name} has wrong dtype {tensor.dtype} (expected "
-                                 f"{'a float' if is_float else 'an integer'} dtype)")
-            self._check_device(name, tensor)
-        if hidden.shape[0] > self.layout.token_cap:
-            raise token_cap_error(hidden.shape[0], self.layout.token_cap)
-
-    def _check_device(self, name: str, tensor: torch.Tensor) -> None:
-        device = self.device
-        if tensor.device.type != device.type or (device.index is not None and tensor.device.index != device.index):
-            raise ValueError(f"{name} is on {tensor.device}, this connector's tensors live on {device}")
+        self.endpoint.check_errors()
 
     # --- FFN side ---------------------------------------------------------------------------
     def recv_ffn_work_item(self, timeout_ms: int | None = None) -> FFNWorkItem | None:
@@ -347,64 +235,13 @@ class AFDConnector:
         PeerLostError once every Attention rank has shut down or died (a dead rank is noticed
         when a poll finds nothing: its process is gone; same host only)."""
         self._require(Role.FFN, "recv_ffn_work_item")
-        timeout_ms = check_optional_timeout("timeout_ms", timeout_ms, unit="ms") or self.config.recv_poll_timeout_ms
-        while True:
-            arrival = self.path.wait_any(timeout_ms / 1000.0)
-            if arrival is None:
-                self._check_attention_alive()
-                return None
-            if arrival.header.is_shutdown:
-                self._note_shutdown(arrival.header.src_rank)
-                continue
-            return self._work_item(arrival)
-
-    def _note_shutdown(self, src_rank: int) -> None:
-        if src_rank in self._shutdown_from:
-            return  # the same announcement, seen on another ring
-        self._shutdown_from.add(src_rank)
-        logger.info("afd_cupy ffn rank %d: attention rank %d announced shutdown (%d/%d)",
-                    self.role_rank, src_rank, len(self._shutdown_from), self.topology.num_attn_ranks)
-        self._raise_if_lost()
-        if len(self._shutdown_from) == self.topology.num_attn_ranks:
-            raise ConnectorShutdown("every Attention rank announced shutdown", src_rank=src_rank)
+        return self.endpoint.recv(timeout_ms)
 
     def finished_attention_ranks(self) -> frozenset:
         """FFN side: Attention role ranks that will send no more (announced shutdown, or found
         dead by an idle poll). The lockstep schedule serves the others without them."""
-        return frozenset(self._shutdown_from)
-
-    def _check_attention_alive(self) -> None:
-        """Idle-time liveness check: raise PeerLostError once no Attention rank can send."""
-        dead = [self.topology.role_of(pe)[1] for pe, proc in self._attn_processes.items()
-                if proc.is_alive() is False]
-        for rank in dead:
-            if rank not in self._shutdown_from:
-                logger.warning("afd_cupy ffn rank %d: attention rank %d died without shutdown",
-                               self.role_rank, rank)
-                self._shutdown_from.add(rank)
-                self._lost.add(rank)
-        self._raise_if_lost()
-
-    def _raise_if_lost(self) -> None:
-        """PeerLostError once every Attention rank is done and some of them died."""
-        if self._lost and len(self._shutdown_from) == self.topology.num_attn_ranks:
-            self._peer_failed = True
-            raise PeerLostError(f"attention rank(s) {sorted(self._lost)} died without announcing "
-                                "shutdown; every other attention rank has shut down",
-                                peers=sorted(self._lost))
-
-    def _work_item(self, arrival: Arrival) -> FFNWorkItem:
-        header = arrival.header
-        if header.src_rank != arrival.region:
-            raise ProtocolError(f"message in region {arrival.region} claims source rank {header.src_rank}")
-        key = (arrival.region, arrival.ring)
-        with self._ffn_lock:  # NOTE: a reply on this slot may be completing on another thread
-            views = self.path.item_views(arrival)
-            self._received[key] = header.seq
-            self._answered.discard(key)
-        return FFNWorkItem(arrival=arrival, routed_x=views.routed_x, group_counts=views.group_counts,
-                           shared_x=views.shared_x if header.shared_tokens else None,
-                           route_table=views.route_table)
+        self._require_ffn_loop("finished_attention_ranks")
+        return self.endpoint.finished_attention_ranks()
 
     def send_ffn_work_item_output(self, item: FFNWorkItem, routed_out: torch.Tensor,
                                   shared_out: torch.Tensor | None = None) -> None:
@@ -417,38 +254,7 @@ class AFDConnector:
         out and moved on) is not answered: the reply would be dropped there anyway.
         """
         self._require(Role.FFN, "send_ffn_work_item_output")
-        self._check_outputs(item, routed_out, shared_out)
-        key = (item.src_rank, item.ring)
-        with self._ffn_lock:  # the flag write and the bookkeeping before the next item on the slot
-            if self._shutdown_announced:
-                raise ProtocolError(f"send_ffn_work_item_output after announce_shutdown(): the reply "
-                                    f"to {item!r} would not be read (the attention ranks were told "
-                                    "this rank is done)", peer=item.src_rank, layer_idx=item.layer_idx)
-            newest = self._received.get(key)
-            if newest == item.seq and key in self._answered:
-                raise ProtocolError(f"work item from attention rank {item.src_rank} (layer {item.layer_idx}, "
-                                    f"ring {item.ring}, seq {item.seq}) was already answered",
-                                    peer=item.src_rank, layer_idx=item.layer_idx)
-            if newest != item.seq:
-                logger.warning("afd_cupy ffn rank %d: %r was superseded by seq %s on its slot; not answered",
-                               self.role_rank, item, newest)
-                return
-            self.path.reply(item.arrival, routed_out, shared_out if item.shared_tokens else None)
-            self._answered.add(key)
-
-    def _check_outputs(self, item, routed_out, shared_out) -> None:
-        hidden = self.model.hidden_size
-        expected = (item.routed_tokens, hidden)
-        if tuple(routed_out.shape) != expected or routed_out.dtype != self.torch_dtype:
-            raise ValueError(f"routed_out must be {expected} {self.torch_dtype}, got "
-                             f"{tuple(routed_out.shape)} {routed_out.dtype}")
-        self._check_device("routed_out", routed_out)
-        if item.shared_tokens:
-            expected = (item.shared_tokens, hidden)
-            if shared_out is None or tuple(shared_out.shape) != expected or shared_out.dtype != self.torch_dtype:
-                raise ValueError(f"shared_out must be {expected} {self.torch_dtype} for an item with "
-                                 f"shared rows, got {None if shared_out is None else tuple(shared_out.shape)}")
-            self._check_device("shared_out", shared_out)
+        self.endpoint.reply(item, routed_out, shared_out)
 
     # --- both sides -------------------------------------------------------------------------
     def announce_shutdown(self) -> None:
@@ -457,9 +263,7 @@ class AFDConnector:
         An FFN rank's shutdown keeps the replies it already wrote readable
         (``wire.FLAG_KEPT_REPLY``; not over the cuda put transport)."""
         self._require(self.role, "announce_shutdown")
-        with self._ffn_lock:  # FFN: not in the middle of a reply on another thread
-            self.path.announce_shutdown()
-            self._shutdown_announced = True
+        self.endpoint.announce_shutdown()
 
     def announce_failure(self, exc: BaseException) -> None:
         """FFN side: tell every Attention rank that this rank's own code raised ``exc`` and
@@ -468,13 +272,7 @@ class AFDConnector:
         ``PeerFailedError`` naming this rank and the exception. Best effort: a store that
         cannot be reached leaves a plain shutdown (logged)."""
         self._require(Role.FFN, "announce_failure")
-        try:
-            peer_state.publish_failure(self._store, self.instance, self.role_rank, exc)
-        except Exception as store_exc:  # the shutdown below still releases the peers
-            logger.warning("afd_cupy ffn rank %d: could not publish the failure %r: %s",
-                           self.role_rank, exc, store_exc)
-        if not self._shutdown_announced:
-            self.announce_shutdown()
+        self.endpoint.announce_failure(exc)
 
     def close(self) -> None:
         """Collective: every rank of the world calls it; frees the window. Idempotent.
@@ -489,7 +287,7 @@ class AFDConnector:
         if self._closed:
             return
         try:
-            if self.role is Role.ATTENTION and not self._shutdown_announced:
+            if self.role is Role.ATTENTION and not self.endpoint.shutdown_announced:
                 try:
                     self.announce_shutdown()
                 except Exception as exc:  # close() must go on; the original error matters more
@@ -507,7 +305,8 @@ class AFDConnector:
             # peer's liveness is unknown here); a timed-out wait whose peers all still run (a
             # slow FFN that answered late) waits for them like a clean close
             unknown = any(is_alive is None for is_alive in alive.values())
-            self.path.close(peers_healthy=not dead and not (self._peer_failed and unknown))
+            peer_failed = self.endpoint.peer_failed
+            self.path.close(peers_healthy=not dead and not (peer_failed and unknown))
 
     def __enter__(self) -> "AFDConnector":
         return self
@@ -526,22 +325,30 @@ class AFDConnector:
         if self._closed:
             raise ProtocolError(f"{what} on a closed connector")
 
-    # --- seams of the loops built on the connector (issue #32) ------------------------------
-    # afd_cupy.step_graph and the graph FFN server (backends/cuda_ffn_graph.py) drive the
-    # connector from outside; these public calls give them what they used to read from the
-    # private bookkeeping above. NOTE: keep this block last in the class.
+    # --- seams of the loops built on the connector: afd_cupy.step_graph and the graph FFN
+    # server (backends/cuda_ffn_graph.py) drive it through these public calls only
     @property
     def supports_nonblocking(self) -> bool:
         """True when ``recv_ffn_output(blocking=False)`` enqueues the wait and the combine
         without a host synchronization (the data path's declared capability: cuda), so a step
         of such calls can be captured in a CUDA graph; False where a receive blocks (host)."""
-        return bool(self.path.supports_nonblocking)
+        return self.capabilities.supports_nonblocking
 
     def pending_rings(self) -> tuple[int, ...]:
         """Attention side: the rings with a dispatch in flight (sent and neither received nor
         forgotten; a ring a send is reserving counts too), sorted. Not collective; never
         blocks."""
-        return tuple(sorted(self._pending))
+        self._require_role(Role.ATTENTION, "pending_rings")
+        return self.endpoint.pending_rings()
+
+    def order_graph_replay(self, rings, stream: int) -> None:
+        """Attention side, for a loop that replays a captured graph sending on ``rings`` on
+        the raw stream ``stream`` (``afd_cupy.step_graph``): order the replay after each
+        ring's last use on another stream, and the ring's next use after the replay (the
+        replay bypasses the per-call ordering). No-op where the path has no streams (host).
+        Not collective; never blocks."""
+        self._require_role(Role.ATTENTION, "order_graph_replay")
+        self.endpoint.order_graph_replay(rings, stream)
 
     def check_attention_alive(self) -> None:
         """FFN side, for a loop that waits for arrivals itself (a graph replay) instead of
@@ -549,7 +356,7 @@ class AFDConnector:
         finds nothing. Raises PeerLostError once every Attention rank has shut down or died
         and some died (same host only)."""
         self._require_ffn_loop("check_attention_alive")
-        self._check_attention_alive()
+        self.endpoint.check_attention_alive()
 
     def note_shutdown(self, src_rank: int) -> None:
         """FFN side, for such a loop: count the shutdown header of Attention rank
@@ -557,7 +364,7 @@ class AFDConnector:
         announcement seen on another ring counts once). Raises ConnectorShutdown once every
         Attention rank has announced, PeerLostError as :meth:`check_attention_alive`."""
         self._require_ffn_loop("note_shutdown")
-        self._note_shutdown(int(src_rank))
+        self.endpoint.note_shutdown(int(src_rank))
 
     def accept_arrival(self, arrival: Arrival) -> FFNWorkItem:
         """FFN side, for such a loop: the work item of a dispatch it found (``arrival``: region,
@@ -565,81 +372,28 @@ class AFDConnector:
         records one, so :meth:`send_ffn_work_item_output` answers it once. Raises
         ProtocolError when the header's source rank is not its region's."""
         self._require_ffn_loop("accept_arrival")
-        return self._work_item(arrival)
+        return self.endpoint.accept_arrival(arrival)
 
     def reply_seq_counters(self):
         """FFN side, cuda: a copy of the data path's reply seq per slot (int64 numpy
         ``[num_slots]``, slot = region * ring_depth + ring: the seq of the last reply this rank
         wrote there), for a loop that takes the replies over (the graph FFN server keeps them
         on the device while it runs). ProtocolError where the path keeps none (host)."""
-        return self._reply_seqs("reply_seq_counters").copy()
+        self._require_ffn_loop("reply_seq_counters")
+        return self.endpoint.reply_seq_counters()
 
     def set_reply_seq_counters(self, counters, *, slot: int | None = None) -> None:
         """FFN side, cuda: give the counters back (``counters`` int ``[num_slots]``), or with
         ``slot`` set that slot's counter to ``counters`` (an int: the next reply on the slot
         carries ``counters + 1``). ValueError for a wrong length or slot. Not collective."""
-        seqs = self._reply_seqs("set_reply_seq_counters")
-        if slot is None:
-            if len(counters) != len(seqs):
-                raise ValueError(f"set_reply_seq_counters: {len(counters)} counters for "
-                                 f"{len(seqs)} slots")
-            seqs[:] = counters
-            return
-        if isinstance(slot, bool) or not isinstance(slot, numbers.Integral) or not 0 <= slot < len(seqs):
-            raise ValueError(f"set_reply_seq_counters: slot={slot!r} outside [0, {len(seqs)})")
-        seqs[int(slot)] = int(counters)
-
-    def _reply_seqs(self, what: str):
-        self._require_ffn_loop(what)
-        seqs = getattr(self.path, "reply_seqs", None)
-        if seqs is None:
-            raise ProtocolError(f"{what}: backend {self.backend!r} keeps no host reply-seq counters")
-        return seqs
+        self._require_ffn_loop("set_reply_seq_counters")
+        self.endpoint.set_reply_seq_counters(counters, slot=slot)
 
     def _require_ffn_loop(self, what: str) -> None:
         # role only: a loop's close() may still hand back what it holds after the connector
         # saw the last shutdown
-        if self.role is not Role.FFN:
-            raise ProtocolError(f"{what} is an ffn-side call; this connector is {self.role.value}")
+        self._require_role(Role.FFN, what)
 
-
-def _check_cpu_threads(value) -> None:
-    if value is None or value == "auto":
-        return
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ConfigError(f"cpu_threads must be 'auto', None or an int >= 1, got {value!r}")
-
-
-def _apply_cpu_threads(cpu_threads, peers) -> None:
-    """The ``cpu_threads`` policy of :class:`AFDConnector` (see its docstring).
-
-    NOTE: "auto" acts on torch's pool only: OpenMP/MKL/OpenBLAS/numba read their variables
-    when they load, which happened before any connector exists; numba starts no pool here
-    (afd_cupy has no parallel=True function)."""
-    if cpu_threads is None:
-        return
-    if cpu_threads != "auto":
-        env.limit_threads(int(cpu_threads), keep_user_settings=False)
-        return
-    if env.user_thread_vars():
-        return  # the user, or the launcher, decided
-    host = socket.gethostname()
-    num_local = 1 + sum(1 for peer in peers if peer.host == host)
-    share = env.thread_share(num_local)
-    if torch.get_num_threads() > share:
-        logger.info("afd_cupy: %d ranks of this job on this host: torch threads %d -> %d "
-                    "(AFDConnector(cpu_threads=None) keeps them)", num_local,
-                    torch.get_num_threads(), share)
-        env.limit_threads(share)
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def _check_index(name: str, value, bound: int) -> None:
-    """``value`` must be an int (not bool, not a float) in [0, bound)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if not 0 <= int(value) < bound:
-        raise ValueError(f"{name}={int(value)} outside [0, {bound})")
+    def _require_role(self, role: Role, what: str) -> None:
+        if self.role is not role:
+            raise ProtocolError(f"{what} is an {role.value}-side call; this connector is {self.role.value}")

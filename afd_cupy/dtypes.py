@@ -3,7 +3,7 @@ the kernels, plus the host conversions between torch tensors and raw wire words.
 
 The wire moves payload rows as raw 16- or 32-bit words, so the same bytes work for bf16
 (which numpy lacks), fp16 and fp32. Arithmetic on the host (combine) decodes to fp32.
-``kernel_code`` is the template argument of the dtype-generic kernels; ``raw_kernels/wire.cuh``
+``kernel_code`` is the template argument of the dtype-generic kernels; ``raw_kernels/common/wire.cuh``
 mirrors it as ``DT_BF16`` / ``DT_F16`` / ``DT_F32``.
 
 torch is imported on first use of a torch dtype, so validating a config needs no torch.
@@ -29,7 +29,7 @@ class PayloadDtype:
     name: torch's name of the dtype (``"bfloat16"``, ``"float16"``, ``"float32"``).
     raw_word: numpy integer type of one raw wire word of the same width (np.int16 / np.int32).
     itemsize: bytes per element.
-    kernel_code: the kernels' dtype template argument (``DT_*`` in ``raw_kernels/wire.cuh``).
+    kernel_code: the kernels' dtype template argument (``DT_*`` in ``raw_kernels/common/wire.cuh``).
     """
 
     name: str

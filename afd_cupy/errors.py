@@ -26,13 +26,14 @@ class WireError(AfdError):
     """A header or window field failed validation (bad magic, version, length, counts)."""
 
 
-def _for_layer(layer_idx) -> str:
+def for_layer(layer_idx) -> str:
+    """The message fragment " for layer N" (empty when ``layer_idx`` is None)."""
     return f" for layer {layer_idx}" if layer_idx is not None else ""
 
 
 def bad_header_error(peer: int, field: str, expected, observed, layer_idx=None) -> WireError:
     """The WireError of a reply header from FFN rank ``peer`` whose ``field`` is invalid."""
-    return WireError(f"bad reply header from FFN rank {peer}{_for_layer(layer_idx)}: {field} is "
+    return WireError(f"bad reply header from FFN rank {peer}{for_layer(layer_idx)}: {field} is "
                      f"{observed!r}, expected {expected!r}")
 
 
@@ -79,7 +80,7 @@ def routed_capacity_error(count: int, peer: int, cap: int, *, nothing_sent: bool
     """The CapacityError of ``count`` routed partials for FFN rank ``peer`` over ``cap``."""
     suffix = "; nothing was sent" if nothing_sent else ""
     return CapacityError(
-        f"{count} routed partials for FFN rank {peer}{_for_layer(layer_idx)} > routed_cap={cap}; raise "
+        f"{count} routed partials for FFN rank {peer}{for_layer(layer_idx)} > routed_cap={cap}; raise "
         f"routed_cap_multiplier (worst case = number of FFN ranks){suffix}", counts=count, cap=cap,
         layer_idx=layer_idx)
 
@@ -91,7 +92,7 @@ class InvalidRoutingError(AfdError, ValueError):
 def bad_expert_error(expert: int, partial: int, num_experts: int, layer_idx=None) -> InvalidRoutingError:
     """The error of topk id ``expert`` (flat index t * top_k + k: ``partial``) out of range."""
     return InvalidRoutingError(f"topk id {expert} (partial {partial}) outside [0, {num_experts})"
-                               f"{_for_layer(layer_idx)}; nothing was sent")
+                               f"{for_layer(layer_idx)}; nothing was sent")
 
 
 class RingExhaustedError(AfdError):
@@ -116,7 +117,7 @@ def reply_timeout_error(peer: int, ring: int, layer_idx, expected_seq: int, obse
                         timeout_s: float) -> PeerTimeoutError:
     """The PeerTimeoutError of an Attention rank that got no reply from FFN rank ``peer``."""
     return PeerTimeoutError(
-        f"no reply from FFN rank {peer} (region {peer}, ring {ring}){_for_layer(layer_idx)}, dispatch seq "
+        f"no reply from FFN rank {peer} (region {peer}, ring {ring}){for_layer(layer_idx)}, dispatch seq "
         f"{expected_seq} within {timeout_s} s; flag still {observed_seq}",
         peer=peer, region=peer, ring=ring, expected_seq=expected_seq, observed_seq=observed_seq,
         layer_idx=layer_idx)
@@ -153,14 +154,14 @@ class PeerFailedError(PeerLostError):
 
 def shutdown_during_reply_error(peer: int, layer_idx=None) -> ConnectorShutdown:
     """FFN rank ``peer`` announced shutdown while this Attention rank waited for its reply."""
-    return ConnectorShutdown(f"FFN rank {peer} announced shutdown while a reply{_for_layer(layer_idx)} "
+    return ConnectorShutdown(f"FFN rank {peer} announced shutdown while a reply{for_layer(layer_idx)} "
                              "was pending", src_rank=peer)
 
 
 def reply_mismatch_error(peer: int, field: str, expected: int, observed: int,
                          layer_idx=None) -> ProtocolError:
     """A reply from FFN rank ``peer`` whose echoed ``field`` is not what was sent."""
-    return ProtocolError(f"reply from FFN rank {peer}{_for_layer(layer_idx)} echoes {field}="
+    return ProtocolError(f"reply from FFN rank {peer}{for_layer(layer_idx)} echoes {field}="
                          f"{observed}, the pending dispatch has {field}={expected}",
                          peer=peer, layer_idx=layer_idx, field=field, expected=expected,
                          observed=observed)

@@ -30,7 +30,7 @@ _HF_ACTS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh"
 
 
 @dataclass(frozen=True)
-class _Format:
+class ExpertFormat:
     """How a family's fused experts compute: the gated activation (``ExpertWeights``'
     names and clamp parameters) and whether gate and up rows are interleaved
     (g0, u0, g1, u1, ...: gpt-oss) instead of concatenated ([gate | up])."""
@@ -59,13 +59,13 @@ def config_activation(hf_config) -> str:
     return _HF_ACTS[act]
 
 
-def _config_format(hf_config) -> _Format:
+def config_format(hf_config) -> ExpertFormat:
     """The experts' format a Hugging Face config describes (for a state dict)."""
     if getattr(hf_config, "model_type", None) != "gpt_oss":
-        return _Format(config_activation(hf_config))
+        return ExpertFormat(config_activation(hf_config))
     limit, alpha = (_swiglu_param(hf_config, name, default)
                     for name, default in zip(("swiglu_limit", "swiglu_alpha"), _GPT_OSS_SWIGLU))
-    return _Format("clamped_swiglu", interleaved=True, swiglu_limit=limit, swiglu_alpha=alpha)
+    return ExpertFormat("clamped_swiglu", interleaved=True, swiglu_limit=limit, swiglu_alpha=alpha)
 
 
 def _swiglu_param(hf_config, name: str, default: float) -> float:
@@ -96,20 +96,20 @@ def _activation_of(block: nn.Module) -> str:
     return _ACTIVATIONS[kind]
 
 
-def _format_of(block: nn.Module) -> _Format:
+def _format_of(block: nn.Module) -> ExpertFormat:
     """The experts' format, read from the block (see the module doc): ``act_fn`` alone, or the
     candidate that reproduces the experts' ``_apply_gate`` on a float64 probe."""
     experts = block.experts
     apply_gate = getattr(experts, "_apply_gate", None)
     has_act = getattr(experts, "act_fn", None) is not None
     if apply_gate is None:
-        return _Format(_activation_of(block))
+        return ExpertFormat(_activation_of(block))
     candidates = []
     if has_act:
-        candidates += [_Format(_activation_of(block), interleaved) for interleaved in (False, True)]
+        candidates += [ExpertFormat(_activation_of(block), interleaved) for interleaved in (False, True)]
     limit, alpha = getattr(experts, "limit", None), getattr(experts, "alpha", None)
     if limit is not None and alpha is not None:
-        candidates += [_Format("clamped_swiglu", interleaved, float(limit), float(alpha))
+        candidates += [ExpertFormat("clamped_swiglu", interleaved, float(limit), float(alpha))
                        for interleaved in (False, True)]
     inter = _shapes_of(block)[1]
     gen = torch.Generator().manual_seed(0)
@@ -118,7 +118,7 @@ def _format_of(block: nn.Module) -> _Format:
     with torch.no_grad():
         got = apply_gate(probe)
     for fmt in candidates:
-        gate_up = _deinterleave(probe, dim=1) if fmt.interleaved else probe
+        gate_up = deinterleave(probe, dim=1) if fmt.interleaved else probe
         want = moe.gated_activation(gate_up, fmt.activation, swiglu_limit=fmt.swiglu_limit,
                                     swiglu_alpha=fmt.swiglu_alpha)
         if got.shape == want.shape and torch.allclose(got, want, rtol=1e-9, atol=1e-12):
@@ -129,13 +129,13 @@ def _format_of(block: nn.Module) -> _Format:
         f"limit and alpha; gate/up concatenated or interleaved)")
 
 
-def _deinterleave(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+def deinterleave(tensor: torch.Tensor, dim: int) -> torch.Tensor:
     """Rows (g0, u0, g1, u1, ...) along ``dim`` -> [g0, g1, ... | u0, u1, ...] (a new tensor)."""
     index = torch.arange(tensor.shape[dim], device=tensor.device)
     return torch.cat([tensor.index_select(dim, index[0::2]), tensor.index_select(dim, index[1::2])], dim=dim)
 
 
-def _layout(gate_up_shape, down_shape, owner: str) -> tuple[bool, int, int]:
+def weight_layout(gate_up_shape, down_shape, owner: str) -> tuple[bool, int, int]:
     """(transposed, intermediate, hidden) of fused expert weights, from their shapes:
     [E, 2I, H] + [E, H, I], or transposed [E, H, 2I] + [E, I, H] (never both)."""
     (_, a, b), (_, c, d) = tuple(gate_up_shape), tuple(down_shape)
@@ -153,7 +153,7 @@ def _shapes_of(block: nn.Module) -> tuple[bool, int, int]:
     if experts.gate_up_proj.dim() != 3 or experts.down_proj.dim() != 3:
         raise UnsupportedModelError(f"{name}: expert weights must be fused 3-D tensors, got gate_up_proj "
                                     f"{tuple(experts.gate_up_proj.shape)}, down_proj {tuple(experts.down_proj.shape)}")
-    transposed, inter, hidden = _layout(experts.gate_up_proj.shape, experts.down_proj.shape, name)
+    transposed, inter, hidden = weight_layout(experts.gate_up_proj.shape, experts.down_proj.shape, name)
     flag = getattr(experts, "is_transposed", None)
     if flag is not None and bool(flag) != transposed:
         raise UnsupportedModelError(f"{name}: experts.is_transposed={flag} contradicts the weight shapes "
@@ -162,14 +162,17 @@ def _shapes_of(block: nn.Module) -> tuple[bool, int, int]:
     return transposed, inter, hidden
 
 
-def _check_block(block: nn.Module) -> _Format:
+def check_block(block: nn.Module) -> ExpertFormat:
     """The block's experts' format; UnsupportedModelError for anything we cannot run."""
     _shapes_of(block)
     return _format_of(block)
 
 
 @dataclass(frozen=True)
-class _Shared:
+class SharedParts:
+    """A block's shared experts as one fused MLP: ``w13`` [2*S*I, H] (gate rows, then up),
+    ``w2`` [H, S*I], the optional per-token ``gate`` [1, H] (Qwen2-MoE) and biases."""
+
     w13: torch.Tensor
     w2: torch.Tensor
     gate: torch.Tensor | None
@@ -177,22 +180,24 @@ class _Shared:
     w2_bias: torch.Tensor | None = None
 
 
-def _shared_from(gate_w, up_w, down_w, gate_b, up_b, down_b, shared_gate) -> _Shared:
+def shared_from(gate_w, up_w, down_w, gate_b, up_b, down_b, shared_gate) -> SharedParts:
     """The fused shared MLP of its linears' weights and (optional) biases; a missing bias of
     gate or up next to a present one counts as zeros."""
     w13_bias = None
     if gate_b is not None or up_b is not None:
         w13_bias = torch.cat([gate_w.new_zeros(gate_w.shape[0]) if gate_b is None else gate_b,
                               up_w.new_zeros(up_w.shape[0]) if up_b is None else up_b])
-    return _Shared(torch.cat([gate_w, up_w], dim=0), down_w, shared_gate, w13_bias, down_b)
+    return SharedParts(torch.cat([gate_w, up_w], dim=0), down_w, shared_gate, w13_bias, down_b)
 
 
-def _shared_of(block: nn.Module) -> _Shared | None:
+def shared_of(block: nn.Module) -> SharedParts | None:
+    """The shared experts of a Hugging Face MoE block (``shared_experts`` / ``shared_expert``,
+    with ``shared_expert_gate``), detached; None when it has none."""
     mlp = getattr(block, "shared_experts", None) or getattr(block, "shared_expert", None)
     if mlp is None:
         return None
     gate = getattr(block, "shared_expert_gate", None)
     parts = [getattr(getattr(mlp, name), attr) for attr in ("weight", "bias")
              for name in ("gate_proj", "up_proj", "down_proj")]
-    return _shared_from(*(None if t is None else t.detach() for t in parts),
+    return shared_from(*(None if t is None else t.detach() for t in parts),
                         None if gate is None else gate.weight.detach())

@@ -15,7 +15,7 @@ home; the dedup kernels' references (:func:`dedup_expand_reference`,
 :func:`route_verdict` turns a GS_BAD_ROUTE record into the eager path's WireError. The cuda
 server is :mod:`afd_cupy.backends.cuda_ffn_graph`.
 
-Words mirrored from ``raw_kernels/ffn_graph.cu`` (a CPU test parses the .cu):
+Words mirrored from ``raw_kernels/ffn/ffn_graph.cuh`` (a CPU test parses the .cuh):
 ``GS_*`` (what a replay did), ``STATE_*`` (device state, stage -> gather/reply) and ``REC_*``
 (one record per replay in a pinned ring the host reads after the replay's event).
 """
@@ -27,6 +27,7 @@ import numpy as np
 
 from afd_cupy import wire
 from afd_cupy.errors import ConfigError, WireError
+from afd_cupy.seq import next_seq
 
 GS_IDLE = 0      # wait_any timed out: nothing consumed
 GS_SERVED = 1    # computed and answered inside the graph
@@ -183,7 +184,7 @@ def stage_reference(words, *, region: int | None, layout: wire.WindowLayout, src
         return _replace(idle, status=GS_SHUTDOWN)
     if header.src_rank != region or region >= num_attn_ranks:
         return _replace(idle, status=GS_REJECTED, detail=wire.HDR_SRC_RANK)
-    seq = prev_seq + 1
+    seq = next_seq(prev_seq)  # the reply seq the stage reserves (afd_cupy.seq)
     if not 0 <= header.layer_idx < num_layers or header.routed_tokens > routed_bucket \
             or header.shared_tokens > shared_bucket:
         return _replace(idle, status=GS_EAGER, seq=seq)

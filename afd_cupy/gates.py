@@ -93,7 +93,7 @@ GATE_IMPLS = ("auto", "torch", "kernel")
 
 def gate_topk_reference(logits, top_k: int, *, scoring_func: str = "softmax", bias=None,
                         renormalize: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """numpy twin of ``afd_gate_topk`` (raw_kernels/gate.cu), the greedy gate in float32.
+    """numpy twin of ``afd_gate_topk`` (raw_kernels/model/gate.cu), the greedy gate in float32.
 
     ``logits`` [T, E] (any float, read as float32), ``bias`` [E] or None. Scores: softmax
     (``exp(x - max) / sum``) or sigmoid (``1 / (1 + exp(-x))``); selection = scores + bias, a

@@ -201,7 +201,7 @@ class WindowLayout:
         """Byte offset of slot (region, ring) from the start of the window."""
         return self.flags_bytes + self.slot_index(region, ring) * self.slot_bytes
 
-    #: numpy twin of ``struct SlotGeometry`` (raw_kernels/wire.cuh): same fields, same order,
+    #: numpy twin of ``struct SlotGeometry`` (raw_kernels/common/wire.cuh): same fields, same order,
     #: same C layout (checked on the CPU by parsing the struct, on the GPU by the probe)
     KERNEL_GEOMETRY_DTYPE = np.dtype([
         ("flags_bytes", np.int64), ("slot_bytes", np.int64), ("off_header", np.int64),

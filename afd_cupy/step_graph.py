@@ -71,8 +71,8 @@ Outputs are bit-identical to the one-stream step's (the same kernels on the same
 ``stage_streams=True`` with S = 1 is the plain step (no extra stream).
 
 Why a new module rather than a connector method: the helper composes user callables, torch's
-graph API and the connector's public calls (``pending_rings``, ``supports_nonblocking`` and
-the protocol calls; nothing private); the connector stays one call per protocol step. The
+graph API and the connector's public calls (``pending_rings``, ``capabilities``,
+``order_graph_replay`` and the protocol calls; nothing private, no path attribute); the connector stays one call per protocol step. The
 plan (:func:`split_rows`, :func:`pipeline_schedule`, :func:`check_capturable`) lives in
 :mod:`afd_cupy.step_schedule` and is re-exported here.
 """
@@ -350,12 +350,11 @@ class DecodeStepGraph:
         self.input[:n].copy_(hidden)
         if n < self.num_tokens:
             self.input[n:].zero_()
-        order = getattr(self.connector.path, "order_graph_replay", None)
-        if order is not None:
-            # after the rings' last eager use on another stream (a stage stream of run_eager or
-            # of the warm-up, another object's stream), and before the next: the graph's
-            # branches run inside the replay, which is ordered on the current stream as a whole
-            order(self.rings, torch.cuda.current_stream(self.input.device).cuda_stream)
+        # after the rings' last eager use on another stream (a stage stream of run_eager or of
+        # the warm-up, another object's stream), and before the next: the graph's branches run
+        # inside the replay, which is ordered on the current stream as a whole
+        self.connector.order_graph_replay(self.rings,
+                                          torch.cuda.current_stream(self.input.device).cuda_stream)
         self.graph.replay()
         return self.output[:n]
 

@@ -62,8 +62,9 @@ def check_capturable(connector, num_tokens: int, num_layers: int, stages: int = 
     ``num_tokens`` tokens in ``stages`` micro-batches cannot be captured on ``connector``.
 
     Needs: an Attention-side connector whose receive does not block
-    (``connector.supports_nonblocking``: the cuda backend; the host backend's steps run on the
-    CPU and block) with ``poll_mode="device"`` (host polling synchronizes per receive);
+    (``connector.capabilities.supports_nonblocking``: the cuda backend; the host backend's
+    steps run on the CPU and block) waiting on the device (``capabilities.device_polling``:
+    ``poll_mode="device"``) (host polling synchronizes per receive);
     1 <= num_tokens <= the window's ``token_cap``; 1 <= num_layers <= ``model.num_layers``
     (layer l of the step is the model's layer l); 1 <= stages <= the connector's
     ``ConnectorConfig.num_stages`` (micro-batch s is sent as stage s, on that stage's rings:
@@ -75,13 +76,13 @@ def check_capturable(connector, num_tokens: int, num_layers: int, stages: int = 
     if connector.role is not Role.ATTENTION:
         raise ConfigError(f"a decode step is captured on an Attention-side connector, got role "
                           f"{connector.role.value!r}")
-    if not connector.supports_nonblocking:  # the data path's declared capability
-        raise ConfigError(f"backend={connector.backend!r}: its receive blocks on the host "
+    capabilities = connector.capabilities  # the data path's declared capabilities
+    if not capabilities.supports_nonblocking:
+        raise ConfigError(f"backend={capabilities.backend!r}: its receive blocks on the host "
                           "(supports_nonblocking=False), so a step cannot be captured in a CUDA graph; "
                           "capture on a backend whose recv_ffn_output(blocking=False) enqueues (cuda)")
-    poll_mode = connector.path.ctx.poll_mode
-    if poll_mode != "device":
-        raise ConfigError(f"poll_mode={poll_mode!r}: a captured receive must wait on the device "
+    if not capabilities.device_polling:
+        raise ConfigError("poll_mode='host': a captured receive must wait on the device "
                           "(poll_mode='device'); host polling synchronizes per receive")
     cap = connector.layout.token_cap
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, numbers.Integral) \

@@ -1,10 +1,9 @@
-"""Test-only kernel helpers: launch wrappers, the constants probe's table, a reply-check model.
+"""Test-only kernel helpers: launch wrappers, the constants probe's table, route-table faults.
 
 - ``launch_*``: check and launch one kernel on ``stream`` (default: CuPy's current stream),
   with the keyword arguments of its spec builder in :mod:`afd_cupy.kernels.specs`.
 - :data:`WIRE_CONSTANT_NAMES`, :func:`expected_wire_constants`, :func:`read_wire_constants`: what
   ``raw_kernels/probes/wire_constants.cu`` writes, and what it must write.
-- :func:`reference_check_reply`: numpy model of the reply checks of ``afd_wait_replies``.
 - :data:`ROUTE_TABLE_FAULTS`: corruptions of a dedup route table that ``afd_dedup_expand`` (and
   ``wire.check_route_table``) must reject, with the row the verdict names.
 """
@@ -108,64 +107,6 @@ def read_wire_constants() -> dict:
     out = cupy.full(len(WIRE_CONSTANT_NAMES), -12345, dtype=cupy.int64)
     kernels.get_kernel("probes/wire_constants.cu", "afd_read_wire_constants")((1,), (1,), (out,))
     return dict(zip(WIRE_CONSTANT_NAMES, (int(v) for v in out.get())))
-
-
-# --- the reply checks of afd_wait_replies, in numpy --------------------------------------------
-def reference_check_reply(header_words, *, seq: int, layer_idx: int, stage_idx: int,
-                          routed_tokens: int, shared_tokens: int, flag: int = -1,
-                          wire_mode: str = "pair", num_rows: int = 0) -> tuple:
-    """``(code, count, expected, observed)`` that ``afd_wait_replies`` latches for a reply
-    with int32 ``header_words`` to a dispatch with these values; ``(STATUS_OK, -1, -1, -1)``
-    when it passes. ``count`` is the failing header word (HDR_*, or the dedup ``num_rows``
-    word ``len(header_words) - 1``); a shutdown reports -1, the dispatch ``seq`` and the
-    reply's ``flag`` value. ``wire_mode``: the receiver's (``dedup=1`` of the kernel);
-    ``num_rows``: the dedup dispatch's rows (the third column of ``expected_counts``).
-
-    Same checks, same order as ``raw_kernels/reply_check.cuh`` ``check_reply`` (and as
-    ``wire.decode_header`` then ``wire.check_reply``).
-    """
-    w = [int(v) for v in np.asarray(header_words, np.int32)]
-    dedup = wire_mode == "dedup"
-    rows_word = len(w) - 1 if dedup else None
-    counts = w[wire.HDR_FIXED_WORDS:rows_word]
-    counts_sum = sum(counts)
-    magic = w[wire.HDR_MAGIC] & 0xFFFFFFFF
-    if magic != wire.MAGIC:
-        return wire.STATUS_BAD_HEADER, wire.HDR_MAGIC, wire.MAGIC, magic
-    if w[wire.HDR_VERSION] != wire.VERSION:
-        return wire.STATUS_BAD_HEADER, wire.HDR_VERSION, wire.VERSION, w[wire.HDR_VERSION]
-    want_mode = wire.FLAG_DEDUP if dedup else 0
-    if w[wire.HDR_FLAGS] & wire.FLAG_DEDUP != want_mode:
-        return wire.STATUS_BAD_HEADER, wire.HDR_FLAGS, want_mode, w[wire.HDR_FLAGS] & wire.FLAG_DEDUP
-    routed, shared = w[wire.HDR_ROUTED_TOKENS], w[wire.HDR_SHARED_TOKENS]
-    rows = w[rows_word] if dedup else 0
-    if routed < 0 or min(counts, default=0) < 0:
-        return wire.STATUS_BAD_HEADER, wire.HDR_ROUTED_TOKENS, routed, counts_sum
-    if shared < 0:
-        return wire.STATUS_BAD_HEADER, wire.HDR_SHARED_TOKENS, shared_tokens, shared
-    if rows < 0:
-        return wire.STATUS_BAD_HEADER, rows_word, num_rows, rows
-    if counts_sum != routed:
-        return wire.STATUS_BAD_HEADER, wire.HDR_ROUTED_TOKENS, routed, counts_sum
-    if dedup:  # expected: the nearest num_rows the other sizes allow
-        top_k = w[wire.HDR_TOPK]
-        if rows > routed:
-            return wire.STATUS_BAD_HEADER, rows_word, routed, rows
-        if shared > rows or routed > rows * max(top_k, 0):
-            min_rows = -(-routed // top_k) if top_k > 0 else -1
-            return wire.STATUS_BAD_HEADER, rows_word, max(shared, min_rows), rows
-    if w[wire.HDR_FLAGS] & wire.FLAG_SHUTDOWN:
-        return wire.STATUS_SHUTDOWN, -1, seq, flag
-    checks = [(wire.HDR_ECHO_SEQ, seq & 0xFFFFFFFF), (wire.HDR_LAYER, layer_idx),
-              (wire.HDR_STAGE, stage_idx), (wire.HDR_ROUTED_TOKENS, routed_tokens),
-              (wire.HDR_SHARED_TOKENS, shared_tokens)]
-    if dedup:
-        checks.append((rows_word, num_rows))
-    for word, want in checks:
-        observed = w[word] & 0xFFFFFFFF if word == wire.HDR_ECHO_SEQ else w[word]
-        if observed != want:
-            return wire.STATUS_REPLY_MISMATCH, word, want, observed
-    return wire.STATUS_OK, -1, -1, -1
 
 
 # --- dedup route-table faults (afd_dedup_expand) ----------------------------------------------

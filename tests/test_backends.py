@@ -1,27 +1,37 @@
-"""Every backend implements the whole data-path seam (afd_cupy.backends.base.DataPath) with the
-same call signatures, so the connector never needs to know which one it holds."""
+"""Every backend implements the whole asymmetric seam (afd_cupy.backends.base.AttentionPath and
+FFNPath) with the same call signatures, so the connector never needs to know which one it holds."""
 import inspect
 
 import pytest
 
-from afd_cupy.backends import cuda, host
-from afd_cupy.backends.base import BACKEND_MODULES, DataPath
-
-METHODS = [name for name, value in vars(DataPath).items()
-           if callable(value) and not name.startswith("_")]
+from afd_cupy.backends import cuda, cuda_attention, cuda_ffn, host, host_ffn
+from afd_cupy.backends.base import BACKEND_MODULES, AttentionPath, FFNPath
 
 
-@pytest.mark.parametrize("path_cls", [host.HostDataPath, cuda.CudaDataPath], ids=["host", "cuda"])
-def test_backend_implements_every_data_path_method_with_its_signature(path_cls):
-    assert set(METHODS) >= {"dispatch", "combine", "sent_to", "check_errors", "wait_any",
-                            "item_views", "reply", "announce_shutdown", "close"}
-    for name in METHODS:
+def _methods(protocol):
+    return {name for cls in protocol.__mro__ if cls.__module__ == protocol.__module__
+            for name, value in vars(cls).items() if callable(value) and not name.startswith("_")}
+
+
+@pytest.mark.parametrize("protocol,path_cls", [
+    (AttentionPath, host.HostAttentionPath), (AttentionPath, cuda_attention.CudaAttentionPath),
+    (FFNPath, host_ffn.HostFFNPath), (FFNPath, cuda_ffn.CudaFFNPath)],
+    ids=["host-attention", "cuda-attention", "host-ffn", "cuda-ffn"])
+def test_backend_implements_every_data_path_method_with_its_signature(protocol, path_cls):
+    methods = _methods(protocol)
+    common = {"check_errors", "announce_shutdown", "close"}
+    role = ({"dispatch", "combine", "sent_to", "order_graph_replay"} if protocol is AttentionPath
+            else {"wait_any", "item_views", "reply", "pending_arrivals", "reply_seq_counters"})
+    assert methods >= common | role
+    for name in methods:
         method = getattr(path_cls, name, None)
         assert callable(method), f"{path_cls.__name__} lacks {name}"
-        want = list(inspect.signature(getattr(DataPath, name)).parameters)
+        want = list(inspect.signature(getattr(protocol, name)).parameters)
         got = list(inspect.signature(method).parameters)
         assert got == want, (path_cls.__name__, name, got, want)
-    assert isinstance(path_cls.supports_nonblocking, bool)
+    # one role per path: an Attention rank holds no FFN step and an FFN rank no Attention step
+    other = _methods(FFNPath if protocol is AttentionPath else AttentionPath) - common
+    assert not [name for name in other if hasattr(path_cls, name)], path_cls.__name__
 
 
 @pytest.mark.parametrize("name", sorted(BACKEND_MODULES))

@@ -135,5 +135,6 @@ def test_rank_local_knobs_are_left_out_of_the_handshake_record():
     mine = config_record(model, topology, ConnectorConfig(), backend="host")
     theirs = config_record(model, topology, ConnectorConfig(recv_poll_timeout_ms=7, fused_dispatch=False),
                            backend="host")
-    assert mine == theirs and set(RANK_LOCAL_FIELDS) == {"recv_poll_timeout_ms", "fused_dispatch"}
+    assert mine == theirs and set(RANK_LOCAL_FIELDS) == {"recv_poll_timeout_ms", "fused_dispatch",
+                                                     "dedup_dispatch"}
     assert "connector.wire_mode" in mine and "connector.routed_cap_multiplier" in mine

@@ -9,16 +9,19 @@ read are set by hand).
 """
 from __future__ import annotations
 
-import threading
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from afd_cupy import ffn_graph, wire
-from afd_cupy.backends.base import Arrival, ItemViews
+from afd_cupy.attention_endpoint import AttentionEndpoint
+from afd_cupy.backends import cuda_ffn
+from afd_cupy.backends.base import Arrival, Capabilities, ItemViews
 from afd_cupy.backends.cuda_ffn_graph import GraphFFNServer
 from afd_cupy.connector import AFDConnector
+from afd_cupy.ffn_endpoint import FFNEndpoint
+from afd_cupy.seq import SeqCounter
 from afd_cupy.errors import ConnectorShutdown, ProtocolError
 from afd_cupy.topology import Role
 
@@ -100,19 +103,35 @@ def _bare(role=Role.FFN, **path) -> AFDConnector:
     conn = AFDConnector.__new__(AFDConnector)
     conn.role, conn.role_rank, conn.backend = role, 0, "cuda"
     conn.topology = SimpleNamespace(num_attn_ranks=2)
+    path.setdefault("capabilities", Capabilities(backend="cuda", wire_modes=("pair",),
+                                                 supports_nonblocking=True,
+                                                 host_reply_seqs="reply_seqs" in path))
+    if "reply_seqs" in path:  # the cuda FFN path's own hand-over of its SeqCounter
+        counters = SeqCounter(len(path["reply_seqs"]))
+        counters.values = path.pop("reply_seqs")
+        fake = cuda_ffn.CudaFFNPath.__new__(cuda_ffn.CudaFFNPath)
+        fake.reply_seqs, fake.layout = counters, SimpleNamespace(num_slots=len(counters.values))
+        path.update(reply_seq_counters=fake.reply_seq_counters,
+                    set_reply_seq_counters=fake.set_reply_seq_counters)
     conn.path = SimpleNamespace(**path)
-    conn._closed, conn._pending = True, {}  # closed: no "not closed" warning from __del__
-    conn._shutdown_from, conn._lost, conn._peer_failed = set(), set(), False
-    conn._received, conn._answered, conn._ffn_lock = {}, set(), threading.Lock()
+    conn._closed = True  # closed: no "not closed" warning from __del__
+    if role is Role.ATTENTION:
+        conn.endpoint = AttentionEndpoint.__new__(AttentionEndpoint)
+        conn.endpoint._pending = {}
+    else:
+        conn.endpoint = FFNEndpoint(conn.path, model=None, config=None, topology=conn.topology,
+                                    role_rank=0, torch_dtype=None, attn_processes={}, store=None,
+                                    instance=0)
     return conn
 
 
 def test_pending_rings_and_the_nonblocking_capability():
-    conn = _bare(Role.ATTENTION, supports_nonblocking=True)
-    conn._pending.update({3: None, 1: object()})  # a reserved ring counts too
+    conn = _bare(Role.ATTENTION)
+    conn.endpoint._pending.update({3: None, 1: object()})  # a reserved ring counts too
     assert conn.pending_rings() == (1, 3)
     assert conn.supports_nonblocking is True
-    assert _bare(supports_nonblocking=False).supports_nonblocking is False
+    host_caps = Capabilities(backend="host", wire_modes=("pair",))
+    assert _bare(capabilities=host_caps).supports_nonblocking is False
 
 
 def test_note_shutdown_counts_each_attention_rank_once():
@@ -130,7 +149,7 @@ def test_accept_arrival_records_the_item_as_received():
                                   shared_tokens=1, top_k=4, expert_counts=[1, 0, 0, 1])
     item = conn.accept_arrival(Arrival(1, 0, header))
     assert (item.routed_x, item.shared_x, item.seq) == ("rx", "sx", 11)
-    assert conn._received == {(1, 0): 11}
+    assert conn.endpoint._received == {(1, 0): 11}
     with pytest.raises(ProtocolError, match="message in region 0 claims source rank 1"):
         conn.accept_arrival(Arrival(0, 0, header))
 

@@ -1,7 +1,7 @@
 """The route-table verdict of afd_dedup_expand, on the CPU: its numpy model
 (``dedup_reference.expand_verdict_reference``) against ``wire.check_route_table``, the decoder
-``wire.route_table_error``, and the rule codes of raw_kernels/dedup_ffn.cuh (the expand's device
-code, shared by dedup_ffn.cu and ffn_graph.cu) against wire.py.
+``wire.route_table_error``, and the rule codes of raw_kernels/ffn/dedup_ffn.cuh (the expand's device
+code, shared by dedup_ffn.cu and ffn_graph_rows.cu) against wire.py.
 The device kernel itself is compared with the same model in test_kernels_cuda_dedup_ffn.py.
 """
 import re
@@ -34,9 +34,9 @@ def _record(verdict, *, peer=1, ring=0, layer=5) -> wire.StatusRecord:
 
 
 def test_rule_codes_of_the_kernel_match_wire_py():
-    text = (kernels.KERNEL_DIR / "dedup_ffn.cuh").read_text()
-    for user in ("dedup_ffn.cu", "ffn_graph.cu"):  # both expansions use the one definition
-        assert '#include "dedup_ffn.cuh"' in (kernels.KERNEL_DIR / user).read_text(), user
+    text = (kernels.KERNEL_DIR / "ffn" / "dedup_ffn.cuh").read_text()
+    for user in ("ffn/dedup_ffn.cu", "ffn/ffn_graph_rows.cu"):  # both expansions use the one definition
+        assert '#include "ffn/dedup_ffn.cuh"' in (kernels.KERNEL_DIR / user).read_text(), user
         assert "ROUTE_FAULT_TOKEN =" not in (kernels.KERNEL_DIR / user).read_text(), user
     parsed = dict(re.findall(r"constexpr\s+afd_i64\s+(ROUTE_FAULT_\w+)\s*=\s*(\d+)\s*;", text))
     assert {name: int(v) for name, v in parsed.items()} == \

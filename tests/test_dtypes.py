@@ -13,7 +13,7 @@ from afd_cupy.dtypes import (PAYLOAD_DTYPES, payload_dtype, raw_dtype, raw_to_f3
                              torch_dtype, torch_to_raw)
 from afd_cupy.errors import ConfigError
 
-WIRE_CUH = Path(__file__).resolve().parent.parent / "raw_kernels" / "wire.cuh"
+WIRE_CUH = Path(__file__).resolve().parent.parent / "raw_kernels" / "common" / "wire.cuh"
 CUH_NAMES = {"bfloat16": "DT_BF16", "float16": "DT_F16", "float32": "DT_F32"}
 
 

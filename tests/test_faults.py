@@ -9,6 +9,7 @@ import dataclasses
 import os
 import signal
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -463,7 +464,7 @@ def _bad_route_table_program(ctx):
                                       shared_tokens=0, top_k=MODEL.top_k,
                                       expert_counts=(2,) + (0,) * (layout.expert_per_rank - 1),
                                       wire_mode="dedup", num_rows=2)
-        path._seqs[0, 0] = 1  # the path's next dispatch on this slot takes seq 2
+        path.seqs.set_last((0, 0), 1)  # the path's next dispatch on this slot takes seq 2
         path.window.write_message(path.ctx.peer_pe(Role.FFN, 0), 0, 0,
                                   wire.encode_header(header, layout.expert_per_rank), 1,
                                   {"route_table": table})
@@ -537,7 +538,6 @@ def test_dedup_over_puts_passes_the_config_checks_host_puts_do_not():
     # docs/design/put-transport.md: the cuda backend runs both wire modes over every transport; the host
     # backend refuses puts in either mode, before any collective step (store=None)
     from afd_cupy.backends.base import require_backend
-    from afd_cupy.transports import get_transport
 
     with pytest.raises(ConfigError, match=r"backend 'host' does not implement transport='put' "
                                           r"\(it implements \('direct', 'auto'\)\)"):
@@ -547,7 +547,7 @@ def test_dedup_over_puts_passes_the_config_checks_host_puts_do_not():
         module = require_backend("cuda", "dedup", "put")
     except BackendUnavailableError:  # no CuPy / NVSHMEM here: past every ConfigError
         return
-    assert "dedup" in module.WIRE_MODES and "cuda" in get_transport("put").backends
+    assert "dedup" in module.CAPABILITIES.wire_modes and "put" in module.CAPABILITIES.transports
 
 
 def test_cuda_backend_without_cupy_is_backend_unavailable():
@@ -798,8 +798,8 @@ def test_close_waits_for_live_peers_after_a_recovered_timeout(peer_failed, liven
     # replica that recovered from one timeout and finished first used to close "unhealthy",
     # give up on its late peers after 0.5 s, and leave them in NVSHMEM's collective teardown
     conn = object.__new__(AFDConnector)
-    conn.role, conn.role_rank, conn._shutdown_announced, conn._closed = Role.ATTENTION, 0, True, False
-    conn._peer_failed = peer_failed
+    conn.role, conn.role_rank, conn._closed = Role.ATTENTION, 0, False
+    conn.endpoint = SimpleNamespace(shutdown_announced=True, peer_failed=peer_failed)
     conn._peer_processes = [_Peer(rank + 1, alive) for rank, alive in enumerate(liveness)]
     conn.path = _ClosingPath()
     conn.close()

@@ -1,4 +1,4 @@
-"""CPU checks of the graph-driven FFN (afd_cupy/ffn_graph.py, raw_kernels/ffn_graph.cu): the
+"""CPU checks of the graph-driven FFN (afd_cupy/ffn_graph.py, raw_kernels/ffn/ffn_graph*): the
 mirrored words, the stage reference against the protocol's rules, the offsets against what
 torch._grouped_mm computes with them, and the bucket policy. No GPU, no CuPy."""
 from __future__ import annotations
@@ -21,7 +21,7 @@ LAYOUT = wire.WindowLayout(num_regions=2, ring_depth=2, expert_per_rank=4, hidde
 
 
 def test_cu_words_match_the_python_mirror():
-    text = (kernels.KERNEL_DIR / "ffn_graph.cu").read_text()
+    text = (kernels.KERNEL_DIR / "ffn" / "ffn_graph.cuh").read_text()
     parsed = {name: int(value) for name, value in _CONSTEXPR_RE.findall(text)}
     names = [n for n in dir(ffn_graph) if re.match(r"(GS|STATE|REC)_[A-Z_]+$", n) and n != "GS_NAMES"]
     assert names and set(names) == set(parsed), set(names) ^ set(parsed)
@@ -30,7 +30,10 @@ def test_cu_words_match_the_python_mirror():
     assert specs.STAGE_STATE_HEADER == ffn_graph.STATE_HEADER
     assert specs.STAGE_RECORD_HEADER == ffn_graph.REC_HEADER
     assert specs.GRAPH_MAX_GROUPS == ffn_graph.MAX_GROUPS
-    assert '#include "wire.cuh"' in text and "__launch_bounds__(REPLY_THREADS)" in text
+    for name in ("ffn_graph_stage.cu", "ffn_graph_rows.cu"):  # the kernels use the words of the header
+        kernel_text = (kernels.KERNEL_DIR / "ffn" / name).read_text()
+        assert '#include "ffn/ffn_graph.cuh"' in kernel_text and "__launch_bounds__(REPLY_THREADS)" in kernel_text
+        assert not _CONSTEXPR_RE.search(kernel_text), name
 
 
 def _dispatch(rng, *, layer=1, src=0, seq=7, counts=None, shared=3):
@@ -308,23 +311,30 @@ def test_server_accepts_a_dedup_connector_and_keeps_its_other_limits():
     from afd_cupy.backends.cuda_ffn_graph import GraphFFNServer
     from afd_cupy.topology import Role
 
+    from afd_cupy.backends.base import Capabilities
+
+    def caps(backend="cuda", device_polling=True, put_peers=()):
+        # the declared capabilities decide (as the cuda FFN path derives them), not the name
+        return Capabilities(backend=backend, wire_modes=("pair", "dedup"),
+                            supports_nonblocking=backend == "cuda", device_polling=device_polling,
+                            host_reply_seqs=backend == "cuda", put_peers=put_peers,
+                            supports_graph_server=backend == "cuda" and device_polling and not put_peers)
+
     def fake(**kw):
-        base = dict(role=Role.FFN, backend="cuda", layout=DEDUP_LAYOUT,
-                    path=SimpleNamespace(host_polling=None, link=SimpleNamespace(staged_peers=[])),
+        base = dict(role=Role.FFN, backend="cuda", layout=DEDUP_LAYOUT, capabilities=caps(),
                     config=SimpleNamespace(transport="direct"))
         return SimpleNamespace(**{**base, **kw})
 
     GraphFFNServer._check_connector(fake(), True, None)  # dedup: no ConfigError any more
     GraphFFNServer._check_connector(fake(layout=LAYOUT), True, None)
     with pytest.raises(ConfigError, match="poll_mode='device'"):
-        GraphFFNServer._check_connector(fake(path=SimpleNamespace(host_polling=object(), link=SimpleNamespace(staged_peers=[]))),
-                                        True, None)
+        GraphFFNServer._check_connector(fake(capabilities=caps(device_polling=False)), True, None)
     with pytest.raises(ConfigError, match=r"Attention rank\(s\) \[1\] are reached by host-initiated copies "
                                           r"\(transport='auto'\); use FFNWorker"):
-        GraphFFNServer._check_connector(fake(path=SimpleNamespace(host_polling=None, link=SimpleNamespace(staged_peers=[1])),
+        GraphFFNServer._check_connector(fake(capabilities=caps(put_peers=(1,)),
                                              config=SimpleNamespace(transport="auto")), True, None)
     with pytest.raises(ConfigError, match="FFN-side cuda connector"):
-        GraphFFNServer._check_connector(fake(backend="host"), True, None)
+        GraphFFNServer._check_connector(fake(capabilities=caps(backend="host")), True, None)
     with pytest.raises(ConfigError, match="exactly one of"):
         GraphFFNServer._check_connector(fake(), True, object())
 
@@ -335,10 +345,11 @@ def test_server_settings_check_depth_timeout_and_the_gemm_sm_carveout(monkeypatc
     import torch
 
     from afd_cupy import moe
+    from afd_cupy.moe import carveout
     from afd_cupy.backends.cuda_ffn_graph import GraphFFNServer
 
     check = GraphFFNServer._check_settings
-    monkeypatch.setattr(moe, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(carveout, "_sm_count", lambda device: 132)
     assert check(4, 0.01, 0, torch.device("cuda", 0)) == 0
     assert check(1, 1, 2, torch.device("cuda", 0)) == 2
     assert check(1, 1, "auto", torch.device("cuda", 0)) == moe.AUTO_GEMM_SM_CARVEOUT

@@ -1,4 +1,4 @@
-"""GPU checks of the graph-driven FFN: each kernel of raw_kernels/ffn_graph.cu against the numpy
+"""GPU checks of the graph-driven FFN: each kernel of raw_kernels/ffn/ffn_graph_*.cu against the numpy
 reference (afd_cupy.ffn_graph.stage_reference, wire's header builders) on fresh random data
 with garbage-prefilled outputs; the kernels captured with wait_any in a torch CUDA graph and
 replayed; and GraphFFNServer end to end against the fp64 MoE reference (eager fallback

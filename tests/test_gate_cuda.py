@@ -1,4 +1,4 @@
-"""``afd_gate_topk`` (raw_kernels/gate.cu) against its numpy twin ``gates.gate_topk_reference``
+"""``afd_gate_topk`` (raw_kernels/model/gate.cu) against its numpy twin ``gates.gate_topk_reference``
 on one GPU: fresh random logits every run (the seed is in every failure message), outputs
 pre-filled with NaN / -7 so that an element the kernel forgot shows, every payload dtype.
 

@@ -1,4 +1,4 @@
-"""The greedy gate's numpy twin (``gates.gate_topk_reference``, what ``raw_kernels/gate.cu``
+"""The greedy gate's numpy twin (``gates.gate_topk_reference``, what ``raw_kernels/model/gate.cu``
 computes) against torch's ``select_experts`` on the CPU, and ``select_experts(impl=...)``.
 
 The kernel itself runs in tests/test_gate_cuda.py (GPU) against the same reference.

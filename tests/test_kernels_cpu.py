@@ -2,8 +2,9 @@
 
 The wire.cuh mirror (constants, limits, struct SlotGeometry) is parsed textually and compared
 with wire.py and kernels.KERNEL_LIMITS; the loader's cache key is checked to follow header
-edits; the device plan's index formula and the device reply checks are modelled in numpy and
-compared with the planner and with wire.decode_header + wire.check_reply. If NVRTC happens to
+edits; the device plan's index formula is modelled in numpy and compared with the planner, and
+the device's reply verdict (wire.reply_verdict) with the errors of wire.decode_header +
+wire.check_reply. If NVRTC happens to
 be loadable, every kernel file is also compiled for sm_90 (skipped otherwise).
 """
 from __future__ import annotations
@@ -19,18 +20,21 @@ import pytest
 import kernel_helpers as helpers
 from afd_cupy import config, errors, kernels, planner, wire
 
-KERNEL_FILES = ("wire.cuh", "dispatch.cu", "combine.cu", "wait_any.cu", "reply.cu",
-                "reply_check.cuh", "publish.cuh", "plan_block.cuh", "dedup_attn.cu", "dedup_ffn.cu",
-                "dedup_ffn.cuh", "ffn_graph.cu", "gate.cu", "probes/wire_constants.cu", "probes/bench.cu")
-#: headers a kernel file may include (NVRTC runs without system headers)
-KERNEL_HEADERS = {"wire.cuh", "reply_check.cuh", "publish.cuh", "plan_block.cuh", "dedup_ffn.cuh",
-                  "wait_any.cuh"}
+KERNEL_FILES = ("common/wire.cuh", "common/payload.cuh", "common/block.cuh", "common/publish.cuh",
+                "attention/dispatch.cu", "attention/combine.cu", "attention/reply_check.cuh",
+                "attention/plan_block.cuh", "attention/dedup_attn.cuh", "attention/dedup_attn.cu",
+                "attention/dedup_attn_fused.cu", "ffn/wait_any.cuh", "ffn/wait_any.cu", "ffn/reply.cu",
+                "ffn/dedup_ffn.cuh", "ffn/dedup_ffn.cu", "ffn/ffn_graph.cuh", "ffn/ffn_graph_stage.cu",
+                "ffn/ffn_graph_rows.cu", "model/gate.cu", "probes/wire_constants.cu", "probes/bench.cu")
+#: headers a kernel file may include (NVRTC runs without system headers), by their path in raw_kernels/
+KERNEL_HEADERS = {name for name in KERNEL_FILES if name.endswith(".cuh")}
+WIRE_CUH = "common/wire.cuh"
 ALL_KERNELS = {**kernels.FILE_KERNELS, **kernels.PROBE_KERNELS}
 _CONSTEXPR_RE = re.compile(r"constexpr\s+\w+\s+(\w+)\s*=\s*(-?(?:0x[0-9a-fA-F]+|\d+))\s*;")
 
 
 def _cuh_constants() -> dict:
-    text = (kernels.KERNEL_DIR / "wire.cuh").read_text()
+    text = (kernels.KERNEL_DIR / WIRE_CUH).read_text()
     return {name: int(value, 0) for name, value in _CONSTEXPR_RE.findall(text)}
 
 
@@ -39,7 +43,7 @@ def test_kernel_files_exist_and_define_their_kernels():
         assert (kernels.KERNEL_DIR / name).is_file(), name
     for filename, entries in ALL_KERNELS.items():
         text = (kernels.KERNEL_DIR / filename).read_text()
-        assert '#include "wire.cuh"' in text
+        assert '#include "common/wire.cuh"' in text
         for name, is_template in entries:
             if is_template:
                 pattern = r"template\s*<int DT>\s*__global__\s+void\s+(__launch_bounds__\(\w+\)\s*)?" + name + r"\("
@@ -94,7 +98,7 @@ _C_SIZES = {"afd_i64": (np.int64, 8), "afd_i32": (np.int32, 4)}
 def test_slot_geometry_struct_matches_the_numpy_dtype():
     """Field names, order and C types of struct SlotGeometry == WindowLayout.KERNEL_GEOMETRY_DTYPE,
     and the natural C layout of those fields == the numpy offsets and itemsize."""
-    body = _STRUCT_RE.search((kernels.KERNEL_DIR / "wire.cuh").read_text()).group(1)
+    body = _STRUCT_RE.search((kernels.KERNEL_DIR / WIRE_CUH).read_text()).group(1)
     body = re.sub(r"//[^\n]*", "", body)
     fields = re.findall(r"^\s*(afd_i64|afd_i32)\s+(\w+)\s*;", body, re.M)
     dtype = wire.WindowLayout.KERNEL_GEOMETRY_DTYPE
@@ -167,20 +171,24 @@ def test_status_record_decodes_words():
     assert wire.StatusRecord.decode(np.zeros(wire.STATUS_WORDS, np.int64)).ok
 
 
-def test_cache_key_follows_included_header(tmp_path):
-    (tmp_path / "probes").mkdir()
+def test_cache_key_follows_included_header(tmp_path, monkeypatch):
     for name in KERNEL_FILES:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(kernels.KERNEL_DIR / name, tmp_path / name)
-    key = kernels.source_key(tmp_path / "dispatch.cu")
-    assert key == kernels.source_key(tmp_path / "dispatch.cu")
-    assert key != kernels.source_key(tmp_path / "combine.cu")
-    (tmp_path / "reply.cu").write_text((tmp_path / "reply.cu").read_text() + "\n// edit\n")
-    assert kernels.source_key(tmp_path / "dispatch.cu") == key  # unrelated file
-    (tmp_path / "wire.cuh").write_text((tmp_path / "wire.cuh").read_text() + "\n// edit\n")
-    header_edited = kernels.source_key(tmp_path / "dispatch.cu")
+    monkeypatch.setattr(kernels.loader, "KERNEL_DIR", tmp_path)  # "common/..." resolves in the copy
+    dispatch, combine = tmp_path / "attention" / "dispatch.cu", tmp_path / "attention" / "combine.cu"
+    key = kernels.source_key(dispatch)
+    assert key == kernels.source_key(dispatch)
+    assert key != kernels.source_key(combine)
+    reply = tmp_path / "ffn" / "reply.cu"
+    reply.write_text(reply.read_text() + "\n// edit\n")
+    assert kernels.source_key(dispatch) == key  # unrelated file
+    block = tmp_path / "common" / "block.cuh"  # included by dispatch.cu and by plan_block.cuh
+    block.write_text(block.read_text() + "\n// edit\n")
+    header_edited = kernels.source_key(dispatch)
     assert header_edited != key
-    (tmp_path / "dispatch.cu").write_text((tmp_path / "dispatch.cu").read_text() + "\n// edit\n")
-    assert kernels.source_key(tmp_path / "dispatch.cu") not in (key, header_edited)
+    dispatch.write_text(dispatch.read_text() + "\n// edit\n")
+    assert kernels.source_key(dispatch) not in (key, header_edited)
 
 
 def test_cache_key_missing_header_names_it(tmp_path):
@@ -190,12 +198,13 @@ def test_cache_key_missing_header_names_it(tmp_path):
 
 
 def test_name_expressions_and_chunks():
-    assert kernels.kernel_name_expressions("combine.cu") == ("afd_wait_replies", "afd_combine<0>", "afd_combine<1>", "afd_combine<2>")
-    assert kernels.kernel_name_expressions("dispatch.cu")[0] == "afd_dispatch_plan"
-    assert kernels.kernel_name_expressions("wait_any.cu") == ("afd_wait_any",)
-    assert kernels.kernel_name_expressions("dedup_attn.cu") == (
+    assert kernels.kernel_name_expressions("attention/combine.cu") == ("afd_wait_replies", "afd_combine<0>", "afd_combine<1>", "afd_combine<2>")
+    assert kernels.kernel_name_expressions("attention/dispatch.cu")[0] == "afd_dispatch_plan"
+    assert kernels.kernel_name_expressions("ffn/wait_any.cu") == ("afd_wait_any",)
+    assert kernels.kernel_name_expressions("attention/dedup_attn.cu") == (
         "afd_dedup_rows", "afd_dedup_scatter<0>", "afd_dedup_scatter<1>", "afd_dedup_scatter<2>",
-        "afd_dedup_combine<0>", "afd_dedup_combine<1>", "afd_dedup_combine<2>",
+        "afd_dedup_combine<0>", "afd_dedup_combine<1>", "afd_dedup_combine<2>")
+    assert kernels.kernel_name_expressions("attention/dedup_attn_fused.cu") == (
         "afd_dedup_dispatch_fused<0>", "afd_dedup_dispatch_fused<1>", "afd_dedup_dispatch_fused<2>")
     assert kernels.kernel_name_expressions("probes/bench.cu") == ("afd_bench_stamp", "afd_bench_clock",
                                                                   "afd_trace_stamp")
@@ -241,7 +250,7 @@ def test_device_plan_formula_matches_reference(num_tokens, top_k, num_ffn, num_e
     np.testing.assert_array_equal(order, ref.order)
 
 
-# --- the device reply checks (numpy model) agree with wire.decode_header + wire.check_reply -----
+# --- the device's reply verdict (wire.reply_verdict) agrees with the host's errors ------------
 _EPR = 4
 _WANT = wire.ReplyExpectation(peer=1, seq=2**32 + 77, layer_idx=9, stage_idx=1, routed_tokens=6,
                               shared_tokens=3)
@@ -280,16 +289,15 @@ def _host_error(words):
 
 
 @pytest.mark.parametrize("fault", sorted(_REPLY_FAULTS))
-def test_reference_check_reply_agrees_with_the_host_checks(fault):
+def test_reply_verdict_agrees_with_the_host_checks(fault):
     words = _reply_words(fault)
-    code, count, expected, observed = helpers.reference_check_reply(
-        words, seq=_WANT.seq, layer_idx=_WANT.layer_idx, stage_idx=_WANT.stage_idx,
-        routed_tokens=_WANT.routed_tokens, shared_tokens=_WANT.shared_tokens, flag=_WANT.seq)
+    record = wire.reply_verdict(words, _WANT, slot=3, ring=1, flag=_WANT.seq)
+    code, count = record.code, record.count
     host = _host_error(words)
     if fault == "ok":
-        assert host is None and code == wire.STATUS_OK
+        assert host is None and record == wire.CLEAR_STATUS
         return
-    record = wire.StatusRecord(code, _WANT.peer, 3, 1, expected, observed, count, -1)
+    assert (record.peer, record.slot, record.ring, record.layer) == (_WANT.peer, 3, 1, _WANT.layer_idx)
     device = record.error(layer_idx=_WANT.layer_idx, timeout_s=1.0)
     assert type(device) is type(host), (fault, record, host, device)
     want_code = {"magic": wire.STATUS_BAD_HEADER, "version": wire.STATUS_BAD_HEADER,
@@ -313,7 +321,7 @@ _DEDUP_WANT = wire.ReplyExpectation(peer=1, seq=2**32 + 77, layer_idx=9, stage_i
                                     routed_tokens=6, shared_tokens=2, num_rows=4)
 _ROWS_WORD = wire.HDR_FIXED_WORDS + _EPR
 _DEDUP_FAULTS = {  # name -> (header word, value, (code, ST_COUNT))
-    "ok": (None, None, (wire.STATUS_OK, -1)),
+    "ok": (None, None, (wire.STATUS_OK, 0)),  # a clear status block (wire.CLEAR_STATUS)
     "missing_flag": (wire.HDR_FLAGS, 0, (wire.STATUS_BAD_HEADER, wire.HDR_FLAGS)),
     "pair_shutdown": (wire.HDR_FLAGS, wire.FLAG_SHUTDOWN, (wire.STATUS_BAD_HEADER, wire.HDR_FLAGS)),
     "shutdown": (wire.HDR_FLAGS, wire.FLAG_SHUTDOWN | wire.FLAG_DEDUP, (wire.STATUS_SHUTDOWN, -1)),
@@ -350,14 +358,12 @@ def _dedup_reply_words(fault: str) -> np.ndarray:
 
 
 @pytest.mark.parametrize("fault", sorted(_DEDUP_FAULTS))
-def test_reference_check_reply_agrees_with_the_host_checks_in_dedup_mode(fault):
+def test_reply_verdict_agrees_with_the_host_checks_in_dedup_mode(fault):
     words = _dedup_reply_words(fault)
     assert words.size == _ROWS_WORD + 1
     want = _DEDUP_WANT
-    code, count, expected, observed = helpers.reference_check_reply(
-        words, seq=want.seq, layer_idx=want.layer_idx, stage_idx=want.stage_idx,
-        routed_tokens=want.routed_tokens, shared_tokens=want.shared_tokens, flag=want.seq,
-        wire_mode="dedup", num_rows=want.num_rows)
+    record = wire.reply_verdict(words, want, wire_mode="dedup", slot=3, ring=1, flag=want.seq)
+    code, count = record.code, record.count
     assert (code, count) == _DEDUP_FAULTS[fault][2]
     try:
         wire.check_reply(wire.decode_header(words, _EPR, wire_mode="dedup"), want)
@@ -367,7 +373,6 @@ def test_reference_check_reply_agrees_with_the_host_checks_in_dedup_mode(fault):
     if fault == "ok":
         assert host is None
         return
-    record = wire.StatusRecord(code, want.peer, 3, 1, expected, observed, count, -1)
     device = record.error(layer_idx=want.layer_idx, timeout_s=1.0, expert_per_rank=_EPR)
     assert type(device) is type(host), (fault, record, host, device)
     if code == wire.STATUS_REPLY_MISMATCH:  # same field and values as the host's ProtocolError
@@ -377,12 +382,11 @@ def test_reference_check_reply_agrees_with_the_host_checks_in_dedup_mode(fault):
         assert "num_rows" in str(device)
 
 
-def test_reference_check_reply_dedup_size_faults_report_the_nearest_valid_num_rows():
+def test_reply_verdict_dedup_size_faults_report_the_nearest_valid_num_rows():
     """ST_EXPECTED of an impossible dedup size: the num_rows the other sizes allow."""
     def check(fault):
-        return helpers.reference_check_reply(
-            _dedup_reply_words(fault), seq=_DEDUP_WANT.seq, layer_idx=9, stage_idx=1,
-            routed_tokens=6, shared_tokens=2, wire_mode="dedup", num_rows=4)[2:]
+        record = wire.reply_verdict(_dedup_reply_words(fault), _DEDUP_WANT, wire_mode="dedup")
+        return record.expected, record.observed
     assert check("rows_over_routed") == (6, 7)    # num_rows <= routed_tokens = 6
     assert check("routed_over_rows_k") == (3, 2)  # routed 6 needs >= ceil(6 / top_k 2) = 3 rows
     assert check("shared_over_rows") == (5, 4)    # shared_tokens 5 needs >= 5 rows
@@ -438,7 +442,7 @@ def test_device_dedup_rows_formula_matches_reference(num_tokens, top_k, num_ffn,
 
 def test_gate_cu_scoring_codes_match_the_python_copy():
     # afd_gate_topk's scoring codes (its limits are wire.cuh's, checked with the others)
-    text = (kernels.KERNEL_DIR / "gate.cu").read_text()
+    text = (kernels.KERNEL_DIR / "model" / "gate.cu").read_text()
     constants = {name: int(value, 0) for name, value in _CONSTEXPR_RE.findall(text)}
     assert {"SCORE_SOFTMAX": constants["SCORE_SOFTMAX"], "SCORE_SIGMOID": constants["SCORE_SIGMOID"]} == {
         "SCORE_SOFTMAX": kernels.specs.GATE_SCORING["softmax"], "SCORE_SIGMOID": kernels.specs.GATE_SCORING["sigmoid"]}

@@ -316,10 +316,10 @@ def test_device_trace_stamps_around_a_launch_inside_a_captured_graph():
     probe.launch(cp.cuda.get_current_stream().ptr)
     assert trace.rows().shape == (3, 2)
     # the names the stamps key on, for a template instance (CuPy keeps its mangled name) too
-    assert dt.kernel_base_name(kernels.get_kernel("combine.cu", "afd_combine", dtype_code=0)) == "afd_combine"
-    assert dt.kernel_base_name(kernels.get_kernel("ffn_graph.cu", "afd_graph_dedup_reply", dtype_code=0)) == \
+    assert dt.kernel_base_name(kernels.get_kernel("attention/combine.cu", "afd_combine", dtype_code=0)) == "afd_combine"
+    assert dt.kernel_base_name(kernels.get_kernel("ffn/ffn_graph_rows.cu", "afd_graph_dedup_reply", dtype_code=0)) == \
         "afd_graph_dedup_reply"
-    assert dt.kernel_base_name(kernels.get_kernel("wait_any.cu", "afd_wait_any")) == "afd_wait_any"
+    assert dt.kernel_base_name(kernels.get_kernel("ffn/wait_any.cu", "afd_wait_any")) == "afd_wait_any"
 
 
 # --- dispatch ----------------------------------------------------------------------------------
@@ -620,8 +620,8 @@ class Combine:
         self.window = cp.asarray(self.window_np)
         self.last_seen = cp.asarray(self.last_seen_before)
         self.reply_flags = cp.zeros(self.num_ffn + 1, cp.int64) if reply_flags is None else cp.asarray(reply_flags)
-        kernels.get_kernel("combine.cu", "afd_combine", dtype_code=kernels.DTYPE_CODES[self.dtype])  # compile
-        kernels.get_kernel("combine.cu", "afd_wait_replies")
+        kernels.get_kernel("attention/combine.cu", "afd_combine", dtype_code=kernels.DTYPE_CODES[self.dtype])  # compile
+        kernels.get_kernel("attention/combine.cu", "afd_wait_replies")
         replies = dict(window=self.window.data.ptr, geo=self.layout.kernel_geometry(),
                        num_ffn_ranks=self.num_ffn, ring=self.ring, expected=cp.asarray(self.expected),
                        expected_counts=cp.asarray(self.expected_counts), layer_idx=self.layer_idx,
@@ -786,25 +786,22 @@ REPLY_FAULT_RECORDS = {  # fault -> (code, header word in ST_COUNT)
 @pytest.mark.parametrize("wait_kernel", [True, False], ids=["wait+combine", "combine-alone"])
 @pytest.mark.parametrize("fault", sorted(REPLY_FAULTS))
 def test_combine_header_faults(request, fault, wait_kernel):
-    """Each faulty reply latches the record of tests/kernel_helpers.reference_check_reply (the
-    numpy twin of wire.decode_header + wire.check_reply) and leaves NaN rows."""
+    """Each faulty reply latches the record of wire.reply_verdict (the host's verdict for the
+    same words, whose errors wire.decode_header + wire.check_reply raise) and leaves NaN rows."""
     c = _two_rank_combine(request, dtype="float16")
     c.write_reply(0)
     words = REPLY_FAULTS[fault](c)
     c.write_reply(1, words=words)
     c.run(wait_kernel=wait_kernel)
     slot = c.layout.slot_index(1, c.ring)
-    code, count, expected, observed = kh.reference_check_reply(
-        words, seq=int(c.expected[1]), layer_idx=c.layer_idx, stage_idx=c.stage_idx,
-        routed_tokens=int(c.expected_counts[1, 0]), shared_tokens=int(c.expected_counts[1, 1]),
-        flag=c.new_flags[slot])
-    assert (code, count) == REPLY_FAULT_RECORDS[fault]
-    record = status_of(c.status.array)
-    assert record == wire.StatusRecord(code, 1, slot, c.ring, expected, observed, count, -1, c.layer_idx)
-    # the host backend, fed the same bytes, raises the same typed error
     want = wire.ReplyExpectation(peer=1, seq=int(c.expected[1]), layer_idx=c.layer_idx,
                                  stage_idx=c.stage_idx, routed_tokens=int(c.expected_counts[1, 0]),
                                  shared_tokens=int(c.expected_counts[1, 1]))
+    verdict = wire.reply_verdict(words, want, slot=slot, ring=c.ring, flag=c.new_flags[slot])
+    assert (verdict.code, verdict.count) == REPLY_FAULT_RECORDS[fault]
+    record = status_of(c.status.array)
+    assert record == verdict
+    # the host backend, fed the same bytes, raises the same typed error
     with pytest.raises(type(record.error(layer_idx=c.layer_idx))):
         wire.check_reply(wire.decode_header(words, c.epr), want)
     c.assert_rows_nan()
@@ -921,7 +918,7 @@ class WaitAny:
         """One wait_any; the host spins on the ticket like the real FFN loop. Returns the doorbell."""
         self.ticket += 1
         layout = self.layout
-        kernels.get_kernel("wait_any.cu", "afd_wait_any")  # compile outside the timed region
+        kernels.get_kernel("ffn/wait_any.cu", "afd_wait_any")  # compile outside the timed region
         start = time.perf_counter()
         kh.launch_wait_any(
             window=self.window.data.ptr, geo=layout.kernel_geometry(), last_seen=self.last_seen,

@@ -1,4 +1,4 @@
-"""The Attention-side dedup kernels (raw_kernels/dedup_attn.cu, afd_wait_replies with dedup=1)
+"""The Attention-side dedup kernels (raw_kernels/attention/dedup_attn.cu, afd_wait_replies with dedup=1)
 against the numpy references of afd_cupy/testing/dedup_reference.py, in one process on one GPU.
 
 Same method as tests/test_kernels_cuda.py (whose helpers this reuses): F CuPy arrays act as F
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import kernel_helpers as kh
-from afd_cupy import kernels, wire
+from afd_cupy import errors, kernels, wire
 from afd_cupy.testing import dedup_reference
 
 cp = pytest.importorskip("cupy")
@@ -664,8 +664,8 @@ DEDUP_REPLY_FAULTS = {  # fault -> (reply words of rank 1, (code, ST_COUNT)); rw
 @pytest.mark.parametrize("wait_kernel", [True, False], ids=["wait+combine", "combine-alone"])
 @pytest.mark.parametrize("fault", sorted(DEDUP_REPLY_FAULTS))
 def test_dedup_combine_header_faults(request, fault, wait_kernel):
-    """Each faulty dedup reply latches the record of kernel_helpers.reference_check_reply
-    (wire_mode="dedup"), the host checks raise the same type for the same bytes, rows are NaN."""
+    """Each faulty dedup reply latches the record of wire.reply_verdict (wire_mode="dedup"),
+    the host checks raise the same type for the same bytes, rows are NaN."""
     c = _two_rank_dedup_combine(request, dtype="float16")
     c.write_reply(0)
     make_words, record_of = DEDUP_REPLY_FAULTS[fault]
@@ -673,21 +673,19 @@ def test_dedup_combine_header_faults(request, fault, wait_kernel):
     c.write_reply(1, words=words)
     c.run(wait_kernel=wait_kernel)
     slot = c.layout.slot_index(1, c.ring)
-    code, count, expected, observed = kh.reference_check_reply(
-        words, seq=int(c.expected[1]), layer_idx=c.layer_idx, stage_idx=c.stage_idx,
-        routed_tokens=int(c.expected_counts[1, 0]), shared_tokens=int(c.expected_counts[1, 1]),
-        flag=c.new_flags[slot], wire_mode="dedup", num_rows=int(c.expected_counts[1, 2]))
-    assert (code, count) == record_of(c.rows_word)
-    record = base.status_of(c.status.array)
-    assert record == wire.StatusRecord(code, 1, slot, c.ring, expected, observed, count, -1, c.layer_idx)
     want = wire.ReplyExpectation(peer=1, seq=int(c.expected[1]), layer_idx=c.layer_idx,
                                  stage_idx=c.stage_idx, routed_tokens=int(c.expected_counts[1, 0]),
                                  shared_tokens=int(c.expected_counts[1, 1]),
                                  num_rows=int(c.expected_counts[1, 2]))
+    verdict = wire.reply_verdict(words, want, wire_mode="dedup", slot=slot, ring=c.ring,
+                                 flag=c.new_flags[slot])
+    assert (verdict.code, verdict.count) == record_of(c.rows_word)
+    record = base.status_of(c.status.array)
+    assert record == verdict
     device_error = record.error(layer_idx=c.layer_idx, expert_per_rank=c.epr)
     with pytest.raises(type(device_error)):
         wire.check_reply(wire.decode_header(words, c.epr, wire_mode="dedup"), want)
-    if count == c.rows_word:
+    if verdict.count == c.rows_word:
         assert "num_rows" in str(device_error)
     c.assert_rows_nan()
     c.assert_last_seen_unchanged()
@@ -719,7 +717,7 @@ def test_pair_wait_refuses_a_dedup_reply(request, wait_kernel):
     record = base.status_of(c.status.array)
     assert (record.code, record.count, record.expected, record.observed) == (
         wire.STATUS_BAD_HEADER, wire.HDR_FLAGS, 0, wire.FLAG_DEDUP)
-    with pytest.raises(wire.WireError):
+    with pytest.raises(errors.WireError):
         wire.decode_header(words, c.epr)
     c.assert_rows_nan()
     c.assert_last_seen_unchanged()

@@ -1,4 +1,4 @@
-"""The FFN-side dedup kernels (raw_kernels/dedup_ffn.cu) and afd_wait_any on dedup headers,
+"""The FFN-side dedup kernels (raw_kernels/ffn/dedup_ffn.cu) and afd_wait_any on dedup headers,
 against the numpy references of afd_cupy.testing.dedup_reference, on one GPU.
 
 Messages are built by the references (plan_reference + scatter_reference) from fresh random

@@ -61,63 +61,63 @@ def _specs() -> dict:
                    expected_counts=arr, layer_idx=3, stage_idx=1, last_seen=arr, reply_flags=arr,
                    timeout_ns=10**9, status=0x1000)
     return {
-        ("dispatch.cu", "afd_dispatch_plan"): kernels.dispatch_plan_spec(
+        ("attention/dispatch.cu", "afd_dispatch_plan"): kernels.dispatch_plan_spec(
             topk_ids=arr, num_partials=64, num_ffn_ranks=2, expert_per_rank=4, routed_cap=64,
             layer_idx=3, chunk_hist=arr, local_rank=arr, expert_counts=arr, expert_start=arr, rank_offsets=arr,
             verdict=arr, done_counter=arr, status=0x1000),
-        ("dispatch.cu", "afd_dispatch_scatter"): kernels.dispatch_scatter_spec(
+        ("attention/dispatch.cu", "afd_dispatch_scatter"): kernels.dispatch_scatter_spec(
             dtype_code=0, hidden=0x2000, num_tokens=8, hidden_size=64, topk_ids=arr,
             num_partials=64, top_k=8, expert_per_rank=4, num_ffn_ranks=2, chunk_hist=arr,
             local_rank=arr, expert_start=arr, rank_offsets=arr, expert_counts=arr, verdict=arr,
             peer_windows=arr, geo=geo, ring=1, has_shared=1, pos_out=arr, src_rank=0,
             layer_idx=3, stage_idx=0, hdr_flags=0, seq_counters=arr, expected=arr,
             expected_counts=arr, done_counter=arr),
-        ("dispatch.cu", "afd_dispatch_fused"): kernels.dispatch_fused_spec(
+        ("attention/dispatch.cu", "afd_dispatch_fused"): kernels.dispatch_fused_spec(
             dtype_code=0, hidden=0x2000, num_tokens=8, hidden_size=64, topk_ids=arr,
             num_partials=64, top_k=8, expert_per_rank=4, num_ffn_ranks=2, routed_cap=64,
             expert_counts=arr, expert_start=arr, rank_offsets=arr, verdict=arr, skipped=arr,
             peer_windows=arr, geo=geo, ring=1, has_shared=1, pos_out=arr, src_rank=0,
             layer_idx=3, stage_idx=0, hdr_flags=0, seq_counters=arr, expected=arr,
             expected_counts=arr, done_counter=arr, status=0x6000, max_partials=128),
-        ("combine.cu", "afd_wait_replies"): kernels.wait_replies_spec(**replies),
-        ("combine.cu", "afd_combine"): kernels.combine_spec(
+        ("attention/combine.cu", "afd_wait_replies"): kernels.wait_replies_spec(**replies),
+        ("attention/combine.cu", "afd_combine"): kernels.combine_spec(
             dtype_code=0, out=0x4000, num_tokens=8, hidden_size=64, topk_ids=arr,
             topk_weights=arr, pos=arr, top_k=8, expert_per_rank=4, has_shared=1, out_scale=1.0,
             done_counter=arr, **replies),
-        ("wait_any.cu", "afd_wait_any"): kernels.wait_any_spec(
+        ("ffn/wait_any.cu", "afd_wait_any"): kernels.wait_any_spec(
             window=0x3000, geo=geo, last_seen=arr, scan_start=arr, counts_snapshot=arr, timeout_ns=10**9,
             doorbell=0x5000, ticket=7),
-        ("reply.cu", "afd_reply"): kernels.reply_spec(
+        ("ffn/reply.cu", "afd_reply"): kernels.reply_spec(
             dtype_code=1, dst_window=0x3000, geo=geo, src_rank=1, ring=1, routed_out=0,
             num_routed=0, shared_out=0x6000, num_shared=3, hidden_size=64, header_src=0x7000,
             seq=5, done_counter=arr),
-        ("dedup_ffn.cu", "afd_dedup_expand"): kernels.dedup_expand_spec(
+        ("ffn/dedup_ffn.cu", "afd_dedup_expand"): kernels.dedup_expand_spec(
             dtype_code=2, window=0x3000, geo=geo, region=2, ring=1, num_rows=20, num_tokens=30,
             num_routed=45, num_shared=7, top_k=8, hidden_size=64, staging=0x8000, route_copy=arr,
             claims=arr, fault=arr, num_claimed=arr, layer_idx=4, status=0x1000, done_counter=arr),
-        ("dedup_ffn.cu", "afd_dedup_reply"): kernels.dedup_reply_spec(
+        ("ffn/dedup_ffn.cu", "afd_dedup_reply"): kernels.dedup_reply_spec(
             dtype_code=0, dst_window=0x3000, geo=geo, src_rank=1, ring=0, route_copy=arr,
             num_rows=20, top_k=8, routed_out=0x6000, num_routed=45, shared_out=0, num_shared=0,
             hidden_size=64, header_src=0x7000, seq=9, done_counter=arr),
-        ("ffn_graph.cu", "afd_graph_stage"): specs.graph_stage_spec(
+        ("ffn/ffn_graph_stage.cu", "afd_graph_stage"): specs.graph_stage_spec(
             doorbell=0x5000, geo=geo, expert_per_rank=4, is_dedup=0, src_rank=1, num_attn_ranks=3,
             token_cap=8, routed_cap=64, shared_cap=4, routed_bucket=32, shared_bucket=4,
             num_layers=3, layers_per_chunk=2, routed_offs=arr, shared_offs=0x6000, reply_seqs=arr,
             state=arr, replay_counter=arr, records=0x7000, num_records=8, record_words=16),
-        ("ffn_graph.cu", "afd_graph_wait_stage"): specs.graph_wait_stage_spec(
+        ("ffn/ffn_graph_stage.cu", "afd_graph_wait_stage"): specs.graph_wait_stage_spec(
             window=0x3000, last_seen=arr, scan_start=arr, counts_snapshot=arr, timeout_ns=10**9,
             geo=geo, expert_per_rank=4, is_dedup=0, src_rank=1, num_attn_ranks=3,
             token_cap=8, routed_cap=64, shared_cap=4, routed_bucket=32, shared_bucket=4,
             num_layers=3, layers_per_chunk=2, routed_offs=arr, shared_offs=0x6000, reply_seqs=arr,
             state=arr, replay_counter=arr, records=0x7000, num_records=8, record_words=16),
-        ("ffn_graph.cu", "afd_graph_gather"): specs.graph_gather_spec(
+        ("ffn/ffn_graph_rows.cu", "afd_graph_gather"): specs.graph_gather_spec(
             dtype_code=0, window=0x3000, geo=geo, state=arr, hidden_size=64, routed_staging=0x8000,
             shared_staging=0, routed_bucket=32, shared_bucket=4),
-        ("ffn_graph.cu", "afd_graph_reply"): specs.graph_reply_spec(
+        ("ffn/ffn_graph_rows.cu", "afd_graph_reply"): specs.graph_reply_spec(
             dtype_code=2, own_window=0x3000, peer_windows=arr, geo=geo, src_rank=1, state=arr,
             routed_outs=arr, shared_out=0, hidden_size=64, done_counter=arr, routed_bucket=32,
             shared_bucket=4, num_chunks=2),
-        ("gate.cu", "afd_gate_topk"): specs.gate_topk_spec(
+        ("model/gate.cu", "afd_gate_topk"): specs.gate_topk_spec(
             dtype_code=0, logits=0x2000, num_tokens=8, num_experts=64, top_k=6, scoring=1,
             bias=0x3000, renormalize=1, topk_weights=0x4000, topk_ids=0x5000),
         **_dedup_specs(),
@@ -130,12 +130,12 @@ def _dedup_specs() -> dict:
                    expected_counts=arr, layer_idx=3, stage_idx=1, last_seen=arr, reply_flags=arr,
                    timeout_ns=10**9, status=0x1000)
     return {
-        ("dedup_attn.cu", "afd_dedup_rows"): kernels.dedup_rows_spec(
+        ("attention/dedup_attn.cu", "afd_dedup_rows"): kernels.dedup_rows_spec(
             topk_ids=arr, num_tokens=8, top_k=8, expert_per_rank=4, num_ffn_ranks=2, has_shared=1,
             verdict=arr, rows_hist=arr, rows_local=arr, row_map=arr, shared_rank=arr,
             num_rows=arr, shared_rows=arr, done_counter=arr),
-        ("dedup_attn.cu", "afd_dedup_scatter"): kernels.dedup_scatter_spec(**_DEDUP_SCATTER),
-        ("dedup_attn.cu", "afd_dedup_dispatch_fused"): kernels.dedup_dispatch_fused_spec(
+        ("attention/dedup_attn.cu", "afd_dedup_scatter"): kernels.dedup_scatter_spec(**_DEDUP_SCATTER),
+        ("attention/dedup_attn_fused.cu", "afd_dedup_dispatch_fused"): kernels.dedup_dispatch_fused_spec(
             dtype_code=0, hidden=0x2000, num_tokens=8, hidden_size=64, topk_ids=arr,
             topk_weights=arr, top_k=8, expert_per_rank=4, num_ffn_ranks=2, routed_cap=64,
             has_shared=1, expert_counts=arr, expert_start=arr, rank_offsets=arr, verdict=arr,
@@ -143,15 +143,23 @@ def _dedup_specs() -> dict:
             peer_windows=arr, geo=geo, ring=1, src_rank=0, layer_idx=3, stage_idx=0,
             seq_counters=arr, expected=arr, expected_counts=arr, done_counter=arr,
             status=0x6000, max_tokens=16),
-        ("dedup_attn.cu", "afd_dedup_combine"): kernels.dedup_combine_spec(
+        ("attention/dedup_attn_ll.cu", "afd_dedup_dispatch_ll"): kernels.dedup_dispatch_ll_spec(
+            dtype_code=0, hidden=0x2000, num_tokens=8, hidden_size=64, topk_ids=arr,
+            topk_weights=arr, top_k=8, expert_per_rank=4, num_ffn_ranks=2, routed_cap=64,
+            has_shared=1, expert_counts=arr, expert_start=arr, rank_offsets=arr, verdict=arr,
+            skipped=arr, row_map=arr, shared_rank=arr, num_rows=arr, shared_rows=arr,
+            peer_windows=arr, geo=geo, ring=1, src_rank=0, layer_idx=3, stage_idx=0,
+            seq_counters=arr, expected=arr, expected_counts=arr, done_counter=arr,
+            status=0x6000, max_tokens=16),
+        ("attention/dedup_attn.cu", "afd_dedup_combine"): kernels.dedup_combine_spec(
             dtype_code=2, out=0x4000, num_tokens=8, hidden_size=64, row_map=arr, out_scale=1.0,
             done_counter=arr, **replies),
-        ("ffn_graph.cu", "afd_graph_dedup_expand"): specs.graph_dedup_expand_spec(
+        ("ffn/ffn_graph_rows.cu", "afd_graph_dedup_expand"): specs.graph_dedup_expand_spec(
             dtype_code=0, window=0x3000, geo=geo, state=arr, top_k=8, hidden_size=64,
             routed_staging=0x8000, shared_staging=0, route_copy=arr, claims=arr, fault=arr,
             num_claimed=arr, reply_seqs=arr, done_counter=arr, token_cap=8, routed_cap=64,
             rows_bucket=20),
-        ("ffn_graph.cu", "afd_graph_dedup_reply"): specs.graph_dedup_reply_spec(
+        ("ffn/ffn_graph_rows.cu", "afd_graph_dedup_reply"): specs.graph_dedup_reply_spec(
             dtype_code=1, own_window=0x3000, peer_windows=arr, geo=geo, src_rank=1, state=arr,
             route_copy=arr, top_k=8, routed_outs=arr, shared_out=0x9000, hidden_size=7168,
             done_counter=arr, token_cap=8, rows_bucket=128, num_chunks=2),
@@ -199,6 +207,7 @@ def test_specs_use_the_block_sizes_of_the_limit_table(fake_specs):
               "afd_dedup_expand": "REPLY_THREADS", "afd_dedup_reply": "REPLY_THREADS",
               "afd_dedup_rows": "PLAN_THREADS", "afd_dedup_scatter": "SCATTER_THREADS",
               "afd_dedup_combine": "COMBINE_THREADS", "afd_dedup_dispatch_fused": "SCATTER_THREADS",
+              "afd_dedup_dispatch_ll": "SCATTER_THREADS",
               "afd_graph_stage": "REPLY_THREADS", "afd_graph_wait_stage": "REPLY_THREADS",
               "afd_graph_gather": "REPLY_THREADS",
               "afd_graph_reply": "REPLY_THREADS", "afd_graph_dedup_expand": "REPLY_THREADS",
@@ -267,17 +276,17 @@ def test_dedup_specs_reject_impossible_sizes(fake_specs):
 
 def test_grids_of_the_specs(fake_specs):
     built = _specs()
-    assert built[("dispatch.cu", "afd_dispatch_scatter")].grid == kernels.scatter_grid(8, 8, 1) == 9
+    assert built[("attention/dispatch.cu", "afd_dispatch_scatter")].grid == kernels.scatter_grid(8, 8, 1) == 9
     assert kernels.scatter_grid(0, 8, 1) == 1 and kernels.scatter_grid(4096, 8, 1) == kernels.MAX_BLOCKS
-    assert built[("combine.cu", "afd_combine")].grid == kernels.combine_grid(8) == 8
+    assert built[("attention/combine.cu", "afd_combine")].grid == kernels.combine_grid(8) == 8
     assert kernels.combine_grid(0) == 1
-    assert built[("reply.cu", "afd_reply")].grid == kernels.reply_grid(3) == 1
-    assert built[("dispatch.cu", "afd_dispatch_plan")].shared_mem == 4 * 8
-    assert built[("dispatch.cu", "afd_dispatch_plan")].grid == kernels.plan_grid(64) == 1
+    assert built[("ffn/reply.cu", "afd_reply")].grid == kernels.reply_grid(3) == 1
+    assert built[("attention/dispatch.cu", "afd_dispatch_plan")].shared_mem == 4 * 8
+    assert built[("attention/dispatch.cu", "afd_dispatch_plan")].grid == kernels.plan_grid(64) == 1
     assert kernels.plan_grid(0) == 1 and kernels.plan_grid(257) == 2
-    assert built[("dedup_ffn.cu", "afd_dedup_expand")].grid == kernels.dedup_expand_grid(20) == 3
+    assert built[("ffn/dedup_ffn.cu", "afd_dedup_expand")].grid == kernels.dedup_expand_grid(20) == 3
     # hidden 64 bf16: 128-byte rows, one warp each; 14 KiB rows: 4 warps (4096 B per part)
-    assert built[("dedup_ffn.cu", "afd_dedup_reply")].grid == kernels.dedup_reply_grid(20, 128) == 3
+    assert built[("ffn/dedup_ffn.cu", "afd_dedup_reply")].grid == kernels.dedup_reply_grid(20, 128) == 3
     assert kernels.dedup_reply_grid(128, 7168 * 2) == 128 * 4 // kernels.ROWS_PER_BLOCK
     assert kernels.dedup_scatter_grid(128, 2, 7168 * 2) == 128 * 2 * 4 // kernels.ROWS_PER_BLOCK
     assert kernels.row_parts(4096) == 1 and kernels.row_parts(4097) == 2
@@ -288,14 +297,14 @@ def test_grids_of_the_specs(fake_specs):
 
 def test_dedup_grids_and_mode_checks(fake_specs):
     built = _dedup_specs()
-    assert built[("dedup_attn.cu", "afd_dedup_rows")].grid == kernels.dedup_rows_grid(8, 8) == 1
+    assert built[("attention/dedup_attn.cu", "afd_dedup_rows")].grid == kernels.dedup_rows_grid(8, 8) == 1
     assert kernels.dedup_rows_grid(0, 8) == 1 and kernels.dedup_rows_grid(65, 4) == 2
-    assert built[("dedup_attn.cu", "afd_dedup_scatter")].grid == kernels.dedup_scatter_grid(8, 2) == 2
+    assert built[("attention/dedup_attn.cu", "afd_dedup_scatter")].grid == kernels.dedup_scatter_grid(8, 2) == 2
     assert kernels.dedup_scatter_grid(0, 4) == 1 and kernels.dedup_scatter_grid(4096, 4) == kernels.MAX_BLOCKS
-    assert built[("dedup_attn.cu", "afd_dedup_combine")].grid == kernels.combine_grid(8)
+    assert built[("attention/dedup_attn.cu", "afd_dedup_combine")].grid == kernels.combine_grid(8)
     # the graph's dedup row kernels: grids for the bucket's message rows (frozen at capture)
-    assert built[("ffn_graph.cu", "afd_graph_dedup_expand")].grid == kernels.dedup_expand_grid(20) == 3
-    assert built[("ffn_graph.cu", "afd_graph_dedup_reply")].grid == \
+    assert built[("ffn/ffn_graph_rows.cu", "afd_graph_dedup_expand")].grid == kernels.dedup_expand_grid(20) == 3
+    assert built[("ffn/ffn_graph_rows.cu", "afd_graph_dedup_reply")].grid == \
         kernels.dedup_reply_grid(128, 7168 * 2) == 128 * 4 // kernels.ROWS_PER_BLOCK
     # the dedup scatter needs the dedup header (one more word than pair mode)
     with pytest.raises(ValueError, match="header_words = 16, expected 17"):
@@ -420,9 +429,9 @@ def test_launches_module_has_no_cupy_import_at_module_level():
                                              ("dedup", True)],
                          ids=["pair", "pair-fused", "dedup", "dedup-fused"])
 def test_backend_builds_the_launches_of_its_wire_mode(fake_specs, monkeypatch, wire_mode, fused, put):
-    """CudaAttentionSide._attention_launches checks every spec of the layout's mode (a spec of
+    """CudaAttentionPath._attention_launches checks every spec of the layout's mode (a spec of
     the other mode would refuse the geometry); numpy arrays stand in for the CuPy buffers.
-    With a put channel every mode's scatter gets its staging (docs/design/put-transport.md). Pair mode with
+    With a put link every mode's scatter gets its staging (docs/design/put-transport.md). Pair mode with
     ``fused_dispatch``: one afd_dispatch_fused instead of plan + scatter; dedup mode: one
     afd_dedup_dispatch_fused instead of plan + rows + scatter."""
     import types
@@ -431,13 +440,14 @@ def test_backend_builds_the_launches_of_its_wire_mode(fake_specs, monkeypatch, w
 
     monkeypatch.setattr(kernels, "PackedLaunch", lambda spec: spec)
     layout = _DEDUP_LAYOUT if wire_mode == "dedup" else _LAYOUT
-    side = cuda_attention.CudaAttentionSide()
-    side.cp, side.layout, side.geometry, side.is_dedup = np, layout, layout.kernel_geometry(), layout.is_dedup
-    side.fused_dispatch = fused
+    side = cuda_attention.CudaAttentionPath.__new__(cuda_attention.CudaAttentionPath)
+    side.cp, side.layout, side.is_dedup = np, layout, layout.is_dedup
+    side.fused_dispatch, side.ll_dispatch = fused, False
     side.ctx = types.SimpleNamespace(num_ffn_ranks=2, has_shared=True, always_send=False, role_rank=0)
-    side.own_window, side.dtype_code, side.timeout_ns = 0x3000, 0, 10**9
-    side.link = types.SimpleNamespace(staging_base=0x9000 if put else 0)
-    side.status = types.SimpleNamespace(ptr=0x1000)
+    side.rank = types.SimpleNamespace(  # the shared CudaRank's fields the launches read
+        geometry=layout.kernel_geometry(), own_window=0x3000, dtype_code=0, timeout_ns=10**9,
+        link=types.SimpleNamespace(staging_base=0x9000 if put else 0),
+        status=types.SimpleNamespace(ptr=0x1000), last_seen=_FakeArray())
     side.scratch = [types.SimpleNamespace(local_rank=np.zeros(64, np.int32), **{
         name: _FakeArray() for name in ("chunk_hist", "pos", "expert_counts", "expert_start",
                                         "rank_offsets", "verdict", "plan_done", "scatter_done",
@@ -446,7 +456,7 @@ def test_backend_builds_the_launches_of_its_wire_mode(fake_specs, monkeypatch, w
     for name in ("row_map", "shared_rank", "num_rows", "shared_rows", "rows_hist", "rows_local", "rows_done"):
         setattr(side.dedup_rows[0], name, _FakeArray())
     side.expected = side.expected_counts = side.reply_flags = side.combine_done = [_FakeArray()] * 2
-    side.seq_counters, side.last_seen, side.peer_windows = [_FakeArray()] * 2, _FakeArray(), _FakeArray()
+    side.seq_counters, side.peer_windows = [_FakeArray()] * 2, _FakeArray()
     launches = side._attention_launches(1)
     if fused:
         assert sorted(launches) == ["combine", "fused", "wait"]
@@ -488,37 +498,44 @@ class _RecordingLaunch:
 
 @pytest.mark.parametrize("wire_mode", ["pair", "dedup"])
 def test_ffn_reply_writes_put_peers_into_the_staging_and_puts_its_rows(fake_specs, monkeypatch, wire_mode):
-    """CudaFFNSide.reply (both modes) with a direct and a put Attention peer: the reply kernel
+    """CudaFFNPath.reply (both modes) with a direct and a put Attention peer: the reply kernel
     of the put peer gets dst_window 0, the staging and the peer's region; the put copies the
     mode's rows (dedup: num_rows rows of routed_x and no shared rows; pair: R and S)."""
     import types
 
     import torch
 
-    from afd_cupy.backends import cuda_ffn
+    from afd_cupy.backends import cuda_ffn, cuda_ffn_dedup
     from afd_cupy.backends.base import Arrival
+    from afd_cupy.seq import SeqCounter
 
     monkeypatch.setattr(kernels, "PackedLaunch", _RecordingLaunch)
     layout = _DEDUP_LAYOUT if wire_mode == "dedup" else _LAYOUT
     puts = []
-    side = cuda_ffn.CudaFFNSide()
-    side.layout, side.geometry, side.dtype_code = layout, layout.kernel_geometry(), 0
+    side = cuda_ffn.CudaFFNPath.__new__(cuda_ffn.CudaFFNPath)
+    side.layout = layout
     side.ctx = types.SimpleNamespace(role_rank=1, peer_pe=lambda role, rank: 10 + rank)
-    side.link = types.SimpleNamespace(is_staged=(False, True, False), staging_base=0x9000,
-                                      after_reply=lambda *a, **kw: puts.append((a, kw)))
     side.window = types.SimpleNamespace(peer_ptr=lambda pe: 0x3000 + pe)
-    side._use_device = lambda: None
-    side.stream_ptr, side.stream = (lambda: 77), (lambda: None)
     side.cp = types.SimpleNamespace(cuda=types.SimpleNamespace(
         Event=lambda disable_timing: types.SimpleNamespace(record=lambda stream: None)))
+    side.rank = types.SimpleNamespace(  # the shared CudaRank's fields and steps the reply uses
+        geometry=layout.kernel_geometry(), dtype_code=0,
+        link=types.SimpleNamespace(is_staged=(False, True, False), staging_base=0x9000,
+                                   after_reply=lambda *a, **kw: puts.append((a, kw))),
+        use_device=lambda: None, stream_ptr=lambda: 77, stream=lambda: None)
     num_slots = layout.num_slots
-    side.reply_seqs, side.reply_launches = np.zeros(num_slots, np.int64), {}
+    side.reply_seqs, side.reply_launches = SeqCounter(num_slots), {}
     side.row_words = layout.header_words + layout.header_words % 2
     side.staging = types.SimpleNamespace(int32=np.zeros(num_slots * 4 * side.row_words, np.int32), ptr=0x7000)
     side._staging_row = lambda slot: slot * cuda_ffn.STAGING_DEPTH
     side.staging_events = [[None] * cuda_ffn.STAGING_DEPTH for _ in range(num_slots)]
-    side.reply_done = side.route_copies = [_FakeArray()] * num_slots
-    side.last_reply_event = [None] * num_slots
+    side.reply_done = [_FakeArray()] * num_slots
+    side.dedup = None
+    if wire_mode == "dedup":
+        side.dedup = cuda_ffn_dedup.CudaDedupStaging.__new__(cuda_ffn_dedup.CudaDedupStaging)
+        side.dedup.rank, side.dedup.ctx, side.dedup.layout = side.rank, side.ctx, layout
+        side.dedup.route_copies = [_FakeArray()] * num_slots
+        side.dedup.last_reply_event = [None] * num_slots
     # 5 rows (dedup), 7 partials over 4 local experts, 2 shared rows
     header = wire.dispatch_header(seq=3, src_rank=1, layer_idx=2, stage_idx=0, num_tokens=6,
                                   shared_tokens=2, top_k=8, expert_counts=[3, 0, 4, 0],
@@ -535,7 +552,7 @@ def test_ffn_reply_writes_put_peers_into_the_staging_and_puts_its_rows(fake_spec
 
 
 def test_row_parts_mirror_the_kernels():
-    text = (kernels.KERNEL_DIR / "wire.cuh").read_text()
+    text = (kernels.KERNEL_DIR / "common" / "wire.cuh").read_text()
     values = dict(re.findall(r"constexpr afd_i64 (ROW_(?:PART_BYTES|MAX_PARTS)) = (\d+);", text))
     assert {k: int(v) for k, v in values.items()} == {
         "ROW_PART_BYTES": specs.ROW_PART_BYTES, "ROW_MAX_PARTS": specs.ROW_MAX_PARTS}

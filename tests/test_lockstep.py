@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from afd_cupy import moe, wire
+from afd_cupy.moe import carveout
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig
 from afd_cupy.connector import AFDConnector, FFNWorkItem
 from afd_cupy.errors import ConfigError, ConnectorShutdown
@@ -219,7 +220,7 @@ def test_gemm_sm_carveout_is_validated_at_construction(monkeypatch):
     conn.device = torch.device("cpu")  # the host backend: "auto" is 0
     assert FFNWorker(conn, expert_fn=identity_experts, gemm_sm_carveout="auto").gemm_sm_carveout == 0
     conn.device = torch.device("cuda", 0)
-    monkeypatch.setattr(moe, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(carveout, "_sm_count", lambda device: 132)
     assert FFNWorker(conn, expert_fn=identity_experts).gemm_sm_carveout == moe.AUTO_GEMM_SM_CARVEOUT == 2
     assert FFNWorker(conn, expert_fn=identity_experts, gemm_sm_carveout=131).gemm_sm_carveout == 131
     for value, match in ((132, r"FFNWorker.gemm_sm_carveout=132 must be < the SM count of cuda:0 \(132\)"),

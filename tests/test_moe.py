@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from afd_cupy import gates, moe
+from afd_cupy.moe import carveout
+from afd_cupy.moe import compute as moe_compute
 from afd_cupy.config import ModelConfig
 from afd_cupy.errors import ConfigError
 from afd_cupy.testing.reference import make_expert_weights, make_shared_weights, reference_moe
@@ -328,7 +330,7 @@ def test_grouped_mm_layout_on_cpu_fallback(counts):
     _grouped_mm (same validation of strides and offsets, no CUDA)."""
     weights = make_expert_weights(6, HIDDEN, INTER, dtype=torch.bfloat16, device="cpu", seed=9)
     x = torch.randn(sum(counts), HIDDEN).bfloat16()
-    out = moe._grouped_mlp_fused(x, torch.tensor(counts), weights)
+    out = moe_compute._grouped_mlp_fused(x, torch.tensor(counts), weights)
     torch.testing.assert_close(out.double(), _grouped_reference(x, counts, weights),
                                rtol=3e-2, atol=3e-2)
 
@@ -796,7 +798,7 @@ def test_grouped_mm_path_with_biases_on_cpu_fallback(which, counts):
     weights = _biased(make_expert_weights(6, HIDDEN, INTER, dtype=torch.bfloat16, device="cpu", seed=24), 25,
                       w13_bias=which != "w2", w2_bias=which != "w13", activation="clamped_swiglu")
     x = (torch.randn(sum(counts), HIDDEN, generator=torch.Generator().manual_seed(26)) * 3).bfloat16()
-    out = moe._grouped_mlp_fused(x, torch.tensor(counts, dtype=torch.int32), weights)
+    out = moe_compute._grouped_mlp_fused(x, torch.tensor(counts, dtype=torch.int32), weights)
     ref = _grouped_reference_full(x, counts, weights)
     torch.testing.assert_close(out.double(), ref, rtol=3e-2, atol=3e-2 * ref.abs().max().item())
 
@@ -820,7 +822,7 @@ def test_grouped_mm_path_without_biases_runs_no_bias_ops():
     runs = {}
     for name, weights in (("plain", plain), ("biased", _biased(plain, 28))):
         with Ops() as ops:
-            moe._grouped_mlp_fused(x, counts, weights)
+            moe_compute._grouped_mlp_fused(x, counts, weights)
         runs[name] = ops.names
     bias_ops = {"repeat_interleave", "index", "add", "add_"}
     assert not bias_ops & set(runs["plain"]), runs["plain"]
@@ -992,7 +994,7 @@ def test_sm_carveout_blocks_on_two_threads_that_overlap(monkeypatch):
         assert fake.value == (3 if first == "a" else 2)
         steps[second][1].set()
         threads["ab".index(second)].join(5)
-        assert not errors and fake.value == 9 and not moe._OPEN.scopes
+        assert not errors and fake.value == 9 and not carveout._OPEN.scopes
 
 
 def test_sm_carveout_zero_or_none_does_not_touch_torch(monkeypatch):
@@ -1029,7 +1031,7 @@ def test_check_sm_carveout_rejects_bad_values(value, match):
 def test_check_sm_carveout_against_the_device_sm_count(monkeypatch):
     FakeCarveout().install(monkeypatch)
     seen = []
-    monkeypatch.setattr(moe, "_sm_count", lambda device: seen.append(device) or 132)
+    monkeypatch.setattr(carveout, "_sm_count", lambda device: seen.append(device) or 132)
     assert moe.check_sm_carveout(131, device=torch.device("cuda", 1)) == 131
     assert seen == [torch.device("cuda", 1)]
     with pytest.raises(ConfigError, match=r"FFNWorker.gemm_sm_carveout=132 must be < the SM count of "
@@ -1047,7 +1049,7 @@ def test_resolve_gemm_sm_carveout_auto_and_ints(monkeypatch):
     # and enough SMs; 0 on the CPU, without a device, without the binding, on a tiny GPU
     FakeCarveout().install(monkeypatch)
     sms = {"n": 132}
-    monkeypatch.setattr(moe, "_sm_count", lambda device: sms["n"])
+    monkeypatch.setattr(carveout, "_sm_count", lambda device: sms["n"])
     resolve = moe.resolve_gemm_sm_carveout
     assert resolve("auto", device=torch.device("cuda", 0)) == moe.AUTO_GEMM_SM_CARVEOUT == 2
     assert resolve("auto", device="cuda:1") == 2

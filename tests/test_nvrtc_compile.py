@@ -77,11 +77,11 @@ def test_compare_summaries_names_each_changed_kernel_and_opcode():
 @needs_nvrtc
 def test_ptx_summary_of_a_kernel_file_names_its_instantiations(tmp_path):
     out = tmp_path / "summary.json"
-    assert nvrtc_check.main(["reply.cu", "--ptx-summary", str(out)]) == 0
-    assert nvrtc_check.main(["reply.cu", "--ptx-summary", str(tmp_path / "again.json"),
+    assert nvrtc_check.main(["ffn/reply.cu", "--ptx-summary", str(out)]) == 0
+    assert nvrtc_check.main(["ffn/reply.cu", "--ptx-summary", str(tmp_path / "again.json"),
                              "--compare", str(out)]) == 0  # the same tree: equal counts
     import json
-    summary = json.loads(out.read_text())["reply.cu"]
+    summary = json.loads(out.read_text())["ffn/reply.cu"]
     assert sorted(summary) == ["afd_reply<0>", "afd_reply<1>", "afd_reply<2>"]
     for counts in summary.values():  # the reply stores rows, fences at system scope, sets a flag
         assert counts.get("membar.sys", 0) >= 1, counts  # __threadfence_system()

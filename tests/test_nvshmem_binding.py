@@ -56,10 +56,10 @@ def test_version_stamps_are_v1_plus_sizeof():
 
 
 def test_check_names_call_and_code():
-    nvshmem_lib._check(0, "nvshmem_anything")
+    nvshmem_lib.check_rc(0, "nvshmem_anything")
     with pytest.raises(nvshmem_lib.NvshmemError, match=r"nvshmemx_hostlib_init_attr failed with "
                        r"code 7 \(NVSHMEMX_ERROR_INTERNAL\)") as info:
-        nvshmem_lib._check(7, "nvshmemx_hostlib_init_attr")
+        nvshmem_lib.check_rc(7, "nvshmemx_hostlib_init_attr")
     assert (info.value.call, info.value.code) == ("nvshmemx_hostlib_init_attr", 7)
 
 

@@ -161,7 +161,7 @@ def test_wheel_ships_every_kernel_and_module(tmp_path):
     with zipfile.ZipFile(_build_wheel(tmp_path)) as wheel:
         names = set(wheel.namelist())
     kernels = _kernel_files()
-    assert kernels and "wire.cuh" in kernels
+    assert kernels and "common/wire.cuh" in kernels
     missing = [k for k in kernels if f"afd_cupy/raw_kernels/{k}" not in names]
     assert not missing, f"the wheel lacks kernel sources {missing}"
     missing = [f for f in _python_files() if f not in names]
@@ -179,7 +179,8 @@ assert package.is_relative_to(Path(sys.prefix).resolve()), (package, sys.prefix)
 assert loader.KERNEL_DIR == package / "raw_kernels", (loader.KERNEL_DIR, package)
 missing = [f for f in sys.argv[1:] if not (loader.KERNEL_DIR / f).is_file()]
 assert not missing, missing
-assert loader.source_key("dispatch.cu")  # every include resolves inside the package
+for f in loader.FILE_KERNELS:
+    assert loader.source_key(f)  # every include resolves inside the package
 print("INSTALLED", loader.KERNEL_DIR)
 """
 

@@ -35,24 +35,6 @@ ATTR_FUNCTIONS = frozenset({"getattr", "setattr", "hasattr", "delattr"})
 ALLOWED = {
     # transformers' PreTrainedModel attribute (a third-party object the rule cannot tell apart)
     ("testing/hf_models.py", "_keep_in_fp32_modules_strict"): "transformers' model attribute",
-    # adapters.py imports the expert-format detection's helpers (expert_formats.py was cut out
-    # of adapters.py; its API is these underscore names)
-    ("adapters.py", "_Format"): "expert_formats.py API under private names",
-    ("adapters.py", "_Shared"): "expert_formats.py API under private names",
-    ("adapters.py", "_check_block"): "expert_formats.py API under private names",
-    ("adapters.py", "_config_format"): "expert_formats.py API under private names",
-    ("adapters.py", "_deinterleave"): "expert_formats.py API under private names",
-    ("adapters.py", "_layout"): "expert_formats.py API under private names",
-    ("adapters.py", "_shared_from"): "expert_formats.py API under private names",
-    ("adapters.py", "_shared_of"): "expert_formats.py API under private names",
-    # heaps free their buffers (HostBuffer / NvshmemBuffer, same module) through the buffers'
-    # private state
-    ("heap/host.py", "_release"): "HostBuffer._release from HostHeap.close (same module)",
-    ("heap/nvshmem.py", "_views"): "NvshmemBuffer._views from NvshmemHeap.close (same module)",
-    ("heap/nvshmem.py", "_check"): "nvshmem_lib._check, the binding's error check",
-    ("testing/graph_ffn.py", "_attention"): "testing.scenario's Attention rank body",
-    ("testing/graph_ffn.py", "_device"): "testing.scenario's device choice",
-    ("wire.py", "_for_layer"): "errors._for_layer, the message fragment",
     # third-party objects, not afd_cupy's seams (the rule cannot see an object's type)
     ("expert_formats.py", "_apply_gate"): "transformers' experts method, probed on purpose",
     ("heap/nvshmem_lib.py", "_name"): "ctypes.CDLL._name, the library's path",

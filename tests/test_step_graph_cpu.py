@@ -11,7 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from afd_cupy.backends.cuda_attention import CudaAttentionSide
+from afd_cupy.attention_endpoint import AttentionEndpoint
+from afd_cupy.backends.base import Capabilities
+from afd_cupy.backends.cuda_attention import CudaAttentionPath
 from afd_cupy.config import ConnectorConfig
 from afd_cupy.errors import ConfigError, ProtocolError
 from afd_cupy.step_graph import RECV, SEND, DecodeStepGraph, check_capturable, pipeline_schedule, split_rows
@@ -25,10 +27,12 @@ def _conn(role=Role.ATTENTION, backend="cuda", poll_mode="device", token_cap=16,
     step graph uses the connector's public calls only)."""
     config = ConnectorConfig(async_moe_ubatching=num_stages > 1, async_moe_num_ubatches=max(num_stages, 2))
     nonblocking = backend == "cuda" if supports_nonblocking is None else supports_nonblocking
-    return SimpleNamespace(role=role, backend=backend, path=SimpleNamespace(ctx=SimpleNamespace(poll_mode=poll_mode)),
+    capabilities = Capabilities(backend=backend, wire_modes=("pair",),
+                                supports_nonblocking=nonblocking, device_polling=poll_mode == "device")
+    return SimpleNamespace(role=role, backend=backend, capabilities=capabilities,
                            layout=SimpleNamespace(token_cap=token_cap, ring_depth=config.ring_depth),
                            model=SimpleNamespace(num_layers=num_layers), config=config,
-                           supports_nonblocking=nonblocking,
+                           supports_nonblocking=nonblocking, order_graph_replay=lambda rings, stream: None,
                            pending_rings=lambda: tuple(sorted(pending)))
 
 
@@ -168,13 +172,15 @@ def test_replay_input_checks_and_pending_rings():
 
 class _RecordingConnector:
     """A stand-in Attention connector for the schedule on the CPU: the checks' attributes, the
-    real ring rule (``AFDConnector._acquire_ring`` on this object's ``_pending``), a row-wise
+    real ring rule (``AttentionEndpoint._acquire_ring`` on this object's ``_pending``), a row-wise
     gate, and an "FFN" that answers at receive with ``2 * h + 1``. ``calls`` records
     ``(op, layer, stage, ring, rows)`` in issue order."""
 
     def __init__(self, num_stages=2, ring_depth=None, num_layers=4, token_cap=16):
         self.role, self.backend = Role.ATTENTION, "cuda"
-        self.path = SimpleNamespace(ctx=SimpleNamespace(poll_mode="device"))
+        self.capabilities = Capabilities(backend="cuda", wire_modes=("pair",),
+                                         supports_nonblocking=True, device_polling=True)
+        self.path = SimpleNamespace(order_graph_replay=lambda rings, stream: None)
         self.config = ConnectorConfig(async_moe_ubatching=num_stages > 1, async_moe_num_ubatches=max(num_stages, 2),
                                       ring_depth=ring_depth)
         self.layout = SimpleNamespace(token_cap=token_cap, ring_depth=self.config.ring_depth)
@@ -183,9 +189,10 @@ class _RecordingConnector:
         self._pending, self.calls = {}, []
 
     def pending_rings(self):
-        from afd_cupy.connector import AFDConnector
+        return AttentionEndpoint.pending_rings(self)  # the real call on this object's _pending
 
-        return AFDConnector.pending_rings(self)  # the real call on this object's _pending
+    def order_graph_replay(self, rings, stream):
+        self.path.order_graph_replay(rings, stream)
 
     def select_experts(self, logits, bias=None, impl="auto"):
         self.gate_impls = getattr(self, "gate_impls", []) + [impl]
@@ -193,27 +200,21 @@ class _RecordingConnector:
         return weights.float(), ids.int()
 
     def send_attn_output(self, hidden, ids, weights, layer_idx, stage_idx=0):
-        from afd_cupy.connector import AFDConnector
-
-        ring = AFDConnector._acquire_ring(self, stage_idx)  # RingExhaustedError if the stage's ring is busy
+        ring = AttentionEndpoint._acquire_ring(self, stage_idx)  # RingExhaustedError if the stage's ring is busy
         handle = SimpleNamespace(ring=ring, layer_idx=layer_idx, stage_idx=stage_idx, hidden=hidden)
         self._pending[ring] = handle
         self.calls.append((SEND, layer_idx, stage_idx, ring, hidden.shape[0]))
         return handle
 
     def forget_dispatch(self, handle):
-        from afd_cupy.connector import AFDConnector
-
-        AFDConnector.forget_dispatch(self, handle)  # the real rule on this object's _pending
+        AttentionEndpoint.forget(self, handle)  # the real rule on this object's _pending
         self.calls.append(("forget", handle.layer_idx, handle.stage_idx, handle.ring, handle.hidden.shape[0]))
 
     def _require(self, role, what):
         assert role is Role.ATTENTION
 
     def _check_pending(self, handle):
-        from afd_cupy.connector import AFDConnector
-
-        AFDConnector._check_pending(self, handle)
+        AttentionEndpoint._check_pending(self, handle)
 
     def recv_ffn_output(self, handle, *, blocking=True):
         assert not blocking and self._pending.get(handle.ring) is handle
@@ -379,7 +380,7 @@ class _Streams:
         finally:
             self.current = previous
 
-    # the runtime calls CudaAttentionSide._order_ring makes, on raw handles
+    # the runtime calls CudaAttentionPath._order_ring makes, on raw handles
     def streamIsCapturing(self, handle):
         return self.by_handle[handle].name in self.capturing
 
@@ -390,7 +391,7 @@ class _Streams:
         self.log.append(("wait_event", self.by_handle[handle].name, event))
 
 
-class _OrderingPath(CudaAttentionSide):
+class _OrderingPath(CudaAttentionPath):
     """The cuda path's ring ordering (the real ``_order_ring`` / ``order_graph_replay``) over
     :class:`_Streams`' runtime; one named event per ring."""
 
@@ -507,7 +508,7 @@ def test_stage_streams_capture_path_and_replay_ordering(monkeypatch):
 
 
 def test_a_capture_leaves_the_ring_on_its_last_eager_stream(monkeypatch):
-    """CudaAttentionSide._order_ring: a use on a capturing stream orders nothing and keeps the
+    """CudaAttentionPath._order_ring: a use on a capturing stream orders nothing and keeps the
     ring's stream (the capture runs nothing), so the replay waits for the ring's last eager
     use (here on stream P, maybe still in flight), not for the idle capture stream."""
     streams = _Streams(monkeypatch)

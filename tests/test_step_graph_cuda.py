@@ -92,7 +92,8 @@ def _serve(conn, ffn: str, ffn_rank: int, device) -> dict:
         return {"role": "ffn", "served": GraphFFNServer(conn, identity=True).run()}
     epr, model = conn.topology.expert_per_rank, conn.model
     pairs = [layer_weights(model, layer, 0, device) for layer in range(model.num_layers)]
-    worker = FFNWorker(conn, [moe.local_experts(r, ffn_rank, epr) for r, _ in pairs], [s for _, s in pairs])
+    worker = FFNWorker(conn, [moe.local_experts(r, ffn_rank, epr) for r, _ in pairs], [s for _, s in pairs],
+                       serving="loop")  # "eager": the Python loop, not the default graph FFN
     return {"role": "ffn", "served": worker.run()}
 
 

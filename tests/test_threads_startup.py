@@ -1,8 +1,7 @@
 """Thread budget of launched and foreign processes (afd_cupy.env, launch, AFDConnector's
-cpu_threads) and the start-up profiling tool (tools/startup_profile.py)."""
+cpu_threads)."""
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -93,23 +92,6 @@ def test_connector_cpu_threads_auto_acts_only_when_nothing_was_set(no_thread_var
 def test_planner_warm_up_runs():
     planner.warm_up()
     assert planner._counting_plan.signatures and planner._combine_kernel.signatures
-
-
-def test_startup_profile_writes_json(tmp_path):
-    cmd = [sys.executable, os.path.join(ROOT, "tools", "startup_profile.py"), "--backend", "host",
-           "--layers", "2", "--tokens", "8", "--hidden", "64", "--experts", "4", "--top-k", "2",
-           "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": ROOT})
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "first round trip" in proc.stdout and "PASS" in proc.stdout
-    result = json.loads((tmp_path / "startup_profile.json").read_text())
-    assert result["ok"] and result["world"] == "1A1F" and result["children_cpu_s"] > 0
-    attn = next(r for r in result["ranks"] if r["role"] == "attention")
-    for phase in ("import torch", "numba steps load", "connector init", "first round trip",
-                  "reference check", "shutdown"):
-        assert attn["phases"][phase]["wall_s"] >= 0 and attn["phases"][phase]["count"] >= 1
-    assert attn["numba"]["_counting_plan"]["cache_hits"] + attn["numba"]["_counting_plan"]["cache_misses"] == 1
 
 
 def _child_wait_policy(ctx):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from afd_cupy import wire
+from afd_cupy.backends import host
 from afd_cupy.backends.base import require_backend
 from afd_cupy.config import ConnectorConfig, ModelConfig
 from afd_cupy.errors import ConfigError
@@ -80,7 +81,7 @@ def _rank(ctx, scenario):
 def test_config_and_backend_choice_go_through_the_registry(memcpy_transport):
     assert transport_names()[-1] == NAME and get_transport(NAME) is memcpy_transport
     assert ConnectorConfig(transport=NAME).transport == NAME
-    assert transports_of("host") == ("direct", "auto", NAME)
+    assert transports_of("host") == ("direct", "auto", NAME) == host.CAPABILITIES.transports
     assert NAME not in transports_of("cuda")
     require_backend("host", "dedup", NAME)
     with pytest.raises(ConfigError, match=rf"backend 'cuda' does not implement transport='{NAME}'"):

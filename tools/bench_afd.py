@@ -186,31 +186,12 @@ class Spec:
 # --------------------------------------------------------------------------- ranks
 
 def _rank(ctx, spec: Spec) -> dict:
-    from afd_cupy.connector import AFDConnector
-    from afd_cupy.ffn_worker import attention_connector_kwargs
-
     is_attn = ctx.rank < spec.num_attn
     pct = spec.mps_attn_pct if is_attn else spec.mps_ffn_pct
     if spec.backend == "cuda" and pct is not None and ctx.sm_percent is None:
-        # NOTE: read by the CUDA driver when this process creates its context (just below)
+        # NOTE: read by the CUDA driver when this process creates its context (in serving_rank)
         os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(pct)
-    device = bc.set_device(spec.backend, ctx)
-    role, role_rank = ("attention", ctx.rank) if is_attn else ("ffn", ctx.rank - spec.num_attn)
-    extra = attention_connector_kwargs(spec.schedule) if is_attn else {}
-    conn = AFDConnector(spec.model(), TopologyConfig(spec.num_attn, spec.num_ffn),
-                        ov.connector_config(spec.overlap),
-                        role=role, role_rank=role_rank, store=ctx.store(), job_id=ctx.job_id,
-                        backend=spec.backend, device_id=ctx.device_id, poll_mode=spec.poll_mode,
-                        peer_timeout_s=spec.peer_timeout_s, **extra)
-    try:
-        if not is_attn:
-            return _ffn(conn, spec, role_rank, device)
-        try:
-            return _attention(conn, spec, role_rank, device, ctx.store())
-        finally:
-            conn.announce_shutdown()
-    finally:
-        conn.close()
+    return bc.serving_rank(ctx, spec, ov.connector_config(spec.overlap), _ffn, _attention)
 
 
 def _randn(shape, fan_in: int, device, gen):

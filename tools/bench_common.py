@@ -16,6 +16,7 @@ import socket
 import statistics
 import subprocess
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -185,6 +186,35 @@ class Stopwatch:
             import torch
 
             torch.cuda.synchronize()
+
+
+def serving_rank(ctx, spec, connector_config, serve_ffn: Callable, serve_attention: Callable) -> dict:
+    """One rank of an A Attention + F FFN serving job (bench_afd, bench_decode): its device, its
+    connector (``spec``: num_attn, num_ffn, backend, poll_mode, peer_timeout_s, schedule,
+    model(); lockstep Attention connectors send always), then ``serve_ffn(conn, spec, ffn_rank,
+    device)`` or ``serve_attention(conn, spec, attn_rank, device, store)``; the Attention rank
+    announces shutdown, every rank closes its connector."""
+    from afd_cupy.config import TopologyConfig
+    from afd_cupy.connector import AFDConnector
+    from afd_cupy.ffn_worker import attention_connector_kwargs
+
+    is_attn = ctx.rank < spec.num_attn
+    device = set_device(spec.backend, ctx)
+    role, role_rank = ("attention", ctx.rank) if is_attn else ("ffn", ctx.rank - spec.num_attn)
+    extra = attention_connector_kwargs(spec.schedule) if is_attn else {}
+    conn = AFDConnector(spec.model(), TopologyConfig(spec.num_attn, spec.num_ffn), connector_config,
+                        role=role, role_rank=role_rank, store=ctx.store(), job_id=ctx.job_id,
+                        backend=spec.backend, device_id=ctx.device_id, poll_mode=spec.poll_mode,
+                        peer_timeout_s=spec.peer_timeout_s, **extra)
+    try:
+        if not is_attn:
+            return serve_ffn(conn, spec, role_rank, device)
+        try:
+            return serve_attention(conn, spec, role_rank, device, ctx.store())
+        finally:
+            conn.announce_shutdown()
+    finally:
+        conn.close()
 
 
 class PhaseStopper:
@@ -358,3 +388,143 @@ def short_replica_line(workload: str, what: str, entry: dict, unit: str = "ms") 
     return (f"headline {workload}: short replica {entry['replica']} {what} async {show(entry['async'])} / "
             f"lockstep {show(entry['lockstep'])} / solo {show(entry['solo'])} {unit}; async/solo "
             f"{show(entry['vs_solo'])}x, async/lockstep {show(entry['vs_lockstep'])}x")
+
+
+# --------------------------------------------------------------------------- kernel floors
+# A kernel's floor on the GPU that ran it: the cost of one kernel node in a CUDA graph plus the
+# bytes it must read and write at the rate a large device-to-device copy reaches, both measured
+# in the same run (measure_node_us, measure_copy_gbps). Floors are lower bounds: only the bytes
+# the layout says a kernel moves are counted (payload rows, route entries, headers, flags), not
+# the plan's scratch or the caches' traffic.
+
+@dataclass(frozen=True)
+class KernelBytes:
+    """Bytes (read + written) of each kernel of one round trip of one Attention rank to F FFN
+    ranks, from the window layout (:meth:`afd_cupy.layout.WindowLayout.message_bytes`).
+
+    - ``dispatch``: the source rows read + every dispatch message written (rows, route entries,
+      header, flag); the plan moves no payload.
+    - ``stage``: the FFN stage reads each message's header words.
+    - ``expand``: pair: the gather copies the arrived rows into the staging rows (read +
+      write); dedup: the expand reads the token rows and writes one row per routed partial.
+    - ``reply``: the output rows read (pair: routed + shared rows; dedup: the routed partials
+      the fused reduce sums) + every reply message written (rows, header, flag).
+    - ``combine``: every reply row read + the ``[T, hidden]`` output written.
+    """
+
+    dispatch: int
+    stage: int
+    expand: int
+    reply: int
+    combine: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def kernel_bytes(layout, topk_ids, *, num_ffn_ranks: int, has_shared: bool,
+                 always_send: bool = False) -> KernelBytes:
+    """:class:`KernelBytes` of one dispatch of ``topk_ids`` (int [T, K], host) in
+    ``layout.wire_mode``; an FFN rank sent nothing (no rows, no ``always_send``) adds nothing."""
+    import numpy as np
+
+    from afd_cupy import dedup, planner
+
+    ids = np.asarray(topk_ids, dtype=np.int64)
+    num_tokens, row = ids.shape[0], layout.row_bytes
+    routed = np.bincount(ids.reshape(-1) // layout.expert_per_rank, minlength=num_ffn_ranks)
+    if layout.is_dedup:
+        plan = dedup.plan_dedup(ids.astype(np.int32), num_ffn_ranks, layout.expert_per_rank,
+                                has_shared=has_shared)
+        sizes = [dict(num_rows=int(plan.num_rows[j])) for j in range(num_ffn_ranks)]
+    else:
+        sizes = [dict(routed_tokens=int(routed[j]),
+                      shared_tokens=planner.shared_count(num_tokens, num_ffn_ranks, j) if has_shared else 0)
+                 for j in range(num_ffn_ranks)]
+    total = dict(dispatch=0, stage=0, expand=0, reply=0, combine=0)
+    for j, size in enumerate(sizes):
+        if not any(size.values()) and not always_send:
+            continue
+        rows = sum(size.values())  # rows on the wire, each direction
+        total["dispatch"] += rows * row + layout.message_bytes(reply=False, **size)
+        total["stage"] += layout.header_words * 4
+        total["expand"] += (rows + int(routed[j])) * row if layout.is_dedup else 2 * rows * row
+        reduced = int(routed[j]) if layout.is_dedup else rows
+        total["reply"] += reduced * row + layout.message_bytes(reply=True, **size)
+        total["combine"] += rows * row
+    if any(total.values()):
+        total["combine"] += num_tokens * row
+    return KernelBytes(**total)
+
+
+def floor_us(num_bytes: int | None, node_us: float, copy_gbps: float) -> float | None:
+    """One kernel node + ``num_bytes`` (read + written) at ``copy_gbps`` (a device copy's read +
+    written bytes per ns, i.e. GB/s); None when ``num_bytes`` is None (no floor known)."""
+    if num_bytes is None:
+        return None
+    if not node_us >= 0 or not copy_gbps > 0:
+        raise ValueError(f"need node_us >= 0 and copy_gbps > 0, got {node_us}, {copy_gbps}")
+    return node_us + num_bytes / (copy_gbps * 1e3)
+
+
+def floor_row(name: str, time_us: float | None, num_bytes: int | None, node_us: float,
+              copy_gbps: float) -> dict:
+    """{name, time_us, bytes, floor_us, x_floor}: ``x_floor`` = time / floor (None without a
+    time or a floor)."""
+    floor = floor_us(num_bytes, node_us, copy_gbps)
+    ratio = time_us / floor if time_us is not None and floor else None
+    return {"name": name, "time_us": time_us, "bytes": num_bytes, "floor_us": floor, "x_floor": ratio}
+
+
+def floor_table(rows: Sequence[dict], node_us: float, copy_gbps: float) -> str:
+    """The :func:`floor_row` rows as a table, the floor's two measured terms in its title."""
+    title = (f"kernel floor = {node_us:.2f} µs per graph node + bytes / {copy_gbps:.0f} GB/s "
+             "(a device copy's read + written bytes, same run)")
+    body = format_table(("kernel / phase", "time µs", "KB", "floor µs", "time / floor"),
+                        [(r["name"], r["time_us"], None if r["bytes"] is None else r["bytes"] / 1e3,
+                          r["floor_us"], r["x_floor"]) for r in rows])
+    return title + "\n" + body
+
+
+def measure_copy_gbps(device, num_bytes: int = 1 << 28, iters: int = 20) -> float:
+    """Read + written bytes per ns (GB/s) of a ``num_bytes`` device-to-device copy on ``device``
+    (cuda), median of ``iters`` after one warm-up, CUDA events."""
+    import torch
+
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    watch, times_ms = Stopwatch(device), []
+    for i in range(iters + 1):
+        start = watch.mark()
+        dst.copy_(src)
+        elapsed = watch.elapsed_ms(start, watch.mark())
+        if i:
+            times_ms.append(elapsed)
+    return 2 * num_bytes / (median(times_ms) * 1e6)
+
+
+def measure_node_us(launch_node: Callable[[int], None], device, num_nodes: int = 64,
+                    replays: int = 50) -> float:
+    """µs per kernel node of a CUDA graph on ``device``: ``launch_node(stream_ptr)`` enqueues one
+    (near-)empty kernel; graphs of 1 and ``num_nodes`` such nodes are captured and replayed
+    ``replays`` times each between CUDA events; the median difference / (num_nodes - 1)."""
+    import torch
+
+    def replay_ms(count: int) -> float:
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
+        with torch.cuda.stream(stream):
+            launch_node(stream.cuda_stream)  # warm-up outside the capture
+            stream.synchronize()
+            with torch.cuda.graph(graph, stream=stream):
+                for _ in range(count):
+                    launch_node(stream.cuda_stream)
+        watch, times = Stopwatch(device), []
+        for i in range(replays + 1):
+            start = watch.mark()
+            graph.replay()
+            elapsed = watch.elapsed_ms(start, watch.mark())
+            if i:
+                times.append(elapsed)
+        return median(times)
+
+    return max(0.0, (replay_ms(num_nodes) - replay_ms(1)) * 1e3 / (num_nodes - 1))

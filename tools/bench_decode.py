@@ -154,26 +154,7 @@ class Spec:
 # --------------------------------------------------------------------------- ranks
 
 def _rank(ctx, spec: Spec) -> dict:
-    from afd_cupy.connector import AFDConnector
-    from afd_cupy.ffn_worker import attention_connector_kwargs
-
-    is_attn = ctx.rank < spec.num_attn
-    device = bc.set_device(spec.backend, ctx)
-    role, role_rank = ("attention", ctx.rank) if is_attn else ("ffn", ctx.rank - spec.num_attn)
-    extra = attention_connector_kwargs(spec.schedule) if is_attn else {}
-    conn = AFDConnector(spec.model(), TopologyConfig(spec.num_attn, spec.num_ffn), ConnectorConfig(),
-                        role=role, role_rank=role_rank, store=ctx.store(), job_id=ctx.job_id,
-                        backend=spec.backend, device_id=ctx.device_id, poll_mode=spec.poll_mode,
-                        peer_timeout_s=spec.peer_timeout_s, **extra)
-    try:
-        if not is_attn:
-            return _ffn(conn, spec, role_rank, device)
-        try:
-            return _attention(conn, spec, role_rank, device, ctx.store())
-        finally:
-            conn.announce_shutdown()
-    finally:
-        conn.close()
+    return bc.serving_rank(ctx, spec, ConnectorConfig(), _ffn, _attention)
 
 
 def _ffn(conn, spec: Spec, ffn_rank: int, device) -> dict:

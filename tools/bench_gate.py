@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The greedy gate: torch's ops vs the one-kernel gate (``raw_kernels/gate.cu``), same run.
+"""The greedy gate: torch's ops vs the one-kernel gate (``raw_kernels/model/gate.cu``), same run.
 
 For each (tokens, experts, top_k, scoring) case, ``gates.select_experts`` with ``impl="torch"``
 and with ``impl="kernel"`` on the same bf16 logits, timed two ways:

@@ -83,8 +83,8 @@ def _ffn(conn, cfg: dict, device) -> dict:
     extra = {}
     try:
         if cfg["mode"] == "eager":
-            worker = (FFNWorker(conn, expert_fn=identity_experts) if routed is None
-                      else FFNWorker(conn, routed, shared))
+            worker = (FFNWorker(conn, expert_fn=identity_experts, serving="loop") if routed is None
+                      else FFNWorker(conn, routed, shared, serving="loop"))  # the Python loop
             served = worker.run()
         else:
             from afd_cupy.backends.cuda_ffn_graph import GraphFFNServer

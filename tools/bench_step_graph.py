@@ -38,7 +38,7 @@ a CTA's tiles to the tail; the argument is in the JSON config, each FFN rank's r
 in its "ffn" entry and the report's title. ``0`` measures without (one launch each).
 
 ``--gate-impl auto|torch|kernel`` (default auto): the gate of every layer
-(``DecodeStepGraph(gate_impl=...)``): the one-kernel greedy gate (``raw_kernels/gate.cu``) or
+(``DecodeStepGraph(gate_impl=...)``): the one-kernel greedy gate (``raw_kernels/model/gate.cu``) or
 torch's ops; in the JSON config and the report's title. Run both to compare (one launch each).
 
 ``--trace`` (graph FFN, one FFN rank): device timestamps at the kernel boundaries of both sides
@@ -47,7 +47,9 @@ eager steps and as many replays run with the trace rows reset before each; each 
 trip is matched with the FFN replay that served it and split into telescoping phases (dispatch,
 doorbell to FFN, stage, gather, experts, reply, reply to Attention, combine) on the GPU's
 ``%globaltimer``. Printed as a table, written to the JSON (``traces``) and drawn as
-``step_phases.png``. The stamps are extra kernels on both sides: a traced run's timing table is
+``step_phases.png``; beside each phase its floor (one graph node + the bytes its kernel moves,
+``bench_common.kernel_bytes``, at the device copy rate; both measured in the same run) and
+time / floor (JSON: ``node_us``, ``copy_gbps``, per trace ``kernel_bytes`` and ``floors``). The stamps are extra kernels on both sides: a traced run's timing table is
 slower than an untraced one. With ``--experts moe`` the "FFN experts" phase is the expert GEMMs
 (plus one stamp hop, ~1.3 µs) and the row "round trip - FFN experts" is what the round trip
 costs beyond them (issue #13: <= 30 µs; a target row when traced). Phases across ranks need both on one GPU (one clock).
@@ -104,6 +106,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dispatch", choices=("fused", "two-kernel"), default="fused",
                         help="ConnectorConfig.fused_dispatch: one kernel (afd_dispatch_fused; dedup: "
                              "afd_dedup_dispatch_fused) or plan + scatter (dedup: plan + rows + scatter)")
+    parser.add_argument("--dedup-dispatch", choices=("plan", "ll", "both"), default="plan",
+                        help="ConnectorConfig.dedup_dispatch (with --wire-mode dedup): "
+                             "afd_dedup_dispatch_fused / the separate kernels (plan), "
+                             "afd_dedup_dispatch_ll (ll), or both one after the other in this run "
+                             "with an A/B table (their JSON: bench_step_graph_{plan,ll}.json)")
     parser.add_argument("--ffn-stage", choices=("fused", "two-kernel"), default="fused",
                         help="graph FFN: afd_graph_wait_stage (GraphFFNServer(fused_wait_stage=True)) "
                              "or afd_wait_any + afd_graph_stage")
@@ -117,7 +124,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "untouched). Only GEMMs: --experts moe")
     parser.add_argument("--gate-impl", choices=GATE_IMPLS, default="auto",
                         help="the Attention side's gate: DecodeStepGraph(gate_impl=...) (auto: the "
-                             "one-kernel greedy gate, raw_kernels/gate.cu; torch: torch's ops)")
+                             "one-kernel greedy gate, raw_kernels/model/gate.cu; torch: torch's ops)")
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--num-experts", type=int, default=64)
     parser.add_argument("--top-k", type=int, default=8)
@@ -139,6 +146,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--intermediate must be >= 1 and --shared-experts >= 0")
     if max(args.stages) > min(args.tokens):
         parser.error(f"--stages {max(args.stages)} > --tokens {min(args.tokens)}: every micro-batch needs a row")
+    if args.dedup_dispatch != "plan" and args.wire_mode != "dedup":
+        parser.error("--dedup-dispatch ll|both needs --wire-mode dedup")
     args.iters = args.iters or (30 if args.quick else 200)
     return args
 
@@ -156,7 +165,8 @@ def connector_config(args) -> ConnectorConfig:
     connector serves every S of the run (a step may use fewer stages than its connector)."""
     most = max(args.stages)
     return ConnectorConfig(async_moe_ubatching=most > 1, async_moe_num_ubatches=max(most, 2),
-                           wire_mode=args.wire_mode, fused_dispatch=args.dispatch == "fused")
+                           wire_mode=args.wire_mode, fused_dispatch=args.dispatch == "fused",
+                           dedup_dispatch="plan" if args.dedup_dispatch == "both" else args.dedup_dispatch)
 
 
 def model_config(args) -> ModelConfig:
@@ -278,11 +288,23 @@ def _attention(conn, args, device) -> dict:
                                 run(hidden)
                                 conn.check_errors()
                             traces.append({"tokens": num_tokens, "layers": layers, "mode": mode,
-                                           "attention_rows": trace.rows()})
+                                           "attention_rows": trace.rows(),
+                                           "kernel_bytes": traced_kernel_bytes(conn, stand_in, hidden)})
                     del step, eager, captured
                     torch.cuda.synchronize()
-    return {"role": "attention", "device": bc.device_name(device), "rows": add_stage_ratios(rows),
-            "device_id": conn.path.device_id, "traces": traces}
+    result = {"role": "attention", "device": bc.device_name(device), "rows": add_stage_ratios(rows),
+              "device_id": conn.path.device_id, "traces": traces}
+    if trace is not None:  # the floors' two terms, measured on this GPU in this run
+        result["node_us"], result["copy_gbps"] = dt.measure_node_us(device), bc.measure_copy_gbps(device)
+    return result
+
+
+def traced_kernel_bytes(conn, stand_in, hidden) -> dict:
+    """bench_common.KernelBytes (as a dict) of one round trip of ``hidden`` routed as layer 0
+    routes it (with one FFN rank, as --trace runs, every route moves the same bytes)."""
+    _, ids = conn.select_experts(stand_in.router(0, stand_in.attention(0, hidden)[1]))
+    return bc.kernel_bytes(conn.layout, ids.cpu().numpy(), num_ffn_ranks=conn.topology.num_ffn_ranks,
+                           has_shared=conn.model.num_shared_experts > 0).as_dict()
 
 
 def _rel_diff(captured, eager) -> float:
@@ -406,19 +428,53 @@ def table(rows: list) -> str:
 
 
 def main(argv=None) -> int:
-    from afd_cupy.launch import launch
-    from afd_cupy.wire import window_size_hint
-
     args = parse_args(argv)
     if bc.detect_backend() != "cuda":
         print("bench_step_graph needs the cuda backend (a GPU, CuPy and NVSHMEM): a CUDA graph "
               "cannot capture the host backend", file=sys.stderr)
         return 2
+    if args.dedup_dispatch != "both":
+        return run(args)[1]
+    reports, codes = {}, []
+    for variant in ("plan", "ll"):  # the same run, one launch each
+        reports[variant], code = run(argparse.Namespace(**{**vars(args), "dedup_dispatch": variant}),
+                                     json_name=f"bench_step_graph_{variant}.json")
+        codes.append(code)
+    print()
+    print(ab_table(reports["plan"], reports["ll"]))
+    return max(codes)
+
+
+def ab_table(plan: dict, ll: dict) -> str:
+    """--dedup-dispatch both: captured per-layer median and (with --trace) each traced phase's
+    median, plan vs ll, in µs, with ll / plan."""
+    headers = ["what", "plan µs", "ll µs", "ll / plan"]
+    body = []
+    for a, b in zip(plan["rows"], ll["rows"]):
+        body.append((f"T={a['tokens']} L={a['layers']} S={a.get('stages', 1)} graph per layer",
+                     a["graph_layer_median_us"], b["graph_layer_median_us"]))
+    for a, b in zip(plan.get("traces", ()), ll.get("traces", ())):
+        phases_a = {**a["phases"], **a.get("round_trip_phases", {})}
+        phases_b = {**b["phases"], **b.get("round_trip_phases", {})}
+        for name in phases_a:
+            if name in phases_b:
+                body.append((f"{a['label']}: {name}", phases_a[name]["median_us"], phases_b[name]["median_us"]))
+    rows = [[what, f"{x:.1f}" if x is not None else "-", f"{y:.1f}" if y is not None else "-",
+             f"{y / x:.2f}" if x and y is not None else "-"] for what, x, y in body]
+    return ("==== A/B: ConnectorConfig(dedup_dispatch='plan') vs 'll', same run ====\n"
+            + bc.format_table(headers, rows))
+
+
+def run(args, json_name: str = "bench_step_graph.json") -> tuple:
+    """One launch of every rank with ``args``: (report, exit code)."""
+    from afd_cupy.launch import launch
+    from afd_cupy.wire import window_size_hint
+
     model, world = model_config(args), 1 + args.num_ffn
     env = bc.launch_env("cuda", world, window_size_hint(model, TopologyConfig(1, args.num_ffn), connector_config(args)))
     attn, *ffn = launch(_rank, world, args=(args,), timeout_s=600, num_gpus=args.num_gpus, env=env)
     report = {"tool": "bench_step_graph", "run": bc.run_info("cuda"), "device": attn["device"],
-              "config": {"ffn": args.ffn, "num_ffn": args.num_ffn, "wire_mode": args.wire_mode, "dispatch": args.dispatch, "ffn_stage": args.ffn_stage, "stand_in": args.stand_in, "experts": args.experts,
+              "config": {"ffn": args.ffn, "num_ffn": args.num_ffn, "wire_mode": args.wire_mode, "dispatch": args.dispatch, "dedup_dispatch": args.dedup_dispatch, "ffn_stage": args.ffn_stage, "stand_in": args.stand_in, "experts": args.experts,
                          "intermediate": args.intermediate, "shared_experts": args.shared_experts, "hidden": args.hidden,
                          "num_experts": args.num_experts, "top_k": args.top_k, "iters": args.iters,
                          "warmup": args.warmup, "layers": args.layers, "tokens": args.tokens,
@@ -428,9 +484,10 @@ def main(argv=None) -> int:
               "ffn": [{k: v for k, v in r.items() if k not in ("role", "trace_rows")} for r in ffn]}
     if args.trace:
         report["config"]["trace_iters"] = args.trace_iters
+        report["node_us"], report["copy_gbps"] = attn["node_us"], attn["copy_gbps"]
         report["traces"] = trace_summaries(attn, ffn[0])
     report["targets"] = targets(attn["rows"], report.get("traces") if args.experts == "moe" else None)
-    path = bc.write_json(args.out, "bench_step_graph.json", report)
+    path = bc.write_json(args.out, json_name, report)
     print_report(report)
     if args.trace:
         summaries = {t["label"]: t for t in report["traces"]}
@@ -443,8 +500,8 @@ def main(argv=None) -> int:
            for r in report["rows"] if not r["out_rel_diff"] <= OUT_CHECK_TOL]
     if bad:
         print(f"CHECK FAILED: captured and eager outputs differ (tokens, L, S, streams, relative diff): {bad}")
-        return 1
-    return 0
+        return report, 1
+    return report, 0
 
 
 def trace_summaries(attn: dict, ffn: dict) -> list:
@@ -456,7 +513,8 @@ def trace_summaries(attn: dict, ffn: dict) -> list:
         summary = dt.phase_summary(t["attention_rows"], ffn.get("trace_rows"), same_clock=same_clock,
                                    layers=t["layers"])
         summary.update({"label": f"T={t['tokens']} L={t['layers']} {t['mode']}", "tokens": t["tokens"],
-                        "layers": t["layers"], "mode": t["mode"]})
+                        "layers": t["layers"], "mode": t["mode"], "kernel_bytes": t["kernel_bytes"]})
+        summary["floors"] = dt.floor_rows(summary, t["kernel_bytes"], attn["node_us"], attn["copy_gbps"])
         out.append(summary)
     return out
 
@@ -466,7 +524,8 @@ def print_report(report: dict) -> None:
     resolved = sorted({str(r.get("gemm_sm_carveout")) for r in report.get("ffn", ())})
     carveout = (f", GEMM SM carve-out {cfg.get('gemm_sm_carveout', 0)} = {'/'.join(resolved)}"
                 if cfg.get("experts") == "moe" and resolved else "")
-    print(f"==== decode step, 1A{cfg['num_ffn']}F, {cfg['wire_mode']}, FFN {cfg['ffn']} ({cfg.get('experts', 'identity')}{carveout}), hidden {cfg['hidden']}, "
+    mode = cfg["wire_mode"] + (f" (dedup_dispatch={cfg.get('dedup_dispatch', 'plan')})" if cfg["wire_mode"] == "dedup" else "")
+    print(f"==== decode step, 1A{cfg['num_ffn']}F, {mode}, FFN {cfg['ffn']} ({cfg.get('experts', 'identity')}{carveout}), hidden {cfg['hidden']}, "
           f"top-{cfg['top_k']}, gate {cfg.get('gate_impl', 'torch')}, {report['device']}: eager loop vs one captured graph, S stages "
           "(µs: median [p10, p90]) ====")
     print(table(report["rows"]))
@@ -483,6 +542,17 @@ def print_report(report: dict) -> None:
               "per point) ====")
         headers, rows = dt.phase_table({t["label"]: t for t in report["traces"]})
         print(bc.format_table(headers, rows))
+        print_floors(report)
+
+
+def print_floors(report: dict) -> None:
+    """Each traced case's phases beside their floors (the stamp closing a phase is one more
+    node: a byte-free phase near 2x its floor is the stamp)."""
+    for t in report.get("traces", ()):
+        if t.get("floors"):
+            print()
+            print(f"==== {t['label']}: each phase against its floor ====")
+            print(bc.floor_table(t["floors"], report["node_us"], report["copy_gbps"]))
 
 
 if __name__ == "__main__":

@@ -47,14 +47,19 @@ shape runs inside it.
     every peer by NVSHMEM puts, on one node) side by side in the same run, with issue #16's
     targets: put within 1.3x of direct for prefill (dispatch + combine), within 20 us of it for
     the 128-token decode round trip. Every row carries its ``transport``.
+(f) floors (cuda): each kernel time (decode ``dispatch_us``; prefill ``dispatch_ms``,
+    ``combine_ms``) beside its floor, one CUDA graph node + the bytes the kernel reads and
+    writes (``bench_common.kernel_bytes``, from the layout) at the rate of a large device copy,
+    both measured at the start of the launch; ``*_floor_us`` / ``*_floor_ms`` and
+    ``*_x_floor`` = time / floor in every row, ``floor_terms`` per launch in the report.
 
 On the host backend everything is numpy/shared memory at a tiny size: the numbers measure the
 host protocol (and are labelled so), not a GPU transport; times are wall times.
 
     python3 tools/bench_transport.py --quick --out OUT     # GPU (< 4 min on one H200, MPS)
     python3 tools/bench_transport.py --quick --backend host
-    python3 tools/bench_transport.py --quick --wire-mode both --ffn 1 2   # issue #12's table
-    python3 tools/bench_transport.py --quick --transport both --out OUT   # issue #16's table
+    python3 tools/bench_transport.py --quick --wire-mode both --ffn 1 2   # wire modes side by side
+    python3 tools/bench_transport.py --quick --transport both --out OUT   # transports side by side
 """
 from __future__ import annotations
 
@@ -171,15 +176,45 @@ def _rank(ctx, group: Group) -> dict:
 
 def _attention(conn, group: Group, device) -> dict:
     watch = bc.Stopwatch(device)
+    floor_terms = _floor_terms(device) if group.backend == "cuda" else None
     decode = [_decode_point(conn, group, tokens, device, watch) for tokens in group.decode_tokens]
     prefill = [_prefill_point(conn, group, tokens, device, watch) for tokens in group.prefill_tokens]
+    if floor_terms is not None:
+        for row in decode + prefill:
+            add_floors(row, **floor_terms)
     if group.backend == "cuda":
         # last: a failed capture may leave the connector unusable (a dispatch left pending)
         for row in decode:
             row.update(_graph_decode(conn, group, row["tokens"], device, watch))
             if "graph_error" in row:
                 break
-    return {"role": "attention", "device": bc.device_name(device), "decode": decode, "prefill": prefill}
+    return {"role": "attention", "device": bc.device_name(device), "decode": decode, "prefill": prefill,
+            "floor_terms": floor_terms}
+
+
+def _floor_terms(device) -> dict:
+    """The kernel floor's two terms on this GPU, now (the FFN ranks idle, as in the points)."""
+    import device_trace  # cuda only: its stamp kernel is the graph node measured
+
+    return {"node_us": device_trace.measure_node_us(device), "copy_gbps": bc.measure_copy_gbps(device)}
+
+
+def add_floors(row: dict, *, node_us: float, copy_gbps: float) -> dict:
+    """Each kernel time of a decode row (``dispatch_us``) or a prefill row (``dispatch_ms``,
+    ``combine_ms``) beside its floor (``bench_common.floor_us`` of ``row["kernel_bytes"]``):
+    ``<name>_floor_us`` / ``_floor_ms`` and ``<name>_x_floor`` = time / floor."""
+    kernel_bytes = row["kernel_bytes"]
+    if "dispatch_us" in row:
+        times = {"dispatch": row["dispatch_us"]}
+        unit, scale = "us", 1.0
+    else:
+        times = {"dispatch": row["dispatch_ms"], "combine": row["combine_ms"]}
+        unit, scale = "ms", 1e-3
+    for name, time_value in times.items():
+        floor = bc.floor_us(kernel_bytes[name], node_us, copy_gbps) * scale
+        row[f"{name}_floor_{unit}"] = floor
+        row[f"{name}_x_floor"] = _ratio(time_value, floor)
+    return row
 
 
 def _inputs(conn, num_tokens: int, device, seed: int):
@@ -222,13 +257,16 @@ def _decode_point(conn, group: Group, num_tokens: int, device, watch) -> dict:
 
 
 def _wire_bytes(conn, ids) -> dict:
-    """Bytes of one dispatch of ``ids`` and its replies in the connector's wire mode, and their
-    time at the link's limit (``LINK_GBPS``)."""
-    sizes = dedup.wire_bytes(conn.layout, ids.cpu().numpy(), num_ffn_ranks=conn.topology.num_ffn_ranks,
-                             has_shared=conn.model.num_shared_experts > 0)
+    """Bytes of one dispatch of ``ids`` and its replies in the connector's wire mode, their
+    time at the link's limit (``LINK_GBPS``), and the bytes each kernel moves (read + written,
+    ``bench_common.kernel_bytes``)."""
+    host_ids = ids.cpu().numpy()
+    shape = dict(num_ffn_ranks=conn.topology.num_ffn_ranks, has_shared=conn.model.num_shared_experts > 0)
+    sizes = dedup.wire_bytes(conn.layout, host_ids, **shape)
     return {"dispatch_wire_bytes": sizes.dispatch, "reply_wire_bytes": sizes.reply,
             "dispatch_link_us": sizes.dispatch / (LINK_GBPS * 1e3),
-            "reply_link_us": sizes.reply / (LINK_GBPS * 1e3)}
+            "reply_link_us": sizes.reply / (LINK_GBPS * 1e3),
+            "kernel_bytes": bc.kernel_bytes(conn.layout, host_ids, **shape).as_dict()}
 
 
 def _decode_dispatch_us(conn, group: Group, hidden, ids, weights, watch) -> float:
@@ -839,6 +877,15 @@ PREFILL_NCCL_COLUMNS = {"nccl_dispatch_ms": "NCCL d ms", "nccl_combine_ms": "NCC
                         "nccl_GBps": "NCCL GB/s", "x_vs_nccl": "x vs NCCL", "rt_x_vs_nccl": "rt x vs NCCL"}
 
 
+def floor_note(floor_terms: list) -> str:
+    """How the floor columns were made, with each launch's measured terms."""
+    if not floor_terms:
+        return "floor: not measured (cuda only)"
+    terms = "; ".join(f"{t['group']}: {t['node_us']:.2f} us, {t['copy_gbps']:.0f} GB/s" for t in floor_terms)
+    return ("floor = one graph node + the kernel's bytes (read + written, from the layout) / a device "
+            f"copy's read + written rate, both measured in the launch ({terms}); x floor = time / floor")
+
+
 def print_summary(report: dict) -> None:
     print()
     print(f"==== bench_transport summary: backend={report['backend']} commit={report['run']['commit']} "
@@ -848,9 +895,10 @@ def print_summary(report: dict) -> None:
     print("\n(a) decode round trip (1 Attention rank, identity FFN; us; KB = wire bytes per direction)")
     print(bc.format_table(
         ("mode", "tokens", "hidden", "top-k", "F", "median", "p99", "min", "pipelined/layer", "dispatch",
-         "disp KB", "reply KB", "RFC med", "x vs RFC", "graph med", "graph p99"),
+         "disp floor", "x floor", "disp KB", "reply KB", "RFC med", "x vs RFC", "graph med", "graph p99"),
         [(r["wire_mode"], r["tokens"], r["hidden"], r["top_k"], r["num_ffn"], r["rt_median_us"], r["rt_p99_us"],
-          r["rt_min_us"], r["pipelined_us_per_layer"], r["dispatch_us"], r["dispatch_wire_bytes"] / 1e3,
+          r["rt_min_us"], r["pipelined_us_per_layer"], r["dispatch_us"], r.get("dispatch_floor_us"),
+          r.get("dispatch_x_floor"), r["dispatch_wire_bytes"] / 1e3,
           r["reply_wire_bytes"] / 1e3, r["rfc_rt_median_us"], r["speedup_vs_rfc"],
           r.get("graph_rt_median_us"), r.get("graph_rt_p99_us"))
          for r in report["decode"]]))
@@ -858,6 +906,7 @@ def print_summary(report: dict) -> None:
           "combine, its .cpu()/.item() syncs included); x vs RFC = RFC med / median")
     print("graph = the Attention side's send + recv captured in one CUDA graph, replay + sync "
           "(cuda only; '-' = not measured)")
+    print(floor_note(report.get("floor_terms") or []))
     for r in report["decode"]:
         if "graph_error" in r:
             print(f"graph capture FAILED at {r['tokens']} tokens, F={r['num_ffn']}: {r['graph_error']}")
@@ -865,9 +914,11 @@ def print_summary(report: dict) -> None:
           "RFC = " + report["rfc_baseline_kind"] + ")")
     nccl = [key for key in PREFILL_NCCL_COLUMNS if any(key in r for r in report["prefill"])]
     print(bc.format_table(
-        ("mode", "tokens", "F", "MB", "disp ms", "comb ms", "rt ms", "disp GB/s", "comb GB/s", "of link",
+        ("mode", "tokens", "F", "MB", "disp ms", "disp floor", "x floor", "comb ms", "comb floor", "x floor",
+         "rt ms", "disp GB/s", "comb GB/s", "of link",
          "copy GB/s", "pair/copy", "RFC d+c ms", "x vs RFC") + tuple(PREFILL_NCCL_COLUMNS[key] for key in nccl),
-        [(r["wire_mode"], r["tokens"], r["num_ffn"], r["bytes"] / 1e6, r["dispatch_ms"], r["combine_ms"],
+        [(r["wire_mode"], r["tokens"], r["num_ffn"], r["bytes"] / 1e6, r["dispatch_ms"], r.get("dispatch_floor_ms"),
+          r.get("dispatch_x_floor"), r["combine_ms"], r.get("combine_floor_ms"), r.get("combine_x_floor"),
           r["roundtrip_ms"], r["dispatch_GBps"], r["combine_GBps"], r["dispatch_of_link"], r["copy_GBps"],
           r["pair_vs_copy"], r["rfc_dispatch_ms"] + r["rfc_combine_ms"], r["speedup_vs_rfc"])
          + tuple(r.get(key) for key in nccl)
@@ -925,16 +976,18 @@ def main(argv=None) -> int:
         groups, nccl_skipped = with_nccl_baseline(groups, backend)
         print("\n".join(nccl_skipped) or "NCCL baseline on", flush=True)
     started = time.perf_counter()
-    decode, prefill, devices, placements = [], [], set(), []
+    decode, prefill, devices, placements, floor_terms = [], [], set(), [], []
     for group in bc.progress(groups, "bench_transport", lambda g: g.describe()):
         result = run_group(group, args.timeout)
         decode += result["decode"]
         prefill += result["prefill"]
         devices.add(result["device"])
         placements.append({"group": group.describe(), "placement": result["placement"]})
+        if result.get("floor_terms"):
+            floor_terms.append({"group": group.describe(), **result["floor_terms"]})
         print(f"placement ({group.describe()}): {result['placement']}", flush=True)
     report = {"tool": "bench_transport", "backend": backend, "quick": args.quick, "wire_mode": args.wire_mode,
-              "transport": args.transport, "placements": placements,
+              "transport": args.transport, "placements": placements, "floor_terms": floor_terms,
               "label": HOST_LABEL if backend == "host" else "",
               "device": ", ".join(sorted(devices)), "run": bc.run_info(backend),
               "poll_mode": args.poll_mode if backend == "cuda" else "host",
@@ -957,7 +1010,9 @@ def main(argv=None) -> int:
                   "link": f"bytes / {LINK_GBPS} GB/s (dispatch_link_us, reply_link_us); "
                           "dispatch_of_link = link time / dispatch time",
                   "dispatch_us": "decode: median of send_attn_output alone (CUDA events on cuda, wall on "
-                                 "host), each followed by an untimed receive"},
+                                 "host), each followed by an untimed receive",
+                  "floor": "bench_common.floor_us: one CUDA graph node + kernel_bytes (read + written, "
+                           "from the layout) / a device copy's read + written GB/s; *_x_floor = time / floor"},
               "decode": decode, "prefill": prefill, "side_by_side": side_by_side(decode, prefill),
               "transport_side_by_side": transport_side_by_side(decode, prefill),
               "targets": targets(decode, prefill),

@@ -23,13 +23,16 @@ Scope and cost:
 
 The rest are pure numpy functions on the rows: matching each Attention round trip with the FFN
 replay that served it (:func:`match_round_trips`), the telescoping phases (:data:`PHASES`,
-they sum to the round trip), their statistics (:func:`phase_summary`) and a stacked-bar plot.
+they sum to the round trip), their statistics (:func:`phase_summary`), each phase against its
+floor (:func:`floor_rows`) and a stacked-bar plot.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
 import numpy as np
+
+import bench_common as bc
 
 #: Attention-side points of one round trip (one row per layer of a one-stage step)
 ATTENTION_POINTS = ("a_send0", "a_planned", "a_sent", "a_wait0", "a_seen", "a_done")
@@ -73,6 +76,19 @@ PHASES = (
 CROSS_PHASES = ("doorbell -> FFN wait returns (fused: + stage)", "reply -> Attention wait returns")
 #: the matched round trip less its "FFN experts" phase (the GEMMs and one stamp hop)
 BEYOND_EXPERTS = "round trip - FFN experts (matched)"
+#: phase -> the field of bench_common.KernelBytes its kernel moves (0: a wait, a flag and a
+#: node, no payload; None: no floor, the expert GEMMs)
+PHASE_BYTES = {
+    "dispatch plan": 0,
+    "dispatch scatter (dedup: rows + scatter; fused: plan + scatter)": "dispatch",
+    "doorbell -> FFN wait returns (fused: + stage)": 0,
+    "FFN stage": "stage",
+    "FFN gather / expand": "expand",
+    "FFN experts": None,
+    "FFN reply": "reply",
+    "reply -> Attention wait returns": 0,
+    "combine": "combine",
+}
 #: not part of the sum: how long the Attention stream sat in its wait kernel
 WAIT_PHASE = ("Attention in wait kernel", "a_wait0", "a_seen")
 
@@ -322,6 +338,38 @@ def phase_table(summaries: dict) -> tuple[tuple, list]:
     rows.append(("matched / unmatched rows",) + tuple(f"{summaries[lb].get('matched', '-')} / "
                                                        f"{summaries[lb].get('unmatched', '-')}" for lb in labels))
     return headers, rows
+
+
+def floor_rows(summary: dict, kernel_bytes: dict, node_us: float, copy_gbps: float) -> list:
+    """One :func:`bench_common.floor_row` per phase of a :func:`phase_summary` with matched round
+    trips (``[]`` without): its median beside one node + the bytes its kernel moves
+    (``kernel_bytes``: :meth:`bench_common.KernelBytes.as_dict`) at ``copy_gbps``. A phase with a
+    zero median ran no kernel (the fused dispatch's plan, the identity graph's gather): no
+    floor. Last row: the round trip beside the sum of the phase floors (the experts excluded)."""
+    phases = summary.get("round_trip_phases")
+    if not phases:
+        return []
+    rows = []
+    for name, _, _ in PHASES:
+        median = _median(phases.get(name))
+        field = PHASE_BYTES[name]
+        ran = median is not None and median > 0
+        num_bytes = (kernel_bytes[field] if isinstance(field, str) else field) if ran else None
+        rows.append(bc.floor_row(name, median, num_bytes, node_us, copy_gbps))
+    floors = [r["floor_us"] for r in rows if r["floor_us"] is not None]
+    total = {"name": "round trip (matched) / sum of the floors",
+             "time_us": _median(summary.get("matched_round_trip")), "bytes": sum(r["bytes"] or 0 for r in rows),
+             "floor_us": sum(floors) if floors else None}
+    total["x_floor"] = (total["time_us"] / total["floor_us"]
+                        if total["time_us"] is not None and total["floor_us"] else None)
+    return rows + [total]
+
+
+def measure_node_us(device) -> float:
+    """µs per kernel node of a CUDA graph on this GPU (:func:`bench_common.measure_node_us`),
+    the node being one one-thread ``afd_trace_stamp`` (a store, the least a kernel does)."""
+    probe = DeviceTrace(("node", "end"), capacity=1)
+    return bc.measure_node_us(lambda stream_ptr: probe.stamp(stream_ptr, "node"), device)
 
 
 def _median(stats: dict | None):

@@ -1,37 +1,45 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call (for the device machine): start CUDA MPS, run every
-# `cuda`-marked test (multi-process ones included), the smoke tool (1A1F and 2A2F) and the
-# short benchmarks, stop MPS, print a summary table last. Logs go to $OUT (or ./gpu_out).
+# `cuda`-marked test (multi-process ones included), the main job (tools/smoke.py, 1A1F and
+# 2A2F) and the short benchmarks, stop MPS, print a summary table last. Logs go to $OUT
+# (or ./gpu_out), packed into one archive.
 #
-#   bash tools/gpu_suite.sh [full|quick|bench|part1|part2|part3|twogpu1..twogpu4|trace1|soak1|moe1]
-#     quick: tests + smoke only; bench: benchmarks only; part1..3: the cuda tests in three
-#     device calls (part1: kernels, FFN graph, moe, step graph, e2e errors, window, adapters, expert_gemm +
-#     smoke + hf_generate; part2: test_e2e.py; part3: model gates, NVSHMEM
-#     binding, bench_moe_layer at a small shape, faults; part1 also tools/startup_profile.py); twogpu1..3: the measurements that need two GPUs
-#     (docs/performance.md "Waiting for two GPUs"), one device call each (< 600 s):
-#     twogpu1 bench_transport decode + prefill, both wire modes and transports (#12, #16);
-#     twogpu2 bench_afd placement 0:50,0:50,1: overlap, sweep, timeline (#15);
-#     twogpu3 the multigpu tests, bench_step_graph --trace (pair, dedup), bench_graph_ffn (#13);
-#     twogpu4 the GEMM SM carve-out (0 vs "auto") with the FFN on its own GPU: the V2-Lite-shaped
-#     MoE step traced, and bench_afd --overlap ffn (~7 min at most)
-#     soak1: one GPU, the fault model's soak (tools/soak.py: random sizes, stages, stalls; every
-#     output checked) 2A2F pair and dedup, 1A2F dedup + put, 2A1F pair + put, 1A1F pair 8e4,
-#     1A1F with launch(exit_grace_s=10) (the /dev/shm entries a job leaves, with and without)
-#     moe1: one GPU, MPS: the expert_gemm cuda tests, then tools/bench_moe_layer.py --quick (the
-#     MoE layer in one process vs AFD 1A1F for V2-Lite, Qwen3-30B-A3B and one DeepSeek-V3
-#     layer; expert GEMM variants, FP8 weights; issue #34), ~4 min in all
-#     trace1: one GPU, the 50-layer step's phases (fused vs two-kernel dispatch and FFN wait +
-#     stage; dedup), the staged step on one stream vs a stream per stage (S = 1 2 4), the
-#     V2-Lite-shaped MoE step with the GEMM SM carve-out 0 and "auto" (the default), the step
-#     with torch's gate against the one-kernel gate (step_fused), bench_gate
-# Knobs (environment): SUITE_TESTS (test files or ids instead of all), SUITE_TIMEOUT, TEST_TIMEOUT (per test), PYTEST_ARGS (extra pytest arguments for the cuda tests, e.g. "-n 4" with pytest-xdist), SMOKE_ARGS, SKIP_SMOKE_1A1F=1, SKIP_SMOKE_2A2F=1,
-# SKIP_HOSTPOLL=1 / HOSTPOLL_TIMEOUT (the e2e cases with host polling and no MPS),
-# SKIP_HF=1 (tools/hf_generate.py), SKIP_STARTUP=0 (tools/startup_profile.py; part1 runs it), SKIP_SOAK=1 / SOAK_N / SOAK_TIMEOUT / SOAK_ARGS (tools/soak.py),
-# BENCHES (names of tools/*.py run with --quick), BENCH_TIMEOUT, AFD_COMMIT (for the table).
-# The whole cuda test set does not fit one 600 s device call: part1..part3 split it in three
-# (one H200 under MPS, eb9e1c8: part1 ~390 s, part2 ~475 s, part3 ~355 s). Each pytest step
-# prints its 25 slowest tests (--durations) so that the split can follow them.
-# Pass AFD_COMMIT: the device's copy has no usable git HEAD.
+#   bash tools/gpu_suite.sh [MODE]
+#
+# Modes (each of part1..part3, soak1, moe1, trace1 and twogpu1..4 fits one 600 s device call):
+#   full     every cuda test, the host-polling e2e cases without MPS, both main jobs,
+#            hf_generate, the soak, then the benchmarks (default)
+#   quick    the cuda tests and both main jobs
+#   bench    the benchmarks only (BENCHES)
+#   part1    kernels, FFN graph, moe, step graph, e2e errors, window, adapters, expert GEMM
+#            tests, both main jobs and hf_generate
+#   part2    test_e2e.py
+#   part3    model gates, NVSHMEM binding, bench_moe_layer at a small shape, peer loss, faults
+#   soak1    one GPU: the fault model's soak (tools/soak.py: random sizes, stages, stalls,
+#            every output checked) 2A2F pair and dedup, 1A2F dedup + put, 2A1F pair + put,
+#            1A1F pair 8e4 round trips, 1A1F with launch(exit_grace_s=10) (the /dev/shm
+#            entries a job leaves)
+#   moe1     one GPU: the expert-GEMM cuda tests, then tools/bench_moe_layer.py --quick (one
+#            MoE layer in one process vs AFD 1A1F; expert GEMM variants, FP8 weights)
+#   trace1   one GPU: the 50-layer step's phases against their floors (fused vs two-kernel
+#            dispatch and FFN wait + stage; dedup), one stream vs a stream per stage
+#            (S = 1 2 4), the V2-Lite-shaped MoE step with the GEMM SM carve-out 0 and
+#            "auto", torch's gate against the one-kernel gate, bench_gate
+#   twogpu1  two GPUs: bench_transport decode + prefill, both wire modes and transports
+#   twogpu2  two GPUs: bench_afd with the FFN on its own GPU: overlap, sweep, timeline
+#   twogpu3  two GPUs: the multigpu tests, bench_step_graph --trace (pair, dedup),
+#            bench_graph_ffn
+#   twogpu4  two GPUs: the GEMM SM carve-out (0 vs "auto") with the FFN on its own GPU
+#
+# Knobs (environment): SUITE_TESTS (test files or ids instead of the mode's), SUITE_TIMEOUT,
+# TEST_TIMEOUT (per test), PYTEST_ARGS (extra pytest arguments for the cuda tests, e.g. "-n 4"
+# with pytest-xdist), SMOKE_ARGS, SKIP_SMOKE_1A1F=1, SKIP_SMOKE_2A2F=1, SKIP_HOSTPOLL=1 /
+# HOSTPOLL_TIMEOUT (the e2e cases with host polling and no MPS), SKIP_HF=1
+# (tools/hf_generate.py), SKIP_SOAK=1 / SOAK_N / SOAK_TIMEOUT / SOAK_ARGS (tools/soak.py),
+# BENCHES (names of tools/*.py run with --quick), BENCH_TIMEOUT, BENCH_ARGS, AFD_COMMIT (the
+# commit named in the summary: the device's copy has no usable git HEAD).
+# Each pytest step prints its 25 slowest tests (--durations) so that the part split can
+# follow them.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -41,12 +49,11 @@ export NVSHMEM_DISABLE_NCCL=1 NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/afd_mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/afd_mps_log
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
 MODE=${1:-full}
-# part1 / part2 / part3: the cuda tests in three calls that each fit a 600 s device call;
-# part1 also runs both smoke runs and hf_generate. The knobs still override them.
+# part1 / part2 / part3: the cuda tests in three calls; the knobs still override them.
 case "$MODE" in
-  part1) SUITE_TESTS=${SUITE_TESTS:-"tests/test_gate_cuda.py tests/test_kernels_cuda_dedup_attn.py tests/test_kernels_cuda_dedup_ffn.py tests/test_kernels_cuda.py tests/test_ffn_graph_cuda.py tests/test_moe.py tests/test_step_graph_cuda.py tests/test_e2e_errors.py tests/test_window.py tests/test_adapters.py tests/test_expert_gemm.py tests/test_bench_decode.py"}
-         SKIP_HF=${SKIP_HF:-0} SKIP_STARTUP=${SKIP_STARTUP:-0} SUITE_TIMEOUT=${SUITE_TIMEOUT:-480} ;;
-  part2) SUITE_TESTS=${SUITE_TESTS:-"tests/test_e2e.py"}
+  part1) SUITE_TESTS=${SUITE_TESTS:-"tests/test_gate_cuda.py tests/test_kernels_cuda_dedup_attn.py tests/test_kernels_cuda_dedup_ffn.py tests/test_kernels_cuda.py tests/test_ffn_graph_cuda.py tests/test_moe.py tests/test_step_graph_cuda.py tests/test_e2e_errors.py tests/test_window.py tests/test_adapters.py tests/test_expert_gemm.py tests/test_bench_decode.py tests/test_kernels_cuda_dedup_ll.py tests/test_ffn_serving.py"}
+         SKIP_HF=${SKIP_HF:-0} SUITE_TIMEOUT=${SUITE_TIMEOUT:-480} ;;
+  part2) SUITE_TESTS=${SUITE_TESTS:-"tests/test_e2e.py tests/test_e2e_dedup_ll.py"}
          SKIP_SMOKE_1A1F=${SKIP_SMOKE_1A1F:-1} SKIP_SMOKE_2A2F=${SKIP_SMOKE_2A2F:-1}
          SUITE_TIMEOUT=${SUITE_TIMEOUT:-550} TEST_TIMEOUT=${TEST_TIMEOUT:-60} ;;
   part3) SUITE_TESTS=${SUITE_TESTS:-"tests/test_gates_e2e.py tests/test_nvshmem_binding.py tests/test_bench_moe_layer.py tests/test_peer_gone.py tests/test_faults.py"}
@@ -122,7 +129,7 @@ case "$MODE" in
     run_step soak_1a1f_pair 120 $SOAK --round-trips 80000 --timeout 100 --out "$OUT/soak_1a1f_pair"
     # the same ranks let exit on their own: are CUDA's per-process /dev/shm files still left?
     run_step soak_1a1f_exit 40 $SOAK --round-trips 2000 --timeout 25 --exit-grace-s 10 --out "$OUT/soak_1a1f_exit" ;;
-  moe1)  # one GPU, MPS: the MoE layer, one process vs AFD 1A1F (#34)
+  moe1)  # one GPU, MPS: the MoE layer, one process vs AFD 1A1F
     run_step moe_tests 70 python3 -m pytest -m cuda -q -p no:cacheprovider --timeout=60 -rfEs tests/test_expert_gemm.py
     run_step moe_layer 240 python3 tools/bench_moe_layer.py --quick --out "$OUT/moe_layer" ;;
   trace1)  # one GPU: the round trip by phase (both dispatch kernels, both FFN modes), the gate
@@ -148,8 +155,6 @@ run_step pytest_cuda "$SUITE_TIMEOUT" python3 -m pytest -m cuda -q -p no:cachepr
 # (timed: wall and CPU time of the whole main job go to the end of its log)
 [ "${SKIP_SMOKE_1A1F:-0}" = 1 ] || run_step smoke_1a1f 120 bash -c "time python3 tools/smoke.py --layers 4 ${SMOKE_ARGS:-}"
 [ "${SKIP_SMOKE_2A2F:-0}" = 1 ] || run_step smoke_2a2f 150 bash -c "time python3 tools/smoke.py --2a2f --layers 4 ${SMOKE_ARGS:-}"
-# the main job's start-up by phase (imports, connector, first round trip, reference check; #13)
-[ "${SKIP_STARTUP:-1}" = 1 ] || run_step startup_profile 90 python3 tools/startup_profile.py --layers 4 --out "$OUT"
 # a Hugging Face MoE model of every adapter family, disaggregated 1A2F vs one process (tokens/s)
 [ "${SKIP_HF:-0}" = 1 ] || ! python3 -c "import transformers" 2>/dev/null || run_step hf_generate 180 \
   python3 tools/hf_generate.py --ffn 2 --steps 16 --out "$OUT"
@@ -158,7 +163,7 @@ run_step pytest_cuda "$SUITE_TIMEOUT" python3 -m pytest -m cuda -q -p no:cachepr
   --round-trips "${SOAK_N:-100000}" --timeout $(( ${SOAK_TIMEOUT:-300} - 20 )) --out "$OUT" ${SOAK_ARGS:-}
 fi
 if [ "$MODE" = full ] || [ "$MODE" = bench ]; then
-  for bench in ${BENCHES:-bench_poll bench_transport bench_afd profile_roundtrip}; do
+  for bench in ${BENCHES:-bench_transport bench_afd}; do
     [ -f "tools/$bench.py" ] && run_step "$bench" "${BENCH_TIMEOUT:-240}" python3 "tools/$bench.py" --quick --out "$OUT" ${BENCH_ARGS:-}
   done
 fi

@@ -4,8 +4,10 @@ checked against a single-process MoE reference.
 
 Picks the cuda backend when a GPU with CuPy and NVSHMEM is present (all processes on one GPU
 when there are fewer GPUs than processes; on one GPU start CUDA MPS first for device
-polling, or pass --poll-mode host), the host backend otherwise. Prints PASS/FAIL, timings
-and the backend used; exit code 0 on PASS.
+polling, or pass --poll-mode host), the host backend otherwise. The FFN ranks serve as
+``FFNWorker`` does by default (the graph FFN where it applies). Prints PASS/FAIL, timings,
+the backend and each FFN rank's serving (graph FFN or Python loop, and why); exit code 0 on
+PASS.
 """
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ def build_scenario(args, backend: str) -> Scenario:
                         dtype=args.dtype, max_num_batched_tokens=max(args.tokens, 1),
                         routed_scaling_factor=2.5, num_layers=args.layers)
     return Scenario(model, num_attn, num_ffn, backend=backend, poll_mode=args.poll_mode,
-                    num_tokens=args.tokens)
+                    num_tokens=args.tokens, ffn_serving="auto")  # FFNWorker's default serving
 
 
 def main(argv=None) -> int:
@@ -70,7 +72,9 @@ def main(argv=None) -> int:
     tol = tolerance(args.dtype)
     for rep in results:
         if rep["role"] == "ffn":
-            print(f"  ffn  rank {rep['rank']}: served {rep['served']} items")
+            serving = (f"graph FFN, {rep['eager']} of them eager" if rep["serving"] == "graph"
+                       else f"Python loop: {rep['serving_reason']}")
+            print(f"  ffn  rank {rep['rank']}: served {rep['served']} items ({serving})")
             continue
         worst = max(e["rel_err"] for e in rep["errors"])
         nans = sum(e["num_nan"] for e in rep["errors"])

@@ -6,10 +6,13 @@
     FFN:        wait_any ──► item_views ──► [experts, outside the path] ──► reply
 
 A backend is a module under ``afd_cupy.backends`` with an ``open_path(ctx, ...)`` that
-allocates its heap and window (collective) and returns a :class:`DataPath`. The connector
-knows only this file: it never names a backend, never builds a header and never counts a
-sequence number. A data path never sees the connector: everything it may know is in the
-frozen :class:`PathContext`.
+allocates its heap and window (collective) and returns the path of the context's role: an
+:class:`AttentionPath` on an Attention rank, an :class:`FFNPath` on an FFN rank (the seam is
+asymmetric: a rank holds only its own role's steps). Each path declares its
+:class:`Capabilities`; callers read those, never the backend's name. The connector knows only
+this file: it never names a backend, never builds a header and never counts a sequence
+number. A data path never sees the connector: everything it may know is in the frozen
+:class:`PathContext`.
 
 The protocol's rules (header words, reply checks, status words, capacities) live in
 ``afd_cupy.wire``; ``host`` is their reference implementation in numpy and ``cuda`` runs the
@@ -57,6 +60,7 @@ class PathContext:
     transport: str = "direct"  # ConnectorConfig.transport (docs/design/put-transport.md)
     recv_spin_s: float = 5e-4  # FFN device-polled receive: spin this long, then sleep (docs/design/kernels.md)
     fused_dispatch: bool = True  # ConnectorConfig.fused_dispatch (cuda, both wire modes; docs/design/kernels.md)
+    dedup_dispatch: str = "plan"  # ConnectorConfig.dedup_dispatch (cuda, dedup mode: "plan" | "ll")
 
     @property
     def world_rank(self) -> int:
@@ -110,18 +114,72 @@ class ItemViews:
     group_counts: Any = field(repr=False)
 
 
-class DataPath(Protocol):
-    """What a backend's data path implements. Steps are named as in the kernels.
+@dataclass(frozen=True)
+class Capabilities:
+    """What a data path can do, declared by its backend and read by the callers that need to
+    know (the connector, ``step_schedule.check_capturable``, the graph FFN server) instead of
+    comparing backend names.
 
-    Attention side: :meth:`dispatch` (plan -> scatter), :meth:`combine` (wait_replies ->
-    combine). FFN side: :meth:`wait_any`, :meth:`item_views`, :meth:`reply`. Both:
-    :meth:`announce_shutdown`, :meth:`check_errors`, :meth:`close`.
+    - ``backend``: the backend's name (for messages only: decide on the fields below).
+    - ``wire_modes``: the ``ConnectorConfig.wire_mode`` values the backend implements;
+      :attr:`transports` (the ``ConnectorConfig.transport`` values) is derived from the
+      transport registry, where each transport lists its backends.
+    - ``supports_nonblocking``: ``combine(blocking=False)`` enqueues the wait and the combine
+      without a host synchronization (cuda).
+    - ``device_polling``: waits run on the device (cuda with ``poll_mode="device"``); with
+      ``supports_nonblocking`` a step of sends and receives can be captured in a CUDA graph
+      (:attr:`supports_graph_capture`).
+    - ``host_reply_seqs``: FFN side: the reply seq per slot lives on the host and can be handed
+      to another loop (:meth:`FFNPath.reply_seq_counters`).
+    - ``put_peers``: opposite-role ranks reached through the transport's staging
+      (``Link.staged_peers``: host-initiated copies such as NVSHMEM puts, not stores).
+    - ``supports_graph_server``: FFN side: a ``GraphFFNServer`` may drive this path
+      (:meth:`FFNPath.graph_resources`): device polling, host reply seqs, no put peer.
     """
+
+    backend: str
+    wire_modes: tuple
+    supports_nonblocking: bool = False
+    device_polling: bool = False
+    host_reply_seqs: bool = False
+    put_peers: tuple = ()
+    supports_graph_server: bool = False
+
+    @property
+    def transports(self) -> tuple[str, ...]:
+        """The registered transports that list this backend (``afd_cupy.transports``; one
+        registered later, e.g. by a test module, is included from then on)."""
+        return transports_of(self.backend)
+
+    @property
+    def supports_graph_capture(self) -> bool:
+        """A step of ``send_attn_output`` / ``recv_ffn_output(blocking=False)`` calls can be
+        captured in a CUDA graph (non-blocking receive waiting on the device)."""
+        return self.supports_nonblocking and self.device_polling
+
+
+class _PathBase(Protocol):
+    """What both role paths implement."""
 
     #: torch device of the payload tensors this path takes and returns
     device: torch.device
-    #: True when ``combine(blocking=False)`` enqueues without a host synchronization
-    supports_nonblocking: bool
+    #: what the path can do (read by callers instead of the backend's name)
+    capabilities: Capabilities
+
+    def check_errors(self) -> None:
+        """Synchronize and raise what a non-blocking call latched (no-op when none can be)."""
+
+    def announce_shutdown(self) -> None:
+        """Write a shutdown header to every ring of every opposite-role peer."""
+
+    def close(self, *, peers_healthy: bool = True) -> None:
+        """Collective: release streams, the window and the heap. With ``peers_healthy=False``
+        (a peer timed out or died) the closing barrier is short: close() returns promptly."""
+
+
+class AttentionPath(_PathBase, Protocol):
+    """The Attention side of a backend: :meth:`dispatch` (plan -> scatter) and :meth:`combine`
+    (wait_replies -> combine). Steps are named as in the kernels."""
 
     def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
                  layer_idx: int, stage_idx: int, ring: int) -> Any:
@@ -140,8 +198,15 @@ class DataPath(Protocol):
     def sent_to(self, state: Any) -> list[int]:
         """FFN ranks the dispatch of ``state`` was sent to (may synchronize; not hot path)."""
 
-    def check_errors(self) -> None:
-        """Synchronize and raise what a non-blocking call latched (no-op when none can be)."""
+    def order_graph_replay(self, rings, stream: int) -> None:
+        """A captured graph sending on ``rings`` is replayed on raw stream ``stream`` next:
+        order it after each ring's last use on another stream (no-op where no such ordering
+        exists: a path without graph capture)."""
+
+
+class FFNPath(_PathBase, Protocol):
+    """The FFN side of a backend: :meth:`wait_any` -> :meth:`item_views` -> [experts, outside
+    the path] -> :meth:`reply`."""
 
     def wait_any(self, timeout_s: float) -> Optional[Arrival]:
         """Next arrival in this rank's window (fair over slots), or None after ``timeout_s``."""
@@ -157,12 +222,18 @@ class DataPath(Protocol):
               shared_out: Optional[torch.Tensor]) -> None:
         """Write the outputs, :func:`wire.reply_header` and the flag into the sender's window."""
 
-    def announce_shutdown(self) -> None:
-        """Write a shutdown header to every ring of every opposite-role peer."""
+    def reply_seq_counters(self):
+        """A copy of the reply seq per slot (int64 numpy ``[num_slots]``), where
+        ``capabilities.host_reply_seqs``; ProtocolError elsewhere."""
 
-    def close(self, *, peers_healthy: bool = True) -> None:
-        """Collective: release streams, the window and the heap. With ``peers_healthy=False``
-        (a peer timed out or died) the closing barrier is short: close() returns promptly."""
+    def set_reply_seq_counters(self, counters, *, slot: int | None = None) -> None:
+        """Replace every reply seq (``counters`` ``[num_slots]``), or with ``slot`` that slot's
+        (the next reply there carries ``counters + 1``); ValueError for a wrong length or slot,
+        ProtocolError where ``capabilities.host_reply_seqs`` is False."""
+
+
+#: either role's path (what ``open_path`` returns for the context's role)
+DataPath = AttentionPath | FFNPath
 
 
 def require_backend(backend: str, wire_mode: str = "pair", transport: str = "direct"):
@@ -170,19 +241,22 @@ def require_backend(backend: str, wire_mode: str = "pair", transport: str = "dir
     ``transport`` here.
 
     Raises ConfigError for an unknown name, a wire mode or a transport the backend does not
-    implement (its module's ``WIRE_MODES``; the transport's ``backends``), BackendUnavailableError when its libraries are missing
-    (checked before any collective step, so a misconfigured rank fails alone and fast).
+    implement (its module's ``CAPABILITIES``, whose transports come from the registry),
+    BackendUnavailableError when its libraries are missing (checked before any collective
+    step, so a misconfigured rank fails alone and fast).
     """
     if backend not in BACKEND_MODULES:
         raise ConfigError(f"backend must be one of {tuple(BACKEND_MODULES)}, got {backend!r}")
     module = importlib.import_module(BACKEND_MODULES[backend])
-    modes = getattr(module, "WIRE_MODES", ("pair",))
+    modes = module.CAPABILITIES.wire_modes
     if wire_mode not in modes:
         raise ConfigError(f"backend {backend!r} does not implement wire_mode={wire_mode!r} (it "
                           f"implements {modes}); use wire_mode='pair' or backend='host'")
-    if backend not in get_transport(transport).backends:  # each transport lists its backends
+    get_transport(transport)  # ConfigError naming the registered transports
+    transports = module.CAPABILITIES.transports
+    if transport not in transports:
         raise ConfigError(f"backend {backend!r} does not implement transport={transport!r} (it "
-                          f"implements {transports_of(backend)})")
+                          f"implements {transports})")
     try:
         module.require_available()
     except ImportError as exc:
@@ -193,7 +267,8 @@ def require_backend(backend: str, wire_mode: str = "pair", transport: str = "dir
 def open_path(backend: str, ctx: PathContext, *, store, job_id: str, device_id: int | None,
               startup_timeout_s: float, instance: int = 0,
               nvshmem_env: dict | None = None) -> DataPath:
-    """Allocate ``backend``'s heap and window (collective over the world) and return its path.
+    """Allocate ``backend``'s heap and window (collective over the world) and return the path
+    of ``ctx.role``: an :class:`AttentionPath` or an :class:`FFNPath`.
 
     ``instance`` (from the start-up handshake) keeps consecutive connectors of one job apart.
     ``nvshmem_env`` (``afd_cupy.heap.nvshmem.nvshmem_env(...)``) is NVSHMEM's environment for

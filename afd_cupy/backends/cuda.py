@@ -11,20 +11,25 @@ pinned host memory (``poll_mode="device"``) or by copying the flags to the host
 
 NOTE: device polling by several processes on one GPU needs CUDA MPS; without it the
 spinning kernels time-slice with the peers' kernels (correct, but ~100 ms per switch).
+
+Shape (composition, no mixins): :func:`open_path` builds one :class:`CudaRank` (what both
+roles share: context, heap, window, device, status channel, streams, the shutdown and close
+steps) and the path of the rank's role around it:
+:class:`~afd_cupy.backends.cuda_attention.CudaAttentionPath` or
+:class:`~afd_cupy.backends.cuda_ffn.CudaFFNPath`.
 """
 from __future__ import annotations
 
 import torch
 
 from afd_cupy import wire
-from afd_cupy.backends.base import PathContext
-from afd_cupy.backends.cuda_attention import CudaAttentionSide
-from afd_cupy.backends.cuda_ffn import CudaFFNSide
+from afd_cupy.backends.base import Capabilities, PathContext
 from afd_cupy.backends.host_poll import HostPolling
 from afd_cupy.dtypes import payload_dtype
 from afd_cupy.errors import ConfigError
 from afd_cupy.kernels import StatusChannel
 from afd_cupy.topology import Role
+from afd_cupy.transports import get_transport
 
 try:  # torch's raw current-stream getter: ~1 us instead of ~10 us for current_stream()
     from torch._C import _cuda_getCurrentRawStream as _raw_current_stream
@@ -32,8 +37,13 @@ except ImportError:  # CPU-only torch builds
     _raw_current_stream = None
 
 #: wire modes this backend implements (``ConnectorConfig.wire_mode``; dedup: the kernels of
-#: docs/design/kernels.md, ``dedup_attn.cu`` and ``dedup_ffn.cu``)
+#: docs/design/kernels.md, ``attention/dedup_attn*.cu`` and ``ffn/dedup_ffn.cu``)
 WIRE_MODES = ("pair", "dedup")
+#: what every cuda path can do (a path's own ``capabilities`` adds its poll mode and peers);
+#: its transports are those registered for "cuda" (afd_cupy.transports: each transport lists its
+#: backends), in both wire modes: the scatter and reply kernels of each mode write a staged
+#: peer's message into the link's staging
+CAPABILITIES = Capabilities(backend="cuda", wire_modes=WIRE_MODES, supports_nonblocking=True)
 
 
 class _RawStream:
@@ -67,8 +77,6 @@ def open_path(ctx: PathContext, *, store, job_id: str, device_id, startup_timeou
     from afd_cupy.heap.nvshmem import NvshmemHeap
     from afd_cupy.window import Window
 
-    from afd_cupy.transports import get_transport
-
     transport = get_transport(ctx.transport)
     heap = NvshmemHeap(ctx.world_rank, ctx.topology.world_size, store, job_id, device_id or 0,
                        timeout_s=startup_timeout_s, env=nvshmem_env)
@@ -79,17 +87,33 @@ def open_path(ctx: PathContext, *, store, job_id: str, device_id, startup_timeou
     except BaseException:
         heap.close(peers_healthy=False)
         raise
-    return CudaDataPath(ctx, heap, window, link)
+    return open_role_path(CudaRank(ctx, heap, window, link))
 
 
-class CudaDataPath(CudaAttentionSide, CudaFFNSide):
-    """Dispatch/combine (Attention) and wait_any/reply (FFN) through the RawKernels.
+def open_role_path(rank: "CudaRank"):
+    """The path of ``rank``'s role around it (device buffers and packed launches allocated
+    now; every zero fill precedes any stream's use)."""
+    from afd_cupy.backends.cuda_attention import CudaAttentionPath
+    from afd_cupy.backends.cuda_ffn import CudaFFNPath
 
-    The steps of each side live in :mod:`~afd_cupy.backends.cuda_attention` and
-    :mod:`~afd_cupy.backends.cuda_ffn`; this class owns what both use: the context, heap,
-    window, device, status channel and streams."""
+    path = (CudaAttentionPath if rank.ctx.role is Role.ATTENTION else CudaFFNPath)(rank)
+    rank.cp.cuda.Device(rank.device_id).synchronize()
+    return path
 
-    supports_nonblocking = True
+
+class CudaRank:
+    """What both role paths of one cuda rank share, built once by :func:`open_path`.
+
+    ``cp`` (the cupy module), ``ctx``, ``layout``, ``heap``, ``window``; ``link``: the
+    transport's :class:`~afd_cupy.transports.Link` (which opposite peers, by role rank, the
+    kernels reach through its staging: ``link.is_staged``, ``link.staging_base``; the copies
+    behind the kernels); ``device_id`` / ``device``; ``dtype_code`` (the kernels'
+    payload code); ``geometry`` (the kernels' window geometry); ``timeout_ns`` (every spinning
+    kernel's bound); ``own_window`` (this rank's window base); ``host_polling`` (a
+    :class:`HostPolling` with ``poll_mode="host"``, else None); ``status`` (the device status
+    channel); ``last_seen`` (cupy int64 [num_slots]: the last flag consumed per own slot);
+    ``capabilities``. The streams, the shutdown, the close and the error check are here.
+    """
 
     def __init__(self, ctx: PathContext, heap, window, link):
         if ctx.wire_mode not in WIRE_MODES:
@@ -112,6 +136,12 @@ class CudaDataPath(CudaAttentionSide, CudaFFNSide):
         self.timeout_ns = int(ctx.peer_timeout_s * 1e9)
         self.own_window = window.peer_ptr(ctx.world_rank)
         self.host_polling = HostPolling(window) if ctx.poll_mode == "host" else None
+        put_peers = tuple(link.staged_peers)
+        is_ffn, device_polling = ctx.role is Role.FFN, ctx.poll_mode == "device"
+        self.capabilities = Capabilities(
+            backend="cuda", wire_modes=WIRE_MODES, supports_nonblocking=True,
+            device_polling=device_polling, host_reply_seqs=is_ffn, put_peers=put_peers,
+            supports_graph_server=is_ffn and device_polling and not put_peers)
         self._streams: dict[int, object] = {}
         # NOTE: device memory, read by the host only after a synchronization (see StatusBlock);
         # the FFN doorbell and header staging below stay pinned: the host polls / writes them
@@ -119,17 +149,12 @@ class CudaDataPath(CudaAttentionSide, CudaFFNSide):
         self.status = StatusChannel.allocate(stream=self.stream, timeout_s=ctx.peer_timeout_s,
                                              expert_per_rank=layout.expert_per_rank)
         self.last_seen = cupy.zeros(layout.num_slots, cupy.int64)
-        if ctx.role is Role.ATTENTION:
-            self._init_attention()
-        else:
-            self._init_ffn()
-        cupy.cuda.Device(self.device_id).synchronize()  # zero fills precede every stream's use
 
     # --- shared helpers -----------------------------------------------------------------------
-    def _as_torch(self, cupy_array) -> torch.Tensor:
+    def as_torch(self, cupy_array) -> torch.Tensor:
         return torch.as_tensor(cupy_array, device=self.device)
 
-    def _use_device(self) -> None:
+    def use_device(self) -> None:
         """Make this path's GPU current: a connector driven from a new thread would otherwise
         launch under device 0's context."""
         runtime = self.cp.cuda.runtime
@@ -150,21 +175,21 @@ class CudaDataPath(CudaAttentionSide, CudaFFNSide):
             stream = self._streams[handle] = cupy_stream(self.cp, handle, self.device_id)
         return stream
 
-    def _no_capture(self, what: str) -> None:
+    def no_capture(self, what: str) -> None:
         if torch.cuda.is_current_stream_capturing():
             raise ValueError(f"{what} synchronizes with the host and cannot be captured in a CUDA "
                              "graph: capture recv_ffn_output(blocking=False) with poll_mode='device'")
 
     # --- both -------------------------------------------------------------------------------
     def check_errors(self) -> None:
-        self._use_device()
+        self.use_device()
         self.status.sync_and_raise()
 
     def announce_shutdown(self) -> None:
         """Shutdown headers to every ring of every opposite peer: ordered copies on the current
         stream (payload-free, header then flag), then a synchronization."""
         ctx, layout = self.ctx, self.layout
-        self._use_device()
+        self.use_device()
         words = wire.encode_header(wire.shutdown_header(src_rank=ctx.role_rank, top_k=ctx.top_k,
                                                         expert_per_rank=layout.expert_per_rank,
                                                         wire_mode=ctx.wire_mode),
@@ -187,13 +212,14 @@ class CudaDataPath(CudaAttentionSide, CudaFFNSide):
                     self.link.write_message(pe, ctx.role_rank, ring, out, wire.SHUTDOWN_SEQ, stream=stream)
         stream.synchronize()
 
-    def close(self, *, peers_healthy: bool = True) -> None:
-        """Wait for this rank's queued kernels (all bounded by their timeouts), then release
-        the window and the heap (collective; short and non-raising after a peer failure)."""
-        self._use_device()
+    def close(self, *, peers_healthy: bool = True, events=()) -> None:
+        """Wait for this rank's queued kernels (all bounded by their timeouts), destroy the
+        role path's raw CUDA ``events``, then release the window and the heap (collective;
+        short and non-raising after a peer failure)."""
+        self.use_device()
         try:
             torch.cuda.synchronize(self.device_id)
-            for event in getattr(self, "_ring_event", ()):
+            for event in events:
                 self.cp.cuda.runtime.eventDestroy(event)
         finally:
             self.window.close()

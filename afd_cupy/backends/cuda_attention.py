@@ -1,10 +1,11 @@
 """cuda backend, Attention side: plan -> scatter on send, wait_replies -> combine on receive.
 
-A mixin of :class:`afd_cupy.backends.cuda.CudaDataPath` (it uses the path's context, window,
-status channel, streams and geometry). Four packed launches per ring (five in dedup mode),
-built once; per call only the token count, pointers, layer and stage are rewritten. Sequence
-numbers and what each reply must echo live on the device (``seq_counters``, ``expected``,
-``expected_counts``).
+The Attention rank's path: it holds the rank's shared :class:`~afd_cupy.backends.cuda.CudaRank`
+(context, window, status channel, streams, geometry) and its own per-ring buffers and
+launches (composition: the shared state is read through ``self.rank``). Four packed
+launches per ring (five in dedup mode), built once; per call only the token count, pointers,
+layer and stage are rewritten. Sequence numbers and what each reply must echo live on the
+device (``seq_counters``, ``expected``, ``expected_counts``).
 
 Dedup wire mode (docs/design/dedup.md): plan -> rows (``afd_dedup_rows``) -> dedup scatter on
 send (``topk_weights`` read here: they travel in the route tables), wait_replies (``dedup=1``)
@@ -20,80 +21,9 @@ import numpy as np
 import torch
 
 from afd_cupy import kernels, wire
+from afd_cupy.backends.cuda_scratch import DedupRowsScratch, DispatchScratch  # noqa: F401 - re-exported
 from afd_cupy.errors import reply_timeout_error
 from afd_cupy.topology import Role
-
-
-@dataclass(frozen=True)
-class DispatchScratch:
-    """Device scratch of one dispatch in flight, sized for ``max_partials`` (CuPy arrays).
-
-    ``chunk_hist`` int32 [max(1, chunks), E]; ``local_rank``, ``pos`` int32 [max(1, NK)];
-    ``expert_counts``, ``expert_start`` int32 [E]; ``rank_offsets`` int32 [F + 1];
-    ``verdict`` int32 [1] (the plan's send decision, read by the scatter);
-    ``plan_done``, ``scatter_done`` uint32 [1] zeroed done counters; ``skipped`` int32 [1]
-    (afd_dispatch_fused: a block that saw an earlier error, zero between dispatches).
-    """
-
-    chunk_hist: object
-    local_rank: object
-    pos: object
-    expert_counts: object
-    expert_start: object
-    rank_offsets: object
-    verdict: object
-    plan_done: object
-    scatter_done: object
-    skipped: object
-
-    @classmethod
-    def allocate(cls, max_partials: int, num_ffn_ranks: int, expert_per_rank: int) -> "DispatchScratch":
-        import cupy
-
-        num_experts = num_ffn_ranks * expert_per_rank
-        rows = max(1, kernels.dispatch_num_chunks(max_partials))
-        return cls(chunk_hist=cupy.zeros((rows, num_experts), cupy.int32),
-                   local_rank=cupy.zeros(max(1, max_partials), cupy.int32),
-                   pos=cupy.zeros(max(1, max_partials), cupy.int32),
-                   expert_counts=cupy.zeros(num_experts, cupy.int32),
-                   expert_start=cupy.zeros(num_experts, cupy.int32),
-                   rank_offsets=cupy.zeros(num_ffn_ranks + 1, cupy.int32),
-                   verdict=cupy.zeros(1, cupy.int32),
-                   plan_done=cupy.zeros(1, cupy.uint32), scatter_done=cupy.zeros(1, cupy.uint32),
-                   skipped=cupy.zeros(1, cupy.int32))
-
-
-@dataclass(frozen=True)
-class DedupRowsScratch:
-    """Device buffers of one dedup dispatch in flight, sized for ``max_tokens`` (CuPy arrays).
-
-    Scratch int32 ``rows_hist`` [max(1, chunks) * 2F], ``rows_local`` [max(1, T*K)]; outputs of
-    ``afd_dedup_rows`` int32 ``row_map`` [max(1, T), F] (read again by the combine),
-    ``shared_rank`` [max(1, T)], ``num_rows``, ``shared_rows`` [F]; ``rows_done`` uint32 [1]
-    zeroed done counter.
-    """
-
-    rows_hist: object
-    rows_local: object
-    row_map: object
-    shared_rank: object
-    num_rows: object
-    shared_rows: object
-    rows_done: object
-
-    @classmethod
-    def allocate(cls, max_tokens: int, top_k: int, num_ffn_ranks: int) -> "DedupRowsScratch":
-        import cupy
-
-        max_partials = max_tokens * top_k
-        chunks = max(1, kernels.dispatch_num_chunks(max_partials))
-        return cls(rows_hist=cupy.zeros(chunks * 2 * num_ffn_ranks, cupy.int32),
-                   rows_local=cupy.zeros(max(1, max_partials), cupy.int32),
-                   row_map=cupy.full((max(1, max_tokens), num_ffn_ranks), -1, cupy.int32),
-                   shared_rank=cupy.full(max(1, max_tokens), -1, cupy.int32),
-                   num_rows=cupy.zeros(num_ffn_ranks, cupy.int32),
-                   shared_rows=cupy.zeros(num_ffn_ranks, cupy.int32),
-                   rows_done=cupy.zeros(1, cupy.uint32))
 
 
 @dataclass
@@ -111,31 +41,39 @@ class CudaSendState:
     topk_weights: torch.Tensor | None = None
 
 
-class CudaAttentionSide:
-    """The Attention-side steps of the cuda data path (mixin)."""
+class CudaAttentionPath:
+    """The Attention-side steps of the cuda backend (``rank``: the rank's shared
+    :class:`~afd_cupy.backends.cuda.CudaRank`)."""
 
-    def _init_attention(self) -> None:
-        cp, ctx, layout = self.cp, self.ctx, self.layout
+    def __init__(self, rank) -> None:
+        self.rank = rank
+        self.cp, self.ctx, self.layout = rank.cp, rank.ctx, rank.layout
+        self.device, self.device_id = rank.device, rank.device_id
+        self.window = rank.window  # (public for tools)
+        self.capabilities = rank.capabilities
+        self._init_buffers()
+
+    def _init_buffers(self) -> None:
+        cp, ctx, layout, rank = self.cp, self.ctx, self.layout, self.rank
         num_ffn = ctx.num_ffn_ranks
         max_partials = layout.token_cap * layout.top_k
         # 0 marks an FFN rank reached through the staging: the scatter fills it instead (docs/design/put-transport.md)
-        self.peer_windows = cp.array([0 if self.link.is_staged[j] else self.window.peer_ptr(ctx.peer_pe(Role.FFN, j))
+        self.peer_windows = cp.array([0 if rank.link.is_staged[j] else rank.window.peer_ptr(ctx.peer_pe(Role.FFN, j))
                                       for j in range(num_ffn)], dtype=cp.uint64)
         self.seq_counters = cp.zeros((layout.ring_depth, num_ffn), cp.int64)
         self.scratch = [DispatchScratch.allocate(max_partials, num_ffn, layout.expert_per_rank)
                         for _ in range(layout.ring_depth)]
         self.expected = [cp.zeros(num_ffn, cp.int64) for _ in range(layout.ring_depth)]
-        # (routed, shared) rows sent to each FFN rank, + num_rows in dedup mode: what its reply
-        # must echo
         self.is_dedup = layout.is_dedup
         # the dispatch in one kernel when a full batch fits its shared memory (pair: plan +
-        # scatter; dedup: plan + rows + scatter)
-        num_experts = num_ffn * layout.expert_per_rank
-        if self.is_dedup:
-            self.fused_dispatch = ctx.fused_dispatch and kernels.fused_dedup_dispatch_fits(
-                layout.token_cap, layout.top_k, num_experts, num_ffn)
-        else:
-            self.fused_dispatch = ctx.fused_dispatch and kernels.fused_dispatch_fits(max_partials, num_experts)
+        # scatter; dedup: plan + rows + scatter, afd_dedup_dispatch_ll with dedup_dispatch="ll")
+        num_experts, fit = num_ffn * layout.expert_per_rank, (layout.token_cap, layout.top_k)
+        self.ll_dispatch = self.is_dedup and ctx.dedup_dispatch == "ll" and \
+            kernels.ll_dedup_dispatch_fits(*fit, num_experts, num_ffn)
+        fits = (kernels.fused_dedup_dispatch_fits(*fit, num_experts, num_ffn) if self.is_dedup
+                else kernels.fused_dispatch_fits(max_partials, num_experts))
+        self.fused_dispatch = self.ll_dispatch or (ctx.fused_dispatch and fits)
+        # expected_counts: (routed, shared) rows sent to each FFN rank (+ num_rows: dedup), echoed
         count_cols = 3 if self.is_dedup else 2
         self.expected_counts = [cp.zeros((num_ffn, count_cols), cp.int32)
                                 for _ in range(layout.ring_depth)]
@@ -161,17 +99,17 @@ class CudaAttentionSide:
         NOTE: the connector checks ``num_tokens <= token_cap`` before every dispatch, so the
         scratch buffers checked here fit every launch.
         """
-        ctx, layout, geo = self.ctx, self.layout, self.geometry
+        ctx, layout, geo = self.ctx, self.layout, self.rank.geometry
         scratch, expected = self.scratch[ring], self.expected[ring]
         num_ffn, epr, cap = ctx.num_ffn_ranks, layout.expert_per_rank, layout.token_cap
         placeholder_ids = scratch.local_rank  # int32 [token_cap * top_k]; replaced per call
-        replies = dict(window=self.own_window, geo=geo, num_ffn_ranks=num_ffn, ring=ring,
+        replies = dict(window=self.rank.own_window, geo=geo, num_ffn_ranks=num_ffn, ring=ring,
                        expected=expected, expected_counts=self.expected_counts[ring], layer_idx=0,
-                       stage_idx=0, last_seen=self.last_seen, reply_flags=self.reply_flags[ring],
-                       timeout_ns=self.timeout_ns, status=self.status.ptr)
+                       stage_idx=0, last_seen=self.rank.last_seen, reply_flags=self.reply_flags[ring],
+                       timeout_ns=self.rank.timeout_ns, status=self.rank.status.ptr)
         # what every sending kernel of either mode takes (the per-call ones are placeholders)
         sends = dict(
-            dtype_code=self.dtype_code, hidden=self.own_window, num_tokens=cap,
+            dtype_code=self.rank.dtype_code, hidden=self.rank.own_window, num_tokens=cap,
             hidden_size=layout.hidden_size, topk_ids=placeholder_ids, top_k=layout.top_k,
             expert_per_rank=epr, num_ffn_ranks=num_ffn, expert_start=scratch.expert_start,
             rank_offsets=scratch.rank_offsets, expert_counts=scratch.expert_counts,
@@ -179,15 +117,15 @@ class CudaAttentionSide:
             always_send=int(ctx.always_send), src_rank=ctx.role_rank, layer_idx=0, stage_idx=0,
             seq_counters=self.seq_counters[ring], expected=expected,
             expected_counts=self.expected_counts[ring], done_counter=scratch.scatter_done,
-            staging=self.link.staging_base)
+            staging=self.rank.link.staging_base)
         fused_only = dict(routed_cap=layout.routed_cap, has_shared=int(ctx.has_shared),
-                          skipped=scratch.skipped, status=self.status.ptr)
+                          skipped=scratch.skipped, status=self.rank.status.ptr)
         if self.is_dedup:
             launches = self._dedup_launches(ring, replies, sends, fused_only)
         else:
             wait = kernels.wait_replies_spec(**replies)
             combine = kernels.combine_spec(
-                dtype_code=self.dtype_code, out=self.own_window, num_tokens=cap,
+                dtype_code=self.rank.dtype_code, out=self.rank.own_window, num_tokens=cap,
                 hidden_size=layout.hidden_size, topk_ids=placeholder_ids,
                 topk_weights=placeholder_ids.view(self.cp.float32), pos=scratch.pos,
                 top_k=layout.top_k, expert_per_rank=epr, has_shared=int(ctx.has_shared),
@@ -207,7 +145,7 @@ class CudaAttentionSide:
                 chunk_hist=scratch.chunk_hist, local_rank=scratch.local_rank,
                 expert_counts=scratch.expert_counts, expert_start=scratch.expert_start,
                 rank_offsets=scratch.rank_offsets, verdict=scratch.verdict,
-                done_counter=scratch.plan_done, status=self.status.ptr)
+                done_counter=scratch.plan_done, status=self.rank.status.ptr)
         return {name: kernels.PackedLaunch(spec) for name, spec in launches.items()}
 
     def _dedup_launches(self, ring: int, replies: dict, sends: dict, fused_only: dict) -> dict:
@@ -219,8 +157,9 @@ class CudaAttentionSide:
         row_outputs = dict(row_map=rows.row_map, shared_rank=rows.shared_rank,
                            num_rows=rows.num_rows, shared_rows=rows.shared_rows)
         dedup = dict(sends, topk_weights=placeholder_ids.view(self.cp.float32), **row_outputs)
-        if self.fused_dispatch:
-            launches = {"fused": kernels.dedup_dispatch_fused_spec(**fused_only, **dedup)}
+        if self.fused_dispatch:  # the one-kernel dispatch: "ll" (where it fits) or the fused one
+            one_kernel = kernels.dedup_dispatch_ll_spec if self.ll_dispatch else kernels.dedup_dispatch_fused_spec
+            launches = {"fused": one_kernel(**fused_only, **dedup)}
         else:
             launches = {
                 "rows": kernels.dedup_rows_spec(
@@ -233,7 +172,7 @@ class CudaAttentionSide:
                                                       local_rank=scratch.local_rank, **dedup)}
         launches["wait"] = kernels.wait_replies_spec(**replies, dedup=1)
         launches["combine"] = kernels.dedup_combine_spec(
-            dtype_code=self.dtype_code, out=self.own_window, num_tokens=layout.token_cap,
+            dtype_code=self.rank.dtype_code, out=self.rank.own_window, num_tokens=layout.token_cap,
             hidden_size=layout.hidden_size, row_map=rows.row_map, out_scale=1.0,
             done_counter=self.combine_done[ring], **replies)
         return launches
@@ -276,11 +215,11 @@ class CudaAttentionSide:
     def dispatch(self, hidden, topk_ids, topk_weights, *, layer_idx: int, stage_idx: int,
                  ring: int) -> CudaSendState:
         """Pair mode: plan -> scatter, or the one fused kernel (``self.fused_dispatch``);
-        ``topk_weights`` are read by the combine, not here. Dedup mode: plan -> rows -> scatter,
-        or its one fused kernel (the weights travel in the route tables)."""
+        ``topk_weights`` are read by the combine. Dedup mode: plan -> rows -> scatter, or one
+        kernel (fused, or ``self.ll_dispatch``; the weights travel in the route tables)."""
         ctx, layout = self.ctx, self.layout
-        self._use_device()
-        self.status.raise_latched()
+        self.rank.use_device()
+        self.rank.status.raise_latched()
         num_tokens = hidden.shape[0]
         hidden = hidden.contiguous()
         if topk_ids.dtype != torch.int32 or self._mask_ids:
@@ -288,14 +227,15 @@ class CudaAttentionSide:
             # the plan kernel rejects it (BAD_EXPERT) and nothing is sent
             topk_ids = topk_ids.masked_fill((topk_ids < 0) | (topk_ids >= ctx.num_experts), -1)
         ids = topk_ids.to(torch.int32).reshape(-1).contiguous()
-        launches, stream = self.launches[ring], self.stream_ptr()
+        launches, stream = self.launches[ring], self.rank.stream_ptr()
         self._order_ring(ring, stream)
         num_partials = num_tokens * layout.top_k
         weights = None
         if self.is_dedup:  # the weights travel in the route tables: read by the sender
             weights = topk_weights.detach().to(torch.float32).reshape(-1).contiguous()
             per_call = (("topk_weights", weights.data_ptr()),)
-            grid = kernels.dedup_scatter_grid(num_tokens, ctx.num_ffn_ranks, layout.row_bytes)
+            grid = (kernels.dedup_ll_grid if self.ll_dispatch else kernels.dedup_scatter_grid)(
+                num_tokens, ctx.num_ffn_ranks, layout.row_bytes)
         else:
             per_call = (("num_partials", num_partials),)
             grid = kernels.scatter_grid(num_tokens, layout.top_k, int(ctx.has_shared))
@@ -325,8 +265,8 @@ class CudaAttentionSide:
     def _put_dispatch(self, stream: int, ring: int, num_tokens: int) -> None:
         """Staged peers (both modes): staging -> their windows, flags last, behind the scatter on
         ``stream`` (the transport's link; docs/design/put-transport.md). Direct: nothing."""
-        self.link.after_dispatch(stream, ring, num_tokens, num_ffn_ranks=self.ctx.num_ffn_ranks,
-                                 has_shared=self.ctx.has_shared)
+        self.rank.link.after_dispatch(stream, ring, num_tokens, num_ffn_ranks=self.ctx.num_ffn_ranks,
+                                      has_shared=self.ctx.has_shared)
 
     def sent_to(self, state: CudaSendState) -> list[int]:
         return [int(j) for j in np.flatnonzero(state.expected.get())]
@@ -335,21 +275,21 @@ class CudaAttentionSide:
     def combine(self, state: CudaSendState, topk_ids, topk_weights, *, ring: int, layer_idx: int,
                 stage_idx: int, out_scale: float, blocking: bool = True) -> torch.Tensor:
         layout, ctx = self.layout, self.ctx
-        self._use_device()
+        self.rank.use_device()
         if blocking:
-            self._no_capture("recv_ffn_output(blocking=True)")
+            self.rank.no_capture("recv_ffn_output(blocking=True)")
         num_tokens = state.num_tokens
         weights = None if self.is_dedup else \
             topk_weights.detach().to(torch.float32).reshape(-1).contiguous()
         out = torch.empty(num_tokens, layout.hidden_size, dtype=ctx.torch_dtype, device=self.device)
-        launches, stream = self.launches[ring], self.stream_ptr()
+        launches, stream = self.launches[ring], self.rank.stream_ptr()
         self._order_ring(ring, stream)
         wait, combine = launches["wait"], launches["combine"]
         wait.set("layer_idx", layer_idx)  # what this ring's replies must echo
         wait.set("stage_idx", stage_idx)
         combine.set("layer_idx", layer_idx)
         combine.set("stage_idx", stage_idx)
-        if self.host_polling is not None:
+        if self.rank.host_polling is not None:
             self._host_wait_replies(state, ring, layer_idx, stage_idx)
         else:
             wait.launch(stream)
@@ -365,7 +305,7 @@ class CudaAttentionSide:
             combine.set("out_scale", out_scale)
             combine.launch(stream, kernels.combine_grid(num_tokens))
         if blocking:
-            self.status.sync_and_raise(layer_idx=layer_idx)
+            self.rank.status.sync_and_raise(layer_idx=layer_idx)
         return out
 
     @staticmethod
@@ -381,11 +321,11 @@ class CudaAttentionSide:
     def _host_wait_replies(self, state: CudaSendState, ring: int, layer_idx: int, stage_idx: int) -> None:
         """poll_mode="host": wait for the replies with host copies of the flags (no spinning
         kernel); late replies are dropped here as on the device, the combine re-checks."""
-        self._no_capture("poll_mode='host'")
-        self.status.sync_and_raise(layer_idx=layer_idx)
+        self.rank.no_capture("poll_mode='host'")
+        self.rank.status.sync_and_raise(layer_idx=layer_idx)
         expected = state.expected.get()
         deadline = time.monotonic() + self.ctx.peer_timeout_s
-        polling = self.host_polling
+        polling = self.rank.host_polling
         for j in np.flatnonzero(expected):
             want_seq = int(expected[j])
             if polling.last_seen(int(j), ring) == wire.SHUTDOWN_SEQ:
@@ -396,3 +336,13 @@ class CudaAttentionSide:
                                               polling.last_seen(int(j), ring), self.ctx.peer_timeout_s)
                 if not wire.is_late_reply(polling.read_header(int(j), ring), want_seq):
                     break
+
+    # --- both roles' steps, on the shared rank -----------------------------------------------
+    def check_errors(self) -> None:
+        self.rank.check_errors()
+
+    def announce_shutdown(self) -> None:
+        self.rank.announce_shutdown()
+
+    def close(self, *, peers_healthy: bool = True) -> None:
+        self.rank.close(peers_healthy=peers_healthy, events=self._ring_event)

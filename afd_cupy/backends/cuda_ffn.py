@@ -1,25 +1,29 @@
 """cuda backend, FFN side: wait_any (device spin ringing a pinned doorbell, or host polling),
 zero-copy item views, and the reply kernel with its header staged in pinned memory.
 
-A mixin of :class:`afd_cupy.backends.cuda.CudaDataPath` (it uses the path's context, window,
-streams and geometry). Reply sequence numbers are this side's own (one counter per slot). The
-dedup wire mode's expand and reduce+reply steps live in
-:mod:`~afd_cupy.backends.cuda_ffn_dedup`; wait_any, the header staging, seqs and events are
-shared by both modes.
+The FFN rank's path: it holds the rank's shared :class:`~afd_cupy.backends.cuda.CudaRank`
+(context, window, streams, geometry; read through ``self.rank``) and its own buffers. Reply
+sequence numbers are this side's own (one :class:`~afd_cupy.seq.SeqCounter` entry per slot).
+The dedup wire mode's expand and reduce+reply steps are a
+:class:`~afd_cupy.backends.cuda_ffn_dedup.CudaDedupStaging` this path owns; wait_any, the
+header staging, seqs and events are shared by both modes.
 """
 from __future__ import annotations
 
+import numbers
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from afd_cupy import kernels, wire
 from afd_cupy.backends.base import Arrival, ItemViews
-from afd_cupy.backends.cuda_ffn_dedup import CudaFFNDedupSteps
+from afd_cupy.backends.cuda_ffn_dedup import CudaDedupStaging
 from afd_cupy.dtypes import payload_dtype
-from afd_cupy.errors import PeerTimeoutError
+from afd_cupy.errors import PeerTimeoutError, ProtocolError
 from afd_cupy.kernels import PinnedInt64
+from afd_cupy.seq import SeqCounter
 from afd_cupy.topology import Role
 
 #: extra host-side wait beyond a kernel's own timeout before the host stops trusting it
@@ -31,10 +35,19 @@ _BLOCKING_CHUNK_S = 0.1
 STAGING_DEPTH = 4
 
 
-class CudaFFNSide(CudaFFNDedupSteps):
-    """The FFN-side steps of the cuda data path (mixin)."""
+class CudaFFNPath:
+    """The FFN-side steps of the cuda backend (``rank``: the rank's shared
+    :class:`~afd_cupy.backends.cuda.CudaRank`)."""
 
-    def _init_ffn(self) -> None:
+    def __init__(self, rank) -> None:
+        self.rank = rank
+        self.cp, self.ctx, self.layout = rank.cp, rank.ctx, rank.layout
+        self.device, self.device_id = rank.device, rank.device_id
+        self.window = rank.window  # (public for tools)
+        self.capabilities = rank.capabilities
+        self._init_buffers()
+
+    def _init_buffers(self) -> None:
         cp, layout = self.cp, self.layout
         self.scan_start = cp.zeros(1, cp.int32)
         # the group sizes the GEMM reads: the validated counts of each slot's last arrival,
@@ -57,15 +70,15 @@ class CudaFFNSide(CudaFFNDedupSteps):
         self.staging = PinnedInt64(layout.num_slots * STAGING_DEPTH * self.row_words // 2)
         self.staging_events = [[None] * STAGING_DEPTH for _ in range(layout.num_slots)]
         self.staging_next = [0] * layout.num_slots
-        self.reply_seqs = np.zeros(layout.num_slots, np.int64)  # this rank's reply seq per slot
+        self.reply_seqs = SeqCounter(layout.num_slots)  # this rank's reply seq per slot
         self.reply_done = [cp.zeros(1, cp.uint32) for _ in range(layout.num_slots)]
         self.empty_rows = torch.empty(0, layout.hidden_size, dtype=self.ctx.torch_dtype, device=self.device)
-        if layout.is_dedup:
-            self._init_ffn_dedup()
+        self.dedup = (CudaDedupStaging(rank=self.rank, poll_stream=self.poll_stream,
+                                       empty_rows=self.empty_rows) if layout.is_dedup else None)
         self.views = [self._slot_views(region, ring) for region in range(layout.num_regions)
                       for ring in range(layout.ring_depth)]
         self.wait_any_launch = kernels.PackedLaunch(kernels.wait_any_spec(
-            window=self.own_window, geo=self.geometry, last_seen=self.last_seen,
+            window=self.rank.own_window, geo=self.rank.geometry, last_seen=self.rank.last_seen,
             scan_start=self.scan_start, counts_snapshot=self.counts_snapshot, timeout_ns=0, doorbell=self.doorbell.ptr, ticket=0))
         self.reply_launches: dict[tuple, kernels.PackedLaunch] = {}  # (attn_rank, ring) -> launch
 
@@ -74,25 +87,25 @@ class CudaFFNSide(CudaFFNDedupSteps):
         layout, window, pe = self.layout, self.window, self.ctx.world_rank
         words = payload_dtype(self.ctx.dtype).raw_word
         counts = self.counts_snapshot[layout.slot_index(region, ring), :layout.expert_per_rank]
-        views = {"counts": self._as_torch(counts)}
+        views = {"counts": self.rank.as_torch(counts)}
         if layout.is_dedup:
-            return self._dedup_slot_views(views, region, ring)
+            return self.dedup.slot_views(views, region, ring)
         for name, cap in (("routed_x", layout.routed_cap), ("shared_x", layout.shared_cap)):
             if cap:
                 raw = window.field(pe, region, ring, name, words, (cap, layout.hidden_size))
-                views[name] = self._as_torch(raw).view(self.ctx.torch_dtype)
+                views[name] = self.rank.as_torch(raw).view(self.ctx.torch_dtype)
         if layout.routed_cap:
-            views["route_table"] = self._as_torch(
+            views["route_table"] = self.rank.as_torch(
                 window.field(pe, region, ring, "route_table", np.int32, (layout.routed_cap, 2)))
         return views
 
     def wait_any(self, timeout_s: float) -> Arrival | None:
-        self._use_device()
-        if self.host_polling is not None:
-            found = self.host_polling.wait_any(timeout_s)
+        self.rank.use_device()
+        if self.rank.host_polling is not None:
+            found = self.rank.host_polling.wait_any(timeout_s)
             if found is None:
                 return None
-            header = self.host_polling.read_header(found.region, found.ring)
+            header = self.rank.host_polling.read_header(found.region, found.ring)
             return Arrival(found.region, found.ring, header)
         if self.ctx.recv_spin_s >= timeout_s:  # spins throughout: one kernel, interruptible loop
             return self._device_wait_any(timeout_s)
@@ -165,19 +178,19 @@ class CudaFFNSide(CudaFFNDedupSteps):
         """Own slots whose flag differs from its last-seen value. Device polling: two tiny
         kernels on the poll stream (where ``wait_any`` updates ``last_seen``) and a read-back
         that synchronizes that stream only (tens of µs; instrumentation, not the hot path)."""
-        self._use_device()
-        if self.host_polling is not None:
-            return self.host_polling.num_pending()
+        self.rank.use_device()
+        if self.rank.host_polling is not None:
+            return self.rank.host_polling.num_pending()
         with self.poll_stream:
-            return int(self.cp.count_nonzero(self.window.flags != self.last_seen))
+            return int(self.cp.count_nonzero(self.window.flags != self.rank.last_seen))
 
     def item_views(self, arrival: Arrival) -> ItemViews:
         header = arrival.header
         views = self.views[self.layout.slot_index(arrival.region, arrival.ring)]
-        if self.host_polling is not None:  # wait_any did not run: snapshot the decoded counts
+        if self.rank.host_polling is not None:  # wait_any did not run: snapshot the decoded counts
             views["counts"].copy_(torch.tensor(header.expert_counts, dtype=torch.int32))
         if self.layout.is_dedup:
-            return self._item_views_dedup(arrival, views)
+            return self.dedup.item_views(arrival, views)
         empty = self.empty_rows
         routed = views["routed_x"][:header.routed_tokens] if header.routed_tokens else empty
         shared = views["shared_x"][:header.shared_tokens] if header.shared_tokens else empty
@@ -187,10 +200,9 @@ class CudaFFNSide(CudaFFNDedupSteps):
     def reply(self, arrival: Arrival, routed_out, shared_out) -> None:
         """Write the outputs, the reply header and the flag into the sender's window."""
         layout = self.layout
-        self._use_device()
+        self.rank.use_device()
         slot = layout.slot_index(arrival.region, arrival.ring)
-        self.reply_seqs[slot] += 1
-        seq = int(self.reply_seqs[slot])
+        seq = self.reply_seqs.advance(slot)
         header = wire.reply_header(arrival.header, seq=seq, src_rank=self.ctx.role_rank)
         row = self._staging_row(slot)
         start = row * self.row_words
@@ -216,20 +228,20 @@ class CudaFFNSide(CudaFFNDedupSteps):
             grid = kernels.reply_grid(num_routed + num_shared)
         # NOTE: a copy made by .contiguous() may be freed on return: torch's allocator reuses
         # it only for work queued later on this same stream, after the kernel has read it.
-        stream = self.stream_ptr()
+        stream = self.rank.stream_ptr()
         launch.launch(stream, grid)
-        if self.link.is_staged[arrival.region]:  # staging -> the sender's window, flag = seq (docs/design/put-transport.md)
+        if self.rank.link.is_staged[arrival.region]:  # staging -> the sender's window, flag = seq (docs/design/put-transport.md)
             # dedup: one reply row per dispatch row, all in routed_x (the shared outputs are
             # folded into the first rows by the reduce)
             rows = (header.num_rows, 0) if layout.is_dedup else (num_routed, num_shared)
-            self.link.after_reply(stream, arrival.region, arrival.ring, routed_rows=rows[0],
-                                 shared_rows=rows[1], seq=seq)
+            self.rank.link.after_reply(stream, arrival.region, arrival.ring, routed_rows=rows[0],
+                                       shared_rows=rows[1], seq=seq)
         event = self.staging_events[slot][row % STAGING_DEPTH]
         if event is None:
             event = self.staging_events[slot][row % STAGING_DEPTH] = self.cp.cuda.Event(disable_timing=True)
-        event.record(self.stream())
+        event.record(self.rank.stream())
         if layout.is_dedup:  # the next expansion into this slot waits for this reply
-            self.last_reply_event[slot] = event
+            self.dedup.note_reply(slot, event)
 
     def _staging_row(self, slot: int) -> int:
         """The next pinned header row of ``slot`` that no queued reply still has to read.
@@ -248,15 +260,88 @@ class CudaFFNSide(CudaFFNDedupSteps):
         """The reply kernel of one (Attention rank, ring), checked and packed once."""
         layout, ctx = self.layout, self.ctx
         slot = layout.slot_index(attn_rank, ring)
-        dst_window = (0 if self.link.is_staged[attn_rank]  # 0: the kernel writes the staging
+        dst_window = (0 if self.rank.link.is_staged[attn_rank]  # 0: the kernel writes the staging
                       else self.window.peer_ptr(ctx.peer_pe(Role.ATTENTION, attn_rank)))
-        staging = self.link.staging_base
+        staging = self.rank.link.staging_base
         if layout.is_dedup:
-            return self._dedup_reply_launch(attn_rank, ring, dst_window, staging, self.reply_done[slot])
+            return self.dedup.reply_launch(attn_rank, ring, dst_window, staging,
+                                           header_src=self.staging.ptr, done_counter=self.reply_done[slot])
         return kernels.PackedLaunch(kernels.reply_spec(
-            dtype_code=self.dtype_code, dst_window=dst_window, staging=staging, dst_peer=attn_rank,
-            geo=self.geometry, src_rank=ctx.role_rank, ring=ring, routed_out=0, num_routed=0,
+            dtype_code=self.rank.dtype_code, dst_window=dst_window, staging=staging, dst_peer=attn_rank,
+            geo=self.rank.geometry, src_rank=ctx.role_rank, ring=ring, routed_out=0, num_routed=0,
             shared_out=0, num_shared=0, hidden_size=layout.hidden_size,
             header_src=self.staging.ptr, seq=0, done_counter=self.reply_done[slot]))
 
-    # --- both -------------------------------------------------------------------------------
+    # --- the reply seqs, for a loop that takes the replies over (the graph FFN server) -------
+    def reply_seq_counters(self):
+        """A copy of the reply seq per slot (int64 numpy ``[num_slots]``, slot = region *
+        ring_depth + ring)."""
+        return self.reply_seqs.copy()
+
+    def set_reply_seq_counters(self, counters, *, slot: int | None = None) -> None:
+        """Give the counters back (``counters`` ``[num_slots]``), or with ``slot`` set that
+        slot's (the next reply there carries ``counters + 1``). ValueError for a wrong length
+        or slot."""
+        num_slots = self.layout.num_slots
+        if slot is None:
+            try:
+                self.reply_seqs.load(counters)
+            except ValueError as exc:
+                raise ValueError(f"set_reply_seq_counters: {exc}") from None
+            return
+        if isinstance(slot, bool) or not isinstance(slot, numbers.Integral) or not 0 <= slot < num_slots:
+            raise ValueError(f"set_reply_seq_counters: slot={slot!r} outside [0, {num_slots})")
+        self.reply_seqs.set_last(int(slot), int(counters))
+
+    def graph_resources(self) -> "GraphResources":
+        """The device state a graph-driven FFN loop (``GraphFFNServer``) builds its kernels
+        on: this path's arrival detection and the peers' windows. ProtocolError unless
+        ``capabilities.supports_graph_server``."""
+        if not self.capabilities.supports_graph_server:
+            raise ProtocolError(f"graph_resources: this FFN path cannot be driven by a graph "
+                                f"({self.capabilities})")
+        rank, ctx = self.rank, self.ctx
+        num_attn = ctx.topology.num_attn_ranks
+        return GraphResources(
+            cp=self.cp, device_id=self.device_id, own_window=rank.own_window,
+            geometry=rank.geometry, dtype_code=rank.dtype_code, src_rank=ctx.role_rank,
+            num_attn_ranks=num_attn, last_seen=rank.last_seen, scan_start=self.scan_start,
+            counts_snapshot=self.counts_snapshot,
+            attention_windows=[rank.window.peer_ptr(ctx.peer_pe(Role.ATTENTION, i)) if i < num_attn else 0
+                               for i in range(self.layout.num_regions)])
+
+    # --- both roles' steps, on the shared rank -----------------------------------------------
+    def check_errors(self) -> None:
+        self.rank.check_errors()
+
+    def announce_shutdown(self) -> None:
+        self.rank.announce_shutdown()
+
+    def close(self, *, peers_healthy: bool = True) -> None:
+        self.rank.close(peers_healthy=peers_healthy)
+
+
+@dataclass(frozen=True)
+class GraphResources:
+    """What :meth:`CudaFFNPath.graph_resources` hands a graph-driven FFN loop.
+
+    ``cp``: the cupy module; ``device_id``; ``own_window``: this rank's window base;
+    ``geometry``: the kernels' window geometry; ``dtype_code``: the payload's kernel code;
+    ``src_rank``: this FFN role rank; ``num_attn_ranks``; ``last_seen`` (cupy int64
+    [num_slots]), ``scan_start`` (cupy int32 [1]), ``counts_snapshot`` (cupy int32
+    [num_slots, *]): the arrival detection's device state, shared with this path's
+    ``wait_any`` (one receiver at a time); ``attention_windows``: window base per region
+    (0 past the Attention ranks).
+    """
+
+    cp: object
+    device_id: int
+    own_window: int
+    geometry: object
+    dtype_code: int
+    src_rank: int
+    num_attn_ranks: int
+    last_seen: object = field(repr=False)
+    scan_start: object = field(repr=False)
+    counts_snapshot: object = field(repr=False)
+    attention_windows: list = field(repr=False)

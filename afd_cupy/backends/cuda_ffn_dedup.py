@@ -1,7 +1,9 @@
 """cuda backend, FFN side of the dedup wire mode (docs/design/dedup.md, docs/design/kernels.md): the local staging
 of each slot, the expand step of ``item_views`` and the packed launch of the fused reduce+reply.
-A mixin of :class:`afd_cupy.backends.cuda_ffn.CudaFFNSide` (it uses the path's context, layout,
-window, poll stream, views and status memory).
+A :class:`CudaDedupStaging` is owned by the FFN path
+(:class:`afd_cupy.backends.cuda_ffn.CudaFFNPath`), built on the rank's shared
+:class:`~afd_cupy.backends.cuda.CudaRank` and what the path hands it explicitly (its poll
+stream and empty rows).
 
 Per slot (region, ring) the path keeps, in ordinary device memory
 (``wire.ffn_staging_size_hint`` bytes in all):
@@ -30,16 +32,22 @@ from afd_cupy.backends.base import Arrival, ItemViews
 from afd_cupy.dtypes import payload_dtype
 from afd_cupy.kernels import PinnedInt64
 
-#: claims[] value of a staging row no route-table row has named (raw_kernels/dedup_ffn.cu)
+#: claims[] value of a staging row no route-table row has named (raw_kernels/ffn/dedup_ffn.cu)
 UNCLAIMED = 0x7FFFFFFF
 
 
-class CudaFFNDedupSteps:
-    """Dedup-mode steps of the cuda FFN side (mixin)."""
+class CudaDedupStaging:
+    """Dedup-mode steps of the cuda FFN path.
 
-    def _init_ffn_dedup(self) -> None:
-        """Staging and route-table copy per slot, the expand scratch, its status record and the
-        packed expand launch."""
+    ``rank``: the rank's CudaRank; ``poll_stream``: the path's poll stream (the expansions
+    run there, right after ``wait_any``); ``empty_rows``: the path's empty payload view.
+    Allocates the staging and route-table copy per slot, the expand scratch, its status
+    record and the packed expand launch."""
+
+    def __init__(self, *, rank, poll_stream, empty_rows) -> None:
+        self.rank = rank
+        self.cp, self.ctx, self.layout = rank.cp, rank.ctx, rank.layout
+        self.poll_stream, self.empty_rows = poll_stream, empty_rows
         cp, layout = self.cp, self.layout
         hidden, width = layout.hidden_size, layout.route_width
         rows_bytes = wire.align_up(layout.routed_cap * layout.row_bytes)
@@ -65,24 +73,29 @@ class CudaFFNDedupSteps:
         self.expand_status = PinnedInt64(wire.STATUS_WORDS)
         self.last_reply_event = [None] * layout.num_slots
         self.expand_launch = kernels.PackedLaunch(kernels.dedup_expand_spec(
-            dtype_code=self.dtype_code, window=self.own_window, geo=self.geometry, region=0, ring=0,
+            dtype_code=self.rank.dtype_code, window=self.rank.own_window, geo=self.rank.geometry, region=0, ring=0,
             num_rows=0, num_tokens=0, num_routed=0, num_shared=0, top_k=layout.top_k,
             hidden_size=hidden, staging=0, route_copy=self.route_copies[0],
             claims=self.expand_claims, fault=self.expand_fault, num_claimed=self.expand_claimed,
             layer_idx=0, status=self.expand_status.ptr, done_counter=self.expand_done))
 
-    def _dedup_slot_views(self, views: dict, region: int, ring: int) -> dict:
+    def note_reply(self, slot: int, event) -> None:
+        """The reply on ``slot`` was enqueued; ``event`` completes when it has run: the next
+        expansion into the slot waits for it."""
+        self.last_reply_event[slot] = event
+
+    def slot_views(self, views: dict, region: int, ring: int) -> dict:
         """Add a slot's torch views: the window's rows, the grouped staging, the table copy."""
         layout, slot = self.layout, self.layout.slot_index(region, ring)
         words = payload_dtype(self.ctx.dtype).raw_word
-        raw = self.window.field(self.ctx.world_rank, region, ring, "routed_x", words,
+        raw = self.rank.window.field(self.ctx.world_rank, region, ring, "routed_x", words,
                                 (layout.token_cap, layout.hidden_size))
-        views["routed_x"] = self._as_torch(raw).view(self.ctx.torch_dtype)
-        views["staging"] = self._as_torch(self.grouped_rows[slot]).view(self.ctx.torch_dtype)
-        views["route_copy"] = self._as_torch(self.route_copies[slot])
+        views["routed_x"] = self.rank.as_torch(raw).view(self.ctx.torch_dtype)
+        views["staging"] = self.rank.as_torch(self.grouped_rows[slot]).view(self.ctx.torch_dtype)
+        views["route_copy"] = self.rank.as_torch(self.route_copies[slot])
         return views
 
-    def _item_views_dedup(self, arrival: Arrival, views: dict) -> ItemViews:
+    def item_views(self, arrival: Arrival, views: dict) -> ItemViews:
         """Expand (and check) the arrival, then views: ``routed_x`` = the grouped staging,
         ``shared_x`` = the window's first ``shared_tokens`` rows, ``route_table`` = the copy."""
         header = arrival.header
@@ -118,16 +131,17 @@ class CudaFFNDedupSteps:
             record[:] = 0  # no expansion runs now: the poll stream is idle
             raise wire.route_table_error(status, shared_tokens=header.shared_tokens)
 
-    def _dedup_reply_launch(self, attn_rank: int, ring: int, dst_window: int, staging: int,
-                            done_counter) -> kernels.PackedLaunch:
+    def reply_launch(self, attn_rank: int, ring: int, dst_window: int, staging: int, *,
+                     header_src: int, done_counter) -> kernels.PackedLaunch:
         """afd_dedup_reply of one (Attention rank, ring), checked and packed once; it reduces
         through that slot's route-table copy. ``dst_window`` 0: a put peer, the reply goes to
-        staging slot (``attn_rank``, ``ring``) of ``staging`` (docs/design/put-transport.md)."""
+        staging slot (``attn_rank``, ``ring``) of ``staging`` (docs/design/put-transport.md).
+        ``header_src``: the path's pinned reply-header staging."""
         layout = self.layout
         return kernels.PackedLaunch(kernels.dedup_reply_spec(
-            dtype_code=self.dtype_code, dst_window=dst_window, staging=staging, dst_peer=attn_rank,
-            geo=self.geometry, src_rank=self.ctx.role_rank, ring=ring,
+            dtype_code=self.rank.dtype_code, dst_window=dst_window, staging=staging, dst_peer=attn_rank,
+            geo=self.rank.geometry, src_rank=self.ctx.role_rank, ring=ring,
             route_copy=self.route_copies[layout.slot_index(attn_rank, ring)], num_rows=0,
             top_k=layout.top_k, routed_out=0, num_routed=0, shared_out=0, num_shared=0,
-            hidden_size=layout.hidden_size, header_src=self.staging.ptr, seq=0,
+            hidden_size=layout.hidden_size, header_src=header_src, seq=0,
             done_counter=done_counter))

@@ -26,7 +26,6 @@ path's WireError / ProtocolError).
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections import deque
@@ -34,12 +33,11 @@ from collections import deque
 import numpy as np
 import torch
 
-from afd_cupy import ffn_graph, kernels, moe, wire
+from afd_cupy import ffn_graph, moe, wire
 from afd_cupy.backends.base import Arrival
-from afd_cupy.backends.cuda_ffn_dedup import UNCLAIMED
-from afd_cupy.errors import ConfigError, ConnectorShutdown, ProtocolError, PeerTimeoutError
-from afd_cupy.ffn_worker import FFNWorker, per_layer
-from afd_cupy.kernels import specs
+from afd_cupy.backends.cuda_ffn_graph_capture import GraphCapture, stack_weights
+from afd_cupy.errors import ConfigError, ConnectorShutdown, PeerLostError, PeerTimeoutError, ProtocolError
+from afd_cupy.ffn_worker import FFNWorker
 from afd_cupy.testing.reference import identity_experts
 from afd_cupy.topology import Role
 
@@ -91,57 +89,64 @@ class GraphFFNServer:
     def __init__(self, connector, experts=None, shared=None, *, identity: bool = False,
                  bucket_tokens=(128,), depth: int = 4, idle_timeout_s: float = 0.01,
                  fused_wait_stage: bool = True, gemm_sm_carveout: int | str = "auto"):
-        path = connector.path
         self._check_connector(connector, identity, experts)
-        self.gemm_sm_carveout = self._check_settings(depth, idle_timeout_s, gemm_sm_carveout, path.device)
-        self.connector, self.path, self.layout = connector, path, connector.layout
-        self.identity = identity
-        self.is_dedup = connector.layout.is_dedup
+        device = connector.device
+        self.gemm_sm_carveout = self._check_settings(depth, idle_timeout_s, gemm_sm_carveout, device)
+        self.connector, self.layout, self.device = connector, connector.layout, device
         self.depth, self.idle_timeout_s = depth, float(idle_timeout_s)
-        self.fused_wait_stage = bool(fused_wait_stage)
-        self.num_layers = connector.model.num_layers
-        self.device = path.device
-        layout = self.layout
-        self.lpc = ffn_graph.layers_per_chunk(self.num_layers, layout.expert_per_rank)
-        self.num_chunks = ffn_graph.num_chunks(self.num_layers, layout.expert_per_rank)
+        layout, model = self.layout, connector.model
+        weights = None
         if identity:
             self.buckets = (ffn_graph.identity_bucket(layout),)
             self.eager_worker = FFNWorker(connector, expert_fn=identity_experts,
                                           gemm_sm_carveout=self.gemm_sm_carveout)
         else:
             self.buckets = ffn_graph.buckets_for_tokens(
-                bucket_tokens, layout, top_k=connector.model.top_k,
-                num_ffn_ranks=connector.topology.num_ffn_ranks)
-            self._stack_weights(experts, shared)
+                bucket_tokens, layout, top_k=model.top_k, num_ffn_ranks=connector.topology.num_ffn_ranks)
+            weights, views, shared_views = stack_weights(experts, shared, model.num_layers,
+                                                         layout.expert_per_rank, device)
+            # the eager fallback's per-layer weights are views of the stacked ones
+            self.eager_worker = FFNWorker(connector, views, shared_views,
+                                          gemm_sm_carveout=self.gemm_sm_carveout)
         self.policy = ffn_graph.BucketPolicy(self.buckets)
         self.num_served = 0  # items answered (graph and eager)
         self.num_eager = 0   # of which on the eager path
         self.num_replays = 0
-        self._alloc_device_state()
-        self.stream = torch.cuda.Stream(self.device)
-        self.eager_stream = torch.cuda.Stream(self.device)
+        resources = connector.path.graph_resources()  # the path's public hand-over
+        self.device_id = resources.device_id
+        self.kernels = GraphCapture(
+            resources, layout=layout, model=model, torch_dtype=connector.torch_dtype, device=device,
+            depth=depth, idle_timeout_s=self.idle_timeout_s, fused_wait_stage=bool(fused_wait_stage),
+            identity=identity, gemm_sm_carveout=self.gemm_sm_carveout, weights=weights)
+        self.reply_seqs = self.kernels.reply_seqs  # cupy int64 [num_slots], while the server runs
+        self.records, self.num_records = self.kernels.records, self.kernels.num_records
+        self.record_words = self.kernels.record_words
+        self.stream = torch.cuda.Stream(device)
+        self.eager_stream = torch.cuda.Stream(device)
         self._events = deque(torch.cuda.Event() for _ in range(depth))
         self._inflight: deque = deque()  # (replay number, event), oldest first
         self._next_replay = 0
         self._started = False
         self._idle_sleep_s = 0.0
         self._last_liveness = 0.0
-        self._graph_buffers: list = []
-        self.graphs = [self._capture(bucket) for bucket in self.buckets]
+        self.graphs = [self.kernels.capture(bucket) for bucket in self.buckets]
 
     # --- set-up ---------------------------------------------------------------------------
     @staticmethod
     def _check_connector(connector, identity: bool, experts) -> None:
-        if connector.role is not Role.FFN or connector.backend != "cuda":
+        """ConfigError unless the connector's declared capabilities let a graph drive it."""
+        caps = connector.capabilities
+        if connector.role is not Role.FFN or not caps.supports_nonblocking:
             raise ConfigError(f"GraphFFNServer needs an FFN-side cuda connector, got "
-                              f"{connector.role.value} / {connector.backend}")
-        staged = connector.path.link.staged_peers
-        if staged:  # the graph's reply stores into the peers' windows; the link's copies are host calls
+                              f"{connector.role.value} / {caps.backend}")
+        if caps.put_peers:  # the graph's reply stores into the peers' windows; the link's copies are host calls
             raise ConfigError(f"GraphFFNServer replies by direct stores only, but Attention rank(s) "
-                              f"{staged} are reached by host-initiated copies (transport="
+                              f"{list(caps.put_peers)} are reached by host-initiated copies (transport="
                               f"{connector.config.transport!r}); use FFNWorker")
-        if connector.path.host_polling is not None:
+        if not caps.device_polling:
             raise ConfigError("GraphFFNServer needs poll_mode='device' (the wait is in the graph)")
+        if not caps.supports_graph_server:
+            raise ConfigError(f"GraphFFNServer cannot drive this connector's data path ({caps})")
         if identity == (experts is not None):
             raise ConfigError("pass exactly one of experts= or identity=True")
 
@@ -154,186 +159,6 @@ class GraphFFNServer:
         return moe.resolve_gemm_sm_carveout(gemm_sm_carveout, device=device,
                                             name="GraphFFNServer.gemm_sm_carveout")
 
-    def _stack_weights(self, experts, shared) -> None:
-        """Stacked copies of every layer's weights; the eager worker gets views of them."""
-        num_layers, epr = self.num_layers, self.layout.expert_per_rank
-        routed = per_layer(experts, num_layers)
-        fused = per_layer(shared, num_layers)
-        first = routed[0]
-        if first.dtype != torch.bfloat16 or any(w.has_bias for w in routed + [s for s in fused if s]):
-            raise ConfigError("the graph FFN's GEMM mode needs bf16 experts without biases")
-        if any(s is not None and s.gate is not None for s in fused):
-            raise ConfigError("the graph FFN does not run a shared-expert gate yet")
-        self.w13 = torch.cat([w.w13 for w in routed]).contiguous()
-        self.w2 = torch.cat([w.w2 for w in routed]).contiguous()
-        views = [dataclasses.replace(w, w13=self.w13[l * epr:(l + 1) * epr], w2=self.w2[l * epr:(l + 1) * epr])
-                 for l, w in enumerate(routed)]
-        self.activation = first
-        self.shared_w13 = self.shared_w2 = None
-        shared_views = fused
-        if fused[0] is not None:
-            self.shared_w13 = torch.cat([s.w13 for s in fused]).contiguous()
-            self.shared_w2 = torch.cat([s.w2 for s in fused]).contiguous()
-            shared_views = [dataclasses.replace(s, w13=self.shared_w13[l:l + 1], w2=self.shared_w2[l:l + 1])
-                            for l, s in enumerate(fused)]
-            self.shared_activation = fused[0]
-        self.eager_worker = FFNWorker(self.connector, views, shared_views,
-                                      gemm_sm_carveout=self.gemm_sm_carveout)
-        if not moe.grouped_mm_supported(torch.empty(8, first.hidden_size, dtype=torch.bfloat16,
-                                                    device=self.device), views[0]):
-            raise ConfigError("the graph FFN's GEMM mode needs torch._grouped_mm (SM90/SM100, "
-                              "bf16, 16-byte aligned operands)")
-
-    def _alloc_device_state(self) -> None:
-        cp, layout, path = self.path.cp, self.layout, self.path
-        hw = layout.header_words
-        self.doorbell = cp.zeros(wire.DB_HEADER + -(-hw // 2), cp.int64)  # device, not pinned
-        self.state = cp.zeros(ffn_graph.state_words(hw), cp.int64)
-        self.reply_seqs = cp.zeros(layout.num_slots, cp.int64)
-        self.replay_counter = cp.zeros(1, cp.int64)
-        self.num_records = 2 * self.depth
-        self.record_words = ffn_graph.record_words(hw, dedup=self.is_dedup)
-        self.records = kernels.PinnedInt64(self.num_records * self.record_words)
-        self.routed_offs = cp.zeros(self.num_layers * layout.expert_per_rank, cp.int32)
-        has_shared = self.connector.model.num_shared_experts > 0 and not self.identity
-        self.shared_offs = cp.zeros(self.num_layers, cp.int32) if has_shared else None
-        ctx = path.ctx
-        num_attn = ctx.topology.num_attn_ranks
-        self.peer_windows = cp.asarray(
-            [path.window.peer_ptr(ctx.peer_pe(Role.ATTENTION, i)) if i < num_attn else 0
-             for i in range(layout.num_regions)], dtype=cp.uint64)
-        self.reply_done = cp.zeros(1, cp.uint32)
-        if self.is_dedup:  # afd_graph_dedup_expand: the checked route-table copy and its scratch
-            # NOTE: one copy for every bucket: replays run one after another on self.stream
-            self.route_copy = cp.zeros((max(1, layout.token_cap), layout.route_width), cp.int32)
-            self.expand_claims = cp.full(max(1, layout.routed_cap), UNCLAIMED, cp.int32)
-            self.expand_fault = cp.full(1, np.iinfo(np.uint64).max, cp.uint64)
-            self.expand_claimed = cp.zeros(1, cp.uint32)
-            self.expand_done = cp.zeros(1, cp.uint32)
-        # torch views made here, not inside a capture (__cuda_array_interface__ carries a stream)
-        self.routed_offs_t = self._as_torch(self.routed_offs)
-        self.shared_offs_t = None if self.shared_offs is None else self._as_torch(self.shared_offs)
-        self.wait_launch = kernels.PackedLaunch(kernels.wait_any_spec(
-            window=path.own_window, geo=path.geometry, last_seen=path.last_seen,
-            scan_start=path.scan_start, counts_snapshot=path.counts_snapshot,
-            timeout_ns=int(self.idle_timeout_s * 1e9), doorbell=self.doorbell.data.ptr, ticket=0))
-        cp.cuda.Device(path.device_id).synchronize()
-
-    def _as_torch(self, array) -> torch.Tensor:
-        return torch.as_tensor(array, device=self.device)
-
-    # --- capture ----------------------------------------------------------------------------
-    def _capture(self, bucket: ffn_graph.Bucket) -> torch.cuda.CUDAGraph:
-        """Capture one bucket's graph. Every kernel goes to the capture stream (torch's current
-        stream inside ``torch.cuda.graph``); buffers are allocated before, torch's own in the
-        graph's pool; nothing synchronizes inside."""
-        path, layout = self.path, self.layout
-        hidden, dtype = layout.hidden_size, self.connector.torch_dtype
-        stage_args = dict(
-            geo=path.geometry,
-            expert_per_rank=layout.expert_per_rank, is_dedup=int(self.is_dedup), src_rank=path.ctx.role_rank,
-            num_attn_ranks=path.ctx.topology.num_attn_ranks, token_cap=layout.token_cap,
-            routed_cap=layout.routed_cap, shared_cap=layout.shared_cap,
-            routed_bucket=bucket.routed_rows, shared_bucket=bucket.shared_rows,
-            num_layers=self.num_layers, layers_per_chunk=self.lpc, routed_offs=self.routed_offs,
-            shared_offs=0 if self.shared_offs is None else self.shared_offs.data.ptr,
-            reply_seqs=self.reply_seqs, state=self.state, replay_counter=self.replay_counter,
-            records=self.records.ptr, num_records=self.num_records, record_words=self.record_words)
-        if self.fused_wait_stage:  # one kernel: the wait and the stage
-            first = [kernels.PackedLaunch(specs.graph_wait_stage_spec(
-                window=path.own_window, last_seen=path.last_seen, scan_start=path.scan_start,
-                counts_snapshot=path.counts_snapshot, timeout_ns=int(self.idle_timeout_s * 1e9),
-                **stage_args))]
-        else:
-            first = [self.wait_launch, kernels.PackedLaunch(specs.graph_stage_spec(
-                doorbell=self.doorbell.data.ptr, **stage_args))]
-        num_chunks = self.num_chunks
-        routed_outs = path.cp.zeros(num_chunks, path.cp.uint64)
-        keep = {"routed_outs": routed_outs}
-        if not self.identity:
-            keep["x"] = torch.empty(max(1, bucket.routed_rows), hidden, dtype=dtype, device=self.device)
-            keep["xs"] = (torch.empty(max(1, bucket.shared_rows), hidden, dtype=dtype, device=self.device)
-                          if self.shared_offs is not None else None)
-        staging = 0 if self.identity else keep["x"].data_ptr()
-        shared_staging = 0 if self.identity or keep["xs"] is None else keep["xs"].data_ptr()
-        if self.is_dedup:
-            gather, reply = self._dedup_launches(bucket, routed_outs, staging, shared_staging)
-        else:
-            reply = kernels.PackedLaunch(specs.graph_reply_spec(
-                dtype_code=path.dtype_code, own_window=path.own_window, peer_windows=self.peer_windows,
-                geo=path.geometry, src_rank=path.ctx.role_rank, state=self.state, routed_outs=routed_outs,
-                shared_out=0, hidden_size=hidden, done_counter=self.reply_done,
-                routed_bucket=bucket.routed_rows, shared_bucket=bucket.shared_rows, num_chunks=num_chunks))
-            gather = None if self.identity else kernels.PackedLaunch(specs.graph_gather_spec(
-                dtype_code=path.dtype_code, window=path.own_window, geo=path.geometry,
-                state=self.state, hidden_size=hidden, routed_staging=staging,
-                shared_staging=shared_staging, routed_bucket=bucket.routed_rows,
-                shared_bucket=bucket.shared_rows))
-        if not self.identity:
-            side = torch.cuda.Stream(self.device)
-            # warm-up: offsets are all 0, no GEMM work (with the capture's carve-out: the same
-            # workspace sizes and kernels as the capture's)
-            with torch.cuda.stream(side), moe.sm_carveout(self.gemm_sm_carveout):
-                self._expert_ops(keep["x"], keep["xs"])
-            side.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.device(self.device), torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            stream_ptr = torch.cuda.current_stream(self.device).cuda_stream
-            for launch in first:  # wait + stage (one kernel or two)
-                launch.launch(stream_ptr)
-            if gather is not None:  # dedup: the expand runs with identity experts too (its check)
-                gather.launch(stream_ptr)
-            if not self.identity:
-                # the GEMMs' grids (SMs - carve-out CTAs) are read at launch: frozen in the graph
-                with moe.sm_carveout(self.gemm_sm_carveout):
-                    keep["outs"], keep["shared_out"] = self._expert_ops(keep["x"], keep["xs"])
-                if keep["shared_out"] is not None:
-                    reply.set("shared_out", keep["shared_out"].data_ptr())
-            reply.launch(stream_ptr)
-        if not self.identity:  # the chunk outputs' addresses are fixed now: the reply reads them
-            routed_outs.set(np.array([out.data_ptr() for out in keep["outs"]], np.uint64))
-        path.cp.cuda.Device(path.device_id).synchronize()
-        self._graph_buffers.append(keep)  # the graph's buffers live as long as the server
-        return graph
-
-    def _dedup_launches(self, bucket: ffn_graph.Bucket, routed_outs, staging: int,
-                        shared_staging: int):
-        """(expand, reply) of one bucket's graph in the dedup wire mode, packed once."""
-        path, layout = self.path, self.layout
-        rows = bucket.rows or layout.token_cap
-        expand = kernels.PackedLaunch(specs.graph_dedup_expand_spec(
-            dtype_code=path.dtype_code, window=path.own_window, geo=path.geometry, state=self.state,
-            top_k=layout.top_k, hidden_size=layout.hidden_size, routed_staging=staging,
-            shared_staging=shared_staging, route_copy=self.route_copy, claims=self.expand_claims,
-            fault=self.expand_fault, num_claimed=self.expand_claimed, reply_seqs=self.reply_seqs,
-            done_counter=self.expand_done, token_cap=layout.token_cap,
-            routed_cap=layout.routed_cap, rows_bucket=rows))
-        reply = kernels.PackedLaunch(specs.graph_dedup_reply_spec(
-            dtype_code=path.dtype_code, own_window=path.own_window, peer_windows=self.peer_windows,
-            geo=path.geometry, src_rank=path.ctx.role_rank, state=self.state,
-            route_copy=self.route_copy, top_k=layout.top_k, routed_outs=routed_outs, shared_out=0,
-            hidden_size=layout.hidden_size, done_counter=self.reply_done,
-            token_cap=layout.token_cap, rows_bucket=rows, num_chunks=self.num_chunks))
-        return expand, reply
-
-    def _expert_ops(self, x: torch.Tensor, xs: torch.Tensor | None):
-        """The expert math over the staging rows, capturable: per layer chunk two grouped GEMMs
-        (offsets from the device), the activation and the routed scaling; the shared experts
-        the same over one group per layer. Rows past the served item's are never read."""
-        epr, lpc = self.layout.expert_per_rank, self.lpc
-        offs_all = self.routed_offs_t
-        outs = []
-        for chunk in range(self.num_chunks):
-            groups = slice(chunk * lpc * epr, min(self.num_layers, (chunk + 1) * lpc) * epr)
-            out = _gated_mlp(x, self.w13[groups], self.w2[groups], offs_all[groups], self.activation)
-            factor = self.connector.model.routed_scaling_factor
-            outs.append(out if factor == 1.0 else out * factor)  # bf16: routed x f (moe rule)
-        shared_out = None
-        if xs is not None:
-            shared_out = _gated_mlp(xs, self.shared_w13, self.shared_w2,
-                                    self.shared_offs_t, self.shared_activation)
-        return outs, shared_out
-
     # --- the host loop ----------------------------------------------------------------------
     def run(self, stop_event=None) -> int:
         """Serve until every Attention rank announced shutdown (a normal exit) or
@@ -342,26 +167,43 @@ class GraphFFNServer:
 
         Raises what the eager receive raises (WireError, ProtocolError, PeerLostError) and
         PeerTimeoutError when a replay does not complete within its bound; the queued replays
-        then stay queued and :meth:`close` (or the next :meth:`run`) collects them."""
-        self.start()
+        then stay queued and :meth:`close` (or the next :meth:`run`) collects them. Before an
+        exception other than PeerLostError leaves, the failure is announced to the Attention
+        ranks (``AFDConnector.announce_failure``)."""
         try:
+            self.start()
             while stop_event is None or not stop_event.is_set():
                 self.step()
         except ConnectorShutdown:
             logger.info("afd_cupy ffn rank %d: shutdown after %d items (%d eager) in %d graph replays",
                         self.connector.role_rank, self.num_served, self.num_eager, self.num_replays)
+        except Exception as exc:
+            self._announce_failure(exc)
+            raise
         self.close()
         return self.num_served
+
+    def _announce_failure(self, exc: Exception) -> None:
+        """Tell the Attention ranks that this server failed (``AFDConnector.announce_failure``,
+        as ``FFNWorker.run`` does): they raise PeerFailedError naming this rank and ``exc``
+        instead of timing out. Not for a lost peer (nobody is left to tell)."""
+        if isinstance(exc, PeerLostError):
+            return
+        try:
+            self.connector.announce_failure(exc)
+        except Exception as announce_exc:  # the server's own error matters more
+            logger.warning("afd_cupy ffn rank %d: could not announce the failure %r: %s",
+                           self.connector.role_rank, exc, announce_exc)
 
     def start(self) -> None:
         """Take the reply seqs over from the eager path and queue ``depth`` replays."""
         if self._started:
             return
-        path = self.path
-        path.cp.cuda.Device(path.device_id).use()  # this server's GPU, whichever thread runs it
+        cp = self.kernels.res.cp
+        cp.cuda.Device(self.device_id).use()  # this server's GPU, whichever thread runs it
         torch.cuda.synchronize(self.device)  # eager replies queued before read their seqs
         self.reply_seqs.set(self.connector.reply_seq_counters().astype(np.int64))
-        path.cp.cuda.Device(path.device_id).synchronize()
+        cp.cuda.Device(self.device_id).synchronize()
         self._started = True
         while len(self._inflight) < self.depth:
             self._launch_replay()
@@ -481,13 +323,3 @@ class GraphFFNServer:
             raise ProtocolError(f"message in region {arrival.region} claims source rank {header.src_rank}")
         raise ProtocolError(f"graph stage rejected a header the host accepts (header word {detail}): "
                             f"{header}")
-
-
-def _gated_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,
-               weights: moe.ExpertWeights) -> torch.Tensor:
-    """Two grouped GEMMs and the gated activation (``weights``' options), as
-    ``moe._grouped_mlp_fused`` without biases. NOTE: output rows past ``offs[-1]`` are left
-    unwritten by torch._grouped_mm (no GEMM work for them); nobody reads them."""
-    gate_up = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs)
-    hidden = moe.act_and_mul(gate_up, x.dtype, weights)
-    return torch._grouped_mm(hidden, w2.transpose(1, 2), offs=offs)

@@ -1,4 +1,4 @@
-"""The greedy gate as one RawKernel (``raw_kernels/gate.cu``): what ``gates.select_experts``
+"""The greedy gate as one RawKernel (``raw_kernels/model/gate.cu``): what ``gates.select_experts``
 runs for CUDA logits when ``impl`` is "auto" (the default) or "kernel".
 
 torch's greedy gate is ~7 kernels per call (float cast, softmax or sigmoid, optional bias add,
@@ -22,7 +22,7 @@ import torch
 from afd_cupy.dtypes import PAYLOAD_DTYPES
 from afd_cupy.kernels import specs
 
-#: torch dtype -> the kernels' payload dtype code (raw_kernels/wire.cuh DT_*)
+#: torch dtype -> the kernels' payload dtype code (raw_kernels/common/wire.cuh DT_*)
 _DTYPE_CODES = {payload.torch_dtype: payload.kernel_code for payload in PAYLOAD_DTYPES.values()}
 _LAUNCHES: dict = {}
 

@@ -55,6 +55,11 @@ class SymmetricBuffer(abc.ABC):
     def ptr(self, pe: int) -> int:
         """Address of rank ``pe``'s copy in this process (device pointer for cuda)."""
 
+    @abc.abstractmethod
+    def release(self) -> None:
+        """Drop this process's views of the buffer; called once by the heap's collective
+        ``close()`` (not collective itself); the buffer is unusable after."""
+
 
 class SymmetricHeap(abc.ABC):
     """A symmetric heap over the AFD world. ``close()`` is collective.

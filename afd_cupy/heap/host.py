@@ -199,8 +199,9 @@ class HostBuffer(SymmetricBuffer):
         """Address of rank ``pe``'s copy in this process."""
         return self._views[pe].ctypes.data
 
-    def _release(self) -> None:
-        """Drop the views and unmap; a view still held elsewhere keeps its map alive."""
+    def release(self) -> None:
+        """Drop the views and unmap (the heap's ``close()`` calls it); a view still held
+        elsewhere keeps its map alive."""
         self._views = []
         for m in self._maps:
             try:
@@ -323,6 +324,6 @@ class HostHeap(SymmetricHeap):
                                "the closing barrier (this rank waited %.1f s)", self.rank, timeout_s)
         finally:
             for buffer in self._buffers.values():
-                buffer._release()
+                buffer.release()
             self._buffers.clear()
             self._finalizer()

@@ -23,7 +23,7 @@ from afd_cupy.heap.base import UNHEALTHY_CLOSE_S, SymmetricBuffer, SymmetricHeap
 from afd_cupy.heap.nvshmem_env import (NVSHMEM_DEFAULTS, REMOTE_TRANSPORTS,  # noqa: F401 - re-exported
                                        apply_nvshmem_env, nvshmem_env, nvshmem_heap_bytes)
 from afd_cupy.heap.nvshmem_lib import (NVSHMEMX_INIT_WITH_UNIQUEID, STATUS_NOT_INITIALIZED,
-                                       SUPPORTED_MAJOR, UniqueId, _check, library_version,
+                                       SUPPORTED_MAJOR, UniqueId, check_rc, library_version,
                                        load_library, new_init_attr, new_unique_id)
 from afd_cupy.store import Store, agreed_barrier, store_fetch, store_publish
 from afd_cupy.timeouts import check_timeout
@@ -67,6 +67,10 @@ class NvshmemBuffer(SymmetricBuffer):
         """Device address of PE ``pe``'s copy in this process (``nvshmem_ptr``); 0 when not
         mapped. The symmetric address NVSHMEM's puts take is ``base_ptr`` (this PE's copy)."""
         return self._peer_ptrs[pe]
+
+    def release(self) -> None:
+        """Drop the views (the heap's ``close()`` calls it, then ``nvshmem_free``s the memory)."""
+        self._views = []
 
 
 class NvshmemHeap(SymmetricHeap):
@@ -150,10 +154,10 @@ class NvshmemHeap(SymmetricHeap):
             raise PeerTimeoutError(f"NVSHMEM PE {self.rank}: not every one of the {self.world_size} "
                                    f"PEs was ready to initialize within {self.timeout_s:.1f} s")
         attr = new_init_attr()
-        _check(self._lib.nvshmemx_set_attr_uniqueid_args(
+        check_rc(self._lib.nvshmemx_set_attr_uniqueid_args(
             self.rank, self.world_size, ctypes.byref(uid), ctypes.byref(attr)),
             "nvshmemx_set_attr_uniqueid_args")
-        _check(self._lib.nvshmemx_hostlib_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID,
+        check_rc(self._lib.nvshmemx_hostlib_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID,
                                                     ctypes.byref(attr)),
                "nvshmemx_hostlib_init_attr")
         my_pe, n_pes = self._lib.nvshmem_my_pe(), self._lib.nvshmem_n_pes()
@@ -165,7 +169,7 @@ class NvshmemHeap(SymmetricHeap):
     def _exchange_unique_id(self, store: Store, key: str) -> UniqueId:
         uid = new_unique_id()
         if self.rank == 0:
-            _check(self._lib.nvshmemx_get_uniqueid(ctypes.byref(uid)), "nvshmemx_get_uniqueid")
+            check_rc(self._lib.nvshmemx_get_uniqueid(ctypes.byref(uid)), "nvshmemx_get_uniqueid")
             store_publish(store, key, ctypes.string_at(ctypes.addressof(uid), ctypes.sizeof(uid)))
             return uid
         raw = store_fetch(store, key, self.timeout_s, peer=0)
@@ -322,7 +326,7 @@ class NvshmemHeap(SymmetricHeap):
         try:
             self._lib.nvshmem_barrier_all()
             for buffer in self._buffers.values():
-                buffer._views = []
+                buffer.release()
                 self._lib.nvshmem_free(buffer.base_ptr)
             self._buffers.clear()
         finally:

@@ -10,7 +10,7 @@ field carved out of the padding) but still accepts the v1 stamps used here, whic
 only ones 3.4.5 knows.
 
 Contents: the structs and their version stamps, the ``PROTOTYPES`` table (one entry per C
-function, its prototype as a comment), ``_check`` (return code -> NvshmemError), and the
+function, its prototype as a comment), ``check_rc`` (return code -> NvshmemError), and the
 library lookup (``AFD_NVSHMEM_LIB`` via :mod:`afd_cupy.env`, then the nvidia-nvshmem wheel,
 then the system loader) with ``load_library``. The heap that uses them is
 :mod:`afd_cupy.heap.nvshmem`.
@@ -159,7 +159,7 @@ _STATUS_NAMES = ("NVSHMEMX_SUCCESS", "NVSHMEMX_ERROR_INVALID_VALUE",
 STATUS_NOT_INITIALIZED = 0  # nvshmemx_init_status_t
 
 
-def _check(rc: int, what: str) -> None:
+def check_rc(rc: int, what: str) -> None:
     """Raise NvshmemError naming ``what`` and the return code when ``rc != 0``."""
     if rc != 0:
         name = _STATUS_NAMES[rc] if 0 <= rc < len(_STATUS_NAMES) else "unknown status"

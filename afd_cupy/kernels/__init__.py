@@ -1,4 +1,5 @@
-"""The CuPy RawKernels of ``raw_kernels/*.cu``: loader, checked launches, status (docs/design/kernels.md).
+"""The CuPy RawKernels of ``raw_kernels/<role>/*.cu``: loader, checked launches, status
+(docs/design/kernels.md).
 
 - :mod:`~afd_cupy.kernels.loader`: one cached loader. :func:`load_module` compiles a ``.cu``
   file once per (file, options, name expressions, device) with NVRTC (``-std=c++17
@@ -11,7 +12,7 @@
 - :mod:`~afd_cupy.kernels.specs`: one spec builder per kernel (a module per kernel file),
   keyword names equal to the C parameter names, their arguments checked by
   :mod:`~afd_cupy.kernels.checks`; window geometry as one ``geo`` value (``WindowLayout.kernel_geometry()``,
-  ``struct SlotGeometry`` in ``wire.cuh``); the kernels' limits (:data:`KERNEL_LIMITS`).
+  ``struct SlotGeometry`` in ``common/wire.cuh``); the kernels' limits (:data:`KERNEL_LIMITS`).
 - :mod:`~afd_cupy.kernels.launches`: :class:`LaunchSpec` and :class:`PackedLaunch` (one
   ``cuLaunchKernel`` per launch, arguments rewritten in place). None of the launches
   synchronizes.
@@ -28,6 +29,7 @@ from afd_cupy.kernels.loader import (DTYPE_CODES, FILE_KERNELS, KERNEL_DIR, PROB
 from afd_cupy.kernels.specs import (CHUNK, KERNEL_LIMITS, MAX_BLOCKS, MAX_EXPERTS, MAX_FFN_RANKS,
                                     MAX_TOP_K, ROWS_PER_BLOCK, combine_grid, combine_spec,
                                     dedup_combine_spec, dedup_dispatch_fused_spec,
+                                    dedup_dispatch_ll_spec, dedup_ll_grid, ll_dedup_dispatch_fits,
                                     dedup_expand_grid, dedup_expand_spec,
                                     dedup_reply_grid, dedup_reply_spec, dedup_rows_grid,
                                     dedup_rows_spec, dedup_scatter_grid, dedup_scatter_spec,
@@ -43,6 +45,7 @@ __all__ = [
     "MAX_BLOCKS", "MAX_EXPERTS", "MAX_FFN_RANKS", "MAX_TOP_K", "PROBE_KERNELS", "PackedLaunch",
     "PinnedInt64", "ROWS_PER_BLOCK", "StatusBlock", "StatusChannel", "clear_cache",
     "combine_grid", "combine_spec", "dedup_combine_spec", "dedup_dispatch_fused_spec",
+    "dedup_dispatch_ll_spec", "dedup_ll_grid", "ll_dedup_dispatch_fits",
     "dedup_expand_grid",
     "dedup_expand_spec", "dedup_reply_grid", "dedup_reply_spec", "dedup_rows_grid",
     "dedup_rows_spec", "dedup_scatter_grid", "dedup_scatter_spec", "dispatch_num_chunks",

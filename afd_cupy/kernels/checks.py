@@ -8,6 +8,9 @@ from __future__ import annotations
 import numpy as np
 
 from afd_cupy import wire
+from afd_cupy.dtypes import PAYLOAD_DTYPES
+
+_DTYPE_CODES = sorted(payload.kernel_code for payload in PAYLOAD_DTYPES.values())
 
 
 def count(name: str, value, *, low: int = 0, high: int = 2**31 - 1) -> np.int32:
@@ -48,9 +51,10 @@ def device_array(name: str, arr, dtype, min_size: int):
 
 
 def dtype_code(value) -> int:
-    """A payload dtype code of the templated kernels (``DT_*`` of wire.cuh: 0, 1, 2)."""
-    if value not in (0, 1, 2):
-        raise ValueError(f"dtype_code must be one of [0, 1, 2], got {value!r}")
+    """A payload dtype code of the templated kernels (``DT_*`` of wire.cuh, the
+    ``kernel_code`` of :data:`afd_cupy.dtypes.PAYLOAD_DTYPES`)."""
+    if value not in _DTYPE_CODES:
+        raise ValueError(f"dtype_code must be one of {_DTYPE_CODES}, got {value!r}")
     return int(value)
 
 

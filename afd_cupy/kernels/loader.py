@@ -1,4 +1,4 @@
-"""One cached loader for ``raw_kernels/*.cu`` (docs/design/kernels.md).
+"""One cached loader for ``raw_kernels/<role>/*.cu`` (docs/design/kernels.md).
 
 :func:`load_module` compiles a ``.cu`` file once per (file, options, name expressions, device)
 with NVRTC (``-std=c++17 -I raw_kernels``, no jitify). The cache key covers the contents of the
@@ -22,6 +22,7 @@ import re
 from pathlib import Path
 
 from afd_cupy import env
+from afd_cupy.dtypes import PAYLOAD_DTYPES
 
 #: the kernels inside an installed package (a wheel: ``afd_cupy/raw_kernels/``)
 PACKAGE_KERNEL_DIR = Path(__file__).resolve().parent.parent / "raw_kernels"
@@ -42,24 +43,28 @@ def find_kernel_dir() -> Path:
 KERNEL_DIR = find_kernel_dir()
 BASE_OPTIONS = ("-std=c++17",)
 
-#: payload dtype name -> template argument DT of the payload kernels (wire.cuh DT_*)
-DTYPE_CODES = {"bfloat16": 0, "float16": 1, "float32": 2}
+#: payload dtype name -> template argument DT of the payload kernels (wire.cuh DT_*), derived
+#: from the one dtype table (:data:`afd_cupy.dtypes.PAYLOAD_DTYPES`)
+DTYPE_CODES = {name: payload.kernel_code for name, payload in PAYLOAD_DTYPES.items()}
 
-#: production kernels of each file (relative to KERNEL_DIR); True marks a template over the
-#: payload dtype code
+#: production kernels of each file (relative to KERNEL_DIR: common/ holds headers only, each
+#: kernel sits in the folder of its role: attention/, ffn/, model/); True marks a template over
+#: the payload dtype code
 FILE_KERNELS = {
-    "dispatch.cu": (("afd_dispatch_plan", False), ("afd_dispatch_scatter", True),
-                    ("afd_dispatch_fused", True)),
-    "combine.cu": (("afd_wait_replies", False), ("afd_combine", True)),
-    "wait_any.cu": (("afd_wait_any", False),),
-    "reply.cu": (("afd_reply", True),),
-    "dedup_ffn.cu": (("afd_dedup_expand", True), ("afd_dedup_reply", True)),
-    "dedup_attn.cu": (("afd_dedup_rows", False), ("afd_dedup_scatter", True),
-                      ("afd_dedup_combine", True), ("afd_dedup_dispatch_fused", True)),
-    "ffn_graph.cu": (("afd_graph_stage", False), ("afd_graph_wait_stage", False), ("afd_graph_gather", True),
-                     ("afd_graph_reply", True), ("afd_graph_dedup_expand", True),
-                     ("afd_graph_dedup_reply", True)),
-    "gate.cu": (("afd_gate_topk", True),),
+    "attention/dispatch.cu": (("afd_dispatch_plan", False), ("afd_dispatch_scatter", True),
+                              ("afd_dispatch_fused", True)),
+    "attention/combine.cu": (("afd_wait_replies", False), ("afd_combine", True)),
+    "attention/dedup_attn.cu": (("afd_dedup_rows", False), ("afd_dedup_scatter", True),
+                                ("afd_dedup_combine", True)),
+    "attention/dedup_attn_fused.cu": (("afd_dedup_dispatch_fused", True),),
+    "ffn/wait_any.cu": (("afd_wait_any", False),),
+    "ffn/reply.cu": (("afd_reply", True),),
+    "ffn/dedup_ffn.cu": (("afd_dedup_expand", True), ("afd_dedup_reply", True)),
+    "ffn/ffn_graph_stage.cu": (("afd_graph_stage", False), ("afd_graph_wait_stage", False)),
+    "ffn/ffn_graph_rows.cu": (("afd_graph_gather", True), ("afd_graph_reply", True),
+                              ("afd_graph_dedup_expand", True), ("afd_graph_dedup_reply", True)),
+    "attention/dedup_attn_ll.cu": (("afd_dedup_dispatch_ll", True),),
+    "model/gate.cu": (("afd_gate_topk", True),),
 }
 
 #: probes for tests and tools only (same format as FILE_KERNELS)
@@ -134,8 +139,9 @@ def kernel_name_expressions(filename) -> tuple:
 
 
 def load_module(filename, *, options=(), name_expressions=()):
-    """``cupy.RawModule`` of ``raw_kernels/<filename>``, compiled once per (file, options,
-    name_expressions, device, contents of the file and its headers)."""
+    """``cupy.RawModule`` of ``raw_kernels/<filename>`` (e.g. ``"attention/dispatch.cu"``),
+    compiled once per (file, options, name_expressions, device, contents of the file and its
+    headers)."""
     import cupy
 
     path = kernel_path(filename)

@@ -18,14 +18,14 @@ def run_graph_rank(ctx, scenario: sc.Scenario, bucket_tokens: tuple) -> dict:
     """Entry point of every process: Attention as ``scenario.run_rank``, FFN through graphs."""
     topo = Topology(scenario.num_attn, scenario.num_ffn, scenario.model.num_experts)
     role, role_rank = topo.role_of(ctx.rank)
-    device = sc._device(scenario, ctx)
+    device = sc.rank_device(scenario, ctx)
     conn = AFDConnector(scenario.model, TopologyConfig(scenario.num_attn, scenario.num_ffn),
                         scenario.connector, role=role, role_rank=role_rank, store=ctx.store(),
                         job_id=ctx.job_id, backend=scenario.backend, device_id=ctx.device_id,
                         poll_mode=scenario.poll_mode, peer_timeout_s=scenario.peer_timeout_s)
     try:
         if role is Role.ATTENTION:
-            return sc._attention(conn, scenario, role_rank, device)
+            return sc.run_attention(conn, scenario, role_rank, device)
         return _graph_ffn(conn, scenario, role_rank, device, bucket_tokens)
     finally:
         conn.close()

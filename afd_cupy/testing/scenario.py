@@ -38,7 +38,9 @@ def layer_weights(model: ModelConfig, layer_idx: int, seed: int, device):
     return routed, shared
 
 
-def _device(scenario: Scenario, ctx) -> torch.device:
+def rank_device(scenario: Scenario, ctx) -> torch.device:
+    """The torch device of this process's rank (the CPU for the host backend; else its GPU,
+    made current)."""
     if scenario.backend == "host":
         return torch.device("cpu")
     torch.cuda.set_device(ctx.device_id or 0)
@@ -52,12 +54,12 @@ def run_rank(ctx, scenario: Scenario, timer=NO_PHASES) -> dict:
     shutdown phases of this rank (``tools/startup_profile.py``)."""
     topo = Topology(scenario.num_attn, scenario.num_ffn, scenario.model.num_experts)
     role, role_rank = topo.role_of(ctx.rank)
-    device = _device(scenario, ctx)
+    device = rank_device(scenario, ctx)
     with timer.phase("connector init"):
         conn = _connector(ctx, scenario, role, role_rank)
     try:
         if role is Role.ATTENTION:
-            report = _attention(conn, scenario, role_rank, device, timer)
+            report = run_attention(conn, scenario, role_rank, device, timer)
         else:
             report = _ffn(conn, scenario, role_rank, device, timer)
         return {**report, "device_id": ctx.device_id}
@@ -113,7 +115,9 @@ def _ffn(conn: AFDConnector, scenario: Scenario, ffn_rank: int, device, timer=NO
     if scenario.ffn_overlap:
         kwargs["overlap"] = True
     kwargs["gemm_sm_carveout"] = scenario.gemm_sm_carveout
-    worker = FFNWorker(conn, routed, shared if model.num_shared_experts else None, **kwargs)
+    worker = FFNWorker(conn, routed, shared if model.num_shared_experts else None,
+                       serving=scenario.ffn_serving, **kwargs)
+    plan = worker.serving_plan()
     history = []
     compute = worker.expert_fn
 
@@ -125,18 +129,24 @@ def _ffn(conn: AFDConnector, scenario: Scenario, ffn_rank: int, device, timer=NO
         carveouts.add(moe.current_sm_carveout())  # what the expert GEMMs are launched with
         return compute(item)
 
-    worker.expert_fn = recording
+    if plan.mode == "loop":  # a custom expert_fn would keep the graph FFN from serving
+        worker.expert_fn = recording
     start = time.perf_counter()
     with timer.phase("serve (until shutdown)"):
         served = worker.run()
+    server = worker.graph_server if worker.served_by == "graph" else None
     return {"role": "ffn", "rank": ffn_rank, "served": served, "history": history,
+            "serving": worker.served_by, "serving_reason": worker.serving_reason,
+            "eager": None if server is None else server.num_eager,
             "stages": sorted(stages), "carveouts": sorted(carveouts, key=str),
             "gemm_sm_carveout": worker.gemm_sm_carveout,
             "seconds": time.perf_counter() - start}
 
 
-def _attention(conn: AFDConnector, scenario: Scenario, attn_rank: int, device,
-               timer=NO_PHASES) -> dict:
+def run_attention(conn: AFDConnector, scenario: Scenario, attn_rank: int, device,
+                  timer=NO_PHASES) -> dict:
+    """The Attention rank ``attn_rank``'s body of a scenario (plain, two-stage or graph
+    replays, as ``scenario`` says) over the open ``conn``; returns its report dict."""
     if scenario.stage_streams:
         return _attention_two_stages(conn, scenario, attn_rank, device)
     if scenario.graph_replays:

@@ -37,6 +37,9 @@ class Scenario:
     schedule: str = "async"  # FFN worker schedule: "async" or "lockstep"
     ffn_overlap: bool = False  # FFNWorker(overlap=True): replies on a reply stream / thread
     gemm_sm_carveout: int | str = "auto"  # FFN ranks' gemm_sm_carveout (FFNWorker, GraphFFNServer)
+    ffn_serving: str = "loop"  # FFNWorker(serving=...); the loop records each item's history,
+    #                            "auto" (tools/smoke.py: what a user gets) serves with the graph
+    #                            FFN where it applies (no history then)
     graph_replays: int = 0  # cuda: > 0 captures each layer's send + recv in a CUDA graph and
     #                         replays every layer this many times with fresh inputs
     stage_streams: bool = False  # each layer as two in-flight stages (needs num_stages = 2): the

@@ -1,6 +1,6 @@
 // bench.cu: probes used only by the tools: tools/bench_poll.py (arrival-detection latency) and
 // tools/device_trace.py (device timestamps at kernel boundaries).
-#include "wire.cuh"
+#include "common/wire.cuh"
 
 using namespace afd;
 

@@ -1,4 +1,4 @@
-"""Spec builders of ``raw_kernels/combine.cu``: the Attention side's receive.
+"""Spec builders of ``raw_kernels/attention/combine.cu``: the Attention side's receive.
 
 afd_wait_replies (a one-warp bounded wait that checks every reply) and afd_combine (the fp32
 weighted combine), with the combine's grid and the wait's pass mark.
@@ -52,7 +52,7 @@ def wait_replies_spec(*, window, geo, num_ffn_ranks, ring, expected, expected_co
                             reply_flags=reply_flags, dedup=bool(dedup))
     args.update(timeout_ns=checks.int64("timeout_ns", timeout_ns, low=0), status=checks.address("status", status),
                 dedup=dedup)
-    return launch_spec(loader.get_kernel("combine.cu", "afd_wait_replies"), 1,
+    return launch_spec(loader.get_kernel("attention/combine.cu", "afd_wait_replies"), 1,
                  KERNEL_LIMITS["WAIT_REPLIES_THREADS"], args)
 
 
@@ -87,7 +87,7 @@ def combine_spec(*, dtype_code, out, num_tokens, hidden_size, topk_ids, topk_wei
     args.update(timeout_ns=checks.int64("timeout_ns", timeout_ns, low=0), out_scale=np.float32(out_scale),
                 done_counter=checks.device_array("done_counter", done_counter, np.uint32, 1),
                 status=checks.address("status", status))
-    kernel = loader.get_kernel("combine.cu", "afd_combine", dtype_code=checks.dtype_code(dtype_code))
+    kernel = loader.get_kernel("attention/combine.cu", "afd_combine", dtype_code=checks.dtype_code(dtype_code))
     return launch_spec(kernel, combine_grid(int(num_tokens), max_blocks), KERNEL_LIMITS["COMBINE_THREADS"], args)
 
 

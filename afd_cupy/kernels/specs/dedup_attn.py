@@ -1,6 +1,7 @@
-"""Spec builders of ``raw_kernels/dedup_attn.cu``: the Attention side of the dedup wire mode
-(docs/design/dedup.md): afd_dedup_rows, afd_dedup_scatter, afd_dedup_dispatch_fused and
-afd_dedup_combine, with their grids and the fused kernel's shared-memory bound.
+"""Spec builders of ``raw_kernels/attention/dedup_attn.cu`` and ``dedup_attn_fused.cu``: the
+Attention side of the dedup wire mode (docs/design/dedup.md): afd_dedup_rows,
+afd_dedup_scatter, afd_dedup_dispatch_fused and afd_dedup_combine, with their grids and the
+fused kernel's shared-memory bound.
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def dedup_rows_spec(*, topk_ids, num_tokens, top_k, expert_per_rank, num_ffn_ran
             "num_rows": checks.device_array("num_rows", num_rows, np.int32, int(num_ffn)),
             "shared_rows": checks.device_array("shared_rows", shared_rows, np.int32, int(num_ffn)),
             "done_counter": checks.device_array("done_counter", done_counter, np.uint32, 1)}
-    return launch_spec(loader.get_kernel("dedup_attn.cu", "afd_dedup_rows"),
+    return launch_spec(loader.get_kernel("attention/dedup_attn.cu", "afd_dedup_rows"),
                  dedup_rows_grid(int(num_tokens), int(top_k)), KERNEL_LIMITS["PLAN_THREADS"], args)
 
 
@@ -54,8 +55,8 @@ def dedup_rows_grid(num_tokens: int, top_k: int) -> int:
     return plan_grid(num_tokens * top_k)
 
 
-def _dedup_dispatch_head(*, hidden, num_tokens, hidden_size, topk_ids, topk_weights, top_k,
-                         expert_per_rank, num_ffn_ranks) -> dict:
+def dedup_dispatch_head_args(*, hidden, num_tokens, hidden_size, topk_ids, topk_weights, top_k,
+                             expert_per_rank, num_ffn_ranks) -> dict:
     """The leading arguments of afd_dedup_scatter and afd_dedup_dispatch_fused (hidden ..
     num_ffn_ranks, in their kernel order), checked."""
     num_tokens = checks.count("num_tokens", num_tokens)
@@ -69,10 +70,10 @@ def _dedup_dispatch_head(*, hidden, num_tokens, hidden_size, topk_ids, topk_weig
             "num_ffn_ranks": checks.count("num_ffn_ranks", num_ffn_ranks, low=1, high=MAX_FFN_RANKS)}
 
 
-def _dedup_dispatch_tail(*, row_map, shared_rank, num_rows, shared_rows, peer_windows, staging,
-                         geo, ring, always_send, src_rank, layer_idx, stage_idx, hdr_flags,
-                         seq_counters, expected, expected_counts, done_counter, num_tokens,
-                         num_ffn, epr) -> dict:
+def dedup_dispatch_tail_args(*, row_map, shared_rank, num_rows, shared_rows, peer_windows, staging,
+                             geo, ring, always_send, src_rank, layer_idx, stage_idx, hdr_flags,
+                             seq_counters, expected, expected_counts, done_counter, num_tokens,
+                             num_ffn, epr) -> dict:
     """The rows' and publishing arguments of afd_dedup_scatter and afd_dedup_dispatch_fused
     (row_map .. done_counter, in their kernel order), checked against a dedup layout of ``epr``
     experts per rank."""
@@ -111,9 +112,9 @@ def dedup_scatter_spec(*, dtype_code, hidden, num_tokens, hidden_size, topk_ids,
     not STATUS_OK nothing is written to any peer and ``expected`` is all 0.
     Grid: :func:`dedup_scatter_grid`.
     """
-    head = _dedup_dispatch_head(hidden=hidden, num_tokens=num_tokens, hidden_size=hidden_size,
-                                topk_ids=topk_ids, topk_weights=topk_weights, top_k=top_k,
-                                expert_per_rank=expert_per_rank, num_ffn_ranks=num_ffn_ranks)
+    head = dedup_dispatch_head_args(hidden=hidden, num_tokens=num_tokens, hidden_size=hidden_size,
+                                    topk_ids=topk_ids, topk_weights=topk_weights, top_k=top_k,
+                                    expert_per_rank=expert_per_rank, num_ffn_ranks=num_ffn_ranks)
     num_tokens, top_k = head["num_tokens"], head["top_k"]
     num_ffn, epr = int(head["num_ffn_ranks"]), int(head["expert_per_rank"])
     num_experts, num_partials = num_ffn * epr, int(num_tokens) * int(top_k)
@@ -125,14 +126,14 @@ def dedup_scatter_spec(*, dtype_code, hidden, num_tokens, hidden_size, topk_ids,
             "rank_offsets": checks.device_array("rank_offsets", rank_offsets, np.int32, num_ffn + 1),
             "expert_counts": checks.device_array("expert_counts", expert_counts, np.int32, num_experts),
             "verdict": checks.device_array("verdict", verdict, np.int32, 1),
-            **_dedup_dispatch_tail(
+            **dedup_dispatch_tail_args(
                 row_map=row_map, shared_rank=shared_rank, num_rows=num_rows,
                 shared_rows=shared_rows, peer_windows=peer_windows, staging=staging, geo=geo,
                 ring=ring, always_send=always_send, src_rank=src_rank, layer_idx=layer_idx,
                 stage_idx=stage_idx, hdr_flags=hdr_flags, seq_counters=seq_counters,
                 expected=expected, expected_counts=expected_counts, done_counter=done_counter,
                 num_tokens=int(num_tokens), num_ffn=num_ffn, epr=epr)}
-    kernel = loader.get_kernel("dedup_attn.cu", "afd_dedup_scatter", dtype_code=checks.dtype_code(dtype_code))
+    kernel = loader.get_kernel("attention/dedup_attn.cu", "afd_dedup_scatter", dtype_code=checks.dtype_code(dtype_code))
     grid = dedup_scatter_grid(int(num_tokens), int(num_ffn), payload_row_bytes(hidden_size, dtype_code),
                               max_blocks)
     return launch_spec(kernel, grid, KERNEL_LIMITS["SCATTER_THREADS"], args)
@@ -190,9 +191,9 @@ def dedup_dispatch_fused_spec(*, dtype_code, hidden, num_tokens, hidden_size, to
     of this packed spec may use): at most :data:`DEDUP_FUSED_MAX_SHARED_BYTES`
     (:func:`fused_dedup_dispatch_fits`). Grid: :func:`dedup_scatter_grid`.
     """
-    head = _dedup_dispatch_head(hidden=hidden, num_tokens=num_tokens, hidden_size=hidden_size,
-                                topk_ids=topk_ids, topk_weights=topk_weights, top_k=top_k,
-                                expert_per_rank=expert_per_rank, num_ffn_ranks=num_ffn_ranks)
+    head = dedup_dispatch_head_args(hidden=hidden, num_tokens=num_tokens, hidden_size=hidden_size,
+                                    topk_ids=topk_ids, topk_weights=topk_weights, top_k=top_k,
+                                    expert_per_rank=expert_per_rank, num_ffn_ranks=num_ffn_ranks)
     num_tokens, top_k = head["num_tokens"], head["top_k"]
     num_ffn, epr = head["num_ffn_ranks"], int(head["expert_per_rank"])
     num_experts = int(num_ffn) * epr
@@ -212,7 +213,7 @@ def dedup_dispatch_fused_spec(*, dtype_code, hidden, num_tokens, hidden_size, to
             "rank_offsets": checks.device_array("rank_offsets", rank_offsets, np.int32, int(num_ffn) + 1),
             "verdict": checks.device_array("verdict", verdict, np.int32, 1),
             "skipped": checks.device_array("skipped", skipped, np.int32, 1),
-            **_dedup_dispatch_tail(
+            **dedup_dispatch_tail_args(
                 row_map=row_map, shared_rank=shared_rank, num_rows=num_rows,
                 shared_rows=shared_rows, peer_windows=peer_windows, staging=staging, geo=geo,
                 ring=ring, always_send=always_send, src_rank=src_rank, layer_idx=layer_idx,
@@ -220,7 +221,7 @@ def dedup_dispatch_fused_spec(*, dtype_code, hidden, num_tokens, hidden_size, to
                 expected=expected, expected_counts=expected_counts, done_counter=done_counter,
                 num_tokens=int(num_tokens), num_ffn=int(num_ffn), epr=epr),
             "status": checks.address("status", status)}
-    kernel = loader.get_kernel("dedup_attn.cu", "afd_dedup_dispatch_fused", dtype_code=checks.dtype_code(dtype_code))
+    kernel = loader.get_kernel("attention/dedup_attn_fused.cu", "afd_dedup_dispatch_fused", dtype_code=checks.dtype_code(dtype_code))
     grid = dedup_scatter_grid(int(num_tokens), int(num_ffn), payload_row_bytes(hidden_size, dtype_code),
                               max_blocks)
     return launch_spec(kernel, grid, KERNEL_LIMITS["SCATTER_THREADS"], args, shared_mem=shared_bytes)
@@ -256,5 +257,5 @@ def dedup_combine_spec(*, dtype_code, out, num_tokens, hidden_size, row_map, win
     args.update(timeout_ns=checks.int64("timeout_ns", timeout_ns, low=0), out_scale=np.float32(out_scale),
                 done_counter=checks.device_array("done_counter", done_counter, np.uint32, 1),
                 status=checks.address("status", status))
-    kernel = loader.get_kernel("dedup_attn.cu", "afd_dedup_combine", dtype_code=checks.dtype_code(dtype_code))
+    kernel = loader.get_kernel("attention/dedup_attn.cu", "afd_dedup_combine", dtype_code=checks.dtype_code(dtype_code))
     return launch_spec(kernel, combine_grid(int(num_tokens), max_blocks), KERNEL_LIMITS["COMBINE_THREADS"], args)

@@ -1,4 +1,4 @@
-"""Spec builders of ``raw_kernels/dispatch.cu``: the Attention side's pair-mode dispatch.
+"""Spec builders of ``raw_kernels/attention/dispatch.cu``: the Attention side's pair-mode dispatch.
 
 afd_dispatch_plan (the device routing plan), afd_dispatch_scatter (rows into the FFN ranks'
 windows, then the headers and flags) and afd_dispatch_fused (plan and scatter in one kernel
@@ -53,7 +53,7 @@ def dispatch_plan_spec(*, topk_ids, num_partials, num_ffn_ranks, expert_per_rank
             "verdict": checks.device_array("verdict", verdict, np.int32, 1),
             "done_counter": checks.device_array("done_counter", done_counter, np.uint32, 1),
             "status": checks.address("status", status)}
-    return launch_spec(loader.get_kernel("dispatch.cu", "afd_dispatch_plan"), plan_grid(num_partials),
+    return launch_spec(loader.get_kernel("attention/dispatch.cu", "afd_dispatch_plan"), plan_grid(num_partials),
                  KERNEL_LIMITS["PLAN_THREADS"], args, shared_mem=4 * num_experts)
 
 
@@ -139,7 +139,7 @@ def dispatch_scatter_spec(*, dtype_code, hidden, num_tokens, hidden_size, topk_i
             "rank_offsets": checks.device_array("rank_offsets", rank_offsets, np.int32, num_ffn + 1),
             "expert_counts": checks.device_array("expert_counts", expert_counts, np.int32, num_experts),
             "verdict": checks.device_array("verdict", verdict, np.int32, 1), **tail}
-    kernel = loader.get_kernel("dispatch.cu", "afd_dispatch_scatter", dtype_code=checks.dtype_code(dtype_code))
+    kernel = loader.get_kernel("attention/dispatch.cu", "afd_dispatch_scatter", dtype_code=checks.dtype_code(dtype_code))
     return launch_spec(kernel, scatter_grid(int(num_tokens), int(top_k), int(args["has_shared"]), max_blocks),
                  KERNEL_LIMITS["SCATTER_THREADS"], args)
 
@@ -206,7 +206,7 @@ def dispatch_fused_spec(*, dtype_code, hidden, num_tokens, hidden_size, topk_ids
             "verdict": checks.device_array("verdict", verdict, np.int32, 1),
             "skipped": checks.device_array("skipped", skipped, np.int32, 1),
             **tail, "status": checks.address("status", status)}
-    kernel = loader.get_kernel("dispatch.cu", "afd_dispatch_fused", dtype_code=checks.dtype_code(dtype_code))
+    kernel = loader.get_kernel("attention/dispatch.cu", "afd_dispatch_fused", dtype_code=checks.dtype_code(dtype_code))
     return launch_spec(kernel, scatter_grid(int(num_tokens), int(top_k), int(args["has_shared"]), max_blocks),
                  KERNEL_LIMITS["SCATTER_THREADS"], args,
                  shared_mem=fused_shared_bytes(max_partials, num_experts))

@@ -1,4 +1,4 @@
-"""Spec builders of the FFN side's eager kernels: ``raw_kernels/wait_any.cu``, ``reply.cu``
+"""Spec builders of the FFN side's eager kernels: ``raw_kernels/ffn/wait_any.cu``, ``reply.cu``
 and ``dedup_ffn.cu`` (afd_wait_any, afd_reply, afd_dedup_expand, afd_dedup_reply), with
 their grids.
 """
@@ -33,7 +33,7 @@ def wait_any_spec(*, window, geo, last_seen, scan_start, counts_snapshot, timeou
                                       num_slots * (int(geo["header_words"]) - wire.HDR_FIXED_WORDS)),
             "timeout_ns": checks.int64("timeout_ns", timeout_ns, low=0),
             "doorbell": checks.address("doorbell", doorbell), "ticket": np.int64(ticket)}
-    return launch_spec(loader.get_kernel("wait_any.cu", "afd_wait_any"), 1, KERNEL_LIMITS["WAIT_ANY_THREADS"], args)
+    return launch_spec(loader.get_kernel("ffn/wait_any.cu", "afd_wait_any"), 1, KERNEL_LIMITS["WAIT_ANY_THREADS"], args)
 
 
 def reply_spec(*, dtype_code, dst_window, geo, src_rank, ring, routed_out, num_routed, shared_out,
@@ -66,7 +66,7 @@ def reply_spec(*, dtype_code, dst_window, geo, src_rank, ring, routed_out, num_r
             "num_shared": num_shared, "hidden_size": checks.count("hidden_size", hidden_size, low=1),
             "header_src": checks.address("header_src", header_src), "seq": np.int64(seq),
             "done_counter": checks.device_array("done_counter", done_counter, np.uint32, 1)}
-    kernel = loader.get_kernel("reply.cu", "afd_reply", dtype_code=checks.dtype_code(dtype_code))
+    kernel = loader.get_kernel("ffn/reply.cu", "afd_reply", dtype_code=checks.dtype_code(dtype_code))
     return launch_spec(kernel, reply_grid(int(num_routed) + int(num_shared), max_blocks),
                  KERNEL_LIMITS["REPLY_THREADS"], args)
 
@@ -111,7 +111,7 @@ def dedup_expand_spec(*, dtype_code, window, geo, region, ring, num_rows, num_to
             "num_claimed": checks.device_array("num_claimed", num_claimed, np.uint32, 1),
             "layer_idx": np.int32(layer_idx), "status": checks.address("status", status),
             "done_counter": checks.device_array("done_counter", done_counter, np.uint32, 1)}
-    kernel = loader.get_kernel("dedup_ffn.cu", "afd_dedup_expand", dtype_code=checks.dtype_code(dtype_code))
+    kernel = loader.get_kernel("ffn/dedup_ffn.cu", "afd_dedup_expand", dtype_code=checks.dtype_code(dtype_code))
     return launch_spec(kernel, dedup_expand_grid(int(num_rows), max_blocks),
                  KERNEL_LIMITS["REPLY_THREADS"], args)
 
@@ -159,7 +159,7 @@ def dedup_reply_spec(*, dtype_code, dst_window, geo, src_rank, ring, route_copy,
             "num_shared": num_shared, "hidden_size": checks.count("hidden_size", hidden_size, low=1),
             "header_src": checks.address("header_src", header_src), "seq": np.int64(seq),
             "done_counter": checks.device_array("done_counter", done_counter, np.uint32, 1)}
-    kernel = loader.get_kernel("dedup_ffn.cu", "afd_dedup_reply", dtype_code=checks.dtype_code(dtype_code))
+    kernel = loader.get_kernel("ffn/dedup_ffn.cu", "afd_dedup_reply", dtype_code=checks.dtype_code(dtype_code))
     return launch_spec(kernel, dedup_reply_grid(int(num_rows), payload_row_bytes(hidden_size, dtype_code), max_blocks),
                  KERNEL_LIMITS["REPLY_THREADS"], args)
 

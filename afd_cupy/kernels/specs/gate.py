@@ -1,4 +1,4 @@
-"""Spec builder of ``raw_kernels/gate.cu``: the greedy gate in one kernel (afd_gate_topk)."""
+"""Spec builder of ``raw_kernels/model/gate.cu``: the greedy gate in one kernel (afd_gate_topk)."""
 from __future__ import annotations
 
 from afd_cupy.kernels import checks, loader
@@ -7,7 +7,7 @@ from afd_cupy.kernels.specs.limits import KERNEL_LIMITS, MAX_BLOCKS
 
 
 GATE_LIMITS = {name: KERNEL_LIMITS[name] for name in ("GATE_THREADS", "GATE_MAX_EXPERTS", "GATE_MAX_TOP_K")}
-#: ``scoring`` codes of afd_gate_topk (SCORE_* in raw_kernels/gate.cu)
+#: ``scoring`` codes of afd_gate_topk (SCORE_* in raw_kernels/model/gate.cu)
 GATE_SCORING = {"softmax": 0, "sigmoid": 1}
 
 
@@ -38,5 +38,5 @@ def gate_topk_spec(*, dtype_code, logits, num_tokens, num_experts, top_k, scorin
             "renormalize": checks.count("renormalize", renormalize, high=1),
             "topk_weights": checks.address("topk_weights", topk_weights, allow_null=empty),
             "topk_ids": checks.address("topk_ids", topk_ids, allow_null=empty)}
-    kernel = loader.get_kernel("gate.cu", "afd_gate_topk", dtype_code=checks.dtype_code(dtype_code))
+    kernel = loader.get_kernel("model/gate.cu", "afd_gate_topk", dtype_code=checks.dtype_code(dtype_code))
     return launch_spec(kernel, gate_grid(int(num_tokens), max_blocks), GATE_LIMITS["GATE_THREADS"], args)

@@ -1,6 +1,6 @@
-"""Spec builders of ``raw_kernels/ffn_graph.cu``: the graph-driven FFN (afd_cupy/ffn_graph.py,
-backends/cuda_ffn_graph.py): the stage (alone or fused with the wait), the gather, the
-reply and their dedup twins.
+"""Spec builders of ``raw_kernels/ffn/ffn_graph_stage.cu`` and ``ffn_graph_rows.cu``: the
+graph-driven FFN (afd_cupy/ffn_graph.py, backends/cuda_ffn_graph.py): the stage (alone or
+fused with the wait), the gather, the reply and their dedup twins.
 """
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def graph_stage_spec(*, doorbell, **stage) -> LaunchSpec:
     ``ffn_graph.record_words(hw, dedup=True)``).
     """
     args = {"doorbell": checks.address("doorbell", doorbell), **_graph_stage_args(**stage)}
-    return launch_spec(loader.get_kernel("ffn_graph.cu", "afd_graph_stage"), 1, KERNEL_LIMITS["REPLY_THREADS"], args)
+    return launch_spec(loader.get_kernel("ffn/ffn_graph_stage.cu", "afd_graph_stage"), 1, KERNEL_LIMITS["REPLY_THREADS"], args)
 
 
 def graph_wait_stage_spec(*, window, last_seen, scan_start, counts_snapshot, timeout_ns,
@@ -95,12 +95,12 @@ def graph_wait_stage_spec(*, window, last_seen, scan_start, counts_snapshot, tim
             "counts_snapshot": checks.device_array("counts_snapshot", counts_snapshot, np.int32,
                                       num_slots * (int(geo["header_words"]) - wire.HDR_FIXED_WORDS)),
             "timeout_ns": checks.int64("timeout_ns", timeout_ns, low=0), **args}
-    return launch_spec(loader.get_kernel("ffn_graph.cu", "afd_graph_wait_stage"), 1, KERNEL_LIMITS["REPLY_THREADS"],
+    return launch_spec(loader.get_kernel("ffn/ffn_graph_stage.cu", "afd_graph_wait_stage"), 1, KERNEL_LIMITS["REPLY_THREADS"],
                  args)
 
 
-#: int64 words before the header copy in the stage's state and record (ffn_graph.cu
-#: STATE_HEADER, REC_HEADER; afd_cupy.ffn_graph mirrors them and a CPU test parses the .cu)
+#: int64 words before the header copy in the stage's state and record (ffn_graph.cuh
+#: STATE_HEADER, REC_HEADER; afd_cupy.ffn_graph mirrors them and a CPU test parses the .cuh)
 STAGE_STATE_HEADER = 9
 STAGE_RECORD_HEADER = 6
 
@@ -120,7 +120,7 @@ def graph_gather_spec(*, dtype_code, window, geo, state, hidden_size, routed_sta
             "hidden_size": checks.count("hidden_size", hidden_size, low=1),
             "routed_staging": checks.address("routed_staging", routed_staging),
             "shared_staging": checks.address("shared_staging", shared_staging, allow_null=True)}
-    kernel = loader.get_kernel("ffn_graph.cu", "afd_graph_gather", dtype_code=checks.dtype_code(dtype_code))
+    kernel = loader.get_kernel("ffn/ffn_graph_rows.cu", "afd_graph_gather", dtype_code=checks.dtype_code(dtype_code))
     return launch_spec(kernel, reply_grid(int(routed_bucket) + int(shared_bucket), max_blocks),
                  KERNEL_LIMITS["REPLY_THREADS"], args)
 
@@ -146,7 +146,7 @@ def graph_reply_spec(*, dtype_code, own_window, peer_windows, geo, src_rank, sta
             "shared_out": checks.address("shared_out", shared_out, allow_null=True),
             "hidden_size": checks.count("hidden_size", hidden_size, low=1),
             "done_counter": checks.device_array("done_counter", done_counter, np.uint32, 1)}
-    kernel = loader.get_kernel("ffn_graph.cu", "afd_graph_reply", dtype_code=checks.dtype_code(dtype_code))
+    kernel = loader.get_kernel("ffn/ffn_graph_rows.cu", "afd_graph_reply", dtype_code=checks.dtype_code(dtype_code))
     return launch_spec(kernel, reply_grid(int(routed_bucket) + int(shared_bucket), max_blocks),
                  KERNEL_LIMITS["REPLY_THREADS"], args)
 
@@ -180,7 +180,7 @@ def graph_dedup_expand_spec(*, dtype_code, window, geo, state, top_k, hidden_siz
             "num_claimed": checks.device_array("num_claimed", num_claimed, np.uint32, 1),
             "reply_seqs": checks.device_array("reply_seqs", reply_seqs, np.int64, num_slots),
             "done_counter": checks.device_array("done_counter", done_counter, np.uint32, 1)}
-    kernel = loader.get_kernel("ffn_graph.cu", "afd_graph_dedup_expand", dtype_code=checks.dtype_code(dtype_code))
+    kernel = loader.get_kernel("ffn/ffn_graph_rows.cu", "afd_graph_dedup_expand", dtype_code=checks.dtype_code(dtype_code))
     return launch_spec(kernel, dedup_expand_grid(int(checks.count("rows_bucket", rows_bucket)), max_blocks),
                  KERNEL_LIMITS["REPLY_THREADS"], args)
 
@@ -209,7 +209,7 @@ def graph_dedup_reply_spec(*, dtype_code, own_window, peer_windows, geo, src_ran
             "shared_out": checks.address("shared_out", shared_out, allow_null=True),
             "hidden_size": checks.count("hidden_size", hidden_size, low=1),
             "done_counter": checks.device_array("done_counter", done_counter, np.uint32, 1)}
-    kernel = loader.get_kernel("ffn_graph.cu", "afd_graph_dedup_reply", dtype_code=checks.dtype_code(dtype_code))
+    kernel = loader.get_kernel("ffn/ffn_graph_rows.cu", "afd_graph_dedup_reply", dtype_code=checks.dtype_code(dtype_code))
     grid = dedup_reply_grid(int(checks.count("rows_bucket", rows_bucket)), payload_row_bytes(hidden_size, dtype_code),
                             max_blocks)
     return launch_spec(kernel, grid, KERNEL_LIMITS["REPLY_THREADS"], args)

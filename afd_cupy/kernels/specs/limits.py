@@ -1,7 +1,7 @@
 """The kernels' limits and the row geometry that several spec builders share.
 
 :data:`KERNEL_LIMITS` is the one Python copy of the constants compiled into the kernels
-(``raw_kernels/wire.cuh``; a CPU test parses wire.cuh, the GPU probe reads them back);
+(``raw_kernels/common/wire.cuh``; a CPU test parses wire.cuh, the GPU probe reads them back);
 :func:`row_grid`, :func:`payload_row_bytes` and :func:`row_parts` size the row-copy kernels'
 grids as the kernels walk their rows.
 """
@@ -12,7 +12,7 @@ from afd_cupy.kernels import checks
 
 
 #: Limits and block sizes compiled into the kernels: the one Python copy of the constants of
-#: raw_kernels/wire.cuh (a CPU test parses wire.cuh, the GPU probe reads them back).
+#: raw_kernels/common/wire.cuh (a CPU test parses wire.cuh, the GPU probe reads them back).
 KERNEL_LIMITS = {
     "CHUNK": 256,           # partials per afd_dispatch_plan block
     "MAX_BLOCKS": 1024,     # grid cap of the row-copy and combine kernels
