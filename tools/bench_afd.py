@@ -83,8 +83,10 @@ one lockstep launch, each with one phase per skew of ``--sweep-skews`` (replica 
 GPU placement: with at least A+F GPUs, one process per GPU. On fewer GPUs every process runs
 on GPU 0 under CUDA MPS (start it first; tools/gpu_suite.sh does) with
 ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` per process: ``--mps-attn-pct`` for Attention ranks and
-``--mps-ffn-pct`` for FFN ranks (default 100 // (A+F) each: 25% for 2A2F), set before the
-process creates its CUDA context.
+``--mps-ffn-pct`` for FFN ranks (default max(50, 100 // (A+F)) each; a share is a cap, so they may
+sum past 100), set before the process creates its CUDA context. Every cuda rank first checks
+that torch's GEMMs compute right at the model's shapes (``bench_common.require_correct_gemms``):
+on one H200 they do not under a share of 45 % or less, and the launch fails naming the share.
 
 ``--gemm-sm-carveout auto|N``: the FFN ranks' ``FFNWorker(gemm_sm_carveout=...)`` (the expert
 GEMMs leave N SMs free for the kernels spinning next to them; docs/design/performance-decisions.md; default auto,
@@ -436,7 +438,7 @@ def mps_split(args, backend: str, world: int) -> dict:
     """Per-role CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (only when processes share a GPU)."""
     num_gpus = bc.num_visible_gpus() if backend == "cuda" else 0
     shared_gpu = backend == "cuda" and num_gpus < world
-    default = max(1, 100 // world)
+    default = max(bc.MIN_MPS_SHARE_PCT, 100 // world)  # shares may sum past 100: each is a cap
     attn_pct = (args.mps_attn_pct or default) if shared_gpu else None
     ffn_pct = (args.mps_ffn_pct or default) if shared_gpu else None
     if backend != "cuda":

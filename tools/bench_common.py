@@ -200,6 +200,8 @@ def serving_rank(ctx, spec, connector_config, serve_ffn: Callable, serve_attenti
 
     is_attn = ctx.rank < spec.num_attn
     device = set_device(spec.backend, ctx)
+    if spec.backend == "cuda":
+        require_correct_gemms(spec.model(), device)
     role, role_rank = ("attention", ctx.rank) if is_attn else ("ffn", ctx.rank - spec.num_attn)
     extra = attention_connector_kwargs(spec.schedule) if is_attn else {}
     conn = AFDConnector(spec.model(), TopologyConfig(spec.num_attn, spec.num_ffn), connector_config,
@@ -215,6 +217,36 @@ def serving_rank(ctx, spec, connector_config, serve_ffn: Callable, serve_attenti
             conn.announce_shutdown()
     finally:
         conn.close()
+
+
+class GemmCheckError(RuntimeError):
+    """torch's own GEMMs compute wrong results in this process (afd_cupy.testing.gemm_check)."""
+
+
+def gemm_shapes(model) -> list[tuple[int, int, int]]:
+    """(m, n, k) of the dense products a serving rank of ``model`` runs at decode: the
+    projections of its hidden size and the expert's gate/up and down products, 64 rows."""
+    hidden, inter = model.hidden_size, model.moe_intermediate_size
+    return [(64, hidden, hidden), (64, 2 * inter, hidden), (64, hidden, inter)]
+
+
+def require_correct_gemms(model, device, *, linear=None) -> dict:
+    """Check this process's GEMMs at ``model``'s shapes before any number is taken; raise
+    GemmCheckError naming the shapes and the MPS share when they are wrong (on one H200 with
+    torch 2.11+cu130 they are under an MPS share of 45 % or less). Returns the check's report.
+    ``linear``: the product under test (default torch's), for tests."""
+    from afd_cupy.testing.gemm_check import check_gemms, describe_failure
+
+    report = check_gemms(gemm_shapes(model), device, dtype=model.dtype, linear=linear)
+    if not report["ok"]:
+        raise GemmCheckError(describe_failure(report) + "; give every process an MPS share of at least "
+                             f"{MIN_MPS_SHARE_PCT} % (--placement GPU:share)")
+    return report
+
+
+#: The smallest CUDA MPS SM share (percent) a benchmark rank gets by default: at 45 % and
+#: below torch's GEMMs are wrong on one H200 (docs/performance.md, Known issues).
+MIN_MPS_SHARE_PCT = 50
 
 
 class PhaseStopper:

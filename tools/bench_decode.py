@@ -59,8 +59,12 @@ conditional rows say N/A with the busy fraction.
 Placement (``--placement``, several allowed: each gets its own launches and rows): per rank
 ``GPU[:SM percent]``, Attention ranks first, as bench_afd (CUDA MPS shares on one GPU; start
 MPS first), or a preset for 2 Attention replicas + 1 FFN rank on one GPU:
-- ``ffn-free``  = ``0:30,0:30,0:40``: the FFN has room (busy well below 1 at the quick size);
-- ``ffn-bound`` = ``0:45,0:45,0:10``: the FFN is the bottleneck (busy near 1).
+- ``ffn-free``  = ``0:50,0:50,0:50``: the FFN has room (busy well below 1 at the quick size);
+- ``ffn-bound`` = ``0:50,0:50,0:50`` with every context 16x shorter: the replicas' steps are
+  cheap, so the FFN serving both is the bottleneck (busy near 1).
+Every share is 50 % or more: each is a cap (they may sum past 100), and under 45 % or less
+torch's GEMMs are wrong on one H200; every cuda rank checks its GEMMs at the model's shapes
+first (``bench_common.require_correct_gemms``) and the launch fails naming the share.
 
 ``--timeline``: bench_afd's spans (Attention: attention / dispatch / wait / combine; FFN: wait,
 compute, reply) for ``--timeline-steps`` steps of replica 0 from its second measured step;
@@ -94,7 +98,8 @@ SCHEDULES = ("async", "lockstep")
 HOST_LABEL = ("HOST BACKEND at a tiny size: measures the host protocol and CPU compute of a toy "
               "decode model (wall times), not GPU performance")
 PRESET_SKEWS = {"uniform": 1, "skew4x": 4, "skew16x": 16}
-PLACEMENT_PRESETS = {"ffn-free": "0:30,0:30,0:40", "ffn-bound": "0:45,0:45,0:10"}  # 2 Attention + 1 FFN
+#: 2 Attention + 1 FFN on one GPU: name -> (per-rank GPU:share, what the contexts are divided by)
+PLACEMENT_PRESETS = {"ffn-free": ("0:50,0:50,0:50", 1), "ffn-bound": ("0:50,0:50,0:50", 16)}
 SATURATED_BUSY = 0.8  # async FFN busy at or above this: the FFN is saturated (targets N/A)
 TARGETS = {"short_vs_solo": 1.3, "short_vs_lockstep": 0.6, "uniform_ratio": 0.97, "ideal_fraction": 0.9}
 SOLO_MIN_STEPS = 3
@@ -443,11 +448,13 @@ def per_replica(text: str, num_attn: int, name: str, kind=int) -> tuple:
     return tuple(values)
 
 
-def make_workloads(args) -> tuple:
-    """The ``custom`` workload of --context/--batch, else one per preset (module doc)."""
+def make_workloads(args, context_divisor: int = 1) -> tuple:
+    """The ``custom`` workload of --context/--batch, else one per preset (module doc); every
+    context divided by ``context_divisor`` (the ffn-bound placement)."""
     n = args.attn
     if args.context is not None or args.batch is not None:
-        contexts = per_replica(args.context or str(args.base_context), n, "context")
+        contexts = tuple(max(1, c // context_divisor)
+                         for c in per_replica(args.context or str(args.base_context), n, "context"))
         batches = per_replica(args.batch or str(args.batch_size), n, "batch")
         if min(contexts) < 1 or min(batches) < 1:
             raise SystemExit(f"--context {contexts} and --batch {batches} must be >= 1")
@@ -455,7 +462,8 @@ def make_workloads(args) -> tuple:
     out = []
     for name in args.presets:
         root = math.sqrt(PRESET_SKEWS[name])
-        contexts = tuple(max(1, round(args.base_context * (root if a == 0 else 1 / root))) for a in range(n))
+        base = args.base_context / context_divisor
+        contexts = tuple(max(1, round(base * (root if a == 0 else 1 / root))) for a in range(n))
         out.append(Workload(name, contexts, (args.batch_size,) * n))
     return tuple(out)
 
@@ -463,7 +471,7 @@ def make_workloads(args) -> tuple:
 def resolve_placement(text: str, args, backend: str) -> tuple[str, tuple, dict]:
     """(label, one Placement per rank, the mps record) for a preset name or a GPU:share list."""
     world = args.attn + args.ffn
-    spelled = PLACEMENT_PRESETS.get(text, text)
+    spelled = PLACEMENT_PRESETS[text][0] if text in PLACEMENT_PRESETS else text
     if text in PLACEMENT_PRESETS and (args.attn, args.ffn) != (2, 1):
         raise SystemExit(f"--placement {text} is for 2 Attention replicas + 1 FFN rank, got {args.attn}A{args.ffn}F")
     placement, mps = bench_afd.placement_split(args, backend, world, spelled or None)
@@ -563,7 +571,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="placement presets (2 Attention + 1 FFN on one GPU, MPS): "
-                                            + "; ".join(f"{k} = {v}" for k, v in PLACEMENT_PRESETS.items())
+                                            + "; ".join(f"{k} = {v[0]}" + (f", contexts / {v[1]}" if v[1] > 1 else "")
+                                                       for k, v in PLACEMENT_PRESETS.items())
                                             + " (ffn-free: the FFN is not the bottleneck; ffn-bound: it is)")
     bc.add_common_args(parser, quick_help="4 layers, 3 s phases (cuda: two placements < 4 min on one H200)")
     parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
@@ -608,17 +617,19 @@ def main(argv=None) -> int:
                          experts=args.experts, top_k=args.top_k, shared=args.shared, intermediate=args.intermediate)
     workloads = make_workloads(args)
     texts = args.placement or ["ffn-free" if backend == "cuda" and (args.attn, args.ffn) == (2, 1) else ""]
-    placements = [resolve_placement(text, args, backend) for text in texts]
+    placements = [resolve_placement(text, args, backend)
+                  + (make_workloads(args, PLACEMENT_PRESETS[text][1]) if text in PLACEMENT_PRESETS else workloads,)
+                  for text in texts]
     rates = arrival_rates(args.arrival_rate, args.attn)
     solo = args.solo_duration * args.attn
     timeout = args.timeout or (180.0 + len(workloads) * (args.duration * 3 + solo * 2 + 60.0))
     started = time.perf_counter()
     rows, panels, devices = [], [], set()
-    specs = [(label, mps, Spec(backend, args.poll_mode, schedule, dims, args.attn, args.ffn, workloads,
+    specs = [(label, mps, Spec(backend, args.poll_mode, schedule, dims, args.attn, args.ffn, placed,
                                args.duration, args.warmup, args.max_steps, args.output_len, rates, args.overload,
                                args.jitter, solo_duration_s=args.solo_duration, placement=placement,
                                timeline=args.timeline, gemm_sm_carveout=args.gemm_sm_carveout))
-             for label, placement, mps in placements for schedule in args.schedules]
+             for label, placement, mps, placed in placements for schedule in args.schedules]
     for label, _, spec in bc.progress(specs, "bench_decode", lambda s: f"{s[0]} schedule={s[2].schedule}"):
         results = run_schedule(spec, timeout)
         devices.update(r["device"] for r in results if r["role"] == "attention")
@@ -631,8 +642,9 @@ def main(argv=None) -> int:
               "label": HOST_LABEL if backend == "host" else "", "device": ", ".join(sorted(devices)),
               "run": bc.run_info(backend), "poll_mode": args.poll_mode if backend == "cuda" else "host",
               "model": dataclasses.asdict(dims), "topology": f"{args.attn}A{args.ffn}F",
-              "placements": [{"label": label, "spec": mps["spec"], "placement": mps["placement"]}
-                             for label, _, mps in placements],
+              "placements": [{"label": label, "spec": mps["spec"], "placement": mps["placement"],
+                              "workloads": [dataclasses.asdict(w) for w in placed]}
+                             for label, _, mps, placed in placements],
               "workloads": [dataclasses.asdict(w) for w in workloads], "output_len": args.output_len,
               "arrival_rate": args.arrival_rate, "overload": args.overload, "jitter": args.jitter,
               "duration_s": args.duration, "warmup_steps": args.warmup, "solo_duration_s": args.solo_duration,
