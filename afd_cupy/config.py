@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from afd_cupy.dtypes import PAYLOAD_DTYPES
 from afd_cupy.errors import ConfigError
-from afd_cupy.transport import TRANSPORTS
+from afd_cupy.transports import transport_names
 from afd_cupy.wire import WIRE_MODES
 
 #: gate scoring functions of ``ModelConfig.scoring_func`` and ``gates.select_experts``
@@ -177,7 +177,8 @@ class ConnectorConfig:
       through the peer's mapped window; every peer must be load/store reachable), ``"put"``
       (NVSHMEM one-sided puts from a local staging slot, for every peer: the multi-node path,
       testable on one node) or ``"auto"`` (direct where the peer's window maps, put
-      elsewhere). The host backend runs ``"direct"`` and ``"auto"`` (= direct).
+      elsewhere), or any transport registered with ``afd_cupy.transports.register``. The host
+      backend runs ``"direct"`` and ``"auto"`` (= direct); each transport lists its backends.
     - ``fused_dispatch``: the cuda backend's dispatch in one kernel (every block plans in its
       shared memory) whenever a dispatch of ``max_num_batched_tokens`` fits it: pair mode
       ``afd_dispatch_fused`` (plan + scatter), dedup mode ``afd_dedup_dispatch_fused`` (plan +
@@ -222,8 +223,8 @@ class ConnectorConfig:
         if self.dedup_dispatch not in DEDUP_DISPATCHES:
             raise ConfigError(f"{owner}.dedup_dispatch must be one of {DEDUP_DISPATCHES}, "
                               f"got {self.dedup_dispatch!r}")
-        if self.transport not in TRANSPORTS:
-            raise ConfigError(f"{owner}.transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.transport not in transport_names():  # the registry (afd_cupy.transports)
+            raise ConfigError(f"{owner}.transport must be one of {transport_names()}, got {self.transport!r}")
         if self.ring_depth is None:
             object.__setattr__(self, "ring_depth", self.num_stages)
         _require_int(owner, "ring_depth", self.ring_depth)

@@ -36,8 +36,10 @@ class Window:
         self.heap = heap
         self.layout = layout
         self.xp = heap.xp
-        # allow_unmapped (cuda put transport): a peer that does not map has no view here
-        # (peer_bytes None, peer_ptr 0); only NVSHMEM puts reach it (docs/design/put-transport.md)
+        # allow_unmapped (a transport's allows_unmapped_peers): a peer that does not map has no
+        # view here (peer_bytes None, peer_ptr 0); only the transport's link reaches it
+        # (docs/design/put-transport.md). False: every peer maps (the allocation refuses otherwise)
+        self.allow_unmapped = allow_unmapped
         self.buffer = (heap.alloc(layout.window_bytes, name, allow_unmapped=True) if allow_unmapped
                        else heap.alloc(layout.window_bytes, name))
         self._exchange_geometry(store, name, geometry_timeout_s)

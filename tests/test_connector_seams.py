@@ -104,7 +104,7 @@ def _bare(role=Role.FFN, **path) -> AFDConnector:
     conn.role, conn.role_rank, conn.backend = role, 0, "cuda"
     conn.topology = SimpleNamespace(num_attn_ranks=2)
     path.setdefault("capabilities", Capabilities(backend="cuda", wire_modes=("pair",),
-                                                 transports=("direct",), supports_nonblocking=True,
+                                                 supports_nonblocking=True,
                                                  host_reply_seqs="reply_seqs" in path))
     if "reply_seqs" in path:  # the cuda FFN path's own hand-over of its SeqCounter
         counters = SeqCounter(len(path["reply_seqs"]))
@@ -130,7 +130,7 @@ def test_pending_rings_and_the_nonblocking_capability():
     conn.endpoint._pending.update({3: None, 1: object()})  # a reserved ring counts too
     assert conn.pending_rings() == (1, 3)
     assert conn.supports_nonblocking is True
-    host_caps = Capabilities(backend="host", wire_modes=("pair",), transports=("direct",))
+    host_caps = Capabilities(backend="host", wire_modes=("pair",))
     assert _bare(capabilities=host_caps).supports_nonblocking is False
 
 

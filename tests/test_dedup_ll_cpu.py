@@ -121,12 +121,14 @@ def test_backend_packs_the_ll_kernel_as_its_one_kernel_dispatch(fake_specs, monk
     from afd_cupy.backends import cuda_attention
 
     monkeypatch.setattr(kernels, "PackedLaunch", lambda spec: spec)
-    side = cuda_attention.CudaAttentionSide()
-    side.cp, side.layout, side.geometry, side.is_dedup = np, _LAYOUT, _LAYOUT.kernel_geometry(), True
+    side = cuda_attention.CudaAttentionPath.__new__(cuda_attention.CudaAttentionPath)
+    side.cp, side.layout, side.is_dedup = np, _LAYOUT, True
     side.fused_dispatch, side.ll_dispatch = True, ll
     side.ctx = types.SimpleNamespace(num_ffn_ranks=2, has_shared=True, always_send=False, role_rank=0)
-    side.own_window, side.dtype_code, side.timeout_ns = 0x3000, 0, 10**9
-    side.put, side.status = None, types.SimpleNamespace(ptr=0x1000)
+    side.rank = types.SimpleNamespace(  # the shared CudaRank's fields the launches read
+        geometry=_LAYOUT.kernel_geometry(), own_window=0x3000, dtype_code=0, timeout_ns=10**9,
+        link=types.SimpleNamespace(staging_base=0), status=types.SimpleNamespace(ptr=0x1000),
+        last_seen=_FakeArray())
     scratch = types.SimpleNamespace(local_rank=np.zeros(64, np.int32), **{
         name: _FakeArray() for name in ("chunk_hist", "pos", "expert_counts", "expert_start",
                                         "rank_offsets", "verdict", "plan_done", "scatter_done",
@@ -136,7 +138,7 @@ def test_backend_packs_the_ll_kernel_as_its_one_kernel_dispatch(fake_specs, monk
         name: _FakeArray() for name in ("row_map", "shared_rank", "num_rows", "shared_rows",
                                         "rows_hist", "rows_local", "rows_done")})] * 2
     side.expected = side.expected_counts = side.reply_flags = side.combine_done = [_FakeArray()] * 2
-    side.seq_counters, side.last_seen, side.peer_windows = [_FakeArray()] * 2, _FakeArray(), _FakeArray()
+    side.seq_counters, side.peer_windows = [_FakeArray()] * 2, _FakeArray()
     launches = side._attention_launches(1)
     assert sorted(launches) == ["combine", "fused", "wait"]
     want = (("attention/dedup_attn_ll.cu", "afd_dedup_dispatch_ll") if ll

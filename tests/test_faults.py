@@ -547,7 +547,7 @@ def test_dedup_over_puts_passes_the_config_checks_host_puts_do_not():
         module = require_backend("cuda", "dedup", "put")
     except BackendUnavailableError:  # no CuPy / NVSHMEM here: past every ConfigError
         return
-    assert "dedup" in module.WIRE_MODES and "put" in module.TRANSPORTS
+    assert "dedup" in module.CAPABILITIES.wire_modes and "put" in module.CAPABILITIES.transports
 
 
 def test_cuda_backend_without_cupy_is_backend_unavailable():

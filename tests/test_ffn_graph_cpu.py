@@ -315,7 +315,7 @@ def test_server_accepts_a_dedup_connector_and_keeps_its_other_limits():
 
     def caps(backend="cuda", device_polling=True, put_peers=()):
         # the declared capabilities decide (as the cuda FFN path derives them), not the name
-        return Capabilities(backend=backend, wire_modes=("pair", "dedup"), transports=("direct",),
+        return Capabilities(backend=backend, wire_modes=("pair", "dedup"),
                             supports_nonblocking=backend == "cuda", device_polling=device_polling,
                             host_reply_seqs=backend == "cuda", put_peers=put_peers,
                             supports_graph_server=backend == "cuda" and device_polling and not put_peers)
@@ -329,7 +329,7 @@ def test_server_accepts_a_dedup_connector_and_keeps_its_other_limits():
     GraphFFNServer._check_connector(fake(layout=LAYOUT), True, None)
     with pytest.raises(ConfigError, match="poll_mode='device'"):
         GraphFFNServer._check_connector(fake(capabilities=caps(device_polling=False)), True, None)
-    with pytest.raises(ConfigError, match=r"Attention rank\(s\) \[1\] are reached by NVSHMEM puts "
+    with pytest.raises(ConfigError, match=r"Attention rank\(s\) \[1\] are reached by host-initiated copies "
                                           r"\(transport='auto'\); use FFNWorker"):
         GraphFFNServer._check_connector(fake(capabilities=caps(put_peers=(1,)),
                                              config=SimpleNamespace(transport="auto")), True, None)

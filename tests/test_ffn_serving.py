@@ -50,7 +50,7 @@ def _fake_connector(*, backend="cuda", dtype=torch.bfloat16, host_polling=None, 
         backend=backend, role_rank=0, model=model, topology=SimpleNamespace(num_attn_ranks=1),
         layout=SimpleNamespace(expert_per_rank=EPR), torch_dtype=dtype, device=torch.device("cpu"),
         capabilities=None if backend is None else Capabilities(  # as the backend's path declares them
-            backend=backend, wire_modes=("pair",), transports=("direct",),
+            backend=backend, wire_modes=("pair",),
             supports_nonblocking=backend == "cuda", device_polling=backend == "cuda" and host_polling is None,
             put_peers=tuple(rank for rank, is_put in enumerate(peer_is_put) if is_put)),
         recv_ffn_work_item=recv, send_ffn_work_item_output=lambda *a: replies.append(a),

@@ -429,9 +429,9 @@ def test_launches_module_has_no_cupy_import_at_module_level():
                                              ("dedup", True)],
                          ids=["pair", "pair-fused", "dedup", "dedup-fused"])
 def test_backend_builds_the_launches_of_its_wire_mode(fake_specs, monkeypatch, wire_mode, fused, put):
-    """CudaAttentionSide._attention_launches checks every spec of the layout's mode (a spec of
+    """CudaAttentionPath._attention_launches checks every spec of the layout's mode (a spec of
     the other mode would refuse the geometry); numpy arrays stand in for the CuPy buffers.
-    With a put channel every mode's scatter gets its staging (docs/design/put-transport.md). Pair mode with
+    With a put link every mode's scatter gets its staging (docs/design/put-transport.md). Pair mode with
     ``fused_dispatch``: one afd_dispatch_fused instead of plan + scatter; dedup mode: one
     afd_dedup_dispatch_fused instead of plan + rows + scatter."""
     import types
@@ -446,7 +446,7 @@ def test_backend_builds_the_launches_of_its_wire_mode(fake_specs, monkeypatch, w
     side.ctx = types.SimpleNamespace(num_ffn_ranks=2, has_shared=True, always_send=False, role_rank=0)
     side.rank = types.SimpleNamespace(  # the shared CudaRank's fields the launches read
         geometry=layout.kernel_geometry(), own_window=0x3000, dtype_code=0, timeout_ns=10**9,
-        put=types.SimpleNamespace(staging_base=0x9000) if put else None,
+        link=types.SimpleNamespace(staging_base=0x9000 if put else 0),
         status=types.SimpleNamespace(ptr=0x1000), last_seen=_FakeArray())
     side.scratch = [types.SimpleNamespace(local_rank=np.zeros(64, np.int32), **{
         name: _FakeArray() for name in ("chunk_hist", "pos", "expert_counts", "expert_start",
@@ -498,7 +498,7 @@ class _RecordingLaunch:
 
 @pytest.mark.parametrize("wire_mode", ["pair", "dedup"])
 def test_ffn_reply_writes_put_peers_into_the_staging_and_puts_its_rows(fake_specs, monkeypatch, wire_mode):
-    """CudaFFNSide.reply (both modes) with a direct and a put Attention peer: the reply kernel
+    """CudaFFNPath.reply (both modes) with a direct and a put Attention peer: the reply kernel
     of the put peer gets dst_window 0, the staging and the peer's region; the put copies the
     mode's rows (dedup: num_rows rows of routed_x and no shared rows; pair: R and S)."""
     import types
@@ -519,8 +519,9 @@ def test_ffn_reply_writes_put_peers_into_the_staging_and_puts_its_rows(fake_spec
     side.cp = types.SimpleNamespace(cuda=types.SimpleNamespace(
         Event=lambda disable_timing: types.SimpleNamespace(record=lambda stream: None)))
     side.rank = types.SimpleNamespace(  # the shared CudaRank's fields and steps the reply uses
-        geometry=layout.kernel_geometry(), dtype_code=0, peer_is_put=[False, True, False],
-        put=types.SimpleNamespace(staging_base=0x9000, after_reply=lambda *a, **kw: puts.append((a, kw))),
+        geometry=layout.kernel_geometry(), dtype_code=0,
+        link=types.SimpleNamespace(is_staged=(False, True, False), staging_base=0x9000,
+                                   after_reply=lambda *a, **kw: puts.append((a, kw))),
         use_device=lambda: None, stream_ptr=lambda: 77, stream=lambda: None)
     num_slots = layout.num_slots
     side.reply_seqs, side.reply_launches = SeqCounter(num_slots), {}

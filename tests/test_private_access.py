@@ -35,8 +35,6 @@ ATTR_FUNCTIONS = frozenset({"getattr", "setattr", "hasattr", "delattr"})
 ALLOWED = {
     # transformers' PreTrainedModel attribute (a third-party object the rule cannot tell apart)
     ("testing/hf_models.py", "_keep_in_fp32_modules_strict"): "transformers' model attribute",
-    # the put channel is built on the NVSHMEM heap's ctypes library handle
-    ("backends/cuda_put.py", "_lib"): "NvshmemHeap._lib, needs a public accessor",
     # third-party objects, not afd_cupy's seams (the rule cannot see an object's type)
     ("expert_formats.py", "_apply_gate"): "transformers' experts method, probed on purpose",
     ("heap/nvshmem_lib.py", "_name"): "ctypes.CDLL._name, the library's path",

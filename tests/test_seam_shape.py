@@ -10,11 +10,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from afd_cupy.backends import host, host_ffn
+from afd_cupy.backends import cuda, host, host_ffn
 from afd_cupy.backends.base import Capabilities
 from afd_cupy.errors import ProtocolError
 from afd_cupy.ffn_endpoint import FFNEndpoint
 from afd_cupy.seq import SeqCounter, next_seq
+from afd_cupy.transports import transports_of
 
 PACKAGE = Path(__file__).resolve().parent.parent / "afd_cupy"
 #: the loops and the connector that decide on what a data path can do
@@ -38,11 +39,14 @@ def test_seq_counter_is_the_next_seq_rule_per_slot():
 
 
 def test_graph_capture_needs_a_nonblocking_receive_waiting_on_the_device():
-    base = dict(backend="x", wire_modes=("pair",), transports=("direct",))
+    base = dict(backend="x", wire_modes=("pair",))
     assert Capabilities(**base, supports_nonblocking=True, device_polling=True).supports_graph_capture
     assert not Capabilities(**base, supports_nonblocking=True).supports_graph_capture
     assert not Capabilities(**base, device_polling=True).supports_graph_capture
-    assert host.CAPABILITIES == Capabilities("host", host.WIRE_MODES, host.TRANSPORTS)
+    assert host.CAPABILITIES == Capabilities("host", host.WIRE_MODES)
+    # the transports are the registry's (each transport lists its backends), not a second list
+    assert host.CAPABILITIES.transports == transports_of("host") == ("direct", "auto")
+    assert cuda.CAPABILITIES.transports == transports_of("cuda") == ("direct", "put", "auto")
 
 
 def test_host_ffn_endpoint_refuses_the_reply_seq_hand_over_from_the_capability():

@@ -27,7 +27,7 @@ def _conn(role=Role.ATTENTION, backend="cuda", poll_mode="device", token_cap=16,
     step graph uses the connector's public calls only)."""
     config = ConnectorConfig(async_moe_ubatching=num_stages > 1, async_moe_num_ubatches=max(num_stages, 2))
     nonblocking = backend == "cuda" if supports_nonblocking is None else supports_nonblocking
-    capabilities = Capabilities(backend=backend, wire_modes=("pair",), transports=("direct",),
+    capabilities = Capabilities(backend=backend, wire_modes=("pair",),
                                 supports_nonblocking=nonblocking, device_polling=poll_mode == "device")
     return SimpleNamespace(role=role, backend=backend, capabilities=capabilities,
                            layout=SimpleNamespace(token_cap=token_cap, ring_depth=config.ring_depth),
@@ -178,7 +178,7 @@ class _RecordingConnector:
 
     def __init__(self, num_stages=2, ring_depth=None, num_layers=4, token_cap=16):
         self.role, self.backend = Role.ATTENTION, "cuda"
-        self.capabilities = Capabilities(backend="cuda", wire_modes=("pair",), transports=("direct",),
+        self.capabilities = Capabilities(backend="cuda", wire_modes=("pair",),
                                          supports_nonblocking=True, device_polling=True)
         self.path = SimpleNamespace(order_graph_replay=lambda rings, stream: None)
         self.config = ConnectorConfig(async_moe_ubatching=num_stages > 1, async_moe_num_ubatches=max(num_stages, 2),

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig  # noqa: E402
 from afd_cupy.wire import WIRE_MODES  # noqa: E402
 from afd_cupy.launch import detect_backend, launch  # noqa: E402
-from afd_cupy.transport import TRANSPORTS  # noqa: E402
+from afd_cupy.transports import transport_names  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -51,7 +51,7 @@ def parse_args(argv=None):
     parser.add_argument("--poll-mode", choices=("device", "host"), default="device")
     parser.add_argument("--wire-mode", choices=WIRE_MODES, default="pair",
                         help="ConnectorConfig.wire_mode (dedup: one row per token and FFN rank)")
-    parser.add_argument("--transport", choices=TRANSPORTS, default="direct",
+    parser.add_argument("--transport", choices=transport_names(), default="direct",
                         help="ConnectorConfig.transport (put: every peer by NVSHMEM put-with-signal; cuda only)")
     parser.add_argument("--timeout", type=float, default=3600.0,
                         help="whole-job bound (s); a rank still running then is reported with its stacks")

@@ -29,6 +29,7 @@ import torch
 from afd_cupy import wire
 from afd_cupy.errors import BackendUnavailableError, ConfigError
 from afd_cupy.topology import Role, Topology
+from afd_cupy.transports import get_transport, transports_of
 
 #: backend name -> module implementing ``open_path``
 BACKEND_MODULES = {"host": "afd_cupy.backends.host", "cuda": "afd_cupy.backends.cuda"}
@@ -120,8 +121,9 @@ class Capabilities:
     comparing backend names.
 
     - ``backend``: the backend's name (for messages only: decide on the fields below).
-    - ``wire_modes`` / ``transports``: the ``ConnectorConfig.wire_mode`` / ``.transport``
-      values the backend implements.
+    - ``wire_modes``: the ``ConnectorConfig.wire_mode`` values the backend implements;
+      :attr:`transports` (the ``ConnectorConfig.transport`` values) is derived from the
+      transport registry, where each transport lists its backends.
     - ``supports_nonblocking``: ``combine(blocking=False)`` enqueues the wait and the combine
       without a host synchronization (cuda).
     - ``device_polling``: waits run on the device (cuda with ``poll_mode="device"``); with
@@ -129,19 +131,25 @@ class Capabilities:
       (:attr:`supports_graph_capture`).
     - ``host_reply_seqs``: FFN side: the reply seq per slot lives on the host and can be handed
       to another loop (:meth:`FFNPath.reply_seq_counters`).
-    - ``put_peers``: opposite-role ranks reached by NVSHMEM puts (host calls, not stores).
+    - ``put_peers``: opposite-role ranks reached through the transport's staging
+      (``Link.staged_peers``: host-initiated copies such as NVSHMEM puts, not stores).
     - ``supports_graph_server``: FFN side: a ``GraphFFNServer`` may drive this path
       (:meth:`FFNPath.graph_resources`): device polling, host reply seqs, no put peer.
     """
 
     backend: str
     wire_modes: tuple
-    transports: tuple
     supports_nonblocking: bool = False
     device_polling: bool = False
     host_reply_seqs: bool = False
     put_peers: tuple = ()
     supports_graph_server: bool = False
+
+    @property
+    def transports(self) -> tuple[str, ...]:
+        """The registered transports that list this backend (``afd_cupy.transports``; one
+        registered later, e.g. by a test module, is included from then on)."""
+        return transports_of(self.backend)
 
     @property
     def supports_graph_capture(self) -> bool:
@@ -233,8 +241,9 @@ def require_backend(backend: str, wire_mode: str = "pair", transport: str = "dir
     ``transport`` here.
 
     Raises ConfigError for an unknown name, a wire mode or a transport the backend does not
-    implement (its module's ``CAPABILITIES``), BackendUnavailableError when its libraries are missing
-    (checked before any collective step, so a misconfigured rank fails alone and fast).
+    implement (its module's ``CAPABILITIES``, whose transports come from the registry),
+    BackendUnavailableError when its libraries are missing (checked before any collective
+    step, so a misconfigured rank fails alone and fast).
     """
     if backend not in BACKEND_MODULES:
         raise ConfigError(f"backend must be one of {tuple(BACKEND_MODULES)}, got {backend!r}")
@@ -243,6 +252,7 @@ def require_backend(backend: str, wire_mode: str = "pair", transport: str = "dir
     if wire_mode not in modes:
         raise ConfigError(f"backend {backend!r} does not implement wire_mode={wire_mode!r} (it "
                           f"implements {modes}); use wire_mode='pair' or backend='host'")
+    get_transport(transport)  # ConfigError naming the registered transports
     transports = module.CAPABILITIES.transports
     if transport not in transports:
         raise ConfigError(f"backend {backend!r} does not implement transport={transport!r} (it "

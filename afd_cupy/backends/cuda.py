@@ -20,7 +20,6 @@ steps) and the path of the rank's role around it:
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from afd_cupy import wire
@@ -30,6 +29,7 @@ from afd_cupy.dtypes import payload_dtype
 from afd_cupy.errors import ConfigError
 from afd_cupy.kernels import StatusChannel
 from afd_cupy.topology import Role
+from afd_cupy.transports import get_transport
 
 try:  # torch's raw current-stream getter: ~1 us instead of ~10 us for current_stream()
     from torch._C import _cuda_getCurrentRawStream as _raw_current_stream
@@ -39,12 +39,11 @@ except ImportError:  # CPU-only torch builds
 #: wire modes this backend implements (``ConnectorConfig.wire_mode``; dedup: the kernels of
 #: docs/design/kernels.md, ``attention/dedup_attn*.cu`` and ``ffn/dedup_ffn.cu``)
 WIRE_MODES = ("pair", "dedup")
-#: transports (``ConnectorConfig.transport``, docs/design/put-transport.md), in both wire modes: the
-#: scatter and reply kernels of each mode write a put peer's message into the put staging
-TRANSPORTS = ("direct", "put", "auto")
-#: what every cuda path can do (a path's own ``capabilities`` adds its poll mode and peers)
-CAPABILITIES = Capabilities(backend="cuda", wire_modes=WIRE_MODES, transports=TRANSPORTS,
-                            supports_nonblocking=True)
+#: what every cuda path can do (a path's own ``capabilities`` adds its poll mode and peers);
+#: its transports are those registered for "cuda" (afd_cupy.transports: each transport lists its
+#: backends), in both wire modes: the scatter and reply kernels of each mode write a staged
+#: peer's message into the link's staging
+CAPABILITIES = Capabilities(backend="cuda", wire_modes=WIRE_MODES, supports_nonblocking=True)
 
 
 class _RawStream:
@@ -78,18 +77,17 @@ def open_path(ctx: PathContext, *, store, job_id: str, device_id, startup_timeou
     from afd_cupy.heap.nvshmem import NvshmemHeap
     from afd_cupy.window import Window
 
-    from afd_cupy.backends.cuda_put import open_put_channel
-
+    transport = get_transport(ctx.transport)
     heap = NvshmemHeap(ctx.world_rank, ctx.topology.world_size, store, job_id, device_id or 0,
                        timeout_s=startup_timeout_s, env=nvshmem_env)
     try:
         window = Window(heap, ctx.layout, store, name=f"window{instance}",
-                        geometry_timeout_s=startup_timeout_s, allow_unmapped=ctx.transport != "direct")
-        put, is_put = open_put_channel(heap, window, ctx.layout, ctx, instance=instance)
+                        geometry_timeout_s=startup_timeout_s, allow_unmapped=transport.allows_unmapped_peers)
+        link = transport.open(heap, window, ctx, instance=instance)
     except BaseException:
         heap.close(peers_healthy=False)
         raise
-    return open_role_path(CudaRank(ctx, heap, window, put=put, peer_is_put=is_put))
+    return open_role_path(CudaRank(ctx, heap, window, link))
 
 
 def open_role_path(rank: "CudaRank"):
@@ -106,9 +104,10 @@ def open_role_path(rank: "CudaRank"):
 class CudaRank:
     """What both role paths of one cuda rank share, built once by :func:`open_path`.
 
-    ``cp`` (the cupy module), ``ctx``, ``layout``, ``heap``, ``window``; ``put``: a
-    ``cuda_put.PutChannel`` when some opposite peer (by role rank) is reached by NVSHMEM puts,
-    which ``peer_is_put`` names; ``device_id`` / ``device``; ``dtype_code`` (the kernels'
+    ``cp`` (the cupy module), ``ctx``, ``layout``, ``heap``, ``window``; ``link``: the
+    transport's :class:`~afd_cupy.transports.Link` (which opposite peers, by role rank, the
+    kernels reach through its staging: ``link.is_staged``, ``link.staging_base``; the copies
+    behind the kernels); ``device_id`` / ``device``; ``dtype_code`` (the kernels'
     payload code); ``geometry`` (the kernels' window geometry); ``timeout_ns`` (every spinning
     kernel's bound); ``own_window`` (this rank's window base); ``host_polling`` (a
     :class:`HostPolling` with ``poll_mode="host"``, else None); ``status`` (the device status
@@ -116,7 +115,7 @@ class CudaRank:
     ``capabilities``. The streams, the shutdown, the close and the error check are here.
     """
 
-    def __init__(self, ctx: PathContext, heap, window, *, put=None, peer_is_put=None):
+    def __init__(self, ctx: PathContext, heap, window, link):
         if ctx.wire_mode not in WIRE_MODES:
             raise ConfigError(f"the cuda backend implements wire_mode {WIRE_MODES}, not "
                               f"{ctx.wire_mode!r}")
@@ -126,10 +125,9 @@ class CudaRank:
         self.ctx = ctx
         self.heap = heap
         self.window = window
-        # the put transport (docs/design/put-transport.md): a cuda_put.PutChannel when some opposite
-        # peer (by role rank) is reached by NVSHMEM puts, which peer_is_put names
-        self.put = put
-        self.peer_is_put = list(peer_is_put or [False] * len(ctx.opposite_pes()))
+        # the transport's link (afd_cupy.transports): which opposite peers (by role rank) the
+        # kernels reach through the staging (link.is_staged), and the copies behind the kernels
+        self.link = link
         self.layout = layout = ctx.layout
         self.device_id = heap.device_id
         self.device = torch.device("cuda", self.device_id)
@@ -138,10 +136,10 @@ class CudaRank:
         self.timeout_ns = int(ctx.peer_timeout_s * 1e9)
         self.own_window = window.peer_ptr(ctx.world_rank)
         self.host_polling = HostPolling(window) if ctx.poll_mode == "host" else None
-        put_peers = tuple(rank for rank, is_put in enumerate(self.peer_is_put) if is_put)
+        put_peers = tuple(link.staged_peers)
         is_ffn, device_polling = ctx.role is Role.FFN, ctx.poll_mode == "device"
         self.capabilities = Capabilities(
-            backend="cuda", wire_modes=WIRE_MODES, transports=TRANSPORTS, supports_nonblocking=True,
+            backend="cuda", wire_modes=WIRE_MODES, supports_nonblocking=True,
             device_polling=device_polling, host_reply_seqs=is_ffn, put_peers=put_peers,
             supports_graph_server=is_ffn and device_polling and not put_peers)
         self._streams: dict[int, object] = {}
@@ -204,29 +202,15 @@ class CudaRank:
         with stream:
             for peer, pe in enumerate(ctx.opposite_pes()):
                 for ring in range(layout.ring_depth):
-                    if self.peer_is_put[peer]:
-                        # NOTE: over puts the reply is not kept (the peer's slot is not mapped)
-                        self.put_control(stream, peer, ring, words, wire.SHUTDOWN_SEQ)
-                        continue
                     out = words
-                    if keep_replies:  # a reply the Attention side may not have read stays readable
+                    # a reply the Attention side may not have read stays readable; NOTE: not
+                    # over a staged peer (its slot may not be mapped here)
+                    if keep_replies and not self.link.is_staged[peer]:
                         flag = int(window.to_host(window.flag_view(pe, ctx.role_rank, ring))[0])
                         current = window.to_host(window.header_view(pe, ctx.role_rank, ring))
                         out = wire.shutdown_over_reply(current, flag, words)
-                    window.write_message(pe, ctx.role_rank, ring, out, wire.SHUTDOWN_SEQ)
+                    self.link.write_message(pe, ctx.role_rank, ring, out, wire.SHUTDOWN_SEQ, stream=stream)
         stream.synchronize()
-
-    def put_control(self, stream, peer: int, ring: int, words, seq: int) -> None:
-        """A header-only message to a put peer: the words into staging slot (peer, ring), then
-        a put-with-signal of the header setting the peer's flag to ``seq`` (docs/design/put-transport.md)."""
-        from afd_cupy import transport
-
-        words = np.ascontiguousarray(words, np.int32)
-        runtime = self.cp.cuda.runtime
-        # NOTE: a pageable-source H2D copy has returned once the source was read
-        runtime.memcpyAsync(self.put.staging_slot(peer, ring) + self.layout.field_offset("header"),
-                            words.ctypes.data, words.nbytes, runtime.memcpyHostToDevice, stream.ptr)
-        self.put.send_signaled(stream.ptr, peer, ring, transport.control_ranges(self.layout), seq)
 
     def close(self, *, peers_healthy: bool = True, events=()) -> None:
         """Wait for this rank's queued kernels (all bounded by their timeouts), destroy the

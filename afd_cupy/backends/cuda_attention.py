@@ -57,8 +57,8 @@ class CudaAttentionPath:
         cp, ctx, layout, rank = self.cp, self.ctx, self.layout, self.rank
         num_ffn = ctx.num_ffn_ranks
         max_partials = layout.token_cap * layout.top_k
-        # 0 marks an FFN rank reached by puts: the scatter fills the staging instead (docs/design/put-transport.md)
-        self.peer_windows = cp.array([0 if rank.peer_is_put[j] else rank.window.peer_ptr(ctx.peer_pe(Role.FFN, j))
+        # 0 marks an FFN rank reached through the staging: the scatter fills it instead (docs/design/put-transport.md)
+        self.peer_windows = cp.array([0 if rank.link.is_staged[j] else rank.window.peer_ptr(ctx.peer_pe(Role.FFN, j))
                                       for j in range(num_ffn)], dtype=cp.uint64)
         self.seq_counters = cp.zeros((layout.ring_depth, num_ffn), cp.int64)
         self.scratch = [DispatchScratch.allocate(max_partials, num_ffn, layout.expert_per_rank)
@@ -117,7 +117,7 @@ class CudaAttentionPath:
             always_send=int(ctx.always_send), src_rank=ctx.role_rank, layer_idx=0, stage_idx=0,
             seq_counters=self.seq_counters[ring], expected=expected,
             expected_counts=self.expected_counts[ring], done_counter=scratch.scatter_done,
-            staging=self.rank.put.staging_base if self.rank.put else 0)
+            staging=self.rank.link.staging_base)
         fused_only = dict(routed_cap=layout.routed_cap, has_shared=int(ctx.has_shared),
                           skipped=scratch.skipped, status=self.rank.status.ptr)
         if self.is_dedup:
@@ -263,11 +263,10 @@ class CudaAttentionPath:
         return CudaSendState(ring, self.expected[ring], ids, hidden, num_tokens)
 
     def _put_dispatch(self, stream: int, ring: int, num_tokens: int) -> None:
-        """Put peers (both modes): staging -> their windows, flags last, behind the scatter on
-        ``stream`` (docs/design/put-transport.md; the byte bound is the layout's: ``transport.dispatch_ranges``)."""
-        if self.rank.put is not None:
-            self.rank.put.after_dispatch(stream, ring, num_tokens, num_ffn_ranks=self.ctx.num_ffn_ranks,
-                                    has_shared=self.ctx.has_shared)
+        """Staged peers (both modes): staging -> their windows, flags last, behind the scatter on
+        ``stream`` (the transport's link; docs/design/put-transport.md). Direct: nothing."""
+        self.rank.link.after_dispatch(stream, ring, num_tokens, num_ffn_ranks=self.ctx.num_ffn_ranks,
+                                      has_shared=self.ctx.has_shared)
 
     def sent_to(self, state: CudaSendState) -> list[int]:
         return [int(j) for j in np.flatnonzero(state.expected.get())]

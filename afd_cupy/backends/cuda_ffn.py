@@ -230,12 +230,12 @@ class CudaFFNPath:
         # it only for work queued later on this same stream, after the kernel has read it.
         stream = self.rank.stream_ptr()
         launch.launch(stream, grid)
-        if self.rank.peer_is_put[arrival.region]:  # staging -> the sender's window, flag = seq (docs/design/put-transport.md)
+        if self.rank.link.is_staged[arrival.region]:  # staging -> the sender's window, flag = seq (docs/design/put-transport.md)
             # dedup: one reply row per dispatch row, all in routed_x (the shared outputs are
             # folded into the first rows by the reduce)
             rows = (header.num_rows, 0) if layout.is_dedup else (num_routed, num_shared)
-            self.rank.put.after_reply(stream, arrival.region, arrival.ring, routed_rows=rows[0],
-                                 shared_rows=rows[1], seq=seq)
+            self.rank.link.after_reply(stream, arrival.region, arrival.ring, routed_rows=rows[0],
+                                       shared_rows=rows[1], seq=seq)
         event = self.staging_events[slot][row % STAGING_DEPTH]
         if event is None:
             event = self.staging_events[slot][row % STAGING_DEPTH] = self.cp.cuda.Event(disable_timing=True)
@@ -260,9 +260,9 @@ class CudaFFNPath:
         """The reply kernel of one (Attention rank, ring), checked and packed once."""
         layout, ctx = self.layout, self.ctx
         slot = layout.slot_index(attn_rank, ring)
-        dst_window = (0 if self.rank.peer_is_put[attn_rank]  # 0: the kernel writes the put staging
+        dst_window = (0 if self.rank.link.is_staged[attn_rank]  # 0: the kernel writes the staging
                       else self.window.peer_ptr(ctx.peer_pe(Role.ATTENTION, attn_rank)))
-        staging = self.rank.put.staging_base if self.rank.put else 0
+        staging = self.rank.link.staging_base
         if layout.is_dedup:
             return self.dedup.reply_launch(attn_rank, ring, dst_window, staging,
                                            header_src=self.staging.ptr, done_counter=self.reply_done[slot])

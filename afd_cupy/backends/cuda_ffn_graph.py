@@ -139,9 +139,9 @@ class GraphFFNServer:
         if connector.role is not Role.FFN or not caps.supports_nonblocking:
             raise ConfigError(f"GraphFFNServer needs an FFN-side cuda connector, got "
                               f"{connector.role.value} / {caps.backend}")
-        if caps.put_peers:  # the graph's reply stores into the peers' windows; puts are host calls
+        if caps.put_peers:  # the graph's reply stores into the peers' windows; the link's copies are host calls
             raise ConfigError(f"GraphFFNServer replies by direct stores only, but Attention rank(s) "
-                              f"{list(caps.put_peers)} are reached by NVSHMEM puts (transport="
+                              f"{list(caps.put_peers)} are reached by host-initiated copies (transport="
                               f"{connector.config.transport!r}); use FFNWorker")
         if not caps.device_polling:
             raise ConfigError("GraphFFNServer needs poll_mode='device' (the wait is in the graph)")

@@ -13,6 +13,7 @@ the path of the rank's role around it: :class:`HostAttentionPath` here, or
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ from afd_cupy.errors import AfdError, reply_timeout_error
 from afd_cupy.dtypes import raw_dtype, raw_to_f32, torch_to_raw
 from afd_cupy.seq import SeqCounter
 from afd_cupy.topology import Role
+from afd_cupy.transports import get_transport
 
 
 @dataclass
@@ -46,13 +48,12 @@ class HostSendState:
     error: AfdError | None = None
 
 
-#: transports (``ConnectorConfig.transport``): shared memory maps every peer on the host, so
-#: ``"auto"`` is direct; ``"put"`` (NVSHMEM puts) exists on the cuda backend only
-TRANSPORTS = ("direct", "auto")
 #: wire modes this backend implements (``ConnectorConfig.wire_mode``)
 WIRE_MODES = ("pair", "dedup")
-#: what every host path can do: every step runs on the calling thread and blocks
-CAPABILITIES = Capabilities(backend="host", wire_modes=WIRE_MODES, transports=TRANSPORTS)
+#: what every host path can do: every step runs on the calling thread and blocks. Its
+#: transports are those registered for "host" (afd_cupy.transports): shared memory maps every
+#: peer, so ``"auto"`` is direct; ``"put"`` (NVSHMEM puts) is the cuda backend's only
+CAPABILITIES = Capabilities(backend="host", wire_modes=WIRE_MODES)
 
 
 def require_available() -> None:
@@ -70,11 +71,12 @@ def open_path(ctx: PathContext, *, store, job_id: str, device_id, startup_timeou
                     timeout_s=startup_timeout_s)
     try:
         window = Window(heap, ctx.layout, store, name=f"window{instance}",
-                        geometry_timeout_s=startup_timeout_s)
+                        geometry_timeout_s=startup_timeout_s)  # shared memory maps every peer
+        link = get_transport(ctx.transport).open(heap, window, ctx, instance=instance)
     except BaseException:
         heap.close()
         raise
-    rank = HostRank(ctx, heap, window)
+    rank = HostRank(ctx, heap, window, link)
     if ctx.role is Role.ATTENTION:
         return HostAttentionPath(rank)
     from afd_cupy.backends.host_ffn import HostFFNPath
@@ -86,16 +88,20 @@ class HostRank:
     """What both role paths of one host rank share, built once by :func:`open_path`.
 
     ``ctx``: the frozen :class:`PathContext`; ``heap`` / ``window``: this rank's shared
-    memory; ``raw``: the payload's raw numpy dtype; ``polling``: the host flag waits over the
-    own window; ``seqs``: the seq of this rank's last message per (opposite-role peer, ring)
-    (the flags are these values). Both roles' shutdown and close steps are here.
+    memory; ``link``: the transport's :class:`~afd_cupy.transports.Link`, through which every
+    message goes out; ``raw``: the payload's raw numpy dtype; ``polling``: the host flag waits
+    over the own window; ``seqs``: the seq of this rank's last message per (opposite-role peer,
+    ring) (the flags are these values); ``capabilities`` (its ``put_peers``: the link's staged
+    peers). Both roles' shutdown and close steps are here.
     """
 
-    def __init__(self, ctx: PathContext, heap, window):
+    def __init__(self, ctx: PathContext, heap, window, link):
         self.ctx = ctx
         self.layout = ctx.layout
         self.heap = heap
         self.window = window
+        self.link = link
+        self.capabilities = dataclasses.replace(CAPABILITIES, put_peers=tuple(link.staged_peers))
         self.raw = raw_dtype(ctx.dtype)
         self.polling = HostPolling(window)
         self.seqs = SeqCounter((self.layout.num_regions, self.layout.ring_depth))
@@ -124,7 +130,7 @@ class HostRank:
                     flag = int(window.flag_view(pe, ctx.role_rank, ring)[0])
                     current = window.to_host(window.header_view(pe, ctx.role_rank, ring))
                     out = wire.shutdown_over_reply(current, flag, words)
-                window.write_message(pe, ctx.role_rank, ring, out, wire.SHUTDOWN_SEQ)
+                self.link.write_message(pe, ctx.role_rank, ring, out, wire.SHUTDOWN_SEQ)
 
     def close(self, *, peers_healthy: bool = True) -> None:
         self.window.close()
@@ -144,6 +150,7 @@ class HostAttentionPath:
         self.layout = rank.layout
         self.window = rank.window
         self.seqs = rank.seqs
+        self.capabilities = rank.capabilities
 
     # --- Attention side: plan -> scatter ------------------------------------------------
     def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
@@ -193,8 +200,8 @@ class HostAttentionPath:
                                       stage_idx=stage_idx, num_tokens=num_tokens,
                                       shared_tokens=num_shared, top_k=plan.top_k,
                                       expert_counts=plan.rank_counts(ffn_rank))
-        self.window.write_message(ctx.peer_pe(Role.FFN, ffn_rank), ctx.role_rank, ring,
-                                  wire.encode_header(header, self.layout.expert_per_rank), seq, fields)
+        self.rank.link.write_message(ctx.peer_pe(Role.FFN, ffn_rank), ctx.role_rank, ring,
+                                     wire.encode_header(header, self.layout.expert_per_rank), seq, fields)
 
     def sent_to(self, state: HostSendState) -> list[int]:
         return [int(j) for j in np.flatnonzero(state.expected)]

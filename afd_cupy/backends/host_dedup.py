@@ -54,9 +54,9 @@ def dispatch(rank, state, ids: np.ndarray, hidden: torch.Tensor, topk_weights: t
             top_k=plan.top_k, expert_counts=plan.rank_counts(j), wire_mode="dedup",
             num_rows=int(plan.num_rows[j]))
         fields = {"route_table": table, "routed_x": raw[table[:, wire.ROUTE_TOKEN]]}
-        rank.window.write_message(ctx.peer_pe(Role.FFN, j), ctx.role_rank, ring,
-                                  wire.encode_header(header, layout.expert_per_rank),
-                                  int(state.expected[j]), fields)
+        rank.link.write_message(ctx.peer_pe(Role.FFN, j), ctx.role_rank, ring,
+                                wire.encode_header(header, layout.expert_per_rank),
+                                int(state.expected[j]), fields)
     state.plan = plan
     return state
 
@@ -128,5 +128,5 @@ def reply(rank, tables: dict, arrival: Arrival, routed_out: torch.Tensor,
     words = wire.encode_header(wire.reply_header(header, seq=reply_seq, src_rank=ctx.role_rank),
                                layout.expert_per_rank)
     fields = {"routed_x": torch_to_raw(torch.from_numpy(rows).to(ctx.torch_dtype), ctx.dtype)}
-    rank.window.write_message(ctx.peer_pe(Role.ATTENTION, arrival.region), ctx.role_rank,
-                              arrival.ring, words, reply_seq, fields)
+    rank.link.write_message(ctx.peer_pe(Role.ATTENTION, arrival.region), ctx.role_rank,
+                            arrival.ring, words, reply_seq, fields)

@@ -31,6 +31,7 @@ class HostFFNPath:
         self.layout = rank.layout
         self.window = rank.window
         self.seqs = rank.seqs  # this rank's reply seq per (Attention rank, ring)
+        self.capabilities = rank.capabilities
         # dedup: slot -> (seq, route table copy) of the item whose reply is pending
         self.dedup_tables: dict[int, tuple] = {}
 
@@ -71,9 +72,9 @@ class HostFFNPath:
         fields = {"routed_x": torch_to_raw(routed_out.detach(), ctx.dtype)}
         if shared_out is not None and arrival.header.shared_tokens:
             fields["shared_x"] = torch_to_raw(shared_out.detach(), ctx.dtype)
-        self.window.write_message(ctx.peer_pe(Role.ATTENTION, arrival.region), ctx.role_rank,
-                                  arrival.ring, wire.encode_header(header, self.layout.expert_per_rank),
-                                  seq, fields)
+        self.rank.link.write_message(ctx.peer_pe(Role.ATTENTION, arrival.region), ctx.role_rank,
+                                     arrival.ring, wire.encode_header(header, self.layout.expert_per_rank),
+                                     seq, fields)
 
     def reply_seq_counters(self):
         raise ProtocolError("reply_seq_counters: backend 'host' keeps no host reply-seq counters "

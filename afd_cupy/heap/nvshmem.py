@@ -123,6 +123,12 @@ class NvshmemHeap(SymmetricHeap):
     def xp(self):
         return self._cupy
 
+    @property
+    def lib(self):
+        """The bound NVSHMEM host library (:func:`~afd_cupy.heap.nvshmem_lib.load_library`):
+        the put transport's on-stream puts and quiet (docs/design/put-transport.md)."""
+        return self._lib
+
     # -- start-up --------------------------------------------------------------------------
 
     def _select_device(self) -> None:

@@ -80,26 +80,26 @@ def _connector(ctx, scenario: Scenario, role, role_rank: int) -> AFDConnector:
 
 @contextlib.contextmanager
 def _mixed_transport(scenario: Scenario, role_rank: int):
-    """``Scenario.mixed_transport``: while the connector opens, ``transport.peer_transports``
-    (which ``cuda_put.open_put_channel`` asks once per rank) picks put for the peers p with
-    ``role_rank + p`` odd, whether they map or not; the rest of the start-up (the agreement on
-    the staging, the kernels' per-peer choice) runs unchanged. Only in this rank's process."""
-    from afd_cupy import transport
+    """``Scenario.mixed_transport``: while the connector opens, ``transports.put.staged_peers``
+    (which ``PutTransport.open`` asks once per rank) stages the peers p with ``role_rank + p``
+    odd, whether they map or not; the rest of the start-up (the agreement on the staging, the
+    kernels' per-peer choice) runs unchanged. Only in this rank's process."""
+    from afd_cupy.transports import put
 
     if scenario.backend != "cuda" or scenario.connector.transport != "auto":
         raise ValueError(f"mixed_transport needs backend 'cuda' and transport 'auto', got "
                          f"{scenario.backend!r} and {scenario.connector.transport!r}")
-    original = transport.peer_transports
+    original = put.staged_peers
 
-    def peer_transports(mode, mapped):
-        return ["put" if (role_rank + peer) % 2 else choice
-                for peer, choice in enumerate(original(mode, mapped))]
+    def staged_peers(stages_mapped, mapped):
+        return [bool((role_rank + peer) % 2) or staged
+                for peer, staged in enumerate(original(stages_mapped, mapped))]
 
-    transport.peer_transports = peer_transports
+    put.staged_peers = staged_peers
     try:
         yield
     finally:
-        transport.peer_transports = original
+        put.staged_peers = original
 
 
 def _ffn(conn: AFDConnector, scenario: Scenario, ffn_rank: int, device, timer=NO_PHASES) -> dict:
