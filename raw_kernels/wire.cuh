@@ -1,7 +1,7 @@
 // wire.cuh: device mirror of afd_cupy/wire.py (docs/design/wire-format.md) and helpers shared by every kernel.
 //
 // The constants below mirror wire.py and the limit table of afd_cupy/kernels/specs.py;
-// tests/test_kernels_cpu.py parses this file and tests/test_kernels_cuda.py reads them back
+// tests/kernels/test_kernels_cpu.py parses this file and tests/kernels/test_kernels_cuda.py reads them back
 // through raw_kernels/probes/wire_constants.cu. Byte offsets of window fields are computed once,
 // by wire.WindowLayout, and reach the kernels as one SlotGeometry value (kernel_geometry()).
 //

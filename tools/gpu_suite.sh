@@ -44,12 +44,12 @@ MODE=${1:-full}
 # part1 / part2 / part3: the cuda tests in three calls that each fit a 600 s device call;
 # part1 also runs both smoke runs and hf_generate. The knobs still override them.
 case "$MODE" in
-  part1) SUITE_TESTS=${SUITE_TESTS:-"tests/test_gate_cuda.py tests/test_kernels_cuda_dedup_attn.py tests/test_kernels_cuda_dedup_ffn.py tests/test_kernels_cuda.py tests/test_ffn_graph_cuda.py tests/test_moe.py tests/test_step_graph_cuda.py tests/test_e2e_errors.py tests/test_window.py tests/test_adapters.py tests/test_expert_gemm.py tests/test_bench_decode.py"}
+  part1) SUITE_TESTS=${SUITE_TESTS:-"tests/kernels/test_gate_cuda.py tests/kernels/test_kernels_cuda_dedup_attn.py tests/kernels/test_kernels_cuda_dedup_ffn.py tests/kernels/test_kernels_cuda.py tests/kernels/test_ffn_graph_cuda.py tests/unit/test_moe.py tests/integration/test_step_graph_cuda.py tests/stress/test_e2e_errors.py tests/integration/test_window.py tests/integration/test_adapters.py tests/unit/test_expert_gemm.py tests/integration/test_bench_decode.py"}
          SKIP_HF=${SKIP_HF:-0} SKIP_STARTUP=${SKIP_STARTUP:-0} SUITE_TIMEOUT=${SUITE_TIMEOUT:-480} ;;
-  part2) SUITE_TESTS=${SUITE_TESTS:-"tests/test_e2e.py"}
+  part2) SUITE_TESTS=${SUITE_TESTS:-"tests/integration/test_e2e.py"}
          SKIP_SMOKE_1A1F=${SKIP_SMOKE_1A1F:-1} SKIP_SMOKE_2A2F=${SKIP_SMOKE_2A2F:-1}
          SUITE_TIMEOUT=${SUITE_TIMEOUT:-550} TEST_TIMEOUT=${TEST_TIMEOUT:-60} ;;
-  part3) SUITE_TESTS=${SUITE_TESTS:-"tests/test_gates_e2e.py tests/test_nvshmem_binding.py tests/test_bench_moe_layer.py tests/test_peer_gone.py tests/test_faults.py"}
+  part3) SUITE_TESTS=${SUITE_TESTS:-"tests/integration/test_gates_e2e.py tests/unit/test_nvshmem_binding.py tests/integration/test_bench_moe_layer.py tests/stress/test_peer_gone.py tests/stress/test_faults.py"}
          SKIP_SMOKE_1A1F=${SKIP_SMOKE_1A1F:-1} SKIP_SMOKE_2A2F=${SKIP_SMOKE_2A2F:-1}
          SUITE_TIMEOUT=${SUITE_TIMEOUT:-550} ;;
 esac
@@ -123,7 +123,7 @@ case "$MODE" in
     # the same ranks let exit on their own: are CUDA's per-process /dev/shm files still left?
     run_step soak_1a1f_exit 40 $SOAK --round-trips 2000 --timeout 25 --exit-grace-s 10 --out "$OUT/soak_1a1f_exit" ;;
   moe1)  # one GPU, MPS: the MoE layer, one process vs AFD 1A1F (#34)
-    run_step moe_tests 70 python3 -m pytest -m cuda -q -p no:cacheprovider --timeout=60 -rfEs tests/test_expert_gemm.py
+    run_step moe_tests 70 python3 -m pytest -m cuda -q -p no:cacheprovider --timeout=60 -rfEs tests/unit/test_expert_gemm.py
     run_step moe_layer 240 python3 tools/bench_moe_layer.py --quick --out "$OUT/moe_layer" ;;
   trace1)  # one GPU: the round trip by phase (both dispatch kernels, both FFN modes), the gate
     SG="python3 tools/bench_step_graph.py --quick --layers 50 --tokens 128 --stages 1 --trace"

@@ -763,9 +763,9 @@ def test_gpu_suite_parts_cover_every_cuda_test_file_once():
     assert len(listed) == len(set(listed)), listed  # none in two parts
     cuda_files = sorted(f"tests/{path.name}" for path in (ROOT / "tests").glob("test_*.py")
                         if re.search(r"mark\.cuda\b|pytestmark\s*=.*cuda", path.read_text()))
-    assert "tests/test_e2e.py" in cuda_files and len(cuda_files) >= 10
+    assert "tests/integration/test_e2e.py" in cuda_files and len(cuda_files) >= 10
     assert sorted(listed) == cuda_files
-    assert parts["part3"].split()[-1] == "tests/test_faults.py"  # it kills processes: last
+    assert parts["part3"].split()[-1] == "tests/stress/test_faults.py"  # it kills processes: last
 
 
 def test_bench_gate_arguments_table_and_the_cpu_skip(tmp_path):

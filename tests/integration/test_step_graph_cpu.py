@@ -1,7 +1,7 @@
 """CPU checks of afd_cupy.step_graph: what cannot be captured is a ConfigError naming the
 values, raised before anything touches a GPU (a stand-in connector, and one real host-backend
 connector); replay's input checks; the stand-in model's shapes. The capture itself:
-tests/test_step_graph_cuda.py."""
+tests/integration/test_step_graph_cuda.py."""
 from __future__ import annotations
 
 import contextlib

@@ -1,7 +1,7 @@
 """The Attention-side dedup kernels (raw_kernels/dedup_attn.cu, afd_wait_replies with dedup=1)
 against the numpy references of afd_cupy/testing/dedup_reference.py, in one process on one GPU.
 
-Same method as tests/test_kernels_cuda.py (whose helpers this reuses): F CuPy arrays act as F
+Same method as tests/kernels/test_kernels_cuda.py (whose helpers this reuses): F CuPy arrays act as F
 peer windows, pre-filled with random bytes; each dispatch test rebuilds every expected window in
 numpy (``scatter_reference`` + ``wire.dispatch_header(wire_mode="dedup")``) and compares byte
 for byte. Routings are fresh and random per test, payloads random, outputs pre-filled with NaN
