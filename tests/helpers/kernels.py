@@ -198,12 +198,21 @@ def _fault_no_slot(table, *, num_tokens, shared_tokens, routed_tokens):
 
 
 def _fault_slot_after_pad(table, *, num_tokens, shared_tokens, routed_tokens):
+    """A row with two pads names staging row P-1 in its last column (a pad stays before it; also
+    a duplicate: the packing rule wins). Without such a row (top-2 tables), a row with a slot
+    and a pad moves its slots one column right, behind the pad (no other rule broken)."""
     slots = _slots(table)
-    rows = np.flatnonzero((slots < 0).sum(axis=1) >= 2)  # a pad stays before the last slot
+    pads = (slots < 0).sum(axis=1)
+    rows = np.flatnonzero(pads >= 2)
+    if rows.size:
+        row = int(rows[-1])
+        slots[row, -1] = routed_tokens - 1
+        return row
+    rows = np.flatnonzero((pads >= 1) & (slots[:, 0] >= 0))
     if not rows.size:
         return None
     row = int(rows[-1])
-    slots[row, -1] = routed_tokens - 1  # also a duplicate: the packing rule wins
+    slots[row] = np.roll(slots[row], 1)  # packed [s, .., -1] -> [-1, s, ..]
     return row
 
 
@@ -253,3 +262,16 @@ ROUTE_TABLE_FAULTS = {
     "duplicate_within_a_row": _fault_duplicate_in_row,
     "staging_row_missing": _fault_missing_slot,
 }
+
+
+def first_seed_taking(build, seed: int, *, what: str, attempts: int = 32):
+    """(rng, result) for the first of the seeds ``seed``, ``seed + 1``, ... whose generator makes
+    ``build(rng)`` return a result (not None), e.g. a random route table that a fault of
+    :data:`ROUTE_TABLE_FAULTS` can be applied to. Deterministic; never skips: raises
+    AssertionError naming ``what`` when none of ``attempts`` seeds does."""
+    for attempt in range(attempts):
+        rng = np.random.default_rng(seed + attempt)
+        result = build(rng)
+        if result is not None:
+            return rng, result
+    raise AssertionError(f"none of the seeds [{seed}, {seed + attempts}) gives {what}")

@@ -8,11 +8,14 @@ import pytest
 
 from afd_cupy import moe
 from afd_cupy.config import ConnectorConfig, ModelConfig
+from afd_cupy.ffn_worker import FFNWorker
 from afd_cupy.launch import launch
+from afd_cupy.testing.reference import identity_experts
 from afd_cupy.testing.scenario import Scenario, run_rank, tolerance
+from afd_cupy.topology import Role
 
 from helpers.backends import BACKENDS, PATHS
-from helpers.programs import POLL_MODE  # the GPU suite runs under MPS
+from helpers.programs import FAULT_MODEL, POLL_MODE, connect, seeded_inputs
 
 CUDA_TRANSPORTS = [pytest.param("cuda", id="direct"), pytest.param("cuda-put", id="put")]
 
@@ -102,10 +105,52 @@ def test_rank_with_zero_routed_rows_fp16(backend, wire_mode):
         assert rank1["history"] == [] and all(shared == 12 for *_, shared in rank0["history"])
 
 
+def _stage_rings_program(ctx, backend, wire_mode):
+    """2A2F with two micro-batch stages (ring depth 2: stage s owns ring s): every layer sends
+    both stages before receiving either (odd layers stage 1 first), each with its own seeded
+    rows, and checks both outputs (identity experts: hidden * (sum w + 1)). Reports the (stage,
+    ring) of every handle sent and of every item the FFN served."""
+    cfg = ConnectorConfig(async_moe_ubatching=True, async_moe_num_ubatches=2, wire_mode=wire_mode)
+    conn, role, role_rank = connect(ctx, backend, 2, 2, connector=cfg, timeout_s=30.0)
+    try:
+        if role is Role.FFN:
+            seen = []
+
+            def record(item):
+                seen.append((item.stage_idx, item.arrival.ring))
+                return identity_experts(item)
+
+            return {"served": FFNWorker(conn, expert_fn=record).run(), "seen": seen}
+        sent, errors = [], []
+        for layer in range(FAULT_MODEL.num_layers):
+            inputs = [seeded_inputs(conn, 5 + 3 * stage, seed=100 * role_rank + 10 * layer + stage)
+                      for stage in (0, 1)]
+            order = (1, 0) if layer % 2 else (0, 1)  # a ring pool shared by the stages fails too
+            handles = {stage: conn.send_attn_output(*inputs[stage], layer, stage) for stage in order}
+            sent += [(handles[stage].stage_idx, handles[stage].ring) for stage in order]
+            for stage in order:
+                (hidden, _, weights), handle = inputs[stage], handles[stage]
+                out = conn.recv_ffn_output(handle)
+                expect = hidden.float() * (weights.float().sum(dim=1, keepdim=True) + 1.0)
+                errors.append(float((out.float() - expect).abs().max()))
+        conn.announce_shutdown()
+        return {"sent": sent, "errors": errors}
+    finally:
+        conn.close()
+
+
 @pytest.mark.parametrize("backend,wire_mode", PATHS)
 def test_micro_batch_stages_use_their_own_rings(backend, wire_mode):
-    cfg = ConnectorConfig(async_moe_ubatching=True, async_moe_num_ubatches=2)
-    _run(_scenario(backend, _model(), 2, 2, wire_mode, num_tokens=20, connector=cfg))
+    # both stages of a layer in flight at once: a shared ring would refuse the second send
+    # (RingExhaustedError) or overwrite the first stage's message (wrong outputs)
+    *attn, ffn0, ffn1 = launch(_stage_rings_program, 4, args=(backend, wire_mode), timeout_s=300)
+    want = [(0, 0), (1, 1), (1, 1), (0, 0)] * (FAULT_MODEL.num_layers // 2)  # (stage, ring) sent
+    for report in attn:
+        assert report["sent"] == want, report["sent"]
+        assert max(report["errors"]) < 0.1, report["errors"]
+    seen = ffn0["seen"] + ffn1["seen"]
+    assert set(seen) == {(0, 0), (1, 1)}, seen  # each stage's messages arrived on its own ring
+    assert 2 * [stage for stage, _ in seen].count(1) == len(seen), seen
 
 
 @pytest.mark.parametrize("backend,wire_mode", PATHS)

@@ -14,7 +14,7 @@ from afd_cupy.kernels import specs
 
 from helpers import kernels as kh
 from helpers.layouts import kernel_layout, small_layout
-from helpers.rng import node_rng
+from helpers.rng import node_rng, node_seed
 
 cp = pytest.importorskip("cupy")
 torch = pytest.importorskip("torch")
@@ -524,11 +524,13 @@ def test_graph_dedup_expand_rejects_each_bad_route_table(request, fault):
     """GS_BAD_ROUTE with the model's verdict in the record, decoded to the eager path's WireError
     (same words); the reserved reply seq is given back and the reply writes nothing; the scratch
     is reusable: a valid item expands right after."""
-    rng = node_rng(request)
-    st = _dedup_stage(rng, token_cap=48)
-    item = DedupItem(rng, st, dtype="bfloat16", num_tokens=40, corrupt=fault)
-    if item.corrupt_row is None:
-        pytest.skip(f"no row of this table takes fault {fault}")
+    def corrupted(rng):  # the first seed at or after the test id's whose table takes the fault
+        st = _dedup_stage(rng, token_cap=48)
+        item = DedupItem(rng, st, dtype="bfloat16", num_tokens=40, corrupt=fault)
+        return None if item.corrupt_row is None else (st, item)
+
+    rng, (st, item) = kh.first_seed_taking(corrupted, node_seed(request),
+                                           what=f"a table that takes fault {fault}")
     scratch = DedupScratch(st.layout, "bfloat16", routed_bucket=st.routed_bucket, shared_bucket=st.shared_bucket)
     scratch.expand(st, rows_bucket=8)
     verdict, _, _ = ffn_graph.dedup_expand_reference(
