@@ -12,7 +12,7 @@ and with ``impl="kernel"`` on the same bf16 logits, timed two ways:
 
 Prints µs per gate call (median over iterations) and the ratio torch / kernel per case, and
 checks that both paths chose the same experts (``CHECK FAILED``, exit code 1, if not: the
-logits are drawn without near-ties, see tests/test_gates.py). Writes ``bench_gate.json`` to
+logits are drawn without near-ties, see tests/helpers/gates.py). Writes ``bench_gate.json`` to
 ``--out``. Needs a CUDA GPU with CuPy; without one it says so and writes a report marked
 ``skipped`` (exit code 0).
 

@@ -51,12 +51,12 @@ mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
 MODE=${1:-full}
 # part1 / part2 / part3: the cuda tests in three calls; the knobs still override them.
 case "$MODE" in
-  part1) SUITE_TESTS=${SUITE_TESTS:-"tests/test_gate_cuda.py tests/test_kernels_cuda_dedup_attn.py tests/test_kernels_cuda_dedup_ffn.py tests/test_kernels_cuda.py tests/test_ffn_graph_cuda.py tests/test_moe.py tests/test_step_graph_cuda.py tests/test_e2e_errors.py tests/test_window.py tests/test_adapters.py tests/test_expert_gemm.py tests/test_bench_decode.py tests/test_kernels_cuda_dedup_ll.py tests/test_ffn_serving.py"}
+  part1) SUITE_TESTS=${SUITE_TESTS:-"tests/kernels/test_gate_cuda.py tests/kernels/test_kernels_cuda_dedup_attn.py tests/kernels/test_kernels_cuda_dedup_ffn.py tests/kernels/test_kernels_cuda.py tests/kernels/test_ffn_graph_cuda.py tests/unit/test_moe.py tests/integration/test_step_graph_cuda.py tests/stress/test_e2e_errors.py tests/integration/test_window.py tests/integration/test_adapters.py tests/unit/test_expert_gemm.py tests/integration/test_bench_decode.py tests/kernels/test_kernels_cuda_dedup_ll.py tests/integration/test_ffn_serving.py"}
          SKIP_HF=${SKIP_HF:-0} SUITE_TIMEOUT=${SUITE_TIMEOUT:-480} ;;
-  part2) SUITE_TESTS=${SUITE_TESTS:-"tests/test_e2e.py tests/test_e2e_dedup_ll.py"}
+  part2) SUITE_TESTS=${SUITE_TESTS:-"tests/integration/test_e2e.py tests/integration/test_e2e_dedup_ll.py"}
          SKIP_SMOKE_1A1F=${SKIP_SMOKE_1A1F:-1} SKIP_SMOKE_2A2F=${SKIP_SMOKE_2A2F:-1}
          SUITE_TIMEOUT=${SUITE_TIMEOUT:-550} TEST_TIMEOUT=${TEST_TIMEOUT:-60} ;;
-  part3) SUITE_TESTS=${SUITE_TESTS:-"tests/test_gates_e2e.py tests/test_nvshmem_binding.py tests/test_bench_moe_layer.py tests/test_peer_gone.py tests/test_faults.py"}
+  part3) SUITE_TESTS=${SUITE_TESTS:-"tests/integration/test_gates_e2e.py tests/unit/test_nvshmem_binding.py tests/integration/test_bench_moe_layer.py tests/stress/test_peer_gone.py tests/stress/test_faults.py"}
          SKIP_SMOKE_1A1F=${SKIP_SMOKE_1A1F:-1} SKIP_SMOKE_2A2F=${SKIP_SMOKE_2A2F:-1}
          SUITE_TIMEOUT=${SUITE_TIMEOUT:-550} ;;
 esac
@@ -90,9 +90,9 @@ run_step() {  # name, timeout, command...   (NO_MPS=1 run_step ...: with MPS sto
 # single-process kernel tests first, multi-process end-to-end tests last
 # (the fault tests kill processes mid-run, which can leave MPS refusing clients: they go last)
 TEST_FILES=${SUITE_TESTS:-}
-[ -n "$TEST_FILES" ] || TEST_FILES=$(ls tests/test_kernels_cuda.py tests/test_moe.py tests/test_nvshmem_binding.py 2>/dev/null; \
-  ls tests/test_*.py | grep -v -e test_kernels_cuda -e test_moe.py -e test_nvshmem_binding -e test_faults; \
-  ls tests/test_faults.py)
+[ -n "$TEST_FILES" ] || TEST_FILES=$(ls tests/kernels/test_kernels_cuda.py tests/unit/test_moe.py tests/unit/test_nvshmem_binding.py 2>/dev/null; \
+  ls tests/*/test_*.py | grep -v -e kernels/test_kernels_cuda.py -e test_moe.py -e test_nvshmem_binding -e test_faults; \
+  ls tests/stress/test_faults.py)
 case "$MODE" in
   twogpu1)
     BT="python3 tools/bench_transport.py --quick --wire-mode both --transport both"
@@ -106,7 +106,7 @@ case "$MODE" in
     run_step afd_timeline 140 $AFD --placement 0:50,0:50,1 --timeline --workloads skewed --out "$OUT/afd_timeline" ;;
   twogpu3)
     run_step pytest_multigpu 150 python3 -m pytest -m "cuda and multigpu" -q -p no:cacheprovider --timeout=90 -rfEs \
-      tests/test_e2e.py tests/test_faults.py
+      tests/integration/test_e2e.py tests/stress/test_faults.py
     SG="python3 tools/bench_step_graph.py --quick --num-gpus 2 --layers 1 50 --tokens 32 128 --stages 1 2 --trace"
     run_step step_graph_pair 150 $SG --out "$OUT/step_pair"
     run_step step_graph_dedup 120 $SG --wire-mode dedup --out "$OUT/step_dedup"
@@ -130,7 +130,7 @@ case "$MODE" in
     # the same ranks let exit on their own: are CUDA's per-process /dev/shm files still left?
     run_step soak_1a1f_exit 40 $SOAK --round-trips 2000 --timeout 25 --exit-grace-s 10 --out "$OUT/soak_1a1f_exit" ;;
   moe1)  # one GPU, MPS: the MoE layer, one process vs AFD 1A1F
-    run_step moe_tests 70 python3 -m pytest -m cuda -q -p no:cacheprovider --timeout=60 -rfEs tests/test_expert_gemm.py
+    run_step moe_tests 70 python3 -m pytest -m cuda -q -p no:cacheprovider --timeout=60 -rfEs tests/unit/test_expert_gemm.py
     run_step moe_layer 240 python3 tools/bench_moe_layer.py --quick --out "$OUT/moe_layer" ;;
   trace1)  # one GPU: the round trip by phase (both dispatch kernels, both FFN modes), the gate
     SG="python3 tools/bench_step_graph.py --quick --layers 50 --tokens 128 --stages 1 --trace"
@@ -151,7 +151,7 @@ run_step pytest_cuda "$SUITE_TIMEOUT" python3 -m pytest -m cuda -q -p no:cachepr
   --timeout=${TEST_TIMEOUT:-90} -rfEs --durations=25 $TEST_FILES
 # the end-to-end cases again with host polling and WITHOUT MPS (no spinning kernels at all)
 [ "${SKIP_HOSTPOLL:-0}" = 1 ] || AFD_TEST_POLL_MODE=host NO_MPS=1 run_step pytest_hostpoll "${HOSTPOLL_TIMEOUT:-300}" \
-  python3 -m pytest -m cuda -q -p no:cacheprovider --timeout=${TEST_TIMEOUT:-90} -rfEs tests/test_e2e.py tests/test_e2e_errors.py tests/test_faults.py
+  python3 -m pytest -m cuda -q -p no:cacheprovider --timeout=${TEST_TIMEOUT:-90} -rfEs tests/integration/test_e2e.py tests/stress/test_e2e_errors.py tests/stress/test_faults.py
 # (timed: wall and CPU time of the whole main job go to the end of its log)
 [ "${SKIP_SMOKE_1A1F:-0}" = 1 ] || run_step smoke_1a1f 120 bash -c "time python3 tools/smoke.py --layers 4 ${SMOKE_ARGS:-}"
 [ "${SKIP_SMOKE_2A2F:-0}" = 1 ] || run_step smoke_2a2f 150 bash -c "time python3 tools/smoke.py --2a2f --layers 4 ${SMOKE_ARGS:-}"

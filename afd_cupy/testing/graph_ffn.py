@@ -2,7 +2,7 @@
 graph-driven FFN (:class:`~afd_cupy.backends.cuda_ffn_graph.GraphFFNServer`) instead of the
 eager ``FFNWorker``; the Attention ranks and the reference checks are the scenario's own.
 :func:`run_graph_identity_rank`: 1A1F with identity experts in either wire mode, optionally
-after a corrupt dedup route table. Used by ``tests/test_ffn_graph_cuda.py`` (cuda backend only)."""
+after a corrupt dedup route table. Used by ``tests/kernels/test_ffn_graph_cuda.py`` (cuda backend only)."""
 from __future__ import annotations
 
 import time

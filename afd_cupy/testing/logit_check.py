@@ -15,7 +15,7 @@ the inputs equal, so every step is judged on its own:
   (its experts' gate/up values are large enough to reach the clamp), and the one-process bf16
   run itself up to 0.14 off the same weights run in fp32 (host backend). A defect worth the name (a wrong layout, activation, scaling or
   routing) moves logits by a sizeable part of their scale; the per-block tests against an
-  fp64 truth (tests/test_adapters.py) catch the subtle ones.
+  fp64 truth (tests/integration/test_adapters.py) catch the subtle ones.
 - **flip**: the greedy tokens differ. Its **margin** is ``(ref[a] - ref[b]) / rms(ref)`` with
   ``a`` the reference's token and ``b`` the other run's (the top-2 margin when ``b`` is the
   reference's runner-up). Two runs within ``tol`` of each other can swap tokens only when

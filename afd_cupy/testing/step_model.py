@@ -1,5 +1,5 @@
 """A deterministic stand-in for a model's Attention side, for :mod:`afd_cupy.step_graph`'s test
-and benchmark (``tests/test_step_graph_cuda.py``, ``tools/bench_step_graph.py``).
+and benchmark (``tests/integration/test_step_graph_cuda.py``, ``tools/bench_step_graph.py``).
 
 Layer l: ``residual = x + x @ W_l^T`` (a fixed bf16 linear, W_l ~ N(0, scale^2 / H)),
 ``h = 0.5 * residual`` (the MoE input; a pre-MoE norm's place), router logits

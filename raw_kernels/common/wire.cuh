@@ -2,7 +2,7 @@
 // struct SlotGeometry, the seq rule, the late-reply rule and the status block.
 //
 // The constants below mirror wire.py and the limit table of afd_cupy/kernels/specs/limits.py;
-// tests/test_kernels_cpu.py parses this file and tests/test_kernels_cuda.py reads them back
+// tests/kernels/test_kernels_cpu.py parses this file and tests/kernels/test_kernels_cuda.py reads them back
 // through raw_kernels/probes/wire_constants.cu. Byte offsets of window fields are computed once,
 // by wire.WindowLayout, and reach the kernels as one SlotGeometry value (kernel_geometry()).
 // Payload dtypes and row copies are in payload.cuh, block-wide steps in block.cuh.

@@ -16,7 +16,7 @@
 namespace afd {
 
 // Route-table rules, in the order wire.check_route_table applies them (mirrored by
-// wire.ROUTE_FAULT_*; tests/test_dedup_expand_verdict.py compares both). The verdict is the
+// wire.ROUTE_FAULT_*; tests/unit/test_dedup_expand_verdict.py compares both). The verdict is the
 // smallest (rule, row, column) that fails, so it names the row the host check names.
 constexpr afd_i64 ROUTE_FAULT_TOKEN = 1;      // token outside [0, num_tokens)
 constexpr afd_i64 ROUTE_FAULT_SHARED = 2;     // shared flag != (row < num_shared)

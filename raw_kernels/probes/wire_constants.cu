@@ -1,6 +1,6 @@
 // wire_constants.cu: reads the wire.cuh constants, limits and SlotGeometry layout back so a
 // test compares them with wire.py and afd_cupy/kernels/specs/limits.py. The order is
-// tests/kernel_helpers.py WIRE_CONSTANT_NAMES; keep both in sync (a CPU test checks it).
+// tests/helpers/kernels.py WIRE_CONSTANT_NAMES; keep both in sync (a CPU test checks it).
 #include "common/wire.cuh"
 #include "common/payload.cuh"
 
