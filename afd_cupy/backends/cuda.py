@@ -185,9 +185,13 @@ class CudaRank:
         self.use_device()
         self.status.sync_and_raise()
 
-    def announce_shutdown(self) -> None:
+    def announce_shutdown(self, sent_reply_seq=None) -> None:
         """Shutdown headers to every ring of every opposite peer: ordered copies on the current
-        stream (payload-free, header then flag), then a synchronization."""
+        stream (payload-free, header then flag), then a synchronization.
+
+        An FFN rank keeps a reply its peer may not have read (``wire.shutdown_over_reply``):
+        over a direct peer from the peer's slot; over a staged peer from the header it staged
+        and ``sent_reply_seq(peer, ring)``, the seq of the last reply it sent there (0: none)."""
         ctx, layout = self.ctx, self.layout
         self.use_device()
         words = wire.encode_header(wire.shutdown_header(src_rank=ctx.role_rank, top_k=ctx.top_k,
@@ -203,12 +207,15 @@ class CudaRank:
             for peer, pe in enumerate(ctx.opposite_pes()):
                 for ring in range(layout.ring_depth):
                     out = words
-                    # a reply the Attention side may not have read stays readable; NOTE: not
-                    # over a staged peer (its slot may not be mapped here)
+                    # a reply the Attention side may not have read stays readable
                     if keep_replies and not self.link.is_staged[peer]:
                         flag = int(window.to_host(window.flag_view(pe, ctx.role_rank, ring))[0])
                         current = window.to_host(window.header_view(pe, ctx.role_rank, ring))
                         out = wire.shutdown_over_reply(current, flag, words)
+                    elif keep_replies and sent_reply_seq is not None:  # the peer's slot is not mapped here
+                        flag = sent_reply_seq(peer, ring)
+                        current = self.link.staged_header(peer, ring) if flag else None
+                        out = wire.shutdown_over_reply(current, flag, words) if flag else words
                     self.link.write_message(pe, ctx.role_rank, ring, out, wire.SHUTDOWN_SEQ, stream=stream)
         stream.synchronize()
 

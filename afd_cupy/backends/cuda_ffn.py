@@ -315,7 +315,8 @@ class CudaFFNPath:
         self.rank.check_errors()
 
     def announce_shutdown(self) -> None:
-        self.rank.announce_shutdown()
+        slot = self.layout.slot_index  # over a staged peer: the last reply's seq keeps it deliverable
+        self.rank.announce_shutdown(sent_reply_seq=lambda peer, ring: self.reply_seqs.last(slot(peer, ring)))
 
     def close(self, *, peers_healthy: bool = True) -> None:
         self.rank.close(peers_healthy=peers_healthy)

@@ -69,6 +69,11 @@ class Link:
         else:
             self.window.write_message(pe, region, ring, header, seq, fields)
 
+    def staged_header(self, peer: int, ring: int) -> np.ndarray | None:
+        """int32 [header_words]: the header this rank last staged for ``peer`` on ``ring`` (what
+        the peer's slot holds once its flag is set), None where nothing is staged."""
+        return None
+
     def write_staged(self, peer: int, ring: int, header: np.ndarray, seq: int, fields: dict, *,
                      stream=None) -> None:
         """Write one host-made message to staged ``peer`` (slot: this rank's region, ``ring``)."""

@@ -219,6 +219,18 @@ class PutLink(Link):
         self.send_signaled(stream, peer, ring, reply_ranges(
             self.layout, routed_rows=routed_rows, shared_rows=shared_rows), seq)
 
+    def staged_header(self, peer: int, ring: int) -> np.ndarray | None:
+        """The header words of staging slot (peer, ring), copied to the host (synchronous)."""
+        if not self.is_staged[peer]:
+            return None
+        import cupy
+
+        words = np.empty(self.layout.header_words, np.int32)
+        runtime = cupy.cuda.runtime
+        runtime.memcpy(words.ctypes.data, self.staging_slot(peer, ring) + self.layout.field_offset("header"),
+                       words.nbytes, runtime.memcpyDeviceToHost)
+        return words
+
     def write_staged(self, peer: int, ring: int, header, seq: int, fields: dict, *, stream=None) -> None:
         """A header-only message (the shutdown): the words into staging slot (peer, ring) on
         ``stream`` (a cupy stream), then a put-with-signal of the header setting the flag."""

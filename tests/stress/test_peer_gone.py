@@ -21,7 +21,7 @@ from afd_cupy.store import store_fetch, store_publish
 from afd_cupy.testing.reference import identity_experts
 from afd_cupy.topology import Role
 
-from helpers.backends import BACKENDS, DIRECT_BACKENDS, DIRECT_PATHS
+from helpers.backends import BACKENDS, DIRECT_BACKENDS, DIRECT_PATHS, PATHS
 from helpers.fakes import scripted_connector, work_item
 from helpers.paths import TOOLS_DIR
 from helpers.programs import FAULT_MODEL, connect, next_item, seeded_inputs
@@ -90,7 +90,7 @@ def _shutdown_after_reply_program(ctx, backend, wire_mode):
         conn.close()
 
 
-@pytest.mark.parametrize("backend,wire_mode", DIRECT_PATHS)
+@pytest.mark.parametrize("backend,wire_mode", PATHS)  # cuda-put: the kept reply from the staged header
 def test_shutdown_after_a_reply_delivers_it_then_refuses_at_once(backend, wire_mode):
     attn, ffn = launch(_shutdown_after_reply_program, 2, args=(backend, wire_mode), timeout_s=90)
     assert attn["first"] < 0.1, attn  # the reply sent before the shutdown is delivered
