@@ -215,6 +215,12 @@ class FFNPath(_PathBase, Protocol):
         """Messages that arrived in this rank's window and no ``wait_any`` has taken yet
         (instrumentation: may synchronize a side stream; not for the hot path)."""
 
+    @property
+    def has_unclaimed_wait(self) -> bool:
+        """A wait interrupted on the host (a signal) left its device wait running: it may have
+        taken an arrival that only the next :meth:`wait_any` returns (another loop watching
+        the window, a graph, must let that call claim it first)."""
+
     def item_views(self, arrival: Arrival) -> ItemViews:
         """Zero-copy views of the dispatch in ``arrival``'s slot."""
 

@@ -174,6 +174,10 @@ class CudaFFNPath:
         region, ring = divmod(slot, layout.ring_depth)
         return Arrival(region, ring, wire.decode_header(words, layout.expert_per_rank, layout))
 
+    @property
+    def has_unclaimed_wait(self) -> bool:
+        return self.unclaimed is not None
+
     def pending_arrivals(self) -> int:
         """Own slots whose flag differs from its last-seen value. Device polling: two tiny
         kernels on the poll stream (where ``wait_any`` updates ``last_seen``) and a read-back

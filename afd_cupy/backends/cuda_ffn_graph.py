@@ -201,6 +201,13 @@ class GraphFFNServer:
             return
         cp = self.kernels.res.cp
         cp.cuda.Device(self.device_id).use()  # this server's GPU, whichever thread runs it
+        # an arrival an interrupted host wait took but did not return is served eagerly first:
+        # the graph's waits see only what comes after it
+        while self.connector.path.has_unclaimed_wait:
+            item = self.connector.recv_ffn_work_item(int(self.idle_timeout_s * 1000) + 1)
+            if item is not None:
+                self.eager_worker.serve(item)
+                self.num_served, self.num_eager = self.num_served + 1, self.num_eager + 1
         torch.cuda.synchronize(self.device)  # eager replies queued before read their seqs
         self.reply_seqs.set(self.connector.reply_seq_counters().astype(np.int64))
         cp.cuda.Device(self.device_id).synchronize()

@@ -45,6 +45,10 @@ class HostFFNPath:
     def pending_arrivals(self) -> int:
         return self.rank.polling.num_pending()
 
+    @property
+    def has_unclaimed_wait(self) -> bool:
+        return False  # host waits take an arrival only as they return it
+
     def item_views(self, arrival: Arrival) -> ItemViews:
         """Zero-copy torch views of a received slot (dedup: the rows expanded into staging)."""
         if self.layout.is_dedup:
