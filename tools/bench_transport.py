@@ -53,6 +53,9 @@ shape runs inside it.
     both measured at the start of the launch; ``*_floor_us`` / ``*_floor_ms`` and
     ``*_x_floor`` = time / floor in every row, ``floor_terms`` per launch in the report.
 
+``--ffn-serving auto|graph|loop``: how the FFN ranks serve (``FFNWorker(serving=...)``; auto,
+the library's default, is the graph FFN on cuda where it applies); in the JSON report.
+
 On the host backend everything is numpy/shared memory at a tiny size: the numbers measure the
 host protocol (and are labelled so), not a GPU transport; times are wall times.
 
@@ -124,6 +127,7 @@ class Group:
     nccl_baseline: bool = False
     wire_mode: str = "pair"
     transport: str = "direct"
+    ffn_serving: str = "auto"  # FFNWorker(serving=...): the graph FFN or the Python loop
 
     @property
     def num_experts(self) -> int:
@@ -158,7 +162,7 @@ def _rank(ctx, group: Group) -> dict:
                         peer_timeout_s=group.peer_timeout_s)
     try:
         if role == "ffn":
-            worker = FFNWorker(conn, expert_fn=identity_experts)
+            worker = FFNWorker(conn, expert_fn=identity_experts, serving=group.ffn_serving)
             worker.run()
             if group.nccl_baseline:  # after run(): the Attention rank announced shutdown
                 _nccl_baseline(ctx, group, device)
@@ -962,6 +966,9 @@ def parse_args(argv=None):
     parser.add_argument("--transport", choices=TRANSPORT_CHOICES, default="direct",
                         help="ConnectorConfig.transport (cuda): 'put' forces NVSHMEM puts for every "
                              "peer; 'both': one launch per transport, side by side (issue #16)")
+    parser.add_argument("--ffn-serving", choices=("auto", "graph", "loop"), default="auto",
+                        help="the FFN ranks' FFNWorker(serving=...): 'auto' (default: the graph FFN on "
+                             "cuda where it applies), 'graph' or 'loop' (the Python loop)")
     parser.add_argument("--nccl-baseline", action="store_true",
                         help="prefill baseline 3: all_to_all_single over torch NCCL between the same "
                              "processes (cuda, one GPU per process; skipped with a message otherwise)")
@@ -971,7 +978,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     backend = args.backend or bc.detect_backend()
-    groups = plan_groups(args, backend)
+    groups = [dataclasses.replace(g, ffn_serving=args.ffn_serving) for g in plan_groups(args, backend)]
     if args.nccl_baseline:
         groups, nccl_skipped = with_nccl_baseline(groups, backend)
         print("\n".join(nccl_skipped) or "NCCL baseline on", flush=True)
@@ -987,7 +994,7 @@ def main(argv=None) -> int:
             floor_terms.append({"group": group.describe(), **result["floor_terms"]})
         print(f"placement ({group.describe()}): {result['placement']}", flush=True)
     report = {"tool": "bench_transport", "backend": backend, "quick": args.quick, "wire_mode": args.wire_mode,
-              "transport": args.transport, "placements": placements, "floor_terms": floor_terms,
+              "transport": args.transport, "ffn_serving": args.ffn_serving, "placements": placements, "floor_terms": floor_terms,
               "label": HOST_LABEL if backend == "host" else "",
               "device": ", ".join(sorted(devices)), "run": bc.run_info(backend),
               "poll_mode": args.poll_mode if backend == "cuda" else "host",
