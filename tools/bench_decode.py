@@ -60,8 +60,9 @@ Placement (``--placement``, several allowed: each gets its own launches and rows
 ``GPU[:SM percent]``, Attention ranks first, as bench_afd (CUDA MPS shares on one GPU; start
 MPS first), or a preset for 2 Attention replicas + 1 FFN rank on one GPU:
 - ``ffn-free``  = ``0:50,0:50,0:50``: the FFN has room (busy well below 1 at the quick size);
-- ``ffn-bound`` = ``0:50,0:50,0:50`` with every context 16x shorter: the replicas' steps are
-  cheap, so the FFN serving both is the bottleneck (busy near 1).
+- ``ffn-bound`` = ``0:50,0:50,0:50`` with every context 16x shorter and an expert intermediate
+  size 8x larger: the replicas' steps are cheap and each item costs the FFN more, so the FFN
+  serving both is meant to be the bottleneck (its busy fraction says whether it is).
 Every share is 50 % or more: each is a cap (they may sum past 100), and under 45 % or less
 torch's GEMMs are wrong on one H200; every cuda rank checks its GEMMs at the model's shapes
 first (``bench_common.require_correct_gemms``) and the launch fails naming the share.
@@ -98,8 +99,24 @@ SCHEDULES = ("async", "lockstep")
 HOST_LABEL = ("HOST BACKEND at a tiny size: measures the host protocol and CPU compute of a toy "
               "decode model (wall times), not GPU performance")
 PRESET_SKEWS = {"uniform": 1, "skew4x": 4, "skew16x": 16}
-#: 2 Attention + 1 FFN on one GPU: name -> (per-rank GPU:share, what the contexts are divided by)
-PLACEMENT_PRESETS = {"ffn-free": ("0:50,0:50,0:50", 1), "ffn-bound": ("0:50,0:50,0:50", 16)}
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """A placement preset: per-rank GPU:share, what every context is divided by, what the
+    experts' intermediate size is multiplied by (the FFN's work per token)."""
+
+    placement: str
+    context_divisor: int = 1
+    intermediate_scale: int = 1
+
+    def describe(self) -> str:
+        extra = ([f"contexts / {self.context_divisor}"] if self.context_divisor > 1 else []) + \
+                ([f"expert intermediate x {self.intermediate_scale}"] if self.intermediate_scale > 1 else [])
+        return ", ".join([self.placement] + extra)
+
+
+#: 2 Attention + 1 FFN on one GPU
+PLACEMENT_PRESETS = {"ffn-free": Preset("0:50,0:50,0:50"),
+                     "ffn-bound": Preset("0:50,0:50,0:50", context_divisor=16, intermediate_scale=8)}
 SATURATED_BUSY = 0.8  # async FFN busy at or above this: the FFN is saturated (targets N/A)
 TARGETS = {"short_vs_solo": 1.3, "short_vs_lockstep": 0.6, "uniform_ratio": 0.97, "ideal_fraction": 0.9}
 SOLO_MIN_STEPS = 3
@@ -471,7 +488,7 @@ def make_workloads(args, context_divisor: int = 1) -> tuple:
 def resolve_placement(text: str, args, backend: str) -> tuple[str, tuple, dict]:
     """(label, one Placement per rank, the mps record) for a preset name or a GPU:share list."""
     world = args.attn + args.ffn
-    spelled = PLACEMENT_PRESETS[text][0] if text in PLACEMENT_PRESETS else text
+    spelled = PLACEMENT_PRESETS[text].placement if text in PLACEMENT_PRESETS else text
     if text in PLACEMENT_PRESETS and (args.attn, args.ffn) != (2, 1):
         raise SystemExit(f"--placement {text} is for 2 Attention replicas + 1 FFN rank, got {args.attn}A{args.ffn}F")
     placement, mps = bench_afd.placement_split(args, backend, world, spelled or None)
@@ -547,8 +564,10 @@ def print_summary(report: dict) -> None:
           f"{report['duration_s']} s per phase, solo {report['solo_duration_s']} s per replica")
     for p in report["placements"]:
         print(f"placement {p['label']}: {p['placement']}")
-    for w in report["workloads"]:
-        print(f"workload {w['name']}: mean context per replica {w['contexts']}, batch {w['batches']}")
+        if p["model"]["intermediate"] != m["intermediate"]:
+            print(f"  expert intermediate {p['model']['intermediate']}")
+        for w in p["workloads"]:
+            print(f"  workload {w['name']}: mean context per replica {w['contexts']}, batch {w['batches']}")
     print(results_tables(report["results"], report["comparison"]))
     print()
     if report["arrival_rate"] == "auto":
@@ -571,8 +590,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="placement presets (2 Attention + 1 FFN on one GPU, MPS): "
-                                            + "; ".join(f"{k} = {v[0]}" + (f", contexts / {v[1]}" if v[1] > 1 else "")
-                                                       for k, v in PLACEMENT_PRESETS.items())
+                                            + "; ".join(f"{k} = {v.describe()}" for k, v in PLACEMENT_PRESETS.items())
                                             + " (ffn-free: the FFN is not the bottleneck; ffn-bound: it is)")
     bc.add_common_args(parser, quick_help="4 layers, 3 s phases (cuda: two placements < 4 min on one H200)")
     parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
@@ -617,19 +635,21 @@ def main(argv=None) -> int:
                          experts=args.experts, top_k=args.top_k, shared=args.shared, intermediate=args.intermediate)
     workloads = make_workloads(args)
     texts = args.placement or ["ffn-free" if backend == "cuda" and (args.attn, args.ffn) == (2, 1) else ""]
+    presets = [PLACEMENT_PRESETS.get(text, Preset(text)) for text in texts]
     placements = [resolve_placement(text, args, backend)
-                  + (make_workloads(args, PLACEMENT_PRESETS[text][1]) if text in PLACEMENT_PRESETS else workloads,)
-                  for text in texts]
+                  + (make_workloads(args, preset.context_divisor),
+                     dataclasses.replace(dims, intermediate=dims.intermediate * preset.intermediate_scale))
+                  for text, preset in zip(texts, presets)]
     rates = arrival_rates(args.arrival_rate, args.attn)
     solo = args.solo_duration * args.attn
     timeout = args.timeout or (180.0 + len(workloads) * (args.duration * 3 + solo * 2 + 60.0))
     started = time.perf_counter()
     rows, panels, devices = [], [], set()
-    specs = [(label, mps, Spec(backend, args.poll_mode, schedule, dims, args.attn, args.ffn, placed,
+    specs = [(label, mps, Spec(backend, args.poll_mode, schedule, placed_dims, args.attn, args.ffn, placed,
                                args.duration, args.warmup, args.max_steps, args.output_len, rates, args.overload,
                                args.jitter, solo_duration_s=args.solo_duration, placement=placement,
                                timeline=args.timeline, gemm_sm_carveout=args.gemm_sm_carveout))
-             for label, placement, mps, placed in placements for schedule in args.schedules]
+             for label, placement, mps, placed, placed_dims in placements for schedule in args.schedules]
     for label, _, spec in bc.progress(specs, "bench_decode", lambda s: f"{s[0]} schedule={s[2].schedule}"):
         results = run_schedule(spec, timeout)
         devices.update(r["device"] for r in results if r["role"] == "attention")
@@ -643,8 +663,9 @@ def main(argv=None) -> int:
               "run": bc.run_info(backend), "poll_mode": args.poll_mode if backend == "cuda" else "host",
               "model": dataclasses.asdict(dims), "topology": f"{args.attn}A{args.ffn}F",
               "placements": [{"label": label, "spec": mps["spec"], "placement": mps["placement"],
-                              "workloads": [dataclasses.asdict(w) for w in placed]}
-                             for label, _, mps, placed in placements],
+                              "workloads": [dataclasses.asdict(w) for w in placed],
+                              "model": dataclasses.asdict(placed_dims)}
+                             for label, _, mps, placed, placed_dims in placements],
               "workloads": [dataclasses.asdict(w) for w in workloads], "output_len": args.output_len,
               "arrival_rate": args.arrival_rate, "overload": args.overload, "jitter": args.jitter,
               "duration_s": args.duration, "warmup_steps": args.warmup, "solo_duration_s": args.solo_duration,

@@ -50,15 +50,16 @@ def _decode_args(**over):
 
 @pytest.mark.parametrize("name", sorted(bench_decode.PLACEMENT_PRESETS))
 def test_decode_presets_give_every_rank_a_share_where_gemms_are_right(name):
-    spelled, _ = bench_decode.PLACEMENT_PRESETS[name]
+    spelled = bench_decode.PLACEMENT_PRESETS[name].placement
     shares = [int(rank.split(":")[1]) for rank in spelled.split(",")]
     assert len(shares) == 3 and min(shares) >= bc.MIN_MPS_SHARE_PCT
 
 
 def test_ffn_bound_preset_divides_every_context():
     args = _decode_args()
-    divisor = bench_decode.PLACEMENT_PRESETS["ffn-bound"][1]
-    assert divisor > 1
+    preset = bench_decode.PLACEMENT_PRESETS["ffn-bound"]
+    divisor = preset.context_divisor
+    assert divisor > 1 and preset.intermediate_scale > 1  # cheaper replica steps, costlier items
     full = bench_decode.make_workloads(args)
     short = bench_decode.make_workloads(args, divisor)
     assert [w.name for w in full] == [w.name for w in short]

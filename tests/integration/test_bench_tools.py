@@ -737,8 +737,10 @@ def test_gpu_suite_parts_cover_every_cuda_test_file_once():
     assert sorted(parts) == ["part1", "part2", "part3"], parts
     listed = [name for files in parts.values() for name in files.split()]
     assert len(listed) == len(set(listed)), listed  # none in two parts
-    cuda_files = sorted(f"tests/{path.name}" for path in (ROOT / "tests").glob("test_*.py")
-                        if re.search(r"mark\.cuda\b|pytestmark\s*=.*cuda", path.read_text()))
+    cuda_files = sorted(path.relative_to(ROOT).as_posix() for path in (ROOT / "tests").glob("*/test_*.py")
+                        # cuda marks in the file, or the backend lists of tests/helpers/backends.py
+                        if re.search(r"mark\.cuda\b|pytestmark\s*=.*cuda|from helpers\.backends import",
+                                     path.read_text()))
     assert "tests/integration/test_e2e.py" in cuda_files and len(cuda_files) >= 10
     assert sorted(listed) == cuda_files
     assert parts["part3"].split()[-1] == "tests/stress/test_faults.py"  # it kills processes: last
