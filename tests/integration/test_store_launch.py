@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -356,7 +357,8 @@ def test_a_launch_run_alone_serves_its_store_without_torch():
     # the parent of a job run alone hosts a KVServer: it never imports torch for the store
     # (a TCPStore master cost the main job's parent a torch import, 4-5 s of CPU on the GPU
     # machine); the ranks reach it through ctx.store()
-    code = ("import sys; sys.path.insert(0, 'tests'); from test_store_launch import "
+    here = Path(__file__).resolve().parent  # this file's folder, and tests/ (for helpers)
+    code = (f"import sys; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]; from test_store_launch import "
             "_store_kind_and_torch as f; from afd_cupy.launch import launch; "
             "print(launch(f, 2, timeout_s=60.0), 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch  # imported at module level: a launched child has torch before fn runs
 
-from afd_cupy import connector as connector_mod
+from afd_cupy import connector_setup
 from afd_cupy import env, planner
 from afd_cupy.errors import ConfigError
 from afd_cupy.handshake import PeerProcess
@@ -79,16 +79,16 @@ def test_connector_cpu_threads_auto_acts_only_when_nothing_was_set(no_thread_var
     torch.set_num_threads(2)
     no_thread_vars.setattr(env, "usable_cores", lambda: 2)
     no_thread_vars.setenv("OMP_NUM_THREADS", "2")
-    connector_mod._apply_cpu_threads("auto", [here, elsewhere])  # the user decided: no change
+    connector_setup.apply_cpu_threads("auto", [here, elsewhere])  # the user decided: no change
     assert torch.get_num_threads() == 2
     no_thread_vars.delenv("OMP_NUM_THREADS")
-    connector_mod._apply_cpu_threads(None, [here, elsewhere])  # opted out
+    connector_setup.apply_cpu_threads(None, [here, elsewhere])  # opted out
     assert torch.get_num_threads() == 2 and "OMP_NUM_THREADS" not in os.environ
-    connector_mod._apply_cpu_threads("auto", [here, elsewhere])  # 2 ranks here share 2 cores
+    connector_setup.apply_cpu_threads("auto", [here, elsewhere])  # 2 ranks here share 2 cores
     assert torch.get_num_threads() == 1 and os.environ["OMP_NUM_THREADS"] == "1"
     for bad in (0, "many", True):
         with pytest.raises(ConfigError, match="cpu_threads must be 'auto', None or an int >= 1"):
-            connector_mod._check_cpu_threads(bad)
+            connector_setup.check_cpu_threads(bad)
 
 
 def test_planner_warm_up_runs():
