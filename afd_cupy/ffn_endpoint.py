@@ -18,7 +18,7 @@ import threading
 
 from afd_cupy import peer_state
 from afd_cupy.attention_endpoint import check_device
-from afd_cupy.backends.base import Arrival
+from afd_cupy.backends.base import Arrival, ArrivalSuperseded
 from afd_cupy.errors import ConnectorShutdown, PeerLostError, ProtocolError
 from afd_cupy.handles import FFNWorkItem
 from afd_cupy.timeouts import check_optional_timeout
@@ -65,7 +65,10 @@ class FFNEndpoint:
             if arrival.header.is_shutdown:
                 self.note_shutdown(arrival.header.src_rank)
                 continue
-            return self.accept_arrival(arrival)
+            try:
+                return self.accept_arrival(arrival)
+            except ArrivalSuperseded as exc:  # its newer message is the slot's next arrival
+                logger.warning("afd_cupy ffn rank %d: not served: %s", self.role_rank, exc)
 
     def note_shutdown(self, src_rank: int) -> None:
         """Count Attention rank ``src_rank``'s shutdown (once per rank); ConnectorShutdown

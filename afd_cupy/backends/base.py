@@ -95,6 +95,12 @@ class Arrival:
     header: wire.Header
 
 
+class ArrivalSuperseded(Exception):
+    """Raised by :meth:`FFNPath.item_views` when the arrival's slot was rewritten while it was
+    being read (its sender timed out and sent the next message there): what was read mixes two
+    messages, so the item is not served; the newer message is the slot's next arrival."""
+
+
 @dataclass(frozen=True)
 class ItemViews:
     """Zero-copy views of a received dispatch (valid until it is answered).

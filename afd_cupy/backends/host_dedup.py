@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from afd_cupy import dedup, errors, wire
-from afd_cupy.backends.base import Arrival, ItemViews
+from afd_cupy.backends.base import Arrival, ArrivalSuperseded, ItemViews
 from afd_cupy.dtypes import raw_to_f32, raw_to_torch, torch_to_raw
 from afd_cupy.errors import ProtocolError
 from afd_cupy.topology import Role
@@ -93,8 +93,16 @@ def item_views(rank, tables: dict, arrival: Arrival) -> ItemViews:
     region, ring, pe = arrival.region, arrival.ring, window.own_pe
     table = np.array(window.field(pe, region, ring, "route_table", np.int32,
                                   (header.num_rows, layout.route_width)))
-    wire.check_route_table(table, num_tokens=header.num_tokens, routed_tokens=header.routed_tokens,
-                           shared_tokens=header.shared_tokens, top_k=layout.top_k)
+    try:
+        wire.check_route_table(table, num_tokens=header.num_tokens, routed_tokens=header.routed_tokens,
+                               shared_tokens=header.shared_tokens, top_k=layout.top_k)
+    except errors.WireError as exc:
+        flag = int(window.flag_view(pe, region, ring)[0])
+        if flag != header.seq:  # the table was read while the sender's next message landed
+            raise ArrivalSuperseded(f"dedup message seq {header.seq} from attention rank {region} "
+                                    f"(ring {ring}) was rewritten (flag {flag}) while its route "
+                                    f"table was read ({exc})") from exc
+        raise
     rows = window.field(pe, region, ring, "routed_x", rank.raw,
                         (header.num_rows, layout.hidden_size))
     staging = dedup.expand(table, rows, header.routed_tokens)
