@@ -219,6 +219,11 @@ def serving_rank(ctx, spec, connector_config, serve_ffn: Callable, serve_attenti
         conn.close()
 
 
+#: The smallest CUDA MPS SM share (percent) a benchmark rank gets by default: at 45 % and
+#: below torch's GEMMs are wrong on one H200 (docs/performance.md, Known issues).
+MIN_MPS_SHARE_PCT = 50
+
+
 class GemmCheckError(RuntimeError):
     """torch's own GEMMs compute wrong results in this process (afd_cupy.testing.gemm_check)."""
 
@@ -242,11 +247,6 @@ def require_correct_gemms(model, device, *, linear=None) -> dict:
         raise GemmCheckError(describe_failure(report) + "; give every process an MPS share of at least "
                              f"{MIN_MPS_SHARE_PCT} % (--placement GPU:share)")
     return report
-
-
-#: The smallest CUDA MPS SM share (percent) a benchmark rank gets by default: at 45 % and
-#: below torch's GEMMs are wrong on one H200 (docs/performance.md, Known issues).
-MIN_MPS_SHARE_PCT = 50
 
 
 class PhaseStopper:
