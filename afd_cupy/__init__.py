@@ -13,6 +13,10 @@ from afd_cupy.errors import (  # noqa: F401
     RingExhaustedError, TopologyError, WireError,
 )
 
+from afd_cupy import old_paths
+
 __version__ = "0.1.0"
+
+old_paths.install()  # the module paths from before the package was cut by role still import
 
 logging.getLogger("afd_cupy").addHandler(logging.NullHandler())

@@ -51,7 +51,7 @@ from torch import nn
 
 from afd_cupy import moe
 from afd_cupy.config import ModelConfig
-from afd_cupy.expert_formats import (ExpertFormat, SharedParts, UnsupportedModelError,  # noqa: F401
+from afd_cupy.moe.expert_formats import (ExpertFormat, SharedParts, UnsupportedModelError,  # noqa: F401
                                      check_block, config_activation, config_format, deinterleave,
                                      shared_from, shared_of, weight_layout)
 

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from afd_cupy.dtypes import PAYLOAD_DTYPES
+from afd_cupy.wire.dtypes import PAYLOAD_DTYPES
 from afd_cupy.errors import ConfigError
 from afd_cupy.transports import transport_names
 from afd_cupy.wire import WIRE_MODES

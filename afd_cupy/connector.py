@@ -16,7 +16,7 @@ Both: ``announce_shutdown()``; receiving the opposite role's shutdown raises
 Construction and ``close()`` are collective over the whole AFD world.
 
 A thin facade: construction and ``close()`` are here, every role call goes to the rank's
-endpoint (:mod:`afd_cupy.attention_endpoint` / :mod:`afd_cupy.ffn_endpoint`, over the backend's
+endpoint (:mod:`afd_cupy.attention.endpoint` / :mod:`afd_cupy.ffn.endpoint`, over the backend's
 AttentionPath / FFNPath; docs/design/architecture.md).
 """
 from __future__ import annotations
@@ -25,16 +25,22 @@ import logging
 
 import torch
 
-from afd_cupy import connector_setup, gates, handshake, moe
+from afd_cupy import moe
+
+from afd_cupy.runtime import connector_setup
+
+from afd_cupy.moe import gates
+
+from afd_cupy.runtime import handshake
 from afd_cupy.backends.base import Arrival, Capabilities, PathContext, open_path, require_backend
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig
-from afd_cupy.dtypes import torch_dtype
-from afd_cupy.connector_setup import check_config
+from afd_cupy.wire.dtypes import torch_dtype
+from afd_cupy.runtime.connector_setup import check_config
 from afd_cupy.errors import ConfigError, ProtocolError
 from afd_cupy.handles import DispatchHandle, FFNWorkItem  # noqa: F401 - part of this module's API
 from afd_cupy.heap.nvshmem_env import check_nvshmem_env
-from afd_cupy.timeouts import check_timeout
-from afd_cupy.topology import Role, Topology
+from afd_cupy.runtime.timeouts import check_timeout
+from afd_cupy.runtime.topology import Role, Topology
 from afd_cupy.wire import WindowLayout
 
 logger = logging.getLogger("afd_cupy")
@@ -70,10 +76,10 @@ class AFDConnector:
         cpu_threads: this process's CPU thread pools (torch intra-op, OpenMP, MKL, OpenBLAS,
             numba). ``"auto"`` (default): only when nothing set them (no
             ``OMP_NUM_THREADS``/``MKL_NUM_THREADS``/``OPENBLAS_NUM_THREADS``/
-            ``NUMBA_NUM_THREADS``, as ``afd_cupy.launch`` sets for its children) and torch's
+            ``NUMBA_NUM_THREADS``, as ``afd_cupy.runtime.launch`` sets for its children) and torch's
             pool is larger, lower it to this host's cores divided by the job's ranks on this
             host (from the handshake); an int: exactly that many
-            (``afd_cupy.env.limit_threads``); None: leave the process alone.
+            (``afd_cupy.runtime.env.limit_threads``); None: leave the process alone.
 
     Raises ConfigError for invalid arguments and BackendUnavailableError when ``backend``
     cannot run here. Construction and :meth:`close` are collective over the AFD world.
@@ -81,8 +87,8 @@ class AFDConnector:
     ``path`` is the backend's path of this rank's role (an
     :class:`~afd_cupy.backends.base.AttentionPath` or :class:`~afd_cupy.backends.base.FFNPath`;
     public so that tools can time its steps; the connector's own methods are the API) and
-    ``endpoint`` the :class:`~afd_cupy.attention_endpoint.AttentionEndpoint` or
-    :class:`~afd_cupy.ffn_endpoint.FFNEndpoint` every role call goes to.
+    ``endpoint`` the :class:`~afd_cupy.attention.endpoint.AttentionEndpoint` or
+    :class:`~afd_cupy.ffn.endpoint.FFNEndpoint` every role call goes to.
     """
 
     def __init__(self, model: ModelConfig, topology: TopologyConfig,
@@ -325,7 +331,7 @@ class AFDConnector:
         if self._closed:
             raise ProtocolError(f"{what} on a closed connector")
 
-    # --- seams of the loops built on the connector: afd_cupy.step_graph and the graph FFN
+    # --- seams of the loops built on the connector: afd_cupy.attention.step_graph and the graph FFN
     # server (backends/cuda_ffn_graph.py) drive it through these public calls only
     @property
     def supports_nonblocking(self) -> bool:
@@ -343,7 +349,7 @@ class AFDConnector:
 
     def order_graph_replay(self, rings, stream: int) -> None:
         """Attention side, for a loop that replays a captured graph sending on ``rings`` on
-        the raw stream ``stream`` (``afd_cupy.step_graph``): order the replay after each
+        the raw stream ``stream`` (``afd_cupy.attention.step_graph``): order the replay after each
         ring's last use on another stream, and the ring's next use after the replay (the
         replay bypasses the per-call ordering). No-op where the path has no streams (host).
         Not collective; never blocks."""

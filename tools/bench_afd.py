@@ -11,7 +11,7 @@ O projection and the residual add; then RMSNorm, the router, ``conn.select_exper
 ends with one synchronization (``conn.check_errors()``). FFN ranks run ``FFNWorker`` with
 their local experts (grouped GEMM) and the shared experts.
 
-A Attention replicas and F FFN ranks are separate processes (``afd_cupy.launch``). One launch
+A Attention replicas and F FFN ranks are separate processes (``afd_cupy.runtime.launch``). One launch
 per schedule:
 - ``async``: ``FFNWorker(schedule="async")`` (serve every item as it arrives);
 - ``lockstep``: ``FFNWorker(schedule="lockstep")`` and Attention connectors built with
@@ -68,7 +68,7 @@ measured window = the time every replica was inside its measured batches):
 ``recv_ffn_output``, split into ``wait`` until the FFN's reply of that layer landed and the
 combine proper; CUDA events on the current stream on cuda, ``perf_counter_ns`` on the host
 backend), and every FFN rank records wait (host: polling for an arrival), compute and reply
-spans. The ranks return their spans with their results (``afd_cupy.launch``'s result
+spans. The ranks return their spans with their results (``afd_cupy.runtime.launch``'s result
 channel); the parent cuts, per (schedule, workload), a window of ``--timeline-layers`` layers of
 replica 0 starting at its second measured batch and writes ``bench_afd_timeline.json`` and
 ``bench_afd_timeline.png``. A timeline run records more than a plain one (the Attention
@@ -115,7 +115,7 @@ import bench_common as bc  # noqa: E402
 import bench_overlap as ov  # noqa: E402
 import bench_spans as spans  # noqa: E402
 from afd_cupy.config import ModelConfig, TopologyConfig  # noqa: E402
-from afd_cupy.launch import launch, parse_placement  # noqa: E402
+from afd_cupy.runtime.launch import launch, parse_placement  # noqa: E402
 from afd_cupy.wire import window_size_hint  # noqa: E402
 
 SCHEDULES = ("async", "lockstep")
@@ -170,7 +170,7 @@ class Spec:
     mps_ffn_pct: int | None
     peer_timeout_s: float = 120.0
     seed: int = 0
-    placement: tuple = ()  # one afd_cupy.launch.Placement per rank, or () for the default split
+    placement: tuple = ()  # one afd_cupy.runtime.launch.Placement per rank, or () for the default split
     solo_duration_s: float = 0.0  # async: each replica alone after each phase (0: no solo runs)
     timeline: bool = False  # record every rank's spans in the measured batches
     ffn_stats: bool = True  # FFNWorker(recorder=...): busy fraction, items waiting
@@ -206,7 +206,7 @@ def _ffn(conn, spec: Spec, ffn_rank: int, device) -> dict:
     import torch
 
     from afd_cupy import moe
-    from afd_cupy.ffn_worker import FFNWorker
+    from afd_cupy.ffn.worker import FFNWorker
 
     d, epr = spec.dims, conn.topology.expert_per_rank
     gen = torch.Generator(device=device).manual_seed(spec.seed * 1000 + 500 + ffn_rank)
@@ -315,7 +315,7 @@ def _attention(conn, spec: Spec, attn_rank: int, device, store) -> dict:
 
 def _phase(conn, spec: Spec, attn_rank: int, store, phase_idx: int, workload: Workload, replica, x,
            lengths, device) -> dict:
-    from afd_cupy.store import store_barrier
+    from afd_cupy.runtime.store import store_barrier
 
     for _ in range(spec.warmup_batches):
         _batch(conn, replica, x, lengths)
@@ -355,7 +355,7 @@ SOLO_MIN_BATCHES = 3
 
 def _solo(conn, spec: Spec, attn_rank: int, store, phase_idx: int, replica, x, lengths) -> dict:
     """Every replica alone in turn (module doc); returns this replica's solo pace."""
-    from afd_cupy.store import store_barrier
+    from afd_cupy.runtime.store import store_barrier
 
     flag_key = f"bench_afd/stop_flag/{phase_idx}"
     mine = None

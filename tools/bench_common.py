@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from afd_cupy.launch import detect_backend  # noqa: F401 - re-exported for the tools
+from afd_cupy.runtime.launch import detect_backend  # noqa: F401 - re-exported for the tools
 
 #: NVSHMEM's default symmetric heap per PE; windows above it need NVSHMEM_SYMMETRIC_SIZE
 NVSHMEM_DEFAULT_HEAP = 1 << 30
@@ -196,7 +196,7 @@ def serving_rank(ctx, spec, connector_config, serve_ffn: Callable, serve_attenti
     announces shutdown, every rank closes its connector."""
     from afd_cupy.config import TopologyConfig
     from afd_cupy.connector import AFDConnector
-    from afd_cupy.ffn_worker import attention_connector_kwargs
+    from afd_cupy.ffn.worker import attention_connector_kwargs
 
     is_attn = ctx.rank < spec.num_attn
     device = set_device(spec.backend, ctx)
@@ -432,7 +432,7 @@ def short_replica_line(workload: str, what: str, entry: dict, unit: str = "ms") 
 @dataclass(frozen=True)
 class KernelBytes:
     """Bytes (read + written) of each kernel of one round trip of one Attention rank to F FFN
-    ranks, from the window layout (:meth:`afd_cupy.layout.WindowLayout.message_bytes`).
+    ranks, from the window layout (:meth:`afd_cupy.wire.layout.WindowLayout.message_bytes`).
 
     - ``dispatch``: the source rows read + every dispatch message written (rows, route entries,
       header, flag); the plan moves no payload.
@@ -460,7 +460,9 @@ def kernel_bytes(layout, topk_ids, *, num_ffn_ranks: int, has_shared: bool,
     ``layout.wire_mode``; an FFN rank sent nothing (no rows, no ``always_send``) adds nothing."""
     import numpy as np
 
-    from afd_cupy import dedup, planner
+    from afd_cupy.routing import dedup
+
+    from afd_cupy.routing import planner
 
     ids = np.asarray(topk_ids, dtype=np.int64)
     num_tokens, row = ids.shape[0], layout.row_bytes

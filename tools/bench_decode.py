@@ -92,7 +92,7 @@ import bench_spans as spans  # noqa: E402
 import decode_batch as db  # noqa: E402
 import decode_model as dm  # noqa: E402
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig  # noqa: E402
-from afd_cupy.launch import launch  # noqa: E402
+from afd_cupy.runtime.launch import launch  # noqa: E402
 from afd_cupy.wire import window_size_hint  # noqa: E402
 
 SCHEDULES = ("async", "lockstep")
@@ -180,7 +180,7 @@ def _rank(ctx, spec: Spec) -> dict:
 
 
 def _ffn(conn, spec: Spec, ffn_rank: int, device) -> dict:
-    from afd_cupy.ffn_worker import FFNWorker
+    from afd_cupy.ffn.worker import FFNWorker
 
     experts, shared = dm.ffn_weights(spec.dims, ffn_rank, conn.topology.expert_per_rank, spec.seed, device)
     recorder = spans.FFNStatsRecorder(device, timeline=spec.timeline)
@@ -255,7 +255,7 @@ def _measure(conn, spec: Spec, replica, batch: db.DecodeBatch, should_stop, reco
 
 
 def _phase(conn, spec: Spec, attn_rank: int, store, phase_idx: int, workload: Workload, replica) -> dict:
-    from afd_cupy.store import store_barrier
+    from afd_cupy.runtime.store import store_barrier
 
     warm = _new_batch(spec, workload, attn_rank, phase_idx)
     replica.allocate(workload.batches[attn_rank], warm.cache_len)
@@ -279,7 +279,7 @@ def _phase(conn, spec: Spec, attn_rank: int, store, phase_idx: int, workload: Wo
 
 def _solo(conn, spec: Spec, attn_rank: int, store, phase_idx: int, workload: Workload, replica) -> dict:
     """Every replica alone in turn, the others at a store barrier; this replica's solo run."""
-    from afd_cupy.store import store_barrier
+    from afd_cupy.runtime.store import store_barrier
 
     flag_key, mine = f"bench_decode/stop_flag/{phase_idx}", None
     for turn in range(spec.num_attn):

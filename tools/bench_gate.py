@@ -64,7 +64,7 @@ def time_case(logits, top_k: int, scoring: str, impl: str, calls: int, iters: in
     """µs per gate call, captured (graph) and issued from Python (eager); the last ids."""
     import torch
 
-    from afd_cupy import gates
+    from afd_cupy.moe import gates
 
     def gate():
         return gates.select_experts(logits, top_k, scoring_func=scoring, impl=impl)

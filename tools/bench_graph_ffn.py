@@ -27,7 +27,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig  # noqa: E402
-from afd_cupy.launch import launch  # noqa: E402
+from afd_cupy.runtime.launch import launch  # noqa: E402
 
 MODES = ("eager", "graph")
 
@@ -61,7 +61,7 @@ def _rank(ctx, cfg: dict) -> dict:
 
 def _ffn(conn, cfg: dict, device) -> dict:
     from afd_cupy import moe
-    from afd_cupy.ffn_worker import FFNWorker
+    from afd_cupy.ffn.worker import FFNWorker
     from afd_cupy.testing.reference import identity_experts
     from afd_cupy.testing.scenario import layer_weights
 

@@ -17,7 +17,7 @@ and ``small`` for the tests) and each batch size (``--tokens``: decode 1 8 32 12
   the same inputs (relative L2 over the first ``--check-rows`` rows; CHECK FAILED and exit 1
   beyond ``CHECK_TOL``).
 - **the routed experts alone** on the rows of that routing (``--gemm-variants``, module
-  ``afd_cupy.expert_gemm``; ``current`` is ``moe.grouped_mlp``), each in a CUDA graph, and
+  ``afd_cupy.moe.expert_gemm``; ``current`` is ``moe.grouped_mlp``), each in a CUDA graph, and
   ``fp8_rowwise`` against bf16 when torch has ``_scaled_grouped_mm`` (speedup and the
   relative error against the bf16 output; otherwise skipped with the reason).
 
@@ -87,7 +87,7 @@ TARGETS = {"floor_decode": (128, 0.85), "dense_prefill": (4096, 0.70),
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from afd_cupy.expert_gemm import VARIANTS
+    from afd_cupy.moe.expert_gemm import VARIANTS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
@@ -96,7 +96,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help=f"default {' '.join(GPU_SHAPES)} on cuda, tiny on cpu")
     parser.add_argument("--tokens", type=int, nargs="+", default=None, help="batch sizes")
     parser.add_argument("--gemm-variants", nargs="+", choices=VARIANTS + ("all", "none"), default=["all"],
-                        help="routed-expert paths timed alone (afd_cupy.expert_gemm); current always")
+                        help="routed-expert paths timed alone (afd_cupy.moe.expert_gemm); current always")
     parser.add_argument("--no-fp8", action="store_true", help="skip the FP8 weights measurement")
     parser.add_argument("--no-afd", action="store_true", help="skip the AFD launch (one process only)")
     parser.add_argument("--ffn-carveout", type=bc.gemm_sm_carveout_arg, default="auto", metavar="auto|N",
@@ -185,7 +185,7 @@ def route(x, router, model):
     """Router linear + the model's gate: (topk_weights fp32 [T, K], topk_ids int32 [T, K])."""
     import torch.nn.functional as F
 
-    from afd_cupy import gates
+    from afd_cupy.moe import gates
 
     return gates.model_gate(model, F.linear(x, router).float())
 
@@ -386,7 +386,7 @@ def floors(shape: Shape, counts_host: list, copy_bps: float) -> dict:
 
 def measure_variants(routed, inputs: dict, args, device) -> list:
     """Each variant (and FP8) on each batch's grouped rows: timing, or the error it raised."""
-    from afd_cupy import expert_gemm
+    from afd_cupy.moe import expert_gemm
 
     names = list(args.gemm_variants)
     fp8_reason = expert_gemm.fp8_unavailable_reason(device) if not args.no_fp8 else "--no-fp8"
@@ -410,7 +410,7 @@ def measure_variants(routed, inputs: dict, args, device) -> list:
 
 
 def _one_variant(prepared, current, name, tokens, xs, counts, counts_host, args, device) -> dict:
-    from afd_cupy import expert_gemm
+    from afd_cupy.moe import expert_gemm
 
     row = {"variant": name, "tokens": tokens}
     try:
@@ -460,7 +460,7 @@ def _afd_rank(ctx, spec: dict) -> dict:
 def _serve(conn, shape: Shape, spec: dict, device) -> dict:
     routed, shared = make_experts(shape, device, spec["seed"])
     if spec["backend"] != "cuda":
-        from afd_cupy.ffn_worker import FFNWorker
+        from afd_cupy.ffn.worker import FFNWorker
 
         return {"role": "ffn", "served": FFNWorker(conn, routed, shared).run()}
     from afd_cupy.backends.cuda_ffn_graph import GraphFFNServer
@@ -504,7 +504,7 @@ def run_afd(shape: Shape, args, backend: str, refs: dict) -> tuple[dict, dict]:
     import torch
 
     from afd_cupy.config import ConnectorConfig, TopologyConfig
-    from afd_cupy.launch import launch
+    from afd_cupy.runtime.launch import launch
     from afd_cupy.wire import window_size_hint
 
     model = model_config(shape, max(args.tokens))
@@ -522,7 +522,7 @@ def run_afd(shape: Shape, args, backend: str, refs: dict) -> tuple[dict, dict]:
 def enrich(report: dict, afd_rows: dict | None) -> None:
     """Per row: the current path's routed µs and floor fraction, the best variant, grouped vs
     dense TFLOP/s, FP8 speedup / error, AFD µs and AFD / one process."""
-    from afd_cupy.expert_gemm import FP8_VARIANT
+    from afd_cupy.moe.expert_gemm import FP8_VARIANT
 
     shape = Shape(**report["shape"])
     by_key = {(v["variant"], v["tokens"]): v for v in report["variants"]}

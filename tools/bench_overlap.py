@@ -16,7 +16,7 @@
   one-stage one. On the host backend both stages run on the calling thread in the same order
   (the FFN process still serves one half while the other's attention runs).
 - ``ffn``: ``FFNWorker(overlap=True)``: item i's reply on a communication stream while item
-  i+1's arrival handling and GEMMs proceed (``afd_cupy.ffn_overlap``).
+  i+1's arrival handling and GEMMs proceed (``afd_cupy.ffn.overlap``).
 - ``both``: ``attn`` and ``ffn``.
 - ``all``: one launch per variant and schedule, in the same run; the gain of each variant =
   its tokens/s / ``none``'s tokens/s, per (workload, schedule); target (issue #15) >= 1.10 for

@@ -172,7 +172,7 @@ class SpanRecorder:
 
 
 class FFNStatsRecorder:
-    """``afd_cupy.ffn_worker.FFNRecorder`` for benchmarks.
+    """``afd_cupy.ffn.worker.FFNRecorder`` for benchmarks.
 
     Always: the compute spans (``computing`` -> ``replying``) of every compute batch on the
     ``stream`` lane (busy time), and one queue sample per received item: at that instant, the

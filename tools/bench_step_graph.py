@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Decode step of L layers, Attention side: eager loop vs one captured CUDA graph (issue #13).
 
-The same step run eagerly and captured once (afd_cupy.step_graph.DecodeStepGraph), in one run,
+The same step run eagerly and captured once (afd_cupy.attention.step_graph.DecodeStepGraph), in one run,
 for each number of micro-batch stages S in ``--stages`` (default 1 2): S > 1 splits the T rows
 into S micro-batches issued as a software pipeline on one stream (the attention of one
 micro-batch runs while the others' FFN round trips are in flight; every rank's ConnectorConfig
@@ -70,7 +70,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench_common as bc  # noqa: E402
 import device_trace as dt  # noqa: E402
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig  # noqa: E402
-from afd_cupy.gates import GATE_IMPLS  # noqa: E402
+from afd_cupy.moe.gates import GATE_IMPLS  # noqa: E402
 
 FFN_MODES = ("graph", "eager")
 #: where the micro-batches of a step are issued: one stream, a stream per stage (--stage-streams)
@@ -216,7 +216,7 @@ def ffn_experts(conn, args):
 
 
 def _ffn(conn, args) -> dict:
-    from afd_cupy.ffn_worker import FFNWorker
+    from afd_cupy.ffn.worker import FFNWorker
     from afd_cupy.testing.reference import identity_experts
 
     routed, shared = ffn_experts(conn, args)
@@ -245,7 +245,7 @@ def _ffn(conn, args) -> dict:
 def _attention(conn, args, device) -> dict:
     import torch
 
-    from afd_cupy.step_graph import DecodeStepGraph
+    from afd_cupy.attention.step_graph import DecodeStepGraph
     from afd_cupy.testing.step_model import LinearStandIn
 
     model = conn.model
@@ -467,7 +467,7 @@ def ab_table(plan: dict, ll: dict) -> str:
 
 def run(args, json_name: str = "bench_step_graph.json") -> tuple:
     """One launch of every rank with ``args``: (report, exit code)."""
-    from afd_cupy.launch import launch
+    from afd_cupy.runtime.launch import launch
     from afd_cupy.wire import window_size_hint
 
     model, world = model_config(args), 1 + args.num_ffn

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Transport benchmark of the AFD connector: decode-size round trip and prefill-size bandwidth.
 
-1 Attention rank + F FFN ranks as processes (``afd_cupy.launch``); the FFN ranks run
+1 Attention rank + F FFN ranks as processes (``afd_cupy.runtime.launch``); the FFN ranks run
 ``FFNWorker(conn, expert_fn=identity)`` (they reply the rows they received, unchanged), so
 only the transport is measured. One launch per (hidden, top-k, F); every token count of that
 shape runs inside it.
@@ -77,12 +77,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_common as bc  # noqa: E402
-from afd_cupy import dedup  # noqa: E402
+from afd_cupy.routing import dedup  # noqa: E402
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig  # noqa: E402
-from afd_cupy.launch import Placement, launch  # noqa: E402
-from afd_cupy.placement import detect_num_gpus  # noqa: E402
-from afd_cupy.planner import shared_count  # noqa: E402
-from afd_cupy.store import store_fetch, store_publish  # noqa: E402
+from afd_cupy.runtime.launch import Placement, launch  # noqa: E402
+from afd_cupy.runtime.placement import detect_num_gpus  # noqa: E402
+from afd_cupy.routing.planner import shared_count  # noqa: E402
+from afd_cupy.runtime.store import store_fetch, store_publish  # noqa: E402
 from afd_cupy.wire import window_size_hint  # noqa: E402
 
 #: DeepSeek-like expert counts per top-k (V2/V2-Lite: 64 experts top-6, V3: 256 top-8)
@@ -151,7 +151,7 @@ class Group:
 
 def _rank(ctx, group: Group) -> dict:
     from afd_cupy.connector import AFDConnector
-    from afd_cupy.ffn_worker import FFNWorker
+    from afd_cupy.ffn.worker import FFNWorker
     from afd_cupy.testing.reference import identity_experts
 
     device = bc.set_device(group.backend, ctx)

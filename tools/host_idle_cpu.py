@@ -35,8 +35,8 @@ def _program(ctx, mode, seconds, layers):
     from afd_cupy.backends import host_poll
     from afd_cupy.config import ModelConfig, TopologyConfig
     from afd_cupy.connector import AFDConnector
-    from afd_cupy.ffn_worker import FFNWorker
-    from afd_cupy.store import store_fetch, store_publish
+    from afd_cupy.ffn.worker import FFNWorker
+    from afd_cupy.runtime.store import store_fetch, store_publish
 
     if mode == "spin" and hasattr(host_poll, "Backoff"):
         host_poll.Backoff.pause = _spin_instead
@@ -82,7 +82,7 @@ def _program(ctx, mode, seconds, layers):
 
 
 def main(argv=None) -> dict:
-    from afd_cupy.launch import launch
+    from afd_cupy.runtime.launch import launch
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=3.0)

@@ -18,14 +18,14 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from afd_cupy.env import idle_pool_env  # noqa: E402 - no numpy yet
+from afd_cupy.runtime.env import idle_pool_env  # noqa: E402 - no numpy yet
 
 # this process only starts ranks: numpy's OpenBLAS workers, started by the next imports,
 # must not spin (the ranks get the same from the launcher)
 os.environ.update(idle_pool_env())
 
 from afd_cupy.config import ModelConfig  # noqa: E402
-from afd_cupy.launch import detect_backend, launch  # noqa: E402
+from afd_cupy.runtime.launch import detect_backend, launch  # noqa: E402
 # the light half of the scenario: the parent only starts ranks, it never imports torch
 from afd_cupy.testing.scenario_spec import Scenario, run_scenario_rank, tolerance  # noqa: E402
 

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig  # noqa: E402
 from afd_cupy.wire import WIRE_MODES  # noqa: E402
-from afd_cupy.launch import detect_backend, launch  # noqa: E402
+from afd_cupy.runtime.launch import detect_backend, launch  # noqa: E402
 from afd_cupy.transports import transport_names  # noqa: E402
 
 
@@ -95,7 +95,7 @@ def _connect(ctx, args, model):
     import torch
 
     from afd_cupy.connector import AFDConnector
-    from afd_cupy.topology import Topology
+    from afd_cupy.runtime.topology import Topology
 
     role, role_rank = Topology(args.attn, args.ffn, model.num_experts).role_of(ctx.rank)
     if args.backend == "cuda":
@@ -110,7 +110,7 @@ def _connect(ctx, args, model):
 
 
 def _ffn(conn, args, rank_seed):
-    from afd_cupy.ffn_worker import FFNWorker
+    from afd_cupy.ffn.worker import FFNWorker
 
     rng = random.Random(rank_seed)
     stalls = []

@@ -28,7 +28,7 @@ import torch
 
 from afd_cupy import wire
 from afd_cupy.errors import BackendUnavailableError, ConfigError
-from afd_cupy.topology import Role, Topology
+from afd_cupy.runtime.topology import Role, Topology
 from afd_cupy.transports import get_transport, transports_of
 
 #: backend name -> module implementing ``open_path``

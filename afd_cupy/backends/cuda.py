@@ -25,10 +25,10 @@ import torch
 from afd_cupy import wire
 from afd_cupy.backends.base import Capabilities, PathContext
 from afd_cupy.backends.host_poll import HostPolling
-from afd_cupy.dtypes import payload_dtype
+from afd_cupy.wire.dtypes import payload_dtype
 from afd_cupy.errors import ConfigError
 from afd_cupy.kernels import StatusChannel
-from afd_cupy.topology import Role
+from afd_cupy.runtime.topology import Role
 from afd_cupy.transports import get_transport
 
 try:  # torch's raw current-stream getter: ~1 us instead of ~10 us for current_stream()
@@ -75,7 +75,7 @@ def open_path(ctx: PathContext, *, store, job_id: str, device_id, startup_timeou
               instance: int = 0, nvshmem_env: dict | None = None):
     """NVSHMEM heap and window of this rank (collective), and the cuda data path."""
     from afd_cupy.heap.nvshmem import NvshmemHeap
-    from afd_cupy.window import Window
+    from afd_cupy.heap.window import Window
 
     transport = get_transport(ctx.transport)
     heap = NvshmemHeap(ctx.world_rank, ctx.topology.world_size, store, job_id, device_id or 0,

@@ -23,7 +23,7 @@ import torch
 from afd_cupy import kernels, wire
 from afd_cupy.backends.cuda_scratch import DedupRowsScratch, DispatchScratch  # noqa: F401 - re-exported
 from afd_cupy.errors import reply_timeout_error
-from afd_cupy.topology import Role
+from afd_cupy.runtime.topology import Role
 
 
 @dataclass

@@ -3,7 +3,7 @@ zero-copy item views, and the reply kernel with its header staged in pinned memo
 
 The FFN rank's path: it holds the rank's shared :class:`~afd_cupy.backends.cuda.CudaRank`
 (context, window, streams, geometry; read through ``self.rank``) and its own buffers. Reply
-sequence numbers are this side's own (one :class:`~afd_cupy.seq.SeqCounter` entry per slot).
+sequence numbers are this side's own (one :class:`~afd_cupy.wire.seq.SeqCounter` entry per slot).
 The dedup wire mode's expand and reduce+reply steps are a
 :class:`~afd_cupy.backends.cuda_ffn_dedup.CudaDedupStaging` this path owns; wait_any, the
 header staging, seqs and events are shared by both modes.
@@ -20,11 +20,11 @@ import torch
 from afd_cupy import kernels, wire
 from afd_cupy.backends.base import Arrival, ItemViews
 from afd_cupy.backends.cuda_ffn_dedup import CudaDedupStaging
-from afd_cupy.dtypes import payload_dtype
+from afd_cupy.wire.dtypes import payload_dtype
 from afd_cupy.errors import PeerTimeoutError, ProtocolError
 from afd_cupy.kernels import PinnedInt64
-from afd_cupy.seq import SeqCounter
-from afd_cupy.topology import Role
+from afd_cupy.wire.seq import SeqCounter
+from afd_cupy.runtime.topology import Role
 
 #: extra host-side wait beyond a kernel's own timeout before the host stops trusting it
 _HOST_GRACE_S = 5.0

@@ -29,7 +29,7 @@ import numpy as np
 
 from afd_cupy import kernels, wire
 from afd_cupy.backends.base import Arrival, ItemViews
-from afd_cupy.dtypes import payload_dtype
+from afd_cupy.wire.dtypes import payload_dtype
 from afd_cupy.kernels import PinnedInt64
 
 #: claims[] value of a staging row no route-table row has named (raw_kernels/ffn/dedup_ffn.cu)

@@ -20,7 +20,7 @@ The host keeps ``depth`` replays queued on one stream and, per completed replay 
 polled with sleeps while idle), reads one record from a pinned ring: IDLE (the wait timed out:
 liveness check, replay again), SERVED, SHUTDOWN (counted like the eager receive), EAGER (a
 valid item too large for the bucket or outside the stacked layers: served by an
-:class:`~afd_cupy.ffn_worker.FFNWorker` on a second stream with the reply seq the device
+:class:`~afd_cupy.ffn.worker.FFNWorker` on a second stream with the reply seq the device
 reserved) or REJECTED (the header fails a check: decoded on the host, which raises the eager
 path's WireError / ProtocolError).
 """
@@ -33,13 +33,15 @@ from collections import deque
 import numpy as np
 import torch
 
-from afd_cupy import ffn_graph, moe, wire
+from afd_cupy import moe, wire
+
+from afd_cupy.ffn import graph as ffn_graph
 from afd_cupy.backends.base import Arrival
 from afd_cupy.backends.cuda_ffn_graph_capture import GraphCapture, stack_weights
 from afd_cupy.errors import ConfigError, ConnectorShutdown, PeerLostError, PeerTimeoutError, ProtocolError
-from afd_cupy.ffn_worker import FFNWorker
+from afd_cupy.ffn.worker import FFNWorker
 from afd_cupy.testing.reference import identity_experts
-from afd_cupy.topology import Role
+from afd_cupy.runtime.topology import Role
 
 logger = logging.getLogger("afd_cupy")
 
@@ -61,7 +63,7 @@ class GraphFFNServer:
     received rows (benchmarks), no GEMMs (dedup: each reply row is then the reduce of the
     received row, ``sum_s w_s * x_r (+ x_r)``, as the eager path with ``identity_experts``
     replies). ``bucket_tokens``: one graph per batch size
-    (:func:`afd_cupy.ffn_graph.buckets_for_tokens`). ``depth``: replays kept queued.
+    (:func:`afd_cupy.ffn.graph.buckets_for_tokens`). ``depth``: replays kept queued.
     ``idle_timeout_s``: the in-graph wait's bound (frozen at capture); an idle replay returns
     after it and is replayed again, and :meth:`close` waits at most ``depth`` of them.
     ``fused_wait_stage``: the graph's first node is ``afd_graph_wait_stage`` (the wait and the

@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from afd_cupy.dtypes import PAYLOAD_DTYPES
+from afd_cupy.wire.dtypes import PAYLOAD_DTYPES
 from afd_cupy.kernels import specs
 
 #: torch dtype -> the kernels' payload dtype code (raw_kernels/common/wire.cuh DT_*)

@@ -20,14 +20,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from afd_cupy import dedup, errors, planner, wire
+from afd_cupy import errors, wire
+
+from afd_cupy.routing import dedup
+
+from afd_cupy.routing import planner
 from afd_cupy.backends import host_dedup
 from afd_cupy.backends.base import Capabilities, PathContext
 from afd_cupy.backends.host_poll import HostPolling
 from afd_cupy.errors import AfdError, reply_timeout_error
-from afd_cupy.dtypes import raw_dtype, raw_to_f32, torch_to_raw
-from afd_cupy.seq import SeqCounter
-from afd_cupy.topology import Role
+from afd_cupy.wire.dtypes import raw_dtype, raw_to_f32, torch_to_raw
+from afd_cupy.wire.seq import SeqCounter
+from afd_cupy.runtime.topology import Role
 from afd_cupy.transports import get_transport
 
 
@@ -65,7 +69,7 @@ def open_path(ctx: PathContext, *, store, job_id: str, device_id, startup_timeou
               instance: int = 0):
     """Shared-memory heap and window of this rank (collective), and the host data path."""
     from afd_cupy.heap.host import HostHeap
-    from afd_cupy.window import Window
+    from afd_cupy.heap.window import Window
 
     heap = HostHeap(ctx.world_rank, ctx.topology.world_size, store, job_id,
                     timeout_s=startup_timeout_s)

@@ -16,11 +16,13 @@ import time
 import numpy as np
 import torch
 
-from afd_cupy import dedup, errors, wire
+from afd_cupy import errors, wire
+
+from afd_cupy.routing import dedup
 from afd_cupy.backends.base import Arrival, ArrivalSuperseded, ItemViews
-from afd_cupy.dtypes import raw_to_f32, raw_to_torch, torch_to_raw
+from afd_cupy.wire.dtypes import raw_to_f32, raw_to_torch, torch_to_raw
 from afd_cupy.errors import ProtocolError
-from afd_cupy.topology import Role
+from afd_cupy.runtime.topology import Role
 
 
 # --- Attention side: plan -> scatter ----------------------------------------------------

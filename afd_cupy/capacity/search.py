@@ -8,9 +8,8 @@ from dataclasses import dataclass
 
 from afd_cupy.capacity.costs import Costs
 from afd_cupy.capacity.sim import simulate
-from afd_cupy.capacity.spec import (
-    LINK_PRESETS, Deployment, Link, ModelShape, ReplicaLoad, SimConfig, check_float, check_int,
-)
+from afd_cupy.capacity.spec import (LINK_PRESETS, Deployment, Link, ModelShape, ReplicaLoad,
+                                    SimConfig, check_float, check_int)
 from afd_cupy.errors import ConfigError
 
 

@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 from afd_cupy.capacity import calibrate as cal
 from afd_cupy.capacity import costs as cm
 from afd_cupy.capacity.sim import simulate
-from afd_cupy.capacity.spec import (
-    LINK_PRESETS, Deployment, Link, ModelShape, ReplicaLoad, SimConfig, parse_placements,
-)
+from afd_cupy.capacity.spec import (LINK_PRESETS, Deployment, Link, ModelShape, ReplicaLoad,
+                                    SimConfig, parse_placements)
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,9 @@ UNHEALTHY_CLOSE_S = 0.5
 
 def closing_barrier(barrier, store, name: str, world_size: int, timeout_s: float) -> bool:
     """``barrier(store, name, world_size, timeout_s)`` (the heap's
-    :func:`afd_cupy.store.agreed_barrier`) for a heap's ``close()``, which never raises: a
+    :func:`afd_cupy.runtime.store.agreed_barrier`) for a heap's ``close()``, which never raises: a
     store that fails (its host is gone: torch's ``DistNetworkError``, a
-    :class:`~afd_cupy.kvstore.StoreLostError`) is logged and counts as "not every rank
+    :class:`~afd_cupy.runtime.kvstore.StoreLostError`) is logged and counts as "not every rank
     arrived" (False), the verdict a rank gets when its peers give up on the barrier."""
     try:
         return barrier(store, name, world_size, timeout_s)

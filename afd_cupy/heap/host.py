@@ -27,8 +27,8 @@ import numpy as np
 
 from afd_cupy.errors import HeapError, PeerTimeoutError
 from afd_cupy.heap.base import UNHEALTHY_CLOSE_S, SymmetricBuffer, SymmetricHeap, closing_barrier
-from afd_cupy.store import Store, agreed_barrier, store_barrier, store_fetch, store_publish
-from afd_cupy.timeouts import check_timeout
+from afd_cupy.runtime.store import Store, agreed_barrier, store_barrier, store_fetch, store_publish
+from afd_cupy.runtime.timeouts import check_timeout
 
 logger = logging.getLogger("afd_cupy")
 
@@ -102,7 +102,7 @@ def _segment_rank(path: str) -> int | None:
 def unlink_own_segments() -> list[str]:
     """Unlink every segment this process created and still owns (peers that mapped one keep
     their mapping). For a rank about to die without its ``close()`` (its launcher is gone:
-    :mod:`afd_cupy.orphan`). Not collective; returns the paths removed."""
+    :mod:`afd_cupy.runtime.orphan`). Not collective; returns the paths removed."""
     paths = sorted(_live_segments)
     _unlink_all(list(paths))
     return paths

@@ -11,7 +11,7 @@ Environment: the constructor applies ``env`` (default: afd_cupy's defaults) with
 :func:`~afd_cupy.heap.nvshmem_env.apply_nvshmem_env` before NVSHMEM initializes; the dict, its
 validation and its precedence rules live in :mod:`afd_cupy.heap.nvshmem_env` (re-exported
 here). ``NVSHMEM_SYMMETRIC_SIZE`` bounds the heap. ``AFD_NVSHMEM_LIB`` is read by the binding
-through :mod:`afd_cupy.env`.
+through :mod:`afd_cupy.runtime.env`.
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from afd_cupy.heap.nvshmem_env import (NVSHMEM_DEFAULTS, REMOTE_TRANSPORTS,  # n
 from afd_cupy.heap.nvshmem_lib import (NVSHMEMX_INIT_WITH_UNIQUEID, STATUS_NOT_INITIALIZED,
                                        SUPPORTED_MAJOR, UniqueId, check_rc, library_version,
                                        load_library, new_init_attr, new_unique_id)
-from afd_cupy.store import Store, agreed_barrier, store_fetch, store_publish
-from afd_cupy.timeouts import check_timeout
+from afd_cupy.runtime.store import Store, agreed_barrier, store_fetch, store_publish
+from afd_cupy.runtime.timeouts import check_timeout
 
 logger = logging.getLogger("afd_cupy")
 
@@ -305,7 +305,7 @@ class NvshmemHeap(SymmetricHeap):
 
         Idempotent. Every view handed out becomes invalid. The closing barrier waits
         ``timeout_s``, or ``UNHEALTHY_CLOSE_S`` with ``peers_healthy=False``; when the job gives
-        up on it (:func:`~afd_cupy.store.agreed_barrier`: the same verdict on every rank) the
+        up on it (:func:`~afd_cupy.runtime.store.agreed_barrier`: the same verdict on every rank) the
         heap is abandoned instead: NVSHMEM's teardown is collective and would hang on a peer
         that is gone, so nothing is freed and this process cannot start NVSHMEM again
         (restart it).

@@ -11,7 +11,7 @@ only ones 3.4.5 knows.
 
 Contents: the structs and their version stamps, the ``PROTOTYPES`` table (one entry per C
 function, its prototype as a comment), ``check_rc`` (return code -> NvshmemError), and the
-library lookup (``AFD_NVSHMEM_LIB`` via :mod:`afd_cupy.env`, then the nvidia-nvshmem wheel,
+library lookup (``AFD_NVSHMEM_LIB`` via :mod:`afd_cupy.runtime.env`, then the nvidia-nvshmem wheel,
 then the system loader) with ``load_library``. The heap that uses them is
 :mod:`afd_cupy.heap.nvshmem`.
 
@@ -25,7 +25,7 @@ import os
 import threading
 from ctypes import POINTER, c_char, c_int, c_size_t, c_uint64, c_void_p
 
-from afd_cupy import env
+from afd_cupy.runtime import env
 from afd_cupy.errors import BackendUnavailableError, NvshmemError
 
 LIB_SONAME = "libnvshmem_host.so.3"

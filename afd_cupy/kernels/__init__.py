@@ -30,14 +30,13 @@ from afd_cupy.kernels.specs import (CHUNK, KERNEL_LIMITS, MAX_BLOCKS, MAX_EXPERT
                                     MAX_TOP_K, ROWS_PER_BLOCK, combine_grid, combine_spec,
                                     dedup_combine_spec, dedup_dispatch_fused_spec,
                                     dedup_dispatch_ll_spec, dedup_ll_grid, ll_dedup_dispatch_fits,
-                                    dedup_expand_grid, dedup_expand_spec,
-                                    dedup_reply_grid, dedup_reply_spec, dedup_rows_grid,
-                                    dedup_rows_spec, dedup_scatter_grid, dedup_scatter_spec,
-                                    dispatch_fused_spec, dispatch_num_chunks, dispatch_plan_spec,
-                                    dispatch_scatter_spec, fused_dedup_dispatch_fits,
-                                    fused_dispatch_fits, plan_grid, reply_grid, reply_spec, row_parts,
-                                    scatter_grid, wait_any_spec, wait_pass_mark,
-                                    wait_replies_spec)
+                                    dedup_expand_grid, dedup_expand_spec, dedup_reply_grid,
+                                    dedup_reply_spec, dedup_rows_grid, dedup_rows_spec,
+                                    dedup_scatter_grid, dedup_scatter_spec, dispatch_fused_spec,
+                                    dispatch_num_chunks, dispatch_plan_spec, dispatch_scatter_spec,
+                                    fused_dedup_dispatch_fits, fused_dispatch_fits, plan_grid,
+                                    reply_grid, reply_spec, row_parts, scatter_grid, wait_any_spec,
+                                    wait_pass_mark, wait_replies_spec)
 from afd_cupy.kernels.status import PinnedInt64, StatusBlock, StatusChannel
 
 __all__ = [

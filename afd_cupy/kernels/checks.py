@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from afd_cupy import wire
-from afd_cupy.dtypes import PAYLOAD_DTYPES
+from afd_cupy.wire.dtypes import PAYLOAD_DTYPES
 
 _DTYPE_CODES = sorted(payload.kernel_code for payload in PAYLOAD_DTYPES.values())
 
@@ -52,7 +52,7 @@ def device_array(name: str, arr, dtype, min_size: int):
 
 def dtype_code(value) -> int:
     """A payload dtype code of the templated kernels (``DT_*`` of wire.cuh, the
-    ``kernel_code`` of :data:`afd_cupy.dtypes.PAYLOAD_DTYPES`)."""
+    ``kernel_code`` of :data:`afd_cupy.wire.dtypes.PAYLOAD_DTYPES`)."""
     if value not in _DTYPE_CODES:
         raise ValueError(f"dtype_code must be one of {_DTYPE_CODES}, got {value!r}")
     return int(value)

@@ -5,7 +5,7 @@ with NVRTC (``-std=c++17 -I raw_kernels``, no jitify). The cache key covers the 
 file and of every header it includes (``#include "..."``, transitively); the same digest is
 passed to NVRTC as ``-DAFD_SOURCE_KEY=...`` so that CuPy's on-disk cache, which only hashes the
 top-level source, is invalidated by a header edit too. ``AFD_KERNEL_CACHE=0``
-(:func:`afd_cupy.env.kernel_cache_enabled`) disables the in-process cache.
+(:func:`afd_cupy.runtime.env.kernel_cache_enabled`) disables the in-process cache.
 
 Where the sources are (:data:`KERNEL_DIR`, :func:`find_kernel_dir`): the repository keeps them
 in the top-level ``raw_kernels/``; a wheel ships them inside the package as
@@ -21,8 +21,8 @@ import hashlib
 import re
 from pathlib import Path
 
-from afd_cupy import env
-from afd_cupy.dtypes import PAYLOAD_DTYPES
+from afd_cupy.runtime import env
+from afd_cupy.wire.dtypes import PAYLOAD_DTYPES
 
 #: the kernels inside an installed package (a wheel: ``afd_cupy/raw_kernels/``)
 PACKAGE_KERNEL_DIR = Path(__file__).resolve().parent.parent / "raw_kernels"
@@ -44,7 +44,7 @@ KERNEL_DIR = find_kernel_dir()
 BASE_OPTIONS = ("-std=c++17",)
 
 #: payload dtype name -> template argument DT of the payload kernels (wire.cuh DT_*), derived
-#: from the one dtype table (:data:`afd_cupy.dtypes.PAYLOAD_DTYPES`)
+#: from the one dtype table (:data:`afd_cupy.wire.dtypes.PAYLOAD_DTYPES`)
 DTYPE_CODES = {name: payload.kernel_code for name, payload in PAYLOAD_DTYPES.items()}
 
 #: production kernels of each file (relative to KERNEL_DIR: common/ holds headers only, each

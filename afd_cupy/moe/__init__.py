@@ -1,6 +1,6 @@
 """The MoE layer's expert math: expert weights, grouped GEMM, shared experts, scaling rule.
 
-The gates (router logits -> topk_weights, topk_ids) are in :mod:`afd_cupy.gates`.
+The gates (router logits -> topk_weights, topk_ids) are in :mod:`afd_cupy.moe.gates`.
 FFN side: `grouped_mlp` runs the local experts over rows that arrive already grouped by
 local expert (the wire format's `routed_x`), `shared_mlp` runs the shared experts, and
 `apply_routed_scaling` applies `routed_scaling_factor` by the FFN-side rule. The Attention

@@ -1,5 +1,5 @@
 """numpy references of every dedup-mode step (docs/design/dedup.md): the specification the
-host twin (:mod:`afd_cupy.dedup`, numba) is tested against, and the one the CUDA kernels are
+host twin (:mod:`afd_cupy.routing.dedup`, numba) is tested against, and the one the CUDA kernels are
 to be tested against. Straightforward loops and masks; slow; small sizes only.
 
 Arrays are host numpy. ``T`` tokens, ``K`` top-k, ``F`` FFN ranks, ``epr`` experts per rank,
@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from afd_cupy import planner, wire
-from afd_cupy.dedup import DedupPlan
+from afd_cupy import wire
+
+from afd_cupy.routing import planner
+from afd_cupy.routing.dedup import DedupPlan
 
 
 def plan_reference(topk_ids, num_ffn_ranks: int, expert_per_rank: int, *, has_shared: bool,

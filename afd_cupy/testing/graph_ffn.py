@@ -11,7 +11,7 @@ from afd_cupy import moe
 from afd_cupy.config import TopologyConfig
 from afd_cupy.connector import AFDConnector
 from afd_cupy.testing import scenario as sc
-from afd_cupy.topology import Role, Topology
+from afd_cupy.runtime.topology import Role, Topology
 
 
 def run_graph_rank(ctx, scenario: sc.Scenario, bucket_tokens: tuple) -> dict:

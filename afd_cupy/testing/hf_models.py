@@ -106,8 +106,8 @@ def generation_rank(ctx, family: str, *, backend: str, num_ffn: int, steps: int,
     from afd_cupy import adapters
     from afd_cupy.config import TopologyConfig
     from afd_cupy.connector import AFDConnector
-    from afd_cupy.dtypes import torch_dtype
-    from afd_cupy.ffn_worker import FFNWorker
+    from afd_cupy.wire.dtypes import torch_dtype
+    from afd_cupy.ffn.worker import FFNWorker
     from afd_cupy.testing import logit_check
 
     device = torch.device("cuda", ctx.device_id or 0) if backend == "cuda" else torch.device("cpu")

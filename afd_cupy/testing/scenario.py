@@ -1,7 +1,7 @@
 """The reference end-to-end scenario: an AFD MoE run checked against a single-process MoE.
 
 Shared by the tests and ``tools/smoke.py``. Every process of the world runs
-:func:`run_rank` under :func:`afd_cupy.launch.launch`: Attention ranks gate random hidden
+:func:`run_rank` under :func:`afd_cupy.runtime.launch.launch`: Attention ranks gate random hidden
 states, send, receive and compare each layer's output with
 :func:`afd_cupy.testing.reference.reference_moe` computed from the same weights (a naive
 per-token fp64 MoE); FFN ranks serve with an ``FFNWorker`` until every Attention rank
@@ -17,12 +17,12 @@ import torch
 from afd_cupy import moe
 from afd_cupy.config import ModelConfig, TopologyConfig
 from afd_cupy.connector import AFDConnector
-from afd_cupy.dtypes import torch_dtype
-from afd_cupy.ffn_worker import FFNWorker
+from afd_cupy.wire.dtypes import torch_dtype
+from afd_cupy.ffn.worker import FFNWorker
 from afd_cupy.testing.phases import NO_PHASES
 from afd_cupy.testing.reference import make_expert_weights, make_shared_weights, reference_moe
 from afd_cupy.testing.scenario_spec import Scenario, tolerance
-from afd_cupy.topology import Role, Topology
+from afd_cupy.runtime.topology import Role, Topology
 
 __all__ = ("Scenario", "layer_weights", "run_rank", "tolerance")
 

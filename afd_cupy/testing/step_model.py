@@ -1,4 +1,4 @@
-"""A deterministic stand-in for a model's Attention side, for :mod:`afd_cupy.step_graph`'s test
+"""A deterministic stand-in for a model's Attention side, for :mod:`afd_cupy.attention.step_graph`'s test
 and benchmark (``tests/integration/test_step_graph_cuda.py``, ``tools/bench_step_graph.py``).
 
 Layer l: ``residual = x + x @ W_l^T`` (a fixed bf16 linear, W_l ~ N(0, scale^2 / H)),
@@ -14,7 +14,7 @@ import torch
 
 class LinearStandIn:
     """Per-layer weights W [L, H, H], R [L, E, H] in ``dtype`` on ``device`` (seeded on the CPU,
-    one layer at a time) and the callables :class:`~afd_cupy.step_graph.DecodeStepGraph` takes.
+    one layer at a time) and the callables :class:`~afd_cupy.attention.step_graph.DecodeStepGraph` takes.
     ``shared_weights``: one W for every layer (a benchmark at hidden 7168 and 50 layers would
     otherwise hold 5 GiB of stand-in weights). ``linear=False``: no W at all, ``residual = x``
     (one elementwise kernel instead of the GEMM: a step whose attention does not stream a

@@ -1,6 +1,6 @@
 """The protocol's home: header words and flags, encode/decode, reply and route-table checks,
 status and doorbell words (docs/design/wire-format.md, docs/design/protocol.md). The window
-geometry (capacities, slot layout, sizes) lives in :mod:`afd_cupy.layout` and is part of this
+geometry (capacities, slot layout, sizes) lives in :mod:`afd_cupy.wire.layout` and is part of this
 package's API too. One module per responsibility, every public name importable from here:
 
 - :mod:`~afd_cupy.wire.header`: header words and flags, :class:`Header`, encode/decode, the
@@ -29,9 +29,9 @@ number ``region * ring_depth + ring``. A sender writes only ``region = its own r
 """
 from __future__ import annotations
 
-from afd_cupy.layout import (ALIGN, FIELD_NAMES, HDR_FIXED_WORDS, ROUTE_FIXED_WORDS, WIRE_MODES,
-                             WindowLayout, align_up, ffn_staging_size_hint, route_width,
-                             routed_capacity, shared_capacity, window_size_hint)
+from afd_cupy.wire.layout import (ALIGN, FIELD_NAMES, HDR_FIXED_WORDS, ROUTE_FIXED_WORDS,
+                                  WIRE_MODES, WindowLayout, align_up, ffn_staging_size_hint,
+                                  route_width, routed_capacity, shared_capacity, window_size_hint)
 from afd_cupy.wire.checks import (ROUTE_FAULT_COUNT, ROUTE_FAULT_DUPLICATE, ROUTE_FAULT_PACKING,
                                   ROUTE_FAULT_RANGE, ROUTE_FAULT_SHARED, ROUTE_FAULT_TOKEN,
                                   check_capacity, check_route_table, route_table_error)
@@ -41,10 +41,10 @@ from afd_cupy.wire.header import (FLAG_DEDUP, FLAG_KEPT_REPLY, FLAG_SHUTDOWN, HD
                                   HDR_STAGE, HDR_TOPK, HDR_VERSION, HDR_WORD_NAMES, MAGIC,
                                   ROUTE_SHARED, ROUTE_SLOTS, ROUTE_TOKEN, SHUTDOWN_SEQ, VERSION,
                                   Header, decode_header, dispatch_header, encode_header,
-                                  header_fault, header_word_list, reply_header,
-                                  shutdown_header, shutdown_over_reply)
-from afd_cupy.wire.reply import (ReplyExpectation, answers, check_reply, is_late_reply,
-                                 reply_fault, reply_verdict)
+                                  header_fault, header_word_list, reply_header, shutdown_header,
+                                  shutdown_over_reply)
+from afd_cupy.wire.reply import (ReplyExpectation, answers, check_reply, is_late_reply, reply_fault,
+                                 reply_verdict)
 from afd_cupy.wire.status import (CLEAR_STATUS, DB_FLAG, DB_HEADER, DB_SLOT, DB_STATUS, DB_TICKET,
                                   ST_CAP, ST_CODE, ST_COUNT, ST_EXPECTED, ST_LAYER, ST_OBSERVED,
                                   ST_PEER, ST_RING, ST_SLOT, STATUS_BAD_EXPERT, STATUS_BAD_HEADER,
@@ -53,7 +53,7 @@ from afd_cupy.wire.status import (CLEAR_STATUS, DB_FLAG, DB_HEADER, DB_SLOT, DB_
                                   STATUS_WORDS, StatusRecord)
 
 __all__ = [
-    # window geometry (afd_cupy.layout)
+    # window geometry (afd_cupy.wire.layout)
     "ALIGN", "FIELD_NAMES", "HDR_FIXED_WORDS", "ROUTE_FIXED_WORDS", "WIRE_MODES", "WindowLayout",
     "align_up", "ffn_staging_size_hint", "route_width", "routed_capacity", "shared_capacity",
     "window_size_hint",

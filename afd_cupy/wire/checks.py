@@ -11,7 +11,7 @@ import numpy as np
 
 from afd_cupy import errors
 from afd_cupy.errors import WireError
-from afd_cupy.layout import ROUTE_FIXED_WORDS, WindowLayout
+from afd_cupy.wire.layout import ROUTE_FIXED_WORDS, WindowLayout
 from afd_cupy.wire.header import ROUTE_SHARED, ROUTE_SLOTS, ROUTE_TOKEN
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from afd_cupy.errors import WireError
-from afd_cupy.layout import HDR_FIXED_WORDS, WIRE_MODES, WindowLayout
+from afd_cupy.wire.layout import HDR_FIXED_WORDS, WIRE_MODES, WindowLayout
 
 MAGIC = 0x41464447  # "AFDG"
 VERSION = 1
@@ -34,7 +34,7 @@ HDR_SHARED_TOKENS = 8
 HDR_TOPK = 9
 HDR_FLAGS = 10
 HDR_ECHO_SEQ = 11
-# HDR_FIXED_WORDS = 12 (from afd_cupy.layout): expert_counts[expert_per_rank] follow
+# HDR_FIXED_WORDS = 12 (from afd_cupy.wire.layout): expert_counts[expert_per_rank] follow
 # dedup only: one more word after expert_counts, num_rows (at HDR_FIXED_WORDS + expert_per_rank)
 
 # Dedup route table row (int32 words), one per message row: ROUTE_FIXED_WORDS + 2 * top_k words.

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from afd_cupy import errors
-from afd_cupy.layout import HDR_FIXED_WORDS
+from afd_cupy.wire.layout import HDR_FIXED_WORDS
 from afd_cupy.wire.header import HDR_WORD_NAMES, SHUTDOWN_SEQ
 
 # A spinning or routing kernel latches its first error in a status block of STATUS_WORDS

@@ -28,17 +28,17 @@
 // GS_BAD_ROUTE with the verdict, gives the reserved reply seq back and stops the reply. The
 // dedup reply reduces the grouped outputs to one row per received row (fused, as
 // afd_dedup_reply) before header, fence and flag.
-// References: afd_cupy/ffn_graph.py (stage_reference, dedup_expand_reference,
+// References: afd_cupy/ffn/graph.py (stage_reference, dedup_expand_reference,
 // dedup_reply_reference; gather/reply in the cuda tests).
 //
 // The kernels: afd_graph_stage and afd_graph_wait_stage in ffn_graph_stage.cu; afd_graph_gather,
 // afd_graph_reply, afd_graph_dedup_expand and afd_graph_dedup_reply in ffn_graph_rows.cu. This
-// header holds the words they share (afd_cupy/ffn_graph.py mirrors them; a CPU test parses them).
+// header holds the words they share (afd_cupy/ffn/graph.py mirrors them; a CPU test parses them).
 #pragma once
 
 namespace afd {
 
-// What one replay did (REC_STATUS; afd_cupy/ffn_graph.py GS_*).
+// What one replay did (REC_STATUS; afd_cupy/ffn/graph.py GS_*).
 constexpr int GS_IDLE = 0;      // wait_any timed out: nothing consumed
 constexpr int GS_SERVED = 1;    // computed and answered inside the graph
 constexpr int GS_SHUTDOWN = 2;  // a shutdown message was consumed (src rank in the header copy)

@@ -2,7 +2,7 @@
 // ffn_graph.cuh), each reading what afd_graph_stage left in the replay's state: the gather into
 // the grouped GEMMs' staging and the reply (afd_graph_gather, afd_graph_reply), and in the dedup
 // wire mode the route-table expand and the reducing reply (afd_graph_dedup_expand,
-// afd_graph_dedup_reply; device code of dedup_ffn.cuh). References: afd_cupy/ffn_graph.py
+// afd_graph_dedup_reply; device code of dedup_ffn.cuh). References: afd_cupy/ffn/graph.py
 // (dedup_expand_reference, dedup_reply_reference; gather/reply in the cuda tests).
 #include "common/wire.cuh"
 #include "common/payload.cuh"

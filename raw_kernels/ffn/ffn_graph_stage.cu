@@ -2,7 +2,7 @@
 // ffn_graph.cuh): what the replay does (GS_*), the grouped-GEMM group offsets, the reserved reply
 // seq and header, and the replay's record. afd_graph_wait_stage waits for the arrival itself
 // (afd_wait_any's flag scan, wait_any.cuh); afd_graph_stage reads it from afd_wait_any's device
-// doorbell. Reference: afd_cupy/ffn_graph.py (stage_reference).
+// doorbell. Reference: afd_cupy/ffn/graph.py (stage_reference).
 #include "common/wire.cuh"
 #include "common/block.cuh"
 #include "ffn/ffn_graph.cuh"  // GS_*, STATE_*, REC_*

@@ -1,4 +1,4 @@
-// gate.cu: the greedy MoE gate in one kernel (afd_cupy/gates.py select_experts, docs/design/kernels.md).
+// gate.cu: the greedy MoE gate in one kernel (afd_cupy/moe/gates.py select_experts, docs/design/kernels.md).
 //
 // What torch does in ~7 kernels (float cast, softmax or sigmoid, optional bias, top-k, gather,
 // renormalize, int32 cast), per token in one warp: the scores in fp32, the selection (scores
@@ -6,7 +6,7 @@
 // weights, optionally divided by their sum. Rows ordered by decreasing selection; equal
 // selections go to the lower expert id; a NaN selection ranks below every number (a row of
 // NaN logits still yields top_k distinct ids in range, with NaN weights). The numpy twin is
-// afd_cupy/gates.py gate_topk_reference.
+// afd_cupy/moe/gates.py gate_topk_reference.
 #include "common/wire.cuh"
 #include "common/payload.cuh"
 

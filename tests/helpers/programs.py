@@ -1,7 +1,7 @@
 """What the ranks of the multi-process fault tests run: one connector per rank, seeded inputs,
 the FFN's next item, an identity round trip, and the bad-input program.
 
-Programs are pickled by reference into spawned ranks (``afd_cupy.launch``), which import
+Programs are pickled by reference into spawned ranks (``afd_cupy.runtime.launch``), which import
 ``helpers.programs`` through the ``sys.path`` they inherit from the pytest process.
 """
 from __future__ import annotations
@@ -13,9 +13,9 @@ import torch
 
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig
 from afd_cupy.connector import AFDConnector
-from afd_cupy.ffn_worker import FFNWorker
+from afd_cupy.ffn.worker import FFNWorker
 from afd_cupy.testing.reference import identity_experts
-from afd_cupy.topology import Role, Topology
+from afd_cupy.runtime.topology import Role, Topology
 
 #: "device" or "host" (the GPU suite reruns the cuda cases with AFD_TEST_POLL_MODE=host)
 POLL_MODE = os.environ.get("AFD_TEST_POLL_MODE", "device")

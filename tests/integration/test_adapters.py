@@ -15,8 +15,10 @@ from helpers.backends import DIRECT_BACKENDS
 
 transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 
-from afd_cupy import adapters, gates  # noqa: E402
-from afd_cupy.launch import launch  # noqa: E402
+from afd_cupy import adapters  # noqa: E402
+
+from afd_cupy.moe import gates  # noqa: E402
+from afd_cupy.runtime.launch import launch  # noqa: E402
 from afd_cupy.testing.logit_check import LOGIT_TOLERANCE  # noqa: E402
 from afd_cupy.testing.reference import reference_moe  # noqa: E402
 from afd_cupy.testing.hf_models import (RouterRecorder, generation_rank, greedy_steps, tiny_config,  # noqa: E402
@@ -349,9 +351,9 @@ def _block_program(ctx, backend, dtype, num_attn, num_ffn):
 def _one_block_family(ctx, backend, family, dtype, num_attn, num_ffn):
     from afd_cupy.config import TopologyConfig
     from afd_cupy.connector import AFDConnector
-    from afd_cupy.dtypes import torch_dtype
-    from afd_cupy.ffn_worker import FFNWorker
-    from afd_cupy.topology import Topology
+    from afd_cupy.wire.dtypes import torch_dtype
+    from afd_cupy.ffn.worker import FFNWorker
+    from afd_cupy.runtime.topology import Topology
 
     device = torch.device("cuda", ctx.device_id or 0) if backend == "cuda" else torch.device("cpu")
     if device.type == "cuda":

@@ -15,8 +15,8 @@ sys.path.insert(0, str(TOOLS_DIR))
 
 import bench_common as bc  # noqa: E402
 import device_trace as dt  # noqa: E402
-from afd_cupy import dedup  # noqa: E402
-from afd_cupy.layout import WindowLayout  # noqa: E402
+from afd_cupy.routing import dedup  # noqa: E402
+from afd_cupy.wire.layout import WindowLayout  # noqa: E402
 
 # 3 tokens, top-2 over 2 FFN ranks of 4 experts: rank 0 gets experts 0, 1, 2, rank 1 5, 7, 6
 IDS = np.array([[0, 5], [1, 2], [7, 6]], np.int32)

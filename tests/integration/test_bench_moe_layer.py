@@ -39,7 +39,7 @@ def test_bench_moe_layer_tiny_cpu(tmp_path):
         assert 1 <= row["experts_hit"] <= min(8, row["tokens"] * 2)
         assert row["afd_rel_err"] <= 1e-2, row["afd_rel_err"]  # AFD == one process
         assert 1e-3 < row["fp8_rel_err"] < 0.15 and row["fp8_native"] is False  # emulated on the CPU
-    from afd_cupy.expert_gemm import ALL_VARIANTS
+    from afd_cupy.moe.expert_gemm import ALL_VARIANTS
 
     assert {v["variant"] for v in tiny["variants"]} == set(ALL_VARIANTS)
     assert all("median_us" in v for v in tiny["variants"]), [v for v in tiny["variants"] if "error" in v]
@@ -102,7 +102,7 @@ def test_bench_moe_layer_small_cuda(tmp_path):
     errors = [v for v in small["variants"] if "error" in v or "capture_error" in v]
     assert not errors, errors
     assert small["rows"][-1]["grouped_over_dense"] > 0 and report["dense_peak_tflops"] > 0
-    from afd_cupy.expert_gemm import fp8_unavailable_reason
+    from afd_cupy.moe.expert_gemm import fp8_unavailable_reason
 
     if fp8_unavailable_reason("cuda") is None:
         assert all(r["fp8_native"] and r["fp8_rel_err"] < 0.15 for r in small["rows"])

@@ -1,4 +1,4 @@
-"""``FFNWorker(serving=...)``: which way ``run()`` serves (afd_cupy/ffn_serving.py).
+"""``FFNWorker(serving=...)``: which way ``run()`` serves (afd_cupy/ffn/serving.py).
 
 On the CPU: the option's validation, every reason of the applicability check against fake
 cuda connectors (no device access is reached before the reason), the memory and timeout
@@ -17,17 +17,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from afd_cupy import ffn_serving
+from afd_cupy.ffn import serving as ffn_serving
 from afd_cupy.backends.base import Capabilities
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig
 from afd_cupy.connector import AFDConnector
 from afd_cupy.errors import ConfigError, ConnectorShutdown, PeerFailedError, WireError
-from afd_cupy.ffn_serving import graph_ffn_applies, plan_serving
-from afd_cupy.ffn_worker import FFNWorker
-from afd_cupy.launch import launch
+from afd_cupy.ffn.serving import graph_ffn_applies, plan_serving
+from afd_cupy.ffn.worker import FFNWorker
+from afd_cupy.runtime.launch import launch
 from afd_cupy.testing.reference import identity_experts, make_expert_weights, make_shared_weights
 from afd_cupy.testing.scenario_spec import Scenario, run_scenario_rank, tolerance
-from afd_cupy.topology import Role, Topology
+from afd_cupy.runtime.topology import Role, Topology
 
 HIDDEN, INTER, EPR, LAYERS = 16, 8, 2, 3
 

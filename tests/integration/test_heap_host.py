@@ -11,8 +11,8 @@ import pytest
 
 from afd_cupy.errors import HeapError
 from afd_cupy.heap.host import HostHeap, segment_path
-from afd_cupy.launch import LaunchError, ProcessContext, launch
-from afd_cupy.store import NamespacedStore, create_store, free_port
+from afd_cupy.runtime.launch import LaunchError, ProcessContext, launch
+from afd_cupy.runtime.store import NamespacedStore, create_store, free_port
 
 NUM_BUFFERS = 2
 

@@ -1,4 +1,4 @@
-"""Jobs whose ranks several launchers start: the launch rendezvous (``afd_cupy.rendezvous``),
+"""Jobs whose ranks several launchers start: the launch rendezvous (``afd_cupy.runtime.rendezvous``),
 ``connect`` / ``ProcessContext.join`` for a rank a foreign launcher started, per-node
 shared-memory cleanup (CPU only; the two-launch end-to-end runs are in test_store_launch.py)."""
 from __future__ import annotations
@@ -10,13 +10,15 @@ import uuid
 
 import pytest
 
-from afd_cupy import env, rendezvous
+from afd_cupy.runtime import env
+
+from afd_cupy.runtime import rendezvous
 from afd_cupy.config import TopologyConfig
 from afd_cupy.errors import ConfigError, PeerTimeoutError
 from afd_cupy.heap.host import cleanup_job_segments, segment_path
-from afd_cupy.launch import ProcessContext, connect, launch
-from afd_cupy.store import NamespacedStore, create_store, free_port
-from afd_cupy.topology import Role
+from afd_cupy.runtime.launch import ProcessContext, connect, launch
+from afd_cupy.runtime.store import NamespacedStore, create_store, free_port
+from afd_cupy.runtime.topology import Role
 
 
 

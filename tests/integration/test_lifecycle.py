@@ -22,9 +22,9 @@ import pytest
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig
 from afd_cupy.errors import ConfigError, PeerTimeoutError
 from afd_cupy.heap.host import HostHeap
-from afd_cupy.kvstore import KVClient, KVServer
-from afd_cupy.launch import DiedAsExpected, ProcessContext, connect, launch
-from afd_cupy.store import NamespacedStore, bound_listener, create_store, free_port
+from afd_cupy.runtime.kvstore import KVClient, KVServer
+from afd_cupy.runtime.launch import DiedAsExpected, ProcessContext, connect, launch
+from afd_cupy.runtime.store import NamespacedStore, bound_listener, create_store, free_port
 
 from helpers.paths import REPO_ROOT
 
@@ -66,7 +66,7 @@ def _sleep_forever(ctx):
 
 
 def test_store_waits_refuse_an_unbounded_timeout():
-    from afd_cupy.store import store_barrier, store_fetch
+    from afd_cupy.runtime.store import store_barrier, store_fetch
 
     server = KVServer(bound_listener("127.0.0.1"))
     try:
@@ -107,7 +107,7 @@ def test_heap_close_with_the_store_host_gone_logs_and_does_not_raise(kind, caplo
 _JOIN_SCRIPT = textwrap.dedent("""
     import json, sys, time
     import torch.distributed  # imported before the clock starts (the store is a TCPStore)
-    from afd_cupy.launch import ProcessContext
+    from afd_cupy.runtime.launch import ProcessContext
     ctx = ProcessContext.from_env(store_timeout_s=10.0)
     start = time.monotonic()
     try:
@@ -153,7 +153,7 @@ def _die_in_heap_setup(ctx, startup_s: float):
             os._exit(3)
 
         host.store_barrier = die
-    from afd_cupy.store import store_barrier
+    from afd_cupy.runtime.store import store_barrier
 
     store_barrier(ctx.store(), "both-imported", 2, 60.0)  # the handshake itself waits for no one
     start = time.monotonic()
@@ -257,7 +257,7 @@ def _expect_timeout(heap):
 _LAUNCHER_SCRIPT = textwrap.dedent("""
     import os, sys, time
     from afd_cupy.heap.host import HostHeap
-    from afd_cupy.launch import launch
+    from afd_cupy.runtime.launch import launch
 
     def hold_a_segment(ctx, out_dir):
         # a heap of 3 ranks with only 2 started: each rank holds its segment while it waits
@@ -321,11 +321,11 @@ def test_ranks_die_with_their_killed_launcher_and_leave_no_segments(tmp_path):
 def test_the_orphan_watchdog_exits_a_rank_whose_parent_is_gone(tmp_path):
     """The portable guard alone (no death signal): a child whose parent pid is not its
     parent exits at once with ORPHAN_EXIT_CODE."""
-    code = ("import os; from afd_cupy import orphan; orphan.DEATH_SIGNAL = None; "
+    code = ("import os; from afd_cupy.runtime import orphan; orphan.DEATH_SIGNAL = None; "
             "orphan.die_with_parent(os.getppid() + 1000000); import time; time.sleep(30)")
     out = subprocess.run([sys.executable, "-c", code], env=_subprocess_env(), timeout=60,
                          capture_output=True, text=True)
-    from afd_cupy.orphan import ORPHAN_EXIT_CODE
+    from afd_cupy.runtime.orphan import ORPHAN_EXIT_CODE
 
     assert out.returncode == ORPHAN_EXIT_CODE, out.stderr[-2000:]
 
@@ -356,8 +356,8 @@ def test_a_role_rank_claimed_twice_is_named():
 
 
 def test_launch_keeps_every_public_name_and_its_modules_stay_small():
-    """Issue #32: launch.py split by concept; every name it had is still importable from it."""
-    import afd_cupy.launch as launch_mod
+    """Issue #32: runtime/launch.py split by concept; every name it had is still importable from it."""
+    import afd_cupy.runtime.launch as launch_mod
 
     for name in ("DiedAsExpected", "IDLE_POOL_DEFAULTS", "LaunchError", "Placement", "ProcessContext",
                  "STORE_HOST", "THREAD_POOL_VARS", "connect", "detect_backend", "device_for_rank",

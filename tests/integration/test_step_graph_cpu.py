@@ -1,4 +1,4 @@
-"""CPU checks of afd_cupy.step_graph: what cannot be captured is a ConfigError naming the
+"""CPU checks of afd_cupy.attention.step_graph: what cannot be captured is a ConfigError naming the
 values, raised before anything touches a GPU (a stand-in connector, and one real host-backend
 connector); replay's input checks; the stand-in model's shapes. The capture itself:
 tests/integration/test_step_graph_cuda.py."""
@@ -11,14 +11,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from afd_cupy.attention_endpoint import AttentionEndpoint
+from afd_cupy.attention.endpoint import AttentionEndpoint
 from afd_cupy.backends.base import Capabilities
 from afd_cupy.backends.cuda_attention import CudaAttentionPath
 from afd_cupy.config import ConnectorConfig
 from afd_cupy.errors import ConfigError, ProtocolError
-from afd_cupy.step_graph import RECV, SEND, DecodeStepGraph, check_capturable, pipeline_schedule, split_rows
+from afd_cupy.attention.step_graph import RECV, SEND, DecodeStepGraph, check_capturable, pipeline_schedule, split_rows
 from afd_cupy.testing.step_model import LinearStandIn
-from afd_cupy.topology import Role
+from afd_cupy.runtime.topology import Role
 
 
 def _conn(role=Role.ATTENTION, backend="cuda", poll_mode="device", token_cap=16, num_layers=4, pending=(),
@@ -564,7 +564,7 @@ def test_linear_stand_in_shapes_and_determinism():
 def _host_rank(ctx):
     from afd_cupy.config import ModelConfig, TopologyConfig
     from afd_cupy.connector import AFDConnector
-    from afd_cupy.ffn_worker import FFNWorker
+    from afd_cupy.ffn.worker import FFNWorker
     from afd_cupy.testing.reference import identity_experts
 
     model = ModelConfig(hidden_size=16, num_experts=4, top_k=2, moe_intermediate_size=8,
@@ -588,7 +588,7 @@ def _host_rank(ctx):
 
 @pytest.mark.timeout(120)
 def test_a_real_host_connector_is_refused():
-    from afd_cupy.launch import launch
+    from afd_cupy.runtime.launch import launch
 
     attn, served = launch(_host_rank, 2, timeout_s=100)
     assert "backend='host': its receive blocks on the host (supports_nonblocking=False)" in attn and served == 0
@@ -600,10 +600,10 @@ def _host_staged_rank(ctx):
     the real connector and an FFNWorker with identity experts."""
     from unittest import mock
 
-    from afd_cupy import step_graph
+    from afd_cupy.attention import step_graph
     from afd_cupy.config import ModelConfig, TopologyConfig
     from afd_cupy.connector import AFDConnector
-    from afd_cupy.ffn_worker import FFNWorker
+    from afd_cupy.ffn.worker import FFNWorker
     from afd_cupy.testing.reference import identity_experts
 
     model = ModelConfig(hidden_size=16, num_experts=4, top_k=2, moe_intermediate_size=8,
@@ -644,7 +644,7 @@ def test_two_stages_on_a_real_host_connector():
     """The real protocol serves the pipeline (each stage on its own ring, nothing left
     pending); each micro-batch's rows equal the one-stage step on those rows bit for bit,
     and the unsplit step's within bf16 rounding (its GEMMs see another batch size)."""
-    from afd_cupy.launch import launch
+    from afd_cupy.runtime.launch import launch
     from afd_cupy.testing.scenario import tolerance
 
     attn, served = launch(_host_staged_rank, 2, timeout_s=100)

@@ -1,7 +1,7 @@
-"""A whole decode step of 6 layers captured in one CUDA graph (afd_cupy.step_graph), Attention
+"""A whole decode step of 6 layers captured in one CUDA graph (afd_cupy.attention.step_graph), Attention
 side, against the same step run eagerly and against the fp64 MoE reference, layer by layer.
 
-The Attention rank builds a :class:`~afd_cupy.step_graph.DecodeStepGraph` over a fixed bf16
+The Attention rank builds a :class:`~afd_cupy.attention.step_graph.DecodeStepGraph` over a fixed bf16
 linear stand-in (afd_cupy.testing.step_model), then three times: fresh inputs (the third
 replay with fewer rows than captured: zero padding), the static output NaN-filled, replay,
 ``check_errors()``; the same inputs through ``run_eager``. FFN side: an eager ``FFNWorker``
@@ -33,7 +33,7 @@ from __future__ import annotations
 import pytest
 
 from afd_cupy.config import ModelConfig
-from afd_cupy.launch import launch
+from afd_cupy.runtime.launch import launch
 from afd_cupy.testing.scenario import tolerance
 
 pytestmark = pytest.mark.cuda
@@ -61,7 +61,7 @@ def _step_program(ctx, num_ffn: int, ffn: str, model: ModelConfig, stages: int =
 
     from afd_cupy.config import ConnectorConfig, TopologyConfig
     from afd_cupy.connector import AFDConnector
-    from afd_cupy.topology import Topology
+    from afd_cupy.runtime.topology import Topology
 
     torch.cuda.set_device(ctx.device_id or 0)
     device = torch.device("cuda", ctx.device_id or 0)
@@ -83,7 +83,7 @@ def _step_program(ctx, num_ffn: int, ffn: str, model: ModelConfig, stages: int =
 
 def _serve(conn, ffn: str, ffn_rank: int, device) -> dict:
     from afd_cupy import moe
-    from afd_cupy.ffn_worker import FFNWorker
+    from afd_cupy.ffn.worker import FFNWorker
     from afd_cupy.testing.scenario import layer_weights
 
     if ffn == "graph":
@@ -113,7 +113,7 @@ def _expected_moe(trace, layer: int, model, ffn: str):
 def _attention(conn, ffn: str, device, stages: int, stage_streams: bool = False) -> dict:
     import torch
 
-    from afd_cupy.step_graph import DecodeStepGraph
+    from afd_cupy.attention.step_graph import DecodeStepGraph
     from afd_cupy.testing.step_model import LinearStandIn
 
     model = conn.model

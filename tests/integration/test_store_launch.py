@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from afd_cupy.errors import AfdError, ConfigError, PeerTimeoutError
-from afd_cupy.launch import LaunchError, ProcessContext, device_for_rank, launch
-from afd_cupy.kvstore import KVClient, KVServer
-from afd_cupy.store import (NamespacedStore, agreed_barrier, bound_listener, create_store, free_port,
-                            store_barrier)
+from afd_cupy.runtime.launch import LaunchError, ProcessContext, device_for_rank, launch
+from afd_cupy.runtime.kvstore import KVClient, KVServer
+from afd_cupy.runtime.store import (NamespacedStore, agreed_barrier, bound_listener, create_store,
+                                    free_port, store_barrier)
 
 from helpers.paths import REPO_ROOT
 
@@ -359,7 +359,7 @@ def test_a_launch_run_alone_serves_its_store_without_torch():
     # machine); the ranks reach it through ctx.store()
     here = Path(__file__).resolve().parent  # this file's folder, and tests/ (for helpers)
     code = (f"import sys; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]; from test_store_launch import "
-            "_store_kind_and_torch as f; from afd_cupy.launch import launch; "
+            "_store_kind_and_torch as f; from afd_cupy.runtime.launch import launch; "
             "print(launch(f, 2, timeout_s=60.0), 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
@@ -370,7 +370,7 @@ def test_a_launch_run_alone_serves_its_store_without_torch():
 def test_launch_that_cannot_listen_for_its_store_starts_no_rank(monkeypatch):
     import multiprocessing
 
-    from afd_cupy import process_context
+    from afd_cupy.runtime import process_context
 
     def broken(host):
         raise OSError(98, "Address already in use (simulated)")
@@ -388,8 +388,8 @@ def test_process_context_refuses_an_unknown_store_kind():
 
 
 def test_detect_backend_override_and_cpu_fallback(monkeypatch):
-    from afd_cupy import launch as launch_mod
-    from afd_cupy import placement
+    from afd_cupy.runtime import launch as launch_mod
+    from afd_cupy.runtime import placement
 
     monkeypatch.setenv("AFD_BACKEND", "cuda")
     assert launch_mod.detect_backend() == "cuda"
@@ -406,12 +406,12 @@ def test_detect_backend_override_and_cpu_fallback(monkeypatch):
 def _thread_env(ctx):
     import torch
 
-    from afd_cupy.launch import THREAD_POOL_VARS
+    from afd_cupy.runtime.launch import THREAD_POOL_VARS
     return {var: os.environ.get(var) for var in THREAD_POOL_VARS}, torch.get_num_threads()
 
 
 def test_launched_processes_share_the_cores_unless_told_otherwise(monkeypatch):
-    from afd_cupy.launch import THREAD_POOL_VARS, thread_limits
+    from afd_cupy.runtime.launch import THREAD_POOL_VARS, thread_limits
 
     for var in THREAD_POOL_VARS:
         monkeypatch.delenv(var, raising=False)
@@ -430,7 +430,7 @@ def _placed(ctx):
 
 
 def test_placement_puts_each_rank_on_its_gpu_with_its_sm_share():
-    from afd_cupy.launch import Placement, parse_placement
+    from afd_cupy.runtime.launch import Placement, parse_placement
 
     placement = parse_placement("0:50, 0:50, 1", 3)
     assert placement == [Placement(0, 50), Placement(0, 50), Placement(1, None)]

@@ -1,4 +1,4 @@
-"""Thread budget of launched and foreign processes (afd_cupy.env, launch, AFDConnector's
+"""Thread budget of launched and foreign processes (afd_cupy.runtime.env, launch, AFDConnector's
 cpu_threads)."""
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ import sys
 import pytest
 import torch  # imported at module level: a launched child has torch before fn runs
 
-from afd_cupy import connector_setup
-from afd_cupy import env, planner
+from afd_cupy.runtime import connector_setup
+from afd_cupy.runtime import env
+from afd_cupy.routing import planner
 from afd_cupy.errors import ConfigError
-from afd_cupy.handshake import PeerProcess
-from afd_cupy.launch import IDLE_POOL_DEFAULTS, THREAD_POOL_VARS, launch, thread_limits
+from afd_cupy.runtime.handshake import PeerProcess
+from afd_cupy.runtime.launch import IDLE_POOL_DEFAULTS, THREAD_POOL_VARS, launch, thread_limits
 
 from helpers.paths import REPO_ROOT
 
@@ -145,7 +146,7 @@ def test_openblas_workers_sleep_under_the_idle_defaults():
 
 
 def test_visible_gpu_count_reads_cuda_visible_devices_as_the_runtime_does():
-    from afd_cupy.launch import visible_gpu_count
+    from afd_cupy.runtime.launch import visible_gpu_count
 
     assert visible_gpu_count(4, None) == 4
     assert visible_gpu_count(4, "") == 0
@@ -157,7 +158,7 @@ def test_visible_gpu_count_reads_cuda_visible_devices_as_the_runtime_does():
 
 
 def test_detecting_the_backend_does_not_import_torch():
-    code = ("import sys; from afd_cupy.launch import detect_backend; b = detect_backend(); "
+    code = ("import sys; from afd_cupy.runtime.launch import detect_backend; b = detect_backend(); "
             "print(b, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": ROOT}).stdout.split()

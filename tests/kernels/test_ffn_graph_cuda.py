@@ -1,5 +1,5 @@
 """GPU checks of the graph-driven FFN: each kernel of raw_kernels/ffn/ffn_graph_*.cu against the numpy
-reference (afd_cupy.ffn_graph.stage_reference, wire's header builders) on fresh random data
+reference (afd_cupy.ffn.graph.stage_reference, wire's header builders) on fresh random data
 with garbage-prefilled outputs; the kernels captured with wait_any in a torch CUDA graph and
 replayed; and GraphFFNServer end to end against the fp64 MoE reference (eager fallback
 included). Skipped without CuPy / a GPU (conftest)."""
@@ -9,7 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from afd_cupy import ffn_graph, kernels, moe, wire
+from afd_cupy import kernels, moe, wire
+
+from afd_cupy.ffn import graph as ffn_graph
 from afd_cupy.kernels import specs
 
 from helpers import kernels as kh
@@ -331,7 +333,7 @@ def test_graph_server_matches_the_reference_with_an_eager_fallback(num_layers):
     (reply seq reserved on the device), every output within the fp64 reference's tolerance; the
     layer is chosen on the device (stacked weights, zero-size groups elsewhere)."""
     from afd_cupy.config import ModelConfig
-    from afd_cupy.launch import launch
+    from afd_cupy.runtime.launch import launch
     from afd_cupy.testing.graph_ffn import run_graph_rank
     from afd_cupy.testing.scenario import Scenario, tolerance
 
@@ -360,7 +362,7 @@ def test_graph_server_gemm_sm_carveout_gives_the_same_outputs():
     whose persistent kernel computes each tile the same way whatever its grid). Intermediate
     1408: the gate/up GEMMs have more tiles than an H200 has SMs."""
     from afd_cupy.config import ModelConfig
-    from afd_cupy.launch import launch
+    from afd_cupy.runtime.launch import launch
     from afd_cupy.testing.graph_ffn import run_graph_rank
     from afd_cupy.testing.scenario import Scenario, tolerance
 
@@ -655,7 +657,7 @@ def test_graph_server_dedup_matches_the_reference_with_an_eager_fallback(num_ffn
     by the eager dedup worker (expand + reduce on the second stream); every output within the
     fp64 reference's tolerance. 1A2F: the shared rule and the partial rows of two ranks."""
     from afd_cupy.config import ConnectorConfig, ModelConfig
-    from afd_cupy.launch import launch
+    from afd_cupy.runtime.launch import launch
     from afd_cupy.testing.graph_ffn import run_graph_rank
     from afd_cupy.testing.scenario import Scenario, tolerance
 
@@ -687,7 +689,7 @@ def test_graph_server_identity_and_a_corrupt_route_table(wire_mode, corrupt_firs
     device's duplicate verdict, naming the row), gives the reply seq back and then serves the
     real layers (their replies answer them: the seq bookkeeping is intact)."""
     from afd_cupy.config import ModelConfig
-    from afd_cupy.launch import launch
+    from afd_cupy.runtime.launch import launch
     from afd_cupy.testing.graph_ffn import run_graph_identity_rank
 
     model = ModelConfig(hidden_size=256, num_experts=16, top_k=4, moe_intermediate_size=64,

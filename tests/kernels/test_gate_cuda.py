@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from afd_cupy import gates, kernels
+from afd_cupy import kernels
+
+from afd_cupy.moe import gates
 from afd_cupy.kernels import PackedLaunch, specs
 
 from helpers.gates import separated_logits

@@ -17,7 +17,9 @@ import sys
 import numpy as np
 import pytest
 
-from afd_cupy import config, errors, kernels, planner, wire
+from afd_cupy import config, errors, kernels, wire
+
+from afd_cupy.routing import planner
 
 from helpers import kernels as kh
 

@@ -12,7 +12,9 @@ import time
 import numpy as np
 import pytest
 
-from afd_cupy import kernels, planner, wire
+from afd_cupy import kernels, wire
+
+from afd_cupy.routing import planner
 
 from helpers import kernels as kh
 from helpers.layouts import kernel_layout

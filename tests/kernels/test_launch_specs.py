@@ -508,7 +508,7 @@ def test_ffn_reply_writes_put_peers_into_the_staging_and_puts_its_rows(fake_spec
 
     from afd_cupy.backends import cuda_ffn, cuda_ffn_dedup
     from afd_cupy.backends.base import Arrival
-    from afd_cupy.seq import SeqCounter
+    from afd_cupy.wire.seq import SeqCounter
 
     monkeypatch.setattr(kernels, "PackedLaunch", _RecordingLaunch)
     layout = _DEDUP_LAYOUT if wire_mode == "dedup" else _LAYOUT

@@ -20,11 +20,11 @@ from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig
 from afd_cupy.connector import AFDConnector
 from afd_cupy.errors import (BackendUnavailableError, ConfigError, InvalidRoutingError,
                              PeerLostError, PeerTimeoutError, ProtocolError, WireError)
-from afd_cupy.ffn_worker import FFNWorker
-from afd_cupy.launch import DiedAsExpected, LaunchError, launch
-from afd_cupy.store import store_fetch, store_publish
+from afd_cupy.ffn.worker import FFNWorker
+from afd_cupy.runtime.launch import DiedAsExpected, LaunchError, launch
+from afd_cupy.runtime.store import store_fetch, store_publish
 from afd_cupy.testing.reference import identity_experts
-from afd_cupy.topology import Role
+from afd_cupy.runtime.topology import Role
 
 from helpers.backends import BACKENDS, PATHS
 from helpers.programs import (FAULT_MODEL, FAULT_TIMEOUT_S, POLL_MODE, bad_input_program, connect,
@@ -602,7 +602,7 @@ def test_attention_error_before_shutdown_releases_the_ffn_and_surfaces(backend):
 
 
 def test_liveness_is_unknown_outside_this_host_and_pid_namespace():
-    from afd_cupy import handshake
+    from afd_cupy.runtime import handshake
 
     here = handshake.PeerProcess(0, os.getpid(), handshake.socket.gethostname(),
                                  handshake._pid_namespace())
@@ -620,7 +620,7 @@ def test_an_exited_process_not_yet_reaped_is_dead():
     import subprocess
     import sys
 
-    from afd_cupy import handshake
+    from afd_cupy.runtime import handshake
 
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     peer = handshake.PeerProcess(0, child.pid, handshake.socket.gethostname(), handshake._pid_namespace())

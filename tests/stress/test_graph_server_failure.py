@@ -10,7 +10,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from afd_cupy import ffn_graph, wire
+from afd_cupy import wire
+
+from afd_cupy.ffn import graph as ffn_graph
 from afd_cupy.backends.cuda_ffn_graph import GraphFFNServer
 from afd_cupy.errors import PeerLostError, WireError
 

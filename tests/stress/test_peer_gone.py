@@ -15,11 +15,11 @@ import torch
 from afd_cupy import wire
 from afd_cupy.config import ConnectorConfig
 from afd_cupy.errors import PeerLostError, ProtocolError
-from afd_cupy.ffn_worker import FFNWorker
-from afd_cupy.launch import DiedAsExpected, launch
-from afd_cupy.store import store_fetch, store_publish
+from afd_cupy.ffn.worker import FFNWorker
+from afd_cupy.runtime.launch import DiedAsExpected, launch
+from afd_cupy.runtime.store import store_fetch, store_publish
 from afd_cupy.testing.reference import identity_experts
-from afd_cupy.topology import Role
+from afd_cupy.runtime.topology import Role
 
 from helpers.backends import BACKENDS, DIRECT_BACKENDS, DIRECT_PATHS, PATHS
 from helpers.fakes import scripted_connector, work_item
@@ -216,7 +216,7 @@ def test_lockstep_serves_the_live_replicas_once_one_finished():
 
 
 def _lockstep_dead_replica_program(ctx, backend):
-    from afd_cupy.ffn_worker import attention_connector_kwargs
+    from afd_cupy.ffn.worker import attention_connector_kwargs
 
     conn, role, role_rank = connect(ctx, backend, 2, 1, timeout_s=TIMEOUT_S,
                                      **({} if ctx.rank == 2 else attention_connector_kwargs("lockstep")))

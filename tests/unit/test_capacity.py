@@ -10,9 +10,8 @@ import sys
 
 import pytest
 
-from afd_cupy.capacity import (
-    Costs, Deployment, Link, ModelShape, Placement, ReplicaLoad, SimConfig, parse_placements, simulate,
-)
+from afd_cupy.capacity import (Costs, Deployment, Link, ModelShape, Placement, ReplicaLoad,
+                               SimConfig, parse_placements, simulate)
 from afd_cupy.capacity import calibrate as cal
 from afd_cupy.capacity import costs as cm
 from afd_cupy.capacity.search import Target, search

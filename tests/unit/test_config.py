@@ -121,7 +121,7 @@ def test_a_huge_routed_cap_multiplier_is_a_config_error(value):
 
 @pytest.mark.parametrize("bad", [1.0, "1", None])
 def test_a_role_rank_that_is_not_an_int_says_so(bad):
-    from afd_cupy.topology import Role, Topology
+    from afd_cupy.runtime.topology import Role, Topology
 
     with pytest.raises(ConfigError, match=rf"attention role rank must be an int, got \w+ {bad!r}"):
         Topology(2, 1, 4).world_rank(Role.ATTENTION, bad)
@@ -129,7 +129,7 @@ def test_a_role_rank_that_is_not_an_int_says_so(bad):
 
 def test_rank_local_knobs_are_left_out_of_the_handshake_record():
     from afd_cupy.config import RANK_LOCAL_FIELDS
-    from afd_cupy.handshake import config_record
+    from afd_cupy.runtime.handshake import config_record
 
     model, topology = ModelConfig(**MODEL), TopologyConfig(1, 1)
     mine = config_record(model, topology, ConnectorConfig(), backend="host")

@@ -1,4 +1,4 @@
-"""The dedup wire mode's host steps (afd_cupy.dedup, numba) against their numpy references
+"""The dedup wire mode's host steps (afd_cupy.routing.dedup, numba) against their numpy references
 (afd_cupy.testing.dedup_reference) on fresh random routings, the plan's rules, the bytes each
 mode puts on the wire, and the in-process numerics of both modes against the fp64 MoE."""
 import numpy as np
@@ -6,8 +6,12 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from afd_cupy import dedup, moe, planner, wire
-from afd_cupy.dtypes import raw_to_f32, raw_to_torch, torch_to_raw
+from afd_cupy import moe, wire
+
+from afd_cupy.routing import dedup
+
+from afd_cupy.routing import planner
+from afd_cupy.wire.dtypes import raw_to_f32, raw_to_torch, torch_to_raw
 from afd_cupy.testing import dedup_reference as ref
 from afd_cupy.testing.reference import make_expert_weights, make_shared_weights, reference_moe
 from afd_cupy.testing.scenario import tolerance

@@ -1,4 +1,4 @@
-"""afd_cupy.dtypes: the payload dtype table against torch, numpy and the wire.cuh mirror, and
+"""afd_cupy.wire.dtypes: the payload dtype table against torch, numpy and the wire.cuh mirror, and
 the host conversions on random values."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from afd_cupy.dtypes import (PAYLOAD_DTYPES, payload_dtype, raw_dtype, raw_to_f32, raw_to_torch,
-                             torch_dtype, torch_to_raw)
+from afd_cupy.wire.dtypes import (PAYLOAD_DTYPES, payload_dtype, raw_dtype, raw_to_f32,
+                                  raw_to_torch, torch_dtype, torch_to_raw)
 from afd_cupy.errors import ConfigError
 
 from helpers.paths import RAW_KERNELS_DIR

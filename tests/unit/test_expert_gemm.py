@@ -1,4 +1,4 @@
-"""afd_cupy.expert_gemm: every variant of the routed grouped GEMM computes what the fp64
+"""afd_cupy.moe.expert_gemm: every variant of the routed grouped GEMM computes what the fp64
 per-expert reference computes, on fresh random data, with the output pre-filled with NaN (an
 unwritten row fails); FP8 within its quantization error. CPU in fp32 here; the cuda tests
 compare each variant with the library's path in bf16 and inside a CUDA graph."""
@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
-from afd_cupy import expert_gemm, moe
+from afd_cupy import moe
+
+from afd_cupy.moe import expert_gemm
 
 
 def _weights(num_experts, hidden, inter, *, dtype=torch.float32, device="cpu", seed=0,

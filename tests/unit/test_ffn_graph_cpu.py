@@ -1,4 +1,4 @@
-"""CPU checks of the graph-driven FFN (afd_cupy/ffn_graph.py, raw_kernels/ffn/ffn_graph*): the
+"""CPU checks of the graph-driven FFN (afd_cupy/ffn/graph.py, raw_kernels/ffn/ffn_graph*): the
 mirrored words, the stage reference against the protocol's rules, the offsets against what
 torch._grouped_mm computes with them, and the bucket policy. No GPU, no CuPy."""
 from __future__ import annotations
@@ -10,7 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from afd_cupy import ffn_graph, kernels, wire
+from afd_cupy import kernels, wire
+
+from afd_cupy.ffn import graph as ffn_graph
 from afd_cupy.errors import ConfigError, WireError
 from afd_cupy.kernels import specs
 
@@ -164,7 +166,7 @@ def test_record_and_state_sizes():
 
 
 def test_server_module_imports_without_cupy():
-    code = ("import sys, afd_cupy.backends.cuda_ffn_graph, afd_cupy.ffn_graph; "
+    code = ("import sys, afd_cupy.backends.cuda_ffn_graph, afd_cupy.ffn.graph; "
             "assert 'cupy' not in sys.modules, 'cupy imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=kernels.KERNEL_DIR.parent)
 
@@ -310,7 +312,7 @@ def test_server_accepts_a_dedup_connector_and_keeps_its_other_limits():
     from types import SimpleNamespace
 
     from afd_cupy.backends.cuda_ffn_graph import GraphFFNServer
-    from afd_cupy.topology import Role
+    from afd_cupy.runtime.topology import Role
 
     from afd_cupy.backends.base import Capabilities
 

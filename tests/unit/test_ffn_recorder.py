@@ -15,8 +15,8 @@ from afd_cupy.backends.base import Arrival
 from afd_cupy.backends.host_poll import HostPolling
 from afd_cupy.connector import FFNWorkItem
 from afd_cupy.errors import ConnectorShutdown, PeerTimeoutError, ProtocolError
-from afd_cupy.ffn_overlap import ThreadReplies
-from afd_cupy.ffn_worker import FFNWorker
+from afd_cupy.ffn.overlap import ThreadReplies
+from afd_cupy.ffn.worker import FFNWorker
 
 HIDDEN = 8
 

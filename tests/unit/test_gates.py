@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from afd_cupy import gates
+from afd_cupy.moe import gates
 
 from helpers.gates import separated_logits
 

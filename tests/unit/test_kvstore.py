@@ -1,4 +1,4 @@
-"""The launcher's torch-free store (afd_cupy.kvstore): TCPStore's conventions, bounded waits,
+"""The launcher's torch-free store (afd_cupy.runtime.kvstore): TCPStore's conventions, bounded waits,
 typed errors (CPU only)."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import time
 import pytest
 
 from afd_cupy.errors import ConfigError, PeerTimeoutError
-from afd_cupy.kvstore import KVClient, KVServer, StoreLostError
-from afd_cupy.store import Store, bound_listener
+from afd_cupy.runtime.kvstore import KVClient, KVServer, StoreLostError
+from afd_cupy.runtime.store import Store, bound_listener
 
 
 @pytest.fixture
@@ -146,7 +146,7 @@ def test_client_timeout_must_be_positive(server):
 def test_close_wakes_the_accepting_thread_at_once(monkeypatch):
     # close() must not wait out the accept poll (it ends every launch): with a 30 s poll, a
     # close that relied on it would take 30 s
-    from afd_cupy import kvstore
+    from afd_cupy.runtime import kvstore
 
     monkeypatch.setattr(kvstore, "_ACCEPT_POLL_S", 30.0)
     server = KVServer(bound_listener("127.0.0.1"))

@@ -14,7 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from afd_cupy import gates, moe
+from afd_cupy import moe
+
+from afd_cupy.moe import gates
 from afd_cupy.moe import carveout
 from afd_cupy.moe import compute as moe_compute
 from afd_cupy.config import ModelConfig

@@ -10,7 +10,7 @@ import pytest
 
 from afd_cupy.errors import BackendUnavailableError
 from afd_cupy.heap import nvshmem, nvshmem_lib
-from afd_cupy.launch import ProcessContext, launch
+from afd_cupy.runtime.launch import ProcessContext, launch
 
 
 def _stamped_pattern(seed: int, src_rank: int, buf_idx: int, nbytes: int) -> np.ndarray:

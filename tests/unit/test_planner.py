@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from afd_cupy import planner
+from afd_cupy.routing import planner
 
 FIELDS = ("order", "route_table", "expert_counts", "rank_offsets", "pos")
 

@@ -37,7 +37,7 @@ ALLOWED = {
     # transformers' PreTrainedModel attribute (a third-party object the rule cannot tell apart)
     ("testing/hf_models.py", "_keep_in_fp32_modules_strict"): "transformers' model attribute",
     # third-party objects, not afd_cupy's seams (the rule cannot see an object's type)
-    ("expert_formats.py", "_apply_gate"): "transformers' experts method, probed on purpose",
+    ("moe/expert_formats.py", "_apply_gate"): "transformers' experts method, probed on purpose",
     ("heap/nvshmem_lib.py", "_name"): "ctypes.CDLL._name, the library's path",
 }
 
@@ -138,7 +138,7 @@ def test_the_rule_flags_what_it_names():
 import torch
 import afd_cupy.moe as moe
 from afd_cupy import wire
-from afd_cupy.ffn_worker import _per_layer
+from afd_cupy.ffn.worker import _per_layer
 from . import _sibling
 from ._private_mod import thing
 

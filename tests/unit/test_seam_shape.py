@@ -1,4 +1,4 @@
-"""The asymmetric seam's shape (issue #32): one next-seq rule in Python (``afd_cupy.seq``), the
+"""The asymmetric seam's shape (issue #32): one next-seq rule in Python (``afd_cupy.wire.seq``), the
 declared ``Capabilities`` that callers read instead of backend names, and role paths that
 hold one role's steps on a shared rank context."""
 from __future__ import annotations
@@ -12,15 +12,15 @@ import pytest
 from afd_cupy.backends import cuda, host, host_ffn
 from afd_cupy.backends.base import Capabilities
 from afd_cupy.errors import ProtocolError
-from afd_cupy.ffn_endpoint import FFNEndpoint
-from afd_cupy.seq import SeqCounter, next_seq
+from afd_cupy.ffn.endpoint import FFNEndpoint
+from afd_cupy.wire.seq import SeqCounter, next_seq
 from afd_cupy.transports import transports_of
 from helpers.paths import REPO_ROOT
 
 PACKAGE = REPO_ROOT / "afd_cupy"
 #: the loops and the connector that decide on what a data path can do
-CALLERS = ["connector.py", "attention_endpoint.py", "ffn_endpoint.py", "step_graph.py",
-           "step_schedule.py", "ffn_worker.py", "backends/cuda_ffn_graph.py"]
+CALLERS = ["connector.py", "attention/endpoint.py", "ffn/endpoint.py", "attention/step_graph.py",
+           "attention/step_schedule.py", "ffn/worker.py", "backends/cuda_ffn_graph.py"]
 
 
 def test_seq_counter_is_the_next_seq_rule_per_slot():

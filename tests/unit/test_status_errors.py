@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from afd_cupy import wire
-from afd_cupy.errors import (CapacityError, InvalidRoutingError, ConnectorShutdown, PeerTimeoutError, ProtocolError,
-                             WireError)
+from afd_cupy.errors import (CapacityError, InvalidRoutingError, ConnectorShutdown,
+                             PeerTimeoutError, ProtocolError, WireError)
 from afd_cupy.kernels import StatusBlock, StatusChannel
 
 

@@ -15,7 +15,7 @@ from afd_cupy import wire
 from afd_cupy.backends import host_dedup
 from afd_cupy.backends.base import Arrival, ArrivalSuperseded
 from afd_cupy.errors import WireError
-from afd_cupy.ffn_endpoint import FFNEndpoint
+from afd_cupy.ffn.endpoint import FFNEndpoint
 
 from helpers.layouts import small_layout
 

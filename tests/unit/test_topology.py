@@ -1,7 +1,7 @@
 import pytest
 
 from afd_cupy.errors import TopologyError
-from afd_cupy.topology import Role, Topology
+from afd_cupy.runtime.topology import Role, Topology
 
 
 @pytest.mark.parametrize("num_attn,num_ffn", [(1, 1), (2, 2), (3, 2), (1, 4), (4, 1)])

@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from afd_cupy import planner
+from afd_cupy.routing import planner
 from afd_cupy.transports import get_transport, put as put_transport
 from afd_cupy.backends.base import require_backend
 from afd_cupy.config import ConnectorConfig
 from afd_cupy.errors import ConfigError
-from afd_cupy.layout import WindowLayout, routed_capacity, shared_capacity
+from afd_cupy.wire.layout import WindowLayout, routed_capacity, shared_capacity
 from afd_cupy.testing.dedup_reference import plan_reference
 
 
@@ -350,7 +350,7 @@ class _FakeWindow:
 
 
 def _ctx(mode, role_rank, num_attn, num_ffn, layout):
-    from afd_cupy.topology import Role, Topology
+    from afd_cupy.runtime.topology import Role, Topology
 
     pes = [Topology(num_attn, num_ffn, 8).world_rank(Role.FFN, j) for j in range(num_ffn)]
     return type("Ctx", (), {"transport": mode, "role_rank": role_rank, "layout": layout,

@@ -14,7 +14,7 @@ from afd_cupy.backends import host
 from afd_cupy.backends.base import require_backend
 from afd_cupy.config import ConnectorConfig, ModelConfig
 from afd_cupy.errors import ConfigError
-from afd_cupy.launch import launch
+from afd_cupy.runtime.launch import launch
 from afd_cupy.testing.scenario import Scenario, run_rank, tolerance
 from afd_cupy.transports import (Link, Transport, get_transport, register, transport_names,
                                  transports_of, unregister)

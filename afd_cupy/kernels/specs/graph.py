@@ -1,5 +1,5 @@
 """Spec builders of ``raw_kernels/ffn/ffn_graph_stage.cu`` and ``ffn_graph_rows.cu``: the
-graph-driven FFN (afd_cupy/ffn_graph.py, backends/cuda_ffn_graph.py): the stage (alone or
+graph-driven FFN (afd_cupy/ffn/graph.py, backends/cuda_ffn_graph.py): the stage (alone or
 fused with the wait), the gather, the reply and their dedup twins.
 """
 from __future__ import annotations
@@ -100,7 +100,7 @@ def graph_wait_stage_spec(*, window, last_seen, scan_start, counts_snapshot, tim
 
 
 #: int64 words before the header copy in the stage's state and record (ffn_graph.cuh
-#: STATE_HEADER, REC_HEADER; afd_cupy.ffn_graph mirrors them and a CPU test parses the .cuh)
+#: STATE_HEADER, REC_HEADER; afd_cupy.ffn.graph mirrors them and a CPU test parses the .cuh)
 STAGE_STATE_HEADER = 9
 STAGE_RECORD_HEADER = 6
 

@@ -7,7 +7,7 @@ grids as the kernels walk their rows.
 """
 from __future__ import annotations
 
-from afd_cupy.dtypes import PAYLOAD_DTYPES
+from afd_cupy.wire.dtypes import PAYLOAD_DTYPES
 from afd_cupy.kernels import checks
 
 

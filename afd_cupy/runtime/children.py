@@ -1,7 +1,7 @@
 """The launcher's children: what each spawned rank runs first, and how the launcher collects
 their reports, notices silent deaths and hangs, and stops them.
 
-A child (:func:`child_main`) arms its orphan guard (:mod:`afd_cupy.orphan`: it dies with its
+A child (:func:`child_main`) arms its orphan guard (:mod:`afd_cupy.runtime.orphan`: it dies with its
 launcher), sets its environment, unpickles and runs ``fn``, and puts ``(local index, ok,
 payload)`` on the results queue. The launcher waits on a :class:`Job` (:func:`wait_for_job`),
 takes the Python stacks of the ranks that hang (:func:`collect_stacks`), and always ends with
@@ -20,7 +20,7 @@ import time
 import traceback
 from typing import Any
 
-from afd_cupy import orphan
+from afd_cupy.runtime import orphan
 from afd_cupy.errors import AfdError
 
 _TERMINATE_GRACE_S = 2.0
@@ -54,7 +54,7 @@ class DiedAsExpected:
 def child_main(rank: int, fn_args_blob: bytes, ctx, env: dict[str, str], results: Any,
                stack_path: str | None = None, parent_pid: int | None = None) -> None:
     """Entry point of a child: arm the orphan guard (the child dies with process
-    ``parent_pid``, the launcher: :func:`afd_cupy.orphan.die_with_parent`), set ``env``, then
+    ``parent_pid``, the launcher: :func:`afd_cupy.runtime.orphan.die_with_parent`), set ``env``, then
     unpickle and run ``fn(ctx, *args)`` (``ctx``: the rank's ProcessContext); report to the
     parent. ``stack_path``: where the Python stacks of every thread go when the parent sends
     SIGUSR1 (a rank that does not finish in time; :func:`collect_stacks`)."""
@@ -136,7 +136,7 @@ def wait_for_job(job: Job, deadline: float, timeout_s: float, joining=None) -> N
     """Wait for every rank, stopping shortly after the first failure or at ``deadline``
     (``time.monotonic()``; the job's ``timeout_s`` is what a rank that misses it is told).
 
-    Until ``joining`` (an :class:`afd_cupy.rendezvous.Rendezvous`, or None) is complete
+    Until ``joining`` (an :class:`afd_cupy.runtime.rendezvous.Rendezvous`, or None) is complete
     (every world rank of the job joined) its deadline applies too: past it, its PeerTimeoutError naming the missing world ranks is raised, unless a
     local rank failed first (then that failure is reported as usual)."""
     failure_deadline = None

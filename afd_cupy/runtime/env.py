@@ -17,7 +17,7 @@ Thread pools (not ``AFD_*``, read here too): every process of a job would size t
 intra-op pool, OpenMP, MKL, OpenBLAS and numba to all cores of the machine, and N processes
 oversubscribe it N-fold (idle OpenMP workers spin). :func:`thread_share` is one process's
 share of the cores, :func:`thread_env` the variables that give it before the libraries load
-(what ``afd_cupy.launch`` puts in each child), :func:`limit_threads` the same for a process
+(what ``afd_cupy.runtime.launch`` puts in each child), :func:`limit_threads` the same for a process
 started elsewhere (docs/design/startup.md, "Threads").
 """
 from __future__ import annotations
@@ -100,7 +100,7 @@ def thread_env(num_threads: int, environ=None) -> dict[str, str]:
 def limit_threads(num_threads: int, *, keep_user_settings: bool = True) -> dict[str, int]:
     """Cap this process's CPU thread pools at ``num_threads``; returns what was set.
 
-    For a rank started outside ``afd_cupy.launch`` (a serving stack's own process), ideally
+    For a rank started outside ``afd_cupy.runtime.launch`` (a serving stack's own process), ideally
     before torch/numpy/numba are imported: sets the :data:`THREAD_POOL_VARS` (only those not
     already set when ``keep_user_settings``), read by OpenMP, MKL, OpenBLAS and numba when
     they load, and calls ``torch.set_num_threads`` when torch is already imported (torch
@@ -139,7 +139,7 @@ def rank_settings(environ: Mapping[str, str] | None = None) -> dict:
     environ = os.environ if environ is None else environ
     missing = [name for name in RANK_VARS[:4] if not environ.get(name)]
     if missing:
-        raise ValueError(f"{', '.join(missing)} not set (a rank started outside afd_cupy.launch "
+        raise ValueError(f"{', '.join(missing)} not set (a rank started outside afd_cupy.runtime.launch "
                          f"needs {', '.join(RANK_VARS[:4])})")
     try:
         host, port_number = parse_store_addr(environ["AFD_STORE_ADDR"])

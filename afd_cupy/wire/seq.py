@@ -8,7 +8,7 @@ ring). The flag of a slot is this number, so a changed flag is a new message (AB
 
 The kernels apply the same rule on the device (``raw_kernels/wire.cuh``); this module is what
 the host backend, the host-side reply counters of the cuda backend and the graph stage's
-numpy reference (:mod:`afd_cupy.ffn_graph`) use.
+numpy reference (:mod:`afd_cupy.ffn.graph`) use.
 """
 from __future__ import annotations
 

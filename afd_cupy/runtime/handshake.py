@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from afd_cupy import wire
 from afd_cupy.config import RANK_LOCAL_FIELDS
 from afd_cupy.errors import ConfigError, GeometryMismatchError, PeerTimeoutError
-from afd_cupy.store import store_fetch, store_publish
+from afd_cupy.runtime.store import store_fetch, store_publish
 
 
 def _pid_namespace() -> str:

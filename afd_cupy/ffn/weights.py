@@ -1,4 +1,4 @@
-"""The weights an :class:`~afd_cupy.ffn_worker.FFNWorker` serves with: one
+"""The weights an :class:`~afd_cupy.ffn.worker.FFNWorker` serves with: one
 ``moe.ExpertWeights`` (or None) for every layer or one per layer, checked against the
 connector's ModelConfig; what stacking them for the graph FFN costs."""
 from __future__ import annotations

@@ -28,7 +28,7 @@ import socket
 import time
 
 from afd_cupy.errors import AfdError, ConfigError, PeerTimeoutError
-from afd_cupy.store import Store, poll_until, store_publish
+from afd_cupy.runtime.store import Store, poll_until, store_publish
 
 logger = logging.getLogger("afd_cupy")
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from afd_cupy import wire
 from afd_cupy.errors import ConfigError, WireError
-from afd_cupy.seq import next_seq
+from afd_cupy.wire.seq import next_seq
 
 GS_IDLE = 0      # wait_any timed out: nothing consumed
 GS_SERVED = 1    # computed and answered inside the graph
@@ -184,7 +184,7 @@ def stage_reference(words, *, region: int | None, layout: wire.WindowLayout, src
         return _replace(idle, status=GS_SHUTDOWN)
     if header.src_rank != region or region >= num_attn_ranks:
         return _replace(idle, status=GS_REJECTED, detail=wire.HDR_SRC_RANK)
-    seq = next_seq(prev_seq)  # the reply seq the stage reserves (afd_cupy.seq)
+    seq = next_seq(prev_seq)  # the reply seq the stage reserves (afd_cupy.wire.seq)
     if not 0 <= header.layer_idx < num_layers or header.routed_tokens > routed_bucket \
             or header.shared_tokens > shared_bucket:
         return _replace(idle, status=GS_EAGER, seq=seq)

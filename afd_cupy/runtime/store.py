@@ -1,9 +1,9 @@
 """The rendezvous store: a small key-value service every rank of a job can reach.
 
 Ranks use it only at start-up and teardown (unique ids, segment names, barriers), never on
-the hot path. ``torch.distributed.TCPStore`` and :class:`afd_cupy.kvstore.KVClient` satisfy the
-:class:`Store` protocol; the launcher (``afd_cupy.launch``) serves the store from the parent
-process (a :class:`~afd_cupy.kvstore.KVServer`, or a TCPStore master for a job several
+the hot path. ``torch.distributed.TCPStore`` and :class:`afd_cupy.runtime.kvstore.KVClient` satisfy the
+:class:`Store` protocol; the launcher (``afd_cupy.runtime.launch``) serves the store from the parent
+process (a :class:`~afd_cupy.runtime.kvstore.KVServer`, or a TCPStore master for a job several
 launchers start).
 
 Every wait here is bounded: a missing peer becomes a :class:`~afd_cupy.errors.PeerTimeoutError`
@@ -19,7 +19,7 @@ import weakref
 from typing import Protocol, runtime_checkable
 
 from afd_cupy.errors import ConfigError, PeerTimeoutError
-from afd_cupy.timeouts import check_timeout
+from afd_cupy.runtime.timeouts import check_timeout
 
 # Polling interval bounds of the bounded waits (seconds): start short for latency, back off
 # so that a long wait does not burn a core.
@@ -45,7 +45,7 @@ def create_store(host: str, port: int, world_size: int, is_master: bool,
                  timeout_s: float) -> Store:
     """A ``torch.distributed.TCPStore`` (master or client) with a ``timeout_s`` bound: the
     store of a job whose ranks several launchers start (a launch running a job alone hosts
-    the torch-free :class:`afd_cupy.kvstore.KVServer` instead).
+    the torch-free :class:`afd_cupy.runtime.kvstore.KVServer` instead).
 
     The master does not wait for workers (``wait_for_workers=False``) so that it can be
     started before the processes that connect to it. torch is imported here, lazily.
@@ -62,10 +62,10 @@ def create_store(host: str, port: int, world_size: int, is_master: bool,
 
 def connect_store(kind: str, host: str, port: int, world_size: int, timeout_s: float) -> Store:
     """A client of the store at ``host:port``: ``kind`` "afd" for a
-    :class:`~afd_cupy.kvstore.KVServer` (what :func:`afd_cupy.launch.launch` hosts for a job it
+    :class:`~afd_cupy.runtime.kvstore.KVServer` (what :func:`afd_cupy.runtime.launch.launch` hosts for a job it
     runs alone), "torch" for a ``torch.distributed.TCPStore`` master."""
     if kind == "afd":
-        from afd_cupy.kvstore import KVClient
+        from afd_cupy.runtime.kvstore import KVClient
 
         return KVClient(host, port, timeout_s)
     if kind == "torch":
@@ -76,7 +76,7 @@ def connect_store(kind: str, host: str, port: int, world_size: int, timeout_s: f
 def bound_listener(host: str, port: int = 0, backlog: int = 1024) -> socket.socket:
     """A TCP socket bound to ``host:port`` (0: a free port, read it back with
     ``getsockname()[1]``) and listening: processes may connect to the address at once, and
-    a store server started later on the socket (:class:`afd_cupy.kvstore.KVServer`) serves
+    a store server started later on the socket (:class:`afd_cupy.runtime.kvstore.KVServer`) serves
     them. No race with another process taking the port, unlike :func:`free_port`."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:

@@ -1,6 +1,6 @@
 """Merging the work items of one (layer, stage) into one expert-grouped batch, and splitting
 the outputs back per item: what ``FFNWorker(schedule="lockstep")`` runs its one grouped GEMM
-over (:mod:`afd_cupy.ffn_worker`). Host arithmetic on header counts plus two device copies;
+over (:mod:`afd_cupy.ffn.worker`). Host arithmetic on header counts plus two device copies;
 no synchronization."""
 from __future__ import annotations
 

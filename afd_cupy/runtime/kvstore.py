@@ -1,13 +1,13 @@
 """A small key-value store in pure Python: the rendezvous store of a job one launch runs alone.
 
-:func:`afd_cupy.launch.launch` hosts a :class:`KVServer` in its own process (a thread that
+:func:`afd_cupy.runtime.launch.launch` hosts a :class:`KVServer` in its own process (a thread that
 accepts, one thread per connected client) and every rank talks to it through a
 :class:`KVClient`. Neither needs torch: before, the parent imported torch (4-5 s of CPU on
 the GPU machine) only to host a ``torch.distributed.TCPStore`` master. Jobs whose ranks
 several launchers start (``store_addr``, ``ProcessContext.from_env``) still meet at a
 TCPStore, which other tools (torchrun) also start.
 
-Both sides implement the :class:`~afd_cupy.store.Store` protocol with TCPStore's value
+Both sides implement the :class:`~afd_cupy.runtime.store.Store` protocol with TCPStore's value
 conventions: ``add`` keeps the count as its decimal text (``get`` of a counted key returns
 it) and creates the key at ``amount``; ``get`` waits until the key exists, bounded by the
 client's ``timeout_s``, then raises :class:`~afd_cupy.errors.PeerTimeoutError` naming the
@@ -28,7 +28,7 @@ import threading
 import time
 
 from afd_cupy.errors import AfdError, PeerTimeoutError
-from afd_cupy.timeouts import check_timeout
+from afd_cupy.runtime.timeouts import check_timeout
 
 _REQUEST = struct.Struct("!BHI")
 _REPLY = struct.Struct("!BI")
@@ -63,7 +63,7 @@ def _as_bytes(value) -> bytes:
 
 class KVServer:
     """Serves the store on ``listener``, a bound and listening TCP socket
-    (:func:`afd_cupy.store.bound_listener`), which it owns from here on. Clients that
+    (:func:`afd_cupy.runtime.store.bound_listener`), which it owns from here on. Clients that
     connected before the server existed are served from the socket's backlog. Serves until
     :meth:`close`; its threads are daemons, so it never keeps the process alive."""
 

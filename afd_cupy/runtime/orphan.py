@@ -1,6 +1,6 @@
 """A launched rank dies with its launcher: no orphan runs on to the end of its work.
 
-:func:`die_with_parent` (called first in every child of :func:`afd_cupy.launch.launch`) arms
+:func:`die_with_parent` (called first in every child of :func:`afd_cupy.runtime.launch.launch`) arms
 two guards: on Linux the kernel sends :data:`DEATH_SIGNAL` when the parent dies
 (``prctl(PR_SET_PDEATHSIG)``, through ctypes), and everywhere a daemon thread checks every
 :data:`WATCH_INTERVAL_S` that the parent pid is still this process's parent (a rank whose main

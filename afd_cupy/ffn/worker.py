@@ -1,6 +1,6 @@
 """The self-driven FFN worker (docs/design/protocol.md, FFN side), with two schedules.
 
-How :meth:`FFNWorker.run` serves (``serving="auto"``, :mod:`afd_cupy.ffn_serving`): on the cuda
+How :meth:`FFNWorker.run` serves (``serving="auto"``, :mod:`afd_cupy.ffn.serving`): on the cuda
 backend, wherever the configuration allows it (async schedule, the worker's own bf16 experts or
 ``identity_experts``, ``poll_mode="device"``, direct-store peers, no recorder, no overlap, an
 SM90/SM100 device), through the graph FFN: a :class:`~afd_cupy.backends.cuda_ffn_graph.GraphFFNServer`
@@ -21,17 +21,17 @@ re-routing: a grouped GEMM), the shared experts on the shared rows, applies
 ordering rides on the stream.
 
 ``overlap=True`` (off by default) hands each item's replies to a reply lane
-(:mod:`afd_cupy.ffn_overlap`): on cuda a communication stream that waits on an event of the
+(:mod:`afd_cupy.ffn.overlap`): on cuda a communication stream that waits on an event of the
 compute stream, so item i's reply runs while the worker receives item i+1 and its GEMMs run;
 on the host backend a reply thread (the same ordering, emulated with real concurrency). The
 wire, the replies and their order per worker are unchanged; see docs/design/overlap.md.
 
 ``gemm_sm_carveout`` ("auto": 2 SMs on a CUDA device) leaves SMs free beside the expert
-GEMMs (class doc). ``recorder=`` (:class:`~afd_cupy.ffn_recorder.FFNRecorder`, opt-in) gets
+GEMMs (class doc). ``recorder=`` (:class:`~afd_cupy.ffn.recorder.FFNRecorder`, opt-in) gets
 hooks around each receive, compute and reply; without one each hook site costs an ``is None``.
 
 A replica that announced shutdown, or that an idle poll found dead, leaves the lockstep set
-(:mod:`afd_cupy.ffn_lockstep`; NOTE: lockstep needs every replica to send every layer to every
+(:mod:`afd_cupy.ffn.lockstep`; NOTE: lockstep needs every replica to send every layer to every
 FFN rank: ``AFDConnector(..., always_send=True)`` on the Attention side). When serving fails
 (an expert raises), :meth:`FFNWorker.run` calls ``AFDConnector.announce_failure`` before it
 re-raises: the Attention ranks raise PeerFailedError naming this rank and the exception.
@@ -44,16 +44,18 @@ from typing import Callable
 
 import torch
 
-from afd_cupy import ffn_serving, moe
+from afd_cupy import moe
+
+from afd_cupy.ffn import serving as ffn_serving
 from afd_cupy.connector import AFDConnector, FFNWorkItem
 from afd_cupy.errors import ConfigError, ConnectorShutdown, PeerLostError
-from afd_cupy.ffn_batch import MergedBatch, merge_items, merge_order, split_outputs
-from afd_cupy.ffn_lockstep import (SCHEDULES, LockstepBuffer, attention_connector_kwargs,
+from afd_cupy.ffn.batch import MergedBatch, merge_items, merge_order, split_outputs
+from afd_cupy.ffn.lockstep import (SCHEDULES, LockstepBuffer, attention_connector_kwargs,
                                    check_schedule, live_attention_ranks)
-from afd_cupy.ffn_overlap import reply_lane
-from afd_cupy.ffn_recorder import FFNRecorder
-from afd_cupy.ffn_serving import SERVING_MODES, ServingPlan
-from afd_cupy.ffn_weights import check_weights, per_layer
+from afd_cupy.ffn.overlap import reply_lane
+from afd_cupy.ffn.recorder import FFNRecorder
+from afd_cupy.ffn.serving import SERVING_MODES, ServingPlan
+from afd_cupy.ffn.weights import check_weights, per_layer
 
 __all__ = ("FFNWorker", "FFNRecorder", "ExpertFn", "SCHEDULES", "SERVING_MODES", "ServingPlan",
            "MergedBatch", "merge_items", "merge_order", "split_outputs", "per_layer",

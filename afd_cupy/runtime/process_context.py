@@ -1,10 +1,10 @@
 """What a rank knows about its job (:class:`ProcessContext`), its client of the job's store,
 and the store a process hosts: the store side of a launch.
 
-A rank started by :func:`afd_cupy.launch.launch` gets its context as ``fn``'s first argument;
+A rank started by :func:`afd_cupy.runtime.launch.launch` gets its context as ``fn``'s first argument;
 a rank another launcher started (torchrun, SLURM, k8s) builds it with
 :meth:`ProcessContext.from_env` or :func:`connect` and joins the job's launch rendezvous
-(:mod:`afd_cupy.rendezvous`).
+(:mod:`afd_cupy.runtime.rendezvous`).
 """
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import dataclasses
 import logging
 import os
 
-from afd_cupy import env as env_mod
-from afd_cupy import rendezvous
-from afd_cupy.children import LaunchError
+from afd_cupy.runtime import env as env_mod
+from afd_cupy.runtime import rendezvous
+from afd_cupy.runtime.children import LaunchError
 from afd_cupy.errors import ConfigError
-from afd_cupy.kvstore import KVServer
-from afd_cupy.store import NamespacedStore, Store, bound_listener, connect_store, create_store
-from afd_cupy.timeouts import check_optional_timeout, check_timeout
+from afd_cupy.runtime.kvstore import KVServer
+from afd_cupy.runtime.store import NamespacedStore, Store, bound_listener, connect_store, create_store
+from afd_cupy.runtime.timeouts import check_optional_timeout, check_timeout
 
 logger = logging.getLogger("afd_cupy")
 
@@ -38,7 +38,7 @@ class ProcessContext:
     store_timeout_s: float = 120.0
     sm_percent: int | None = None  # this rank's MPS SM share, when the launch placed it
     #: what serves the store: "torch" (a ``torch.distributed.TCPStore`` master) or "afd"
-    #: (the :class:`~afd_cupy.kvstore.KVServer` a launch hosts for a job it runs alone)
+    #: (the :class:`~afd_cupy.runtime.kvstore.KVServer` a launch hosts for a job it runs alone)
     store_kind: str = "torch"
 
     def __post_init__(self):
@@ -52,9 +52,9 @@ class ProcessContext:
         ``AFD_STORE_ADDR`` (``host:port`` of a TCPStore master the job shares),
         ``AFD_WORLD_SIZE``, ``AFD_RANK`` (world rank: Attention ranks first), ``AFD_JOB_ID``
         (the same on every rank) and optionally ``AFD_DEVICE`` (read by
-        :func:`afd_cupy.env.rank_settings`). Connects nothing: call :meth:`join` next.
+        :func:`afd_cupy.runtime.env.rank_settings`). Connects nothing: call :meth:`join` next.
         Raises ValueError naming a missing or malformed variable."""
-        from afd_cupy import env
+        from afd_cupy.runtime import env
 
         settings = env.rank_settings(environ)
         return cls(settings["rank"], settings["world_size"], settings["job_id"],
@@ -65,7 +65,7 @@ class ProcessContext:
         """``(Role, role_rank)`` of this rank in ``topology`` (a ``TopologyConfig``): world
         ranks ``0 .. A-1`` are Attention, ``A .. A+F-1`` FFN. Raises ConfigError when the
         topology's world size is not this job's."""
-        from afd_cupy.topology import Role
+        from afd_cupy.runtime.topology import Role
 
         num_attn, num_ffn = topology.num_attn_ranks, topology.num_ffn_ranks
         if num_attn + num_ffn != self.world_size:
@@ -75,7 +75,7 @@ class ProcessContext:
 
     def join(self, *, host_store: bool = False, startup_timeout_s: float = 120.0) -> "ProcessContext":
         """For a rank another launcher started: join the job's launch rendezvous
-        (:mod:`afd_cupy.rendezvous`) and return once every world rank joined. With
+        (:mod:`afd_cupy.runtime.rendezvous`) and return once every world rank joined. With
         ``host_store=True`` this process starts the store master at its address (exactly one
         process of the job does, and must call :meth:`close` last so that the store outlives
         every rank). Host-blocking. Raises ConfigError for a rank joined twice or a world-size
@@ -134,7 +134,7 @@ class ProcessContext:
 
         Connected on the first call and reused afterwards, so every caller in the process
         shares one object (barrier generations are counted per store object, see
-        :func:`afd_cupy.store.store_barrier`).
+        :func:`afd_cupy.runtime.store.store_barrier`).
         """
         key = (self.store_host, self.store_port, self.job_id)
         if key not in _client_stores:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from afd_cupy import env as env_mod
+from afd_cupy.runtime import env as env_mod
 
 
 def device_for_rank(rank: int, nprocs: int, num_gpus: int) -> int | None:
@@ -125,7 +125,7 @@ def visible_gpu_count(num_devices: int, cuda_visible_devices: str | None) -> int
 def detect_backend() -> str:
     """Backend for a local job: ``AFD_BACKEND`` if set, else ``cuda`` when a GPU, CuPy and the
     NVSHMEM library are all present, else ``host``."""
-    from afd_cupy import env
+    from afd_cupy.runtime import env
 
     override = env.backend_override()
     if override:
@@ -142,9 +142,9 @@ def detect_backend() -> str:
 
 
 def thread_limits(nprocs: int, threads_per_process: int | None = None) -> dict[str, str]:
-    """The thread-pool variables (:data:`afd_cupy.env.THREAD_POOL_VARS`) each of ``nprocs``
+    """The thread-pool variables (:data:`afd_cupy.runtime.env.THREAD_POOL_VARS`) each of ``nprocs``
     local children gets: all of them at ``threads_per_process`` when given, else at an equal
-    share of this process's cores (:func:`afd_cupy.env.thread_share`) for each variable the
+    share of this process's cores (:func:`afd_cupy.runtime.env.thread_share`) for each variable the
     caller's environment does not set.
 
     Every process of a local job would otherwise size torch's, OpenMP's and numba's pools to

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from afd_cupy.errors import (ConnectorShutdown, PeerFailedError, PeerLostError,
-                             PeerTimeoutError)
+from afd_cupy.errors import (ConnectorShutdown, PeerFailedError, PeerLostError, PeerTimeoutError)
 
 logger = logging.getLogger("afd_cupy")
 
@@ -112,7 +111,7 @@ class FFNPeers:
     ``store`` / ``instance``: where a failed FFN rank published its reason."""
 
     def __init__(self, topology, peer_processes, store, instance: int):
-        from afd_cupy.topology import Role
+        from afd_cupy.runtime.topology import Role
 
         self.processes = {topology.role_of(p.world_rank)[1]: p for p in peer_processes
                           if topology.role_of(p.world_rank)[0] is Role.FFN}

@@ -1,8 +1,8 @@
 """The decode step's plan, before any GPU work: the micro-batch split, the issue order and
-the checks that a step can be captured (afd_cupy.step_graph, issue #13 and #15 item 3).
+the checks that a step can be captured (afd_cupy.attention.step_graph, issue #13 and #15 item 3).
 
 :func:`split_rows` cuts T rows into S contiguous micro-batches (sizes as even as possible,
-the larger first); :func:`pipeline_schedule` is the order :class:`~afd_cupy.step_graph.
+the larger first); :func:`pipeline_schedule` is the order :class:`~afd_cupy.attention.step_graph.
 DecodeStepGraph` issues the layers' sends and receives in (its module doc says why the order
 is legal); :func:`check_capturable` / :func:`check_stages` raise ConfigError with the values
 when a connector cannot run a captured step. Pure host code: no torch, no GPU.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numbers
 
 from afd_cupy.errors import ConfigError
-from afd_cupy.topology import Role
+from afd_cupy.runtime.topology import Role
 
 #: the two operations of the step's schedule (:func:`pipeline_schedule`)
 SEND, RECV = "send", "recv"

@@ -23,7 +23,9 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from afd_cupy import planner, wire
+from afd_cupy import wire
+
+from afd_cupy.routing import planner
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Which way :meth:`FFNWorker.run <afd_cupy.ffn_worker.FFNWorker.run>` serves: the graph FFN
+"""Which way :meth:`FFNWorker.run <afd_cupy.ffn.worker.FFNWorker.run>` serves: the graph FFN
 or the Python loop (docs/design/cuda-graphs.md, "FFNWorker's default serving").
 
 - **graph**: a :class:`~afd_cupy.backends.cuda_ffn_graph.GraphFFNServer` built from the
@@ -21,9 +21,9 @@ import torch
 
 from afd_cupy import moe
 from afd_cupy.errors import ConfigError
-from afd_cupy.ffn_graph import MAX_GROUPS
-from afd_cupy.ffn_weights import per_layer, stacked_expert_bytes
-from afd_cupy.timeouts import check_timeout
+from afd_cupy.ffn.graph import MAX_GROUPS
+from afd_cupy.ffn.weights import per_layer, stacked_expert_bytes
+from afd_cupy.runtime.timeouts import check_timeout
 
 SERVING_MODES = ("auto", "graph", "loop")
 #: the graph's in-graph wait bound when run() gets no timeout_ms (GraphFFNServer's default)

@@ -1,4 +1,4 @@
-"""The lockstep schedule's buffer (``FFNWorker(schedule="lockstep")``, :mod:`afd_cupy.ffn_worker`):
+"""The lockstep schedule's buffer (``FFNWorker(schedule="lockstep")``, :mod:`afd_cupy.ffn.worker`):
 items held per (layer, stage) and Attention rank until every live Attention rank sent that
 (layer, stage); then they leave as one batch, by rank. A replica that announced shutdown, or
 that an idle poll found dead, leaves the set: its held items are dropped (logged).

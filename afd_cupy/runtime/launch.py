@@ -1,6 +1,6 @@
 """The one launch helper shared by tests and tools: run ``fn(ctx, *args)`` in local processes.
 
-The parent process serves the job's store (a :class:`~afd_cupy.kvstore.KVServer` on a free
+The parent process serves the job's store (a :class:`~afd_cupy.runtime.kvstore.KVServer` on a free
 port: no torch in the parent; or joins a TCPStore given as ``store_addr``, for a job whose
 ranks several launchers start: one launch per node, each running a contiguous block of world
 ranks), spawns ``nprocs`` children
@@ -8,12 +8,12 @@ ranks), spawns ``nprocs`` children
 results in rank order and turns any failure (exception, crash, timeout) into a
 :class:`LaunchError` carrying every failing rank's story. Cleanup always runs: children are
 terminated and joined, the store is dropped and the job's shared-memory segments unlinked.
-The children die with the launcher (:mod:`afd_cupy.orphan`) when it is killed.
+The children die with the launcher (:mod:`afd_cupy.runtime.orphan`) when it is killed.
 
 The parts live in their own modules, and every name is importable from here as well:
-:mod:`afd_cupy.process_context` (the rank's context, the store it joins or hosts),
-:mod:`afd_cupy.children` (spawned ranks: their entry point, reports, hangs, stopping),
-:mod:`afd_cupy.placement` (GPUs, MPS shares, backend detection, thread pools).
+:mod:`afd_cupy.runtime.process_context` (the rank's context, the store it joins or hosts),
+:mod:`afd_cupy.runtime.children` (spawned ranks: their entry point, reports, hangs, stopping),
+:mod:`afd_cupy.runtime.placement` (GPUs, MPS shares, backend detection, thread pools).
 """
 from __future__ import annotations
 
@@ -27,20 +27,20 @@ import time
 import uuid
 from typing import Callable
 
-from afd_cupy import env as env_mod
-from afd_cupy import rendezvous
-from afd_cupy.children import (FAILURE_GRACE_S, DiedAsExpected, Job, LaunchError,  # noqa: F401
+from afd_cupy.runtime import env as env_mod
+from afd_cupy.runtime import rendezvous
+from afd_cupy.runtime.children import (FAILURE_GRACE_S, DiedAsExpected, Job, LaunchError,  # noqa: F401
                                child_main, collect_stacks, failure_message, stop_all, wait_for_job)
 from afd_cupy.errors import ConfigError
-from afd_cupy.env import IDLE_POOL_DEFAULTS, THREAD_POOL_VARS  # noqa: F401 - re-exported
+from afd_cupy.runtime.env import IDLE_POOL_DEFAULTS, THREAD_POOL_VARS  # noqa: F401 - re-exported
 from afd_cupy.heap.host import cleanup_job_segments
-from afd_cupy.kvstore import KVServer
-from afd_cupy.placement import (Placement, detect_backend, detect_num_gpus,  # noqa: F401
+from afd_cupy.runtime.kvstore import KVServer
+from afd_cupy.runtime.placement import (Placement, detect_backend, detect_num_gpus,  # noqa: F401
                                 device_for_rank, parse_placement, thread_limits, visible_gpu_count)
-from afd_cupy.process_context import (STORE_HOST, ProcessContext, check_job,  # noqa: F401
+from afd_cupy.runtime.process_context import (STORE_HOST, ProcessContext, check_job,  # noqa: F401
                                       connect, serve_own_store, start_store)
-from afd_cupy.store import NamespacedStore, create_store
-from afd_cupy.timeouts import check_optional_timeout, check_timeout
+from afd_cupy.runtime.store import NamespacedStore, create_store
+from afd_cupy.runtime.timeouts import check_optional_timeout, check_timeout
 
 logger = logging.getLogger("afd_cupy")
 
@@ -64,7 +64,7 @@ def launch(fn: Callable, nprocs: int, *, args: tuple = (), timeout_s: float = 12
     starts the master there and keeps it until every rank of the job is done, bounded by
     ``timeout_s``) or the master is started by something else that outlives the job. Every
     launch waits, bounded by ``startup_timeout_s`` (default ``timeout_s``), until all world
-    ranks joined (:mod:`afd_cupy.rendezvous`): a launch that never starts is a
+    ranks joined (:mod:`afd_cupy.runtime.rendezvous`): a launch that never starts is a
     PeerTimeoutError naming the missing world ranks, overlapping rank blocks or different
     world sizes a ConfigError. Each launch unlinks only its own ranks' leftover shared-memory
     segments. Without ``store_addr`` the launch starts its own master on a free port and must

@@ -74,7 +74,7 @@ Why a new module rather than a connector method: the helper composes user callab
 graph API and the connector's public calls (``pending_rings``, ``capabilities``,
 ``order_graph_replay`` and the protocol calls; nothing private, no path attribute); the connector stays one call per protocol step. The
 plan (:func:`split_rows`, :func:`pipeline_schedule`, :func:`check_capturable`) lives in
-:mod:`afd_cupy.step_schedule` and is re-exported here.
+:mod:`afd_cupy.attention.step_schedule` and is re-exported here.
 """
 from __future__ import annotations
 
@@ -87,11 +87,11 @@ from typing import Callable, Sequence
 
 import torch
 
-from afd_cupy import gates
+from afd_cupy.moe import gates
 from afd_cupy.errors import ConfigError, ProtocolError
 # the plan (split, issue order, capture checks) lives in step_schedule; re-exported here, the
 # public import path of these names
-from afd_cupy.step_schedule import (RECV, SEND, check_capturable, check_stages,  # noqa: F401
+from afd_cupy.attention.step_schedule import (RECV, SEND, check_capturable, check_stages,  # noqa: F401
                                     pipeline_schedule, split_rows)
 
 #: ``attention[l](x)`` -> ``h`` (MoE input and residual) or ``(residual, h)``; x, h, residual

@@ -18,7 +18,7 @@ import logging
 import numpy as np
 
 from afd_cupy.errors import CapacityError
-from afd_cupy.store import Store, store_fetch, store_publish
+from afd_cupy.runtime.store import Store, store_fetch, store_publish
 from afd_cupy.wire import WindowLayout
 
 logger = logging.getLogger("afd_cupy")

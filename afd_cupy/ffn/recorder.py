@@ -1,4 +1,4 @@
-"""The opt-in instrumentation hooks of :class:`~afd_cupy.ffn_worker.FFNWorker`
+"""The opt-in instrumentation hooks of :class:`~afd_cupy.ffn.worker.FFNWorker`
 (``recorder=``): benchmarks use them for busy time, queue depth and timelines. A worker
 with a recorder serves with the Python loop (the hooks run per item)."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 from afd_cupy.handles import FFNWorkItem
 
 if TYPE_CHECKING:
-    from afd_cupy.ffn_worker import FFNWorker
+    from afd_cupy.ffn.worker import FFNWorker
 
 
 class FFNRecorder(Protocol):
