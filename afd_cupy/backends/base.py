@@ -101,6 +101,17 @@ class ArrivalSuperseded(Exception):
     messages, so the item is not served; the newer message is the slot's next arrival."""
 
 
+def superseded(arrival: Arrival, flag: int, cause: Exception) -> ArrivalSuperseded | None:
+    """The ArrivalSuperseded of a route table rejected with ``cause`` when the slot's flag,
+    read after the rejection, is ``flag`` (:func:`wire.slot_moved_on`); None when the flag still
+    carries the arrival's seq: the table is bad under its own flag and ``cause`` stands."""
+    if not wire.slot_moved_on(flag, arrival.header):
+        return None
+    return ArrivalSuperseded(f"dedup message seq {arrival.header.seq} from attention rank "
+                             f"{arrival.region} (ring {arrival.ring}) was rewritten (flag {flag}) "
+                             f"while its route table was read ({cause})")
+
+
 @dataclass(frozen=True)
 class ItemViews:
     """Zero-copy views of a received dispatch (valid until it is answered).
@@ -228,7 +239,12 @@ class FFNPath(_PathBase, Protocol):
         the window, a graph, must let that call claim it first)."""
 
     def item_views(self, arrival: Arrival) -> ItemViews:
-        """Zero-copy views of the dispatch in ``arrival``'s slot."""
+        """Zero-copy views of the dispatch in ``arrival``'s slot. Raises
+        :class:`ArrivalSuperseded` (dedup) when the slot was rewritten while it was read."""
+
+    def slot_flag(self, region: int, ring: int) -> int:
+        """The flag word of own slot (region, ring) now (cuda: a device-to-host copy; not for
+        the hot path: read when a message it holds was rejected)."""
 
     def reply(self, arrival: Arrival, routed_out: torch.Tensor,
               shared_out: Optional[torch.Tensor]) -> None:

@@ -74,7 +74,8 @@ class CudaFFNPath:
         self.reply_done = [cp.zeros(1, cp.uint32) for _ in range(layout.num_slots)]
         self.empty_rows = torch.empty(0, layout.hidden_size, dtype=self.ctx.torch_dtype, device=self.device)
         self.dedup = (CudaDedupStaging(rank=self.rank, poll_stream=self.poll_stream,
-                                       empty_rows=self.empty_rows) if layout.is_dedup else None)
+                                       empty_rows=self.empty_rows, slot_flag=self.slot_flag)
+                      if layout.is_dedup else None)
         self.views = [self._slot_views(region, ring) for region in range(layout.num_regions)
                       for ring in range(layout.ring_depth)]
         self.wait_any_launch = kernels.PackedLaunch(kernels.wait_any_spec(
@@ -177,6 +178,11 @@ class CudaFFNPath:
     @property
     def has_unclaimed_wait(self) -> bool:
         return self.unclaimed is not None
+
+    def slot_flag(self, region: int, ring: int) -> int:
+        self.rank.use_device()
+        with self.poll_stream:  # the stream the waits read the flags on
+            return int(self.window.to_host(self.window.flag_view(self.window.own_pe, region, ring))[0])
 
     def pending_arrivals(self) -> int:
         """Own slots whose flag differs from its last-seen value. Device polling: two tiny

@@ -18,7 +18,9 @@ Verdict: ``afd_dedup_expand`` runs on the poll stream right after ``wait_any`` a
 bad route table in a pinned status record of its own (``expand_status``); ``item_views``
 synchronizes the poll stream (the only wait it adds: the expansion must be complete before the
 caller's stream reads the staging anyway), reads the record and raises
-``wire.route_table_error`` (a WireError naming the row) from ``recv_ffn_work_item``.
+``wire.route_table_error`` (a WireError naming the row) from ``recv_ffn_work_item``, or
+``ArrivalSuperseded`` when the slot's flag moved on while the table was read (its sender timed
+out and re-sent there: the table mixed two messages; the FFN endpoint skips the item).
 Ordering: the expansion into a slot waits (on the device) for the event of the slot's last
 reply, so a reply still queued on the caller's stream never reads a route-table copy or staging
 rewritten under it.
@@ -28,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from afd_cupy import kernels, wire
-from afd_cupy.backends.base import Arrival, ItemViews
+from afd_cupy.backends.base import Arrival, ItemViews, superseded
 from afd_cupy.wire.dtypes import payload_dtype
 from afd_cupy.kernels import PinnedInt64
 
@@ -40,12 +42,13 @@ class CudaDedupStaging:
     """Dedup-mode steps of the cuda FFN path.
 
     ``rank``: the rank's CudaRank; ``poll_stream``: the path's poll stream (the expansions
-    run there, right after ``wait_any``); ``empty_rows``: the path's empty payload view.
+    run there, right after ``wait_any``); ``empty_rows``: the path's empty payload view;
+    ``slot_flag(region, ring)``: the path's read of an own slot's flag word.
     Allocates the staging and route-table copy per slot, the expand scratch, its status
     record and the packed expand launch."""
 
-    def __init__(self, *, rank, poll_stream, empty_rows) -> None:
-        self.rank = rank
+    def __init__(self, *, rank, poll_stream, empty_rows, slot_flag) -> None:
+        self.rank, self.slot_flag = rank, slot_flag
         self.cp, self.ctx, self.layout = rank.cp, rank.ctx, rank.layout
         self.poll_stream, self.empty_rows = poll_stream, empty_rows
         cp, layout = self.cp, self.layout
@@ -129,7 +132,11 @@ class CudaDedupStaging:
         if record[wire.ST_CODE] != wire.STATUS_OK:
             status = wire.StatusRecord.decode(record)
             record[:] = 0  # no expansion runs now: the poll stream is idle
-            raise wire.route_table_error(status, shared_tokens=header.shared_tokens)
+            error = wire.route_table_error(status, shared_tokens=header.shared_tokens)
+            moved_on = superseded(arrival, self.slot_flag(arrival.region, arrival.ring), error)
+            if moved_on is not None:
+                raise moved_on from error
+            raise error
 
     def reply_launch(self, attn_rank: int, ring: int, dst_window: int, staging: int, *,
                      header_src: int, done_counter) -> kernels.PackedLaunch:

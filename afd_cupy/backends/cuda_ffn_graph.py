@@ -14,7 +14,8 @@ checks the route table, scatters the received rows into the grouped staging and 
 shared rows) and ``afd_graph_dedup_reply`` the reply (the fused reduce: one row per received
 row). A route table the expand rejects ends the replay as BAD_ROUTE (nothing answered, the
 reserved reply seq given back): the host raises the eager path's WireError from the verdict
-in the record.
+in the record, or skips the item with a warning when the slot's flag moved on while the table
+was read (its sender timed out and re-sent there), as the eager path does.
 
 The host keeps ``depth`` replays queued on one stream and, per completed replay (an event,
 polled with sleeps while idle), reads one record from a pinned ring: IDLE (the wait timed out:
@@ -36,7 +37,7 @@ import torch
 from afd_cupy import moe, wire
 
 from afd_cupy.ffn import graph as ffn_graph
-from afd_cupy.backends.base import Arrival
+from afd_cupy.backends.base import Arrival, superseded
 from afd_cupy.backends.cuda_ffn_graph_capture import GraphCapture, stack_weights
 from afd_cupy.errors import ConfigError, ConnectorShutdown, PeerLostError, PeerTimeoutError, ProtocolError
 from afd_cupy.ffn.worker import FFNWorker
@@ -296,7 +297,8 @@ class GraphFFNServer:
             return 1
         try:
             if status == ffn_graph.GS_BAD_ROUTE:  # dedup: the eager path's WireError, same words
-                raise ffn_graph.route_verdict(record, self.layout)
+                self._reject_route(words, int(record[ffn_graph.REC_SLOT]), ffn_graph.route_verdict(record, self.layout))
+                return 0
             if status == ffn_graph.GS_EAGER:
                 self._serve_eager(words, int(record[ffn_graph.REC_SLOT]), int(record[ffn_graph.REC_SEQ]))
                 return 1
@@ -307,6 +309,16 @@ class GraphFFNServer:
             logger.warning("afd_cupy ffn rank %d: graph replay record dropped while closing: %s",
                            self.connector.role_rank, exc)
         return 0
+
+    def _reject_route(self, words: np.ndarray, slot: int, error: Exception) -> None:
+        """A route table the graph's expand rejected: skipped with a warning when the slot was
+        rewritten while it was read (its sender timed out and re-sent there; the newer message
+        is the slot's next arrival), else ``error`` (the eager path's WireError) is raised."""
+        arrival = self._arrival(words, slot)
+        moved_on = superseded(arrival, self.connector.path.slot_flag(arrival.region, arrival.ring), error)
+        if moved_on is None:
+            raise error
+        logger.warning("afd_cupy ffn rank %d: not served: %s", self.connector.role_rank, moved_on)
 
     def _arrival(self, words: np.ndarray, slot: int) -> Arrival:
         layout = self.layout

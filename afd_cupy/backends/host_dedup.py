@@ -19,7 +19,7 @@ import torch
 from afd_cupy import errors, wire
 
 from afd_cupy.routing import dedup
-from afd_cupy.backends.base import Arrival, ArrivalSuperseded, ItemViews
+from afd_cupy.backends.base import Arrival, ItemViews, superseded
 from afd_cupy.wire.dtypes import raw_to_f32, raw_to_torch, torch_to_raw
 from afd_cupy.errors import ProtocolError
 from afd_cupy.runtime.topology import Role
@@ -98,12 +98,10 @@ def item_views(rank, tables: dict, arrival: Arrival) -> ItemViews:
     try:
         wire.check_route_table(table, num_tokens=header.num_tokens, routed_tokens=header.routed_tokens,
                                shared_tokens=header.shared_tokens, top_k=layout.top_k)
-    except errors.WireError as exc:
-        flag = int(window.flag_view(pe, region, ring)[0])
-        if flag != header.seq:  # the table was read while the sender's next message landed
-            raise ArrivalSuperseded(f"dedup message seq {header.seq} from attention rank {region} "
-                                    f"(ring {ring}) was rewritten (flag {flag}) while its route "
-                                    f"table was read ({exc})") from exc
+    except errors.WireError as exc:  # read while the sender's next message landed?
+        moved_on = superseded(arrival, int(window.flag_view(pe, region, ring)[0]), exc)
+        if moved_on is not None:
+            raise moved_on from exc
         raise
     rows = window.field(pe, region, ring, "routed_x", rank.raw,
                         (header.num_rows, layout.hidden_size))

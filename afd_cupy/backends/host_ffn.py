@@ -42,6 +42,9 @@ class HostFFNPath:
             return None
         return Arrival(found.region, found.ring, polling.read_header(found.region, found.ring))
 
+    def slot_flag(self, region: int, ring: int) -> int:
+        return int(self.window.flag_view(self.window.own_pe, region, ring)[0])
+
     def pending_arrivals(self) -> int:
         return self.rank.polling.num_pending()
 

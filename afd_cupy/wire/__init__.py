@@ -42,7 +42,7 @@ from afd_cupy.wire.header import (FLAG_DEDUP, FLAG_KEPT_REPLY, FLAG_SHUTDOWN, HD
                                   ROUTE_SHARED, ROUTE_SLOTS, ROUTE_TOKEN, SHUTDOWN_SEQ, VERSION,
                                   Header, decode_header, dispatch_header, encode_header,
                                   header_fault, header_word_list, reply_header, shutdown_header,
-                                  shutdown_over_reply)
+                                  shutdown_over_reply, slot_moved_on)
 from afd_cupy.wire.reply import (ReplyExpectation, answers, check_reply, is_late_reply, reply_fault,
                                  reply_verdict)
 from afd_cupy.wire.status import (CLEAR_STATUS, DB_FLAG, DB_HEADER, DB_SLOT, DB_STATUS, DB_TICKET,
@@ -63,7 +63,7 @@ __all__ = [
     "HDR_SRC_RANK", "HDR_STAGE", "HDR_TOPK", "HDR_VERSION", "HDR_WORD_NAMES", "MAGIC",
     "ROUTE_SHARED", "ROUTE_SLOTS", "ROUTE_TOKEN", "SHUTDOWN_SEQ", "VERSION", "Header",
     "decode_header", "dispatch_header", "encode_header", "header_fault", "header_word_list",
-    "reply_header", "shutdown_header", "shutdown_over_reply",
+    "reply_header", "shutdown_header", "shutdown_over_reply", "slot_moved_on",
     # replies
     "ReplyExpectation", "answers", "check_reply", "is_late_reply", "reply_fault", "reply_verdict",
     # message contents

@@ -238,6 +238,14 @@ def _fault_message(fault: tuple, words: list, expert_per_rank: int, mode: str) -
 
 
 # --- the protocol's messages -----------------------------------------------------------
+def slot_moved_on(flag: int, header: Header) -> bool:
+    """True when a slot's flag word ``flag`` (int64, read now) no longer carries the seq of the
+    message whose ``header`` was read there: its sender wrote the next message (or a shutdown)
+    on the slot since, so what a reader took from the slot after the header may mix two
+    messages. Compared on the low 32 bits, as the header carries them."""
+    return (int(flag) & 0xFFFFFFFF) != header.seq
+
+
 def dispatch_header(*, seq: int, src_rank: int, layer_idx: int, stage_idx: int, num_tokens: int,
                     shared_tokens: int, top_k: int, expert_counts, wire_mode: str = "pair",
                     num_rows: int = 0) -> Header:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import logging
 import math
 import os
 import signal
@@ -419,6 +420,62 @@ def test_bad_dedup_route_table_is_a_wire_error_and_the_connector_stays_usable():
     attn, ffn = launch(_bad_route_table_program, 2, timeout_s=60)
     assert "route table staging rows are not a permutation of [0, 2)" in ffn["error"], ffn
     assert ffn["served"] == 2 and max(attn["errors"]) < 0.1, attn
+
+
+# --- a dedup message rewritten while the FFN reads it: skipped, not a WireError ---------------
+class _SignalOnSkip(logging.Handler):
+    """Sets a store key when the FFN logs that it did not serve a rewritten message."""
+
+    def __init__(self, store):
+        super().__init__(logging.WARNING)
+        self.store, self.loggers = store, []  # the modules that logged it
+
+    def emit(self, record):
+        if "not served" in record.getMessage():
+            self.loggers.append(record.module)
+            self.store.set("ffn-skipped", b"1")
+
+
+def _torn_route_table_program(ctx, backend, serving):
+    conn, role, _ = connect(ctx, backend, timeout_s=10.0, connector=ConnectorConfig(wire_mode="dedup"))
+    try:
+        if role is Role.FFN:
+            handler = _SignalOnSkip(ctx.store())
+            logging.getLogger("afd_cupy").addHandler(handler)
+            served = FFNWorker(conn, expert_fn=identity_experts, serving=serving).run()
+            return {"served": served, "loggers": handler.loggers}
+        layout, window = conn.layout, conn.path.window
+        # what the FFN reads when its sender re-sent on the slot during the read: a header of
+        # seq 1000, a route table mixing two messages (row 0 twice), the flag of the next message
+        table = np.zeros((2, layout.route_width), np.int32)
+        table[:, wire.ROUTE_SLOTS:wire.ROUTE_SLOTS + FAULT_MODEL.top_k] = [[0, -1], [0, -1]]
+        header = wire.dispatch_header(seq=1000, src_rank=0, layer_idx=0, stage_idx=0, num_tokens=2,
+                                      shared_tokens=0, top_k=FAULT_MODEL.top_k,
+                                      expert_counts=(2,) + (0,) * (layout.expert_per_rank - 1),
+                                      wire_mode="dedup", num_rows=2)
+        window.write_message(conn.path.ctx.peer_pe(Role.FFN, 0), 0, 0,
+                             wire.encode_header(header, layout.expert_per_rank), 1001, {"route_table": table})
+        if backend == "cuda":
+            torch.cuda.synchronize()
+        ctx.store().get("ffn-skipped")  # the FFN took it and skipped it (the store's timeout bounds this)
+        errors = [round_trip_error(conn, layer, seed=layer) for layer in range(3)]
+        conn.announce_shutdown()
+        return {"errors": errors}
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("backend,serving", [
+    pytest.param("host", "loop", id="host"),
+    pytest.param("cuda", "loop", id="cuda-loop", marks=pytest.mark.cuda),
+    pytest.param("cuda", "graph", id="cuda-graph", marks=pytest.mark.cuda),
+])
+def test_a_dedup_message_rewritten_while_read_is_skipped_and_serving_goes_on(backend, serving):
+    """The route table fails and the slot's flag no longer carries the header's seq: the FFN
+    logs "not served" (the graph server itself when it serves) and answers what comes next."""
+    attn, ffn = launch(_torn_route_table_program, 2, args=(backend, serving), timeout_s=120)
+    assert ffn["served"] == 3 and max(attn["errors"]) < 0.1, (attn, ffn)
+    assert ffn["loggers"] == ["cuda_ffn_graph" if serving == "graph" else "endpoint"], ffn
 
 
 # --- configuration mismatches between ranks --------------------------------------------------

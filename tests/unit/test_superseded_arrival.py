@@ -13,7 +13,7 @@ import pytest
 
 from afd_cupy import wire
 from afd_cupy.backends import host_dedup
-from afd_cupy.backends.base import Arrival, ArrivalSuperseded
+from afd_cupy.backends.base import Arrival, ArrivalSuperseded, superseded
 from afd_cupy.errors import WireError
 from afd_cupy.ffn.endpoint import FFNEndpoint
 
@@ -90,3 +90,18 @@ def test_the_endpoint_skips_a_superseded_arrival_and_returns_the_next(caplog):
         item = endpoint.recv(100)
     assert path.calls == 2 and item.routed_x == "rows" and item.seq == SEQ
     assert "not served: rewritten while read" in caplog.text
+
+
+@pytest.mark.parametrize("flag,moved", [(SEQ, False), (SEQ + 1, True), (SEQ + (1 << 32), False),
+                                        (wire.SHUTDOWN_SEQ, True), (0, True)])
+def test_slot_moved_on_compares_the_low_32_bits_of_the_flag_with_the_header_seq(flag, moved):
+    assert wire.slot_moved_on(flag, _arrival().header) is moved
+
+
+def test_superseded_names_the_message_or_lets_the_cause_stand():
+    cause = WireError("route table row 0: duplicate")
+    assert superseded(_arrival(), SEQ, cause) is None
+    error = superseded(_arrival(), SEQ + 3, cause)
+    assert isinstance(error, ArrivalSuperseded)
+    assert str(error) == ("dedup message seq 5 from attention rank 1 (ring 0) was rewritten (flag 8) "
+                          "while its route table was read (route table row 0: duplicate)")
