@@ -365,5 +365,5 @@ def test_launch_keeps_every_public_name_and_its_modules_stay_small():
         assert hasattr(launch_mod, name), name
     assert DiedAsExpected(1, 3).exit_code == 3
     for module in ("launch", "children", "placement", "process_context", "orphan", "timeouts"):
-        with open(os.path.join(REPO, "afd_cupy", f"{module}.py")) as source:
+        with open(os.path.join(REPO, "afd_cupy", "runtime", f"{module}.py")) as source:
             assert len(source.readlines()) < 400, module
