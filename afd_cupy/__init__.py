@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import logging
 
+from afd_cupy import old_paths
 from afd_cupy.errors import (  # noqa: F401
     AfdError, BackendUnavailableError, CapacityError, ConfigError, ConnectorShutdown,
     GeometryMismatchError, HeapError, NvshmemError, PeerTimeoutError, ProtocolError,
     RingExhaustedError, TopologyError, WireError,
 )
-
-from afd_cupy import old_paths
 
 __version__ = "0.1.0"
 

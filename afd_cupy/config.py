@@ -11,10 +11,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from afd_cupy.wire.dtypes import PAYLOAD_DTYPES
 from afd_cupy.errors import ConfigError
 from afd_cupy.transports import transport_names
 from afd_cupy.wire import WIRE_MODES
+from afd_cupy.wire.dtypes import PAYLOAD_DTYPES
 
 #: gate scoring functions of ``ModelConfig.scoring_func`` and ``gates.select_experts``
 SCORING_FUNCS = ("softmax", "sigmoid")

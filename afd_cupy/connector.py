@@ -26,22 +26,17 @@ import logging
 import torch
 
 from afd_cupy import moe
-
-from afd_cupy.runtime import connector_setup
-
-from afd_cupy.moe import gates
-
-from afd_cupy.runtime import handshake
 from afd_cupy.backends.base import Arrival, Capabilities, PathContext, open_path, require_backend
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig
-from afd_cupy.wire.dtypes import torch_dtype
-from afd_cupy.runtime.connector_setup import check_config
 from afd_cupy.errors import ConfigError, ProtocolError
 from afd_cupy.handles import DispatchHandle, FFNWorkItem  # noqa: F401 - part of this module's API
 from afd_cupy.heap.nvshmem_env import check_nvshmem_env
+from afd_cupy.moe import gates
+from afd_cupy.runtime import connector_setup, handshake
 from afd_cupy.runtime.timeouts import check_timeout
 from afd_cupy.runtime.topology import Role, Topology
 from afd_cupy.wire import WindowLayout
+from afd_cupy.wire.dtypes import torch_dtype
 
 logger = logging.getLogger("afd_cupy")
 
@@ -97,9 +92,9 @@ class AFDConnector:
                  poll_mode: str = "device", peer_timeout_s: float = 60.0, always_send: bool = False,
                  startup_timeout_s: float = 120.0, nvshmem_env: dict | None = None,
                  cpu_threads: int | str | None = "auto", recv_spin_us: int = 500):
-        self.model = check_config("model", model, ModelConfig)
-        check_config("topology", topology, TopologyConfig)
-        self.config = check_config("connector", connector or ConnectorConfig(), ConnectorConfig)
+        self.model = connector_setup.check_config("model", model, ModelConfig)
+        connector_setup.check_config("topology", topology, TopologyConfig)
+        self.config = connector_setup.check_config("connector", connector or ConnectorConfig(), ConnectorConfig)
         if self.config.attn_ranks_per_dp != 1:
             raise ConfigError(f"attn_ranks_per_dp={self.config.attn_ranks_per_dp}: only 1 is supported "
                               "(one sending Attention rank per data-parallel replica)")

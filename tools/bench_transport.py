@@ -77,11 +77,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_common as bc  # noqa: E402
-from afd_cupy.routing import dedup  # noqa: E402
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig  # noqa: E402
+from afd_cupy.routing import dedup  # noqa: E402
+from afd_cupy.routing.planner import shared_count  # noqa: E402
 from afd_cupy.runtime.launch import Placement, launch  # noqa: E402
 from afd_cupy.runtime.placement import detect_num_gpus  # noqa: E402
-from afd_cupy.routing.planner import shared_count  # noqa: E402
 from afd_cupy.runtime.store import store_fetch, store_publish  # noqa: E402
 from afd_cupy.wire import window_size_hint  # noqa: E402
 

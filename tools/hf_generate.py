@@ -26,7 +26,6 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from afd_cupy.runtime.launch import detect_backend, launch  # noqa: E402
-
 from afd_cupy.testing.logit_check import LOGIT_TOLERANCE  # noqa: E402
 
 

@@ -29,9 +29,9 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig  # noqa: E402
-from afd_cupy.wire import WIRE_MODES  # noqa: E402
 from afd_cupy.runtime.launch import detect_backend, launch  # noqa: E402
 from afd_cupy.transports import transport_names  # noqa: E402
+from afd_cupy.wire import WIRE_MODES  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -13,10 +13,10 @@ import numbers
 
 import torch
 
-from afd_cupy.runtime import peer_state
 from afd_cupy.errors import (AfdError, PeerTimeoutError, ProtocolError, RingExhaustedError,
                              token_cap_error)
 from afd_cupy.handles import DispatchHandle
+from afd_cupy.runtime import peer_state
 
 
 class AttentionEndpoint:

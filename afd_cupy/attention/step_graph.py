@@ -87,8 +87,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from afd_cupy.moe import gates
 from afd_cupy.errors import ConfigError, ProtocolError
+from afd_cupy.moe import gates
 # the plan (split, issue order, capture checks) lives in step_schedule; re-exported here, the
 # public import path of these names
 from afd_cupy.attention.step_schedule import (RECV, SEND, check_capturable, check_stages,  # noqa: F401

@@ -25,11 +25,11 @@ import torch
 from afd_cupy import wire
 from afd_cupy.backends.base import Capabilities, PathContext
 from afd_cupy.backends.host_poll import HostPolling
-from afd_cupy.wire.dtypes import payload_dtype
 from afd_cupy.errors import ConfigError
 from afd_cupy.kernels import StatusChannel
 from afd_cupy.runtime.topology import Role
 from afd_cupy.transports import get_transport
+from afd_cupy.wire.dtypes import payload_dtype
 
 try:  # torch's raw current-stream getter: ~1 us instead of ~10 us for current_stream()
     from torch._C import _cuda_getCurrentRawStream as _raw_current_stream

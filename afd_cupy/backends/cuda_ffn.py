@@ -20,11 +20,11 @@ import torch
 from afd_cupy import kernels, wire
 from afd_cupy.backends.base import Arrival, ItemViews
 from afd_cupy.backends.cuda_ffn_dedup import CudaDedupStaging
-from afd_cupy.wire.dtypes import payload_dtype
 from afd_cupy.errors import PeerTimeoutError, ProtocolError
 from afd_cupy.kernels import PinnedInt64
-from afd_cupy.wire.seq import SeqCounter
 from afd_cupy.runtime.topology import Role
+from afd_cupy.wire.dtypes import payload_dtype
+from afd_cupy.wire.seq import SeqCounter
 
 #: extra host-side wait beyond a kernel's own timeout before the host stops trusting it
 _HOST_GRACE_S = 5.0

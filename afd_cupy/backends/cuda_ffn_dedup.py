@@ -31,8 +31,8 @@ import numpy as np
 
 from afd_cupy import kernels, wire
 from afd_cupy.backends.base import Arrival, ItemViews, superseded
-from afd_cupy.wire.dtypes import payload_dtype
 from afd_cupy.kernels import PinnedInt64
+from afd_cupy.wire.dtypes import payload_dtype
 
 #: claims[] value of a staging row no route-table row has named (raw_kernels/ffn/dedup_ffn.cu)
 UNCLAIMED = 0x7FFFFFFF

@@ -35,14 +35,14 @@ import numpy as np
 import torch
 
 from afd_cupy import moe, wire
-
-from afd_cupy.ffn import graph as ffn_graph
 from afd_cupy.backends.base import Arrival, superseded
 from afd_cupy.backends.cuda_ffn_graph_capture import GraphCapture, stack_weights
-from afd_cupy.errors import ConfigError, ConnectorShutdown, PeerLostError, PeerTimeoutError, ProtocolError
+from afd_cupy.errors import (ConfigError, ConnectorShutdown, PeerLostError, PeerTimeoutError,
+                             ProtocolError)
+from afd_cupy.ffn import graph as ffn_graph
 from afd_cupy.ffn.worker import FFNWorker
-from afd_cupy.testing.reference import identity_experts
 from afd_cupy.runtime.topology import Role
+from afd_cupy.testing.reference import identity_experts
 
 logger = logging.getLogger("afd_cupy")
 

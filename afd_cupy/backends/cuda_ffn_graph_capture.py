@@ -13,10 +13,9 @@ import numpy as np
 import torch
 
 from afd_cupy import kernels, moe, wire
-
-from afd_cupy.ffn import graph as ffn_graph
 from afd_cupy.backends.cuda_ffn_dedup import UNCLAIMED
 from afd_cupy.errors import ConfigError
+from afd_cupy.ffn import graph as ffn_graph
 from afd_cupy.ffn.worker import per_layer
 from afd_cupy.kernels import specs
 

@@ -19,8 +19,8 @@ import functools
 
 import torch
 
-from afd_cupy.wire.dtypes import PAYLOAD_DTYPES
 from afd_cupy.kernels import specs
+from afd_cupy.wire.dtypes import PAYLOAD_DTYPES
 
 #: torch dtype -> the kernels' payload dtype code (raw_kernels/common/wire.cuh DT_*)
 _DTYPE_CODES = {payload.torch_dtype: payload.kernel_code for payload in PAYLOAD_DTYPES.values()}

@@ -21,18 +21,15 @@ import numpy as np
 import torch
 
 from afd_cupy import errors, wire
-
-from afd_cupy.routing import dedup
-
-from afd_cupy.routing import planner
 from afd_cupy.backends import host_dedup
 from afd_cupy.backends.base import Capabilities, PathContext
 from afd_cupy.backends.host_poll import HostPolling
 from afd_cupy.errors import AfdError, reply_timeout_error
-from afd_cupy.wire.dtypes import raw_dtype, raw_to_f32, torch_to_raw
-from afd_cupy.wire.seq import SeqCounter
+from afd_cupy.routing import dedup, planner
 from afd_cupy.runtime.topology import Role
 from afd_cupy.transports import get_transport
+from afd_cupy.wire.dtypes import raw_dtype, raw_to_f32, torch_to_raw
+from afd_cupy.wire.seq import SeqCounter
 
 
 @dataclass

@@ -17,12 +17,11 @@ import numpy as np
 import torch
 
 from afd_cupy import errors, wire
-
-from afd_cupy.routing import dedup
 from afd_cupy.backends.base import Arrival, ItemViews, superseded
-from afd_cupy.wire.dtypes import raw_to_f32, raw_to_torch, torch_to_raw
 from afd_cupy.errors import ProtocolError
+from afd_cupy.routing import dedup
 from afd_cupy.runtime.topology import Role
+from afd_cupy.wire.dtypes import raw_to_f32, raw_to_torch, torch_to_raw
 
 
 # --- Attention side: plan -> scatter ----------------------------------------------------

@@ -14,9 +14,9 @@ from afd_cupy import wire
 from afd_cupy.backends import host_dedup
 from afd_cupy.backends.base import Arrival, ItemViews
 from afd_cupy.backends.host import CAPABILITIES, HostRank
-from afd_cupy.wire.dtypes import raw_to_torch, torch_to_raw
 from afd_cupy.errors import ProtocolError
 from afd_cupy.runtime.topology import Role
+from afd_cupy.wire.dtypes import raw_to_torch, torch_to_raw
 
 
 class HostFFNPath:

@@ -16,11 +16,11 @@ from __future__ import annotations
 import logging
 import threading
 
-from afd_cupy.runtime import peer_state
 from afd_cupy.attention.endpoint import check_device
 from afd_cupy.backends.base import Arrival, ArrivalSuperseded
 from afd_cupy.errors import ConnectorShutdown, PeerLostError, ProtocolError
 from afd_cupy.handles import FFNWorkItem
+from afd_cupy.runtime import peer_state
 from afd_cupy.runtime.timeouts import check_optional_timeout
 
 logger = logging.getLogger("afd_cupy")

@@ -45,10 +45,9 @@ from typing import Callable
 import torch
 
 from afd_cupy import moe
-
-from afd_cupy.ffn import serving as ffn_serving
 from afd_cupy.connector import AFDConnector, FFNWorkItem
 from afd_cupy.errors import ConfigError, ConnectorShutdown, PeerLostError
+from afd_cupy.ffn import serving as ffn_serving
 from afd_cupy.ffn.batch import MergedBatch, merge_items, merge_order, split_outputs
 from afd_cupy.ffn.lockstep import (SCHEDULES, LockstepBuffer, attention_connector_kwargs,
                                    check_schedule, live_attention_ranks)

@@ -26,7 +26,7 @@ import weakref
 import numpy as np
 
 from afd_cupy.errors import HeapError, PeerTimeoutError
-from afd_cupy.heap.base import UNHEALTHY_CLOSE_S, SymmetricBuffer, SymmetricHeap, closing_barrier
+from afd_cupy.heap.base import SymmetricBuffer, SymmetricHeap, UNHEALTHY_CLOSE_S, closing_barrier
 from afd_cupy.runtime.store import Store, agreed_barrier, store_barrier, store_fetch, store_publish
 from afd_cupy.runtime.timeouts import check_timeout
 

@@ -19,7 +19,7 @@ import ctypes
 import logging
 
 from afd_cupy.errors import BackendUnavailableError, HeapError, NvshmemError, PeerTimeoutError
-from afd_cupy.heap.base import UNHEALTHY_CLOSE_S, SymmetricBuffer, SymmetricHeap, closing_barrier
+from afd_cupy.heap.base import SymmetricBuffer, SymmetricHeap, UNHEALTHY_CLOSE_S, closing_barrier
 from afd_cupy.heap.nvshmem_env import (NVSHMEM_DEFAULTS, REMOTE_TRANSPORTS,  # noqa: F401 - re-exported
                                        apply_nvshmem_env, nvshmem_env, nvshmem_heap_bytes)
 from afd_cupy.heap.nvshmem_lib import (NVSHMEMX_INIT_WITH_UNIQUEID, STATUS_NOT_INITIALIZED,

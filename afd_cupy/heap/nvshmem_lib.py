@@ -25,8 +25,8 @@ import os
 import threading
 from ctypes import POINTER, c_char, c_int, c_size_t, c_uint64, c_void_p
 
-from afd_cupy.runtime import env
 from afd_cupy.errors import BackendUnavailableError, NvshmemError
+from afd_cupy.runtime import env
 
 LIB_SONAME = "libnvshmem_host.so.3"
 NVSHMEMX_INIT_WITH_UNIQUEID = 1 << 3  # enum flags, host/nvshmemx_api.h

@@ -24,7 +24,6 @@ import numba
 import numpy as np
 
 from afd_cupy import wire
-
 from afd_cupy.routing import planner
 
 

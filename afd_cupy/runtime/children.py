@@ -20,8 +20,8 @@ import time
 import traceback
 from typing import Any
 
-from afd_cupy.runtime import orphan
 from afd_cupy.errors import AfdError
+from afd_cupy.runtime import orphan
 
 _TERMINATE_GRACE_S = 2.0
 FAILURE_GRACE_S = 1.0  # after a first failure, time to collect the other ranks' reports

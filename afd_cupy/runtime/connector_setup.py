@@ -9,13 +9,11 @@ import socket
 
 import torch
 
-from afd_cupy.runtime import env
-
-from afd_cupy.runtime import peer_state
 from afd_cupy.attention.endpoint import AttentionEndpoint
 from afd_cupy.backends.base import POLL_MODES
 from afd_cupy.errors import ConfigError
 from afd_cupy.ffn.endpoint import FFNEndpoint
+from afd_cupy.runtime import env, peer_state
 from afd_cupy.runtime.topology import Role
 
 logger = logging.getLogger("afd_cupy")

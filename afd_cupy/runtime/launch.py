@@ -27,13 +27,13 @@ import time
 import uuid
 from typing import Callable
 
+from afd_cupy.errors import ConfigError
+from afd_cupy.heap.host import cleanup_job_segments
 from afd_cupy.runtime import env as env_mod
 from afd_cupy.runtime import rendezvous
 from afd_cupy.runtime.children import (FAILURE_GRACE_S, DiedAsExpected, Job, LaunchError,  # noqa: F401
                                child_main, collect_stacks, failure_message, stop_all, wait_for_job)
-from afd_cupy.errors import ConfigError
 from afd_cupy.runtime.env import IDLE_POOL_DEFAULTS, THREAD_POOL_VARS  # noqa: F401 - re-exported
-from afd_cupy.heap.host import cleanup_job_segments
 from afd_cupy.runtime.kvstore import KVServer
 from afd_cupy.runtime.placement import (Placement, detect_backend, detect_num_gpus,  # noqa: F401
                                 device_for_rank, parse_placement, thread_limits, visible_gpu_count)

@@ -12,12 +12,13 @@ import dataclasses
 import logging
 import os
 
+from afd_cupy.errors import ConfigError
 from afd_cupy.runtime import env as env_mod
 from afd_cupy.runtime import rendezvous
 from afd_cupy.runtime.children import LaunchError
-from afd_cupy.errors import ConfigError
 from afd_cupy.runtime.kvstore import KVServer
-from afd_cupy.runtime.store import NamespacedStore, Store, bound_listener, connect_store, create_store
+from afd_cupy.runtime.store import (NamespacedStore, Store, bound_listener, connect_store,
+                                    create_store)
 from afd_cupy.runtime.timeouts import check_optional_timeout, check_timeout
 
 logger = logging.getLogger("afd_cupy")

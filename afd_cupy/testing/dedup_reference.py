@@ -21,7 +21,6 @@ from __future__ import annotations
 import numpy as np
 
 from afd_cupy import wire
-
 from afd_cupy.routing import planner
 from afd_cupy.routing.dedup import DedupPlan
 

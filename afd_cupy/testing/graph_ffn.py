@@ -10,8 +10,8 @@ import time
 from afd_cupy import moe
 from afd_cupy.config import TopologyConfig
 from afd_cupy.connector import AFDConnector
-from afd_cupy.testing import scenario as sc
 from afd_cupy.runtime.topology import Role, Topology
+from afd_cupy.testing import scenario as sc
 
 
 def run_graph_rank(ctx, scenario: sc.Scenario, bucket_tokens: tuple) -> dict:

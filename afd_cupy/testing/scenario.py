@@ -17,12 +17,12 @@ import torch
 from afd_cupy import moe
 from afd_cupy.config import ModelConfig, TopologyConfig
 from afd_cupy.connector import AFDConnector
-from afd_cupy.wire.dtypes import torch_dtype
 from afd_cupy.ffn.worker import FFNWorker
+from afd_cupy.runtime.topology import Role, Topology
 from afd_cupy.testing.phases import NO_PHASES
 from afd_cupy.testing.reference import make_expert_weights, make_shared_weights, reference_moe
 from afd_cupy.testing.scenario_spec import Scenario, tolerance
-from afd_cupy.runtime.topology import Role, Topology
+from afd_cupy.wire.dtypes import torch_dtype
 
 __all__ = ("Scenario", "layer_weights", "run_rank", "tolerance")
 

@@ -30,8 +30,8 @@ import ctypes
 import numpy as np
 
 from afd_cupy.heap.nvshmem_lib import NVSHMEM_SIGNAL_SET
-from afd_cupy.wire.layout import WindowLayout
 from afd_cupy.transports.base import Link, Transport, register
+from afd_cupy.wire.layout import WindowLayout
 
 #: two ranges closer than this are copied as one put (one call less for a few stale bytes)
 MERGE_GAP_BYTES = 4096

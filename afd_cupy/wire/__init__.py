@@ -29,9 +29,6 @@ number ``region * ring_depth + ring``. A sender writes only ``region = its own r
 """
 from __future__ import annotations
 
-from afd_cupy.wire.layout import (ALIGN, FIELD_NAMES, HDR_FIXED_WORDS, ROUTE_FIXED_WORDS,
-                                  WIRE_MODES, WindowLayout, align_up, ffn_staging_size_hint,
-                                  route_width, routed_capacity, shared_capacity, window_size_hint)
 from afd_cupy.wire.checks import (ROUTE_FAULT_COUNT, ROUTE_FAULT_DUPLICATE, ROUTE_FAULT_PACKING,
                                   ROUTE_FAULT_RANGE, ROUTE_FAULT_SHARED, ROUTE_FAULT_TOKEN,
                                   check_capacity, check_route_table, route_table_error)
@@ -43,6 +40,9 @@ from afd_cupy.wire.header import (FLAG_DEDUP, FLAG_KEPT_REPLY, FLAG_SHUTDOWN, HD
                                   Header, decode_header, dispatch_header, encode_header,
                                   header_fault, header_word_list, reply_header, shutdown_header,
                                   shutdown_over_reply, slot_moved_on)
+from afd_cupy.wire.layout import (ALIGN, FIELD_NAMES, HDR_FIXED_WORDS, ROUTE_FIXED_WORDS,
+                                  WIRE_MODES, WindowLayout, align_up, ffn_staging_size_hint,
+                                  route_width, routed_capacity, shared_capacity, window_size_hint)
 from afd_cupy.wire.reply import (ReplyExpectation, answers, check_reply, is_late_reply, reply_fault,
                                  reply_verdict)
 from afd_cupy.wire.status import (CLEAR_STATUS, DB_FLAG, DB_HEADER, DB_SLOT, DB_STATUS, DB_TICKET,

@@ -11,8 +11,8 @@ import numpy as np
 
 from afd_cupy import errors
 from afd_cupy.errors import WireError
-from afd_cupy.wire.layout import ROUTE_FIXED_WORDS, WindowLayout
 from afd_cupy.wire.header import ROUTE_SHARED, ROUTE_SLOTS, ROUTE_TOKEN
+from afd_cupy.wire.layout import ROUTE_FIXED_WORDS, WindowLayout
 
 if TYPE_CHECKING:
     from afd_cupy.wire.status import StatusRecord

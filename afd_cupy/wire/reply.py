@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from afd_cupy.wire.layout import HDR_FIXED_WORDS
 from afd_cupy.wire.header import (HDR_ECHO_SEQ, HDR_LAYER, HDR_ROUTED_TOKENS, HDR_SHARED_TOKENS,
                                   HDR_STAGE, Header, decode_header, header_fault)
+from afd_cupy.wire.layout import HDR_FIXED_WORDS
 from afd_cupy.wire.status import (CLEAR_STATUS, STATUS_BAD_HEADER, STATUS_REPLY_MISMATCH,
                                   STATUS_SHUTDOWN, StatusRecord)
 

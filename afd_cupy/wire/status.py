@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from afd_cupy import errors
-from afd_cupy.wire.layout import HDR_FIXED_WORDS
 from afd_cupy.wire.header import HDR_WORD_NAMES, SHUTDOWN_SEQ
+from afd_cupy.wire.layout import HDR_FIXED_WORDS
 
 # A spinning or routing kernel latches its first error in a status block of STATUS_WORDS
 # int64 words; the host turns it into the same typed error the host backend raises.

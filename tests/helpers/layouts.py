@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 from afd_cupy import wire
-
 from afd_cupy.wire import dtypes
 
 SMALL_FIELDS = dict(num_regions=2, ring_depth=2, expert_per_rank=4, hidden_size=64, itemsize=2,

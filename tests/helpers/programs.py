@@ -14,8 +14,8 @@ import torch
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig
 from afd_cupy.connector import AFDConnector
 from afd_cupy.ffn.worker import FFNWorker
-from afd_cupy.testing.reference import identity_experts
 from afd_cupy.runtime.topology import Role, Topology
+from afd_cupy.testing.reference import identity_experts
 
 #: "device" or "host" (the GPU suite reruns the cuda cases with AFD_TEST_POLL_MODE=host)
 POLL_MODE = os.environ.get("AFD_TEST_POLL_MODE", "device")

@@ -16,13 +16,12 @@ from helpers.backends import DIRECT_BACKENDS
 transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 
 from afd_cupy import adapters  # noqa: E402
-
 from afd_cupy.moe import gates  # noqa: E402
 from afd_cupy.runtime.launch import launch  # noqa: E402
-from afd_cupy.testing.logit_check import LOGIT_TOLERANCE  # noqa: E402
-from afd_cupy.testing.reference import reference_moe  # noqa: E402
 from afd_cupy.testing.hf_models import (RouterRecorder, generation_rank, greedy_steps, tiny_config,  # noqa: E402
                                         tiny_model)
+from afd_cupy.testing.logit_check import LOGIT_TOLERANCE  # noqa: E402
+from afd_cupy.testing.reference import reference_moe  # noqa: E402
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}  # relative, against the model's own block
 #: relative, a block's output against its fp64 truth (bf16: measured 2.3e-3 .. 2.8e-3 on the

@@ -10,9 +10,9 @@ from afd_cupy import moe
 from afd_cupy.config import ConnectorConfig, ModelConfig
 from afd_cupy.ffn.worker import FFNWorker
 from afd_cupy.runtime.launch import launch
+from afd_cupy.runtime.topology import Role
 from afd_cupy.testing.reference import identity_experts
 from afd_cupy.testing.scenario import Scenario, run_rank, tolerance
-from afd_cupy.runtime.topology import Role
 
 from helpers.backends import BACKENDS, PATHS
 from helpers.programs import FAULT_MODEL, POLL_MODE, connect, seeded_inputs

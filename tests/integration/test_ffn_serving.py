@@ -17,17 +17,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from afd_cupy.ffn import serving as ffn_serving
 from afd_cupy.backends.base import Capabilities
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig
 from afd_cupy.connector import AFDConnector
 from afd_cupy.errors import ConfigError, ConnectorShutdown, PeerFailedError, WireError
+from afd_cupy.ffn import serving as ffn_serving
 from afd_cupy.ffn.serving import graph_ffn_applies, plan_serving
 from afd_cupy.ffn.worker import FFNWorker
 from afd_cupy.runtime.launch import launch
+from afd_cupy.runtime.topology import Role, Topology
 from afd_cupy.testing.reference import identity_experts, make_expert_weights, make_shared_weights
 from afd_cupy.testing.scenario_spec import Scenario, run_scenario_rank, tolerance
-from afd_cupy.runtime.topology import Role, Topology
 
 HIDDEN, INTER, EPR, LAYERS = 16, 8, 2, 3
 

@@ -10,16 +10,15 @@ import pytest
 import torch
 
 from afd_cupy import moe
-
-from afd_cupy.moe import gates
 from afd_cupy.config import ModelConfig, TopologyConfig
 from afd_cupy.connector import AFDConnector
-from afd_cupy.wire.dtypes import torch_dtype
 from afd_cupy.ffn.worker import FFNWorker
+from afd_cupy.moe import gates
 from afd_cupy.runtime.launch import launch
+from afd_cupy.runtime.topology import Topology
 from afd_cupy.testing.reference import make_expert_weights, make_shared_weights, reference_moe
 from afd_cupy.testing.scenario import tolerance
-from afd_cupy.runtime.topology import Topology
+from afd_cupy.wire.dtypes import torch_dtype
 
 from helpers.backends import DIRECT_BACKENDS
 

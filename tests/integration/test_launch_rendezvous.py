@@ -10,12 +10,10 @@ import uuid
 
 import pytest
 
-from afd_cupy.runtime import env
-
-from afd_cupy.runtime import rendezvous
 from afd_cupy.config import TopologyConfig
 from afd_cupy.errors import ConfigError, PeerTimeoutError
 from afd_cupy.heap.host import cleanup_job_segments, segment_path
+from afd_cupy.runtime import env, rendezvous
 from afd_cupy.runtime.launch import ProcessContext, connect, launch
 from afd_cupy.runtime.store import NamespacedStore, create_store, free_port
 from afd_cupy.runtime.topology import Role

@@ -14,17 +14,17 @@ import pytest
 import torch
 
 from afd_cupy import moe, wire
-from afd_cupy.moe import carveout
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig
 from afd_cupy.connector import AFDConnector
 from afd_cupy.errors import ConfigError
 from afd_cupy.ffn.worker import (FFNWorker, attention_connector_kwargs, merge_items, merge_order,
                                  split_outputs)
+from afd_cupy.moe import carveout
 from afd_cupy.runtime.launch import launch
+from afd_cupy.runtime.topology import Role, Topology
 from afd_cupy.testing.reference import (identity_experts, make_expert_weights, make_shared_weights,
                                         reference_moe)
 from afd_cupy.testing.scenario import layer_weights, tolerance
-from afd_cupy.runtime.topology import Role, Topology
 
 from helpers.fakes import FAKE_HIDDEN, FakeCarveout, scripted_connector, work_item
 

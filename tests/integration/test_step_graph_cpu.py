@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from afd_cupy.attention.endpoint import AttentionEndpoint
+from afd_cupy.attention.step_graph import (DecodeStepGraph, RECV, SEND, check_capturable,
+                                           pipeline_schedule, split_rows)
 from afd_cupy.backends.base import Capabilities
 from afd_cupy.backends.cuda_attention import CudaAttentionPath
 from afd_cupy.config import ConnectorConfig
 from afd_cupy.errors import ConfigError, ProtocolError
-from afd_cupy.attention.step_graph import RECV, SEND, DecodeStepGraph, check_capturable, pipeline_schedule, split_rows
-from afd_cupy.testing.step_model import LinearStandIn
 from afd_cupy.runtime.topology import Role
+from afd_cupy.testing.step_model import LinearStandIn
 
 
 def _conn(role=Role.ATTENTION, backend="cuda", poll_mode="device", token_cap=16, num_layers=4, pending=(),

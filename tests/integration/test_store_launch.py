@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from afd_cupy.errors import AfdError, ConfigError, PeerTimeoutError
-from afd_cupy.runtime.launch import LaunchError, ProcessContext, device_for_rank, launch
 from afd_cupy.runtime.kvstore import KVClient, KVServer
+from afd_cupy.runtime.launch import LaunchError, ProcessContext, device_for_rank, launch
 from afd_cupy.runtime.store import (NamespacedStore, agreed_barrier, bound_listener, create_store,
                                     free_port, store_barrier)
 

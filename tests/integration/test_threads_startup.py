@@ -10,10 +10,9 @@ import sys
 import pytest
 import torch  # imported at module level: a launched child has torch before fn runs
 
-from afd_cupy.runtime import connector_setup
-from afd_cupy.runtime import env
-from afd_cupy.routing import planner
 from afd_cupy.errors import ConfigError
+from afd_cupy.routing import planner
+from afd_cupy.runtime import connector_setup, env
 from afd_cupy.runtime.handshake import PeerProcess
 from afd_cupy.runtime.launch import IDLE_POOL_DEFAULTS, THREAD_POOL_VARS, launch, thread_limits
 

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from afd_cupy import wire
+from afd_cupy.backends.host_poll import HostPolling
 from afd_cupy.errors import GeometryMismatchError
 from afd_cupy.heap.host import HostHeap, segment_path
+from afd_cupy.heap.window import Window
 from afd_cupy.runtime.launch import launch
 from afd_cupy.runtime.store import create_store, free_port
-from afd_cupy.backends.host_poll import HostPolling
-from afd_cupy.heap.window import Window
 
 from helpers.backends import DIRECT_BACKENDS
 from helpers.layouts import small_layout

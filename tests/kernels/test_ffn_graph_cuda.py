@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from afd_cupy import kernels, moe, wire
-
 from afd_cupy.ffn import graph as ffn_graph
 from afd_cupy.kernels import specs
 

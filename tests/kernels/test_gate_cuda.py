@@ -16,9 +16,8 @@ import pytest
 import torch
 
 from afd_cupy import kernels
-
-from afd_cupy.moe import gates
 from afd_cupy.kernels import PackedLaunch, specs
+from afd_cupy.moe import gates
 
 from helpers.gates import separated_logits
 

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from afd_cupy import kernels, wire
-
 from afd_cupy.routing import planner
 
 from helpers import kernels as kh

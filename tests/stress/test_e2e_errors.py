@@ -11,8 +11,8 @@ from afd_cupy.errors import CapacityError, ConnectorShutdown, PeerTimeoutError
 from afd_cupy.ffn.worker import FFNWorker
 from afd_cupy.heap.host import segment_path
 from afd_cupy.runtime.launch import launch
-from afd_cupy.testing.reference import identity_experts
 from afd_cupy.runtime.topology import Role
+from afd_cupy.testing.reference import identity_experts
 
 from helpers.backends import PATHS
 from helpers.programs import connect

@@ -24,8 +24,8 @@ from afd_cupy.errors import (BackendUnavailableError, ConfigError, InvalidRoutin
 from afd_cupy.ffn.worker import FFNWorker
 from afd_cupy.runtime.launch import DiedAsExpected, LaunchError, launch
 from afd_cupy.runtime.store import store_fetch, store_publish
-from afd_cupy.testing.reference import identity_experts
 from afd_cupy.runtime.topology import Role
+from afd_cupy.testing.reference import identity_experts
 
 from helpers.backends import BACKENDS, PATHS
 from helpers.programs import (FAULT_MODEL, FAULT_TIMEOUT_S, POLL_MODE, bad_input_program, connect,

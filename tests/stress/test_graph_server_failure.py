@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 
 from afd_cupy import wire
-
-from afd_cupy.ffn import graph as ffn_graph
 from afd_cupy.backends.cuda_ffn_graph import GraphFFNServer
 from afd_cupy.errors import PeerLostError, WireError
+from afd_cupy.ffn import graph as ffn_graph
 
 LAYOUT = wire.WindowLayout(num_regions=2, ring_depth=2, expert_per_rank=4, hidden_size=64,
                            itemsize=2, top_k=4, token_cap=16, routed_cap=40, shared_cap=8)

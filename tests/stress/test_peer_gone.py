@@ -18,8 +18,8 @@ from afd_cupy.errors import PeerLostError, ProtocolError
 from afd_cupy.ffn.worker import FFNWorker
 from afd_cupy.runtime.launch import DiedAsExpected, launch
 from afd_cupy.runtime.store import store_fetch, store_publish
-from afd_cupy.testing.reference import identity_experts
 from afd_cupy.runtime.topology import Role
+from afd_cupy.testing.reference import identity_experts
 
 from helpers.backends import BACKENDS, DIRECT_BACKENDS, DIRECT_PATHS, PATHS
 from helpers.fakes import scripted_connector, work_item

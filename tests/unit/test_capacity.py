@@ -15,7 +15,8 @@ from afd_cupy.capacity import (Costs, Deployment, Link, ModelShape, Placement, R
 from afd_cupy.capacity import calibrate as cal
 from afd_cupy.capacity import costs as cm
 from afd_cupy.capacity.search import Target, search
-from afd_cupy.capacity.validate import Case, MeasuredRun, calibrated_costs, run_from_report, runs_from_sweep
+from afd_cupy.capacity.validate import (Case, MeasuredRun, calibrated_costs, run_from_report,
+                                        runs_from_sweep)
 from afd_cupy.errors import ConfigError
 
 from helpers.paths import REPO_ROOT

@@ -15,17 +15,16 @@ import numpy as np
 import pytest
 
 from afd_cupy import wire
-
-from afd_cupy.ffn import graph as ffn_graph
 from afd_cupy.attention.endpoint import AttentionEndpoint
 from afd_cupy.backends import cuda_ffn
 from afd_cupy.backends.base import Arrival, Capabilities, ItemViews
 from afd_cupy.backends.cuda_ffn_graph import GraphFFNServer
 from afd_cupy.connector import AFDConnector
-from afd_cupy.ffn.endpoint import FFNEndpoint
-from afd_cupy.wire.seq import SeqCounter
 from afd_cupy.errors import ConnectorShutdown, ProtocolError
+from afd_cupy.ffn import graph as ffn_graph
+from afd_cupy.ffn.endpoint import FFNEndpoint
 from afd_cupy.runtime.topology import Role
+from afd_cupy.wire.seq import SeqCounter
 
 from helpers.layouts import small_layout
 

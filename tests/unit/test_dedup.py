@@ -7,14 +7,11 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from afd_cupy import moe, wire
-
-from afd_cupy.routing import dedup
-
-from afd_cupy.routing import planner
-from afd_cupy.wire.dtypes import raw_to_f32, raw_to_torch, torch_to_raw
+from afd_cupy.routing import dedup, planner
 from afd_cupy.testing import dedup_reference as ref
 from afd_cupy.testing.reference import make_expert_weights, make_shared_weights, reference_moe
 from afd_cupy.testing.scenario import tolerance
+from afd_cupy.wire.dtypes import raw_to_f32, raw_to_torch, torch_to_raw
 
 PLAN_FIELDS = ("row_map", "shared_rank", "num_rows", "shared_rows", "pos")
 

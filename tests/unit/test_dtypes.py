@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from afd_cupy.errors import ConfigError
 from afd_cupy.wire.dtypes import (PAYLOAD_DTYPES, payload_dtype, raw_dtype, raw_to_f32,
                                   raw_to_torch, torch_dtype, torch_to_raw)
-from afd_cupy.errors import ConfigError
 
 from helpers.paths import RAW_KERNELS_DIR
 

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from afd_cupy import moe
-
 from afd_cupy.moe import expert_gemm
 
 

@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 
 from afd_cupy import kernels, wire
-
-from afd_cupy.ffn import graph as ffn_graph
 from afd_cupy.errors import ConfigError, WireError
+from afd_cupy.ffn import graph as ffn_graph
 from afd_cupy.kernels import specs
 
 from helpers import kernels as kh

@@ -15,12 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from afd_cupy import moe
-
-from afd_cupy.moe import gates
-from afd_cupy.moe import carveout
-from afd_cupy.moe import compute as moe_compute
 from afd_cupy.config import ModelConfig
 from afd_cupy.errors import ConfigError
+from afd_cupy.moe import carveout, gates
+from afd_cupy.moe import compute as moe_compute
 from afd_cupy.testing.reference import make_expert_weights, make_shared_weights, reference_moe
 
 from helpers.fakes import FakeCarveout

@@ -136,9 +136,9 @@ def test_the_allow_list_holds_only_live_entries():
 def test_the_rule_flags_what_it_names():
     source = '''
 import torch
-import afd_cupy.moe as moe
 from afd_cupy import wire
 from afd_cupy.ffn.worker import _per_layer
+import afd_cupy.moe as moe
 from . import _sibling
 from ._private_mod import thing
 

@@ -13,8 +13,8 @@ from afd_cupy.backends import cuda, host, host_ffn
 from afd_cupy.backends.base import Capabilities
 from afd_cupy.errors import ProtocolError
 from afd_cupy.ffn.endpoint import FFNEndpoint
-from afd_cupy.wire.seq import SeqCounter, next_seq
 from afd_cupy.transports import transports_of
+from afd_cupy.wire.seq import SeqCounter, next_seq
 from helpers.paths import REPO_ROOT
 
 PACKAGE = REPO_ROOT / "afd_cupy"

@@ -7,13 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from afd_cupy.routing import planner
-from afd_cupy.transports import get_transport, put as put_transport
 from afd_cupy.backends.base import require_backend
 from afd_cupy.config import ConnectorConfig
 from afd_cupy.errors import ConfigError
-from afd_cupy.wire.layout import WindowLayout, routed_capacity, shared_capacity
+from afd_cupy.routing import planner
 from afd_cupy.testing.dedup_reference import plan_reference
+from afd_cupy.transports import get_transport, put as put_transport
+from afd_cupy.wire.layout import WindowLayout, routed_capacity, shared_capacity
 
 
 def _layout(*, num_ffn, epr, top_k, token_cap, hidden, wire_mode, multiplier=2.0, has_shared=True,

@@ -9,8 +9,8 @@ import numpy as np
 from afd_cupy import wire
 from afd_cupy.kernels import checks, loader
 from afd_cupy.kernels.launches import LaunchSpec, launch_spec
-from afd_cupy.kernels.specs.limits import KERNEL_LIMITS, MAX_BLOCKS, MAX_TOP_K, payload_row_bytes
 from afd_cupy.kernels.specs.ffn import dedup_expand_grid, dedup_reply_grid, reply_grid
+from afd_cupy.kernels.specs.limits import KERNEL_LIMITS, MAX_BLOCKS, MAX_TOP_K, payload_row_bytes
 
 
 #: groups of one torch._grouped_mm problem list: fewer than 1024 (torch's CUTLASS path)

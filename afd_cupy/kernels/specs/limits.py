@@ -7,8 +7,8 @@ grids as the kernels walk their rows.
 """
 from __future__ import annotations
 
-from afd_cupy.wire.dtypes import PAYLOAD_DTYPES
 from afd_cupy.kernels import checks
+from afd_cupy.wire.dtypes import PAYLOAD_DTYPES
 
 
 #: Limits and block sizes compiled into the kernels: the one Python copy of the constants of
