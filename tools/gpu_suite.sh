@@ -6,7 +6,7 @@
 #
 #   bash tools/gpu_suite.sh [MODE]
 #
-# Modes (each of part1..part3, soak1, moe1, trace1 and twogpu1..4 fits one 600 s device call):
+# Modes (each of part1..part3, soak1, moe1, trace1, plan1 and twogpu1..4 fits one 600 s device call):
 #   full     every cuda test, the host-polling e2e cases without MPS, both main jobs,
 #            hf_generate, the soak, then the benchmarks (default)
 #   quick    the cuda tests and both main jobs
@@ -25,6 +25,8 @@
 #            dispatch and FFN wait + stage; dedup), one stream vs a stream per stage
 #            (S = 1 2 4), the V2-Lite-shaped MoE step with the GEMM SM carve-out 0 and
 #            "auto", torch's gate against the one-kernel gate, bench_gate
+#   plan1    one GPU: the planner's validation runs: bench_afd's skew x split sweep (prefill)
+#            and bench_decode's two presets with a timeline (decode)
 #   twogpu1  two GPUs: bench_transport decode + prefill, both wire modes and transports
 #   twogpu2  two GPUs: bench_afd with the FFN on its own GPU: overlap, sweep, timeline
 #   twogpu3  two GPUs: the multigpu tests, bench_step_graph --trace (pair, dedup),
@@ -119,6 +121,10 @@ case "$MODE" in
     AFD="python3 tools/bench_afd.py --quick --attn 2 --ffn 1 --placement 0:50,0:50,1 --workloads uniform --schedules async --overlap ffn --duration 2 --solo-duration 0"
     run_step afd_ffn_c0 120 $AFD --gemm-sm-carveout 0 --out "$OUT/afd_ffn_c0"
     run_step afd_ffn_auto 120 $AFD --out "$OUT/afd_ffn_auto" ;;
+  plan1)  # one GPU, MPS: the runs the planner is validated on (docs/design/planner.md)
+    run_step afd_sweep 250 python3 tools/bench_afd.py --quick --attn 2 --ffn 1 --sweep --sweep-skews 1 4 16 \
+      --sweep-placements 0:50,0:50,0:50 0:80,0:80,0:60 --out "$OUT/afd_sweep"
+    run_step decode 280 python3 tools/bench_decode.py --quick --placement ffn-free ffn-bound --timeline --out "$OUT/decode" ;;
   soak1)  # one GPU, MPS: the fault model's soak over topologies, wire modes and transports;
     # a rank still running at --timeout is reported with its Python stacks (launch)
     SOAK="python3 tools/soak.py --stall-prob 0.0002 --progress-s 10"
@@ -145,7 +151,7 @@ case "$MODE" in
     run_step step_moe_auto 100 python3 tools/bench_step_graph.py --quick $MOE --out "$OUT/step_moe_auto"
     NO_MPS=1 run_step gate 90 python3 tools/bench_gate.py --quick --out "$OUT/gate" ;;
 esac
-case "$MODE" in twogpu*|trace1|soak1|moe1) MODE=none ;; esac
+case "$MODE" in twogpu*|trace1|soak1|moe1|plan1) MODE=none ;; esac
 if [ "$MODE" != bench ] && [ "$MODE" != none ]; then
 run_step pytest_cuda "$SUITE_TIMEOUT" python3 -m pytest -m cuda -q -p no:cacheprovider ${PYTEST_ARGS:-} \
   --timeout=${TEST_TIMEOUT:-90} -rfEs --durations=25 $TEST_FILES
