@@ -123,7 +123,7 @@ case "$MODE" in
     run_step afd_ffn_auto 120 $AFD --out "$OUT/afd_ffn_auto" ;;
   plan1)  # one GPU, MPS: the runs the planner is validated on (docs/design/planner.md)
     run_step afd_sweep 250 python3 tools/bench_afd.py --quick --attn 2 --ffn 1 --sweep --sweep-skews 1 4 16 \
-      --sweep-placements 0:50,0:50,0:50 0:80,0:80,0:60 --out "$OUT/afd_sweep"
+      --sweep-placements 0:50,0:50,0:50 0:50,0:50,0:100 --out "$OUT/afd_sweep"
     run_step decode 280 python3 tools/bench_decode.py --quick --placement ffn-free ffn-bound --timeline --out "$OUT/decode" ;;
   soak1)  # one GPU, MPS: the fault model's soak over topologies, wire modes and transports;
     # a rank still running at --timeout is reported with its Python stacks (launch)
