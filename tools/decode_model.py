@@ -11,7 +11,11 @@ request over its own cached positions, the O projection. The attention is
 heads of a group as the query rows of their KV head (q ``[n, kv_heads, group, head_dim]``,
 K/V ``[n, kv_heads, L, head_dim]``, a boolean mask ``[n, 1, 1, L]`` of each request's
 positions ``<= its length``): every cached K/V row is read once, no repeat of the KV heads.
-``L`` is the batch's longest length rounded up to 16. The cache of a layer is
+``L`` is the batch's longest length rounded up to 16. On cuda the attention runs on SDPA's
+memory-efficient kernel (or its flash and math kernels where that one does not apply), never
+on its cuDNN kernel: cuDNN builds an execution plan for every new shape, 66-70 ms each on an
+H200 (torch 2.11), and ``L`` changes every 16 steps, so one step in ~16 stalled and the TPOT
+p99 was 50-90 ms against a p50 of 6-20 ms (docs/performance.md, Known issues). The cache of a layer is
 ``[batch, kv_heads, cache_len, head_dim]`` (bf16), filled with random values at the start; a
 request that joins finds its prompt's KV already there (prefill runs elsewhere: decode only).
 
@@ -138,6 +142,19 @@ def nan_report(hidden, ids, weights, got, ref, num_experts: int) -> dict:
             "experts_all_nan": [e for e, nan_rows, rows in per_expert if rows and nan_rows == rows]}
 
 
+def sdpa_backends(device):
+    """The SDPA kernels decode attention may use on ``device``: on cuda every one but cuDNN's
+    (module doc: its plan per new shape stalls a step); elsewhere torch's choice."""
+    import contextlib
+
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if torch.device(device).type != "cuda":
+        return contextlib.nullcontext()
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 class DecodeReplica:
     """One replica's decode layers and KV caches (module doc)."""
 
@@ -197,8 +214,9 @@ class DecodeReplica:
         k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]
         k_cache[rows, :, positions] = k.view(n, d.kv_heads, d.head_dim)
         v_cache[rows, :, positions] = v.view(n, d.kv_heads, d.head_dim)
-        out = F.scaled_dot_product_attention(q.view(n, d.kv_heads, d.group, d.head_dim),
-                                             k_cache[:n, :, :span], v_cache[:n, :, :span], attn_mask=mask)
+        with sdpa_backends(x.device):
+            out = F.scaled_dot_product_attention(q.view(n, d.kv_heads, d.group, d.head_dim),
+                                                 k_cache[:n, :, :span], v_cache[:n, :, :span], attn_mask=mask)
         return F.linear(out.reshape(n, d.hidden), w["wo"])
 
     def router_input(self, layer_idx: int, x):

@@ -110,6 +110,10 @@ def run_validate(args) -> dict:
         found = (validate.runs_from_sweep(report, label, cores=args.cores) if report.get("mode") == "sweep"
                  else [validate.run_from_report(report, label, cores=args.cores)])
         runs += [(run, base_costs(args, run.shape, {})) for run in found]  # --costs-from: that backend's
+    for i, path in enumerate(args.bench_decode or []):
+        report = cal.read_json(path, "bench_decode")
+        runs += [(run, None) for run in validate.runs_from_decode_report(
+            report, f"{report.get('backend')} decode {i} ({report.get('run', {}).get('commit')})")]
     out, all_rows = [], []
     for run, base in runs:
         costs, rows = validate.validate(run, base, hbm_contention=args.hbm_contention)
@@ -123,7 +127,8 @@ def run_validate(args) -> dict:
     for r in all_rows:
         if "fit input" in r["quantity"] or not math.isfinite(r["error"]):
             continue
-        key = "gpu" if any(r["run"] == g.name for g in measured.GPU_RUNS) else "host"
+        key = ("gpu, quoted" if any(r["run"] == g.name for g in measured.QUOTED_RUNS)
+               else "gpu, shipped JSON" if any(r["run"] == g.name for g in measured.GPU_RUNS) else "other")
         if key not in worst or abs(r["error"]) > abs(worst[key]["error"]):
             worst[key] = r
     for key, r in worst.items():
@@ -146,7 +151,7 @@ def run_simulate(args) -> dict:
                if v is not None}
     costs = base_costs(args, shape, cost_kw)
     if args.costs_run:  # a measured GPU run's fitted host and GEMM costs on this shape
-        runs = {run.name.split()[0]: run for run in measured.GPU_RUNS}
+        runs = {run.name.split()[0]: run for run in measured.QUOTED_RUNS}
         if args.costs_run not in runs:
             raise SystemExit(f"--costs-run must be one of {sorted(runs)}, got {args.costs_run!r}")
         fitted = validate.calibrated_costs(runs[args.costs_run])
@@ -185,6 +190,7 @@ def parse_args(argv=None):
                    help="FFN host cost per item (default 65 us, the eager FFNWorker; a CUDA-graph FFN: ~10)")
     p.add_argument("--attn-fixed-us", type=float, default=None, help="Attention fixed cost per layer (default 100 us)")
     p.add_argument("--bench-afd", nargs="+", help="validate: bench_afd.json files")
+    p.add_argument("--bench-decode", nargs="+", help="validate: bench_decode.json files (cuda)")
     p.add_argument("--cores", type=int, default=None, help="validate: CPU cores of host-backend runs")
     p.add_argument("--placement", default="0:30,0:30,0:40")
     p.add_argument("--attn", type=int, default=2)

@@ -215,3 +215,72 @@ def _nnls(design: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 #: the simulation length the validation uses for a bench run (steps per replica)
 SIM_FOR_BENCH = SimConfig(warmup_steps=2, steps=20)
+
+
+@dataclass(frozen=True)
+class DecodeSoloPoint:
+    """One decode replica alone: ``batch`` requests at a mean ``context`` (tokens of KV cache,
+    growing by one per step over ``output_len`` steps), its solo time per output token."""
+
+    workload: str
+    replica: int
+    context: int
+    batch: int
+    output_len: int
+    solo_step_s: float
+    attn_share: float
+    ffn_share: float
+    num_ffn: int
+
+
+#: the grids of :func:`fit_decode_costs`: the Attention host's issue per layer and the FFN
+#: host's extra per item (0 and 1 us .. 20 ms), the KV-read scale (0.05x .. 50x)
+HOST_GRID = (0.0,) + tuple(float(x) for x in np.geomspace(1e-6, 2e-2, 90))
+KV_SCALES = tuple(float(x) for x in np.geomspace(0.05, 50.0, 90))
+
+
+def _decode_parts(shape: ModelShape, base: cm.Costs, link: Link, p: DecodeSoloPoint) -> tuple:
+    """(the fixed part of one layer's chain, its KV-read part) of a decode solo step, seconds:
+    attention, dispatch, link, poll, the FFN item and its GEMMs, the reply, the combine."""
+    cached = p.batch * (p.context + p.output_len / 2)  # the closed loop's mean over a request's life
+    attn_all = cm.attention_time(base, p.batch, 0.0, cached, p.attn_share)
+    kv = attn_all - cm.attention_time(base, p.batch, 0.0, 0.0, p.attn_share)
+    nbytes = cm.wire_rows(shape, p.batch, p.num_ffn, "pair") * shape.row_bytes
+    fixed = (attn_all - kv + base.dispatch_fixed_s + base.combine_fixed_s + base.ffn_item_s + base.ffn_poll_s
+             + 2 * link.time_s(nbytes) + cm.expert_gemm_time(base, shape, p.batch, p.num_ffn, p.ffn_share))
+    return fixed, kv
+
+
+def fit_decode_costs(shape: ModelShape, points: list, base: cm.Costs, link: Link) -> cm.Costs:
+    """``base`` fitted so that one decode replica alone reproduces ``points`` (solo time per
+    output token). A solo step of L layers, each a device chain ``c = fixed + e + k x kv``
+    (``e``: an FFN host cost per item, ``k``: the KV-read scale) whose layer ``l`` the host
+    issues by ``(l + 1) h`` (``h``: the Attention host per layer), lasts
+    ``max(h + L c, L h + c)``: the chain, or the host with the last layer's chain after it.
+    (h, e, k) minimize the squared relative errors on grids (HOST_GRID, KV_SCALES); only solo
+    steps enter, so the multi-replica rows validate."""
+    if not points:
+        raise ConfigError("fit_decode_costs needs at least one solo point (bench_decode with --solo-duration > 0)")
+    parts = np.array([_decode_parts(shape, base, link, p) for p in points])  # [n, 2]
+    y = np.array([p.solo_step_s for p in points])
+    h = np.array(HOST_GRID)[:, None, None, None]
+    e = np.array(HOST_GRID)[None, :, None, None]
+    k = np.array(KV_SCALES)[None, None, :, None]
+    L = shape.layers
+    chain = parts[:, 0] + e + k * parts[:, 1]
+    step = np.maximum(h + L * chain, L * h + chain)
+    err = np.sum(((step - y) / y) ** 2, axis=-1)
+    ih, ie, ik = np.unravel_index(int(np.argmin(err)), err.shape)
+    h_s, e_s, k_s = HOST_GRID[ih], HOST_GRID[ie], KV_SCALES[ik]
+    return base.replace(attn_host_s=h_s, ffn_item_s=base.ffn_item_s + e_s,
+                        attn_per_ctx_token_s=base.attn_per_ctx_token_s * k_s,
+                        source=f"{base.source}; fitted to {len(points)} decode solo steps: Attention host "
+                               f"{h_s * 1e6:.0f} us/layer, FFN host +{e_s * 1e6:.0f} us/item, KV reads x{k_s:.3g}")
+
+
+def decode_shape(report: dict, model: dict | None = None) -> ModelShape:
+    """The ModelShape of a bench_decode report (``model``: a placement's own, e.g. ffn-bound's
+    larger intermediate)."""
+    m = model or report["model"]
+    return ModelShape(layers=m["layers"], hidden=m["hidden"], experts=m["experts"], top_k=m["top_k"],
+                      intermediate=m["intermediate"], shared_experts=m["shared"])

@@ -36,13 +36,17 @@ class Costs:
     loop feeding a device stream: the host takes an arrival (``ffn_item_s``), then the device
     runs the GEMMs; with ``ffn_host_overlap`` (cuda: launches are stream-ordered) the host takes
     the next arrival while the device computes, without it (the host backend: one thread
-    computes) the next take waits for the compute.
+    computes) the next take waits for the compute. ``attn_host_s``: the Attention host's issue
+    time per layer (Python, torch's eager ops, the connector's calls) when it is not hidden:
+    the host runs ahead of its stream, so the device's layer ``l`` of a step cannot start
+    before ``(l + 1) x attn_host_s`` after the step began (0: the host is never the limit).
     """
 
     attn_fixed_s: float = 100e-6
     attn_per_token_s: float = 0.0
     attn_per_pair_s: float = 0.0
     attn_per_ctx_token_s: float = 0.0
+    attn_host_s: float = 0.0
     gemm_tflops: float = 600.0
     weight_read_gbps: float = 2600.0
     ffn_item_s: float = 65e-6

@@ -1,5 +1,6 @@
-"""GPU runs of ``tools/bench_afd.py`` quoted in docs/benchmarks.md of ca1687d (git history) and issue #36, as
-:class:`~afd_cupy.capacity.validate.MeasuredRun` (their JSON is not in the repository).
+"""The GPU runs the planner is validated on, as :class:`~afd_cupy.capacity.validate.MeasuredRun`:
+the shipped JSON of the current code (``data/``, prefill and decode) and two older
+``tools/bench_afd.py`` runs quoted in docs/benchmarks.md of ca1687d (git history) and issue #36.
 
 Numbers marked *derived* are not printed in the source but follow from printed ones through
 bench_afd's own definitions (tokens/s = tokens per batch / mean batch time; ideal =
@@ -8,8 +9,11 @@ in the same wall time, so their mean batch times are equal).
 """
 from __future__ import annotations
 
+from pathlib import Path
+
+from afd_cupy.capacity import calibrate as cal
 from afd_cupy.capacity.spec import ModelShape
-from afd_cupy.capacity.validate import Case, MeasuredRun
+from afd_cupy.capacity.validate import Case, MeasuredRun, runs_from_decode_report, runs_from_sweep
 
 #: The expert weight-read floor is not identifiable from two solo batches (both scale with
 #: the FFN), so it comes from ONE-process measurements of the same expert shape (the H200
@@ -46,11 +50,28 @@ R0210A59_25_25_50 = MeasuredRun(
                 tokens_per_s={"async": 1.85e5, "lockstep": 1.71e5},
                 ffn_busy={"async": 0.905, "lockstep": 0.689}, ratio=1.08, ideal=1.39),))
 
-GPU_RUNS = (CA1687D_30_30_40, R0210A59_25_25_50)
+#: the JSON of the GPU runs shipped with the package (afd_cupy/capacity/data/): ``tools/gpu_suite.sh
+#: plan1`` at 0769db3 on one H200 under MPS: bench_afd's skew x split sweep (prefill, skews 1, 4,
+#: 16; splits 0:50,0:50,0:50 and 0:50,0:50,0:100) and bench_decode's two presets (decode)
+DATA_DIR = Path(__file__).parent / "data"
+SWEEP_0769DB3 = DATA_DIR / "bench_afd_sweep_0769db3.json"
+DECODE_0769DB3 = DATA_DIR / "bench_decode_0769db3.json"
+
+
+def shipped_runs() -> tuple:
+    """The runs of the shipped JSON (current code): one MeasuredRun per sweep split and per
+    decode placement."""
+    sweep = cal.read_json(str(SWEEP_0769DB3), "bench_afd")
+    decode = cal.read_json(str(DECODE_0769DB3), "bench_decode")
+    return tuple(runs_from_sweep(sweep, "0769db3 prefill") + runs_from_decode_report(decode, "0769db3 decode"))
+
+
+#: runs quoted from older commits' docs (their JSON is not in the repository)
+QUOTED_RUNS = (CA1687D_30_30_40, R0210A59_25_25_50)
+GPU_RUNS = QUOTED_RUNS + shipped_runs()
 
 #: rows no run has measured yet (the doc's validation table lists them)
 NOT_MEASURED = (
-    "decode workload (issue #36): time per output token under context skew, async vs lockstep",
     "two GPUs (nvidia-h200-x2): replicas on GPU 0, the FFN on GPU 1 (0:50,0:50,1), NVLink link",
     "2A2F at 25 % each (8a90d44, a845bad): no solo batches in those runs, so nothing to calibrate on",
 )

@@ -137,9 +137,11 @@ class Simulator:
     def _start_layer(self, st: dict) -> None:
         tokens, pairs, ctx = st["shape"]
         base = cm.attention_time(self.costs, tokens, pairs, ctx, st["share"]) if tokens else self.costs.attn_fixed_s
+        # the host issues layer l of the step by (l + 1) x attn_host_s; the device starts it then
+        start = max(self.now, st["step_start"] + (st["layer"] + 1) * self.costs.attn_host_s)
         duration = base * self._contention(st["gpu"], ("a", st["idx"]))
-        self._mark_busy(st["gpu"], ("a", st["idx"]), st["share"], self.now + duration)
-        self._push(self.now + duration, _ATTN_DONE, st["idx"])
+        self._mark_busy(st["gpu"], ("a", st["idx"]), st["share"], start + duration)
+        self._push(start + duration, _ATTN_DONE, st["idx"])
 
     def _attn_done(self, a: int) -> None:
         st = self.replicas[a]

@@ -31,6 +31,20 @@ class Case:
     ffn_busy: dict = field(default_factory=dict)
     ratio: float | None = None
     ideal: float | None = None
+    kind: str = "prefill"  # decode: lengths = one (context, batch) per replica, ms = TPOT p50
+    output_len: int = 0  # decode: tokens each request generates
+
+    def loads(self) -> tuple:
+        """One ReplicaLoad per replica (decode: a closed loop, the batch kept full, as
+        bench_decode's saturating arrivals keep it)."""
+        if self.kind == "decode":
+            return tuple(ReplicaLoad("decode", batch_size=b, context_len=c, output_len=self.output_len)
+                         for c, b in self.lengths)
+        return tuple(ReplicaLoad("prefill", tuple(l)) for l in self.lengths)
+
+    def tokens(self) -> list:
+        """Tokens per step of each replica (prefill: its batch; decode: its requests)."""
+        return [b for _, b in self.lengths] if self.kind == "decode" else [sum(l) for l in self.lengths]
 
 
 @dataclass(frozen=True)
@@ -53,22 +67,33 @@ class MeasuredRun:
     scale_floor: bool = False
     fixed_on: str = "ffn"  # where the fitted fixed cost goes (calibrate.fit_costs)
     ffn_host_overlap: bool = True  # False on the host backend (one thread takes and computes)
+    attn_params: float | None = None  # attention parameters per layer (h200_costs' default: 4 H^2)
+    kv_bytes_per_token: float | None = None  # KV-cache bytes per token and layer (decode)
 
     def deployment(self, only: int | None = None, hbm_contention: float = 0.0) -> Deployment:
         places = parse_placements(self.placement)
         attn = places[:self.num_attn] if only is None else (places[only],)
         return Deployment(attn, places[self.num_attn:], same_gpu=self.link, intra_node=self.intra_link,
-                          hbm_contention=hbm_contention)
+                          hbm_contention=hbm_contention, mps_caps=True)
+
+    @property
+    def decode(self) -> bool:
+        return any(c.kind == "decode" for c in self.cases)
 
 
 def calibrated_costs(run: MeasuredRun, base: cm.Costs | None = None) -> cm.Costs:
     """``base`` (default: the H200 defaults for the run's shape) fitted to the run's solo
     batches, as a process would run them with no slowdown."""
-    base = base or cm.h200_costs(run.shape)
+    base = base or cm.h200_costs(run.shape, run.attn_params, run.kv_bytes_per_token)
     base = base.replace(ffn_host_overlap=run.ffn_host_overlap)
     if run.weight_read_gbps:
         base = base.replace(weight_read_gbps=run.weight_read_gbps)
     places = parse_placements(run.placement)
+    if run.decode:
+        points = [cal.DecodeSoloPoint(c.workload, a, c.lengths[a][0], c.lengths[a][1], c.output_len, ms * 1e-3,
+                                      places[a].share, places[run.num_attn].share, len(places) - run.num_attn)
+                  for c in run.cases for a, ms in enumerate(c.solo_ms) if ms]
+        return cal.fit_decode_costs(run.shape, points, base, run.link)
     points = [cal.SoloPoint(c.workload, a, c.lengths[a], ms * 1e-3, places[a].share,
                             places[run.num_attn].share, len(places) - run.num_attn)
               for c in run.cases for a, ms in enumerate(c.solo_ms) if ms]
@@ -82,17 +107,20 @@ def predict(run: MeasuredRun, costs: cm.Costs, case: Case, config: SimConfig = c
             hbm_contention: float = 0.0) -> dict:
     """Simulated solo batch per replica, and per schedule batch ms per replica, tokens/s, FFN
     busy; plus ratio, ideal and fraction computed as bench_afd computes them."""
-    loads = tuple(ReplicaLoad("prefill", tuple(l)) for l in case.lengths)
+    loads = case.loads()
+    steps = config.steps if case.kind == "prefill" else max(config.steps, 2 * case.output_len)
+    config = SimConfig(warmup_steps=config.warmup_steps, steps=steps)
+    step_s = (lambda r: r.step_mean_s) if case.kind == "prefill" else (lambda r: r.step_p50_s)
     solo_costs, run_costs = costs.scaled(run.slowdown[0]), costs.scaled(run.slowdown[1])
-    solo = [simulate(run.shape, run.deployment(only=a), (loads[a],), solo_costs, config).replicas[0].step_mean_s
+    solo = [step_s(simulate(run.shape, run.deployment(only=a), (loads[a],), solo_costs, config).replicas[0])
             for a in range(run.num_attn)]
     out = {"solo_ms": [s * 1e3 for s in solo]}
     for schedule in ("async", "lockstep"):
         res = simulate(run.shape, run.deployment(hbm_contention=hbm_contention), loads, run_costs,
                        SimConfig(schedule=schedule, warmup_steps=config.warmup_steps, steps=config.steps))
-        out[schedule] = {"batch_ms": [r.step_mean_s * 1e3 for r in res.replicas],
+        out[schedule] = {"batch_ms": [step_s(r) * 1e3 for r in res.replicas],
                          "tokens_per_s": res.tokens_per_s, "ffn_busy": res.ffn_busy}
-    tokens = [sum(l) for l in case.lengths]
+    tokens = case.tokens()
     ideal_num = sum(n / s for n, s in zip(tokens, out["solo_ms"]))
     lock = sum(n / b for n, b in zip(tokens, out["lockstep"]["batch_ms"]))
     out["ratio"] = out["async"]["tokens_per_s"] / out["lockstep"]["tokens_per_s"]
@@ -115,13 +143,14 @@ def validate(run: MeasuredRun, base: cm.Costs | None = None, hbm_contention: flo
     rows = []
     for case in run.cases:
         pred = predict(run, costs, case, hbm_contention=hbm_contention)
+        what = "TPOT p50 ms" if case.kind == "decode" else "batch ms"
         for a, ms in enumerate(case.solo_ms):
             if ms:
-                rows.append(_row(run, case, f"solo batch ms, replica {a} (fit input)", pred["solo_ms"][a], ms))
+                rows.append(_row(run, case, f"solo {what}, replica {a} (fit input)", pred["solo_ms"][a], ms))
         for schedule in ("async", "lockstep"):
             for a, ms in enumerate(case.batch_ms.get(schedule, ())):
                 if ms:
-                    rows.append(_row(run, case, f"{schedule} batch ms, replica {a}", pred[schedule]["batch_ms"][a], ms))
+                    rows.append(_row(run, case, f"{schedule} {what}, replica {a}", pred[schedule]["batch_ms"][a], ms))
             if case.tokens_per_s.get(schedule):
                 rows.append(_row(run, case, f"{schedule} tokens/s", pred[schedule]["tokens_per_s"],
                                  case.tokens_per_s[schedule]))
@@ -185,3 +214,37 @@ def runs_from_sweep(report: dict, name: str, cores: int | None = None) -> list:
         out.append(run_from_report(sub, f"{name} {label}", placement=placement, cores=cores))
     return out
 
+
+
+def runs_from_decode_report(report: dict, name: str) -> list:
+    """One MeasuredRun per placement of a ``bench_decode.json`` (cuda, one GPU under MPS):
+    its workloads as decode cases; solo = each replica's solo TPOT p50 (the fit input),
+    measured = TPOT p50 per replica, total tokens/s and FFN busy per schedule, the
+    async/lockstep ratio and bench_decode's ideal (Σ solo tokens/s / lockstep tokens/s)."""
+    num_attn, num_ffn = cal.bench_topology(report)
+    out = []
+    for placed in report.get("placements", []):
+        label = placed["label"]
+        m = placed["model"]
+        head_dim = m["hidden"] // m["heads"]
+        attn_params = float((m["heads"] + 2 * m["kv_heads"]) * head_dim * m["hidden"] + m["hidden"] ** 2)
+        rows = [r for r in report.get("results", []) if r["placement"] == label]
+        cases = []
+        for w in placed["workloads"]:
+            by = {r["schedule"]: r for r in rows if r["workload"] == w["name"]}
+            if "async" not in by:
+                continue
+            cmp_ = report.get("comparison", {}).get(f"{label} / {w['name']}", {})
+            solo = tuple((rep.get("solo") or {}).get("tpot_p50_ms") for rep in by["async"]["replicas"])
+            cases.append(Case(w["name"], tuple(zip(w["contexts"], w["batches"])), solo,
+                              batch_ms={s: tuple(rep["tpot_p50_ms"] for rep in r["replicas"]) for s, r in by.items()},
+                              tokens_per_s={s: r["tokens_per_s"] for s, r in by.items()},
+                              ffn_busy={s: r["ffn"]["busy_fraction"] for s, r in by.items()},
+                              ratio=cmp_.get("ratio"), ideal=cmp_.get("ideal"), kind="decode",
+                              output_len=int(report["output_len"])))
+        placement = placed["spec"] or ",".join(["0:100"] * (num_attn + num_ffn))
+        out.append(MeasuredRun(f"{name} {label}", f"bench_decode {report.get('run', {}).get('commit')} "
+                               f"{report.get('backend')}", cal.decode_shape(report, m), placement, num_attn,
+                               tuple(cases), attn_params=attn_params,
+                               kv_bytes_per_token=2.0 * m["kv_heads"] * head_dim * 2))
+    return out

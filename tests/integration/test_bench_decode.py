@@ -267,3 +267,15 @@ def test_bench_afd_prefill_headline_is_the_short_replicas_batch_time(capsys):
     line = bench_common.short_replica_line("skewed", "batch time (mean)", entry)
     assert line == ("headline skewed: short replica 1 batch time (mean) async 14.5 / lockstep 26.7 / solo 6.57 ms; "
                     "async/solo 2.21x, async/lockstep 0.543x")
+
+
+def test_decode_attention_never_runs_on_cudnn_sdpa_on_cuda():
+    # cuDNN's SDPA builds a plan per new shape (66-70 ms on an H200): the decode span changes
+    # every 16 steps, so the benchmark keeps it off on cuda, and leaves the CPU's choice alone
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with decode_model.sdpa_backends("cuda"):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.mem_efficient_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    with decode_model.sdpa_backends("cpu"):
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before
