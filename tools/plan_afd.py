@@ -102,6 +102,16 @@ def run_example(args) -> dict:
             "sla_ms": args.sla_ms, "cases": out}
 
 
+def quantity_group(quantity: str) -> str:
+    """The kind of a validation row: step time (batch ms, TPOT), tokens/s, FFN busy or ratio
+    (async / lockstep, ideal, fraction): the target speaks of the first two."""
+    if "tokens/s" in quantity:
+        return "tokens/s"
+    if "batch ms" in quantity or "TPOT" in quantity:
+        return "step time"
+    return "FFN busy" if "busy" in quantity else "ratio"
+
+
 def run_validate(args) -> dict:
     runs = [(run, None) for run in measured.GPU_RUNS]
     for i, path in enumerate(args.bench_afd or []):
@@ -127,11 +137,12 @@ def run_validate(args) -> dict:
     for r in all_rows:
         if "fit input" in r["quantity"] or not math.isfinite(r["error"]):
             continue
-        key = ("gpu, quoted" if any(r["run"] == g.name for g in measured.QUOTED_RUNS)
-               else "gpu, shipped JSON" if any(r["run"] == g.name for g in measured.GPU_RUNS) else "other")
+        runs_of = ("gpu, quoted" if any(r["run"] == g.name for g in measured.QUOTED_RUNS)
+                   else "gpu, shipped JSON" if any(r["run"] == g.name for g in measured.GPU_RUNS) else "other")
+        key = f"{runs_of}, {quantity_group(r['quantity'])}"
         if key not in worst or abs(r["error"]) > abs(worst[key]["error"]):
             worst[key] = r
-    for key, r in worst.items():
+    for key, r in sorted(worst.items()):
         print(f"worst {key} error: {r['error'] * 100:+.1f} % ({r['run']}, {r['workload']}, {r['quantity']})")
     print("not measured yet: " + "; ".join(measured.NOT_MEASURED))
     return {"mode": "validate", "runs": out, "worst": worst, "not_measured": list(measured.NOT_MEASURED)}

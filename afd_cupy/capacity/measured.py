@@ -50,20 +50,21 @@ R0210A59_25_25_50 = MeasuredRun(
                 tokens_per_s={"async": 1.85e5, "lockstep": 1.71e5},
                 ffn_busy={"async": 0.905, "lockstep": 0.689}, ratio=1.08, ideal=1.39),))
 
-#: the JSON of the GPU runs shipped with the package (afd_cupy/capacity/data/): ``tools/gpu_suite.sh
-#: plan1`` at 0769db3 on one H200 under MPS: bench_afd's skew x split sweep (prefill, skews 1, 4,
-#: 16; splits 0:50,0:50,0:50 and 0:50,0:50,0:100) and bench_decode's two presets (decode)
+#: the JSON of the GPU runs shipped with the package (afd_cupy/capacity/data/), one H200 under
+#: MPS, ``tools/gpu_suite.sh plan1``: bench_afd's skew x split sweep at 0769db3 (prefill, skews 1,
+#: 4, 16; splits 0:50,0:50,0:50 and 0:50,0:50,0:100) and bench_decode's two presets at 4c53441
+#: (decode; its attention off cuDNN SDPA, tools/decode_model.py)
 DATA_DIR = Path(__file__).parent / "data"
 SWEEP_0769DB3 = DATA_DIR / "bench_afd_sweep_0769db3.json"
-DECODE_0769DB3 = DATA_DIR / "bench_decode_0769db3.json"
+DECODE_4C53441 = DATA_DIR / "bench_decode_4c53441.json"
 
 
 def shipped_runs() -> tuple:
     """The runs of the shipped JSON (current code): one MeasuredRun per sweep split and per
     decode placement."""
     sweep = cal.read_json(str(SWEEP_0769DB3), "bench_afd")
-    decode = cal.read_json(str(DECODE_0769DB3), "bench_decode")
-    return tuple(runs_from_sweep(sweep, "0769db3 prefill") + runs_from_decode_report(decode, "0769db3 decode"))
+    decode = cal.read_json(str(DECODE_4C53441), "bench_decode")
+    return tuple(runs_from_sweep(sweep, "0769db3 prefill") + runs_from_decode_report(decode, "4c53441 decode"))
 
 
 #: runs quoted from older commits' docs (their JSON is not in the repository)

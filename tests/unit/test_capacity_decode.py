@@ -98,7 +98,7 @@ def test_mps_caps_may_sum_past_one_partitions_may_not():
 
 
 def _shipped_decode() -> list:
-    return runs_from_decode_report(cal.read_json(str(measured.DECODE_0769DB3), "bench_decode"), "t")
+    return runs_from_decode_report(cal.read_json(str(measured.DECODE_4C53441), "bench_decode"), "t")
 
 
 def test_the_shipped_decode_runs_load_and_their_solo_fit_holds_in_the_simulator():
@@ -112,13 +112,24 @@ def test_the_shipped_decode_runs_load_and_their_solo_fit_holds_in_the_simulator(
         assert rows and all(math.isfinite(r["predicted"]) and math.isfinite(r["measured"]) for r in rows)
         fits = [r for r in rows if "fit input" in r["quantity"]]
         assert len(fits) == 4
-        # the closed-form fit and the simulator's closed loop agree on every solo step
-        assert max(abs(r["error"]) for r in fits) < 0.05, fits
+        assert max(abs(r["error"]) for r in fits) < 0.10, fits  # 3 costs fitted to 4 solo steps
+        # the fit's closed form and the simulator's closed loop agree on every solo step
+        places = parse_placements(run.placement)
+        for case in run.cases:
+            for a, (ctx, batch) in enumerate(case.lengths):
+                p = cal.DecodeSoloPoint(case.workload, a, ctx, batch, case.output_len, 1.0, places[a].share,
+                                        places[-1].share, 1)
+                fixed, kv = cal._decode_parts(run.shape, costs, run.link, p)
+                L, h = run.shape.layers, costs.attn_host_s
+                closed = max(h + L * (fixed + kv), L * h + fixed + kv) * 1e3
+                sim = next(r["predicted"] for r in fits if r["workload"] == case.workload
+                           and r["quantity"].endswith(f"replica {a} (fit input)"))
+                assert sim == pytest.approx(closed, rel=0.03), (run.name, case.workload, a)
 
 
 def test_every_shipped_run_is_in_the_validation_set():
     names = {r.name for r in measured.GPU_RUNS}
-    assert {"0769db3 decode ffn-free", "0769db3 decode ffn-bound",
+    assert {"4c53441 decode ffn-free", "4c53441 decode ffn-bound",
             "0769db3 prefill 0:50,0:50,0:50", "0769db3 prefill 0:50,0:50,0:100"} <= names
     sweep = json.loads(measured.SWEEP_0769DB3.read_text())
     assert sweep["run"]["commit"] == "0769db3" and sweep["backend"] == "cuda"
@@ -128,10 +139,10 @@ def test_every_shipped_run_is_in_the_validation_set():
 
 def test_plan_afd_validate_reads_a_decode_report(tmp_path):
     out = subprocess.run([sys.executable, os.path.join(str(REPO_ROOT), "tools", "plan_afd.py"), "--validate",
-                          "--bench-decode", str(measured.DECODE_0769DB3), "--out", str(tmp_path)],
+                          "--bench-decode", str(measured.DECODE_4C53441), "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=120, cwd=str(REPO_ROOT))
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads((tmp_path / "plan_afd.json").read_text())
     names = [r["run"] for r in report["runs"]]
-    assert "cuda decode 0 (0769db3) ffn-bound" in names
-    assert "gpu, shipped JSON" in report["worst"] and "TPOT p50" in out.stdout
+    assert "cuda decode 0 (4c53441) ffn-bound" in names
+    assert "gpu, shipped JSON, step time" in report["worst"] and "TPOT p50" in out.stdout
