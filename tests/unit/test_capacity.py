@@ -19,19 +19,12 @@ from afd_cupy.capacity.validate import (Case, MeasuredRun, calibrated_costs, run
                                         runs_from_sweep)
 from afd_cupy.errors import ConfigError
 
+from helpers.capacity import small_costs
 from helpers.paths import REPO_ROOT
 
 SHAPE = ModelShape(layers=4, hidden=256, experts=16, top_k=2, intermediate=128, shared_experts=1)
 LINK = Link(100.0, 3e-6)
 ROOT = str(REPO_ROOT)
-
-
-def costs(**kw) -> Costs:
-    base = dict(attn_fixed_s=50e-6, attn_per_token_s=1e-7, attn_per_pair_s=0.0, attn_per_ctx_token_s=1e-9,
-                gemm_tflops=1.0, weight_read_gbps=1e6, ffn_item_s=20e-6, ffn_poll_s=1e-6,
-                dispatch_fixed_s=5e-6, combine_fixed_s=4e-6)
-    base.update(kw)
-    return Costs(**base)
 
 
 def deployment(num_attn: int, num_ffn: int = 1, **kw) -> Deployment:
@@ -43,7 +36,7 @@ def prefill(*lengths) -> ReplicaLoad:
 
 
 def test_one_replica_step_is_the_sum_of_its_phases():
-    c = costs()
+    c = small_costs()
     res = simulate(SHAPE, deployment(1), (prefill(100),), c, SimConfig(steps=3))
     nbytes = cm.wire_rows(SHAPE, 100, 1, "pair") * SHAPE.row_bytes
     per_layer = (cm.attention_time(c, 100, 100 * 101 / 2, 0, 1.0) + c.dispatch_fixed_s + LINK.time_s(nbytes)
@@ -53,7 +46,7 @@ def test_one_replica_step_is_the_sum_of_its_phases():
 
 
 def test_saturated_ffn_caps_throughput_at_its_service_rate():
-    c = costs(gemm_tflops=0.002)  # the FFN is ~100x slower than attention
+    c = small_costs(gemm_tflops=0.002)  # the FFN is ~100x slower than attention
     loads = tuple(prefill(64) for _ in range(4))
     res = simulate(SHAPE, deployment(4), loads, c, SimConfig(steps=8))
     # the host loop takes an item while the device computes the previous one: one item per
@@ -66,7 +59,7 @@ def test_saturated_ffn_caps_throughput_at_its_service_rate():
 
 
 def test_lockstep_never_beats_async_when_the_ffn_is_idle_half_the_time():
-    c = costs(weight_read_gbps=1e9, gemm_tflops=100.0, attn_fixed_s=150e-6)  # compute-bound FFN: merging items saves nothing
+    c = small_costs(weight_read_gbps=1e9, gemm_tflops=100.0, attn_fixed_s=150e-6)  # compute-bound FFN: merging items saves nothing
     for lengths in ((256, 256), (512, 32), (400, 100, 25), (300, 300, 300, 10)):
         loads = tuple(prefill(n) for n in lengths)
         fast = simulate(SHAPE, deployment(len(lengths)), loads, c, SimConfig("async", steps=10))
@@ -77,13 +70,13 @@ def test_lockstep_never_beats_async_when_the_ffn_is_idle_half_the_time():
 
 def test_with_one_replica_async_equals_lockstep():
     for load in (prefill(300, 20), ReplicaLoad("decode", batch_size=16, context_len=500, output_len=7)):
-        runs = [simulate(SHAPE, deployment(1, 2), (load,), costs(), SimConfig(s, steps=9)) for s in ("async", "lockstep")]
+        runs = [simulate(SHAPE, deployment(1, 2), (load,), small_costs(), SimConfig(s, steps=9)) for s in ("async", "lockstep")]
         assert runs[0].tokens_per_s == runs[1].tokens_per_s
         assert runs[0].replicas[0].step_p99_s == runs[1].replicas[0].step_p99_s
 
 
 def test_littles_law_on_items_waiting():
-    c = costs(gemm_tflops=0.005)
+    c = small_costs(gemm_tflops=0.005)
     loads = (prefill(128), prefill(16), ReplicaLoad("decode", batch_size=8, context_len=64, arrival_rate=4000.0))
     for schedule in ("async", "lockstep", "async_merge"):
         res = simulate(SHAPE, deployment(3), loads, c, SimConfig(schedule, steps=12, seed=3))
@@ -100,15 +93,15 @@ def test_littles_law_on_items_waiting():
 def test_seeded_runs_are_deterministic():
     loads = tuple(ReplicaLoad("decode", batch_size=8, context_len=200 * (a + 1), output_len=5, arrival_rate=3000.0)
                   for a in range(3))
-    runs = [simulate(SHAPE, deployment(3), loads, costs(), SimConfig(steps=10, seed=s)).to_dict() for s in (7, 7, 8)]
+    runs = [simulate(SHAPE, deployment(3), loads, small_costs(), SimConfig(steps=10, seed=s)).to_dict() for s in (7, 7, 8)]
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]
 
 
 def test_share_scales_compute_and_saturates_bandwidth():
-    c = costs(attn_fixed_s=0.0, attn_per_ctx_token_s=0.0, bandwidth_sat=0.5)
+    c = small_costs(attn_fixed_s=0.0, attn_per_ctx_token_s=0.0, bandwidth_sat=0.5)
     assert cm.attention_time(c, 1000, 0, 0, 0.25) == pytest.approx(4 * cm.attention_time(c, 1000, 0, 0, 1.0))
-    floor = costs(gemm_tflops=1e9, weight_read_gbps=100.0, bandwidth_sat=0.5)
+    floor = small_costs(gemm_tflops=1e9, weight_read_gbps=100.0, bandwidth_sat=0.5)
     assert cm.expert_gemm_time(floor, SHAPE, 4, 1, 0.5) == pytest.approx(cm.expert_gemm_time(floor, SHAPE, 4, 1, 1.0))
     assert cm.expert_gemm_time(floor, SHAPE, 4, 1, 0.25) == pytest.approx(2 * cm.expert_gemm_time(floor, SHAPE, 4, 1, 1.0))
 
@@ -122,7 +115,7 @@ def test_wire_rows_and_experts_touched():
 
 
 def test_async_merge_reads_the_weights_once_per_layer():
-    floor_bound = costs(weight_read_gbps=2.0, gemm_tflops=1e6)
+    floor_bound = small_costs(weight_read_gbps=2.0, gemm_tflops=1e6)
     loads = tuple(prefill(8) for _ in range(4))
     plain = simulate(SHAPE, deployment(4), loads, floor_bound, SimConfig("async", steps=6))
     merged = simulate(SHAPE, deployment(4), loads, floor_bound, SimConfig("async_merge", steps=6))
@@ -145,7 +138,7 @@ def test_async_merge_reads_the_weights_once_per_layer():
     (lambda: Deployment(parse_placements("0:60,0:60"), parse_placements("1")), "GPU 0 sum to 1.20"),
     (lambda: parse_placements("0:30,,1"), "empty placement"),
     (lambda: Target(weight_fraction=2.0), "Target.weight_fraction"),
-    (lambda: simulate(SHAPE, deployment(2), (prefill(4),), costs()), "one ReplicaLoad per Attention replica"),
+    (lambda: simulate(SHAPE, deployment(2), (prefill(4),), small_costs()), "one ReplicaLoad per Attention replica"),
 ])
 def test_invalid_inputs_raise_config_error_naming_the_field(make, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.").replace("(", r"\(")):
@@ -153,8 +146,8 @@ def test_invalid_inputs_raise_config_error_naming_the_field(make, field):
 
 
 def test_fit_recovers_known_costs_from_solo_batches():
-    truth = costs(ffn_item_s=300e-6, attn_per_token_s=2e-7, gemm_tflops=0.5, weight_read_gbps=50.0)
-    base = costs(ffn_item_s=20e-6, attn_per_token_s=2e-7, gemm_tflops=1.0, weight_read_gbps=50.0)
+    truth = small_costs(ffn_item_s=300e-6, attn_per_token_s=2e-7, gemm_tflops=0.5, weight_read_gbps=50.0)
+    base = small_costs(ffn_item_s=20e-6, attn_per_token_s=2e-7, gemm_tflops=1.0, weight_read_gbps=50.0)
     places = "0:30,0:30,0:40"
     dep = Deployment(parse_placements(places)[:1], parse_placements(places)[2:], same_gpu=LINK)
     solo = {n: simulate(SHAPE, dep, (prefill(n),), truth, SimConfig(steps=3)).replicas[0].step_mean_s * 1e3
@@ -173,14 +166,14 @@ def test_transport_costs_from_bench_transport_json(tmp_path):
     path = tmp_path / "bench_transport.json"
     path.write_text(json.dumps({"tool": "bench_transport", "run": {"commit": "x"}, "prefill": rows,
                                 "decode": [{"tokens": 1, "rt_median_us": 100.0}, {"tokens": 32, "rt_median_us": 120.0}]}))
-    got, link = cal.transport_costs(str(path), costs())
+    got, link = cal.transport_costs(str(path), small_costs())
     assert got.dispatch_fixed_s == pytest.approx(20e-6, rel=1e-6)
     assert got.combine_fixed_s == pytest.approx(10e-6, rel=1e-6)
     assert got.ffn_item_s == pytest.approx(70e-6, rel=1e-6)
     assert link.bandwidth_gbps == pytest.approx(400.0, rel=1e-6)
     (tmp_path / "other.json").write_text(json.dumps({"tool": "bench_afd"}))
     with pytest.raises(ConfigError, match="expected 'bench_transport'"):
-        cal.transport_costs(str(tmp_path / "other.json"), costs())
+        cal.transport_costs(str(tmp_path / "other.json"), small_costs())
 
 
 def _bench_afd_report() -> dict:
@@ -228,24 +221,24 @@ def test_runs_from_a_bench_afd_sweep_report():
 def test_hbm_contention_slows_only_overlapping_phases():
     dep = dict(attention=parse_placements("0:50,0:50"), ffn=parse_placements("1"), same_gpu=LINK, intra_node=LINK)
     loads = (prefill(256), prefill(256))
-    fast_ffn = costs(gemm_tflops=1000.0)  # attention-bound: the two replicas' attention overlaps
+    fast_ffn = small_costs(gemm_tflops=1000.0)  # attention-bound: the two replicas' attention overlaps
     plain = simulate(SHAPE, Deployment(**dep), loads, fast_ffn, SimConfig(steps=4))
     slowed = simulate(SHAPE, Deployment(**dep, hbm_contention=1.0), loads, fast_ffn, SimConfig(steps=4))
     assert slowed.replicas[1].step_mean_s > 1.1 * plain.replicas[1].step_mean_s
     solo = [simulate(SHAPE, Deployment(dep["attention"][:1], dep["ffn"], same_gpu=LINK, intra_node=LINK,
-                                       hbm_contention=k), loads[:1], costs(), SimConfig(steps=4)) for k in (0.0, 1.0)]
+                                       hbm_contention=k), loads[:1], small_costs(), SimConfig(steps=4)) for k in (0.0, 1.0)]
     assert solo[0].replicas[0].step_mean_s == solo[1].replicas[0].step_mean_s  # nothing runs beside it
 
 
 def test_search_respects_the_sla_and_the_expert_memory():
     load = ReplicaLoad("decode", batch_size=32, context_len=256, output_len=16)
-    rows, best = search(SHAPE, costs(), load, 6, target=Target(step_p99_sla_s=1.0), steps=3)
+    rows, best = search(SHAPE, small_costs(), load, 6, target=Target(step_p99_sla_s=1.0), steps=3)
     assert {(r.num_attn, r.num_ffn) for r in rows} == {(5, 1), (4, 2), (2, 4)}
     assert best is not None and best.tokens_per_s_per_gpu == max(r.tokens_per_s_per_gpu for r in rows)
-    _, none = search(SHAPE, costs(), load, 6, target=Target(step_p99_sla_s=1e-9), steps=3)
+    _, none = search(SHAPE, small_costs(), load, 6, target=Target(step_p99_sla_s=1e-9), steps=3)
     assert none is None
     with pytest.raises(ConfigError, match="FFN GPUs"):
-        search(SHAPE, costs(), load, 4, target=Target(hbm_gb=1e-4))
+        search(SHAPE, small_costs(), load, 4, target=Target(hbm_gb=1e-4))
 
 
 def test_plan_afd_tool_writes_json(tmp_path):

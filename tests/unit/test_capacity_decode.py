@@ -19,23 +19,16 @@ from afd_cupy.capacity import measured
 from afd_cupy.capacity.validate import calibrated_costs, runs_from_decode_report, validate
 from afd_cupy.errors import ConfigError
 
+from helpers.capacity import small_costs
 from helpers.paths import REPO_ROOT
 
 SHAPE = ModelShape(layers=4, hidden=256, experts=16, top_k=2, intermediate=128, shared_experts=1)
 LINK = Link(100.0, 3e-6)
 
 
-def _costs(**kw) -> Costs:
-    base = dict(attn_fixed_s=50e-6, attn_per_token_s=1e-7, attn_per_pair_s=0.0, attn_per_ctx_token_s=1e-9,
-                gemm_tflops=1.0, weight_read_gbps=1e6, ffn_item_s=20e-6, ffn_poll_s=1e-6,
-                dispatch_fixed_s=5e-6, combine_fixed_s=4e-6)
-    base.update(kw)
-    return Costs(**base)
-
-
 @pytest.mark.parametrize("host_s", [0.0, 30e-6, 2e-3])
 def test_a_lone_prefill_step_is_the_chain_or_the_host_whichever_binds(host_s):
-    c = _costs(attn_host_s=host_s)
+    c = small_costs(attn_host_s=host_s)
     dep = Deployment.one_per_gpu(1, 1, intra_node=LINK)
     res = simulate(SHAPE, dep, (ReplicaLoad("prefill", (100,)),), c, SimConfig(steps=3))
     chain = cm.attention_time(c, 100, 100 * 101 / 2, 0.0, 1.0)
@@ -52,7 +45,7 @@ def test_a_lone_prefill_step_is_the_chain_or_the_host_whichever_binds(host_s):
 def test_the_host_lane_never_shortens_a_step():
     dep = Deployment.one_per_gpu(2, 1, intra_node=LINK)
     loads = (ReplicaLoad("decode", batch_size=8, context_len=512, output_len=16),) * 2
-    times = [simulate(SHAPE, dep, loads, _costs(attn_host_s=h), SimConfig("lockstep", steps=20)).replicas[0].step_mean_s
+    times = [simulate(SHAPE, dep, loads, small_costs(attn_host_s=h), SimConfig("lockstep", steps=20)).replicas[0].step_mean_s
              for h in (0.0, 20e-6, 200e-6, 2e-3)]
     assert all(b >= a - 1e-15 for a, b in zip(times, times[1:])), times
     assert times[-1] >= SHAPE.layers * 2e-3
@@ -72,7 +65,7 @@ def _points(c: Costs, contexts, batch=32, output_len=16):
 
 
 def test_the_decode_fit_recovers_known_host_ffn_and_kv_costs():
-    base = _costs(attn_per_ctx_token_s=2e-10)
+    base = small_costs(attn_per_ctx_token_s=2e-10)
     h, e, k = cal.HOST_GRID[60], cal.HOST_GRID[45], cal.KV_SCALES[50]
     truth = base.replace(attn_host_s=h, ffn_item_s=base.ffn_item_s + e, attn_per_ctx_token_s=base.attn_per_ctx_token_s * k)
     # contexts from host-bound to chain-bound, so that h, e and k each move some point
@@ -87,7 +80,7 @@ def test_the_decode_fit_recovers_known_host_ffn_and_kv_costs():
 
 def test_the_decode_fit_needs_a_point():
     with pytest.raises(ConfigError, match="at least one solo point"):
-        cal.fit_decode_costs(SHAPE, [], _costs(), LINK)
+        cal.fit_decode_costs(SHAPE, [], small_costs(), LINK)
 
 
 def test_mps_caps_may_sum_past_one_partitions_may_not():
