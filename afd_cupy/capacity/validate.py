@@ -3,8 +3,11 @@ its multi-replica async and lockstep rows with the simulator.
 
 A :class:`MeasuredRun` is one benchmark launch pair (async + lockstep) with one
 :class:`Case` per workload; :func:`run_from_report` builds one from a ``bench_afd.json``,
-``afd_cupy.capacity.measured`` holds the GPU runs quoted in docs/benchmarks.md of ca1687d (git history) and the
-issues. :func:`validate` returns one row per compared quantity with its relative error.
+:func:`runs_from_sweep` one per split of a sweep, :func:`runs_from_decode_report` one per
+placement of a ``bench_decode.json`` (decode cases: TPOT p50 instead of batch time),
+``afd_cupy.capacity.measured`` holds the GPU runs (the shipped JSON, and older ones quoted from
+docs/benchmarks.md of ca1687d and the issues). :func:`validate` returns one row per compared
+quantity with its relative error.
 """
 from __future__ import annotations
 
@@ -215,7 +218,6 @@ def runs_from_sweep(report: dict, name: str, cores: int | None = None) -> list:
     return out
 
 
-
 def runs_from_decode_report(report: dict, name: str) -> list:
     """One MeasuredRun per placement of a ``bench_decode.json`` (cuda, one GPU under MPS):
     its workloads as decode cases; solo = each replica's solo TPOT p50 (the fit input),
@@ -242,7 +244,8 @@ def runs_from_decode_report(report: dict, name: str) -> list:
                               ffn_busy={s: r["ffn"]["busy_fraction"] for s, r in by.items()},
                               ratio=cmp_.get("ratio"), ideal=cmp_.get("ideal"), kind="decode",
                               output_len=int(report["output_len"])))
-        placement = placed["spec"] or ",".join(["0:100"] * (num_attn + num_ffn))
+        places = cal.report_placements({"mps": {"placement": placed.get("placement", "")}}, num_attn, num_ffn)
+        placement = ",".join(f"{p.gpu}:{round(p.share * 100)}" for p in places)
         out.append(MeasuredRun(f"{name} {label}", f"bench_decode {report.get('run', {}).get('commit')} "
                                f"{report.get('backend')}", cal.decode_shape(report, m), placement, num_attn,
                                tuple(cases), attn_params=attn_params,
