@@ -105,8 +105,10 @@ def bench_topology(report: dict) -> tuple[int, int]:
     return int(match.group(1)), int(match.group(2))
 
 
-def bench_shape(report: dict) -> ModelShape:
-    m = report["model"]
+def bench_shape(report: dict, model: dict | None = None) -> ModelShape:
+    """The ModelShape of a bench_afd or bench_decode report (``model``: a placement's own
+    model record, e.g. bench_decode's ffn-bound with its larger intermediate)."""
+    m = model or report["model"]
     return ModelShape(layers=m["layers"], hidden=m["hidden"], experts=m["experts"], top_k=m["top_k"],
                       intermediate=m["intermediate"], shared_experts=m["shared"])
 
@@ -277,10 +279,3 @@ def fit_decode_costs(shape: ModelShape, points: list, base: cm.Costs, link: Link
                         source=f"{base.source}; fitted to {len(points)} decode solo steps: Attention host "
                                f"{h_s * 1e6:.0f} us/layer, FFN host +{e_s * 1e6:.0f} us/item, KV reads x{k_s:.3g}")
 
-
-def decode_shape(report: dict, model: dict | None = None) -> ModelShape:
-    """The ModelShape of a bench_decode report (``model``: a placement's own, e.g. ffn-bound's
-    larger intermediate)."""
-    m = model or report["model"]
-    return ModelShape(layers=m["layers"], hidden=m["hidden"], experts=m["experts"], top_k=m["top_k"],
-                      intermediate=m["intermediate"], shared_experts=m["shared"])

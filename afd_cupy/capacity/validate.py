@@ -247,7 +247,7 @@ def runs_from_decode_report(report: dict, name: str) -> list:
         places = cal.report_placements({"mps": {"placement": placed.get("placement", "")}}, num_attn, num_ffn)
         placement = ",".join(f"{p.gpu}:{round(p.share * 100)}" for p in places)
         out.append(MeasuredRun(f"{name} {label}", f"bench_decode {report.get('run', {}).get('commit')} "
-                               f"{report.get('backend')}", cal.decode_shape(report, m), placement, num_attn,
+                               f"{report.get('backend')}", cal.bench_shape(report, m), placement, num_attn,
                                tuple(cases), attn_params=attn_params,
                                kv_bytes_per_token=2.0 * m["kv_heads"] * head_dim * 2))
     return out
