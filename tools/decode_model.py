@@ -26,7 +26,6 @@ Attention rank can rebuild exactly the global experts of a layer the FFN ranks h
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import sys
@@ -145,25 +144,15 @@ def nan_report(hidden, ids, weights, got, ref, num_experts: int) -> dict:
 
 def sdpa_backends(device):
     """The SDPA kernels decode attention may use on ``device``: on cuda every one but cuDNN's
-    (module doc: its plan per new shape stalls a step); elsewhere torch's choice. Entered
-    once per layer, so it only flips cuDNN's flag (~4 us; torch's ``sdpa_kernel`` takes ~16)."""
+    (module doc: its plan per new shape stalls a step); elsewhere torch's choice."""
+    import contextlib
+
     import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     if torch.device(device).type != "cuda":
         return contextlib.nullcontext()
-    return _cudnn_sdpa_off()
-
-
-@contextlib.contextmanager
-def _cudnn_sdpa_off():
-    import torch
-
-    before = torch.backends.cuda.cudnn_sdp_enabled()
-    torch.backends.cuda.enable_cudnn_sdp(False)
-    try:
-        yield
-    finally:
-        torch.backends.cuda.enable_cudnn_sdp(before)
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 class DecodeReplica:
