@@ -10,9 +10,12 @@ the layer's KV cache on the device, decode attention over each request's cached 
 projection, router, ``conn.select_experts``, ``send_attn_output`` / ``recv_ffn_output`` through
 the real AFD connector, residual adds; one synchronization per step (``conn.check_errors()``).
 FFN ranks serve with ``FFNWorker`` (local grouped experts + shared experts) under the async or
-the lockstep schedule, exactly as bench_afd does (lockstep: ``always_send=True`` on the
-Attention side, ``FFNWorker(schedule="lockstep")``). The same code runs on CPU tensors on the
-host backend (tiny size).
+the lockstep schedule, as bench_afd does (lockstep: ``always_send=True`` on the Attention side,
+``FFNWorker(schedule="lockstep")``), and as a user's worker serves by default
+(``--ffn-serving auto``): the graph FFN where it applies (async on cuda, solo runs included),
+the Python loop elsewhere (lockstep: the graph FFN serves the async schedule only; the host
+backend); ``--ffn-serving loop`` puts every schedule on the loop. Each row says which served
+(``served_by``). The same code runs on CPU tensors on the host backend (tiny size).
 
 Skew = context lengths and batch sizes that differ between replicas. Workloads (one phase
 each inside a launch): ``--presets`` of ``uniform`` (1x), ``skew4x``, ``skew16x``: replica 0
@@ -31,7 +34,9 @@ with room. ``--experts 64`` measures that case.
 Per (placement, schedule, workload), per replica: steps, tokens, tokens/s, time per output
 token (TPOT: each token's time is the wall time of the step that produced it) p50/p99 over
 tokens, each finished request's own TPOT p50/p99, mean active requests, arrivals; the FFN's
-busy fraction and items waiting (bench_afd's ``FFNStatsRecorder`` and ``ffn_phase_stats``).
+busy fraction and items waiting (the loop: bench_afd's ``FFNStatsRecorder`` and
+``ffn_phase_stats``; the graph FFN: its expert GEMMs between device stamps in every replay,
+``graph_ffn_stats``, four stamp nodes a replay; items waiting are not measured there: NaN).
 After each phase of the async launch each replica runs alone in turn (solo, the others at a
 store barrier): its pace with an FFN serving nobody else. Stop rule and per-step store read
 as bench_afd: async replicas stop at their own deadline, lockstep replicas run the same number
@@ -162,6 +167,7 @@ class Spec:
     placement: tuple = ()
     timeline: bool = False
     gemm_sm_carveout: int | str = "auto"
+    ffn_serving: str = "auto"
     peer_timeout_s: float = 120.0
     seed: int = 0
 
@@ -180,19 +186,44 @@ def _rank(ctx, spec: Spec) -> dict:
 
 
 def _ffn(conn, spec: Spec, ffn_rank: int, device) -> dict:
+    """One FFN rank: ``FFNWorker`` as a user runs it (``--ffn-serving``): the graph FFN where it
+    applies (async on cuda; its busy time from device stamps, ``graph_ffn_stats``), else the
+    Python loop with bench_afd's recorder."""
+    from afd_cupy.ffn import serving as ffn_serving
     from afd_cupy.ffn.worker import FFNWorker
 
     experts, shared = dm.ffn_weights(spec.dims, ffn_rank, conn.topology.expert_per_rank, spec.seed, device)
-    recorder = spans.FFNStatsRecorder(device, timeline=spec.timeline)
-    worker = FFNWorker(conn, experts, shared, schedule=spec.schedule, recorder=recorder,
-                       gemm_sm_carveout=spec.gemm_sm_carveout)
+    worker = FFNWorker(conn, experts, shared, schedule=spec.schedule, gemm_sm_carveout=spec.gemm_sm_carveout,
+                       serving=spec.ffn_serving)
     start = time.monotonic()
     weights_nan = dm.count_nan(experts, shared)
-    worker.run()
+    if worker.serving_plan().mode == "graph":
+        import graph_ffn_stats
+
+        stats = graph_ffn_stats.GraphFFNStats(device, timeline=spec.timeline)  # before the capture
+        try:
+            try:
+                server = ffn_serving.open_graph_server(worker, ffn_serving.graph_idle_timeout_s(None))
+            except Exception as exc:  # the Attention ranks fail at once instead of timing out
+                conn.announce_failure(exc)
+                raise
+            stats.attach(server)
+            worker.graph_server = server  # run() serves with it (same wait bound)
+            worker.run()
+        finally:
+            stats.trace.uninstall()
+        result = stats.result()
+        if worker.served_by != "graph" or worker.graph_server is not server:
+            raise RuntimeError(f"FFN rank {ffn_rank} did not serve with the graph it measured "
+                               f"(served_by={worker.served_by}: {worker.serving_reason})")
+    else:
+        recorder = worker.recorder = spans.FFNStatsRecorder(device, timeline=spec.timeline)
+        worker.run()
+        result = recorder.result()
     return {"role": "ffn", "rank": ffn_rank, "served": worker.num_served, "batches": worker.num_batches,
-            "weights_nan": weights_nan, "weights_nan_after": dm.count_nan(experts, shared),
-            "gemm_sm_carveout": worker.gemm_sm_carveout, "seconds": time.monotonic() - start,
-            "stats": recorder.result()}
+            "served_by": worker.served_by, "weights_nan": weights_nan,
+            "weights_nan_after": dm.count_nan(experts, shared), "gemm_sm_carveout": worker.gemm_sm_carveout,
+            "seconds": time.monotonic() - start, "stats": result}
 
 
 def _attention(conn, spec: Spec, attn_rank: int, device, store) -> dict:
@@ -326,7 +357,8 @@ def summarize(spec: Spec, results: list, label: str) -> list:
         rows.append({"placement": label, "schedule": spec.schedule, "workload": workload.name,
                      "contexts": list(workload.contexts), "batches": list(workload.batches),
                      "tokens_per_s": sum(r["tokens_per_s"] for r in replicas), "replicas": replicas,
-                     "ffn": bench_afd.ffn_phase_stats(ffn, window)})
+                     "ffn": dict(bench_afd.ffn_phase_stats(ffn, window),
+                                 served_by=sorted({r.get("served_by") or "loop" for r in ffn}))})
     return rows
 
 
@@ -521,8 +553,12 @@ METHOD = {"tpot": "each output token's time = the wall time of the step that pro
           "ideal": "(sum_a solo tokens/s) / lockstep tokens/s (bench_afd's ideal with n_a tokens per step)",
           "achieved_fraction": "(async/lockstep) / ideal",
           "short_replica": "smallest mean context; its TPOT p50 async / solo and async / lockstep",
-          "ffn_busy_fraction": bench_afd.METHOD["ffn_busy_fraction"],
-          "ffn_items_waiting": bench_afd.METHOD["ffn_items_waiting"],
+          "ffn_serving": "FFNWorker(serving=--ffn-serving); auto: the graph FFN where it applies (async on cuda: "
+                         "solo runs too), the Python loop otherwise (lockstep, host); per row: served_by",
+          "ffn_busy_fraction": "loop: " + bench_afd.METHOD["ffn_busy_fraction"] + "; graph: the expert GEMMs of "
+                               "every served replay (%globaltimer stamps after the gather and before the reply, "
+                               "tools/graph_ffn_stats.py) inside the window / window",
+          "ffn_items_waiting": "loop: " + bench_afd.METHOD["ffn_items_waiting"] + "; graph: not measured (NaN)",
           "saturated": f"async FFN busy >= {SATURATED_BUSY}: conditional targets N/A",
           "verify": "first step of the first phase per launch: layer 0's AFD output vs the fp64 reference"}
 
@@ -538,10 +574,10 @@ def results_tables(rows: list, comparison: dict) -> str:
     parts = [bc.format_table(("placement", "workload", "schedule", "replica", "context", "batch", "steps",
                               "tok/s", "TPOT p50 ms", "TPOT p99 ms", "solo p50 ms", "active", "req TPOT p50"),
                              per_rep), ""]
-    parts += [bc.format_table(("placement", "workload", "schedule", "total tok/s", "FFN busy", "waiting mean",
-                               "waiting max", "FFN items/s"),
-                              [(r["placement"], r["workload"], r["schedule"], r["tokens_per_s"],
-                                r["ffn"]["busy_fraction"], r["ffn"]["items_waiting_mean"],
+    parts += [bc.format_table(("placement", "workload", "schedule", "FFN serving", "total tok/s", "FFN busy",
+                               "waiting mean", "waiting max", "FFN items/s"),
+                              [(r["placement"], r["workload"], r["schedule"], "/".join(r["ffn"].get("served_by", ())),
+                                r["tokens_per_s"], r["ffn"]["busy_fraction"], r["ffn"]["items_waiting_mean"],
                                 r["ffn"]["items_waiting_max"], r["ffn"]["items_per_s"]) for r in rows]), ""]
     parts.append(bc.format_table(
         ("placement / workload", "async/lockstep", "ideal", "fraction of ideal", "short", "short async/solo",
@@ -622,6 +658,9 @@ def parse_args(argv=None):
     parser.add_argument("--timeline-steps", type=int, default=2, help="steps of replica 0 in the timeline")
     parser.add_argument("--gemm-sm-carveout", type=bc.gemm_sm_carveout_arg, default="auto", metavar="auto|N",
                         help="FFN ranks: FFNWorker(gemm_sm_carveout=...) (as bench_afd)")
+    parser.add_argument("--ffn-serving", choices=("auto", "loop"), default="auto",
+                        help="FFNWorker(serving=...): auto = the graph FFN where it applies (async on cuda), "
+                             "else the Python loop; loop = the loop for every schedule")
     parser.add_argument("--max-steps", type=int, default=1_000_000)
     parser.add_argument("--timeout", type=float, default=None, help="per launch, seconds")
     return parser.parse_args(argv)
@@ -648,7 +687,8 @@ def main(argv=None) -> int:
     specs = [(label, mps, Spec(backend, args.poll_mode, schedule, placed_dims, args.attn, args.ffn, placed,
                                args.duration, args.warmup, args.max_steps, args.output_len, rates, args.overload,
                                args.jitter, solo_duration_s=args.solo_duration, placement=placement,
-                               timeline=args.timeline, gemm_sm_carveout=args.gemm_sm_carveout))
+                               timeline=args.timeline, gemm_sm_carveout=args.gemm_sm_carveout,
+                               ffn_serving=args.ffn_serving))
              for label, placement, mps, placed, placed_dims in placements for schedule in args.schedules]
     for label, _, spec in bc.progress(specs, "bench_decode", lambda s: f"{s[0]} schedule={s[2].schedule}"):
         results = run_schedule(spec, timeout)

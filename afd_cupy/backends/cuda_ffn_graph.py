@@ -83,6 +83,11 @@ class GraphFFNServer:
     Both wire modes (dedup: the route table is checked in the graph; a rejected table raises
     the eager path's WireError from :meth:`run` / :meth:`step`).
 
+    ``record_log``: None (the default), or a list that gets a copy of every collected replay's
+    record (int64 [record_words], ``afd_cupy.ffn.graph.REC_*``; idle replays too), in replay
+    order: instrumentation for benchmarks (what each replay did, which sender and layer it
+    served); one list append per replay.
+
     Limits (ConfigError): ``poll_mode="device"``, the async schedule, every Attention peer
     reached by direct stores (no put transport: the reply is a kernel's stores); GEMM
     mode needs bf16, SM90/SM100, no expert biases and no shared-expert gate. Not thread-safe;
@@ -97,6 +102,7 @@ class GraphFFNServer:
         self.gemm_sm_carveout = self._check_settings(depth, idle_timeout_s, gemm_sm_carveout, device)
         self.connector, self.layout, self.device = connector, connector.layout, device
         self.depth, self.idle_timeout_s = depth, float(idle_timeout_s)
+        self.identity = bool(identity)  # ffn.serving.open_graph_server reuses a server by it
         layout, model = self.layout, connector.model
         weights = None
         if identity:
@@ -132,6 +138,7 @@ class GraphFFNServer:
         self._started = False
         self._idle_sleep_s = 0.0
         self._last_liveness = 0.0
+        self.record_log: list | None = None
         self.graphs = [self.kernels.capture(bucket) for bucket in self.buckets]
 
     # --- set-up ---------------------------------------------------------------------------
@@ -274,6 +281,8 @@ class GraphFFNServer:
             raise ProtocolError(f"graph replay {replay} left no record (found replay "
                                 f"{record[ffn_graph.REC_REPLAY]}): was the connector received on "
                                 "by someone else while the server ran?")
+        if self.record_log is not None:
+            self.record_log.append(record)
         return record
 
     def _handle(self, record: np.ndarray, *, raising: bool) -> int:

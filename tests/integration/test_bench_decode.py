@@ -29,6 +29,9 @@ import bench_common  # noqa: E402
 import bench_decode  # noqa: E402
 import decode_batch  # noqa: E402
 import decode_model  # noqa: E402
+import graph_ffn_stats  # noqa: E402
+from afd_cupy import wire  # noqa: E402
+from afd_cupy.ffn import graph as ffn_graph  # noqa: E402
 
 
 def _run(out_dir: Path, *extra: str) -> str:
@@ -75,6 +78,7 @@ def test_bench_decode_quick_host(tmp_path):
             else:
                 assert "solo" not in rep
         ffn = row["ffn"]
+        assert ffn["served_by"] == ["loop"], ffn  # the host backend has no graph FFN
         assert 0 <= ffn["busy_fraction"] <= 1 and ffn["per_rank"][0]["items_taken"] > 0, ffn
         assert 0 <= ffn["items_waiting_mean"] <= ffn["items_waiting_max"], ffn
     # every launch checked its first step on each replica, and every check passed
@@ -279,3 +283,83 @@ def test_decode_attention_never_runs_on_cudnn_sdpa_on_cuda():
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
     with decode_model.sdpa_backends("cpu"):
         assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
+# --------------------------------------------------------------------------- graph FFN busy time
+
+def _record(replay: int, status: int, src: int = 0, layer: int = 0, stage: int = 0) -> np.ndarray:
+    header_words = wire.HDR_FIXED_WORDS + 4
+    record = np.zeros(ffn_graph.record_words(header_words), np.int64)
+    record[ffn_graph.REC_REPLAY], record[ffn_graph.REC_STATUS] = replay, status
+    words = record[ffn_graph.REC_HEADER:].view(np.int32)
+    words[wire.HDR_SRC_RANK], words[wire.HDR_LAYER], words[wire.HDR_STAGE] = src, layer, stage
+    return record
+
+
+def test_graph_spans_take_the_served_replays_gemm_stamps():
+    rng = np.random.default_rng(7)
+    statuses = [ffn_graph.GS_IDLE, ffn_graph.GS_SERVED, ffn_graph.GS_SERVED, ffn_graph.GS_EAGER,
+                ffn_graph.GS_SERVED, ffn_graph.GS_SERVED]
+    records = [_record(r, st, src=r % 2, layer=r % 3, stage=0) for r, st in enumerate(statuses)]
+    # consecutive replays on one stream: f_staged < f_gathered < f_reply0 < f_reply1 < next f_staged
+    steps = rng.integers(1, 1000, size=(len(statuses), 4))
+    rows = 10_000 + np.cumsum(steps.ravel()).reshape(steps.shape)
+    rows[5, 2] = -1  # a point not stamped: the replay is left out
+    offset = 123_456
+
+    def to_ns(device_ns):
+        return np.asarray(device_ns, np.float64) + offset
+
+    out = graph_ffn_stats.graph_spans(rows, 0, records, to_ns, timeline=True)
+    served = [1, 2, 4]
+    assert out["compute_ns"] == [(rows[r, 1] + offset, rows[r, 2] + offset) for r in served]
+    assert out["queue_ns"] == [rows[r, 0] + offset for r in served]
+    assert len(out["queue_items"]) == 3 and all(math.isnan(v) for v in out["queue_items"])
+    assert out["replays"]["SERVED"] == 3 and out["replays"]["IDLE"] == 1 and out["replays"]["EAGER"] == 1
+    lanes = out["lanes"]["stream"]
+    assert [name for name, *_ in lanes] == ["wait", "compute", "reply"] * 3
+    # each served replay waits from the previous replay's end (f_reply1), whatever it did
+    assert [(b, e) for name, b, e, _ in lanes if name == "wait"] == [
+        (rows[r - 1, 3] + offset, rows[r, 0] + offset) for r in served]
+    assert [tag for name, _, _, tag in lanes if name == "compute"] == [((r % 2, r % 3, 0),) for r in served]
+    # rows from a later replay on (the ring kept the last ones): row i is replay first + i
+    later = graph_ffn_stats.graph_spans(rows[2:], 2, records, to_ns, timeline=False)
+    assert later["compute_ns"] == out["compute_ns"][1:] and later["lanes"] == {}
+    with pytest.raises(ValueError, match="record 1 is of replay 2"):
+        graph_ffn_stats.graph_spans(rows[:2], 0, [records[0], records[2]], to_ns, timeline=False)
+
+
+def test_clock_map_removes_the_offset_and_the_drift():
+    d0, h0 = 1_764_000_000_123_456_789, 1_000_000_000  # %globaltimer: ns since 1970
+    drift = 1 + 2e-5
+    anchors = [(d0, h0, 40), (d0 + 3_000_000_000, h0 + round(3_000_000_000 * drift), 60)]
+    to_ns, info = graph_ffn_stats.clock_map(anchors)
+    assert float(to_ns(d0 + 1_500_000_000)) == pytest.approx(h0 + 1_500_000_000 * drift, abs=1)
+    assert info["scale"] == pytest.approx(drift) and info["anchor_error_ns"] == [40, 60]
+    # anchors closer than 1 s: the offset only
+    to_ns, info = graph_ffn_stats.clock_map([(d0, h0, 1), (d0 + 500_000_000, h0 + 500_100_000, 1)])
+    assert info["scale"] == 1.0 and float(to_ns(d0 + 10)) == h0 + 10
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(420)
+def test_bench_decode_on_cuda_measures_the_graph_ffn(tmp_path):
+    """2A1F on one GPU under MPS (the suite starts it): async serves with the graph FFN, whose
+    busy time comes from its device stamps; lockstep serves with the loop."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_decode.py"), "--quick", "--out", str(tmp_path),
+                           "--presets", "uniform", "--duration", "1", "--solo-duration", "0.5",
+                           "--placement", "0:50,0:50,0:50", "--timeline"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, f"bench_decode failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    report = json.loads((tmp_path / "bench_decode.json").read_text())
+    by_schedule = {r["schedule"]: r for r in report["results"]}
+    graph, loop = by_schedule["async"]["ffn"], by_schedule["lockstep"]["ffn"]
+    assert graph["served_by"] == ["graph"] and loop["served_by"] == ["loop"], (graph, loop)
+    assert 0 < graph["busy_fraction"] < 1 and graph["items_per_s"] > 0, graph
+    assert math.isnan(graph["items_waiting_mean"]) and loop["items_waiting_mean"] >= 0
+    assert all(c["ok"] for c in report["verification"]), report["verification"]
+    panels = json.loads((tmp_path / "bench_decode_timeline.json").read_text())["panels"]
+    async_panel = next(p for p in panels if p["schedule"] == "async")
+    ffn_names = {span[0] for row in async_panel["rows"][2:] for span in row["spans"]}
+    assert {"compute", "reply", "wait"} <= ffn_names, ffn_names

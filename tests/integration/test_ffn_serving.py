@@ -275,7 +275,10 @@ def _identity_program(ctx, backend, serving):
             except ConfigError as exc:
                 served, error = None, str(exc)
             server = worker.graph_server
-            return {"served": served, "error": error, "served_by": worker.served_by,
+            # a later run() serves with the same server (same wait bound and expert mode)
+            reused = None if server is None else \
+                ffn_serving.open_graph_server(worker, server.idle_timeout_s, server) is server
+            return {"served": served, "error": error, "served_by": worker.served_by, "reused": reused,
                     "replays": None if server is None else server.num_replays,
                     "lines": [line for line in lines.lines if "graph FFN" in line[1]]}
         gen = torch.Generator().manual_seed(3)
@@ -318,6 +321,7 @@ def test_host_backend_serving_graph_fails_the_attention_side_with_the_reason():
 def test_cuda_default_worker_serves_identity_experts_through_the_graph():
     attn, ffn = launch(_identity_program, 2, args=("cuda", "auto"), timeout_s=240)
     assert ffn["served"] == MODEL.num_layers and ffn["served_by"] == "graph" and ffn["replays"] > 0, ffn
+    assert ffn["reused"] is True, ffn
     assert [level for level, _ in ffn["lines"]] == ["INFO"] and "serving with the graph FFN" in ffn["lines"][0][1]
     assert len(attn["errors"]) == MODEL.num_layers and max(attn["errors"]) < 0.02, attn
 
