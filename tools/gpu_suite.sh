@@ -33,6 +33,9 @@
 #            bench_graph_ffn
 #   twogpu4  two GPUs: the GEMM SM carve-out (0 vs "auto") with the FFN on its own GPU
 #
+# part1 / part2 / part3 run pytest-xdist with 4 / 3 / 2 workers unless PYTEST_ARGS says otherwise
+# (serially part2 alone takes ~7 minutes). Do not wrap the script in an outer `timeout`: its
+# steps bound themselves with their own process groups, and an outer kill orphans them.
 # Knobs (environment): SUITE_TESTS (test files or ids instead of the mode's), SUITE_TIMEOUT,
 # TEST_TIMEOUT (per test), PYTEST_ARGS (extra pytest arguments for the cuda tests, e.g. "-n 4"
 # with pytest-xdist), SMOKE_ARGS, SKIP_SMOKE_1A1F=1, SKIP_SMOKE_2A2F=1, SKIP_HOSTPOLL=1 /
@@ -54,13 +57,13 @@ MODE=${1:-full}
 # part1 / part2 / part3: the cuda tests in three calls; the knobs still override them.
 case "$MODE" in
   part1) SUITE_TESTS=${SUITE_TESTS:-"tests/kernels/test_gate_cuda.py tests/kernels/test_kernels_cuda_dedup_attn.py tests/kernels/test_kernels_cuda_dedup_ffn.py tests/kernels/test_kernels_cuda.py tests/kernels/test_ffn_graph_cuda.py tests/unit/test_moe.py tests/integration/test_step_graph_cuda.py tests/stress/test_e2e_errors.py tests/integration/test_window.py tests/integration/test_adapters.py tests/unit/test_expert_gemm.py tests/integration/test_bench_decode.py tests/kernels/test_kernels_cuda_dedup_ll.py tests/integration/test_ffn_serving.py"}
-         SKIP_HF=${SKIP_HF:-0} SUITE_TIMEOUT=${SUITE_TIMEOUT:-480} ;;
+         SKIP_HF=${SKIP_HF:-0} SUITE_TIMEOUT=${SUITE_TIMEOUT:-480} PYTEST_ARGS=${PYTEST_ARGS:-"-n 4"} ;;
   part2) SUITE_TESTS=${SUITE_TESTS:-"tests/integration/test_e2e.py tests/integration/test_e2e_dedup_ll.py"}
          SKIP_SMOKE_1A1F=${SKIP_SMOKE_1A1F:-1} SKIP_SMOKE_2A2F=${SKIP_SMOKE_2A2F:-1}
-         SUITE_TIMEOUT=${SUITE_TIMEOUT:-550} TEST_TIMEOUT=${TEST_TIMEOUT:-60} ;;
+         SUITE_TIMEOUT=${SUITE_TIMEOUT:-550} TEST_TIMEOUT=${TEST_TIMEOUT:-60} PYTEST_ARGS=${PYTEST_ARGS:-"-n 3"} ;;
   part3) SUITE_TESTS=${SUITE_TESTS:-"tests/integration/test_gates_e2e.py tests/unit/test_nvshmem_binding.py tests/integration/test_bench_moe_layer.py tests/stress/test_peer_gone.py tests/stress/test_faults.py"}
          SKIP_SMOKE_1A1F=${SKIP_SMOKE_1A1F:-1} SKIP_SMOKE_2A2F=${SKIP_SMOKE_2A2F:-1}
-         SUITE_TIMEOUT=${SUITE_TIMEOUT:-550} ;;
+         SUITE_TIMEOUT=${SUITE_TIMEOUT:-550} PYTEST_ARGS=${PYTEST_ARGS:-"-n 2"} ;;
 esac
 case "$MODE" in part1|part2|part3) SKIP_HOSTPOLL=${SKIP_HOSTPOLL:-1} SKIP_SOAK=${SKIP_SOAK:-1}
                                     SKIP_HF=${SKIP_HF:-1}; MODE=quick ;; esac

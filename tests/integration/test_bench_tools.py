@@ -744,6 +744,10 @@ def test_gpu_suite_parts_cover_every_cuda_test_file_once():
     assert "tests/integration/test_e2e.py" in cuda_files and len(cuda_files) >= 10
     assert sorted(listed) == cuda_files
     assert parts["part3"].split()[-1] == "tests/stress/test_faults.py"  # it kills processes: last
+    # each part runs its tests on pytest-xdist workers by default (part2 alone takes ~7 minutes
+    # serially), with room for a caller's PYTEST_ARGS
+    workers = dict(re.findall(r'^\s*(part[123])\).*?PYTEST_ARGS=\$\{PYTEST_ARGS:-"-n (\d)"\}', script, re.M | re.S))
+    assert workers == {"part1": "4", "part2": "3", "part3": "2"}, workers
 
 
 def test_bench_gate_arguments_table_and_the_cpu_skip(tmp_path):
