@@ -6,7 +6,7 @@
 #
 #   bash tools/gpu_suite.sh [MODE]
 #
-# Modes (each of part1..part3, soak1, moe1, trace1, plan1 and twogpu1..4 fits one 600 s device call):
+# Modes (each of part1..part3, soak1, moe1, trace1, plan1, corun1 and twogpu1..4 fits one 600 s device call):
 #   full     every cuda test, the host-polling e2e cases without MPS, both main jobs,
 #            hf_generate, the soak, then the benchmarks (default)
 #   quick    the cuda tests and both main jobs
@@ -27,6 +27,8 @@
 #            "auto", torch's gate against the one-kernel gate, bench_gate
 #   plan1    one GPU: the planner's validation runs: bench_afd's skew x split sweep (prefill)
 #            and bench_decode's two presets with a timeline (decode)
+#   corun1   one GPU: tools/bench_corun.py (decode attention at two contexts and the FFN's expert
+#            GEMMs, each alone and together under MPS shares)
 #   twogpu1  two GPUs: bench_transport decode + prefill, both wire modes and transports
 #   twogpu2  two GPUs: bench_afd with the FFN on its own GPU: overlap, sweep, timeline
 #   twogpu3  two GPUs: the multigpu tests, bench_step_graph --trace (pair, dedup),
@@ -128,6 +130,8 @@ case "$MODE" in
     run_step afd_sweep 250 python3 tools/bench_afd.py --quick --attn 2 --ffn 1 --sweep --sweep-skews 1 4 16 \
       --sweep-placements 0:50,0:50,0:50 0:50,0:50,0:100 --out "$OUT/afd_sweep"
     run_step decode 280 python3 tools/bench_decode.py --quick --placement ffn-free ffn-bound --timeline --out "$OUT/decode" ;;
+  corun1)  # one GPU, MPS: what ranks sharing the GPU cost each other (the planner's contention term)
+    run_step corun 240 python3 tools/bench_corun.py --out "$OUT/corun" ;;
   soak1)  # one GPU, MPS: the fault model's soak over topologies, wire modes and transports;
     # a rank still running at --timeout is reported with its Python stacks (launch)
     SOAK="python3 tools/soak.py --stall-prob 0.0002 --progress-s 10"
@@ -154,7 +158,7 @@ case "$MODE" in
     run_step step_moe_auto 100 python3 tools/bench_step_graph.py --quick $MOE --out "$OUT/step_moe_auto"
     NO_MPS=1 run_step gate 90 python3 tools/bench_gate.py --quick --out "$OUT/gate" ;;
 esac
-case "$MODE" in twogpu*|trace1|soak1|moe1|plan1) MODE=none ;; esac
+case "$MODE" in twogpu*|trace1|soak1|moe1|plan1|corun1) MODE=none ;; esac
 if [ "$MODE" != bench ] && [ "$MODE" != none ]; then
 run_step pytest_cuda "$SUITE_TIMEOUT" python3 -m pytest -m cuda -q -p no:cacheprovider ${PYTEST_ARGS:-} \
   --timeout=${TEST_TIMEOUT:-90} -rfEs --durations=25 $TEST_FILES
