@@ -36,7 +36,8 @@
 #   twogpu4  two GPUs: the GEMM SM carve-out (0 vs "auto") with the FFN on its own GPU
 #
 # part1 / part2 / part3 run pytest-xdist with 4 / 3 / 2 workers unless PYTEST_ARGS says otherwise
-# (serially part2 alone takes ~7 minutes). Do not wrap the script in an outer `timeout`: its
+# (serially part2 alone takes ~7 minutes); SERIAL_K (a pytest -k expression; part2: mixed_job)
+# takes tests out of that step and runs them one at a time after it (SERIAL_TIMEOUT). Do not wrap the script in an outer `timeout`: its
 # steps bound themselves with their own process groups, and an outer kill orphans them.
 # Knobs (environment): SUITE_TESTS (test files or ids instead of the mode's), SUITE_TIMEOUT,
 # TEST_TIMEOUT (per test), PYTEST_ARGS (extra pytest arguments for the cuda tests, e.g. "-n 4"
@@ -62,7 +63,8 @@ case "$MODE" in
          SKIP_HF=${SKIP_HF:-0} SUITE_TIMEOUT=${SUITE_TIMEOUT:-480} PYTEST_ARGS=${PYTEST_ARGS:-"-n 4"} ;;
   part2) SUITE_TESTS=${SUITE_TESTS:-"tests/integration/test_e2e.py tests/integration/test_e2e_dedup_ll.py"}
          SKIP_SMOKE_1A1F=${SKIP_SMOKE_1A1F:-1} SKIP_SMOKE_2A2F=${SKIP_SMOKE_2A2F:-1}
-         SUITE_TIMEOUT=${SUITE_TIMEOUT:-550} TEST_TIMEOUT=${TEST_TIMEOUT:-60} PYTEST_ARGS=${PYTEST_ARGS:-"-n 3"} ;;
+         SUITE_TIMEOUT=${SUITE_TIMEOUT:-550} TEST_TIMEOUT=${TEST_TIMEOUT:-60} PYTEST_ARGS=${PYTEST_ARGS:-"-n 3"}
+         SERIAL_K=${SERIAL_K-mixed_job} ;;  # NVSHMEM start-ups of these jobs collide under -n 3
   part3) SUITE_TESTS=${SUITE_TESTS:-"tests/integration/test_gates_e2e.py tests/unit/test_nvshmem_binding.py tests/integration/test_bench_moe_layer.py tests/stress/test_peer_gone.py tests/stress/test_faults.py"}
          SKIP_SMOKE_1A1F=${SKIP_SMOKE_1A1F:-1} SKIP_SMOKE_2A2F=${SKIP_SMOKE_2A2F:-1}
          SUITE_TIMEOUT=${SUITE_TIMEOUT:-550} PYTEST_ARGS=${PYTEST_ARGS:-"-n 2"} ;;
@@ -160,8 +162,14 @@ case "$MODE" in
 esac
 case "$MODE" in twogpu*|trace1|soak1|moe1|plan1|corun1) MODE=none ;; esac
 if [ "$MODE" != bench ] && [ "$MODE" != none ]; then
+DESELECT=()
+[ -z "${SERIAL_K:-}" ] || DESELECT=(-k "not ($SERIAL_K)")
 run_step pytest_cuda "$SUITE_TIMEOUT" python3 -m pytest -m cuda -q -p no:cacheprovider ${PYTEST_ARGS:-} \
-  --timeout=${TEST_TIMEOUT:-90} -rfEs --durations=25 $TEST_FILES
+  ${DESELECT[@]+"${DESELECT[@]}"} --timeout=${TEST_TIMEOUT:-90} -rfEs --durations=25 $TEST_FILES
+# the tests SERIAL_K selects, one at a time (docs/performance.md, Known issues: NVSHMEM jobs
+# starting at the same time)
+[ -z "${SERIAL_K:-}" ] || run_step pytest_cuda_serial "${SERIAL_TIMEOUT:-150}" python3 -m pytest -m cuda -q \
+  -p no:cacheprovider -k "$SERIAL_K" --timeout=${TEST_TIMEOUT:-90} -rfEs $TEST_FILES
 # the end-to-end cases again with host polling and WITHOUT MPS (no spinning kernels at all)
 [ "${SKIP_HOSTPOLL:-0}" = 1 ] || AFD_TEST_POLL_MODE=host NO_MPS=1 run_step pytest_hostpoll "${HOSTPOLL_TIMEOUT:-300}" \
   python3 -m pytest -m cuda -q -p no:cacheprovider --timeout=${TEST_TIMEOUT:-90} -rfEs tests/integration/test_e2e.py tests/stress/test_e2e_errors.py tests/stress/test_faults.py
