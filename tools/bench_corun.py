@@ -75,10 +75,7 @@ class Spec:
     seed: int = 0
 
     def model(self) -> ModelConfig:
-        d = self.dims
-        return ModelConfig(hidden_size=d.hidden, num_experts=d.experts, top_k=d.top_k,
-                           moe_intermediate_size=d.intermediate, num_shared_experts=d.shared, dtype="bfloat16",
-                           max_num_batched_tokens=self.batch, num_layers=1)
+        return self.dims.model_config(self.batch)
 
 
 def parse_workload(text: str) -> tuple[str, int]:

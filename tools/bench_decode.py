@@ -172,11 +172,7 @@ class Spec:
     seed: int = 0
 
     def model(self) -> ModelConfig:
-        d = self.dims
-        return ModelConfig(hidden_size=d.hidden, num_experts=d.experts, top_k=d.top_k,
-                           moe_intermediate_size=d.intermediate, num_shared_experts=d.shared, dtype="bfloat16",
-                           max_num_batched_tokens=max(b for w in self.workloads for b in w.batches),
-                           num_layers=d.layers)
+        return self.dims.model_config(max(b for w in self.workloads for b in w.batches))
 
 
 # --------------------------------------------------------------------------- ranks

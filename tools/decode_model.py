@@ -54,6 +54,14 @@ class DecodeDims(bench_afd.Dims):
     def group(self) -> int:
         return self.heads // self.kv_heads
 
+    def model_config(self, max_tokens: int):
+        """The connector's ``ModelConfig`` of this model (bf16, ``max_tokens`` per batch)."""
+        from afd_cupy.config import ModelConfig
+
+        return ModelConfig(hidden_size=self.hidden, num_experts=self.experts, top_k=self.top_k,
+                           moe_intermediate_size=self.intermediate, num_shared_experts=self.shared,
+                           dtype="bfloat16", max_num_batched_tokens=max_tokens, num_layers=self.layers)
+
 
 def _randn(shape, fan_in: int, device, gen):
     import torch

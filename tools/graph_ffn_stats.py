@@ -65,11 +65,12 @@ def graph_spans(rows: np.ndarray, first_replay: int, records: list, to_ns, *, ti
     from afd_cupy import wire
     from afd_cupy.ffn import graph as ffn_graph
 
-    col = {p: i for i, p in enumerate(POINTS)}
+    rows = np.asarray(rows)
+    host_ns = to_ns(rows)  # columns in POINTS order
     compute, lanes, queue_ns = [], [], []
     counts = {name: 0 for name in ffn_graph.GS_NAMES.values()}
     previous_end = None
-    for i, row in enumerate(np.asarray(rows)):
+    for i, row in enumerate(rows):
         replay = first_replay + i
         if replay >= len(records) or (row < 0).any():
             previous_end = None
@@ -80,7 +81,7 @@ def graph_spans(rows: np.ndarray, first_replay: int, records: list, to_ns, *, ti
         status = int(record[ffn_graph.REC_STATUS])
         name = ffn_graph.GS_NAMES.get(status, str(status))
         counts[name] = counts.get(name, 0) + 1
-        staged, gathered, reply0, reply1 = (int(v) for v in to_ns(row[[col[p] for p in POINTS]]))
+        staged, gathered, reply0, reply1 = (int(v) for v in host_ns[i])
         if status == ffn_graph.GS_SERVED:
             words = record[ffn_graph.REC_HEADER:].view(np.int32)
             tag = ((int(words[wire.HDR_SRC_RANK]), int(words[wire.HDR_LAYER]), int(words[wire.HDR_STAGE])),)
