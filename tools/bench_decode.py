@@ -38,7 +38,12 @@ busy fraction and items waiting (the loop: bench_afd's ``FFNStatsRecorder`` and
 ``ffn_phase_stats``; the graph FFN: its expert GEMMs between device stamps in every replay,
 ``graph_ffn_stats``, four stamp nodes a replay; items waiting are not measured there: NaN).
 After each phase of the async launch each replica runs alone in turn (solo, the others at a
-store barrier): its pace with an FFN serving nobody else. Stop rule and per-step store read
+store barrier): its pace with an FFN serving nobody else. A second round follows
+(``--solo-background attention``, the default): the co-run solo, each replica through the FFN
+in turn while the others run their attention steps without the transport. On one GPU the
+replicas share SMs and HBM; the co-run solo is a replica's pace under that load with the FFN
+serving it alone, and the co-run ideal built from it is what async can reach on the shared GPU
+(reported beside the targets, which use the solo ideal). Stop rule and per-step store read
 as bench_afd: async replicas stop at their own deadline, lockstep replicas run the same number
 of steps (replica 0 decides).
 
@@ -164,6 +169,7 @@ class Spec:
     overload: float
     jitter: float
     solo_duration_s: float = 0.0
+    solo_background: bool = False
     placement: tuple = ()
     timeline: bool = False
     gemm_sm_carveout: int | str = "auto"
@@ -305,29 +311,72 @@ def _phase(conn, spec: Spec, attn_rank: int, store, phase_idx: int, workload: Wo
 
 
 def _solo(conn, spec: Spec, attn_rank: int, store, phase_idx: int, workload: Workload, replica) -> dict:
-    """Every replica alone in turn, the others at a store barrier; this replica's solo run."""
+    """Every replica alone in turn, the others at a store barrier: this replica's solo run.
+    With ``spec.solo_background`` (and more than one replica) a second round follows, the
+    co-run solo: every replica decodes through the FFN in turn while the others run their own
+    attention steps without the transport (``decode_model.attention_step``), i.e. the shared
+    GPU loaded as under async but the FFN serving only one replica. It goes to
+    ``solo["corun"]``."""
     from afd_cupy.runtime.store import store_barrier
 
-    flag_key, mine = f"bench_decode/stop_flag/{phase_idx}", None
+    key = f"bench_decode/solo{phase_idx}"
+    mine = None
     for turn in range(spec.num_attn):
-        store_barrier(store, f"bench_decode/solo{phase_idx}", spec.num_attn, spec.peer_timeout_s)
-        if turn != attn_rank:
-            continue
-        warm_times, _ = _warmup(conn, spec, replica, _new_batch(spec, workload, attn_rank, phase_idx),
-                                SOLO_WARMUP_STEPS, check=False)
-        batch = _new_batch(spec, workload, attn_rank, phase_idx)
-        rate = _arrival_rate(spec, attn_rank, batch, warm_times)
-        deadline = time.monotonic() + spec.solo_duration_s
-
-        def should_stop(steps: int) -> bool:
-            store.add(flag_key, 0)  # the measured phase's per-step store read
-            return steps >= SOLO_MIN_STEPS and time.monotonic() >= deadline
-
-        batch.start_arrivals(rate, time.perf_counter())
-        mine = {"arrival_rate": rate, **_measure(conn, spec, replica, batch, should_stop)}
-        mine.pop("window_ns")
-    store_barrier(store, f"bench_decode/solo{phase_idx}", spec.num_attn, spec.peer_timeout_s)
+        store_barrier(store, key, spec.num_attn, spec.peer_timeout_s)
+        if turn == attn_rank:
+            mine = _solo_run(conn, spec, attn_rank, store, phase_idx, workload, replica)
+    store_barrier(store, key, spec.num_attn, spec.peer_timeout_s)
+    if spec.solo_background and spec.num_attn > 1:
+        corun = None
+        for turn in range(spec.num_attn):
+            store_barrier(store, f"{key}/corun", spec.num_attn, spec.peer_timeout_s)
+            done_key = f"{key}/corun_done/{turn}"
+            if turn == attn_rank:
+                try:
+                    corun = _solo_run(conn, spec, attn_rank, store, phase_idx, workload, replica)
+                finally:
+                    store.add(done_key, 1)  # the others stop their background load
+            else:
+                _background(spec, replica, _new_batch(spec, workload, attn_rank, phase_idx), store, done_key)
+        store_barrier(store, f"{key}/corun", spec.num_attn, spec.peer_timeout_s)
+        mine["corun"] = corun
     return mine
+
+
+def _solo_run(conn, spec: Spec, attn_rank: int, store, phase_idx: int, workload: Workload, replica) -> dict:
+    """One replica's solo measurement: warm-up steps, then --solo-duration s of decode steps."""
+    flag_key = f"bench_decode/stop_flag/{phase_idx}"
+    warm_times, _ = _warmup(conn, spec, replica, _new_batch(spec, workload, attn_rank, phase_idx),
+                            SOLO_WARMUP_STEPS, check=False)
+    batch = _new_batch(spec, workload, attn_rank, phase_idx)
+    rate = _arrival_rate(spec, attn_rank, batch, warm_times)
+    deadline = time.monotonic() + spec.solo_duration_s
+
+    def should_stop(steps: int) -> bool:
+        store.add(flag_key, 0)  # the measured phase's per-step store read
+        return steps >= SOLO_MIN_STEPS and time.monotonic() >= deadline
+
+    batch.start_arrivals(rate, time.perf_counter())
+    mine = {"arrival_rate": rate, **_measure(conn, spec, replica, batch, should_stop)}
+    mine.pop("window_ns")
+    return mine
+
+
+def _background(spec: Spec, replica, batch: db.DecodeBatch, store, done_key: str) -> int:
+    """Attention-only decode steps over ``batch``'s KV lengths (synchronized each, as a decode
+    step is) until ``done_key`` is set; RuntimeError past ``spec.peer_timeout_s`` (never hangs)."""
+    import torch
+
+    kv_lengths = batch.kv_lengths()
+    sync = (lambda: torch.cuda.synchronize(replica.device)) if replica.device.type == "cuda" else (lambda: None)
+    give_up, steps = time.monotonic() + spec.peer_timeout_s, 0
+    while store.add(done_key, 0) < 1:
+        if time.monotonic() > give_up:
+            raise RuntimeError(f"co-run solo: {done_key} not set within {spec.peer_timeout_s} s")
+        dm.attention_step(replica, kv_lengths)
+        sync()
+        steps += 1
+    return steps
 
 
 # --------------------------------------------------------------------------- launches, rows
@@ -381,9 +430,18 @@ def compare(rows: list) -> dict:
             entry["ideal_async_tokens_per_s"] = sum(s["tokens_per_s"] for s in solo)
             entry["ideal"] = entry["ideal_async_tokens_per_s"] / slow["tokens_per_s"]
             entry["achieved_fraction"] = entry["ratio"] / entry["ideal"]
+            corun = [s.get("corun") for s in solo]
+            if all(corun):
+                entry["tpot_p50_ms"]["solo_corun"] = [c["tpot_p50_ms"] for c in corun]
+                entry["ideal_corun"] = sum(c["tokens_per_s"] for c in corun) / slow["tokens_per_s"]
+                entry["achieved_fraction_corun"] = entry["ratio"] / entry["ideal_corun"]
         short = short_replica(fast)
         times = {s: entry["tpot_p50_ms"][s][short] for s in entry["tpot_p50_ms"]}
         entry["short_replica"] = bc.short_replica_times(short, times)
+        if "solo_corun" in times:
+            base = times["solo_corun"]
+            entry["short_replica"]["solo_corun"] = base
+            entry["short_replica"]["vs_solo_corun"] = times["async"] / base if base and base > 0 else None
         out[f"{key[0]} / {key[1]}"] = entry
     return out
 
@@ -546,7 +604,12 @@ METHOD = {"tpot": "each output token's time = the wall time of the step that pro
           "solo": "async launch, after each phase: each replica alone in turn (others at a barrier), "
                   f"{SOLO_WARMUP_STEPS} warm-up steps, then --solo-duration s",
           "arrivals": "seeded Poisson in wall time; auto = --overload x B / (output_len x fastest warm-up step)",
+          "solo_corun": "--solo-background attention: a second solo round, each replica through the FFN while "
+                        "the others run attention-only decode steps (decode_model.attention_step): the shared "
+                        "GPU's load without the FFN coupling",
           "ideal": "(sum_a solo tokens/s) / lockstep tokens/s (bench_afd's ideal with n_a tokens per step)",
+          "ideal_corun": "(sum_a co-run solo tokens/s) / lockstep tokens/s: the ideal on one shared GPU "
+                         "(informational; the targets use the solo ideal)",
           "achieved_fraction": "(async/lockstep) / ideal",
           "short_replica": "smallest mean context; its TPOT p50 async / solo and async / lockstep",
           "ffn_serving": "FFNWorker(serving=--ffn-serving); auto: the graph FFN where it applies (async on cuda: "
@@ -566,9 +629,11 @@ def results_tables(rows: list, comparison: dict) -> str:
             solo = rep.get("solo") or {}
             per_rep.append((r["placement"], r["workload"], r["schedule"], rep["rank"], rep["context"], rep["batch"],
                             rep["steps"], rep["tokens_per_s"], rep["tpot_p50_ms"], rep["tpot_p99_ms"],
-                            solo.get("tpot_p50_ms"), rep["mean_active"], rep["request_tpot_p50_ms"]))
+                            solo.get("tpot_p50_ms"), (solo.get("corun") or {}).get("tpot_p50_ms"),
+                            rep["mean_active"], rep["request_tpot_p50_ms"]))
     parts = [bc.format_table(("placement", "workload", "schedule", "replica", "context", "batch", "steps",
-                              "tok/s", "TPOT p50 ms", "TPOT p99 ms", "solo p50 ms", "active", "req TPOT p50"),
+                              "tok/s", "TPOT p50 ms", "TPOT p99 ms", "solo p50 ms", "co-run solo p50 ms", "active",
+                              "req TPOT p50"),
                              per_rep), ""]
     parts += [bc.format_table(("placement", "workload", "schedule", "FFN serving", "total tok/s", "FFN busy",
                                "waiting mean", "waiting max", "FFN items/s"),
@@ -577,9 +642,10 @@ def results_tables(rows: list, comparison: dict) -> str:
                                 r["ffn"]["items_waiting_max"], r["ffn"]["items_per_s"]) for r in rows]), ""]
     parts.append(bc.format_table(
         ("placement / workload", "async/lockstep", "ideal", "fraction of ideal", "short", "short async/solo",
-         "short async/lockstep"),
+         "short async/lockstep", "co-run ideal", "fraction of co-run ideal", "short async/co-run solo"),
         [(k, e["ratio"], e.get("ideal"), e.get("achieved_fraction"), e["short_replica"]["replica"],
-          e["short_replica"].get("vs_solo"), e["short_replica"].get("vs_lockstep")) for k, e in comparison.items()]))
+          e["short_replica"].get("vs_solo"), e["short_replica"].get("vs_lockstep"), e.get("ideal_corun"),
+          e.get("achieved_fraction_corun"), e["short_replica"].get("vs_solo_corun")) for k, e in comparison.items()]))
     return "\n".join(parts)
 
 
@@ -657,6 +723,9 @@ def parse_args(argv=None):
     parser.add_argument("--ffn-serving", choices=("auto", "loop"), default="auto",
                         help="FFNWorker(serving=...): auto = the graph FFN where it applies (async on cuda), "
                              "else the Python loop; loop = the loop for every schedule")
+    parser.add_argument("--solo-background", choices=("attention", "none"), default="attention",
+                        help="attention: after the solo round, a co-run solo round (each replica through the "
+                             "FFN while the others run their attention without the transport); none: skip it")
     parser.add_argument("--max-steps", type=int, default=1_000_000)
     parser.add_argument("--timeout", type=float, default=None, help="per launch, seconds")
     return parser.parse_args(argv)
@@ -676,13 +745,14 @@ def main(argv=None) -> int:
                      dataclasses.replace(dims, intermediate=dims.intermediate * preset.intermediate_scale))
                   for text, preset in zip(texts, presets)]
     rates = arrival_rates(args.arrival_rate, args.attn)
-    solo = args.solo_duration * args.attn
+    solo = args.solo_duration * args.attn * (2 if args.solo_background == "attention" else 1)
     timeout = args.timeout or (180.0 + len(workloads) * (args.duration * 3 + solo * 2 + 60.0))
     started = time.perf_counter()
     rows, panels, devices = [], [], set()
     specs = [(label, mps, Spec(backend, args.poll_mode, schedule, placed_dims, args.attn, args.ffn, placed,
                                args.duration, args.warmup, args.max_steps, args.output_len, rates, args.overload,
-                               args.jitter, solo_duration_s=args.solo_duration, placement=placement,
+                               args.jitter, solo_duration_s=args.solo_duration,
+                               solo_background=args.solo_background == "attention", placement=placement,
                                timeline=args.timeline, gemm_sm_carveout=args.gemm_sm_carveout,
                                ffn_serving=args.ffn_serving))
              for label, placement, mps, placed, placed_dims in placements for schedule in args.schedules]
@@ -705,6 +775,7 @@ def main(argv=None) -> int:
               "workloads": [dataclasses.asdict(w) for w in workloads], "output_len": args.output_len,
               "arrival_rate": args.arrival_rate, "overload": args.overload, "jitter": args.jitter,
               "duration_s": args.duration, "warmup_steps": args.warmup, "solo_duration_s": args.solo_duration,
+              "solo_background": args.solo_background,
               "gemm_sm_carveout": args.gemm_sm_carveout, "method": METHOD, "results": rows,
               "comparison": comparison, "targets": targets(comparison, workloads), "verification": checks,
               "wall_s": time.perf_counter() - started}

@@ -241,6 +241,18 @@ class DecodeReplica:
                 cache[move.dst, :, :move.length].copy_(cache[move.src, :, :move.length])
 
 
+def attention_step(replica: DecodeReplica, kv_lengths: np.ndarray):
+    """The Attention side's own work of one decode step without the AFD transport: every
+    layer's attention (new K/V written, SDPA over the cache) and router, residual adds; no
+    expert call. bench_decode runs it as the other replicas' load on a shared GPU while one
+    replica decodes (the co-run solo). Returns the final hidden [n, H]; not synchronized."""
+    x, positions, mask = replica.step_inputs(kv_lengths)
+    for layer_idx in range(replica.dims.layers):
+        x = x + replica.attention(layer_idx, x, positions, mask)
+        replica.router_input(layer_idx, x)
+    return x
+
+
 def decode_step(conn, replica: DecodeReplica, kv_lengths: np.ndarray, recorder=None, step_idx: int = 0,
                 record_layer: int | None = None, record_blocking: bool = False):
     """All layers of one decode step of the active requests; one synchronization at the end

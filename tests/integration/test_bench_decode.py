@@ -75,6 +75,9 @@ def test_bench_decode_quick_host(tmp_path):
                 solo = rep["solo"]
                 assert solo["steps"] >= bench_decode.SOLO_MIN_STEPS and solo["tokens"] > 0
                 assert 0 < solo["tpot_p50_ms"] <= solo["tpot_p99_ms"]
+                corun = solo["corun"]  # the co-run solo round runs by default
+                assert corun["steps"] >= bench_decode.SOLO_MIN_STEPS and corun["tokens"] > 0
+                assert 0 < corun["tpot_p50_ms"] <= corun["tpot_p99_ms"] and "corun" not in corun
             else:
                 assert "solo" not in rep
         ffn = row["ffn"]
@@ -90,6 +93,9 @@ def test_bench_decode_quick_host(tmp_path):
         short = entry["short_replica"]
         assert short["vs_solo"] == pytest.approx(short["async"] / short["solo"])
         assert short["vs_lockstep"] == pytest.approx(short["async"] / short["lockstep"])
+        assert short["vs_solo_corun"] == pytest.approx(short["async"] / short["solo_corun"])
+        assert entry["achieved_fraction_corun"] == pytest.approx(entry["ratio"] / entry["ideal_corun"])
+    assert report["solo_background"] == "attention"
     assert report["comparison"]["default / skew16x"]["short_replica"]["replica"] == 1
     names = [t["name"] for t in report["targets"]]
     assert any("short replica TPOT async / solo" in n for n in names)
@@ -107,6 +113,34 @@ def test_bench_decode_quick_host(tmp_path):
         attn_names = {span[0] for span in panel["rows"][0]["spans"]}
         assert {"attention", "dispatch"} <= attn_names and attn_names & {"combine", "wait"}
         assert any(span[0] == "compute" for row in panel["rows"][2:] for span in row["spans"])
+
+
+def _solo_rows(corun_tps):
+    """An async and a lockstep row of 2 replicas; solo 100 + 50 tok/s, co-run solo ``corun_tps``."""
+    def rep(a, tpot, tps, solo):
+        return {"tpot_p50_ms": tpot, "tokens_per_s": tps, "solo": solo}
+    solo = [{"tpot_p50_ms": 10.0, "tokens_per_s": 100.0}, {"tpot_p50_ms": 20.0, "tokens_per_s": 50.0}]
+    if corun_tps is not None:
+        for s, tps in zip(solo, corun_tps):
+            s["corun"] = {"tpot_p50_ms": 1000.0 / tps, "tokens_per_s": tps}
+    common = {"placement": "p", "workload": "skew16x", "contexts": [16, 1], "batches": [4, 4],
+              "ffn": {"busy_fraction": 0.3}}
+    return [dict(common, schedule="async", tokens_per_s=120.0,
+                 replicas=[rep(0, 11.0, 80.0, solo[0]), rep(1, 25.0, 40.0, solo[1])]),
+            dict(common, schedule="lockstep", tokens_per_s=60.0,
+                 replicas=[rep(0, 40.0, 30.0, None), rep(1, 40.0, 30.0, None)])]
+
+
+def test_compare_builds_the_co_run_ideal_from_the_co_run_solo_steps():
+    entry = bench_decode.compare(_solo_rows((90.0, 30.0)))["p / skew16x"]
+    assert entry["ideal"] == pytest.approx(150.0 / 60.0) and entry["ideal_corun"] == pytest.approx(120.0 / 60.0)
+    assert entry["achieved_fraction_corun"] == pytest.approx(2.0 / 2.0)
+    short = entry["short_replica"]  # replica 1 has the smaller context
+    assert short["replica"] == 1 and short["solo_corun"] == pytest.approx(1000.0 / 30.0)
+    assert short["vs_solo_corun"] == pytest.approx(25.0 / (1000.0 / 30.0))
+    plain = bench_decode.compare(_solo_rows(None))["p / skew16x"]  # --solo-background none
+    assert "ideal_corun" not in plain and "vs_solo_corun" not in plain["short_replica"]
+    assert plain["achieved_fraction"] == pytest.approx(2.0 / 2.5)
 
 
 # --------------------------------------------------------------------------- decode batch
