@@ -128,8 +128,9 @@ def run_validate(args) -> dict:
     for run, base in runs:
         costs, rows = validate.validate(run, base, hbm_contention=args.hbm_contention)
         all_rows += rows
+        kappa = rows[0]["hbm_contention"] if rows else args.hbm_contention
         out.append({"run": run.name, "source": run.source, "placement": run.placement,
-                    "costs": dataclasses.asdict(costs), "rows": rows})
+                    "costs": dataclasses.asdict(costs), "hbm_contention": kappa, "rows": rows})
     print(bc.format_table(("run", "workload", "quantity", "predicted", "measured", "error %"),
                           [(r["run"], r["workload"], r["quantity"], r["predicted"], r["measured"],
                             r["error"] * 100) for r in all_rows]))
@@ -150,7 +151,7 @@ def run_validate(args) -> dict:
 
 def run_simulate(args) -> dict:
     places = parse_placements(args.placement)
-    dep = Deployment(places[:args.attn], places[args.attn:], hbm_contention=args.hbm_contention)
+    dep = Deployment(places[:args.attn], places[args.attn:], hbm_contention=args.hbm_contention or 0.0)
     if args.decode:
         loads = tuple(ReplicaLoad("decode", batch_size=int(b), context_len=int(c), output_len=args.output_len)
                       for b, c in (item.split(":") for item in args.decode.split(",")))
@@ -208,7 +209,9 @@ def parse_args(argv=None):
     p.add_argument("--prefill", default="4096,256", help="simulate: one request length per replica")
     p.add_argument("--decode", default=None, help="simulate: B:CTX per replica, e.g. 64:1024,64:16384")
     p.add_argument("--schedule", nargs="+", default=["async", "lockstep"])
-    p.add_argument("--hbm-contention", type=float, default=0.0)
+    p.add_argument("--hbm-contention", type=float, default=None,
+                   help="the one-GPU contention term (Deployment.hbm_contention); validate: default fitted to "
+                        "each run's co-run solo steps where it has them, else 0; simulate: default 0")
     p.add_argument("--costs-run", default=None, help="simulate: FFN host + GEMM costs fitted on a measured GPU "
                                                     "run (measured.GPU_RUNS, e.g. ca1687d)")
     p.add_argument("--attn-params", type=float, default=None, help="simulate: attention parameters per layer")

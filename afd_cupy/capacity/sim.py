@@ -68,6 +68,9 @@ class Simulator:
                 raise ConfigError(f"loads holds {load!r}, not a ReplicaLoad")
         self.shape, self.dep, self.loads, self.costs, self.cfg = shape, deployment, loads, costs, config
         self.rng = random.Random(config.seed)
+        self.senders = sum(load.ffn for load in loads)  # replicas whose layers go through the FFN
+        if not self.senders:
+            raise ConfigError("loads: at least one replica must send to the FFN (every ReplicaLoad has ffn=False)")
         self.classes = self._classes()
         self.heap, self.seq, self.now = [], 0, 0.0
         self.gpu_busy: dict = {}
@@ -145,6 +148,13 @@ class Simulator:
 
     def _attn_done(self, a: int) -> None:
         st = self.replicas[a]
+        if not st["load"].ffn:  # a background replica: its next layer at once, nothing sent
+            st["layer"] += 1
+            if st["layer"] < self.shape.layers:
+                self._start_layer(st)
+            else:
+                self._finish_step(st, self.now)
+            return
         tokens = st["shape"][0]
         num_ffn = self.dep.num_ffn
         nbytes = cm.wire_rows(self.shape, tokens, num_ffn, self.cfg.wire_mode) * self.shape.row_bytes
@@ -244,7 +254,7 @@ class Simulator:
             key = (item[4], item[3])
             group = cls.pending.setdefault(key, [])
             group.append(item)
-            if len(group) == self.dep.num_attn:
+            if len(group) == self.senders:
                 self._release(cls, group)
                 cls.gpu_queue.append(cls.pending.pop(key))
         else:

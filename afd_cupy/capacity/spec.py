@@ -144,6 +144,8 @@ class ReplicaLoad:
     KV cache each; one output token per request per step; a request leaves after
     ``output_len`` steps. ``arrival_rate``: new batches (prefill) or requests (decode) per
     second, open loop (Poisson, seeded); ``None`` = closed loop (always full / back to back).
+    ``ffn``: False for a replica that runs its attention only and sends nothing (a background
+    load on its GPU, as bench_decode's co-run solo round runs the other replicas).
     """
 
     kind: str = "prefill"
@@ -152,9 +154,12 @@ class ReplicaLoad:
     context_len: int = 1024
     output_len: int = 256
     arrival_rate: float | None = None
+    ffn: bool = True
 
     def __post_init__(self):
         check_choice("ReplicaLoad", "kind", self.kind, LOAD_KINDS)
+        if not isinstance(self.ffn, bool):
+            raise ConfigError(f"ReplicaLoad.ffn must be a bool, got {self.ffn!r}")
         if not isinstance(self.lengths, tuple) or not self.lengths:
             raise ConfigError(f"ReplicaLoad.lengths must be a non-empty tuple, got {self.lengths!r}")
         for length in self.lengths:

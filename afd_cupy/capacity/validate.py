@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from afd_cupy.capacity import calibrate as cal
 from afd_cupy.capacity import costs as cm
 from afd_cupy.capacity.sim import simulate
@@ -36,14 +38,18 @@ class Case:
     ideal: float | None = None
     kind: str = "prefill"  # decode: lengths = one (context, batch) per replica, ms = TPOT p50
     output_len: int = 0  # decode: tokens each request generates
+    corun_ms: tuple = ()  # each replica's co-run solo (the others attention-only); () = not measured
 
-    def loads(self) -> tuple:
+    def loads(self, only_ffn: int | None = None) -> tuple:
         """One ReplicaLoad per replica (decode: a closed loop, the batch kept full, as
-        bench_decode's saturating arrivals keep it)."""
+        bench_decode's saturating arrivals keep it). ``only_ffn``: that replica sends to the
+        FFN, the others run their attention only (the co-run solo round)."""
+        def sends(a):
+            return only_ffn is None or a == only_ffn
         if self.kind == "decode":
-            return tuple(ReplicaLoad("decode", batch_size=b, context_len=c, output_len=self.output_len)
-                         for c, b in self.lengths)
-        return tuple(ReplicaLoad("prefill", tuple(l)) for l in self.lengths)
+            return tuple(ReplicaLoad("decode", batch_size=b, context_len=c, output_len=self.output_len, ffn=sends(a))
+                         for a, (c, b) in enumerate(self.lengths))
+        return tuple(ReplicaLoad("prefill", tuple(l), ffn=sends(a)) for a, l in enumerate(self.lengths))
 
     def tokens(self) -> list:
         """Tokens per step of each replica (prefill: its batch; decode: its requests)."""
@@ -111,8 +117,7 @@ def predict(run: MeasuredRun, costs: cm.Costs, case: Case, config: SimConfig = c
     """Simulated solo batch per replica, and per schedule batch ms per replica, tokens/s, FFN
     busy; plus ratio, ideal and fraction computed as bench_afd computes them."""
     loads = case.loads()
-    steps = config.steps if case.kind == "prefill" else max(config.steps, 2 * case.output_len)
-    config = SimConfig(warmup_steps=config.warmup_steps, steps=steps)
+    config = _config(case, config)
     step_s = (lambda r: r.step_mean_s) if case.kind == "prefill" else (lambda r: r.step_p50_s)
     solo_costs, run_costs = costs.scaled(run.slowdown[0]), costs.scaled(run.slowdown[1])
     solo = [step_s(simulate(run.shape, run.deployment(only=a), (loads[a],), solo_costs, config).replicas[0])
@@ -132,17 +137,75 @@ def predict(run: MeasuredRun, costs: cm.Costs, case: Case, config: SimConfig = c
     return out
 
 
+def _config(case: Case, config: SimConfig) -> SimConfig:
+    steps = config.steps if case.kind == "prefill" else max(config.steps, 2 * case.output_len)
+    return SimConfig(warmup_steps=config.warmup_steps, steps=steps)
+
+
+def predict_corun(run: MeasuredRun, costs: cm.Costs, case: Case, hbm_contention: float,
+                  config: SimConfig = cal.SIM_FOR_BENCH) -> list:
+    """Each replica's simulated co-run solo (ms): it sends to the FFN, the others run their
+    attention only on the same GPU (bench_decode's second solo round)."""
+    config = _config(case, config)
+    step_s = (lambda r: r.step_mean_s) if case.kind == "prefill" else (lambda r: r.step_p50_s)
+    costs = costs.scaled(run.slowdown[1])
+    return [step_s(simulate(run.shape, run.deployment(hbm_contention=hbm_contention), case.loads(only_ffn=a),
+                            costs, config).replicas[a]) * 1e3 for a in range(run.num_attn)]
+
+
+#: the contention terms :func:`fit_contention` tries before it refines around the best
+CONTENTION_GRID = (0.0,) + tuple(float(x) for x in np.geomspace(0.02, 4.0, 12))
+
+
+def fit_contention(run: MeasuredRun, costs: cm.Costs, config: SimConfig = cal.SIM_FOR_BENCH) -> float | None:
+    """The ``hbm_contention`` (Deployment) that best reproduces the run's co-run solo steps
+    (least squares on relative errors: a coarse grid, then a golden-section search around the
+    best point); None when no case measured them. Only solo-type rounds enter: the
+    multi-replica rows stay out of the fit."""
+    cases = [case for case in run.cases if any(case.corun_ms)]
+    if not cases:
+        return None
+
+    def err(kappa: float) -> float:
+        return sum(((pred - ms) / ms) ** 2 for case in cases
+                   for pred, ms in zip(predict_corun(run, costs, case, kappa, config), case.corun_ms) if ms)
+
+    scored = [(err(k), k) for k in CONTENTION_GRID]
+    best = min(range(len(scored)), key=lambda i: scored[i][0])
+    lo = CONTENTION_GRID[max(0, best - 1)]
+    hi = CONTENTION_GRID[min(len(CONTENTION_GRID) - 1, best + 1)]
+    golden = (5 ** 0.5 - 1) / 2
+    x1, x2 = hi - golden * (hi - lo), lo + golden * (hi - lo)
+    f1, f2 = err(x1), err(x2)
+    for _ in range(12):
+        if f1 <= f2:
+            hi, x2, f2 = x2, x1, f1
+            x1 = hi - golden * (hi - lo)
+            f1 = err(x1)
+        else:
+            lo, x1, f1 = x1, x2, f2
+            x2 = lo + golden * (hi - lo)
+            f2 = err(x2)
+    return min([scored[best], (f1, x1), (f2, x2)])[1]
+
+
 def _row(run, case, quantity, predicted, measured) -> dict:
     err = (predicted - measured) / measured if measured else float("nan")
     return {"run": run.name, "workload": case.workload, "quantity": quantity, "predicted": predicted,
             "measured": measured, "error": err}
 
 
-def validate(run: MeasuredRun, base: cm.Costs | None = None, hbm_contention: float = 0.0) -> tuple[cm.Costs, list]:
-    """(the calibrated costs, one row per measured quantity: predicted, measured, error).
-    ``hbm_contention``: the one-GPU contention term of the multi-replica runs (Deployment);
-    it does not touch the solo fit (a replica alone never overlaps its FFN)."""
+def validate(run: MeasuredRun, base: cm.Costs | None = None,
+             hbm_contention: float | None = None) -> tuple[cm.Costs, list]:
+    """(the calibrated costs, one row per measured quantity: predicted, measured, error; each
+    row also names the ``hbm_contention`` it was predicted with).
+
+    ``hbm_contention``: the one-GPU contention term of the multi-replica runs (Deployment).
+    None: fitted to the run's co-run solo steps (:func:`fit_contention`) where it measured
+    them, else 0. It does not touch the solo fit (a replica alone overlaps nothing)."""
     costs = calibrated_costs(run, base)
+    if hbm_contention is None:
+        hbm_contention = fit_contention(run, costs) or 0.0
     rows = []
     for case in run.cases:
         pred = predict(run, costs, case, hbm_contention=hbm_contention)
@@ -150,6 +213,10 @@ def validate(run: MeasuredRun, base: cm.Costs | None = None, hbm_contention: flo
         for a, ms in enumerate(case.solo_ms):
             if ms:
                 rows.append(_row(run, case, f"solo {what}, replica {a} (fit input)", pred["solo_ms"][a], ms))
+        if any(case.corun_ms):
+            corun = predict_corun(run, costs, case, hbm_contention)
+            rows += [_row(run, case, f"co-run solo {what}, replica {a} (fit input)", corun[a], ms)
+                     for a, ms in enumerate(case.corun_ms) if ms]
         for schedule in ("async", "lockstep"):
             for a, ms in enumerate(case.batch_ms.get(schedule, ())):
                 if ms:
@@ -165,6 +232,8 @@ def validate(run: MeasuredRun, base: cm.Costs | None = None, hbm_contention: flo
         if case.ideal:
             rows.append(_row(run, case, "ideal ratio", pred["ideal"], case.ideal))
             rows.append(_row(run, case, "fraction of ideal", pred["fraction"], case.ratio / case.ideal))
+    for row in rows:
+        row["hbm_contention"] = hbm_contention
     return costs, rows
 
 
@@ -220,7 +289,8 @@ def runs_from_sweep(report: dict, name: str, cores: int | None = None) -> list:
 
 def runs_from_decode_report(report: dict, name: str) -> list:
     """One MeasuredRun per placement of a ``bench_decode.json`` (cuda, one GPU under MPS):
-    its workloads as decode cases; solo = each replica's solo TPOT p50 (the fit input),
+    its workloads as decode cases; solo = each replica's solo TPOT p50 (the fit input), the
+    co-run solo TPOT p50 where measured (the contention term's fit input),
     measured = TPOT p50 per replica, total tokens/s and FFN busy per schedule, the
     async/lockstep ratio and bench_decode's ideal (Σ solo tokens/s / lockstep tokens/s)."""
     num_attn, num_ffn = cal.bench_topology(report)
@@ -238,7 +308,10 @@ def runs_from_decode_report(report: dict, name: str) -> list:
                 continue
             cmp_ = report.get("comparison", {}).get(f"{label} / {w['name']}", {})
             solo = tuple((rep.get("solo") or {}).get("tpot_p50_ms") for rep in by["async"]["replicas"])
+            corun = tuple(((rep.get("solo") or {}).get("corun") or {}).get("tpot_p50_ms")
+                          for rep in by["async"]["replicas"])
             cases.append(Case(w["name"], tuple(zip(w["contexts"], w["batches"])), solo,
+                              corun_ms=corun if any(corun) else (),
                               batch_ms={s: tuple(rep["tpot_p50_ms"] for rep in r["replicas"]) for s, r in by.items()},
                               tokens_per_s={s: r["tokens_per_s"] for s, r in by.items()},
                               ffn_busy={s: r["ffn"]["busy_fraction"] for s, r in by.items()},

@@ -139,3 +139,72 @@ def test_plan_afd_validate_reads_a_decode_report(tmp_path):
     names = [r["run"] for r in report["runs"]]
     assert "cuda decode 0 (4c53441) ffn-bound" in names
     assert "gpu, shipped JSON, step time" in report["worst"] and "TPOT p50" in out.stdout
+
+
+# --------------------------------------------------------------------------- co-run solo: background replicas
+
+def _corun_run(kappa_true: float | None, contexts=(2048, 128)):
+    """A 2A1F one-GPU decode MeasuredRun whose co-run solo steps the simulator itself made at
+    ``kappa_true`` (None: no co-run solo measured)."""
+    from afd_cupy.capacity.validate import Case, MeasuredRun, predict_corun
+
+    case = Case("skew", tuple((c, 16) for c in contexts), (None, None), kind="decode", output_len=8)
+    run = MeasuredRun("synthetic", "test", SHAPE, "0:50,0:50,0:50", 2, (case,))
+    if kappa_true is None:
+        return run, small_costs()
+    measured_ms = tuple(predict_corun(run, small_costs(), case, kappa_true))
+    return MeasuredRun("synthetic", "test", SHAPE, "0:50,0:50,0:50", 2,
+                       (Case("skew", case.lengths, (None, None), kind="decode", output_len=8,
+                             corun_ms=measured_ms),)), small_costs()
+
+
+def test_a_background_replica_sends_nothing_and_slows_only_through_contention():
+    dep = Deployment(parse_placements("0:50,0:50"), parse_placements("0:50"), same_gpu=LINK, mps_caps=True)
+    loads = (ReplicaLoad("decode", batch_size=16, context_len=2048, output_len=8),
+             ReplicaLoad("decode", batch_size=16, context_len=2048, output_len=8, ffn=False))
+    slow_ffn = small_costs(gemm_tflops=0.02)  # an item that queued behind another would show
+    alone = simulate(SHAPE, Deployment(dep.attention[:1], dep.ffn, same_gpu=LINK, mps_caps=True), loads[:1],
+                     slow_ffn, SimConfig(steps=12))
+    beside = [simulate(SHAPE, dataclasses_replace(dep, hbm_contention=k), loads, slow_ffn, SimConfig(steps=12))
+              for k in (0.0, 0.5)]
+    both = simulate(SHAPE, dep, (loads[0], loads[0]), slow_ffn, SimConfig(steps=12))
+    assert both.replicas[0].step_p50_s > 1.05 * alone.replicas[0].step_p50_s  # two senders do queue
+    # with no contention term the background changes nothing: the FFN sees one replica's items
+    assert beside[0].replicas[0].step_p50_s == pytest.approx(alone.replicas[0].step_p50_s, rel=1e-12)
+    # the background replica's own step is its attention only (L layers, nothing sent)
+    attn = cm.attention_time(slow_ffn, 16, 0.0, 16 * 2048.0, 0.5)
+    assert beside[0].replicas[1].step_p50_s < SHAPE.layers * attn * 1.2
+    assert beside[1].replicas[0].step_p50_s > 1.05 * beside[0].replicas[0].step_p50_s
+    with pytest.raises(ConfigError, match="at least one replica"):
+        simulate(SHAPE, dep, (loads[1], loads[1]), small_costs(), SimConfig(steps=2))
+    with pytest.raises(ConfigError, match="ffn must be a bool"):
+        ReplicaLoad("decode", ffn=1)
+
+
+def dataclasses_replace(obj, **kw):
+    import dataclasses
+
+    return dataclasses.replace(obj, **kw)
+
+
+@pytest.mark.parametrize("kappa_true", [0.15, 0.6])
+def test_fit_contention_recovers_the_term_that_made_the_co_run_steps(kappa_true):
+    from afd_cupy.capacity.validate import fit_contention
+
+    run, costs = _corun_run(kappa_true)
+    assert fit_contention(run, costs) == pytest.approx(kappa_true, rel=0.03)
+    assert fit_contention(*_corun_run(None)) is None  # nothing measured: nothing fitted
+
+
+def test_validate_fits_the_contention_term_and_reports_the_co_run_rows(monkeypatch):
+    from afd_cupy.capacity import validate as validate_mod
+
+    run, costs = _corun_run(0.4)
+    monkeypatch.setattr(validate_mod, "calibrated_costs", lambda run, base=None: costs)  # exact costs: no solo fit
+    _, rows = validate(run)
+    corun = [r for r in rows if r["quantity"].startswith("co-run solo")]
+    assert len(corun) == 2 and all(abs(r["error"]) < 0.01 for r in corun), corun
+    assert all(r["hbm_contention"] == pytest.approx(0.4, rel=0.03) for r in rows)
+    _, fixed = validate(run, hbm_contention=0.0)  # a given term is kept
+    assert all(r["hbm_contention"] == 0.0 for r in fixed)
+    assert max(abs(r["error"]) for r in fixed if r["quantity"].startswith("co-run")) > 0.02
