@@ -292,7 +292,10 @@ def runs_from_decode_report(report: dict, name: str) -> list:
     its workloads as decode cases; solo = each replica's solo TPOT p50 (the fit input), the
     co-run solo TPOT p50 where measured (the contention term's fit input),
     measured = TPOT p50 per replica, total tokens/s and FFN busy per schedule, the
-    async/lockstep ratio and bench_decode's ideal (Σ solo tokens/s / lockstep tokens/s)."""
+    async/lockstep ratio and bench_decode's ideal (Σ solo tokens/s / lockstep tokens/s). Where
+    the schedules ran on different FFN serving paths (``served_by``: bench_decode's default,
+    the graph FFN for async and the solo rounds, the loop for lockstep), only the async rows
+    are kept: the costs fitted to the solo steps are the graph's."""
     num_attn, num_ffn = cal.bench_topology(report)
     out = []
     for placed in report.get("placements", []):
@@ -307,6 +310,12 @@ def runs_from_decode_report(report: dict, name: str) -> list:
             if "async" not in by:
                 continue
             cmp_ = report.get("comparison", {}).get(f"{label} / {w['name']}", {})
+            path = {s: tuple((r.get("ffn") or {}).get("served_by") or ["loop"]) for s, r in by.items()}
+            if len(set(path.values())) > 1:
+                # the solo steps (the fit) ran on the async row's serving path (the graph FFN
+                # serves async and solo, the loop lockstep): predict only what ran on it
+                by = {"async": by["async"]}
+                cmp_ = {}
             solo = tuple((rep.get("solo") or {}).get("tpot_p50_ms") for rep in by["async"]["replicas"])
             corun = tuple(((rep.get("solo") or {}).get("corun") or {}).get("tpot_p50_ms")
                           for rep in by["async"]["replicas"])
@@ -319,8 +328,10 @@ def runs_from_decode_report(report: dict, name: str) -> list:
                               output_len=int(report["output_len"])))
         places = cal.report_placements({"mps": {"placement": placed.get("placement", "")}}, num_attn, num_ffn)
         placement = ",".join(f"{p.gpu}:{round(p.share * 100)}" for p in places)
+        served = sorted({p for r in rows if r["schedule"] == "async" for p in (r.get("ffn") or {}).get("served_by") or ["loop"]})
         out.append(MeasuredRun(f"{name} {label}", f"bench_decode {report.get('run', {}).get('commit')} "
-                               f"{report.get('backend')}", cal.bench_shape(report, m), placement, num_attn,
+                               f"{report.get('backend')}, async served by {'/'.join(served)}",
+                               cal.bench_shape(report, m), placement, num_attn,
                                tuple(cases), attn_params=attn_params,
                                kv_bytes_per_token=2.0 * m["kv_heads"] * head_dim * 2))
     return out

@@ -208,3 +208,19 @@ def test_validate_fits_the_contention_term_and_reports_the_co_run_rows(monkeypat
     _, fixed = validate(run, hbm_contention=0.0)  # a given term is kept
     assert all(r["hbm_contention"] == 0.0 for r in fixed)
     assert max(abs(r["error"]) for r in fixed if r["quantity"].startswith("co-run")) > 0.02
+
+
+def test_a_decode_report_on_two_serving_paths_keeps_only_the_async_rows():
+    report = json.loads(measured.DECODE_4C53441.read_text())
+    for row in report["results"]:  # bench_decode's default: graph for async (and solo), loop for lockstep
+        row["ffn"]["served_by"] = ["graph"] if row["schedule"] == "async" else ["loop"]
+    mixed = runs_from_decode_report(report, "mixed")
+    plain = runs_from_decode_report(json.loads(measured.DECODE_4C53441.read_text()), "plain")
+    assert len(mixed) == len(plain) == 2 and "async served by graph" in mixed[0].source
+    for run, ref in zip(mixed, plain):
+        for case, full in zip(run.cases, ref.cases):
+            assert set(case.batch_ms) == {"async"} and set(full.batch_ms) == {"async", "lockstep"}
+            assert case.ratio is None and case.ideal is None and full.ratio > 0
+            assert case.solo_ms == full.solo_ms and case.batch_ms["async"] == full.batch_ms["async"]
+    _, rows = validate(mixed[0])
+    assert rows and not any("lockstep" in r["quantity"] or "ideal" in r["quantity"] for r in rows)
