@@ -357,9 +357,7 @@ def _solo_run(conn, spec: Spec, attn_rank: int, store, phase_idx: int, workload:
         return steps >= SOLO_MIN_STEPS and time.monotonic() >= deadline
 
     batch.start_arrivals(rate, time.perf_counter())
-    mine = {"arrival_rate": rate, **_measure(conn, spec, replica, batch, should_stop)}
-    mine.pop("window_ns")
-    return mine
+    return {"arrival_rate": rate, **_measure(conn, spec, replica, batch, should_stop)}  # window_ns: summarize
 
 
 def _background(spec: Spec, replica, batch: db.DecodeBatch, store, done_key: str) -> int:
@@ -399,6 +397,11 @@ def summarize(spec: Spec, results: list, label: str) -> list:
         replicas = [dict(rank=r["rank"], **{k: v for k, v in r["phases"][phase_idx].items()
                                             if k not in ("lanes", "window_ns")}) for r in attn]
         window = spans.common_window([r["phases"][phase_idx]["window_ns"] for r in attn])
+        for rep in replicas:  # the FFN inside each solo window: its service time with one sender
+            for run in (rep.get("solo"), (rep.get("solo") or {}).get("corun")):
+                if run and "window_ns" in run:
+                    stats = bench_afd.ffn_phase_stats(ffn, tuple(run.pop("window_ns")))
+                    run["ffn"] = {k: stats[k] for k in ("busy_fraction", "items_per_s")}
         rows.append({"placement": label, "schedule": spec.schedule, "workload": workload.name,
                      "contexts": list(workload.contexts), "batches": list(workload.batches),
                      "tokens_per_s": sum(r["tokens_per_s"] for r in replicas), "replicas": replicas,
@@ -604,6 +607,8 @@ METHOD = {"tpot": "each output token's time = the wall time of the step that pro
           "solo": "async launch, after each phase: each replica alone in turn (others at a barrier), "
                   f"{SOLO_WARMUP_STEPS} warm-up steps, then --solo-duration s",
           "arrivals": "seeded Poisson in wall time; auto = --overload x B / (output_len x fastest warm-up step)",
+          "solo_ffn": "solo and co-run solo rows: the FFN's busy fraction and items/s inside that replica's "
+                      "window (the FFN serving one replica: its service time per item = busy / items/s)",
           "solo_corun": "--solo-background attention: a second solo round, each replica through the FFN while "
                         "the others run attention-only decode steps (decode_model.attention_step): the shared "
                         "GPU's load without the FFN coupling",

@@ -233,6 +233,7 @@ class DecodeSoloPoint:
     attn_share: float
     ffn_share: float
     num_ffn: int
+    ffn_busy_per_item_s: float | None = None  # the FFN's busy time per item in that solo window
 
 
 #: the grids of :func:`fit_decode_costs`: the Attention host's issue per layer and the FFN
@@ -260,9 +261,12 @@ def fit_decode_costs(shape: ModelShape, points: list, base: cm.Costs, link: Link
     issues by ``(l + 1) h`` (``h``: the Attention host per layer), lasts
     ``max(h + L c, L h + c)``: the chain, or the host with the last layer's chain after it.
     (h, e, k) minimize the squared relative errors on grids (HOST_GRID, KV_SCALES); only solo
-    steps enter, so the multi-replica rows validate."""
+    steps enter, so the multi-replica rows validate. Where the points carry the FFN's busy
+    time per item in their solo windows, the expert GEMM time is set to it first (one scale
+    on both GEMM rates, :func:`_fit_ffn_service`)."""
     if not points:
         raise ConfigError("fit_decode_costs needs at least one solo point (bench_decode with --solo-duration > 0)")
+    base, gemm_note = _fit_ffn_service(shape, points, base)
     parts = np.array([_decode_parts(shape, base, link, p) for p in points])  # [n, 2]
     y = np.array([p.solo_step_s for p in points])
     h = np.array(HOST_GRID)[:, None, None, None]
@@ -277,5 +281,22 @@ def fit_decode_costs(shape: ModelShape, points: list, base: cm.Costs, link: Link
     return base.replace(attn_host_s=h_s, ffn_item_s=base.ffn_item_s + e_s,
                         attn_per_ctx_token_s=base.attn_per_ctx_token_s * k_s,
                         source=f"{base.source}; fitted to {len(points)} decode solo steps: Attention host "
-                               f"{h_s * 1e6:.0f} us/layer, FFN host +{e_s * 1e6:.0f} us/item, KV reads x{k_s:.3g}")
+                               f"{h_s * 1e6:.0f} us/layer, FFN host +{e_s * 1e6:.0f} us/item, KV reads x{k_s:.3g}"
+                               f"{gemm_note}")
+
+
+def _fit_ffn_service(shape: ModelShape, points: list, base: cm.Costs) -> tuple:
+    """(``base`` with its expert GEMM rates scaled so that the GEMM time of the points' items
+    is the FFN busy time per item measured in their solo windows, a note for the source);
+    ``base`` unchanged where no point measured it. The solo step alone cannot split a layer's
+    chain between the attention and the FFN; the FFN's own busy time can, and it is what a
+    saturated FFN's throughput rests on."""
+    measured = [p for p in points if p.ffn_busy_per_item_s and p.ffn_busy_per_item_s > 0]
+    if not measured:
+        return base, ""
+    model = [cm.expert_gemm_time(base, shape, p.batch, p.num_ffn, p.ffn_share) for p in measured]
+    scale = float(np.mean([p.ffn_busy_per_item_s for p in measured]) / np.mean(model))
+    fitted = base.replace(gemm_tflops=base.gemm_tflops / scale, weight_read_gbps=base.weight_read_gbps / scale)
+    mean_us = np.mean([p.ffn_busy_per_item_s for p in measured]) * 1e6
+    return fitted, f", expert GEMMs x{scale:.3g} (the FFN's busy {mean_us:.0f} us per item in the solo windows)"
 

@@ -39,6 +39,7 @@ class Case:
     kind: str = "prefill"  # decode: lengths = one (context, batch) per replica, ms = TPOT p50
     output_len: int = 0  # decode: tokens each request generates
     corun_ms: tuple = ()  # each replica's co-run solo (the others attention-only); () = not measured
+    solo_ffn_item_ms: tuple = ()  # decode: the FFN's busy ms per item in each replica's solo window
 
     def loads(self, only_ffn: int | None = None) -> tuple:
         """One ReplicaLoad per replica (decode: a closed loop, the batch kept full, as
@@ -99,8 +100,11 @@ def calibrated_costs(run: MeasuredRun, base: cm.Costs | None = None) -> cm.Costs
         base = base.replace(weight_read_gbps=run.weight_read_gbps)
     places = parse_placements(run.placement)
     if run.decode:
+        def busy(c, a):
+            return c.solo_ffn_item_ms[a] * 1e-3 if a < len(c.solo_ffn_item_ms) and c.solo_ffn_item_ms[a] else None
         points = [cal.DecodeSoloPoint(c.workload, a, c.lengths[a][0], c.lengths[a][1], c.output_len, ms * 1e-3,
-                                      places[a].share, places[run.num_attn].share, len(places) - run.num_attn)
+                                      places[a].share, places[run.num_attn].share, len(places) - run.num_attn,
+                                      ffn_busy_per_item_s=busy(c, a))
                   for c in run.cases for a, ms in enumerate(c.solo_ms) if ms]
         return cal.fit_decode_costs(run.shape, points, base, run.link)
     points = [cal.SoloPoint(c.workload, a, c.lengths[a], ms * 1e-3, places[a].share,
@@ -287,10 +291,18 @@ def runs_from_sweep(report: dict, name: str, cores: int | None = None) -> list:
     return out
 
 
+def _busy_per_item_ms(ffn: dict | None) -> float | None:
+    """The FFN's busy ms per item of a solo window's stats (busy fraction / items per s)."""
+    if not ffn or not ffn.get("items_per_s") or not ffn.get("busy_fraction"):
+        return None
+    return ffn["busy_fraction"] / ffn["items_per_s"] * 1e3
+
+
 def runs_from_decode_report(report: dict, name: str) -> list:
     """One MeasuredRun per placement of a ``bench_decode.json`` (cuda, one GPU under MPS):
     its workloads as decode cases; solo = each replica's solo TPOT p50 (the fit input), the
-    co-run solo TPOT p50 where measured (the contention term's fit input),
+    co-run solo TPOT p50 where measured (the contention term's fit input), the FFN's busy ms
+    per item in each solo window where measured (the expert GEMM time's fit input),
     measured = TPOT p50 per replica, total tokens/s and FFN busy per schedule, the
     async/lockstep ratio and bench_decode's ideal (Σ solo tokens/s / lockstep tokens/s). Where
     the schedules ran on different FFN serving paths (``served_by``: bench_decode's default,
@@ -319,8 +331,10 @@ def runs_from_decode_report(report: dict, name: str) -> list:
             solo = tuple((rep.get("solo") or {}).get("tpot_p50_ms") for rep in by["async"]["replicas"])
             corun = tuple(((rep.get("solo") or {}).get("corun") or {}).get("tpot_p50_ms")
                           for rep in by["async"]["replicas"])
+            item_ms = tuple(_busy_per_item_ms((rep.get("solo") or {}).get("ffn")) for rep in by["async"]["replicas"])
             cases.append(Case(w["name"], tuple(zip(w["contexts"], w["batches"])), solo,
                               corun_ms=corun if any(corun) else (),
+                              solo_ffn_item_ms=item_ms if any(item_ms) else (),
                               batch_ms={s: tuple(rep["tpot_p50_ms"] for rep in r["replicas"]) for s, r in by.items()},
                               tokens_per_s={s: r["tokens_per_s"] for s, r in by.items()},
                               ffn_busy={s: r["ffn"]["busy_fraction"] for s, r in by.items()},

@@ -75,6 +75,9 @@ def test_bench_decode_quick_host(tmp_path):
                 solo = rep["solo"]
                 assert solo["steps"] >= bench_decode.SOLO_MIN_STEPS and solo["tokens"] > 0
                 assert 0 < solo["tpot_p50_ms"] <= solo["tpot_p99_ms"]
+                for run in (solo, solo["corun"]):  # the FFN serving this replica alone, in its window
+                    assert 0 < run["ffn"]["busy_fraction"] <= 1 and run["ffn"]["items_per_s"] > 0, run
+                    assert "window_ns" not in run
                 corun = solo["corun"]  # the co-run solo round runs by default
                 assert corun["steps"] >= bench_decode.SOLO_MIN_STEPS and corun["tokens"] > 0
                 assert 0 < corun["tpot_p50_ms"] <= corun["tpot_p99_ms"] and "corun" not in corun

@@ -224,3 +224,19 @@ def test_a_decode_report_on_two_serving_paths_keeps_only_the_async_rows():
             assert case.solo_ms == full.solo_ms and case.batch_ms["async"] == full.batch_ms["async"]
     _, rows = validate(mixed[0])
     assert rows and not any("lockstep" in r["quantity"] or "ideal" in r["quantity"] for r in rows)
+
+
+def test_the_decode_fit_takes_the_expert_gemm_time_from_the_solo_ffn_busy():
+    base = small_costs(attn_per_ctx_token_s=2e-10)
+    gemm = cm.expert_gemm_time(base, SHAPE, 32, 1, 1.0)
+    truth = base.replace(gemm_tflops=base.gemm_tflops / 3.0, weight_read_gbps=base.weight_read_gbps / 3.0)
+    assert cm.expert_gemm_time(truth, SHAPE, 32, 1, 1.0) == pytest.approx(3.0 * gemm)
+    points = [dataclasses_replace(p, ffn_busy_per_item_s=3.0 * gemm)
+              for p in _points(truth, (64, 1024, 8192, 65536))]
+    fitted = cal.fit_decode_costs(SHAPE, points, base, LINK)
+    assert cm.expert_gemm_time(fitted, SHAPE, 32, 1, 1.0) == pytest.approx(3.0 * gemm, rel=1e-9)
+    assert "expert GEMMs x3" in fitted.source
+    again = _points(fitted, [p.context for p in points])  # and the solo steps still hold
+    np.testing.assert_allclose([p.solo_step_s for p in again], [p.solo_step_s for p in points], rtol=0.02)
+    plain = cal.fit_decode_costs(SHAPE, _points(truth, (64, 1024)), base, LINK)  # not measured: rates kept
+    assert plain.gemm_tflops == base.gemm_tflops and "expert GEMMs" not in plain.source
