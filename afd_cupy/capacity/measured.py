@@ -51,20 +51,27 @@ R0210A59_25_25_50 = MeasuredRun(
                 ffn_busy={"async": 0.905, "lockstep": 0.689}, ratio=1.08, ideal=1.39),))
 
 #: the JSON of the GPU runs shipped with the package (afd_cupy/capacity/data/), one H200 under
-#: MPS, ``tools/gpu_suite.sh plan1``: bench_afd's skew x split sweep at 0769db3 (prefill, skews 1,
-#: 4, 16; splits 0:50,0:50,0:50 and 0:50,0:50,0:100) and bench_decode's two presets at 4c53441
-#: (decode; its attention off cuDNN SDPA, tools/decode_model.py)
+#: MPS: bench_afd's skew x split sweep at 0769db3 (prefill, skews 1, 4, 16; splits
+#: 0:50,0:50,0:50 and 0:50,0:50,0:100; ``tools/gpu_suite.sh plan1``) and bench_decode's two
+#: presets at 9103b75, twice in one device call: on the Python loop for both schedules
+#: (``--ffn-serving loop``) and on the default serving (async and the solo rounds on the graph
+#: FFN, lockstep on the loop: only its async rows are predicted). Both decode runs have the
+#: co-run solo round, which the contention term is fitted to.
 DATA_DIR = Path(__file__).parent / "data"
 SWEEP_0769DB3 = DATA_DIR / "bench_afd_sweep_0769db3.json"
-DECODE_4C53441 = DATA_DIR / "bench_decode_4c53441.json"
+DECODE_LOOP = DATA_DIR / "bench_decode_loop_9103b75.json"
+DECODE_DEFAULT = DATA_DIR / "bench_decode_default_9103b75.json"
 
 
 def shipped_runs() -> tuple:
     """The runs of the shipped JSON (current code): one MeasuredRun per sweep split and per
-    decode placement."""
+    decode placement of each decode report."""
     sweep = cal.read_json(str(SWEEP_0769DB3), "bench_afd")
-    decode = cal.read_json(str(DECODE_4C53441), "bench_decode")
-    return tuple(runs_from_sweep(sweep, "0769db3 prefill") + runs_from_decode_report(decode, "4c53441 decode"))
+    loop = cal.read_json(str(DECODE_LOOP), "bench_decode")
+    default = cal.read_json(str(DECODE_DEFAULT), "bench_decode")
+    return tuple(runs_from_sweep(sweep, "0769db3 prefill")
+                 + runs_from_decode_report(loop, f"{loop['run']['commit']} decode loop")
+                 + runs_from_decode_report(default, f"{default['run']['commit']} decode default"))
 
 
 #: runs quoted from older commits' docs (their JSON is not in the repository)

@@ -91,7 +91,7 @@ def test_mps_caps_may_sum_past_one_partitions_may_not():
 
 
 def _shipped_decode() -> list:
-    return runs_from_decode_report(cal.read_json(str(measured.DECODE_4C53441), "bench_decode"), "t")
+    return runs_from_decode_report(cal.read_json(str(measured.DECODE_LOOP), "bench_decode"), "t")
 
 
 def test_the_shipped_decode_runs_load_and_their_solo_fit_holds_in_the_simulator():
@@ -103,9 +103,12 @@ def test_the_shipped_decode_runs_load_and_their_solo_fit_holds_in_the_simulator(
         costs, rows = validate(run)
         assert costs.attn_host_s > 0  # the eager decode step is host-bound at these contexts
         assert rows and all(math.isfinite(r["predicted"]) and math.isfinite(r["measured"]) for r in rows)
-        fits = [r for r in rows if "fit input" in r["quantity"]]
+        fits = [r for r in rows if "fit input" in r["quantity"] and r["quantity"].startswith("solo")]
         assert len(fits) == 4
         assert max(abs(r["error"]) for r in fits) < 0.10, fits  # 3 costs fitted to 4 solo steps
+        corun = [r for r in rows if r["quantity"].startswith("co-run solo")]  # the contention term's input
+        assert len(corun) == 4 and max(abs(r["error"]) for r in corun) < 0.10, corun
+        assert 0 < rows[0]["hbm_contention"] < 1
         # the fit's closed form and the simulator's closed loop agree on every solo step
         places = parse_placements(run.placement)
         for case in run.cases:
@@ -122,7 +125,8 @@ def test_the_shipped_decode_runs_load_and_their_solo_fit_holds_in_the_simulator(
 
 def test_every_shipped_run_is_in_the_validation_set():
     names = {r.name for r in measured.GPU_RUNS}
-    assert {"4c53441 decode ffn-free", "4c53441 decode ffn-bound",
+    assert {"9103b75 decode loop ffn-free", "9103b75 decode loop ffn-bound",
+            "9103b75 decode default ffn-free", "9103b75 decode default ffn-bound",
             "0769db3 prefill 0:50,0:50,0:50", "0769db3 prefill 0:50,0:50,0:100"} <= names
     sweep = json.loads(measured.SWEEP_0769DB3.read_text())
     assert sweep["run"]["commit"] == "0769db3" and sweep["backend"] == "cuda"
@@ -132,12 +136,12 @@ def test_every_shipped_run_is_in_the_validation_set():
 
 def test_plan_afd_validate_reads_a_decode_report(tmp_path):
     out = subprocess.run([sys.executable, os.path.join(str(REPO_ROOT), "tools", "plan_afd.py"), "--validate",
-                          "--bench-decode", str(measured.DECODE_4C53441), "--out", str(tmp_path)],
+                          "--bench-decode", str(measured.DECODE_LOOP), "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=120, cwd=str(REPO_ROOT))
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads((tmp_path / "plan_afd.json").read_text())
     names = [r["run"] for r in report["runs"]]
-    assert "cuda decode 0 (4c53441) ffn-bound" in names
+    assert "cuda decode 0 (9103b75) ffn-bound" in names
     assert "gpu, shipped JSON, step time" in report["worst"] and "TPOT p50" in out.stdout
 
 
@@ -211,11 +215,11 @@ def test_validate_fits_the_contention_term_and_reports_the_co_run_rows(monkeypat
 
 
 def test_a_decode_report_on_two_serving_paths_keeps_only_the_async_rows():
-    report = json.loads(measured.DECODE_4C53441.read_text())
+    report = json.loads(measured.DECODE_LOOP.read_text())
     for row in report["results"]:  # bench_decode's default: graph for async (and solo), loop for lockstep
         row["ffn"]["served_by"] = ["graph"] if row["schedule"] == "async" else ["loop"]
     mixed = runs_from_decode_report(report, "mixed")
-    plain = runs_from_decode_report(json.loads(measured.DECODE_4C53441.read_text()), "plain")
+    plain = runs_from_decode_report(json.loads(measured.DECODE_LOOP.read_text()), "plain")
     assert len(mixed) == len(plain) == 2 and "async served by graph" in mixed[0].source
     for run, ref in zip(mixed, plain):
         for case, full in zip(run.cases, ref.cases):
