@@ -372,7 +372,8 @@ def _solo(conn, spec: Spec, attn_rank: int, store, phase_idx: int, replica, x, l
             begin = time.perf_counter_ns()
             _batch(conn, replica, x, lengths)
             latencies_ms.append((time.perf_counter_ns() - begin) / 1e6)
-        mine = _pace(latencies_ms, (time.perf_counter_ns() - start_ns) / 1e9, sum(lengths))
+        end_ns = time.perf_counter_ns()
+        mine = {**_pace(latencies_ms, (end_ns - start_ns) / 1e9, sum(lengths)), "window_ns": (start_ns, end_ns)}
     store_barrier(store, f"bench_afd/solo{phase_idx}", spec.num_attn, spec.peer_timeout_s)
     return mine
 
@@ -485,6 +486,10 @@ def summarize(spec: Spec, results: list) -> list:
         replicas = []
         for r in attn:
             phase = {k: v for k, v in r["phases"][phase_idx].items() if k not in ("lanes", "window_ns")}
+            solo = phase.get("solo")
+            if solo and "window_ns" in solo:  # the FFN inside the solo window: its time per item alone
+                stats = ffn_phase_stats(ffn, tuple(solo.pop("window_ns")))
+                solo["ffn"] = {k: stats[k] for k in ("busy_fraction", "items_per_s")}
             replicas.append(dict(rank=r["rank"], tokens_per_batch=sum(phase["lengths"]), **phase))
         window = spans.common_window([r["phases"][phase_idx]["window_ns"] for r in attn])
         rows.append({"schedule": spec.schedule, "workload": workload.name, "overlap": spec.overlap,
@@ -838,7 +843,8 @@ METHOD = {"tokens_per_s": "sum over replicas of tokens / own measured wall time"
           "latency": "wall time of one batch (all layers, one sync at the end); p50/p90/p99 nearest rank",
           "stop": "async: own deadline; lockstep: same batch count, decided by replica 0",
           "solo": "async launch, after each phase: each replica alone in turn (others at a barrier), "
-                  "one warm-up batch, then --solo-duration s; batch_mean_ms = wall / batches",
+                  "one warm-up batch, then --solo-duration s; batch_mean_ms = wall / batches; ffn: the FFN's "
+                  "busy fraction and items/s inside that window (its time per item serving one replica)",
           "ideal": "(sum_a n_a / solo_a) / (sum_a n_a / lockstep_a), n_a tokens per batch, solo_a / "
                    "lockstep_a mean batch times; an upper bound of async/lockstep (a replica next to "
                    "the others is no faster than alone)",

@@ -79,6 +79,7 @@ class SoloPoint:
     attn_share: float
     ffn_share: float
     num_ffn: int
+    ffn_busy_per_item_s: float | None = None  # the FFN's busy time per item in that solo window
 
 
 _GPU_RE = re.compile(r"rank (\d+) \((attention|ffn)\): GPU (\d+)(?: at (\d+)% of its SMs)?")
@@ -126,8 +127,12 @@ def solo_points(report: dict, shares: tuple | None = None) -> list:
             if not rep.get("solo"):
                 continue
             a_share, f_share = shares or (places[rep["rank"]].share, places[num_attn].share)
+            ffn = rep["solo"].get("ffn") or {}
+            busy = (ffn["busy_fraction"] / ffn["items_per_s"]
+                    if ffn.get("busy_fraction") and ffn.get("items_per_s") else None)
             points.append(SoloPoint(row["workload"], rep["rank"], tuple(rep["lengths"]),
-                                    rep["solo"]["batch_mean_ms"] * 1e-3, a_share, f_share, num_ffn))
+                                    rep["solo"]["batch_mean_ms"] * 1e-3, a_share, f_share, num_ffn,
+                                    ffn_busy_per_item_s=busy))
     return points
 
 
@@ -161,7 +166,9 @@ def fit_costs(shape: ModelShape, points: list, base: cm.Costs, link: Link, *,
     max(floor, compute)). ``fit_attention``: the attention variable costs scale too (needs
     three or more distinct points); ``scale_floor``: the weight-read floor scales with the
     compute (otherwise ``weight_read_gbps`` stays as given: measure it with one replica at
-    small batches, bench_step_graph's FFN experts phase)."""
+    small batches, bench_step_graph's FFN experts phase). Where points carry the FFN's busy time
+    per item in their solo windows (bench_afd records it), the GEMM scale is the one that
+    reproduces those times, and only the rest is fitted to the batch times."""
     if not points:
         raise ConfigError("fit_costs needs at least one solo point (run bench_afd with --solo-duration > 0)")
     parts = np.array([_parts(shape, base, link, p) for p in points])
@@ -175,12 +182,28 @@ def fit_costs(shape: ModelShape, points: list, base: cm.Costs, link: Link, *,
         coef = _nnls(design, rest)
         return float(np.sum((design @ np.asarray(coef) - rest) ** 2)), k, coef
 
-    best = min((fit_for(k) for k in GEMM_SCALES), key=lambda r: r[0])
-    step = GEMM_SCALES[1] / GEMM_SCALES[0]
-    for _ in range(3):  # refine around the best grid point
-        grid = np.geomspace(best[1] / step, best[1] * step, 41)
-        best = min([best] + [fit_for(float(k)) for k in grid], key=lambda r: r[0])
-        step = grid[1] / grid[0]
+    busy = [(i, p.ffn_busy_per_item_s) for i, p in enumerate(points) if p.ffn_busy_per_item_s]
+    if busy:  # the FFN's measured busy time per item sets the GEMM scale; the rest fits around it
+        rows = np.array([i for i, _ in busy])
+        per_item = np.array([b for _, b in busy])
+
+        def busy_err(k: float) -> float:
+            model = np.maximum(parts[rows, 2] * (k if scale_floor else 1.0), parts[rows, 3] * k) / shape.layers
+            return float(np.sum(((model - per_item) / per_item) ** 2))
+        k_busy = min(GEMM_SCALES, key=busy_err)
+        step = GEMM_SCALES[1] / GEMM_SCALES[0]
+        for _ in range(3):
+            grid = np.geomspace(k_busy / step, k_busy * step, 41)
+            k_busy = float(min(grid, key=busy_err))
+            step = grid[1] / grid[0]
+        best = fit_for(k_busy)
+    else:
+        best = min((fit_for(k) for k in GEMM_SCALES), key=lambda r: r[0])
+        step = GEMM_SCALES[1] / GEMM_SCALES[0]
+        for _ in range(3):  # refine around the best grid point
+            grid = np.geomspace(best[1] / step, best[1] * step, 41)
+            best = min([best] + [fit_for(float(k)) for k in grid], key=lambda r: r[0])
+            step = grid[1] / grid[0]
     _, k_f, coef = best
     k_a = coef[1] if fit_attention else 1.0
     extra = coef[0]
@@ -194,7 +217,8 @@ def fit_costs(shape: ModelShape, points: list, base: cm.Costs, link: Link, *,
                         gemm_tflops=base.gemm_tflops / k_f,
                         weight_read_gbps=base.weight_read_gbps / (k_f if scale_floor else 1.0),
                         source=f"{base.source}; fitted to {len(points)} solo batches: attention x{k_a:.3g}, "
-                               f"expert compute x{k_f:.3g}{' (floor too)' if scale_floor else ''}, "
+                               f"expert compute x{k_f:.3g}{' (floor too)' if scale_floor else ''}"
+                               f"{' (from the FFN busy per item in the solo windows)' if busy else ''}, "
                                f"{fixed_on} fixed +{extra * 1e6:.0f} us/layer")
 
 

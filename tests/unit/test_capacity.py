@@ -2,6 +2,7 @@
 bounds, the cost model, the calibration from benchmark JSON, the search and the CLI."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -248,3 +249,22 @@ def test_plan_afd_tool_writes_json(tmp_path):
     assert out.returncode == 0, out.stderr
     report = json.loads((tmp_path / "plan_afd.json").read_text())
     assert report["tool"] == "plan_afd" and report["cases"] and math.isfinite(report["cases"][0]["best"]["tokens_per_s"])
+
+
+def test_fit_costs_takes_the_gemm_scale_from_the_solo_ffn_busy():
+    base, link = small_costs(gemm_tflops=50.0, weight_read_gbps=5000.0), Link(100.0, 0.0)
+    k_true, extra = 3.0, 150e-6  # expert compute 3x slower than base, +150 us fixed per layer on the FFN host
+    points = []
+    for i, lengths in enumerate(((64,), (512,), (2048,))):
+        p = cal.SoloPoint("w", i, lengths, 1.0, 1.0, 1.0, 1)
+        fixed, attn, floor, compute = cal._parts(SHAPE, base, link, p)
+        gemm = max(floor, compute * k_true)
+        points.append(cal.SoloPoint("w", i, lengths, fixed + attn + gemm + SHAPE.layers * extra, 1.0, 1.0, 1,
+                                    ffn_busy_per_item_s=gemm / SHAPE.layers))
+    fitted = cal.fit_costs(SHAPE, points, base, link)
+    assert fitted.gemm_tflops == pytest.approx(base.gemm_tflops / k_true, rel=0.01)
+    assert fitted.ffn_item_s == pytest.approx(base.ffn_item_s + extra, rel=0.02)
+    assert "from the FFN busy per item" in fitted.source
+    # a busy time that disagrees with the batch times still wins: the GEMM scale is measured, not fitted
+    halved = [dataclasses.replace(p, ffn_busy_per_item_s=p.ffn_busy_per_item_s / 2) for p in points]
+    assert cal.fit_costs(SHAPE, halved, base, link).gemm_tflops == pytest.approx(2 * fitted.gemm_tflops, rel=0.02)
