@@ -31,7 +31,12 @@ schedules (equal overhead).
 Solo (async launch only, after each measured phase): each replica in turn runs alone for
 ``--solo-duration`` seconds (one warm-up batch first) while the others wait at a store barrier,
 reading the stop flag once per batch like the measured phase. That is the replica's own pace
-with the FFN ranks serving nobody else: the FFN is not saturated by the other replicas.
+with the FFN ranks serving nobody else: the FFN is not saturated by the other replicas. Then
+(``--solo-background attention``, the default) a co-run solo round: each replica in turn
+through the FFN while the others run their attention batches without the transport (on one GPU:
+the SMs and HBM shared as under async, the FFN serving one replica; ``solo["corun"]``, the
+planner's contention input). Each solo and co-run solo row carries the FFN's busy fraction and
+items/s inside its own window.
 
 Reported per (workload, schedule): tokens/s = Σ over replicas of tokens / own measured wall
 time; per replica its tokens/s and batch latency p50/p90/p99; per FFN rank its busy fraction
@@ -172,6 +177,7 @@ class Spec:
     seed: int = 0
     placement: tuple = ()  # one afd_cupy.runtime.launch.Placement per rank, or () for the default split
     solo_duration_s: float = 0.0  # async: each replica alone after each phase (0: no solo runs)
+    solo_background: bool = False  # then a co-run round: the others run their attention only
     timeline: bool = False  # record every rank's spans in the measured batches
     ffn_stats: bool = True  # FFNWorker(recorder=...): busy fraction, items waiting
     overlap: str = "none"  # bench_overlap.VARIANTS: two-stage Attention pipeline, FFN reply lane
@@ -354,28 +360,75 @@ SOLO_MIN_BATCHES = 3
 
 
 def _solo(conn, spec: Spec, attn_rank: int, store, phase_idx: int, replica, x, lengths) -> dict:
-    """Every replica alone in turn (module doc); returns this replica's solo pace."""
+    """Every replica alone in turn (module doc); returns this replica's solo pace. With
+    ``spec.solo_background`` (and more than one replica) a co-run round follows: each replica
+    through the FFN in turn while the others run their attention only (``_attention_batch``),
+    the GPU loaded as under async with the FFN serving one replica; it goes to ``["corun"]``."""
     from afd_cupy.runtime.store import store_barrier
 
-    flag_key = f"bench_afd/stop_flag/{phase_idx}"
+    key = f"bench_afd/solo{phase_idx}"
     mine = None
     for turn in range(spec.num_attn):
-        store_barrier(store, f"bench_afd/solo{phase_idx}", spec.num_attn, spec.peer_timeout_s)
-        if turn != attn_rank:
-            continue
-        _batch(conn, replica, x, lengths)  # warm-up after the wait at the barrier
-        latencies_ms = []
-        start_ns = time.perf_counter_ns()
-        deadline = start_ns + int(spec.solo_duration_s * 1e9)
-        while len(latencies_ms) < SOLO_MIN_BATCHES or time.perf_counter_ns() < deadline:
-            store.add(flag_key, 0)  # the measured phase's per-batch store read
-            begin = time.perf_counter_ns()
-            _batch(conn, replica, x, lengths)
-            latencies_ms.append((time.perf_counter_ns() - begin) / 1e6)
-        end_ns = time.perf_counter_ns()
-        mine = {**_pace(latencies_ms, (end_ns - start_ns) / 1e9, sum(lengths)), "window_ns": (start_ns, end_ns)}
-    store_barrier(store, f"bench_afd/solo{phase_idx}", spec.num_attn, spec.peer_timeout_s)
+        store_barrier(store, key, spec.num_attn, spec.peer_timeout_s)
+        if turn == attn_rank:
+            mine = _solo_run(conn, spec, store, phase_idx, replica, x, lengths)
+    store_barrier(store, key, spec.num_attn, spec.peer_timeout_s)
+    if spec.solo_background and spec.num_attn > 1:
+        corun = None
+        for turn in range(spec.num_attn):
+            store_barrier(store, f"{key}/corun", spec.num_attn, spec.peer_timeout_s)
+            done_key = f"{key}/corun_done/{turn}"
+            if turn == attn_rank:
+                try:
+                    corun = _solo_run(conn, spec, store, phase_idx, replica, x, lengths)
+                finally:
+                    store.add(done_key, 1)  # the others stop their background load
+            else:
+                _background(spec, replica, x, lengths, store, done_key)
+        store_barrier(store, f"{key}/corun", spec.num_attn, spec.peer_timeout_s)
+        mine["corun"] = corun
     return mine
+
+
+def _solo_run(conn, spec: Spec, store, phase_idx: int, replica, x, lengths) -> dict:
+    """One replica's solo pace: a warm-up batch, then --solo-duration s of batches."""
+    flag_key = f"bench_afd/stop_flag/{phase_idx}"
+    _batch(conn, replica, x, lengths)  # warm-up after the wait at the barrier
+    latencies_ms = []
+    start_ns = time.perf_counter_ns()
+    deadline = start_ns + int(spec.solo_duration_s * 1e9)
+    while len(latencies_ms) < SOLO_MIN_BATCHES or time.perf_counter_ns() < deadline:
+        store.add(flag_key, 0)  # the measured phase's per-batch store read
+        begin = time.perf_counter_ns()
+        _batch(conn, replica, x, lengths)
+        latencies_ms.append((time.perf_counter_ns() - begin) / 1e6)
+    end_ns = time.perf_counter_ns()
+    return {**_pace(latencies_ms, (end_ns - start_ns) / 1e9, sum(lengths)), "window_ns": (start_ns, end_ns)}
+
+
+def _attention_batch(replica, x, lengths):
+    """A batch's attention and router of every layer without the transport (no expert call):
+    the co-run round's background load. Not synchronized."""
+    for layer_idx in range(replica.dims.layers):
+        x = x + replica.attention(layer_idx, x, lengths)
+        replica.router_input(layer_idx, x)
+    return x
+
+
+def _background(spec: Spec, replica, x, lengths, store, done_key: str) -> int:
+    """Attention-only batches (synchronized each) until ``done_key`` is set; RuntimeError past
+    ``spec.peer_timeout_s`` (never hangs)."""
+    import torch
+
+    sync = (lambda: torch.cuda.synchronize(x.device)) if x.device.type == "cuda" else (lambda: None)
+    give_up, batches = time.monotonic() + spec.peer_timeout_s, 0
+    while store.add(done_key, 0) < 1:
+        if time.monotonic() > give_up:
+            raise RuntimeError(f"co-run solo: {done_key} not set within {spec.peer_timeout_s} s")
+        _attention_batch(replica, x, lengths)
+        sync()
+        batches += 1
+    return batches
 
 
 # --------------------------------------------------------------------------- plan, report
@@ -486,10 +539,10 @@ def summarize(spec: Spec, results: list) -> list:
         replicas = []
         for r in attn:
             phase = {k: v for k, v in r["phases"][phase_idx].items() if k not in ("lanes", "window_ns")}
-            solo = phase.get("solo")
-            if solo and "window_ns" in solo:  # the FFN inside the solo window: its time per item alone
-                stats = ffn_phase_stats(ffn, tuple(solo.pop("window_ns")))
-                solo["ffn"] = {k: stats[k] for k in ("busy_fraction", "items_per_s")}
+            for run in (phase.get("solo"), (phase.get("solo") or {}).get("corun")):
+                if run and "window_ns" in run:  # the FFN inside the solo window: its time per item alone
+                    stats = ffn_phase_stats(ffn, tuple(run.pop("window_ns")))
+                    run["ffn"] = {k: stats[k] for k in ("busy_fraction", "items_per_s")}
             replicas.append(dict(rank=r["rank"], tokens_per_batch=sum(phase["lengths"]), **phase))
         window = spans.common_window([r["phases"][phase_idx]["window_ns"] for r in attn])
         rows.append({"schedule": spec.schedule, "workload": workload.name, "overlap": spec.overlap,
@@ -776,6 +829,9 @@ def parse_args(argv=None):
                         help="per rank GPU[:SM percent], Attention ranks first, e.g. '0:50,0:50,1' "
                              "(both replicas on GPU 0 at half its SMs, the FFN on GPU 1); "
                              "overrides --mps-attn-pct/--mps-ffn-pct")
+    parser.add_argument("--solo-background", choices=("attention", "none"), default="attention",
+                        help="attention: after the solo round, a co-run solo round (each replica through the "
+                             "FFN while the others run their attention without the transport); none: skip it")
     parser.add_argument("--no-ffn-stats", dest="ffn_stats", action="store_false",
                         help="run the FFN ranks without the recorder (no busy fraction / items waiting)")
     parser.add_argument("--timeline", action="store_true",
@@ -812,12 +868,13 @@ def parse_args(argv=None):
 def run_launches(args, backend: str, dims: Dims, workloads: tuple, placement: tuple, mps: dict,
                  timeline: bool = False, overlap: str = "none") -> tuple[list, set, list]:
     """One launch per schedule, in the ``overlap`` variant: (rows, Attention devices, timeline panels)."""
-    solo = args.solo_duration * args.attn
+    solo = args.solo_duration * args.attn * (2 if args.solo_background == "attention" else 1)
     timeout = args.timeout or (120.0 + len(workloads) * (args.duration * 3 + solo * 2 + 60.0))
     rows, devices, panels = [], set(), []
     specs = [Spec(backend, args.poll_mode, schedule, dims, args.attn, args.ffn, workloads, args.duration,
                   args.warmup, args.max_batches, mps["attention_pct"], mps["ffn_pct"],
-                  placement=placement, solo_duration_s=args.solo_duration, timeline=timeline,
+                  placement=placement, solo_duration_s=args.solo_duration,
+                  solo_background=args.solo_background == "attention", timeline=timeline,
                   ffn_stats=args.ffn_stats, overlap=overlap, gemm_sm_carveout=args.gemm_sm_carveout)
              for schedule in args.schedules]
     for spec in bc.progress(specs, "bench_afd", lambda s: f"schedule={s.schedule} overlap={s.overlap} "
@@ -836,6 +893,7 @@ def base_report(args, backend: str, dims: Dims, mps: dict, devices: set) -> dict
             "run": bc.run_info(backend), "poll_mode": args.poll_mode if backend == "cuda" else "host",
             "model": dataclasses.asdict(dims), "topology": f"{args.attn}A{args.ffn}F", "mps": mps,
             "duration_s": args.duration, "warmup_batches": args.warmup, "solo_duration_s": args.solo_duration,
+            "solo_background": args.solo_background,
             "overlap": args.overlap, "gemm_sm_carveout": args.gemm_sm_carveout, "method": METHOD}
 
 

@@ -183,20 +183,17 @@ def fit_costs(shape: ModelShape, points: list, base: cm.Costs, link: Link, *,
         return float(np.sum((design @ np.asarray(coef) - rest) ** 2)), k, coef
 
     busy = [(i, p.ffn_busy_per_item_s) for i, p in enumerate(points) if p.ffn_busy_per_item_s]
-    if busy:  # the FFN's measured busy time per item sets the GEMM scale; the rest fits around it
-        rows = np.array([i for i, _ in busy])
-        per_item = np.array([b for _, b in busy])
+    k_floor = 1.0
+    if busy:  # the FFN's measured busy time per item sets the GEMM costs; the rest fits around it
+        k_floor, k_busy = _busy_scales(parts, busy, shape.layers)
+        floor_parts = parts[:, 2] * k_floor
 
-        def busy_err(k: float) -> float:
-            model = np.maximum(parts[rows, 2] * (k if scale_floor else 1.0), parts[rows, 3] * k) / shape.layers
-            return float(np.sum(((model - per_item) / per_item) ** 2))
-        k_busy = min(GEMM_SCALES, key=busy_err)
-        step = GEMM_SCALES[1] / GEMM_SCALES[0]
-        for _ in range(3):
-            grid = np.geomspace(k_busy / step, k_busy * step, 41)
-            k_busy = float(min(grid, key=busy_err))
-            step = grid[1] / grid[0]
-        best = fit_for(k_busy)
+        def fit_fixed(k: float) -> tuple:
+            expert = np.maximum(floor_parts, parts[:, 3] * k)
+            rest = y - expert - (0.0 if fit_attention else parts[:, 1])
+            coef = _nnls(design, rest)
+            return float(np.sum((design @ np.asarray(coef) - rest) ** 2)), k, coef
+        best = fit_fixed(k_busy)
     else:
         best = min((fit_for(k) for k in GEMM_SCALES), key=lambda r: r[0])
         step = GEMM_SCALES[1] / GEMM_SCALES[0]
@@ -215,11 +212,45 @@ def fit_costs(shape: ModelShape, points: list, base: cm.Costs, link: Link, *,
                         attn_per_pair_s=base.attn_per_pair_s * k_a,
                         attn_per_ctx_token_s=base.attn_per_ctx_token_s * k_a,
                         gemm_tflops=base.gemm_tflops / k_f,
-                        weight_read_gbps=base.weight_read_gbps / (k_f if scale_floor else 1.0),
+                        weight_read_gbps=base.weight_read_gbps / (k_floor if busy else k_f if scale_floor else 1.0),
                         source=f"{base.source}; fitted to {len(points)} solo batches: attention x{k_a:.3g}, "
                                f"expert compute x{k_f:.3g}{' (floor too)' if scale_floor else ''}"
-                               f"{' (from the FFN busy per item in the solo windows)' if busy else ''}, "
+                               f"{f', weight reads x{k_floor:.3g} (both from the FFN busy per item in the solo windows)' if busy else ''}, "
                                f"{fixed_on} fixed +{extra * 1e6:.0f} us/layer")
+
+
+def _busy_scales(parts: np.ndarray, busy: list, layers: int) -> tuple:
+    """(weight-read scale, compute scale) of the expert GEMMs that reproduce the FFN's busy time
+    per item of the solo points ``busy`` [(point index, seconds)]: squared relative errors of
+    ``max(floor x kf, compute x kc)`` on a log grid, refined around the best pair (a tiny
+    tie-break keeps kf = kc where the times do not pin one). One distinct batch size cannot
+    tell the two apart: then kf = kc."""
+    rows = np.array([i for i, _ in busy])
+    per_item = np.array([b for _, b in busy])
+    floor, compute = parts[rows, 2] / layers, parts[rows, 3] / layers
+
+    def err(kf, kc):
+        model = np.maximum(floor[None, None, :] * kf[:, None, None], compute[None, None, :] * kc[None, :, None])
+        # a tie-break toward kf = kc where the busy times do not pin one of them (never binding)
+        tie = 1e-9 * np.log(kf[:, None] / kc[None, :]) ** 2
+        return np.sum(((model - per_item) / per_item) ** 2, axis=-1) + tie
+    grid = np.array(GEMM_SCALES)
+    if len(np.unique(compute)) < 2:
+        k = grid[int(np.argmin(np.diagonal(err(grid, grid))))]
+        for _ in range(3):
+            fine = np.geomspace(k / 1.1, k * 1.1, 41)
+            k = fine[int(np.argmin(np.diagonal(err(fine, fine))))]
+        return float(k), float(k)
+    kf, kc = grid, grid
+    for _ in range(4):
+        e = err(kf, kc)
+        i, j = np.unravel_index(int(np.argmin(e)), e.shape)
+        best_f, best_c = kf[i], kc[j]
+        ratio_f = kf[1] / kf[0]
+        ratio_c = kc[1] / kc[0]
+        kf = np.geomspace(best_f / ratio_f, best_f * ratio_f, 41)
+        kc = np.geomspace(best_c / ratio_c, best_c * ratio_c, 41)
+    return float(best_f), float(best_c)
 
 
 def _nnls(design: np.ndarray, y: np.ndarray) -> np.ndarray:

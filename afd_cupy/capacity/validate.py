@@ -37,7 +37,7 @@ class Case:
     kind: str = "prefill"  # decode: lengths = one (context, batch) per replica, ms = TPOT p50
     output_len: int = 0  # decode: tokens each request generates
     corun_ms: tuple = ()  # each replica's co-run solo (the others attention-only); () = not measured
-    solo_ffn_item_ms: tuple = ()  # decode: the FFN's busy ms per item in each replica's solo window
+    solo_ffn_item_ms: tuple = ()  # the FFN's busy ms per item in each replica's solo window; () = not measured
 
     def loads(self, only_ffn: int | None = None) -> tuple:
         """One ReplicaLoad per replica (decode: a closed loop, the batch kept full, as
@@ -97,16 +97,18 @@ def calibrated_costs(run: MeasuredRun, base: cm.Costs | None = None) -> cm.Costs
     if run.weight_read_gbps:
         base = base.replace(weight_read_gbps=run.weight_read_gbps)
     places = parse_placements(run.placement)
+
+    def busy(c, a):
+        return c.solo_ffn_item_ms[a] * 1e-3 if a < len(c.solo_ffn_item_ms) and c.solo_ffn_item_ms[a] else None
     if run.decode:
-        def busy(c, a):
-            return c.solo_ffn_item_ms[a] * 1e-3 if a < len(c.solo_ffn_item_ms) and c.solo_ffn_item_ms[a] else None
         points = [cal.DecodeSoloPoint(c.workload, a, c.lengths[a][0], c.lengths[a][1], c.output_len, ms * 1e-3,
                                       places[a].share, places[run.num_attn].share, len(places) - run.num_attn,
                                       ffn_busy_per_item_s=busy(c, a))
                   for c in run.cases for a, ms in enumerate(c.solo_ms) if ms]
         return cal.fit_decode_costs(run.shape, points, base, run.link)
     points = [cal.SoloPoint(c.workload, a, c.lengths[a], ms * 1e-3, places[a].share,
-                            places[run.num_attn].share, len(places) - run.num_attn)
+                            places[run.num_attn].share, len(places) - run.num_attn,
+                            ffn_busy_per_item_s=busy(c, a))
               for c in run.cases for a, ms in enumerate(c.solo_ms) if ms]
     fitted = cal.fit_costs(run.shape, points, base.scaled(run.slowdown[0]), run.link,
                            fit_attention=run.fit_attention, scale_floor=run.scale_floor,
@@ -256,8 +258,12 @@ def run_from_report(report: dict, name: str, placement: str | None = None, cores
         if "async" not in by:
             continue
         solo = tuple((rep.get("solo") or {}).get("batch_mean_ms") for rep in by["async"]["replicas"])
+        item_ms = tuple(_busy_per_item_ms((rep.get("solo") or {}).get("ffn")) for rep in by["async"]["replicas"])
+        corun = tuple(((rep.get("solo") or {}).get("corun") or {}).get("batch_mean_ms")
+                      for rep in by["async"]["replicas"])
         cmp_ = report.get("comparison", {}).get(w["name"], {})
         cases.append(Case(w["name"], tuple(tuple(l) for l in w["lengths"]), solo,
+                          solo_ffn_item_ms=item_ms if any(item_ms) else (), corun_ms=corun if any(corun) else (),
                           batch_ms={s: tuple(rep["batch_mean_ms"] for rep in r["replicas"]) for s, r in by.items()},
                           tokens_per_s={s: r["tokens_per_s"] for s, r in by.items()},
                           ffn_busy={s: r["ffn"]["busy_fraction"] for s, r in by.items()},

@@ -111,8 +111,9 @@ def test_bench_afd_quick_host(tmp_path):
             if row["schedule"] == "async":  # each replica alone, after the phase
                 assert solo["batches"] >= 3 and solo["tokens_per_s"] > 0 and solo["batch_mean_ms"] > 0
                 # the FFN serving this replica alone, inside its solo window
-                assert 0 < solo["ffn"]["busy_fraction"] <= 1 and solo["ffn"]["items_per_s"] > 0, solo
-                assert "window_ns" not in solo
+                for run in (solo, solo["corun"]):  # the co-run solo round runs by default
+                    assert 0 < run["ffn"]["busy_fraction"] <= 1 and run["ffn"]["items_per_s"] > 0, run
+                    assert "window_ns" not in run and run["batches"] >= 3 and run["batch_mean_ms"] > 0
             else:
                 assert solo is None
         ffn = row["ffn"]
