@@ -51,27 +51,33 @@ R0210A59_25_25_50 = MeasuredRun(
                 ffn_busy={"async": 0.905, "lockstep": 0.689}, ratio=1.08, ideal=1.39),))
 
 #: the JSON of the GPU runs shipped with the package (afd_cupy/capacity/data/), one H200 under
-#: MPS: bench_afd's skew x split sweep at 0769db3 (prefill, skews 1, 4, 16; splits
-#: 0:50,0:50,0:50 and 0:50,0:50,0:100; ``tools/gpu_suite.sh plan1``) and bench_decode's two
-#: presets at 9103b75, twice in one device call: on the Python loop for both schedules
-#: (``--ffn-serving loop``) and on the default serving (async and the solo rounds on the graph
-#: FFN, lockstep on the loop: only its async rows are predicted). Both decode runs have the
-#: co-run solo round, which the contention term is fitted to.
+#: MPS, every rank at 50 % but the prefill FFN at 100 % in the 0:50,0:50,0:100 splits:
+#: - bench_afd's skew x split sweep (prefill, skews 1, 4, 16): at 0769db3 (splits 0:50,0:50,0:50
+#:   and 0:50,0:50,0:100; ``tools/gpu_suite.sh plan1``), at 297227e (0:50,0:50,0:100, with the
+#:   FFN's busy time in every solo window) and at 7a386e3 (the same, and the co-run solo round);
+#: - bench_decode's two presets (decode): at 9103b75 on the Python loop for both schedules
+#:   (``--ffn-serving loop``; co-run solo round), at 297227e on the default serving (async and the
+#:   solo rounds on the graph FFN, lockstep on the loop: only its async rows are predicted; co-run
+#:   solo round and the FFN's busy time in every solo window).
 DATA_DIR = Path(__file__).parent / "data"
 SWEEP_0769DB3 = DATA_DIR / "bench_afd_sweep_0769db3.json"
+SWEEP_297227E = DATA_DIR / "bench_afd_sweep_297227e.json"
+SWEEP_7A386E3 = DATA_DIR / "bench_afd_sweep_7a386e3.json"
 DECODE_LOOP = DATA_DIR / "bench_decode_loop_9103b75.json"
-DECODE_DEFAULT = DATA_DIR / "bench_decode_default_9103b75.json"
+DECODE_DEFAULT = DATA_DIR / "bench_decode_default_297227e.json"
 
 
 def shipped_runs() -> tuple:
     """The runs of the shipped JSON (current code): one MeasuredRun per sweep split and per
     decode placement of each decode report."""
-    sweep = cal.read_json(str(SWEEP_0769DB3), "bench_afd")
-    loop = cal.read_json(str(DECODE_LOOP), "bench_decode")
-    default = cal.read_json(str(DECODE_DEFAULT), "bench_decode")
-    return tuple(runs_from_sweep(sweep, "0769db3 prefill")
-                 + runs_from_decode_report(loop, f"{loop['run']['commit']} decode loop")
-                 + runs_from_decode_report(default, f"{default['run']['commit']} decode default"))
+    runs = []
+    for path in (SWEEP_0769DB3, SWEEP_297227E, SWEEP_7A386E3):
+        sweep = cal.read_json(str(path), "bench_afd")
+        runs += runs_from_sweep(sweep, f"{sweep['run']['commit']} prefill")
+    for path, label in ((DECODE_LOOP, "loop"), (DECODE_DEFAULT, "default")):
+        decode = cal.read_json(str(path), "bench_decode")
+        runs += runs_from_decode_report(decode, f"{decode['run']['commit']} decode {label}")
+    return tuple(runs)
 
 
 #: runs quoted from older commits' docs (their JSON is not in the repository)

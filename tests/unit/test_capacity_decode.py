@@ -126,7 +126,8 @@ def test_the_shipped_decode_runs_load_and_their_solo_fit_holds_in_the_simulator(
 def test_every_shipped_run_is_in_the_validation_set():
     names = {r.name for r in measured.GPU_RUNS}
     assert {"9103b75 decode loop ffn-free", "9103b75 decode loop ffn-bound",
-            "9103b75 decode default ffn-free", "9103b75 decode default ffn-bound",
+            "297227e decode default ffn-free", "297227e decode default ffn-bound",
+            "297227e prefill 0:50,0:50,0:100", "7a386e3 prefill 0:50,0:50,0:100",
             "0769db3 prefill 0:50,0:50,0:50", "0769db3 prefill 0:50,0:50,0:100"} <= names
     sweep = json.loads(measured.SWEEP_0769DB3.read_text())
     assert sweep["run"]["commit"] == "0769db3" and sweep["backend"] == "cuda"
@@ -244,3 +245,13 @@ def test_the_decode_fit_takes_the_expert_gemm_time_from_the_solo_ffn_busy():
     np.testing.assert_allclose([p.solo_step_s for p in again], [p.solo_step_s for p in points], rtol=0.05)  # grid steps
     plain = cal.fit_decode_costs(SHAPE, _points(truth, (64, 1024)), base, LINK)  # not measured: rates kept
     assert plain.gemm_tflops == base.gemm_tflops and "expert GEMMs" not in plain.source
+
+
+def test_the_shipped_prefill_run_with_solo_ffn_busy_and_co_run_rounds_uses_both():
+    run = next(r for r in measured.GPU_RUNS if r.name == "7a386e3 prefill 0:50,0:50,0:100")
+    assert all(len(c.corun_ms) == 2 and len(c.solo_ffn_item_ms) == 2 for c in run.cases)
+    costs, rows = validate(run)
+    assert "both from the FFN busy per item" in costs.source
+    assert 0 < rows[0]["hbm_contention"] < 1
+    corun = [r for r in rows if r["quantity"].startswith("co-run solo")]
+    assert len(corun) == 6 and max(abs(r["error"]) for r in corun) < 0.15, corun
