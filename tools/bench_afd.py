@@ -363,31 +363,11 @@ def _solo(conn, spec: Spec, attn_rank: int, store, phase_idx: int, replica, x, l
     """Every replica alone in turn (module doc); returns this replica's solo pace. With
     ``spec.solo_background`` (and more than one replica) a co-run round follows: each replica
     through the FFN in turn while the others run their attention only (``_attention_batch``),
-    the GPU loaded as under async with the FFN serving one replica; it goes to ``["corun"]``."""
-    from afd_cupy.runtime.store import store_barrier
-
-    key = f"bench_afd/solo{phase_idx}"
-    mine = None
-    for turn in range(spec.num_attn):
-        store_barrier(store, key, spec.num_attn, spec.peer_timeout_s)
-        if turn == attn_rank:
-            mine = _solo_run(conn, spec, store, phase_idx, replica, x, lengths)
-    store_barrier(store, key, spec.num_attn, spec.peer_timeout_s)
-    if spec.solo_background and spec.num_attn > 1:
-        corun = None
-        for turn in range(spec.num_attn):
-            store_barrier(store, f"{key}/corun", spec.num_attn, spec.peer_timeout_s)
-            done_key = f"{key}/corun_done/{turn}"
-            if turn == attn_rank:
-                try:
-                    corun = _solo_run(conn, spec, store, phase_idx, replica, x, lengths)
-                finally:
-                    store.add(done_key, 1)  # the others stop their background load
-            else:
-                _background(spec, replica, x, lengths, store, done_key)
-        store_barrier(store, f"{key}/corun", spec.num_attn, spec.peer_timeout_s)
-        mine["corun"] = corun
-    return mine
+    the GPU loaded as under async with the FFN serving one replica; it goes to ``["corun"]``
+    (``bench_common.solo_rounds``)."""
+    return bc.solo_rounds(store, f"bench_afd/solo{phase_idx}", spec.num_attn, attn_rank, spec.peer_timeout_s,
+                          lambda: _solo_run(conn, spec, store, phase_idx, replica, x, lengths),
+                          (lambda stopped: _background(x, lengths, replica, stopped)) if spec.solo_background else None)
 
 
 def _solo_run(conn, spec: Spec, store, phase_idx: int, replica, x, lengths) -> dict:
@@ -415,16 +395,13 @@ def _attention_batch(replica, x, lengths):
     return x
 
 
-def _background(spec: Spec, replica, x, lengths, store, done_key: str) -> int:
-    """Attention-only batches (synchronized each) until ``done_key`` is set; RuntimeError past
-    ``spec.peer_timeout_s`` (never hangs)."""
+def _background(x, lengths, replica, stopped) -> int:
+    """Attention-only batches (synchronized each) until ``stopped()``."""
     import torch
 
     sync = (lambda: torch.cuda.synchronize(x.device)) if x.device.type == "cuda" else (lambda: None)
-    give_up, batches = time.monotonic() + spec.peer_timeout_s, 0
-    while store.add(done_key, 0) < 1:
-        if time.monotonic() > give_up:
-            raise RuntimeError(f"co-run solo: {done_key} not set within {spec.peer_timeout_s} s")
+    batches = 0
+    while not stopped():
         _attention_batch(replica, x, lengths)
         sync()
         batches += 1

@@ -316,31 +316,12 @@ def _solo(conn, spec: Spec, attn_rank: int, store, phase_idx: int, workload: Wor
     co-run solo: every replica decodes through the FFN in turn while the others run their own
     attention steps without the transport (``decode_model.attention_step``), i.e. the shared
     GPU loaded as under async but the FFN serving only one replica. It goes to
-    ``solo["corun"]``."""
-    from afd_cupy.runtime.store import store_barrier
-
-    key = f"bench_decode/solo{phase_idx}"
-    mine = None
-    for turn in range(spec.num_attn):
-        store_barrier(store, key, spec.num_attn, spec.peer_timeout_s)
-        if turn == attn_rank:
-            mine = _solo_run(conn, spec, attn_rank, store, phase_idx, workload, replica)
-    store_barrier(store, key, spec.num_attn, spec.peer_timeout_s)
-    if spec.solo_background and spec.num_attn > 1:
-        corun = None
-        for turn in range(spec.num_attn):
-            store_barrier(store, f"{key}/corun", spec.num_attn, spec.peer_timeout_s)
-            done_key = f"{key}/corun_done/{turn}"
-            if turn == attn_rank:
-                try:
-                    corun = _solo_run(conn, spec, attn_rank, store, phase_idx, workload, replica)
-                finally:
-                    store.add(done_key, 1)  # the others stop their background load
-            else:
-                _background(spec, replica, _new_batch(spec, workload, attn_rank, phase_idx), store, done_key)
-        store_barrier(store, f"{key}/corun", spec.num_attn, spec.peer_timeout_s)
-        mine["corun"] = corun
-    return mine
+    ``solo["corun"]`` (``bench_common.solo_rounds``)."""
+    def background(stopped):
+        _background(replica, _new_batch(spec, workload, attn_rank, phase_idx), stopped)
+    return bc.solo_rounds(store, f"bench_decode/solo{phase_idx}", spec.num_attn, attn_rank, spec.peer_timeout_s,
+                          lambda: _solo_run(conn, spec, attn_rank, store, phase_idx, workload, replica),
+                          background if spec.solo_background else None)
 
 
 def _solo_run(conn, spec: Spec, attn_rank: int, store, phase_idx: int, workload: Workload, replica) -> dict:
@@ -360,17 +341,15 @@ def _solo_run(conn, spec: Spec, attn_rank: int, store, phase_idx: int, workload:
     return {"arrival_rate": rate, **_measure(conn, spec, replica, batch, should_stop)}  # window_ns: summarize
 
 
-def _background(spec: Spec, replica, batch: db.DecodeBatch, store, done_key: str) -> int:
+def _background(replica, batch: db.DecodeBatch, stopped) -> int:
     """Attention-only decode steps over ``batch``'s KV lengths (synchronized each, as a decode
-    step is) until ``done_key`` is set; RuntimeError past ``spec.peer_timeout_s`` (never hangs)."""
+    step is) until ``stopped()``."""
     import torch
 
     kv_lengths = batch.kv_lengths()
     sync = (lambda: torch.cuda.synchronize(replica.device)) if replica.device.type == "cuda" else (lambda: None)
-    give_up, steps = time.monotonic() + spec.peer_timeout_s, 0
-    while store.add(done_key, 0) < 1:
-        if time.monotonic() > give_up:
-            raise RuntimeError(f"co-run solo: {done_key} not set within {spec.peer_timeout_s} s")
+    steps = 0
+    while not stopped():
         dm.attention_step(replica, kv_lengths)
         sync()
         steps += 1
