@@ -365,9 +365,14 @@ def _solo(conn, spec: Spec, attn_rank: int, store, phase_idx: int, replica, x, l
     through the FFN in turn while the others run their attention only (``_attention_batch``),
     the GPU loaded as under async with the FFN serving one replica; it goes to ``["corun"]``
     (``bench_common.solo_rounds``)."""
+    sync = bc.Stopwatch(x.device).sync
+
+    def background_step():
+        _attention_batch(replica, x, lengths)
+        sync()
     return bc.solo_rounds(store, f"bench_afd/solo{phase_idx}", spec.num_attn, attn_rank, spec.peer_timeout_s,
                           lambda: _solo_run(conn, spec, store, phase_idx, replica, x, lengths),
-                          (lambda stopped: _background(x, lengths, replica, stopped)) if spec.solo_background else None)
+                          background_step if spec.solo_background else None)
 
 
 def _solo_run(conn, spec: Spec, store, phase_idx: int, replica, x, lengths) -> dict:
@@ -393,19 +398,6 @@ def _attention_batch(replica, x, lengths):
         x = x + replica.attention(layer_idx, x, lengths)
         replica.router_input(layer_idx, x)
     return x
-
-
-def _background(x, lengths, replica, stopped) -> int:
-    """Attention-only batches (synchronized each) until ``stopped()``."""
-    import torch
-
-    sync = (lambda: torch.cuda.synchronize(x.device)) if x.device.type == "cuda" else (lambda: None)
-    batches = 0
-    while not stopped():
-        _attention_batch(replica, x, lengths)
-        sync()
-        batches += 1
-    return batches
 
 
 # --------------------------------------------------------------------------- plan, report
@@ -516,10 +508,7 @@ def summarize(spec: Spec, results: list) -> list:
         replicas = []
         for r in attn:
             phase = {k: v for k, v in r["phases"][phase_idx].items() if k not in ("lanes", "window_ns")}
-            for run in (phase.get("solo"), (phase.get("solo") or {}).get("corun")):
-                if run and "window_ns" in run:  # the FFN inside the solo window: its time per item alone
-                    stats = ffn_phase_stats(ffn, tuple(run.pop("window_ns")))
-                    run["ffn"] = {k: stats[k] for k in ("busy_fraction", "items_per_s")}
+            solo_ffn_stats(phase.get("solo"), ffn)
             replicas.append(dict(rank=r["rank"], tokens_per_batch=sum(phase["lengths"]), **phase))
         window = spans.common_window([r["phases"][phase_idx]["window_ns"] for r in attn])
         rows.append({"schedule": spec.schedule, "workload": workload.name, "overlap": spec.overlap,
@@ -554,6 +543,16 @@ def ffn_phase_stats(ffn_results: list, window: tuple) -> dict:
                                   if taken else nan,
             "items_waiting_max": max((r["items_waiting_max"] for r in sampled), default=None),
             "items_per_s": taken / length_s if per_rank and length_s > 0 else nan, "per_rank": per_rank}
+
+
+def solo_ffn_stats(solo: dict | None, ffn_results: list) -> None:
+    """In place: a solo row and its co-run row (``solo["corun"]``) trade their ``window_ns`` for
+    ``ffn``, the FFN's busy fraction and items/s inside that window (its time per item serving
+    one replica)."""
+    for run in (solo, (solo or {}).get("corun")):
+        if run and "window_ns" in run:
+            stats = ffn_phase_stats(ffn_results, tuple(run.pop("window_ns")))
+            run["ffn"] = {k: stats[k] for k in ("busy_fraction", "items_per_s")}
 
 
 def ideal_ratio(tokens_per_batch, solo_batch_s, lockstep_batch_s) -> float:

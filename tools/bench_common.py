@@ -400,18 +400,16 @@ def targets_table(targets: Sequence[dict]) -> str:
 
 
 def solo_rounds(store, key: str, num_attn: int, attn_rank: int, timeout_s: float, solo: Callable[[], dict],
-                background: Callable[[Callable[[], bool]], object] | None = None) -> dict:
+                background_step: Callable[[], object] | None = None) -> dict:
     """The solo rounds of bench_afd and bench_decode, on every Attention replica at once.
 
     Every replica alone in turn, the others at a store barrier: ``solo()`` (one replica's
-    measurement, a dict) runs on this replica's turn. With ``background`` and more than one
-    replica a co-run round follows: ``solo()`` in turn again while the others run
-    ``background(stopped)``, their own load without the transport, until ``stopped()`` says the
-    measuring replica finished. Returns this replica's solo row, its co-run row under
+    measurement, a dict) runs on this replica's turn. With ``background_step`` and more than one
+    replica a co-run round follows: ``solo()`` in turn again while the others repeat
+    ``background_step()`` (one synchronized step of their own load without the transport) until
+    the measuring replica finished. Returns this replica's solo row, its co-run row under
     ``"corun"``. A background loop still running ``timeout_s`` after its round began raises
     RuntimeError (never hangs)."""
-    import time as _time
-
     from afd_cupy.runtime.store import store_barrier
 
     mine = None
@@ -420,7 +418,7 @@ def solo_rounds(store, key: str, num_attn: int, attn_rank: int, timeout_s: float
         if turn == attn_rank:
             mine = solo()
     store_barrier(store, key, num_attn, timeout_s)
-    if background is None or num_attn < 2:
+    if background_step is None or num_attn < 2:
         return mine
     corun = None
     for turn in range(num_attn):
@@ -432,15 +430,11 @@ def solo_rounds(store, key: str, num_attn: int, attn_rank: int, timeout_s: float
             finally:
                 store.add(done_key, 1)  # the others stop their background load
             continue
-        give_up = _time.monotonic() + timeout_s
-
-        def stopped(done_key=done_key, give_up=give_up) -> bool:
-            if store.add(done_key, 0) >= 1:
-                return True
-            if _time.monotonic() > give_up:
+        give_up = time.monotonic() + timeout_s
+        while store.add(done_key, 0) < 1:
+            if time.monotonic() > give_up:
                 raise RuntimeError(f"co-run solo: {done_key} not set within {timeout_s} s")
-            return False
-        background(stopped)
+            background_step()
     store_barrier(store, f"{key}/corun", num_attn, timeout_s)
     mine["corun"] = corun
     return mine

@@ -317,11 +317,15 @@ def _solo(conn, spec: Spec, attn_rank: int, store, phase_idx: int, workload: Wor
     attention steps without the transport (``decode_model.attention_step``), i.e. the shared
     GPU loaded as under async but the FFN serving only one replica. It goes to
     ``solo["corun"]`` (``bench_common.solo_rounds``)."""
-    def background(stopped):
-        _background(replica, _new_batch(spec, workload, attn_rank, phase_idx), stopped)
+    kv_lengths = _new_batch(spec, workload, attn_rank, phase_idx).kv_lengths()
+    sync = bc.Stopwatch(replica.device).sync
+
+    def background_step():  # one attention-only decode step, synchronized as a decode step is
+        dm.attention_step(replica, kv_lengths)
+        sync()
     return bc.solo_rounds(store, f"bench_decode/solo{phase_idx}", spec.num_attn, attn_rank, spec.peer_timeout_s,
                           lambda: _solo_run(conn, spec, attn_rank, store, phase_idx, workload, replica),
-                          background if spec.solo_background else None)
+                          background_step if spec.solo_background else None)
 
 
 def _solo_run(conn, spec: Spec, attn_rank: int, store, phase_idx: int, workload: Workload, replica) -> dict:
@@ -339,21 +343,6 @@ def _solo_run(conn, spec: Spec, attn_rank: int, store, phase_idx: int, workload:
 
     batch.start_arrivals(rate, time.perf_counter())
     return {"arrival_rate": rate, **_measure(conn, spec, replica, batch, should_stop)}  # window_ns: summarize
-
-
-def _background(replica, batch: db.DecodeBatch, stopped) -> int:
-    """Attention-only decode steps over ``batch``'s KV lengths (synchronized each, as a decode
-    step is) until ``stopped()``."""
-    import torch
-
-    kv_lengths = batch.kv_lengths()
-    sync = (lambda: torch.cuda.synchronize(replica.device)) if replica.device.type == "cuda" else (lambda: None)
-    steps = 0
-    while not stopped():
-        dm.attention_step(replica, kv_lengths)
-        sync()
-        steps += 1
-    return steps
 
 
 # --------------------------------------------------------------------------- launches, rows
@@ -377,10 +366,7 @@ def summarize(spec: Spec, results: list, label: str) -> list:
                                             if k not in ("lanes", "window_ns")}) for r in attn]
         window = spans.common_window([r["phases"][phase_idx]["window_ns"] for r in attn])
         for rep in replicas:  # the FFN inside each solo window: its service time with one sender
-            for run in (rep.get("solo"), (rep.get("solo") or {}).get("corun")):
-                if run and "window_ns" in run:
-                    stats = bench_afd.ffn_phase_stats(ffn, tuple(run.pop("window_ns")))
-                    run["ffn"] = {k: stats[k] for k in ("busy_fraction", "items_per_s")}
+            bench_afd.solo_ffn_stats(rep.get("solo"), ffn)
         rows.append({"placement": label, "schedule": spec.schedule, "workload": workload.name,
                      "contexts": list(workload.contexts), "batches": list(workload.batches),
                      "tokens_per_s": sum(r["tokens_per_s"] for r in replicas), "replicas": replicas,

@@ -114,6 +114,14 @@ def bench_shape(report: dict, model: dict | None = None) -> ModelShape:
                       intermediate=m["intermediate"], shared_experts=m["shared"])
 
 
+def busy_per_item_s(ffn: dict | None) -> float | None:
+    """The FFN's busy seconds per item from a solo window's ``ffn`` stats (busy fraction /
+    items per s, as bench_afd and bench_decode record them); None where not measured."""
+    if not ffn or not ffn.get("items_per_s") or not ffn.get("busy_fraction"):
+        return None
+    return ffn["busy_fraction"] / ffn["items_per_s"]
+
+
 def solo_points(report: dict, shares: tuple | None = None) -> list:
     """Every solo batch of a bench_afd report (async rows); ``shares`` overrides the
     (attention share, ffn share) read from the report."""
@@ -127,12 +135,9 @@ def solo_points(report: dict, shares: tuple | None = None) -> list:
             if not rep.get("solo"):
                 continue
             a_share, f_share = shares or (places[rep["rank"]].share, places[num_attn].share)
-            ffn = rep["solo"].get("ffn") or {}
-            busy = (ffn["busy_fraction"] / ffn["items_per_s"]
-                    if ffn.get("busy_fraction") and ffn.get("items_per_s") else None)
             points.append(SoloPoint(row["workload"], rep["rank"], tuple(rep["lengths"]),
                                     rep["solo"]["batch_mean_ms"] * 1e-3, a_share, f_share, num_ffn,
-                                    ffn_busy_per_item_s=busy))
+                                    ffn_busy_per_item_s=busy_per_item_s(rep["solo"].get("ffn"))))
     return points
 
 
@@ -176,8 +181,9 @@ def fit_costs(shape: ModelShape, points: list, base: cm.Costs, link: Link, *,
     cols = [np.full(len(points), float(shape.layers))] + ([parts[:, 1]] if fit_attention else [])
     design = np.stack(cols, axis=1)
 
-    def fit_for(k: float) -> tuple:
-        expert = np.maximum(parts[:, 2] * (k if scale_floor else 1.0), parts[:, 3] * k)
+    def fit_for(k: float, k_floor: float | None = None) -> tuple:
+        floor = parts[:, 2] * (k_floor if k_floor is not None else k if scale_floor else 1.0)
+        expert = np.maximum(floor, parts[:, 3] * k)
         rest = y - expert - (0.0 if fit_attention else parts[:, 1])
         coef = _nnls(design, rest)
         return float(np.sum((design @ np.asarray(coef) - rest) ** 2)), k, coef
@@ -186,14 +192,7 @@ def fit_costs(shape: ModelShape, points: list, base: cm.Costs, link: Link, *,
     k_floor = 1.0
     if busy:  # the FFN's measured busy time per item sets the GEMM costs; the rest fits around it
         k_floor, k_busy = _busy_scales(parts, busy, shape.layers)
-        floor_parts = parts[:, 2] * k_floor
-
-        def fit_fixed(k: float) -> tuple:
-            expert = np.maximum(floor_parts, parts[:, 3] * k)
-            rest = y - expert - (0.0 if fit_attention else parts[:, 1])
-            coef = _nnls(design, rest)
-            return float(np.sum((design @ np.asarray(coef) - rest) ** 2)), k, coef
-        best = fit_fixed(k_busy)
+        best = fit_for(k_busy, k_floor)
     else:
         best = min((fit_for(k) for k in GEMM_SCALES), key=lambda r: r[0])
         step = GEMM_SCALES[1] / GEMM_SCALES[0]

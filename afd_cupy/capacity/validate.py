@@ -122,7 +122,7 @@ def predict(run: MeasuredRun, costs: cm.Costs, case: Case, config: SimConfig = c
     busy; plus ratio, ideal and fraction computed as bench_afd computes them."""
     loads = case.loads()
     config = _config(case, config)
-    step_s = (lambda r: r.step_mean_s) if case.kind == "prefill" else (lambda r: r.step_p50_s)
+    step_s = _step_s(case)
     solo_costs, run_costs = costs.scaled(run.slowdown[0]), costs.scaled(run.slowdown[1])
     solo = [step_s(simulate(run.shape, run.deployment(only=a), (loads[a],), solo_costs, config).replicas[0])
             for a in range(run.num_attn)]
@@ -141,6 +141,11 @@ def predict(run: MeasuredRun, costs: cm.Costs, case: Case, config: SimConfig = c
     return out
 
 
+def _step_s(case: Case):
+    """The step statistic a case is measured by: prefill the mean batch, decode the TPOT p50."""
+    return (lambda r: r.step_mean_s) if case.kind == "prefill" else (lambda r: r.step_p50_s)
+
+
 def _config(case: Case, config: SimConfig) -> SimConfig:
     steps = config.steps if case.kind == "prefill" else max(config.steps, 2 * case.output_len)
     return SimConfig(warmup_steps=config.warmup_steps, steps=steps)
@@ -151,7 +156,7 @@ def predict_corun(run: MeasuredRun, costs: cm.Costs, case: Case, hbm_contention:
     """Each replica's simulated co-run solo (ms): it sends to the FFN, the others run their
     attention only on the same GPU (bench_decode's second solo round)."""
     config = _config(case, config)
-    step_s = (lambda r: r.step_mean_s) if case.kind == "prefill" else (lambda r: r.step_p50_s)
+    step_s = _step_s(case)
     costs = costs.scaled(run.slowdown[1])
     return [step_s(simulate(run.shape, run.deployment(hbm_contention=hbm_contention), case.loads(only_ffn=a),
                             costs, config).replicas[a]) * 1e3 for a in range(run.num_attn)]
@@ -257,13 +262,9 @@ def run_from_report(report: dict, name: str, placement: str | None = None, cores
         by = {r["schedule"]: r for r in rows if r["workload"] == w["name"]}
         if "async" not in by:
             continue
-        solo = tuple((rep.get("solo") or {}).get("batch_mean_ms") for rep in by["async"]["replicas"])
-        item_ms = tuple(_busy_per_item_ms((rep.get("solo") or {}).get("ffn")) for rep in by["async"]["replicas"])
-        corun = tuple(((rep.get("solo") or {}).get("corun") or {}).get("batch_mean_ms")
-                      for rep in by["async"]["replicas"])
         cmp_ = report.get("comparison", {}).get(w["name"], {})
-        cases.append(Case(w["name"], tuple(tuple(l) for l in w["lengths"]), solo,
-                          solo_ffn_item_ms=item_ms if any(item_ms) else (), corun_ms=corun if any(corun) else (),
+        cases.append(Case(w["name"], tuple(tuple(l) for l in w["lengths"]),
+                          **_solo_fields(by["async"]["replicas"], "batch_mean_ms"),
                           batch_ms={s: tuple(rep["batch_mean_ms"] for rep in r["replicas"]) for s, r in by.items()},
                           tokens_per_s={s: r["tokens_per_s"] for s, r in by.items()},
                           ffn_busy={s: r["ffn"]["busy_fraction"] for s, r in by.items()},
@@ -295,11 +296,15 @@ def runs_from_sweep(report: dict, name: str, cores: int | None = None) -> list:
     return out
 
 
-def _busy_per_item_ms(ffn: dict | None) -> float | None:
-    """The FFN's busy ms per item of a solo window's stats (busy fraction / items per s)."""
-    if not ffn or not ffn.get("items_per_s") or not ffn.get("busy_fraction"):
-        return None
-    return ffn["busy_fraction"] / ffn["items_per_s"] * 1e3
+def _solo_fields(replicas: list, key: str) -> dict:
+    """The solo inputs of a report's async replicas (``key``: the step time, ``batch_mean_ms``
+    or ``tpot_p50_ms``): Case's solo_ms and, where measured, corun_ms and solo_ffn_item_ms."""
+    solos = [rep.get("solo") or {} for rep in replicas]
+    corun = tuple((s.get("corun") or {}).get(key) for s in solos)
+    busy = [cal.busy_per_item_s(s.get("ffn")) for s in solos]
+    item_ms = tuple(b * 1e3 if b else None for b in busy)
+    return {"solo_ms": tuple(s.get(key) for s in solos), "corun_ms": corun if any(corun) else (),
+            "solo_ffn_item_ms": item_ms if any(item_ms) else ()}
 
 
 def runs_from_decode_report(report: dict, name: str) -> list:
@@ -332,13 +337,8 @@ def runs_from_decode_report(report: dict, name: str) -> list:
                 # serves async and solo, the loop lockstep): predict only what ran on it
                 by = {"async": by["async"]}
                 cmp_ = {}
-            solo = tuple((rep.get("solo") or {}).get("tpot_p50_ms") for rep in by["async"]["replicas"])
-            corun = tuple(((rep.get("solo") or {}).get("corun") or {}).get("tpot_p50_ms")
-                          for rep in by["async"]["replicas"])
-            item_ms = tuple(_busy_per_item_ms((rep.get("solo") or {}).get("ffn")) for rep in by["async"]["replicas"])
-            cases.append(Case(w["name"], tuple(zip(w["contexts"], w["batches"])), solo,
-                              corun_ms=corun if any(corun) else (),
-                              solo_ffn_item_ms=item_ms if any(item_ms) else (),
+            cases.append(Case(w["name"], tuple(zip(w["contexts"], w["batches"])),
+                              **_solo_fields(by["async"]["replicas"], "tpot_p50_ms"),
                               batch_ms={s: tuple(rep["tpot_p50_ms"] for rep in r["replicas"]) for s, r in by.items()},
                               tokens_per_s={s: r["tokens_per_s"] for s, r in by.items()},
                               ffn_busy={s: r["ffn"]["busy_fraction"] for s, r in by.items()},
