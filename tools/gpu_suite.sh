@@ -25,6 +25,9 @@
 #            dispatch and FFN wait + stage; dedup), one stream vs a stream per stage
 #            (S = 1 2 4), the V2-Lite-shaped MoE step with the GEMM SM carve-out 0 and
 #            "auto", torch's gate against the one-kernel gate, bench_gate
+#   kernels1 one GPU, no MPS: tools/bench_kernels.py (the decode round trip's kernels one by one,
+#            loopback in one process, against their floors), then Nsight Compute on the same
+#            kernels at 128 tokens (KERNELS_CONFIGS, NCU_SECTIONS)
 #   plan1    one GPU: the planner's validation runs: bench_afd's skew x split sweep (prefill)
 #            and bench_decode's two presets with a timeline (decode)
 #   corun1   one GPU: tools/bench_corun.py (decode attention at two contexts and the FFN's expert
@@ -147,6 +150,19 @@ case "$MODE" in
   moe1)  # one GPU, MPS: the MoE layer, one process vs AFD 1A1F
     run_step moe_tests 70 python3 -m pytest -m cuda -q -p no:cacheprovider --timeout=60 -rfEs tests/unit/test_expert_gemm.py
     run_step moe_layer 240 python3 tools/bench_moe_layer.py --quick --out "$OUT/moe_layer" ;;
+  kernels1)  # one GPU, no MPS: the round trip's kernels one by one, then under Nsight Compute
+    KC=${KERNELS_CONFIGS:-"pair:fused:identity dedup:fused:identity dedup:ll:identity dedup:fused:staging"}
+    NO_MPS=1 run_step bench_kernels 240 python3 tools/bench_kernels.py --configs $KC --out "$OUT/kernels"
+    if command -v ncu >/dev/null; then
+      for config in $KC; do
+        n=5; case "$config" in dedup*) n=6 ;; esac  # kernels per row; the second row is profiled
+        tag=$(echo "$config" | tr ':' '_')
+        NO_MPS=1 run_step "ncu_$tag" 150 bash -c "ncu --clock-control none --kernel-name regex:afd_ --launch-skip $n \
+          --launch-count $n ${NCU_SECTIONS:---section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis} \
+          -f -o $OUT/ncu_$tag python3 tools/bench_kernels.py --eager --no-stamps --warmup 1 --rows 1 --tokens 128 \
+          --configs $config --out $OUT/ncu_$tag.d && ncu -i $OUT/ncu_$tag.ncu-rep --page details > $OUT/ncu_$tag.txt"
+      done
+    fi ;;
   trace1)  # one GPU: the round trip by phase (both dispatch kernels, both FFN modes), the gate
     SG="python3 tools/bench_step_graph.py --quick --layers 50 --tokens 128 --stages 1 --trace"
     run_step step_fused 120 $SG --dispatch fused --out "$OUT/step_fused"
@@ -160,7 +176,7 @@ case "$MODE" in
     run_step step_moe_auto 100 python3 tools/bench_step_graph.py --quick $MOE --out "$OUT/step_moe_auto"
     NO_MPS=1 run_step gate 90 python3 tools/bench_gate.py --quick --out "$OUT/gate" ;;
 esac
-case "$MODE" in twogpu*|trace1|soak1|moe1|plan1|corun1) MODE=none ;; esac
+case "$MODE" in twogpu*|trace1|soak1|moe1|plan1|corun1|kernels1) MODE=none ;; esac
 if [ "$MODE" != bench ] && [ "$MODE" != none ]; then
 DESELECT=()
 [ -z "${SERIAL_K:-}" ] || DESELECT=(-k "not ($SERIAL_K)")
