@@ -57,8 +57,10 @@ DEDUP_PHASES = ("dispatch", "FFN wait + stage", "FFN expand", "FFN reply", "Atte
 #: which bench_common.kernel_bytes term floors each phase
 FLOOR_TERM = {"dispatch": "dispatch", "FFN wait + stage": "stage", "FFN expand": "expand",
               "FFN reply": "reply", "Attention wait": None, "combine": "combine"}
-LAYER, STAGE = 3, 0
-WAIT_TIMEOUT_NS = 2_000_000_000  # a wait that finds nothing latches TIMEOUT after 2 s
+NUM_LAYERS, LAYER, STAGE = 1, 0, 0  # the FFN stage serves layers [0, NUM_LAYERS)
+#: a wait that finds nothing latches TIMEOUT after this: every wait of a working row finds its
+#: flag at once (one stream), so a broken row costs 2 x 0.1 s, not a hang
+WAIT_TIMEOUT_NS = 100_000_000
 NUM_RECORDS = 4
 
 
@@ -185,7 +187,7 @@ class Loopback:
                                                                hdr_flags=0, **head)
         stage = dict(geo=geo, expert_per_rank=epr, is_dedup=int(dedup), src_rank=0, num_attn_ranks=1,
                      token_cap=layout.token_cap, routed_cap=layout.routed_cap, shared_cap=layout.shared_cap,
-                     routed_bucket=layout.routed_cap, shared_bucket=layout.shared_cap, num_layers=1,
+                     routed_bucket=layout.routed_cap, shared_bucket=layout.shared_cap, num_layers=NUM_LAYERS,
                      layers_per_chunk=1, routed_offs=b["routed_offs"], shared_offs=0,
                      reply_seqs=b["reply_seqs"], state=b["state"], replay_counter=b["replay_counter"],
                      records=b["records"].ptr, num_records=NUM_RECORDS, record_words=self.record_words)
@@ -235,9 +237,33 @@ class Loopback:
         order = ("dispatch", "stage", "expand", "reply", "wait", "combine") if dedup else \
             ("dispatch", "stage", "reply", "wait", "combine")
         self.order = order
+        self.stage_args = stage
         self.launches = [(name, kernels.PackedLaunch(launches[name])) for name in order]
         self.kernel_bytes = bc.kernel_bytes(layout, self.ids, num_ffn_ranks=1, has_shared=True).as_dict()
         cp.cuda.Device().synchronize()
+
+    def expected_stage(self) -> int:
+        """What the FFN stage must decide for this dispatch, from the protocol's own rules
+        (``ffn_graph.stage_reference`` on the header ``wire.dispatch_header`` builds): GS_SERVED
+        for a loopback that works, checked before anything runs on the GPU."""
+        from afd_cupy import wire
+        from afd_cupy.ffn import graph as ffn_graph
+        from afd_cupy.testing import dedup_reference
+
+        layout, epr = self.layout, self.layout.expert_per_rank
+        counts = np.bincount(self.ids.reshape(-1), minlength=epr)
+        if layout.is_dedup:
+            plan = dedup_reference.plan_reference(self.ids, 1, epr, has_shared=True, num_experts=epr)
+            sizes = dict(shared_tokens=int(plan.shared_rows[0]), wire_mode="dedup", num_rows=int(plan.num_rows[0]))
+        else:
+            sizes = dict(shared_tokens=self.tokens)
+        header = wire.dispatch_header(seq=1, src_rank=0, layer_idx=LAYER, stage_idx=STAGE,
+                                      num_tokens=self.tokens, top_k=self.top_k, expert_counts=counts, **sizes)
+        result = ffn_graph.stage_reference(
+            wire.encode_header(header, epr), region=0, layout=layout, src_rank=0, num_attn_ranks=1,
+            num_layers=NUM_LAYERS, routed_bucket=self.stage_args["routed_bucket"],
+            shared_bucket=self.stage_args["shared_bucket"], prev_seq=0)
+        return result.status
 
     def one_row(self, stream_ptr: int, trace=None) -> None:
         """Enqueue one round trip (and its stamps, with a trace) on ``stream_ptr``."""
@@ -279,11 +305,25 @@ def run_config(cp, config: Config, args, tokens: int, rng) -> dict:
     check of the last row."""
     import device_trace as dt
 
+    from afd_cupy.ffn import graph as ffn_graph
+
     loop = Loopback(cp, config, tokens=tokens, top_k=args.top_k, num_experts=args.num_experts,
                     hidden=args.hidden, rng=rng)
+    result = {"config": config.name, "tokens": tokens, "rows": args.rows, "kernel_bytes": loop.kernel_bytes}
+    status = loop.expected_stage()
+    if status != ffn_graph.GS_SERVED:  # a bench bug: nothing would be served
+        result["check_failures"] = [f"the FFN stage would not serve this dispatch (status {status})"]
+        return result
+    # one eager row first: a row that does not work fails here, before any capture
+    stream = cp.cuda.Stream(non_blocking=True)
+    loop.one_row(stream.ptr)
+    stream.synchronize()
+    first = loop.failures()
+    if first:
+        result["check_failures"] = ["first row: " + f for f in first]
+        return result
     points = points_of(config)
     trace = None if args.no_stamps else dt.DeviceTrace(points, capacity=args.rows + 64)
-    stream = cp.cuda.Stream(non_blocking=True)
     if args.eager:
         run = lambda: loop.one_row(stream.ptr, trace)  # noqa: E731
     else:
@@ -299,7 +339,6 @@ def run_config(cp, config: Config, args, tokens: int, rng) -> dict:
     for _ in range(args.rows):
         run()
     stream.synchronize()
-    result = {"config": config.name, "tokens": tokens, "rows": args.rows, "kernel_bytes": loop.kernel_bytes}
     if trace is not None:
         rows = trace.rows()
         complete = rows[(rows >= 0).all(axis=1)]

@@ -152,15 +152,19 @@ case "$MODE" in
     run_step moe_layer 240 python3 tools/bench_moe_layer.py --quick --out "$OUT/moe_layer" ;;
   kernels1)  # one GPU, no MPS: the round trip's kernels one by one, then under Nsight Compute
     KC=${KERNELS_CONFIGS:-"pair:fused:identity dedup:fused:identity dedup:ll:identity dedup:fused:staging"}
-    NO_MPS=1 run_step bench_kernels 240 python3 tools/bench_kernels.py --configs $KC --out "$OUT/kernels"
+    # a baseline tree carried as .base/ (git archive of an older commit + this bench_kernels.py):
+    # the same configs, same call, before the current tree's
+    [ ! -d .base ] || NO_MPS=1 run_step bench_kernels_base 200 bash -c \
+      "cd .base && PYTHONPATH=\$PWD python3 tools/bench_kernels.py --configs $KC --rows ${KERNELS_ROWS:-200} --out $OUT/kernels_base"
+    NO_MPS=1 run_step bench_kernels 200 python3 tools/bench_kernels.py --configs $KC --rows ${KERNELS_ROWS:-200} --out "$OUT/kernels"
     if command -v ncu >/dev/null; then
-      for config in $KC; do
+      for config in ${NCU_CONFIGS:-$KC}; do
         n=5; case "$config" in dedup*) n=6 ;; esac  # kernels per row; the second row is profiled
         tag=$(echo "$config" | tr ':' '_')
         NO_MPS=1 run_step "ncu_$tag" 150 bash -c "ncu --clock-control none --kernel-name regex:afd_ --launch-skip $n \
           --launch-count $n ${NCU_SECTIONS:---section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis} \
           -f -o $OUT/ncu_$tag python3 tools/bench_kernels.py --eager --no-stamps --warmup 1 --rows 1 --tokens 128 \
-          --configs $config --out $OUT/ncu_$tag.d && ncu -i $OUT/ncu_$tag.ncu-rep --page details > $OUT/ncu_$tag.txt"
+          --configs $config --out $OUT/ncu_$tag.d; ncu -i $OUT/ncu_$tag.ncu-rep --page details > $OUT/ncu_$tag.txt"
       done
     fi ;;
   trace1)  # one GPU: the round trip by phase (both dispatch kernels, both FFN modes), the gate

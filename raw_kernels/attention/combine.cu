@@ -34,10 +34,10 @@ afd_wait_replies(afd_u64 window,  // this rank's own window
                  afd_i64 timeout_ns, afd_i64* status,
                  afd_i32 dedup) {  // 1: dedup-mode replies (docs/design/dedup.md), 0: pair
   if (blockIdx.x != 0 || threadIdx.x >= 32) return;
+  afd_i64 mark = 0;  // lane 0's: wait_pass_mark(expected), from the wait's own loads
   const bool ok = wait_replies(window, geo, num_ffn_ranks, ring, expected, expected_counts,
                                layer_idx, stage_idx, last_seen, reply_flags, timeout_ns, status,
-                               dedup != 0);
-  const afd_i64 mark = wait_pass_mark(expected, num_ffn_ranks);
+                               dedup != 0, &mark);
   if (threadIdx.x == 0) reply_flags[num_ffn_ranks] = ok ? mark : 0;
 }
 
@@ -64,6 +64,16 @@ afd_combine(afd_u64 out,  // payload [num_tokens, hidden_size]
   __shared__ const char* s_shared_row;
   const int tid = threadIdx.x;
   const afd_i64 row_bytes = static_cast<afd_i64>(hidden_size) * itemsize<DT>();
+  // The block's first token's partials do not depend on the replies: loaded before the wait, so
+  // that their round trip overlaps it (decode: one token a block).
+  afd_i32 first_id = 0, first_pos = 0;
+  float first_weight = 0.0f;
+  if (tid < top_k && blockIdx.x < num_tokens) {
+    const afd_i64 p = static_cast<afd_i64>(blockIdx.x) * top_k + tid;
+    first_id = topk_ids[p];
+    first_weight = topk_weights[p];
+    first_pos = pos[p];
+  }
 
   const bool ok = combine_wait(window, geo, num_ffn_ranks, ring, expected, expected_counts,
                                layer_idx, stage_idx, last_seen, reply_flags, timeout_ns, status,
@@ -84,9 +94,10 @@ afd_combine(afd_u64 out,  // payload [num_tokens, hidden_size]
     }
     if (tid < top_k) {
       const afd_i64 p = t * top_k + tid;
-      const int dest = topk_ids[p] / expert_per_rank;
-      s_weight[tid] = topk_weights[p];
-      s_row[tid] = geo.routed_row(geo.slot(window, dest, ring), pos[p], row_bytes);
+      const bool first = t == blockIdx.x;
+      const int dest = (first ? first_id : topk_ids[p]) / expert_per_rank;
+      s_weight[tid] = first ? first_weight : topk_weights[p];
+      s_row[tid] = geo.routed_row(geo.slot(window, dest, ring), first ? first_pos : pos[p], row_bytes);
     }
     if (tid == 0 && has_shared) {
       const int dest = static_cast<int>(t % num_ffn_ranks);

@@ -235,6 +235,10 @@ afd_dedup_combine(afd_u64 out,  // payload [num_tokens, hidden_size]
   __shared__ int s_num_rows;
   const int tid = threadIdx.x;
   const afd_i64 row_bytes = static_cast<afd_i64>(hidden_size) * itemsize<DT>();
+  // The block's first token's row_map entries (ranks 0..31) do not depend on the replies:
+  // loaded before the wait, so that their round trip overlaps it (decode: one token a block).
+  const afd_i32 first_row = (tid < num_ffn_ranks && blockIdx.x < num_tokens)
+                                ? row_map[static_cast<afd_i64>(blockIdx.x) * num_ffn_ranks + tid] : -1;
 
   const bool ok = combine_wait(window, geo, num_ffn_ranks, ring, expected, expected_counts,
                                layer_idx, stage_idx, last_seen, reply_flags, timeout_ns, status,
@@ -256,7 +260,8 @@ afd_dedup_combine(afd_u64 out,  // payload [num_tokens, hidden_size]
       int count = 0;
       for (int j0 = 0; j0 < num_ffn_ranks; j0 += 32) {
         const int j = j0 + tid;
-        const afd_i32 row = (j < num_ffn_ranks) ? row_map[t * num_ffn_ranks + j] : -1;
+        const afd_i32 row = (j0 == 0 && t == blockIdx.x) ? first_row
+                            : (j < num_ffn_ranks) ? row_map[t * num_ffn_ranks + j] : -1;
         const unsigned int mask = __ballot_sync(ALL, row >= 0);
         if (row >= 0) {
           s_row[count + __popc(mask & ((1u << tid) - 1u))] =

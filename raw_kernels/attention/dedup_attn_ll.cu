@@ -217,7 +217,7 @@ __device__ __forceinline__ void ll_block0_outputs(
 
 // grid = dedup_ll_grid (the spec: 1 + afd_dedup_scatter's grid, 1 without cells), block =
 // SCATTER_THREADS, dynamic shared memory = dedup_ll_shared_bytes (the spec):
-// 4 * (2 * round_up(T*K, 4) + 2 * E + 2 * round_up(T, 4)) + 16 * E + 2 * T * F bytes.
+// 4 * (3 * round_up(T*K, 4) + 2 * E + 2 * round_up(T, 4)) + 16 * E + 2 * T * F bytes.
 // Arguments, outputs and errors exactly as afd_dedup_dispatch_fused (dedup_attn_fused.cu), F <=
 // LL_MAX_FFN_RANKS. Safe in graph capture (no host sync, no allocation).
 template <int DT>
@@ -260,7 +260,8 @@ afd_dedup_dispatch_ll(afd_u64 hidden,  // payload [num_tokens, hidden_size], row
   const afd_i32 p4 = (num_partials + 3) & ~3, t4 = (num_tokens + 3) & ~3;
   afd_i32* s_ids = s_dyn;                      // [P], -1 = bad id
   afd_i32* s_pos = s_ids + p4;                 // [P] (block 0) staging row of each partial
-  afd_i32* s_hist = s_pos + p4;                // [E] counts
+  float* s_weight = reinterpret_cast<float*>(s_pos + p4);  // [P] (block 0) topk_weights
+  afd_i32* s_hist = reinterpret_cast<afd_i32*>(s_weight + p4);  // [E] counts
   afd_i32* s_start = s_hist + num_experts;     // [E] exclusive starts
   afd_u32* s_mask = reinterpret_cast<afd_u32*>(s_start + num_experts);  // [T] ranks of token t
   afd_i32* s_srank = reinterpret_cast<afd_i32*>(s_mask + t4);           // [T] shared rank, -1: none
@@ -269,6 +270,12 @@ afd_dedup_dispatch_ll(afd_u64 hidden,  // payload [num_tokens, hidden_size], row
   const afd_i64 row_bytes = static_cast<afd_i64>(hidden_size) * itemsize<DT>();
   const bool is_planner = blockIdx.x == 0;
 
+  // Block 0 writes every route-table row (16 a warp at T = 128): their weights come from shared
+  // memory, loaded here in the same round as the ids (plan_in_block's barrier orders them), not
+  // by a dependent global load per row.
+  if (is_planner) {
+    for (afd_i32 p = tid; p < num_partials; p += SCATTER_THREADS) s_weight[p] = topk_weights[p];
+  }
   const BlockPlan plan = plan_in_block(topk_ids, num_partials, expert_per_rank, num_ffn_ranks,
                                        routed_cap, layer_idx, status, s_ids, s_hist, s_start,
                                        s_rank_off);
@@ -294,7 +301,7 @@ afd_dedup_dispatch_ll(afd_u64 hidden,  // payload [num_tokens, hidden_size], row
   }
   if (is_planner) {
     ll_block0_outputs(plan, ok, num_tokens, top_k, expert_per_rank, num_ffn_ranks, s_ids, s_pos,
-                      s_hist, s_start, s_rank_off, s_srank, s_rows, s_carry, topk_weights,
+                      s_hist, s_start, s_rank_off, s_srank, s_rows, s_carry, s_weight,
                       expert_counts, expert_start, rank_offsets, verdict, row_map, shared_rank,
                       num_rows, shared_rows, peer_windows, staging, geo, ring, src_rank);
   }

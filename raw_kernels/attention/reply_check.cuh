@@ -33,43 +33,97 @@ struct ReplyWant {
   afd_i64 rows;  // dedup: rows of the dispatch (num_rows); unused in pair mode
 };
 
-// The checks of wire.decode_header then wire.check_reply, in their order (lane 0 only):
-// magic, version, the wire-mode flag, negative sizes, sum(expert_counts) == routed, (dedup) sizes
-// no dedup message can have (STATUS_BAD_HEADER), the shutdown flag (STATUS_SHUTDOWN), then the
-// echoed seq, layer, stage, routed rows, shared rows and (dedup) num_rows (STATUS_REPLY_MISMATCH).
-// ST_COUNT names the header word that failed (HDR_*, or num_rows_word). The expert counts were
-// summed by the whole warp: `counts_sum`, `counts_negative`. `num_rows_word`: header word of
-// num_rows in dedup mode, -1 in pair mode. Returns false after latching the first failing check.
+// The header words a reply check reads (wire.decode_header, wire.check_reply), as values: the
+// warp loads a header in one round of independent loads (load_reply_words) instead of a chain of
+// dependent ones (each early exit of a check waited for its own load: ~15 L2 round trips).
+struct ReplyWords {
+  afd_i64 magic, version, seq, layer, stage, routed, shared, top_k, flags, echo;
+  afd_i64 rows;        // dedup: num_rows (the trailer word); pair: 0
+  afd_i64 counts_sum;  // sum of the expert counts
+  bool counts_negative;
+};
+
+// Warp-collective (every lane of one warp, after the acquire of the reply's flag): lane w loads
+// header words w, w + 32, ... (volatile: the slot is rewritten by every reply) and the fixed
+// words reach every lane by shuffle; the expert counts [HDR_FIXED_WORDS, counts_end) are summed
+// by the warp. `num_rows_word`: the dedup trailer's index, -1 in pair mode. Every lane returns
+// the same values.
+__device__ inline ReplyWords load_reply_words(const afd_i32* header, int counts_end, int num_rows_word) {
+  constexpr unsigned int ALL = 0xffffffffu;
+  const int lane = threadIdx.x & 31;
+  static_assert(HDR_FIXED_WORDS <= 32, "the fixed words fit one word per lane");
+  const afd_i32 mine = lane < counts_end ? load_volatile32(header + lane) : 0;
+  const afd_i32 rows = num_rows_word >= 0 ? load_volatile32(header + num_rows_word) : 0;
+  afd_i64 sum = 0;
+  bool negative = false;
+  if (lane >= HDR_FIXED_WORDS && lane < counts_end) {
+    sum = mine;
+    negative = mine < 0;
+  }
+  for (int w = 32 + lane; w < counts_end; w += 32) {
+    const afd_i32 count = load_volatile32(header + w);
+    sum += count;
+    negative |= count < 0;
+  }
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) sum += __shfl_xor_sync(ALL, sum, d);
+  ReplyWords r;
+  r.magic = static_cast<afd_u32>(__shfl_sync(ALL, mine, HDR_MAGIC));
+  r.version = __shfl_sync(ALL, mine, HDR_VERSION);
+  r.seq = __shfl_sync(ALL, mine, HDR_SEQ);
+  r.layer = __shfl_sync(ALL, mine, HDR_LAYER);
+  r.stage = __shfl_sync(ALL, mine, HDR_STAGE);
+  r.routed = __shfl_sync(ALL, mine, HDR_ROUTED_TOKENS);
+  r.shared = __shfl_sync(ALL, mine, HDR_SHARED_TOKENS);
+  r.top_k = __shfl_sync(ALL, mine, HDR_TOPK);
+  r.flags = __shfl_sync(ALL, mine, HDR_FLAGS);
+  r.echo = static_cast<afd_u32>(__shfl_sync(ALL, mine, HDR_ECHO_SEQ));
+  r.rows = rows;
+  r.counts_sum = sum;
+  r.counts_negative = __any_sync(ALL, negative);
+  return r;
+}
+
+// wire.is_late_reply on loaded words: a reply (not a shutdown) whose echo_seq lies in the 2**31
+// seqs before `want_seq` (modulo 2**32) answers an earlier dispatch whose wait timed out.
+__device__ __forceinline__ bool is_late_reply_words(const ReplyWords& r, afd_i64 want_seq) {
+  if (r.flags & FLAG_SHUTDOWN) return false;
+  const afd_u32 behind = static_cast<afd_u32>(want_seq & 0xffffffffll) - static_cast<afd_u32>(r.echo);
+  return behind != 0u && behind < 0x80000000u;
+}
+
+// The checks of wire.decode_header then wire.check_reply, in their order, on loaded words (lane
+// 0 only): magic, version, the wire-mode flag, negative sizes, sum(expert_counts) == routed,
+// (dedup) sizes no dedup message can have (STATUS_BAD_HEADER), the shutdown flag
+// (STATUS_SHUTDOWN), then the echoed seq, layer, stage, routed rows, shared rows and (dedup)
+// num_rows (STATUS_REPLY_MISMATCH). ST_COUNT names the header word that failed (HDR_*, or
+// num_rows_word). `num_rows_word`: header word of num_rows in dedup mode, -1 in pair mode.
+// Returns false after latching the first failing check.
 // NOTE: the dedup size check reports ST_EXPECTED = the nearest num_rows the other sizes allow
 // (num_rows <= routed <= num_rows * top_k, shared <= num_rows), ST_OBSERVED = num_rows.
-__device__ inline bool check_reply(const afd_i32* header, afd_i64 counts_sum, bool counts_negative,
-                                   int num_rows_word, const ReplyWant& want, afd_i64* status) {
+__device__ inline bool check_reply(const ReplyWords& r, int num_rows_word, const ReplyWant& want,
+                                   afd_i64* status) {
   const auto fail = [&](afd_i64 code, afd_i64 word, afd_i64 expected, afd_i64 observed) {
     report_status(status, code, want.peer, want.slot, want.ring, expected, observed, word, -1,
                   want.layer_idx);
     return false;
   };
   const bool dedup = num_rows_word >= 0;
-  const afd_i64 magic = static_cast<afd_u32>(load_volatile32(header + HDR_MAGIC));
-  if (magic != MAGIC) return fail(STATUS_BAD_HEADER, HDR_MAGIC, MAGIC, magic);
-  const afd_i64 version = load_volatile32(header + HDR_VERSION);
-  if (version != VERSION) return fail(STATUS_BAD_HEADER, HDR_VERSION, VERSION, version);
-  const afd_i64 flags = load_volatile32(header + HDR_FLAGS);
+  if (r.magic != MAGIC) return fail(STATUS_BAD_HEADER, HDR_MAGIC, MAGIC, r.magic);
+  if (r.version != VERSION) return fail(STATUS_BAD_HEADER, HDR_VERSION, VERSION, r.version);
   const afd_i64 want_mode = dedup ? FLAG_DEDUP : 0;
-  if ((flags & FLAG_DEDUP) != want_mode) {
-    return fail(STATUS_BAD_HEADER, HDR_FLAGS, want_mode, flags & FLAG_DEDUP);
+  if ((r.flags & FLAG_DEDUP) != want_mode) {
+    return fail(STATUS_BAD_HEADER, HDR_FLAGS, want_mode, r.flags & FLAG_DEDUP);
   }
-  const afd_i64 routed = load_volatile32(header + HDR_ROUTED_TOKENS);
-  const afd_i64 shared = load_volatile32(header + HDR_SHARED_TOKENS);
-  const afd_i64 rows = dedup ? load_volatile32(header + num_rows_word) : 0;
-  if (routed < 0 || counts_negative) {
-    return fail(STATUS_BAD_HEADER, HDR_ROUTED_TOKENS, routed, counts_sum);
+  const afd_i64 routed = r.routed, shared = r.shared, rows = dedup ? r.rows : 0;
+  if (routed < 0 || r.counts_negative) {
+    return fail(STATUS_BAD_HEADER, HDR_ROUTED_TOKENS, routed, r.counts_sum);
   }
   if (shared < 0) return fail(STATUS_BAD_HEADER, HDR_SHARED_TOKENS, want.shared, shared);
   if (rows < 0) return fail(STATUS_BAD_HEADER, num_rows_word, want.rows, rows);
-  if (counts_sum != routed) return fail(STATUS_BAD_HEADER, HDR_ROUTED_TOKENS, routed, counts_sum);
+  if (r.counts_sum != routed) return fail(STATUS_BAD_HEADER, HDR_ROUTED_TOKENS, routed, r.counts_sum);
   if (dedup) {
-    const afd_i64 top_k = load_volatile32(header + HDR_TOPK);
+    const afd_i64 top_k = r.top_k;
     const afd_i64 max_partials = rows * (top_k > 0 ? top_k : 0);
     if (rows > routed) return fail(STATUS_BAD_HEADER, num_rows_word, routed, rows);
     if (shared > rows || routed > max_partials) {
@@ -77,19 +131,16 @@ __device__ inline bool check_reply(const afd_i32* header, afd_i64 counts_sum, bo
       return fail(STATUS_BAD_HEADER, num_rows_word, shared > min_rows ? shared : min_rows, rows);
     }
   }
-  const afd_i64 echo = static_cast<afd_u32>(load_volatile32(header + HDR_ECHO_SEQ));
   const afd_i64 want_echo = want.seq & 0xffffffffll;
   // a shutdown that kept the reply to this dispatch (FLAG_KEPT_REPLY, wire.answers) is the reply
-  if ((flags & FLAG_SHUTDOWN) && !((flags & FLAG_KEPT_REPLY) && echo == want_echo)) {
+  if ((r.flags & FLAG_SHUTDOWN) && !((r.flags & FLAG_KEPT_REPLY) && r.echo == want_echo)) {
     report_status(status, STATUS_SHUTDOWN, want.peer, want.slot, want.ring, want.seq,
                   want.seen_flag, -1, -1, want.layer_idx);
     return false;
   }
-  if (echo != want_echo) return fail(STATUS_REPLY_MISMATCH, HDR_ECHO_SEQ, want_echo, echo);
-  const afd_i64 layer = load_volatile32(header + HDR_LAYER);
-  if (layer != want.layer_idx) return fail(STATUS_REPLY_MISMATCH, HDR_LAYER, want.layer_idx, layer);
-  const afd_i64 stage = load_volatile32(header + HDR_STAGE);
-  if (stage != want.stage_idx) return fail(STATUS_REPLY_MISMATCH, HDR_STAGE, want.stage_idx, stage);
+  if (r.echo != want_echo) return fail(STATUS_REPLY_MISMATCH, HDR_ECHO_SEQ, want_echo, r.echo);
+  if (r.layer != want.layer_idx) return fail(STATUS_REPLY_MISMATCH, HDR_LAYER, want.layer_idx, r.layer);
+  if (r.stage != want.stage_idx) return fail(STATUS_REPLY_MISMATCH, HDR_STAGE, want.stage_idx, r.stage);
   if (routed != want.routed) return fail(STATUS_REPLY_MISMATCH, HDR_ROUTED_TOKENS, want.routed, routed);
   if (shared != want.shared) return fail(STATUS_REPLY_MISMATCH, HDR_SHARED_TOKENS, want.shared, shared);
   if (dedup && rows != want.rows) return fail(STATUS_REPLY_MISMATCH, num_rows_word, want.rows, rows);
@@ -98,15 +149,19 @@ __device__ inline bool check_reply(const afd_i32* header, afd_i64 counts_sum, bo
 
 // Warp-collective (every lane of one warp calls it and gets the same result): wait until every
 // rank with expected[j] != 0 replied in slot (j, ring) and its reply passes check_reply.
-// Lane 0 spins and decides; the lanes only help sum the expert counts. `dedup`: the receiver's
-// wire mode (expected_counts [F, 3] and a num_rows trailer word when true, [F, 2] otherwise).
-// Returns false on error (latched in status, possibly by another block).
+// Lane 0 spins and decides; the warp loads each header in one round (load_reply_words). What
+// does not depend on a reply (the status, expected[j], last_seen of every slot waited on) is
+// loaded up front, 32 ranks a round, so that a rank's chain is: its flag, one system fence, its
+// header. `dedup`: the receiver's wire mode (expected_counts [F, 3] and a num_rows trailer word
+// when true, [F, 2] otherwise). Returns false on error (latched in status, possibly by another
+// block); `*pass_mark` (lane 0's, may be null): wait_pass_mark of `expected`, computed from
+// the same loads.
 __device__ inline bool wait_replies(afd_u64 window, const SlotGeometry& geo, afd_i32 num_ffn_ranks,
                                     afd_i32 ring, const afd_i64* expected,
                                     const afd_i32* expected_counts, afd_i32 layer_idx,
                                     afd_i32 stage_idx, const afd_i64* last_seen,
                                     afd_i64* reply_flags, afd_i64 timeout_ns, afd_i64* status,
-                                    bool dedup) {
+                                    bool dedup, afd_i64* pass_mark = nullptr) {
   constexpr unsigned int ALL = 0xffffffffu;
   const int lane = threadIdx.x & 31;
   // dedup: the last header word is num_rows, not an expert count
@@ -114,59 +169,77 @@ __device__ inline bool wait_replies(afd_u64 window, const SlotGeometry& geo, afd
   const int num_rows_word = dedup ? counts_end : -1;
   const int count_cols = dedup ? 3 : 2;
   int ok = (lane == 0) ? status_code(status) == STATUS_OK : 0;
-  if (!__shfl_sync(ALL, ok, 0)) return false;
+  afd_i64 mark = 0;
   const afd_i64 start = globaltimer_ns();
-  for (int j = 0; j < num_ffn_ranks; ++j) {
-    const afd_i64 want_seq = expected[j];  // written by the scatter: the same in every lane
-    if (want_seq == 0) continue;
-    const afd_i64 slot = geo.slot_index(j, ring);
-    afd_i64 flag = 0;
-    const afd_i32* header = geo.header(geo.slot_at(window, slot));
-    if (lane == 0) {
-      afd_i64 seen = last_seen[slot];
+  for (int j0 = 0; j0 < num_ffn_ranks; j0 += 32) {
+    // this round's ranks, one a lane, loaded together (none depends on another's value)
+    const int jl = j0 + lane;
+    const bool in = jl < num_ffn_ranks;
+    const afd_i64 seq_l = in ? expected[jl] : 0;
+    const afd_i64 seen_l = in ? last_seen[geo.slot_index(jl, ring)] : 0;
+    const afd_i32 routed_l = in ? expected_counts[count_cols * jl] : 0;
+    const afd_i32 shared_l = in ? expected_counts[count_cols * jl + 1] : 0;
+    const afd_i32 rows_l = (in && dedup) ? expected_counts[count_cols * jl + 2] : 0;
+    const unsigned int sent = __ballot_sync(ALL, seq_l != 0);
+    if (mark == 0 && sent != 0u) {
+      const int first = __ffs(sent) - 1;
+      mark = __shfl_sync(ALL, seq_l, first) * MAX_FFN_RANKS + j0 + first;
+    }
+    if (!__shfl_sync(ALL, ok, 0)) break;
+    for (unsigned int todo = sent; todo != 0u; todo &= todo - 1u) {  // warp-uniform
+      const int l = __ffs(todo) - 1, j = j0 + l;
+      const afd_i64 want_seq = __shfl_sync(ALL, seq_l, l);
+      afd_i64 seen = __shfl_sync(ALL, seen_l, l);
+      const afd_i64 slot = geo.slot_index(j, ring);
       const afd_i64* flag_word = geo.flag_at(window, slot);
-      if (seen == SHUTDOWN_SEQ) {  // the peer's shutdown was consumed on this slot: at once
+      const afd_i32* header = geo.header(geo.slot_at(window, slot));
+      afd_i64 flag = 0;
+      if (lane == 0 && seen == SHUTDOWN_SEQ) {  // the peer's shutdown was consumed on this slot
         report_status(status, STATUS_SHUTDOWN, j, slot, ring, want_seq, seen, -1, -1, layer_idx);
         ok = 0;
       }
-      for (int spin = 1; ok; ++spin) {
-        flag = load_volatile(flag_word);
-        if (flag != seen) {
-          __threadfence_system();  // acquire: header and rows were written before the flag
-          if (!is_late_reply(header, want_seq)) break;
-          seen = flag;  // answers a dispatch whose wait timed out: dropped, keep waiting
-          continue;
+      ReplyWords words;
+      while (__shfl_sync(ALL, ok, 0)) {
+        if (lane == 0) {
+          for (int spin = 1;; ++spin) {
+            flag = load_volatile(flag_word);
+            if (flag != seen) {
+              __threadfence_system();  // acquire: header and rows were written before the flag
+              break;
+            }
+            if (globaltimer_ns() - start > timeout_ns) {
+              report_status(status, STATUS_TIMEOUT, j, slot, ring, want_seq, flag, -1, -1, layer_idx);
+              ok = 0;
+              break;
+            }
+            if (spin % STATUS_POLL_EVERY == 0 && status_code(status) != STATUS_OK) {
+              ok = 0;
+              break;
+            }
+          }
         }
-        if (globaltimer_ns() - start > timeout_ns) {
-          report_status(status, STATUS_TIMEOUT, j, slot, ring, want_seq, flag, -1, -1, layer_idx);
-          ok = 0;
-        } else if (spin % STATUS_POLL_EVERY == 0 && status_code(status) != STATUS_OK) {
-          ok = 0;
-        }
+        __syncwarp();  // shares lane 0's acquire with the lanes that read the header below
+        if (!__shfl_sync(ALL, ok, 0)) break;
+        flag = __shfl_sync(ALL, flag, 0);
+        words = load_reply_words(header, counts_end, num_rows_word);
+        if (!is_late_reply_words(words, want_seq)) break;
+        seen = flag;  // answers a dispatch whose wait timed out: dropped, keep waiting
       }
+      if (!__shfl_sync(ALL, ok, 0)) break;
+      const afd_i32 routed = __shfl_sync(ALL, routed_l, l);
+      const afd_i32 shared = __shfl_sync(ALL, shared_l, l);
+      const afd_i32 rows = __shfl_sync(ALL, rows_l, l);
+      if (lane == 0) {
+        const ReplyWant want{j, slot, ring, want_seq, flag, layer_idx, stage_idx, routed, shared, rows};
+        ok = check_reply(words, num_rows_word, want, status);
+        if (ok) reply_flags[j] = flag;  // the flag consumed: the combine's last block records it
+      }
+      if (!__shfl_sync(ALL, ok, 0)) break;
     }
-    __syncwarp();  // shares lane 0's acquire with the lanes that read the header below
-    if (!__shfl_sync(ALL, ok, 0)) return false;
-
-    afd_i64 counts_sum = 0;
-    bool negative = false;
-    for (int w = HDR_FIXED_WORDS + lane; w < counts_end; w += 32) {
-      const afd_i32 count = load_volatile32(header + w);
-      counts_sum += count;
-      negative |= count < 0;
-    }
-#pragma unroll
-    for (int d = 16; d > 0; d >>= 1) counts_sum += __shfl_xor_sync(ALL, counts_sum, d);
-    negative = __any_sync(ALL, negative);
-    if (lane == 0) {
-      const afd_i32* counts = expected_counts + count_cols * j;
-      const ReplyWant want{j, slot, ring, want_seq, flag, layer_idx, stage_idx,
-                           counts[0], counts[1], dedup ? counts[2] : 0};
-      ok = check_reply(header, counts_sum, negative, num_rows_word, want, status);
-      if (ok) reply_flags[j] = flag;  // the flag consumed: the combine's last block records it
-    }
-    if (!__shfl_sync(ALL, ok, 0)) return false;
+    if (!__shfl_sync(ALL, ok, 0)) break;
   }
+  if (pass_mark != nullptr && lane == 0) *pass_mark = mark;
+  if (!__shfl_sync(ALL, ok, 0)) return false;
   if (lane == 0) ok = status_code(status) == STATUS_OK;
   return __shfl_sync(ALL, ok, 0);
 }
@@ -222,11 +295,15 @@ __device__ __forceinline__ bool combine_wait(afd_u64 window, const SlotGeometry&
   __shared__ bool s_ok;
   const int tid = threadIdx.x;
   if (tid < 32) {
+    // the mark left, the status and expected: one round of independent loads
+    afd_i64 posted = 0, code = STATUS_OK;
+    if (tid == 0) {
+      posted = __ldcg(reply_flags + num_ffn_ranks);
+      code = status_code(status);
+    }
     const afd_i64 mark = wait_pass_mark(expected, num_ffn_ranks);
     int passed = 0;
-    if (tid == 0 && mark != 0) {
-      passed = __ldcg(reply_flags + num_ffn_ranks) == mark && status_code(status) == STATUS_OK;
-    }
+    if (tid == 0) passed = mark != 0 && posted == mark && code == STATUS_OK;
     const bool ok = __shfl_sync(0xffffffffu, passed, 0) ||
                     wait_replies(window, geo, num_ffn_ranks, ring, expected, expected_counts,
                                  layer_idx, stage_idx, last_seen, reply_flags, timeout_ns, status,

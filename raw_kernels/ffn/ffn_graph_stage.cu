@@ -180,8 +180,10 @@ __device__ inline void stage_item(const afd_i32* s_words, afd_i64 slot, bool arr
     reply_words[i] = word;
   }
 
-  // The replay's record, into the pinned ring; the replay number last (after the barrier, one
-  // system fence by thread 0 is cumulative over every thread's record words).
+  // The replay's record, into the pinned ring. No fence: the host reads a record only after the
+  // replay's event completed (GraphFFNServer._collect_oldest), which orders every write of the
+  // replay before it; a system fence here waited for the PCIe writes on the round trip's
+  // critical path (the gather or reply starts when this kernel ends).
   afd_i64* rec = reinterpret_cast<afd_i64*>(records) + (replay % num_records) * record_words;
   volatile afd_i32* rec_words = reinterpret_cast<volatile afd_i32*>(rec + REC_HEADER);
   for (int i = tid; i < hw; i += blockDim.x) rec_words[i] = s_words[i];
@@ -192,10 +194,6 @@ __device__ inline void stage_item(const afd_i32* s_words, afd_i64 slot, bool arr
     store_volatile(rec + REC_FLAG, arrived ? flag : 0);
     store_volatile(rec + REC_SEQ, s_seq);
     store_volatile(rec + REC_DETAIL, s_detail);
-  }
-  __syncthreads();
-  if (tid == 0) {
-    __threadfence_system();
     store_volatile(rec + REC_REPLAY, replay);
   }
 }

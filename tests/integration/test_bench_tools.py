@@ -804,3 +804,33 @@ def test_gpu_suite_soak1_arguments_parse_and_fit_the_device_call():
         covered.add((args.wire_mode, args.transport))
     assert covered >= {("pair", "direct"), ("dedup", "direct"), ("pair", "put"), ("dedup", "put")}
     assert sum(int(limit) for _, limit, _ in steps) + 10 * len(steps) <= 600
+
+
+def test_bench_kernels_configs_and_the_loopback_the_stage_serves():
+    """tools/bench_kernels.py (a loopback round trip in one process, GPU only): its configs parse,
+    bad ones name themselves, and every config's dispatch is one the FFN stage serves
+    (GS_SERVED by ffn_graph.stage_reference), at one token and at the decode batch; a layer
+    outside the stage's layers would be served eagerly and the loopback would hang on it."""
+    import types
+
+    import bench_kernels
+    from afd_cupy.ffn import graph as ffn_graph
+    from afd_cupy.wire.layout import WindowLayout, shared_capacity
+
+    assert bench_kernels.parse_config("dedup:ll:staging") == bench_kernels.Config("dedup", "ll", "staging")
+    for bad in ("pair:ll:identity", "pair:fused:staging", "dedup:fused", "x:fused:identity"):
+        with pytest.raises(ValueError, match=bad):
+            bench_kernels.parse_config(bad)
+    args = bench_kernels.parse_args(["--configs", *bench_kernels.DEFAULT_CONFIGS])
+    assert args.tokens == [1, 128] and args.num_experts == 256 and args.hidden == 7168
+    rng = np.random.default_rng(5)
+    for mode in ("pair", "dedup"):
+        for tokens in (1, 128):
+            layout = WindowLayout(num_regions=1, ring_depth=1, expert_per_rank=256, hidden_size=7168,
+                                  itemsize=2, top_k=8, token_cap=tokens, routed_cap=8 * tokens,
+                                  shared_cap=shared_capacity(tokens, 1, 1, mode), wire_mode=mode)
+            ids = np.stack([rng.choice(256, 8, replace=False) for _ in range(tokens)]).astype(np.int32)
+            loop = types.SimpleNamespace(layout=layout, ids=ids, tokens=tokens, top_k=8, stage_args=dict(
+                routed_bucket=layout.routed_cap, shared_bucket=layout.shared_cap))
+            assert bench_kernels.Loopback.expected_stage(loop) == ffn_graph.GS_SERVED, (mode, tokens)
+    assert 0 <= bench_kernels.LAYER < bench_kernels.NUM_LAYERS

@@ -93,8 +93,8 @@ def test_ll_spec_matches_the_fused_spec_but_kernel_grid_and_shared(fake_specs):
     assert ll.kernel == ("attention/dedup_attn_ll.cu", "afd_dedup_dispatch_ll")
     assert ll.grid == fused.grid + 1 == kernels.dedup_ll_grid(8, 2, 128)
     assert ll.shared_mem == dedup_attn_ll.dedup_ll_shared_bytes(8, 8, 8, 2)
-    # 4 * (2 * 64 + 2 * 8 + 2 * 8) + 16 * 8 + 2 * 8 * 2
-    assert ll.shared_mem == 4 * (128 + 16 + 16) + 128 + 32
+    # ids, staging rows and weights per partial: 4 * (3 * 64 + 2 * 8 + 2 * 8) + 16 * 8 + 2 * 8 * 2
+    assert ll.shared_mem == 4 * (192 + 16 + 16) + 128 + 32
 
 
 def test_ll_grid_and_fit():

@@ -24,13 +24,13 @@ DEDUP_LL_MAX_SHARED_BYTES = 40 * 1024
 
 
 def dedup_ll_shared_bytes(num_tokens: int, top_k: int, num_experts: int, num_ffn_ranks: int) -> int:
-    """Dynamic shared memory of afd_dedup_dispatch_ll: ids and staging rows per partial, counts
-    and starts per expert, rank mask and shared rank per token (each padded to 4 words), one
-    16-bit count per warp and expert, one 16-bit row per (token, rank) cell:
-    4 * (2 * round_up(T*K, 4) + 2 * E + 2 * round_up(T, 4)) + 16 * E + 2 * T * F."""
+    """Dynamic shared memory of afd_dedup_dispatch_ll: ids, staging rows and weights per partial,
+    counts and starts per expert, rank mask and shared rank per token (each padded to 4 words),
+    one 16-bit count per warp and expert, one 16-bit row per (token, rank) cell:
+    4 * (3 * round_up(T*K, 4) + 2 * E + 2 * round_up(T, 4)) + 16 * E + 2 * T * F."""
     partials4 = (int(num_tokens) * int(top_k) + 3) // 4 * 4
     tokens4 = (int(num_tokens) + 3) // 4 * 4
-    return (4 * (2 * partials4 + 2 * int(num_experts) + 2 * tokens4) + 16 * int(num_experts)
+    return (4 * (3 * partials4 + 2 * int(num_experts) + 2 * tokens4) + 16 * int(num_experts)
             + 2 * int(num_tokens) * int(num_ffn_ranks))
 
 
@@ -38,7 +38,7 @@ def ll_dedup_dispatch_fits(num_tokens: int, top_k: int, num_experts: int, num_ff
     """Whether a dedup dispatch of up to ``num_tokens`` tokens can run as afd_dedup_dispatch_ll:
     at most :data:`LL_MAX_FFN_RANKS` FFN ranks, T*K below 2**16 (16-bit counts) and
     :func:`dedup_ll_shared_bytes` within :data:`DEDUP_LL_MAX_SHARED_BYTES` (e.g. T = 128, K = 8,
-    E = 256, F = 1: 15.3 KiB; T = 512, K = 8, E = 256, F = 8: 50 KiB, too much)."""
+    E = 256, F = 1: 19.3 KiB; T = 512, K = 8, E = 256, F = 8: 66 KiB, too much)."""
     return (int(num_ffn_ranks) <= LL_MAX_FFN_RANKS and int(num_tokens) * int(top_k) < 2**16
             and dedup_ll_shared_bytes(num_tokens, top_k, num_experts, num_ffn_ranks)
             <= DEDUP_LL_MAX_SHARED_BYTES)
