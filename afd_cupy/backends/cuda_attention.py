@@ -238,7 +238,8 @@ class CudaAttentionPath:
                 num_tokens, ctx.num_ffn_ranks, layout.row_bytes)
         else:
             per_call = (("num_partials", num_partials),)
-            grid = kernels.scatter_grid(num_tokens, layout.top_k, int(ctx.has_shared))
+            grid = kernels.scatter_grid(num_tokens, layout.top_k, int(ctx.has_shared),
+                                        row_bytes=layout.row_bytes if self.fused_dispatch else 0)
         if not self.fused_dispatch:  # the grid-wide plan (and in dedup mode the rows) first
             plan = launches["plan"]
             plan.set("topk_ids", ids.data_ptr())

@@ -113,8 +113,7 @@ afd_dispatch_plan(const afd_i32* __restrict__ topk_ids,  // [num_partials], flat
     }
     if (code == STATUS_OK) code = status_code(status);  // an earlier error: send nothing
     *verdict = static_cast<afd_i32>(code);
-    __threadfence();
-    *done_counter = 0u;
+    *done_counter = 0u;  // read by the next launch only (stream order): no fence
   }
 }
 
@@ -123,23 +122,25 @@ __device__ __forceinline__ afd_i32 shared_rows_of(afd_i32 num_tokens, afd_i32 nu
   return num_tokens > j ? (num_tokens - j + num_ffn_ranks - 1) / num_ffn_ranks : 0;
 }
 
-// One row r of a pair dispatch, by a warp (afd_dispatch_scatter, afd_dispatch_fused): a routed
-// partial (r < num_partials) at staging row `pos` of rank `dest` (lane 0: pos_out[r] and its
-// route entry), or the shared row of token r - num_partials (rank t % F, row t / F; lane 0: its
-// shared index); then the token's payload row. `dest` and `pos` are unused for a shared row.
+// Part `part` of `parts` of row r of a pair dispatch, by a warp (afd_dispatch_scatter: one part,
+// afd_dispatch_fused: row_parts): a routed partial (r < num_partials) at staging row `pos` of
+// rank `dest` (part 0's lane 0: pos_out[r] and its route entry), or the shared row of token
+// r - num_partials (rank t % F, row t / F; part 0's lane 0: its shared index); then that part of
+// the token's payload row. `dest` and `pos` are unused for a shared row.
 __device__ __forceinline__ void write_pair_row(const SlotGeometry& geo,
                                                const afd_u64* __restrict__ peer_windows,
                                                afd_u64 staging, afd_i32 src_rank, afd_i32 ring,
                                                afd_u64 hidden, afd_i64 row_bytes, afd_i32 top_k,
                                                afd_i32 num_ffn_ranks, afd_i32 num_partials,
                                                afd_i64 r, afd_i32 dest, afd_i32 pos,
-                                               afd_i32* __restrict__ pos_out, int lane) {
+                                               afd_i32* __restrict__ pos_out, int lane,
+                                               afd_i64 part = 0, afd_i64 parts = 1) {
   afd_i64 token;
   char* dst_row;
   if (r < num_partials) {
     token = r / top_k;
     char* slot = geo.send_slot(peer_windows[dest], staging, dest, src_rank, ring);
-    if (lane == 0) {
+    if (lane == 0 && part == 0) {
       pos_out[r] = pos;
       geo.route(slot)[pos] = make_int2(static_cast<afd_i32>(token), static_cast<afd_i32>(r % top_k));
     }
@@ -149,11 +150,11 @@ __device__ __forceinline__ void write_pair_row(const SlotGeometry& geo,
     const afd_i32 shared_dest = static_cast<afd_i32>(token % num_ffn_ranks);
     const afd_i64 j = token / num_ffn_ranks;
     char* slot = geo.send_slot(peer_windows[shared_dest], staging, shared_dest, src_rank, ring);
-    if (lane == 0) geo.shared_idx(slot)[j] = static_cast<afd_i32>(token);
+    if (lane == 0 && part == 0) geo.shared_idx(slot)[j] = static_cast<afd_i32>(token);
     dst_row = geo.shared_row(slot, j, row_bytes);
   }
   const char* src_row = static_cast<const char*>(byte_ptr(hidden, token * row_bytes));
-  warp_copy_row(dst_row, src_row, row_bytes, lane);
+  warp_copy_row_part(dst_row, src_row, row_bytes, part, parts, lane);
 }
 
 // The last block of a pair dispatch (every thread): per rank j its routed rows (from
@@ -273,8 +274,8 @@ afd_dispatch_scatter(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-
 // sees one writes no rows and marks `skipped`, and the last block publishes nothing when any
 // block skipped (another stream may latch or clear the status mid-kernel, so blocks may
 // disagree; rows without a flag are never read).
-// grid = scatter_grid(T, K, has_shared), block = SCATTER_THREADS, dynamic shared memory =
-// 4 * (round_up(num_partials, 4) + 2 * num_experts) bytes (dispatch_fused_spec).
+// grid = scatter_grid(T, K, has_shared, row_bytes), block = SCATTER_THREADS, dynamic shared
+// memory = 4 * (round_up(num_partials, 4) + 2 * num_experts) bytes (dispatch_fused_spec).
 template <int DT>
 __global__ void __launch_bounds__(SCATTER_THREADS)
 afd_dispatch_fused(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-major
@@ -321,12 +322,15 @@ afd_dispatch_fused(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-ma
                      expert_start, rank_offsets, verdict);
   }
 
-  // 2. This block's rows.
+  // 2. This block's rows, a warp per (row, part of the row): row_parts spreads a decode batch's
+  // few long rows over more warps (the grid, scatter_grid with row_bytes, counts the parts).
   const bool ok = (plan.code == STATUS_OK) && !plan.skip;
   if (ok) {
     const afd_i64 warp_stride = static_cast<afd_i64>(gridDim.x) * ROWS_PER_BLOCK;
-    for (afd_i64 r = static_cast<afd_i64>(blockIdx.x) * ROWS_PER_BLOCK + (tid >> 5); r < num_rows;
-         r += warp_stride) {
+    const afd_i64 parts = row_parts(row_bytes);
+    for (afd_i64 item = static_cast<afd_i64>(blockIdx.x) * ROWS_PER_BLOCK + (tid >> 5);
+         item < num_rows * parts; item += warp_stride) {
+      const afd_i64 r = item / parts, part = item % parts;
       afd_i32 dest = 0, pos = 0;
       if (r < num_partials) {
         const afd_i32 e = s_ids[r];
@@ -340,7 +344,7 @@ afd_dispatch_fused(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-ma
         pos = s_start[e] + rank - s_rank_off[dest];
       }
       write_pair_row(geo, peer_windows, staging, src_rank, ring, hidden, row_bytes, top_k,
-                     num_ffn_ranks, num_partials, r, dest, pos, pos_out, lane);
+                     num_ffn_ranks, num_partials, r, dest, pos, pos_out, lane, part, parts);
     }
   } else if (tid == 0 && plan.skip) {
     atomicOr(reinterpret_cast<unsigned int*>(skipped), 1u);  // released by last_block_done

@@ -202,11 +202,8 @@ __device__ inline bool wait_replies(afd_u64 window, const SlotGeometry& geo, afd
       while (__shfl_sync(ALL, ok, 0)) {
         if (lane == 0) {
           for (int spin = 1;; ++spin) {
-            flag = load_volatile(flag_word);
-            if (flag != seen) {
-              __threadfence_system();  // acquire: header and rows were written before the flag
-              break;
-            }
+            flag = load_acquire_sys(flag_word);  // acquire: header and rows were written before it
+            if (flag != seen) break;
             if (globaltimer_ns() - start > timeout_ns) {
               report_status(status, STATUS_TIMEOUT, j, slot, ring, want_seq, flag, -1, -1, layer_idx);
               ok = 0;

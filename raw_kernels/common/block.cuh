@@ -17,35 +17,33 @@ namespace afd {
 // causality order, and a fence is cumulative over what precedes it, so fence + atomicAdd by
 // one thread releases the whole block's writes (the pattern of cooperative groups' grid
 // sync); a fence in every thread would add a MEMBAR per warp for nothing. The last block
-// acquires with atomicAdd + fence in thread 0 and shares it through bar.sync.
+// acquires with atomicAdd + fence in thread 0 and shares it through bar.sync. The fences are
+// fence.acq_rel (wire.cuh: fence_release_sys, fence_acq_rel_gpu), not fence.sc: a release and
+// an acquire is all this pattern needs.
 // NOTE: one counter per kernel in flight; the counter is left at 0 for the next launch.
 __device__ __forceinline__ bool last_block_done(unsigned int* counter, bool system_scope) {
   __shared__ bool s_is_last;
   __syncthreads();
   if (threadIdx.x == 0) {
     if (system_scope) {
-      __threadfence_system();
+      fence_release_sys();
     } else {
-      __threadfence();
+      fence_acq_rel_gpu();
     }
     const unsigned int prev = atomicAdd(counter, 1u);
     const bool is_last = (prev == gridDim.x - 1);
-    if (is_last) __threadfence();  // acquire: every other block's writes precede its count
+    if (is_last) fence_acq_rel_gpu();  // acquire: every other block's writes precede its count
     s_is_last = is_last;
   }
   __syncthreads();
   return s_is_last;
 }
 
-// The end of a last block's work (every thread of it calls it once): a barrier orders every
-// thread's last-block writes before thread 0's GPU-scope fence, which precedes its reset of
-// *counter to 0 for the next launch.
+// The end of a last block's work (every thread of it calls it once): *counter back to 0 for the
+// next launch. No fence and no barrier: the next launch that reads the counter is a later
+// kernel on the same stream (one counter per kernel in flight), ordered after this one's end.
 __device__ __forceinline__ void reset_done_counter(unsigned int* counter) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    *counter = 0u;
-  }
+  if (threadIdx.x == 0) *counter = 0u;
 }
 
 // Stable rank of this thread's `key` in a block: how many threads before it (lower threadIdx.x)

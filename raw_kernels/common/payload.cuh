@@ -130,4 +130,17 @@ __device__ __forceinline__ void warp_copy_row(void* dst, const void* src, afd_i6
   }
 }
 
+// Part `part` of `parts` of a row (by one warp): bytes [part * part_bytes, ...) of `nbytes`, with
+// part_bytes = ceil(nbytes / parts) rounded up to 16 (a vector boundary), so the last part may
+// be short or empty. Spreads a few long rows over more warps: one warp alone copies a 14 KiB
+// row in 7 dependent rounds of loads.
+__device__ __forceinline__ void warp_copy_row_part(void* dst, const void* src, afd_i64 nbytes,
+                                                   afd_i64 part, afd_i64 parts, int lane) {
+  const afd_i64 part_bytes = ((nbytes + parts - 1) / parts + 15) & ~static_cast<afd_i64>(15);
+  const afd_i64 begin = part * part_bytes;
+  if (begin >= nbytes) return;
+  const afd_i64 len = (nbytes - begin < part_bytes) ? nbytes - begin : part_bytes;
+  warp_copy_row(static_cast<char*>(dst) + begin, static_cast<const char*>(src) + begin, len, lane);
+}
+
 }  // namespace afd

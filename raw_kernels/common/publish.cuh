@@ -73,7 +73,7 @@ __device__ __forceinline__ void publish_dispatch(const SlotGeometry& geo, const 
     if (seqs[j] != 0) {
       // Release in the storing thread itself: cumulative over the headers (bar.sync above) and
       // over every block's rows (last_block_done), so all precede the flag.
-      __threadfence_system();
+      fence_release_sys();
       store_volatile(geo.send_flag(peer_windows[j], staging, j, hdr.src_rank, ring), seqs[j]);
     }
   }
@@ -98,10 +98,9 @@ __device__ __forceinline__ void publish_reply(const SlotGeometry& geo, char* slo
   }
   __syncthreads();  // every header word of the block precedes thread 0's fence
   if (threadIdx.x == 0) {
-    __threadfence_system();  // release, cumulative over the header and every block's rows
+    fence_release_sys();  // release, cumulative over the header and every block's rows
     if (dst_window) store_volatile(geo.flag(dst_window, src_rank, ring), seq);
-    __threadfence();
-    *done_counter = 0u;
+    *done_counter = 0u;  // read by the next launch only (stream order): no fence
   }
 }
 

@@ -200,6 +200,26 @@ __device__ __forceinline__ afd_i32 load_volatile32(const afd_i32* p) {
   return *reinterpret_cast<const volatile afd_i32*>(p);
 }
 
+// ---- memory order ------------------------------------------------------------------------------
+// What the protocol's message passing needs (docs/design/protocol.md): a sender's writes released
+// before its flag store, a receiver's reads acquired after its flag load. Acquire/release, not
+// sequentially consistent: __threadfence_system() / __threadfence() are fence.sc (MEMBAR.SC.SYS
+// / .GPU on sm_90), stronger than any pattern here needs. A flag is polled with an acquire load
+// (ld.acquire.sys: a strong load and an L1 invalidate, no MEMBAR), so the read of a message
+// needs no fence at all; the lanes of the polling warp read the message after a __syncwarp.
+// Release before a store that publishes: every write of this thread, and of the threads ordered
+// before it (a block barrier, an acquire), at system scope (peers, other GPUs, the host).
+__device__ __forceinline__ void fence_release_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+// The same at GPU scope: what only this GPU's threads read (a done counter, the GPU's scratch).
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+// A flag word written by another process or GPU: acquire, every read after it sees what the
+// writer released before the value read.
+__device__ __forceinline__ afd_i64 load_acquire_sys(const afd_i64* p) {
+  afd_i64 v;
+  asm volatile("ld.acquire.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
 __device__ __forceinline__ afd_i64 globaltimer_ns() {
   afd_u64 t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

@@ -41,8 +41,9 @@ afd_graph_gather(afd_u64 window,  // own window
   }
 }
 
-// grid = reply_grid(routed_bucket + shared_bucket) (frozen at capture), block = REPLY_THREADS;
-// a warp per row. afd_reply with everything it needs read from the stage's state: the served
+// grid = reply_grid(routed_bucket + shared_bucket, row_bytes) (frozen at capture), block =
+// REPLY_THREADS; a warp per (row, part of it). afd_reply with everything it needs read from the
+// stage's state: the served
 // item's rows, then (last block) the reply header built by the stage, a system fence and
 // flag = the reply seq, into slot (own FFN rank, ring) of the sender's window.
 // routed_outs[STATE_CHUNK] is the routed output of the arrived layer's chunk; an entry of 0 (and
@@ -71,15 +72,17 @@ afd_graph_reply(afd_u64 own_window,
   const afd_i64 num_routed = state[STATE_ROUTED];
   const afd_i64 num_rows = num_routed + state[STATE_SHARED];
   const afd_i64 warp_stride = static_cast<afd_i64>(gridDim.x) * ROWS_PER_BLOCK;
-  for (afd_i64 r = static_cast<afd_i64>(blockIdx.x) * ROWS_PER_BLOCK + (tid >> 5); r < num_rows;
-       r += warp_stride) {
+  const afd_i64 parts = row_parts(row_bytes);  // a warp per (row, part): graph_reply_spec's grid
+  for (afd_i64 item = static_cast<afd_i64>(blockIdx.x) * ROWS_PER_BLOCK + (tid >> 5);
+       item < num_rows * parts; item += warp_stride) {
+    const afd_i64 r = item / parts, part = item % parts;
     const bool is_routed = r < num_routed;
     const afd_i64 row = is_routed ? r : r - num_routed;
     const afd_u64 src_base = is_routed ? routed_out : shared_out;
     const char* src = src_base != 0ull ? static_cast<const char*>(byte_ptr(src_base, row * row_bytes))
                       : (is_routed ? geo.routed_row(own_slot, row, row_bytes) : geo.shared_row(own_slot, row, row_bytes));
     char* dst = is_routed ? geo.routed_row(slot, row, row_bytes) : geo.shared_row(slot, row, row_bytes);
-    warp_copy_row(dst, src, row_bytes, lane);
+    warp_copy_row_part(dst, src, row_bytes, part, parts, lane);
   }
 
   // Every block's rows are released at system scope here; then the stage's reply header, a

@@ -85,6 +85,7 @@ def test_ptx_summary_of_a_kernel_file_names_its_instantiations(tmp_path):
     summary = json.loads(out.read_text())["ffn/reply.cu"]
     assert sorted(summary) == ["afd_reply<0>", "afd_reply<1>", "afd_reply<2>"]
     for counts in summary.values():  # the reply stores rows, fences at system scope, sets a flag
-        assert counts.get("membar.sys", 0) >= 1, counts  # __threadfence_system()
+        assert counts.get("fence.acq_rel.sys", 0) >= 1, counts  # the release (wire.cuh fence_release_sys)
+        assert counts.get("membar.sys", 0) == 0, counts  # no sequentially consistent fence
         assert counts.get("st.volatile.global.u64", 0) >= 1, counts  # the flag store
         assert counts.get("st.global.v4.u32", 0) >= 1, counts  # 16-byte row stores

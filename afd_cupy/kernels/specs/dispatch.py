@@ -12,7 +12,7 @@ from afd_cupy import wire
 from afd_cupy.kernels import checks, loader
 from afd_cupy.kernels.launches import LaunchSpec, launch_spec
 from afd_cupy.kernels.specs.limits import (CHUNK, KERNEL_LIMITS, MAX_BLOCKS, MAX_EXPERTS,
-                                           MAX_FFN_RANKS, row_grid)
+                                           MAX_FFN_RANKS, payload_row_bytes, row_grid, row_parts)
 from afd_cupy.kernels.specs.groups import publish_args, slot_args
 
 
@@ -207,11 +207,16 @@ def dispatch_fused_spec(*, dtype_code, hidden, num_tokens, hidden_size, topk_ids
             "skipped": checks.device_array("skipped", skipped, np.int32, 1),
             **tail, "status": checks.address("status", status)}
     kernel = loader.get_kernel("attention/dispatch.cu", "afd_dispatch_fused", dtype_code=checks.dtype_code(dtype_code))
-    return launch_spec(kernel, scatter_grid(int(num_tokens), int(top_k), int(args["has_shared"]), max_blocks),
+    return launch_spec(kernel, scatter_grid(int(num_tokens), int(top_k), int(args["has_shared"]), max_blocks,
+                                            row_bytes=payload_row_bytes(hidden_size, dtype_code)),
                  KERNEL_LIMITS["SCATTER_THREADS"], args,
                  shared_mem=fused_shared_bytes(max_partials, num_experts))
 
 
-def scatter_grid(num_tokens: int, top_k: int, has_shared: int, max_blocks: int = MAX_BLOCKS) -> int:
-    """Blocks of afd_dispatch_scatter: one warp per routed partial and per shared row."""
-    return row_grid(num_tokens * top_k + (num_tokens if has_shared else 0), max_blocks)
+def scatter_grid(num_tokens: int, top_k: int, has_shared: int, max_blocks: int = MAX_BLOCKS,
+                 row_bytes: int = 0) -> int:
+    """Blocks of afd_dispatch_scatter (``row_bytes`` 0: one warp per routed partial and per
+    shared row) and of afd_dispatch_fused (``row_bytes``: one warp per part of such a row,
+    :func:`~afd_cupy.kernels.specs.limits.row_parts`)."""
+    parts = row_parts(row_bytes) if row_bytes else 1
+    return row_grid((num_tokens * top_k + (num_tokens if has_shared else 0)) * parts, max_blocks)

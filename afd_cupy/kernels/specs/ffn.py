@@ -71,9 +71,12 @@ def reply_spec(*, dtype_code, dst_window, geo, src_rank, ring, routed_out, num_r
                  KERNEL_LIMITS["REPLY_THREADS"], args)
 
 
-def reply_grid(num_rows: int, max_blocks: int = MAX_BLOCKS) -> int:
-    """Blocks of afd_reply: one warp per output row, at least 1."""
-    return row_grid(num_rows, max_blocks)
+def reply_grid(num_rows: int, max_blocks: int = MAX_BLOCKS, row_bytes: int = 0) -> int:
+    """Blocks of afd_reply and afd_graph_gather (``row_bytes`` 0: one warp per output row) and of
+    afd_graph_reply (``row_bytes``: one warp per part of a row,
+    :func:`~afd_cupy.kernels.specs.limits.row_parts`); at least 1."""
+    parts = row_parts(row_bytes) if row_bytes else 1
+    return row_grid(num_rows * parts, max_blocks)
 
 
 def dedup_expand_spec(*, dtype_code, window, geo, region, ring, num_rows, num_tokens, num_routed,

@@ -133,7 +133,8 @@ def graph_reply_spec(*, dtype_code, own_window, peer_windows, geo, src_rank, sta
     ``peer_windows`` uint64 [num_regions] (device): Attention rank i's window as mapped here
     (0 for regions without one); ``routed_outs`` uint64 [num_chunks] (device): the routed
     output [routed_bucket, H] of each layer chunk, 0 = the own window slot's rows (identity);
-    ``shared_out``: [shared_bucket, H] or 0 (own window rows). Grid for the bucket.
+    ``shared_out``: [shared_bucket, H] or 0 (own window rows). Grid for the bucket, a warp per
+    part of a row (:func:`reply_grid` with the row bytes).
     """
     geo = checks.geometry("geo", geo)
     routed_bucket = checks.count("routed_bucket", routed_bucket)
@@ -147,7 +148,8 @@ def graph_reply_spec(*, dtype_code, own_window, peer_windows, geo, src_rank, sta
             "hidden_size": checks.count("hidden_size", hidden_size, low=1),
             "done_counter": checks.device_array("done_counter", done_counter, np.uint32, 1)}
     kernel = loader.get_kernel("ffn/ffn_graph_rows.cu", "afd_graph_reply", dtype_code=checks.dtype_code(dtype_code))
-    return launch_spec(kernel, reply_grid(int(routed_bucket) + int(shared_bucket), max_blocks),
+    return launch_spec(kernel, reply_grid(int(routed_bucket) + int(shared_bucket), max_blocks,
+                                          row_bytes=payload_row_bytes(hidden_size, dtype_code)),
                  KERNEL_LIMITS["REPLY_THREADS"], args)
 
 
