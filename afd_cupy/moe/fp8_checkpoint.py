@@ -7,8 +7,9 @@ The checkpoint stores every expert linear apart, ``<prefix>experts.<e>.<proj>.we
 (:func:`afd_cupy.moe.fp8.dequantize_blockwise`), and the shared experts likewise under
 ``<prefix>shared_experts.<proj>``. Only this rank's experts are read (a memory-mapped state dict
 is never materialised), converted to the rowwise format and returned as one
-``FP8ExpertWeights`` per layer; the shared experts are dequantized into an ``ExpertWeights`` of
-the payload dtype (they run through ``moe.shared_mlp``, not in FP8).
+``FP8ExpertWeights`` per layer, or dequantized into an ``ExpertWeights`` (bf16 serving of the
+checkpoint, no conversion); the shared experts are dequantized into an ``ExpertWeights`` of the
+payload dtype (they run through ``moe.shared_mlp``, not in FP8).
 """
 from __future__ import annotations
 
@@ -54,10 +55,12 @@ def _projection(state: dict, name: str, shape: tuple | None) -> tuple[torch.Tens
     return q, scale_inv.to(q.device)
 
 
-def local_experts(state: dict, prefix: str, expert_ids: set[int], *, ffn_rank: int,
-                  expert_per_rank: int, num_experts: int, fmt: ExpertFormat) -> fp8.FP8ExpertWeights:
+def local_experts(state: dict, prefix: str, expert_ids: set[int], *, ffn_rank: int, expert_per_rank: int,
+                  num_experts: int, fmt: ExpertFormat, dequantize_to: torch.dtype | None = None):
     """FFN rank ``ffn_rank``'s experts of the layer at ``prefix`` (global ids
-    [r*epr, (r+1)*epr), the ids past ``num_experts`` zero experts), on the checkpoint's device.
+    [r*epr, (r+1)*epr), the ids past ``num_experts`` zero experts), on the checkpoint's device:
+    an ``FP8ExpertWeights`` (converted per output channel), or with ``dequantize_to`` an
+    ``ExpertWeights`` of that dtype (the block-scaled weights dequantized, no conversion).
     ``expert_ids``: the ids the state dict holds for this layer (:func:`layer_prefixes`)."""
     if fmt.interleaved:
         raise UnsupportedModelError(f"{prefix}experts: FP8 experts with interleaved gate/up rows")
@@ -68,18 +71,26 @@ def local_experts(state: dict, prefix: str, expert_ids: set[int], *, ffn_rank: i
     owned = range(first, min(first + expert_per_rank, num_experts))
     probe = _projection(state, f"{prefix}experts.{owned[0] if owned else min(expert_ids)}.gate_proj", None)[0]
     (inter, hidden), device = probe.shape, probe.device
-    w13 = torch.zeros((expert_per_rank, 2 * inter, hidden), dtype=fp8.FP8_DTYPE, device=device)
-    w2 = torch.zeros((expert_per_rank, hidden, inter), dtype=fp8.FP8_DTYPE, device=device)
-    w13_scale = torch.ones((expert_per_rank, 2 * inter), device=device)
+    dtype = dequantize_to or fp8.FP8_DTYPE
+    w13 = torch.zeros((expert_per_rank, 2 * inter, hidden), dtype=dtype, device=device)
+    w2 = torch.zeros((expert_per_rank, hidden, inter), dtype=dtype, device=device)
+    w13_scale = torch.ones((expert_per_rank, 2 * inter), device=device)  # padded slots: zero codes
     w2_scale = torch.ones((expert_per_rank, hidden), device=device)
     shapes = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
     for local, expert in enumerate(owned):
-        rowwise = {proj: fp8.blockwise_to_rowwise(*_projection(state, f"{prefix}experts.{expert}.{proj}",
-                                                               shapes[proj]))
-                   for proj in _PROJECTIONS}
+        blocks = {proj: _projection(state, f"{prefix}experts.{expert}.{proj}", shapes[proj]) for proj in _PROJECTIONS}
+        if dequantize_to is not None:
+            parts = {proj: fp8.dequantize_blockwise(*qs).to(dequantize_to) for proj, qs in blocks.items()}
+            w13[local] = torch.cat([parts["gate_proj"], parts["up_proj"]])
+            w2[local] = parts["down_proj"]
+            continue
+        rowwise = {proj: fp8.blockwise_to_rowwise(*qs) for proj, qs in blocks.items()}
         w13[local] = torch.cat([rowwise["gate_proj"][0], rowwise["up_proj"][0]])
         w13_scale[local] = torch.cat([rowwise["gate_proj"][1], rowwise["up_proj"][1]])
         w2[local], w2_scale[local] = rowwise["down_proj"]
+    if dequantize_to is not None:
+        return ExpertWeights(w13=w13, w2=w2, num_experts=expert_per_rank, first_expert=first,
+                             **fmt.weights_kwargs())
     return fp8.FP8ExpertWeights(w13, w13_scale, w2, w2_scale, num_experts=expert_per_rank,
                                 first_expert=first, **fmt.weights_kwargs())
 

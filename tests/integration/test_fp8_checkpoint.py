@@ -5,7 +5,7 @@ The state dicts are synthetic and built here: random weights quantized with
 ``fp8.quantize_blockwise`` into per-expert E4M3 linears with ``weight_scale_inv``, partial
 128-blocks included (hidden 192, intermediate 96), a dense layer beside the MoE layers. Checked:
 only the rank's experts, converted to the rowwise format, padded; the shared experts
-dequantized; errors name the key and the values. End to end on the host backend (1A2F):
+dequantized, and the routed ones too on request; errors name the key and the values. End to end on the host backend (1A2F):
 ``FFNWorker`` serves the adapter's FP8 experts on the loop, and the Attention side's output is
 the FP8 compute's (an fp64 reference of the same E4M3 operands written here), not the bf16
 compute's."""
@@ -82,8 +82,23 @@ def test_ffn_weights_reads_the_ranks_fp8_experts_and_dequantizes_the_shared_ones
         assert isinstance(fused, moe.ExpertWeights) and fused.dtype == torch.bfloat16 and fused.num_experts == 1
         assert torch.equal(fused.w13[0], torch.cat([deq["gate_proj"], deq["up_proj"]]).to(torch.bfloat16))
         assert torch.equal(fused.w2[0], deq["down_proj"].to(torch.bfloat16))
-    fp32_shared = _weights(state, shared_dtype=torch.float32)[1][0]
+    fp32_shared = _weights(state, dequant_dtype=torch.float32)[1][0]
     assert fp32_shared.dtype == torch.float32
+
+
+def test_fp8_experts_false_dequantizes_the_routed_experts_without_conversion():
+    state = fp8_state_dict(seed=4)
+    experts, shared = _weights(state, fp8_experts=False)
+    fp8_shared = _weights(state)[1]
+    for layer, local, fused, want_fused in zip(MOE_LAYERS, experts, shared, fp8_shared):
+        assert isinstance(local, moe.ExpertWeights) and local.dtype == torch.bfloat16
+        assert (local.num_experts, local.first_expert) == (3, 3) and torch.equal(fused.w13, want_fused.w13)
+        prefix = f"model.layers.{layer}.mlp.experts.4."
+        deq = {proj: fp8.dequantize_blockwise(state[f"{prefix}{proj}.weight"], state[f"{prefix}{proj}.weight_scale_inv"])
+               for proj in PROJ_SHAPES}
+        assert torch.equal(local.w13[1], torch.cat([deq["gate_proj"], deq["up_proj"]]).to(torch.bfloat16))
+        assert torch.equal(local.w2[1], deq["down_proj"].to(torch.bfloat16))
+        assert torch.equal(local.w2[2], torch.zeros(HIDDEN, INTER, dtype=torch.bfloat16))  # padded slot
 
 
 def test_the_first_rank_and_a_whole_set():
@@ -110,11 +125,12 @@ def test_bad_fp8_state_dicts_are_named(edit, match):
         _weights(state)
 
 
-def test_shared_dtype_is_for_fp8_state_dicts_only():
+def test_fp8_options_are_for_fp8_state_dicts_only():
     state = {"model.layers.0.mlp.experts.gate_up_proj": torch.zeros(2, 8, 4),
              "model.layers.0.mlp.experts.down_proj": torch.zeros(2, 4, 4)}
-    with pytest.raises(ValueError, match="shared_dtype=torch.float32 applies to FP8 state dicts"):
-        adapters.ffn_weights(state, ffn_rank=0, num_ffn_ranks=1, num_experts=2, shared_dtype=torch.float32)
+    for options in ({"dequant_dtype": torch.float32}, {"fp8_experts": False}):
+        with pytest.raises(ValueError, match=r"fp8_experts=.* and dequant_dtype=.* apply to FP8 state dicts"):
+            adapters.ffn_weights(state, ffn_rank=0, num_ffn_ranks=1, num_experts=2, **options)
     experts, _ = adapters.ffn_weights(state, ffn_rank=0, num_ffn_ranks=1, num_experts=2)
     assert isinstance(experts[0], moe.ExpertWeights) and experts[0].dtype == torch.float32  # as stored
 
