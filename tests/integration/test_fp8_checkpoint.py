@@ -5,10 +5,10 @@ The state dicts are synthetic and built here: random weights quantized with
 ``fp8.quantize_blockwise`` into per-expert E4M3 linears with ``weight_scale_inv``, partial
 128-blocks included (hidden 192, intermediate 96), a dense layer beside the MoE layers. Checked:
 only the rank's experts, converted to the rowwise format, padded; the shared experts
-dequantized, and the routed ones too on request; errors name the key and the values. End to end on the host backend (1A2F):
-``FFNWorker`` serves the adapter's FP8 experts on the loop, and the Attention side's output is
-the FP8 compute's (an fp64 reference of the same E4M3 operands written here), not the bf16
-compute's."""
+dequantized, and the routed ones too on request; errors name the key and the values. End to
+end on the host backend (1A2F async, 2A1F lockstep with merged batches): ``FFNWorker`` serves
+the adapter's FP8 experts on the loop, and the Attention side's output is the FP8 compute's
+(an fp64 reference of the same E4M3 operands written here), not the bf16 compute's."""
 from __future__ import annotations
 
 import pytest
@@ -170,21 +170,25 @@ def _references(x, ids, weights, routed: moe.FP8ExpertWeights, shared: moe.Exper
     return out_fp8 + shared_out, out_bf16 + shared_out
 
 
-def _fp8_program(ctx):
-    """1A2F, host backend: FFN ranks serve ``ffn_weights`` of the FP8 state dict with the
-    default FFNWorker; the Attention rank reports its errors per layer against both references."""
+def _fp8_program(ctx, num_attn: int, num_ffn: int, schedule: str):
+    """AnF on the host backend: FFN ranks serve ``ffn_weights`` of the FP8 state dict with an
+    FFNWorker of ``schedule``; each Attention rank reports its errors per layer against both
+    references."""
     from afd_cupy.ffn.worker import FFNWorker
 
-    role, role_rank = Topology(1, 2, MODEL.num_experts).role_of(ctx.rank)
-    conn = AFDConnector(MODEL, TopologyConfig(1, 2), role=role, role_rank=role_rank, store=ctx.store(),
-                        job_id=ctx.job_id, backend="host", peer_timeout_s=30.0)
+    role, role_rank = Topology(num_attn, num_ffn, MODEL.num_experts).role_of(ctx.rank)
+    conn = AFDConnector(MODEL, TopologyConfig(num_attn, num_ffn), role=role, role_rank=role_rank,
+                        store=ctx.store(), job_id=ctx.job_id, backend="host", peer_timeout_s=30.0,
+                        always_send=schedule == "lockstep")
     try:
         state = fp8_state_dict(seed=SEED)
         if role is Role.FFN:
-            experts, shared = _weights(state, ffn_rank=role_rank, num_ffn_ranks=2)
-            worker = FFNWorker(conn, experts, shared)
-            return {"served": worker.run(), "served_by": worker.served_by, "reason": worker.serving_reason}
-        (routed_layers, shared_layers), gen = _weights(state, ffn_rank=0, num_ffn_ranks=1), torch.Generator().manual_seed(5)
+            experts, shared = _weights(state, ffn_rank=role_rank, num_ffn_ranks=num_ffn)
+            worker = FFNWorker(conn, experts, shared, schedule=schedule)
+            return {"served": worker.run(), "served_by": worker.served_by, "reason": worker.serving_reason,
+                    "batches": worker.num_batches}
+        (routed_layers, shared_layers) = _weights(state, ffn_rank=0, num_ffn_ranks=1)
+        gen = torch.Generator().manual_seed(5 + role_rank)
         errors = []
         for layer in range(MODEL.num_layers):
             x = torch.randn(TOKENS, HIDDEN, generator=gen).to(torch.bfloat16)
@@ -198,10 +202,15 @@ def _fp8_program(ctx):
         conn.close()
 
 
-def test_ffn_worker_serves_fp8_checkpoint_experts_on_the_host_backend():
-    attn, *ffns = launch(_fp8_program, 3, timeout_s=180)
-    for ffn in ffns:
-        assert ffn["served"] == MODEL.num_layers and ffn["served_by"] == "loop", ffn
+@pytest.mark.parametrize("num_attn, num_ffn, schedule", [(1, 2, "async"), (2, 1, "lockstep")])
+def test_ffn_worker_serves_fp8_checkpoint_experts_on_the_host_backend(num_attn, num_ffn, schedule):
+    """async: each item's own grouped GEMM; lockstep: both replicas' items of a layer merged into
+    one grouped GEMM (one batch per layer)."""
+    results = launch(_fp8_program, num_attn + num_ffn, args=(num_attn, num_ffn, schedule), timeout_s=180)
+    for ffn in results[num_attn:]:
+        assert ffn["served"] == num_attn * MODEL.num_layers and ffn["served_by"] == "loop", ffn
+        assert ffn["batches"] == (MODEL.num_layers if schedule == "lockstep" else ffn["served"]), ffn
         assert "the host backend has no CUDA graphs" in ffn["reason"], ffn
-    for err_fp8, err_bf16 in attn["errors"]:
-        assert err_fp8 < 1e-2 and err_bf16 > 3 * err_fp8, attn["errors"]  # FP8's output, not bf16's
+    for attn in results[:num_attn]:
+        for err_fp8, err_bf16 in attn["errors"]:
+            assert err_fp8 < 1e-2 and err_bf16 > 3 * err_fp8, attn["errors"]  # FP8's output, not bf16's
