@@ -24,6 +24,7 @@ import time.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -263,10 +264,15 @@ def scaled_mm_device_reason(device) -> str | None:
         return f"torch {torch.__version__} has no torch._scaled_grouped_mm"
     if device.type != "cuda":
         return f"torch._scaled_grouped_mm needs a CUDA device, got {device}"
-    major = torch.cuda.get_device_capability(device)[0]
+    major = _arch_major(device)
     if major != _SCALED_MM_ARCH_MAJOR:
         return f"torch's FP8 grouped GEMM runs on SM90, this device is SM{major}x"
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _arch_major(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
 
 
 def scaled_mm_unavailable_reason(x: torch.Tensor, weights: FP8ExpertWeights) -> str | None:
