@@ -41,8 +41,8 @@ def fp8_state_dict(seed: int, shared_inter: int = 2 * INTER) -> dict:
         prefix = f"model.layers.{layer}.mlp."
         state[prefix + "gate.weight"] = torch.randn(NUM_EXPERTS, HIDDEN, generator=gen)
         names = [(f"experts.{e}.{proj}", shape) for e in range(NUM_EXPERTS) for proj, shape in PROJ_SHAPES.items()]
-        names += [(f"shared_experts.{proj}", (shape[0] * 2, shape[1]) if proj != "down_proj" else (shape[0], shape[1] * 2))
-                  for proj, shape in PROJ_SHAPES.items()]
+        names += [(f"shared_experts.{proj}", (2 * rows, cols) if proj != "down_proj" else (rows, 2 * cols))
+                  for proj, (rows, cols) in PROJ_SHAPES.items()]
         for name, shape in names:
             state[f"{prefix}{name}.weight"], state[f"{prefix}{name}.weight_scale_inv"] = linear(shape)
     return state
@@ -63,7 +63,8 @@ def test_ffn_weights_reads_the_ranks_fp8_experts_and_dequantizes_the_shared_ones
     assert len(experts) == len(shared) == len(MOE_LAYERS)
     for layer, local, fused in zip(MOE_LAYERS, experts, shared):
         assert isinstance(local, moe.FP8ExpertWeights)
-        assert (local.num_experts, local.first_expert, local.hidden_size, local.intermediate_size) == (3, 3, HIDDEN, INTER)
+        sizes = (local.num_experts, local.first_expert, local.hidden_size, local.intermediate_size)
+        assert sizes == (3, 3, HIDDEN, INTER)
         prefix = f"model.layers.{layer}.mlp."
         for slot, expert in enumerate((3, 4)):
             rows = {proj: fp8.blockwise_to_rowwise(state[f"{prefix}experts.{expert}.{proj}.weight"],
@@ -75,7 +76,8 @@ def test_ffn_weights_reads_the_ranks_fp8_experts_and_dequantizes_the_shared_ones
             assert torch.equal(local.w13_scale[slot], torch.cat([rows["gate_proj"][1], rows["up_proj"][1]]))
             assert torch.equal(local.w2_scale[slot], rows["down_proj"][1])
         padded = local.dequantize()
-        assert torch.equal(padded.w13[2], torch.zeros(2 * INTER, HIDDEN)) and torch.equal(padded.w2[2], torch.zeros(HIDDEN, INTER))
+        assert torch.equal(padded.w13[2], torch.zeros(2 * INTER, HIDDEN))
+        assert torch.equal(padded.w2[2], torch.zeros(HIDDEN, INTER))
         deq = {proj: fp8.dequantize_blockwise(state[f"{prefix}shared_experts.{proj}.weight"],
                                               state[f"{prefix}shared_experts.{proj}.weight_scale_inv"])
                for proj in PROJ_SHAPES}
@@ -94,8 +96,8 @@ def test_fp8_experts_false_dequantizes_the_routed_experts_without_conversion():
         assert isinstance(local, moe.ExpertWeights) and local.dtype == torch.bfloat16
         assert (local.num_experts, local.first_expert) == (3, 3) and torch.equal(fused.w13, want_fused.w13)
         prefix = f"model.layers.{layer}.mlp.experts.4."
-        deq = {proj: fp8.dequantize_blockwise(state[f"{prefix}{proj}.weight"], state[f"{prefix}{proj}.weight_scale_inv"])
-               for proj in PROJ_SHAPES}
+        deq = {proj: fp8.dequantize_blockwise(state[f"{prefix}{proj}.weight"],
+                                              state[f"{prefix}{proj}.weight_scale_inv"]) for proj in PROJ_SHAPES}
         assert torch.equal(local.w13[1], torch.cat([deq["gate_proj"], deq["up_proj"]]).to(torch.bfloat16))
         assert torch.equal(local.w2[1], deq["down_proj"].to(torch.bfloat16))
         assert torch.equal(local.w2[2], torch.zeros(HIDDEN, INTER, dtype=torch.bfloat16))  # padded slot

@@ -156,7 +156,8 @@ def test_quantize_blockwise_quantizes_gate_up_and_down_apart():
 def test_fp8_expert_weights_check_their_tensors():
     good = moe.FP8ExpertWeights.quantize(_experts(2, 32, 16, seed=8))
     parts = dict(w13=good.w13, w13_scale=good.w13_scale, w2=good.w2, w2_scale=good.w2_scale, num_experts=2)
-    with pytest.raises(ValueError, match=r"w13 and w2 must be 3-D torch.float8_e4m3fn, got w13 \(2, 32, 32\) torch.float32"):
+    with pytest.raises(ValueError, match=r"w13 and w2 must be 3-D torch.float8_e4m3fn, got w13 "
+                                         r"\(2, 32, 32\) torch.float32"):
         moe.FP8ExpertWeights(**{**parts, "w13": good.w13.float()})
     with pytest.raises(ValueError, match=r"w2_scale must be contiguous fp32 \[2, 32\], got \(2, 16\)"):
         moe.FP8ExpertWeights(**{**parts, "w2_scale": torch.ones(2, 16)})
