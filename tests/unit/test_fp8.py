@@ -264,15 +264,16 @@ def test_native_scaled_grouped_mm_matches_the_emulation_eager_and_in_a_graph():
                                                         cpu_weights.w2, cpu_weights.w2_scale)),
                                    num_experts=len(counts))
     x = torch.randn(sum(counts), 512, generator=_gen(16)).to(torch.bfloat16)
-    assert fp8.scaled_mm_unavailable_reason(x.cuda(), weights) is None
+    x_dev = x.cuda()
+    assert fp8.scaled_mm_unavailable_reason(x_dev, weights) is None
     emulated = moe.grouped_mlp(x, torch.tensor(counts), cpu_weights)
     device_counts = torch.tensor(counts, dtype=torch.int32, device="cuda")
-    eager = moe.grouped_mlp(x.cuda(), device_counts, weights)
+    eager = moe.grouped_mlp(x_dev, device_counts, weights)
     assert _rel(eager.cpu(), emulated) < 5e-3, _rel(eager.cpu(), emulated)
-    out = torch.full_like(x.cuda(), float("nan"))
+    out = torch.full_like(x_dev, float("nan"))
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):  # eager call above warmed up
-        out.copy_(moe.grouped_mlp(x.cuda(), device_counts, weights))
+    with torch.cuda.graph(graph):  # eager call above warmed up; nothing but device work inside
+        out.copy_(moe.grouped_mlp(x_dev, device_counts, weights))
     graph.replay()
     torch.cuda.synchronize()
     assert not out.isnan().any()
