@@ -12,6 +12,12 @@
                                            num_experts=conn.model.num_experts, hf_config=cfg)
     FFNWorker(conn, experts, shared).run()
 
+``ffn_weights`` also reads a DeepSeek-V3-style FP8 checkpoint (per-expert E4M3 linears with
+128x128 ``weight_scale_inv`` block scales): the routed experts come back as
+``moe.FP8ExpertWeights`` (converted to per-output-channel scales for torch's scaled grouped
+GEMM) and the FFN computes them in FP8, or with ``fp8_experts=False`` dequantized to bf16
+(docs/design/fp8.md).
+
 A sparse-MoE block is recognised by its parts, whatever its class (the protocol any torch MoE
 block can follow):
 
@@ -51,6 +57,7 @@ from torch import nn
 
 from afd_cupy import moe
 from afd_cupy.config import ModelConfig
+from afd_cupy.moe import fp8_checkpoint
 from afd_cupy.moe.expert_formats import (ExpertFormat, SharedParts, UnsupportedModelError,  # noqa: F401
                                      check_block, config_activation, config_format, deinterleave,
                                      shared_from, shared_of, weight_layout)
@@ -197,7 +204,8 @@ class _Layer:
 
 
 def ffn_weights(source, *, ffn_rank: int, num_ffn_ranks: int, num_experts: int,
-                activation: str | None = None, hf_config=None):
+                activation: str | None = None, hf_config=None, fp8_experts: bool = True,
+                dequant_dtype: torch.dtype | None = None):
     """(local experts per MoE layer, shared experts per MoE layer or None) for FFN rank
     ``ffn_rank``, in layer order, from a model (``nn.Module``) or a state dict.
 
@@ -211,6 +219,14 @@ def ffn_weights(source, *, ffn_rank: int, num_ffn_ranks: int, num_experts: int,
     ``hf_config`` (its family's activation, clamp and gate/up order; required for gpt-oss),
     or ``activation`` (an ``ExpertWeights.activation``, gate/up rows concatenated; default
     "silu"), not both.
+
+    A state dict whose experts are stored per expert in FP8 (``*.experts.<e>.gate_proj.weight``
+    E4M3 with ``weight_scale_inv``, DeepSeek-V3's checkpoint; :mod:`afd_cupy.moe.fp8_checkpoint`)
+    gives one ``moe.FP8ExpertWeights`` per layer (the FFN computes them in FP8), on the
+    checkpoint's device, and its shared experts dequantized to ``dequant_dtype`` (the payload
+    dtype; default torch.bfloat16). ``fp8_experts=False``: the routed experts dequantized to
+    ``dequant_dtype`` too (bf16 serving: slower, closer to the checkpoint; docs/design/fp8.md
+    has the error budget of both). Both apply to such a state dict only (ValueError otherwise).
     """
     if isinstance(source, nn.Module):
         layers = _layers_from_module(source)
@@ -219,7 +235,15 @@ def ffn_weights(source, *, ffn_rank: int, num_ffn_ranks: int, num_experts: int,
             raise ValueError(f"pass activation ({activation!r}) or hf_config, not both: the config "
                              "names the experts' activation")
         fmt = config_format(hf_config) if hf_config is not None else ExpertFormat(activation or "silu")
+        fp8_layers = fp8_checkpoint.layer_prefixes(source)
+        if fp8_layers:
+            return _fp8_weights(source, fp8_layers, fmt, ffn_rank, num_ffn_ranks, num_experts,
+                                None if fp8_experts else dequant_dtype or torch.bfloat16,
+                                dequant_dtype or torch.bfloat16)
         layers = _layers_from_state(source, fmt)
+    if dequant_dtype is not None or not fp8_experts:
+        raise ValueError(f"fp8_experts={fp8_experts} and dequant_dtype={dequant_dtype} apply to FP8 state "
+                         "dicts (per-expert weights with weight_scale_inv); this source keeps its stored dtype")
     epr = -(-num_experts // num_ffn_ranks)
     experts, shared = [], []
     for layer in layers:
@@ -231,6 +255,19 @@ def ffn_weights(source, *, ffn_rank: int, num_ffn_ranks: int, num_experts: int,
             w13_bias=None if parts.w13_bias is None else parts.w13_bias.unsqueeze(0).clone(),
             w2_bias=None if parts.w2_bias is None else parts.w2_bias.unsqueeze(0).clone(),
             **layer.format.weights_kwargs()))
+    return experts, shared
+
+
+def _fp8_weights(state: dict, layers: dict, fmt: ExpertFormat, ffn_rank: int, num_ffn_ranks: int,
+                 num_experts: int, routed_dtype: torch.dtype | None, shared_dtype: torch.dtype):
+    """``ffn_weights`` of an FP8 state dict: ([FP8ExpertWeights, or ExpertWeights of
+    ``routed_dtype``], [ExpertWeights or None])."""
+    epr = -(-num_experts // num_ffn_ranks)
+    prefixes = sorted(layers, key=_layer_number)
+    experts = [fp8_checkpoint.local_experts(state, prefix, layers[prefix], ffn_rank=ffn_rank, expert_per_rank=epr,
+                                            num_experts=num_experts, fmt=fmt, dequantize_to=routed_dtype)
+               for prefix in prefixes]
+    shared = [fp8_checkpoint.shared_experts(state, prefix, dtype=shared_dtype, fmt=fmt) for prefix in prefixes]
     return experts, shared
 
 
@@ -275,7 +312,8 @@ def _layers_from_state(state: dict, fmt: ExpertFormat):
                        if key.endswith("experts.gate_up_proj")}, key=_layer_number)
     if not prefixes:
         raise UnsupportedModelError("the state dict has no '*.experts.gate_up_proj' tensors "
-                                    "(fused expert weights, transformers >= 5 layout)")
+                                    "(fused expert weights, transformers >= 5 layout) and no FP8 "
+                                    "'*.experts.<e>.gate_proj.weight_scale_inv'")
     for prefix in prefixes:
         shared = None
         for name in ("shared_experts.", "shared_expert."):

@@ -18,8 +18,11 @@ and ``small`` for the tests) and each batch size (``--tokens``: decode 1 8 32 12
   beyond ``CHECK_TOL``).
 - **the routed experts alone** on the rows of that routing (``--gemm-variants``, module
   ``afd_cupy.moe.expert_gemm``; ``current`` is ``moe.grouped_mlp``), each in a CUDA graph, and
-  ``fp8_rowwise`` against bf16 when torch has ``_scaled_grouped_mm`` (speedup and the
-  relative error against the bf16 output; otherwise skipped with the reason).
+  the FP8 experts against bf16 when torch has ``_scaled_grouped_mm`` (speedup and the
+  relative error against the bf16 output; otherwise skipped with the reason): ``fp8_rowwise``
+  (weights quantized per output channel) and ``fp8_block`` (quantized as a DeepSeek-V3
+  checkpoint, 128x128 blocks, then converted per output channel: what an FP8 checkpoint
+  serves with), both through ``moe.grouped_mlp``.
 
 Floors and rates measured in the same run: the device copy rate (a large torch copy, read +
 write bytes / time) and, per prefill size, a dense bf16 GEMM pair of the grouped pair's
@@ -32,7 +35,7 @@ touched experts may fit the L2 cache between two replays, so a "fraction of the 
 Prints a table per shape, the variants, and the targets (PASS / MISS, never asserted):
 routed experts at decode 128 >= 85 % of the floor, prefill 4096 grouped GEMM >= 70 % of the
 dense rate, AFD / one process <= 1.15 at decode 128 and <= 1.05 at prefill 4096, FP8 >= 1.6x
-bf16 at decode 128. Writes ``bench_moe_layer.json`` (and ``bench_moe_layer.png`` with
+bf16 at decode 128 (each FP8 format). Writes ``bench_moe_layer.json`` (and ``bench_moe_layer.png`` with
 matplotlib) to ``--out``. ``--device cpu``: the host backend, the tiny shapes only (the test).
 The device's dense 8192^3 bf16 matmul rate is printed and written for context.
 """
@@ -391,7 +394,7 @@ def measure_variants(routed, inputs: dict, args, device) -> list:
     names = list(args.gemm_variants)
     fp8_reason = expert_gemm.fp8_unavailable_reason(device) if not args.no_fp8 else "--no-fp8"
     if fp8_reason is None or device.type == "cpu" and not args.no_fp8:
-        names.append(expert_gemm.FP8_VARIANT)  # the CPU runs it emulated (numerics only)
+        names += expert_gemm.FP8_VARIANTS  # the CPU runs them emulated (numerics only)
     current = expert_gemm.prepare(routed, "current")
     out = []
     for name in names:
@@ -418,7 +421,7 @@ def _one_variant(prepared, current, name, tokens, xs, counts, counts_host, args,
         result = time_us(lambda: expert_gemm.run(prepared, xs, row_plan), device,
                          iters_for(tokens, args), args.warmup)
         row.update(_timing(result))
-        if name == expert_gemm.FP8_VARIANT:
+        if name in expert_gemm.FP8_VARIANTS:
             want = expert_gemm.run(current, xs, expert_gemm.plan(current, counts, counts_host))
             row["rel_err_vs_bf16"] = _rel(result["out"], want)
             row["native"] = expert_gemm.fp8_unavailable_reason(device) is None
@@ -522,7 +525,7 @@ def run_afd(shape: Shape, args, backend: str, refs: dict) -> tuple[dict, dict]:
 def enrich(report: dict, afd_rows: dict | None) -> None:
     """Per row: the current path's routed µs and floor fraction, the best variant, grouped vs
     dense TFLOP/s, FP8 speedup / error, AFD µs and AFD / one process."""
-    from afd_cupy.moe.expert_gemm import FP8_VARIANT
+    from afd_cupy.moe.expert_gemm import FP8_BLOCK_VARIANT, FP8_VARIANT, FP8_VARIANTS
 
     shape = Shape(**report["shape"])
     by_key = {(v["variant"], v["tokens"]): v for v in report["variants"]}
@@ -531,17 +534,18 @@ def enrich(report: dict, afd_rows: dict | None) -> None:
         current = by_key.get(("current", tokens), {}).get("median_us")
         row["routed_us"] = current
         row["routed_floor_fraction"] = row["routed_floor_us"] / current if current else None
-        timed = [v for (name, t), v in by_key.items() if t == tokens and name != FP8_VARIANT and "median_us" in v]
+        timed = [v for (name, t), v in by_key.items() if t == tokens and name not in FP8_VARIANTS and "median_us" in v]
         best = min(timed, key=lambda v: v["median_us"]) if timed else None
         row["best_variant"] = best and best["variant"]
         row["best_variant_us"] = best and best["median_us"]
         if current and row.get("dense_tflops"):
             row["grouped_tflops"] = pair_flops(tokens * shape.top_k, shape) / (current * 1e-6) / 1e12
             row["grouped_over_dense"] = row["grouped_tflops"] / row["dense_tflops"]
-        fp8 = by_key.get((FP8_VARIANT, tokens), {})
-        if current and fp8.get("median_us"):
-            row["fp8_us"], row["fp8_speedup"] = fp8["median_us"], current / fp8["median_us"]
-            row["fp8_rel_err"], row["fp8_native"] = fp8.get("rel_err_vs_bf16"), fp8.get("native")
+        for key, variant in (("fp8", FP8_VARIANT), ("fp8_block", FP8_BLOCK_VARIANT)):
+            fp8 = by_key.get((variant, tokens), {})
+            if current and fp8.get("median_us"):
+                row[f"{key}_us"], row[f"{key}_speedup"] = fp8["median_us"], current / fp8["median_us"]
+                row[f"{key}_rel_err"], row[f"{key}_native"] = fp8.get("rel_err_vs_bf16"), fp8.get("native")
         one = row["one_process"]["median_us"]
         row["one_process_us"] = one
         row["one_process_floor_fraction"] = row["layer_floor_us"] / one if one else None
@@ -574,22 +578,24 @@ def targets(shapes: dict) -> list:
             out.append(bc.target_row(f"{name}: AFD / one process at {phase} {t}", f"<= {goal:.2f}",
                                      get(t, "afd_over_one_process"), "ratio", lambda v, g=goal: v <= g))
         t, goal = TARGETS["fp8_decode"]
-        out.append(bc.target_row(f"{name}: FP8 weights speedup vs bf16 at decode {t}", f">= {goal:.1f}",
-                                 get(t, "fp8_speedup") if get(t, "fp8_native") else None, "x",
-                                 lambda v, g=goal: v >= g,
-                                 note=f"rel err {get(t, 'fp8_rel_err'):.2e}" if get(t, "fp8_rel_err") is not None
-                                 else "no native FP8 grouped GEMM"))
+        for key, what in (("fp8", "FP8 weights"), ("fp8_block", "FP8 block-scaled checkpoint weights")):
+            out.append(bc.target_row(f"{name}: {what} speedup vs bf16 at decode {t}", f">= {goal:.1f}",
+                                     get(t, f"{key}_speedup") if get(t, f"{key}_native") else None, "x",
+                                     lambda v, g=goal: v >= g,
+                                     note=f"rel err {get(t, f'{key}_rel_err'):.2e}"
+                                     if get(t, f"{key}_rel_err") is not None else "no native FP8 grouped GEMM"))
     return out
 
 
 def shape_table(report: dict) -> str:
     headers = ("tokens", "hit", "one proc us", "AFD us", "AFD/one", "layer floor us", "routed us",
                "routed floor us", "floor frac", "best variant", "best us", "grouped TF/s", "dense TF/s",
-               "grp/dense", "fp8 us", "fp8 x", "fp8 err", "AFD err")
+               "grp/dense", "fp8 us", "fp8 x", "fp8 err", "fp8 blk us", "fp8 blk x", "fp8 blk err", "AFD err")
     body = [(r["tokens"], r["experts_hit"], r["one_process_us"], r.get("afd_us"), r.get("afd_over_one_process"),
              r["layer_floor_us"], r.get("routed_us"), r["routed_floor_us"], r.get("routed_floor_fraction"),
              r.get("best_variant") or "-", r.get("best_variant_us"), r.get("grouped_tflops"), r.get("dense_tflops"),
              r.get("grouped_over_dense"), r.get("fp8_us"), r.get("fp8_speedup"), r.get("fp8_rel_err"),
+             r.get("fp8_block_us"), r.get("fp8_block_speedup"), r.get("fp8_block_rel_err"),
              r.get("afd_rel_err")) for r in report["rows"]]
     return bc.format_table(headers, body)
 
@@ -625,6 +631,7 @@ def draw(shapes: dict, title: str):
             tokens = [r["tokens"] for r in rows]
             for key, label in (("one_process_us", "one process"), ("afd_us", "AFD 1A1F"),
                                ("routed_us", "routed experts"), ("fp8_us", "routed experts FP8"),
+                               ("fp8_block_us", "routed experts FP8 (block-scaled checkpoint)"),
                                ("routed_floor_us", "routed weight-read floor")):
                 values = [r.get(key) for r in rows]
                 if any(v is not None for v in values):

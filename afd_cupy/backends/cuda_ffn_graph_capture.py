@@ -42,6 +42,9 @@ def stack_weights(experts, shared, num_layers: int, epr: int, device):
     routed = per_layer(experts, num_layers)
     fused = per_layer(shared, num_layers)
     first = routed[0]
+    if any(isinstance(w, moe.FP8ExpertWeights) for w in routed):
+        raise ConfigError("the graph FFN does not run FP8 experts (moe.FP8ExpertWeights) yet; serve "
+                          "them with FFNWorker (its Python loop)")
     if first.dtype != torch.bfloat16 or any(w.has_bias for w in routed + [s for s in fused if s]):
         raise ConfigError("the graph FFN's GEMM mode needs bf16 experts without biases")
     if any(s is not None and s.gate is not None for s in fused):

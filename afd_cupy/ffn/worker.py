@@ -69,9 +69,10 @@ ExpertFn = Callable[[FFNWorkItem], "tuple[torch.Tensor, torch.Tensor | None]"]
 class FFNWorker:
     """Serve work items of ``connector`` (an FFN-side connector).
 
-    Either pass ``experts`` (this rank's local ``moe.ExpertWeights``, or a sequence of them
-    indexed by layer) and optionally ``shared`` (fused shared-expert weights, or a sequence
-    per layer), or a custom ``expert_fn`` (e.g. identity experts in benchmarks).
+    Either pass ``experts`` (this rank's local ``moe.ExpertWeights``, or FP8 ones,
+    ``moe.FP8ExpertWeights``, served by the loop only; or a sequence of them indexed by layer)
+    and optionally ``shared`` (fused shared-expert weights, or a sequence per layer), or a
+    custom ``expert_fn`` (e.g. identity experts in benchmarks).
 
     ``schedule``: ``"async"`` (serve each item as it arrives) or ``"lockstep"`` (serve a
     (layer, stage) once every Attention rank sent it, as one batch; see the module doc: the
@@ -121,9 +122,7 @@ class FFNWorker:
         self.serving = ffn_serving.check_serving(serving)
         self.gemm_sm_carveout = moe.resolve_gemm_sm_carveout(
             gemm_sm_carveout, device=getattr(connector, "device", None), name="FFNWorker.gemm_sm_carveout")
-        self.connector = connector
-        self.experts = experts
-        self.shared = shared
+        self.connector, self.experts, self.shared = connector, experts, shared
         if experts is not None:
             check_weights(connector, experts, shared)
         self.expert_fn = expert_fn or self._moe_outputs
@@ -141,7 +140,7 @@ class FFNWorker:
 
     @staticmethod
     def _for_layer(weights, layer_idx: int):
-        if weights is None or isinstance(weights, moe.ExpertWeights):
+        if weights is None or isinstance(weights, moe.EXPERT_SET_TYPES):
             return weights
         if not 0 <= layer_idx < len(weights):
             raise ValueError(f"work item for layer {layer_idx}, worker has weights for {len(weights)} layers")

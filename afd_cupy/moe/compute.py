@@ -1,7 +1,7 @@
 """The experts' compute on the FFN side: the grouped routed MLP (:func:`grouped_mlp`, on
-Hopper two ``torch._grouped_mm`` launches), the shared MLP (:func:`shared_mlp`) and the
-``routed_scaling_factor`` rule (:func:`apply_routed_scaling`, :func:`combine_scale`). Part of
-:mod:`afd_cupy.moe`.
+Hopper two ``torch._grouped_mm`` launches, or two ``torch._scaled_grouped_mm`` launches for
+FP8 experts), the shared MLP (:func:`shared_mlp`) and the ``routed_scaling_factor`` rule
+(:func:`apply_routed_scaling`, :func:`combine_scale`). Part of :mod:`afd_cupy.moe`.
 """
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from afd_cupy.moe.weights import ExpertWeights, act_and_mul
+from afd_cupy.moe import fp8
+from afd_cupy.moe.fp8 import FP8ExpertWeights
+from afd_cupy.moe.weights import ExpertWeights, act_and_mul, gated_activation
 
 # NOTE: limits of torch._grouped_mm's CUTLASS path (aten/src/ATen/native/cuda/GroupMM.cu,
 # GroupedMMUtils.h): fewer than 1024 groups; every operand's data pointer and leading
@@ -59,12 +61,14 @@ def shared_mlp(x: torch.Tensor, shared_weights: ExpertWeights) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- grouped GEMM
 
-def grouped_mlp(x: torch.Tensor, group_counts: torch.Tensor, weights: ExpertWeights, *,
+def grouped_mlp(x: torch.Tensor, group_counts: torch.Tensor,
+                weights: ExpertWeights | FP8ExpertWeights, *,
                 group_counts_host: list[int] | None = None) -> torch.Tensor:
     """Run each local expert on its rows: the FFN rank's routed compute.
 
     x: [num_rows, H] rows grouped by local expert (expert 0's rows first, then 1, ...),
-       same dtype and device as `weights`; a view into a receive window is fine (not copied).
+       same dtype and device as `weights` (FP8 weights: any float dtype, their device); a
+       view into a receive window is fine (not copied).
     group_counts: [weights.num_experts] any int dtype, on x's device (or CPU): rows per
        expert. NOTE: sum(group_counts) must equal num_rows; this is verified only when the
        counts are already on the host (group_counts_host given, CPU counts, or loop path).
@@ -80,11 +84,21 @@ def grouped_mlp(x: torch.Tensor, group_counts: torch.Tensor, weights: ExpertWeig
       a gather and an add per bias.
     - otherwise a per-expert loop over host counts, computed in fp32 (inputs and weights
       upcast per expert; reference-grade accuracy, slower), rounded once to x.dtype.
+    - `FP8ExpertWeights` (`moe.fp8`): the rows quantized to E4M3 per row on the device, then
+      per GEMM E4M3 x E4M3 with the rows' and the weights' per-output-channel scales; the
+      activation in fp32, quantized per row again. Where `fp8.scaled_mm_unavailable_reason`
+      is None (SM90, bf16 rows) two `torch._scaled_grouped_mm` launches: device offsets, no
+      host synchronization, no host-to-device copy (group_counts on x's device): capturable.
+      Elsewhere the same operands emulated: per expert, the E4M3 codes in fp32 multiplied,
+      the scales applied to the product and the result rounded to x.dtype as torch's GEMM
+      does (equal to the native path up to fp32 accumulation order); host counts, as the loop.
     Zero rows return an empty [0, H] tensor without launching anything.
     """
     _check_grouped_args(x, group_counts, weights, group_counts_host)
     if x.shape[0] == 0:
         return x.new_empty((0, weights.hidden_size))
+    if isinstance(weights, FP8ExpertWeights):
+        return _grouped_mlp_fp8(x, group_counts, weights, group_counts_host)
     if grouped_mm_supported(x, weights):
         return _grouped_mlp_fused(x, group_counts, weights)
     counts = group_counts_host if group_counts_host is not None else group_counts.tolist()
@@ -171,11 +185,55 @@ def _grouped_mlp_loop(x: torch.Tensor, counts: list[int], weights: ExpertWeights
     return out
 
 
+def _grouped_mlp_fp8(x: torch.Tensor, group_counts: torch.Tensor, weights: FP8ExpertWeights,
+                     group_counts_host: list[int] | None) -> torch.Tensor:
+    """FP8 experts on x [rows, H] -> [rows, H] x.dtype (``grouped_mlp``'s doc)."""
+    if fp8.scaled_mm_unavailable_reason(x, weights) is None:
+        offs = torch.cumsum(group_counts, dim=0, dtype=torch.int32).to(x.device, non_blocking=True)
+        gemm = functools.partial(_scaled_grouped_mm, offs=offs)
+    else:
+        counts = group_counts_host if group_counts_host is not None else group_counts.tolist()
+        _check_counts_sum(counts, x.shape[0])
+        gemm = functools.partial(_emulated_scaled_mm, counts=counts)
+    x_q, x_scale = fp8.quantize_rowwise(x)
+    gate_up = gemm(x_q, x_scale, weights.w13, weights.w13_scale, out_dtype=x.dtype)
+    hidden = gated_activation(gate_up.float(), weights.activation, swiglu_limit=weights.swiglu_limit,
+                              swiglu_alpha=weights.swiglu_alpha)
+    hidden_q, hidden_scale = fp8.quantize_rowwise(hidden)
+    return gemm(hidden_q, hidden_scale, weights.w2, weights.w2_scale, out_dtype=x.dtype)
+
+
+def _scaled_grouped_mm(a_q, a_scale, w_q, w_scale, *, offs, out_dtype) -> torch.Tensor:
+    """a_q [rows, K] E4M3 row-major, a_scale fp32 [rows], w_q [E, N, K] E4M3 (its transpose is
+    the column-major B), w_scale fp32 [E, N] -> [rows, N] out_dtype (bf16). NOTE: rows past
+    offs[-1] would be left unwritten; the caller has offs[-1] == rows."""
+    return torch._scaled_grouped_mm(a_q, w_q.transpose(1, 2), a_scale, w_scale, offs=offs,
+                                    out_dtype=out_dtype)
+
+
+def _emulated_scaled_mm(a_q, a_scale, w_q, w_scale, *, counts, out_dtype) -> torch.Tensor:
+    """What :func:`_scaled_grouped_mm` computes, per expert on host counts: the E4M3 codes
+    multiplied in fp32 (their products are exact), then both scales, then one rounding."""
+    out = torch.empty((a_q.shape[0], w_q.shape[1]), dtype=out_dtype, device=a_q.device)
+    start = 0
+    for expert, num_rows in enumerate(counts):
+        rows = slice(start, start + num_rows)
+        if num_rows:
+            product = a_q[rows].float() @ w_q[expert].float().T
+            out[rows] = (product * a_scale[rows].unsqueeze(1) * w_scale[expert]).to(out_dtype)
+        start += num_rows
+    return out
+
+
 def _check_grouped_args(x, group_counts, weights, group_counts_host) -> None:
     if x.dim() != 2 or x.shape[1] != weights.hidden_size:
         raise ValueError(f"x must be [num_rows, hidden={weights.hidden_size}], "
                          f"got {tuple(x.shape)}")
-    if x.dtype != weights.dtype or x.device != weights.device:
+    if isinstance(weights, FP8ExpertWeights):
+        if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or x.device != weights.device:
+            raise ValueError(f"x ({x.dtype}, {x.device}) must be bf16, fp16 or fp32 rows on the FP8 "
+                             f"experts' device ({weights.device})")
+    elif x.dtype != weights.dtype or x.device != weights.device:
         raise ValueError(f"x ({x.dtype}, {x.device}) must match the expert weights "
                          f"({weights.dtype}, {weights.device})")
     if group_counts.dim() != 1 or group_counts.shape[0] != weights.num_experts \

@@ -26,10 +26,14 @@ Variants (``VARIANTS``), all computing ``glu(x @ w1.T, x @ w3.T) @ w2.T`` per ex
   group starts on a tile boundary.
 - ``carveout_auto``: ``current`` inside ``moe.sm_carveout`` with the FFN side's "auto" value
   (``current`` itself runs with no carve-out).
-- ``fp8_rowwise`` (``FP8_VARIANT``, timed separately): E4M3 weights with one fp32 scale per
-  output channel and per-row dynamic E4M3 activations, ``torch._scaled_grouped_mm``; where
-  that does not exist (the CPU, an older torch) it is emulated (dequantize, then an fp32
-  grouped GEMM) so that its numerics can be tested anywhere (``fp8_unavailable_reason``).
+- ``fp8_rowwise`` and ``fp8_block`` (``FP8_VARIANTS``, timed separately): the library's FP8
+  experts (``moe.FP8ExpertWeights`` through ``moe.grouped_mlp``: E4M3 weights with one fp32
+  scale per output channel, per-row dynamic E4M3 activations, ``torch._scaled_grouped_mm``),
+  the weights quantized per row from the bf16 ones (``fp8_rowwise``) or as a DeepSeek-V3
+  checkpoint stores them, 128x128 blocks, then converted (``fp8_block``: what an FP8
+  checkpoint serves with). Where torch's FP8 grouped GEMM cannot run (the CPU, an older torch,
+  not SM90) it is emulated, so that its numerics can be tested anywhere
+  (``fp8_unavailable_reason``).
 
 Supported: the gated activations of ``moe.EXPERT_ACTIVATIONS``, no expert biases (the
 benchmark's experts have none; ValueError otherwise). On the CPU every variant computes in
@@ -44,36 +48,35 @@ import numpy as np
 import torch
 
 from afd_cupy import moe
+from afd_cupy.moe import fp8
 
-__all__ = ["VARIANTS", "FP8_VARIANT", "PreparedExperts", "RowPlan", "prepare", "plan", "run",
-           "fp8_unavailable_reason", "quantize_rowwise_fp8", "dequantize_rowwise_fp8"]
+__all__ = ["VARIANTS", "FP8_VARIANT", "FP8_BLOCK_VARIANT", "FP8_VARIANTS", "PreparedExperts", "RowPlan",
+           "prepare", "plan", "run", "fp8_unavailable_reason"]
 
 VARIANTS = ("current", "split_gate_up", "trim_empty", "per_expert", "kn_layout", "pad_rows16",
             "carveout_auto")
 FP8_VARIANT = "fp8_rowwise"
-ALL_VARIANTS = VARIANTS + (FP8_VARIANT,)
+FP8_BLOCK_VARIANT = "fp8_block"
+FP8_VARIANTS = (FP8_VARIANT, FP8_BLOCK_VARIANT)
+ALL_VARIANTS = VARIANTS + FP8_VARIANTS
 
 #: rows per group of ``pad_rows16``
 PAD_ROWS = 16
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite E4M3 (fn) value
-_FP8_EPS = 1e-12
 
 
 @dataclass(frozen=True, eq=False)
 class PreparedExperts:
     """One variant's weights. ``weights``: the source set. ``w_a`` / ``w_b`` / ``w_c``: the
-    variant's own tensors (split: w1 [E, I, H], w3 [E, I, H], w2; kn: [E, H, 2I], [E, I, H];
-    fp8: w13 [E, 2I, H] E4M3, w2 [E, H, I] E4M3), else None. ``scale_a`` / ``scale_b``: fp8 only,
-    fp32 [E, 2I] / [E, H] dequantization scales. ``carveout``: SMs left free (carveout_auto)."""
+    variant's own tensors (split: w1 [E, I, H], w3 [E, I, H], w2; kn: [E, H, 2I], [E, I, H]),
+    else None. ``fp8_weights``: the FP8 variants' ``moe.FP8ExpertWeights``. ``carveout``: SMs
+    left free (carveout_auto)."""
 
     variant: str
     weights: moe.ExpertWeights
     w_a: torch.Tensor | None = None
     w_b: torch.Tensor | None = None
     w_c: torch.Tensor | None = None
-    scale_a: torch.Tensor | None = None
-    scale_b: torch.Tensor | None = None
+    fp8_weights: moe.FP8ExpertWeights | None = None
     carveout: int = 0
 
 
@@ -94,39 +97,16 @@ class RowPlan:
 
 
 def fp8_unavailable_reason(device) -> str | None:
-    """Why ``fp8_rowwise`` runs emulated on ``device`` (None: torch's scaled grouped GEMM)."""
-    device = torch.device(device)
-    if not hasattr(torch, "_scaled_grouped_mm"):
-        return f"torch {torch.__version__} has no torch._scaled_grouped_mm"
-    if device.type != "cuda":
-        return f"torch._scaled_grouped_mm needs a CUDA device, got {device}"
-    major = torch.cuda.get_device_capability(device)[0]
-    if major != 9:
-        return f"torch's FP8 grouped GEMM runs on SM90, this device is SM{major}x"
-    return None
-
-
-def quantize_rowwise_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """E4M3 with one fp32 scale per row: t [..., N, K] any float -> (q [..., N, K] E4M3,
-    scale fp32 [..., N]) with ``q * scale ~= t`` (scale = amax(|row|) / 448; an all-zero row
-    gets a tiny scale and zeros). Device of ``t``; no host synchronization."""
-    amax = t.abs().amax(dim=-1, keepdim=True).float()
-    scale = amax.clamp(min=_FP8_EPS) / FP8_MAX
-    q = (t.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale.squeeze(-1)
-
-
-def dequantize_rowwise_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`quantize_rowwise_fp8`: fp32 ``q * scale[..., None]``."""
-    return q.float() * scale.unsqueeze(-1)
+    """Why the FP8 variants run emulated on ``device`` (None: torch's scaled grouped GEMM)."""
+    return fp8.scaled_mm_device_reason(device)
 
 
 # --------------------------------------------------------------------------- prepare / plan
 
 def prepare(weights: moe.ExpertWeights, variant: str) -> PreparedExperts:
     """The variant's weights from ``weights`` (a local or global set, no biases). Copies for
-    split_gate_up / kn_layout (one more copy of w13 or of both) and fp8_rowwise (E4M3, half
-    the bytes); the others keep views. ValueError for an unknown variant or biases."""
+    split_gate_up / kn_layout (one more copy of w13 or of both) and the FP8 variants (E4M3,
+    half the bytes, quantized one expert at a time); the others keep views. ValueError for an unknown variant or biases."""
     if variant not in ALL_VARIANTS:
         raise ValueError(f"variant must be one of {ALL_VARIANTS}, got {variant!r}")
     if weights.has_bias:
@@ -138,24 +118,13 @@ def prepare(weights: moe.ExpertWeights, variant: str) -> PreparedExperts:
     if variant == "kn_layout":
         return PreparedExperts(variant, weights, weights.w13.transpose(1, 2).contiguous(),
                                weights.w2.transpose(1, 2).contiguous())
-    if variant == FP8_VARIANT:
-        q13, s13 = _quantize_experts(weights.w13)
-        q2, s2 = _quantize_experts(weights.w2)
-        return PreparedExperts(variant, weights, q13, q2, scale_a=s13, scale_b=s2)
+    if variant in FP8_VARIANTS:
+        fp8_weights = moe.FP8ExpertWeights.quantize(weights, blockwise=variant == FP8_BLOCK_VARIANT)
+        return PreparedExperts(variant, weights, fp8_weights=fp8_weights)
     carveout = 0
     if variant == "carveout_auto":
         carveout = moe.resolve_gemm_sm_carveout("auto", device=weights.device)
     return PreparedExperts(variant, weights, carveout=carveout)
-
-
-def _quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`quantize_rowwise_fp8` of w [E, N, K] one expert at a time (the fp32 temporaries
-    of a whole DeepSeek-V3 layer would need ~90 GB)."""
-    q = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
-    scale = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
-    for expert in range(w.shape[0]):
-        q[expert], scale[expert] = quantize_rowwise_fp8(w[expert])
-    return q, scale
 
 
 def plan(prepared: PreparedExperts, group_counts: torch.Tensor, group_counts_host) -> RowPlan:
@@ -232,7 +201,7 @@ def _compute(prepared: PreparedExperts, x: torch.Tensor, row_plan: RowPlan) -> t
         return _fused_pair(x, prepared.w_a, prepared.w_b, row_plan.offs, weights)
     if variant == "split_gate_up":
         return _split_pair(x, prepared, row_plan.offs)
-    return _fp8_pair(x, prepared, row_plan.offs)
+    return moe.grouped_mlp(x, row_plan.counts, prepared.fp8_weights, group_counts_host=row_plan.counts_host)
 
 
 def _glu(gate_up: torch.Tensor, weights: moe.ExpertWeights, out_dtype) -> torch.Tensor:
@@ -269,28 +238,3 @@ def _per_expert(x, counts_host: list, weights: moe.ExpertWeights, out=None) -> t
         out[rows] = torch.nn.functional.linear(_glu(gate_up, weights, x.dtype), weights.w2[expert])
         start += num_rows
     return out
-
-
-def _fp8_pair(x, prepared: PreparedExperts, offs) -> torch.Tensor:
-    """E4M3 weights (per output channel) and per-row E4M3 activations; bf16 (x.dtype) out.
-    Emulated where torch's scaled grouped GEMM cannot run (module doc)."""
-    weights = prepared.weights
-    native = fp8_unavailable_reason(x.device) is None
-    gmm = _scaled_gmm if native else _emulated_scaled_gmm
-    xq, xs = quantize_rowwise_fp8(x)
-    gate_up = gmm(xq, xs, prepared.w_a, prepared.scale_a, offs, x.dtype)
-    hq, hs = quantize_rowwise_fp8(_glu(gate_up, weights, x.dtype))
-    return gmm(hq, hs, prepared.w_b, prepared.scale_b, offs, x.dtype)
-
-
-def _scaled_gmm(aq, a_scale, bq, b_scale, offs, out_dtype) -> torch.Tensor:
-    """torch._scaled_grouped_mm: aq [M, K] E4M3 row-major, bq [G, N, K] E4M3 (its transpose
-    is the column-major B), scales fp32 [M] and [G, N] (dequantization factors)."""
-    return torch._scaled_grouped_mm(aq, bq.transpose(1, 2), a_scale, b_scale, offs=offs,
-                                    out_dtype=out_dtype)
-
-
-def _emulated_scaled_gmm(aq, a_scale, bq, b_scale, offs, out_dtype) -> torch.Tensor:
-    a = dequantize_rowwise_fp8(aq, a_scale)
-    b = dequantize_rowwise_fp8(bq, b_scale)
-    return torch._grouped_mm(a, b.transpose(1, 2), offs=offs).to(out_dtype)

@@ -34,11 +34,13 @@ def test_bench_moe_layer_tiny_cpu(tmp_path):
     assert [row["tokens"] for row in tiny["rows"]] == [1, 8]
     for row in tiny["rows"]:
         for key in ("one_process_us", "afd_us", "afd_over_one_process", "routed_us", "routed_floor_us",
-                    "layer_floor_us", "routed_floor_fraction", "experts_hit", "fp8_us", "fp8_rel_err"):
+                    "layer_floor_us", "routed_floor_fraction", "experts_hit", "fp8_us", "fp8_rel_err",
+                    "fp8_block_us", "fp8_block_rel_err"):
             assert row[key] is not None and row[key] > 0, key
         assert 1 <= row["experts_hit"] <= min(8, row["tokens"] * 2)
         assert row["afd_rel_err"] <= 1e-2, row["afd_rel_err"]  # AFD == one process
         assert 1e-3 < row["fp8_rel_err"] < 0.15 and row["fp8_native"] is False  # emulated on the CPU
+        assert 1e-3 < row["fp8_block_rel_err"] < 0.15 and row["fp8_block_native"] is False
     from afd_cupy.moe.expert_gemm import ALL_VARIANTS
 
     assert {v["variant"] for v in tiny["variants"]} == set(ALL_VARIANTS)
@@ -64,6 +66,8 @@ def test_floors_and_targets_arithmetic():
                            {"variant": "kn_layout", "tokens": 128, "median_us": 80.0},
                            {"variant": "fp8_rowwise", "tokens": 128, "median_us": 50.0, "native": True,
                             "rel_err_vs_bf16": 0.05},
+                           {"variant": "fp8_block", "tokens": 128, "median_us": 80.0, "native": True,
+                            "rel_err_vs_bf16": 0.07},
                            {"variant": "current", "tokens": 4096, "median_us": 1000.0}]}
     afd = {128: {"afd": {"median_us": 600.0}, "afd_rel_err": 1e-3},
            4096: {"afd": {"median_us": 2200.0}, "afd_rel_err": 1e-3}}
@@ -71,6 +75,7 @@ def test_floors_and_targets_arithmetic():
     r128, r4096 = report["rows"]
     assert r128["routed_floor_fraction"] == pytest.approx(f["routed_floor_us"] / 100.0)
     assert r128["best_variant"] == "kn_layout" and r128["fp8_speedup"] == pytest.approx(2.0)
+    assert r128["fp8_block_speedup"] == pytest.approx(1.25) and r128["fp8_block_rel_err"] == 0.07
     assert r128["afd_over_one_process"] == pytest.approx(1.2)
     flops = 6.0 * 4096 * 6 * 2048 * 1408
     assert r4096["grouped_tflops"] == pytest.approx(flops / 1e-3 / 1e12)
@@ -79,6 +84,7 @@ def test_floors_and_targets_arithmetic():
     assert status["AFD / one process at decode 128"] == "MISS"  # 1.2 > 1.15
     assert status["AFD / one process at prefill 4096"] == "MISS"  # 1.1 > 1.05
     assert status["FP8 weights speedup vs bf16 at decode 128"] == "PASS"  # 2.0 >= 1.6
+    assert status["FP8 block-scaled checkpoint weights speedup vs bf16 at decode 128"] == "MISS"  # 1.25
     expected = "PASS" if f["routed_floor_us"] / 100.0 >= 0.85 else "MISS"
     assert status["routed experts at decode 128 / weight-read floor"] == expected
 
@@ -106,6 +112,7 @@ def test_bench_moe_layer_small_cuda(tmp_path):
 
     if fp8_unavailable_reason("cuda") is None:
         assert all(r["fp8_native"] and r["fp8_rel_err"] < 0.15 for r in small["rows"])
+        assert all(r["fp8_block_native"] and r["fp8_block_rel_err"] < 0.15 for r in small["rows"])
 
 
 def test_gpu_suite_moe1_runs_the_quick_benchmark_and_its_arguments_parse():

@@ -3,7 +3,8 @@
 On the CPU: the option's validation, every reason of the applicability check against fake
 cuda connectors (no device access is reached before the reason), the memory and timeout
 rules, ``run()`` through a stand-in graph server (items counted, failure announced after the
-server closed, a refused server falls back to the loop), and the host backend end to end: the
+server closed, a refused server falls back to the loop; FP8 experts are looped, logged with
+their reason, and the reply is their FP8 compute), and the host backend end to end: the
 loop serves, the log says once why, ``serving="graph"`` fails the Attention side with the
 reason. On the GPU (``cuda``): the default ``FFNWorker`` serves 1A1F through the graph FFN,
 with identity experts and with bf16 experts checked against the MoE reference."""
@@ -17,7 +18,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from afd_cupy import moe
 from afd_cupy.backends.base import Capabilities
+from afd_cupy.backends.cuda_ffn_graph_capture import stack_weights
 from afd_cupy.config import ConnectorConfig, ModelConfig, TopologyConfig
 from afd_cupy.connector import AFDConnector
 from afd_cupy.errors import ConfigError, ConnectorShutdown, PeerFailedError, WireError
@@ -67,6 +70,10 @@ def _shared(dtype=torch.bfloat16, **changes):
     return dataclasses.replace(weights, **changes)
 
 
+def _fp8_experts():
+    return moe.FP8ExpertWeights.quantize(_experts(dtype=torch.float32))
+
+
 def _worker(conn=None, **kwargs):
     conn = conn or _fake_connector()
     if "expert_fn" not in kwargs:
@@ -109,6 +116,8 @@ REASONS = [  # (id, worker factory, a fragment of the reason)
     ("activations", lambda: _worker(experts=[_experts(), _experts(activation="gelu"), _experts()]),
      "routed experts with different activations per layer"),
     ("cpu-device", lambda: _worker(), "torch._grouped_mm does not take these experts on cpu"),
+    ("fp8", lambda: _worker(experts=[_experts(), _fp8_experts(), _experts()]),
+     "FP8 experts (moe.FP8ExpertWeights: the graph FFN stacks bf16 experts"),
 ]
 
 
@@ -121,6 +130,23 @@ def test_check_names_why_the_graph_ffn_does_not_apply(make, fragment):
     worker.serving = "graph"
     with pytest.raises(ConfigError, match=r"serving='graph'\): the graph FFN cannot serve here: "):
         plan_serving(worker)
+
+
+def test_fp8_experts_pass_the_weight_check_and_the_graph_refuses_them():
+    conn = _fake_connector()
+    wrong = dataclasses.replace(_fp8_experts(), num_experts=EPR + 1, w13=torch.zeros(EPR + 1, 2 * INTER, HIDDEN,
+                                dtype=torch.float8_e4m3fn), w13_scale=torch.ones(EPR + 1, 2 * INTER),
+                                w2=torch.zeros(EPR + 1, HIDDEN, INTER, dtype=torch.float8_e4m3fn),
+                                w2_scale=torch.ones(EPR + 1, HIDDEN))
+    with pytest.raises(ConfigError, match=r"routed experts are \(num_experts, hidden, intermediate, dtype\) = "
+                                          r"\(3, 16, 8, torch.bfloat16\)"):
+        _worker(conn, experts=wrong)
+    with pytest.raises(ConfigError, match="shared experts must be a moe.ExpertWeights, got FP8ExpertWeights"):
+        _worker(conn, experts=_fp8_experts(), shared=moe.FP8ExpertWeights.quantize(_shared(torch.float32)))
+    worker = _worker(conn, experts=_fp8_experts())  # the payload dtype (bf16) is the rows'
+    assert worker.serving_plan().mode == "loop"
+    with pytest.raises(ConfigError, match="the graph FFN does not run FP8 experts"):
+        stack_weights(worker.experts, worker.shared, LAYERS, EPR, "cpu")
 
 
 def test_identity_experts_on_a_cuda_connector_apply_and_loop_opts_out():
@@ -231,6 +257,26 @@ def test_a_refused_server_falls_back_to_the_loop_and_says_why(monkeypatch, caplo
     assert len(lines) == 1 and lines[0].levelno == logging.WARNING
     assert lines[0].getMessage() == ("afd_cupy ffn rank 0: graph FFN not used: GraphFFNServer refused: "
                                      "depth must be >= 1; serving with the Python loop")
+
+
+def test_fp8_experts_are_served_by_the_loop_which_says_why(caplog):
+    """auto on a cuda connector: the log names the FP8 experts; the loop's reply is the FP8
+    compute of the item's rows (not a bf16 one)."""
+    experts = _fp8_experts()
+    counts = [3, 2]
+    x = torch.randn(sum(counts), HIDDEN, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    item = SimpleNamespace(routed_x=x, group_counts=torch.tensor(counts), group_counts_host=counts,
+                           shared_x=None, layer_idx=1)
+    worker = _worker(_fake_connector(script=[item, "shutdown"]), experts=experts)
+    with caplog.at_level(logging.INFO, logger="afd_cupy"):
+        assert worker.run() == 1
+    assert worker.served_by == "loop" and "FP8 experts" in worker.serving_reason
+    [line] = [r for r in caplog.records if "graph FFN not used" in r.getMessage()]
+    assert line.levelno == logging.WARNING and "FP8 experts (moe.FP8ExpertWeights" in line.getMessage()
+    [(_, routed, shared)] = worker.connector.replies
+    want = moe.grouped_mlp(x, torch.tensor(counts), experts)
+    bf16 = moe.grouped_mlp(x, torch.tensor(counts), experts.dequantize(torch.bfloat16))
+    assert shared is None and torch.equal(routed, want) and not torch.equal(routed, bf16)
 
 
 def test_serving_graph_raises_a_refusal_and_announces_it(monkeypatch):
