@@ -322,12 +322,12 @@ afd_dispatch_fused(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-ma
                      expert_start, rank_offsets, verdict);
   }
 
-  // 2. This block's rows, a warp per (row, part of the row): row_parts spreads a decode batch's
-  // few long rows over more warps (the grid, scatter_grid with row_bytes, counts the parts).
+  // 2. This block's rows, a warp per (row, part of the row): few_row_parts spreads a small
+  // batch's few long rows over more warps (the grid, scatter_grid with row_bytes, counts them).
   const bool ok = (plan.code == STATUS_OK) && !plan.skip;
   if (ok) {
     const afd_i64 warp_stride = static_cast<afd_i64>(gridDim.x) * ROWS_PER_BLOCK;
-    const afd_i64 parts = row_parts(row_bytes);
+    const afd_i64 parts = few_row_parts(row_bytes, num_rows);
     for (afd_i64 item = static_cast<afd_i64>(blockIdx.x) * ROWS_PER_BLOCK + (tid >> 5);
          item < num_rows * parts; item += warp_stride) {
       const afd_i64 r = item / parts, part = item % parts;

@@ -184,6 +184,16 @@ __device__ __forceinline__ afd_i64 row_parts(afd_i64 row_bytes) {
   const afd_i64 parts = (row_bytes + ROW_PART_BYTES - 1) / ROW_PART_BYTES;
   return parts < 1 ? 1 : (parts > ROW_MAX_PARTS ? ROW_MAX_PARTS : parts);
 }
+// The pair row kernels (afd_dispatch_fused, afd_graph_reply; kernels.specs.few_row_parts mirrors
+// it) cut rows into row_parts only while the rows are few: up to ROW_PART_WARPS warps in all.
+// A 128-token pair message has 1152 rows, a warp each already; parts there only add blocks
+// beyond what an MPS share keeps resident.
+constexpr afd_i64 ROW_PART_WARPS = 1024;
+__device__ __forceinline__ afd_i64 few_row_parts(afd_i64 row_bytes, afd_i64 num_rows) {
+  const afd_i64 parts = row_parts(row_bytes);
+  const afd_i64 room = num_rows > 0 ? ROW_PART_WARPS / num_rows : parts;
+  return room < 1 ? 1 : (room < parts ? room : parts);
+}
 
 // ---- memory helpers --------------------------------------------------------------------------
 __device__ __forceinline__ void* byte_ptr(afd_u64 addr, afd_i64 offset) {

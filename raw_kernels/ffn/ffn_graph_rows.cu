@@ -72,7 +72,7 @@ afd_graph_reply(afd_u64 own_window,
   const afd_i64 num_routed = state[STATE_ROUTED];
   const afd_i64 num_rows = num_routed + state[STATE_SHARED];
   const afd_i64 warp_stride = static_cast<afd_i64>(gridDim.x) * ROWS_PER_BLOCK;
-  const afd_i64 parts = row_parts(row_bytes);  // a warp per (row, part): graph_reply_spec's grid
+  const afd_i64 parts = few_row_parts(row_bytes, num_rows);  // a warp per (row, part)
   for (afd_i64 item = static_cast<afd_i64>(blockIdx.x) * ROWS_PER_BLOCK + (tid >> 5);
        item < num_rows * parts; item += warp_stride) {
     const afd_i64 r = item / parts, part = item % parts;

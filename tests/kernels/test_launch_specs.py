@@ -554,6 +554,20 @@ def test_ffn_reply_writes_put_peers_into_the_staging_and_puts_its_rows(fake_spec
 
 def test_row_parts_mirror_the_kernels():
     text = (kernels.KERNEL_DIR / "common" / "wire.cuh").read_text()
-    values = dict(re.findall(r"constexpr afd_i64 (ROW_(?:PART_BYTES|MAX_PARTS)) = (\d+);", text))
+    values = dict(re.findall(r"constexpr afd_i64 (ROW_(?:PART_BYTES|MAX_PARTS|PART_WARPS)) = (\d+);", text))
     assert {k: int(v) for k, v in values.items()} == {
-        "ROW_PART_BYTES": specs.ROW_PART_BYTES, "ROW_MAX_PARTS": specs.ROW_MAX_PARTS}
+        "ROW_PART_BYTES": specs.ROW_PART_BYTES, "ROW_MAX_PARTS": specs.ROW_MAX_PARTS,
+        "ROW_PART_WARPS": specs.ROW_PART_WARPS}
+
+
+def test_few_row_parts_spread_small_pair_messages_only():
+    row = 7168 * 2  # a decode row: 4 parts of <= 4 KiB
+    assert specs.row_parts(row) == 4
+    assert specs.few_row_parts(row, 9) == 4        # 1 token, top-8 + a shared row
+    assert specs.few_row_parts(row, 288) == 3      # 32 tokens: 1024 // 288
+    assert specs.few_row_parts(row, 1152) == 1     # 128 tokens: a warp a row already
+    assert specs.few_row_parts(row, 0) == 4 and specs.few_row_parts(256, 3) == 1
+    # the grids count the warps the kernels walk (grid-stride loops: any grid is correct)
+    assert kernels.scatter_grid(1, 8, 1, row_bytes=row) == -(-9 * 4 // kernels.ROWS_PER_BLOCK) == 5
+    assert kernels.scatter_grid(128, 8, 1, row_bytes=row) == kernels.scatter_grid(128, 8, 1) == 144
+    assert kernels.reply_grid(9, row_bytes=row) == 5 and kernels.reply_grid(9) == 2

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from afd_cupy import moe
-from afd_cupy.moe import fp8
+from afd_cupy.moe import compute, fp8
 from afd_cupy.testing.reference import make_expert_weights
 
 HALF_ULP = 2.0 ** -4  # E4M3: 3 mantissa bits, round to nearest
@@ -269,7 +269,19 @@ def test_native_scaled_grouped_mm_matches_the_emulation_eager_and_in_a_graph():
     emulated = moe.grouped_mlp(x, torch.tensor(counts), cpu_weights)
     device_counts = torch.tensor(counts, dtype=torch.int32, device="cuda")
     eager = moe.grouped_mlp(x_dev, device_counts, weights)
-    assert _rel(eager.cpu(), emulated) < 5e-3, _rel(eager.cpu(), emulated)
+    # One scaled GEMM on the same E4M3 operands: the two differ by accumulation order and the
+    # bf16 rounding of the output only.
+    x_q, x_scale = fp8.quantize_rowwise(x)
+    offs = torch.cumsum(device_counts, 0, dtype=torch.int32)
+    native_1 = compute._scaled_grouped_mm(x_q.cuda(), x_scale.cuda(), weights.w13, weights.w13_scale,
+                                          offs=offs, out_dtype=torch.bfloat16)
+    emulated_1 = compute._emulated_scaled_mm(x_q, x_scale, cpu_weights.w13, cpu_weights.w13_scale,
+                                             counts=counts, out_dtype=torch.bfloat16)
+    assert _rel(native_1.cpu(), emulated_1) < 5e-3, _rel(native_1.cpu(), emulated_1)
+    # The whole MLP: the activation is quantized to E4M3 again (a code step is 2**-3 of its value),
+    # so a bf16-level difference of the first GEMM can move a code and the outputs part by up to
+    # ~1 % (8.2e-3 seen on an H200); the FP8 error budget itself is ~6 % (docs/design/fp8.md).
+    assert _rel(eager.cpu(), emulated) < 2e-2, _rel(eager.cpu(), emulated)
     out = torch.full_like(x_dev, float("nan"))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):  # eager call above warmed up; nothing but device work inside

@@ -23,7 +23,8 @@ Every public name of those modules is importable from here (``afd_cupy.kernels.s
 from afd_cupy.kernels.launches import LaunchSpec  # noqa: F401 - the builders' return type
 from afd_cupy.kernels.specs.limits import (CHUNK, KERNEL_LIMITS, MAX_BLOCKS, MAX_EXPERTS,
                                            MAX_FFN_RANKS, MAX_TOP_K, ROWS_PER_BLOCK, ROW_MAX_PARTS,
-                                           ROW_PART_BYTES, payload_row_bytes, row_grid, row_parts)
+                                           ROW_PART_BYTES, ROW_PART_WARPS, few_row_parts,
+                                           payload_row_bytes, row_grid, row_parts)
 from afd_cupy.kernels.specs.dispatch import (FUSED_MAX_SHARED_BYTES, dispatch_fused_spec,
                                              dispatch_num_chunks, dispatch_plan_spec,
                                              dispatch_scatter_spec, fused_dispatch_fits,
@@ -59,6 +60,6 @@ __all__ = [
     "gate_topk_spec", "graph_dedup_expand_spec", "graph_dedup_reply_spec", "graph_gather_spec",
     "graph_reply_spec", "graph_stage_spec", "graph_wait_stage_spec", "ll_dedup_dispatch_fits",
     "payload_row_bytes",
-    "plan_grid", "reply_grid", "reply_spec", "row_grid", "row_parts", "scatter_grid",
+    "few_row_parts", "plan_grid", "reply_grid", "reply_spec", "row_grid", "row_parts", "scatter_grid",
     "wait_any_spec", "wait_pass_mark", "wait_replies_spec",
 ]

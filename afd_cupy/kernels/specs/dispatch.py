@@ -12,7 +12,7 @@ from afd_cupy import wire
 from afd_cupy.kernels import checks, loader
 from afd_cupy.kernels.launches import LaunchSpec, launch_spec
 from afd_cupy.kernels.specs.limits import (CHUNK, KERNEL_LIMITS, MAX_BLOCKS, MAX_EXPERTS,
-                                           MAX_FFN_RANKS, payload_row_bytes, row_grid, row_parts)
+                                           MAX_FFN_RANKS, few_row_parts, payload_row_bytes, row_grid)
 from afd_cupy.kernels.specs.groups import publish_args, slot_args
 
 
@@ -217,6 +217,6 @@ def scatter_grid(num_tokens: int, top_k: int, has_shared: int, max_blocks: int =
                  row_bytes: int = 0) -> int:
     """Blocks of afd_dispatch_scatter (``row_bytes`` 0: one warp per routed partial and per
     shared row) and of afd_dispatch_fused (``row_bytes``: one warp per part of such a row,
-    :func:`~afd_cupy.kernels.specs.limits.row_parts`)."""
-    parts = row_parts(row_bytes) if row_bytes else 1
-    return row_grid((num_tokens * top_k + (num_tokens if has_shared else 0)) * parts, max_blocks)
+    :func:`~afd_cupy.kernels.specs.limits.few_row_parts`)."""
+    rows = num_tokens * top_k + (num_tokens if has_shared else 0)
+    return row_grid(rows * (few_row_parts(row_bytes, rows) if row_bytes else 1), max_blocks)

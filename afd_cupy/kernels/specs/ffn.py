@@ -10,7 +10,7 @@ from afd_cupy import wire
 from afd_cupy.kernels import checks, loader
 from afd_cupy.kernels.launches import LaunchSpec, launch_spec
 from afd_cupy.kernels.specs.limits import (KERNEL_LIMITS, MAX_BLOCKS, MAX_TOP_K, payload_row_bytes,
-                                           row_grid, row_parts)
+                                           few_row_parts, row_grid, row_parts)
 
 
 def wait_any_spec(*, window, geo, last_seen, scan_start, counts_snapshot, timeout_ns, doorbell,
@@ -74,9 +74,8 @@ def reply_spec(*, dtype_code, dst_window, geo, src_rank, ring, routed_out, num_r
 def reply_grid(num_rows: int, max_blocks: int = MAX_BLOCKS, row_bytes: int = 0) -> int:
     """Blocks of afd_reply and afd_graph_gather (``row_bytes`` 0: one warp per output row) and of
     afd_graph_reply (``row_bytes``: one warp per part of a row,
-    :func:`~afd_cupy.kernels.specs.limits.row_parts`); at least 1."""
-    parts = row_parts(row_bytes) if row_bytes else 1
-    return row_grid(num_rows * parts, max_blocks)
+    :func:`~afd_cupy.kernels.specs.limits.few_row_parts`); at least 1."""
+    return row_grid(num_rows * (few_row_parts(row_bytes, num_rows) if row_bytes else 1), max_blocks)
 
 
 def dedup_expand_spec(*, dtype_code, window, geo, region, ring, num_rows, num_tokens, num_routed,

@@ -60,3 +60,16 @@ ROW_MAX_PARTS = 8
 def row_parts(row_bytes: int) -> int:
     """Warps (column ranges) per payload row of the dedup row kernels, as they compute them."""
     return max(1, min(-(-int(row_bytes) // ROW_PART_BYTES), ROW_MAX_PARTS))
+
+
+#: the pair row kernels (afd_dispatch_fused, afd_graph_reply) cut rows into parts only up to
+#: this many warps in all (wire.cuh: ROW_PART_WARPS, few_row_parts)
+ROW_PART_WARPS = 1024
+
+
+def few_row_parts(row_bytes: int, num_rows: int) -> int:
+    """Warps per payload row of the pair row kernels for ``num_rows`` rows, as they compute it:
+    :func:`row_parts` while the rows are few, fewer as they grow, 1 from ROW_PART_WARPS rows."""
+    parts = row_parts(row_bytes)
+    room = ROW_PART_WARPS // int(num_rows) if int(num_rows) > 0 else parts
+    return max(1, min(room, parts))
