@@ -1,6 +1,6 @@
 """CPU tests of the planner's one-GPU terms: the fluid contention model with a κ per kind of
-phase and the service-time noise (afd_cupy.capacity.sim, .shared_gpu), against hand-computed
-bounds."""
+phase, the service-time noise, and their fits to solo-type rounds (afd_cupy.capacity:
+sim, contention, noise), against hand-computed bounds."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,7 +8,11 @@ import dataclasses
 import pytest
 
 from afd_cupy.capacity import Deployment, Link, ModelShape, ReplicaLoad, SimConfig, parse_placements, simulate
+from afd_cupy.capacity import calibrate as cal
 from afd_cupy.capacity import costs as cm
+from afd_cupy.capacity.contention import BENCH_CORUN_FFN_KAPPA, Contention
+from afd_cupy.capacity.noise import fit_noise, solo_spread
+from afd_cupy.capacity.validate import Case, MeasuredRun, validate_runs
 from afd_cupy.errors import ConfigError
 
 from helpers.capacity import small_costs
@@ -92,6 +96,8 @@ def test_per_phase_contention_with_equal_factors_is_the_scalar_one():
     assert one_gpu(hbm_contention=0.3, ffn_contention=0.0).contention("ffn") == 0.0
     with pytest.raises(ConfigError, match=r"Deployment\.ffn_contention"):
         one_gpu(ffn_contention=-1.0)
+    with pytest.raises(ConfigError, match=r"Contention\.ffn"):
+        Contention(0.1, -0.5)
 
 
 def test_two_phases_that_overlap_throughout_each_run_slower_by_one_plus_kappa_times_the_others_share():
@@ -138,3 +144,38 @@ def test_the_ffn_term_slows_the_expert_gemms_beside_a_running_attention():
     assert res.ffn[0].busy_per_batch_s == pytest.approx(gemm * (1 + 0.4 * 0.5), rel=1e-9)
     plain = simulate(SHAPE, one_gpu(), loads, c, SimConfig(steps=4))
     assert plain.ffn[0].busy_per_batch_s == pytest.approx(gemm, rel=1e-12)
+
+
+# --------------------------------------------------------------------------- fits to solo-type rounds
+
+def _spread_run(cv_true: float) -> MeasuredRun:
+    """A 2A1F prefill MeasuredRun whose solo spreads the simulator made at ``cv_true``."""
+    case = Case("skew", ((512,), (64,)), (None, None))
+    run = MeasuredRun("synthetic", "test", SHAPE, "0:50,0:50,0:50", 2, (case,), link=LINK)
+    spreads = tuple(solo_spread(run, small_costs(), case, a, cv_true) for a in range(2))
+    return dataclasses.replace(run, cases=(dataclasses.replace(case, solo_spread=spreads),))
+
+
+def test_fit_noise_recovers_the_cv_that_made_the_solo_spreads():
+    for cv in (0.05, 0.3):
+        assert fit_noise(_spread_run(cv), small_costs()) == pytest.approx(cv, rel=0.02)
+    bare = MeasuredRun("synthetic", "test", SHAPE, "0:50,0:50,0:50", 2, (Case("skew", ((512,), (64,)), (None, None)),))
+    assert fit_noise(bare, small_costs()) is None  # nothing measured: no noise
+
+
+def test_a_run_without_a_co_run_round_takes_its_terms_from_contention_from(monkeypatch):
+    from afd_cupy.capacity import validate as validate_mod
+
+    monkeypatch.setattr(validate_mod, "calibrated_costs", lambda run, base=None: small_costs())
+    lengths = ((2048, 16), (128, 16))
+    made = MeasuredRun("donor", "test", SHAPE, "0:50,0:50,0:50", 2,
+                       (Case("skew", lengths, (None, None), kind="decode", output_len=8),))
+    # no FFN busy time in the donor's round: its FFN term is bench_corun's, its attention's fitted
+    corun = validate_mod.predict_corun(made, small_costs(), made.cases[0], Contention(0.5, BENCH_CORUN_FFN_KAPPA),
+                                       cal.SIM_FOR_BENCH)
+    donor = dataclasses.replace(made, cases=(dataclasses.replace(made.cases[0], corun_ms=tuple(c.step_ms for c in corun)),))
+    taker = dataclasses.replace(made, name="taker", contention_from="donor")
+    out = {run.name: rows for run, _, rows in validate_runs([(taker, None), (donor, None)])}
+    donor_kappa = (out["donor"][0]["hbm_contention"], out["donor"][0]["ffn_contention"])
+    assert donor_kappa[0] == pytest.approx(0.5, rel=0.05)  # the donor's attention term, fitted to its co-run
+    assert all((r["hbm_contention"], r["ffn_contention"]) == donor_kappa for r in out["taker"])
