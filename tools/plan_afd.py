@@ -11,7 +11,8 @@ Three modes; each prints tables and writes ``plan_afd.json`` into ``--out``:
   (powers of two, multiples of 8, the fewest that hold the experts) with A = GPUs - F, under
   async, async_merge (a what-if) and lockstep, and picks the most tokens/s per GPU whose
   worst time per output token p99 <= ``--sla-ms``. ``--example tiny``: the same at a toy size.
-- ``--validate``: predicted vs measured (afd_cupy.capacity.validate): the GPU runs quoted in
+- ``--validate``: predicted vs measured (afd_cupy.capacity.validate): the shipped GPU runs
+  (afd_cupy/capacity/data/), the ones quoted in
   docs/benchmarks.md of ca1687d (git history) and issue #36, and each ``--bench-afd JSON`` (a plain run's
   ``bench_afd.json`` or a ``--sweep``'s ``bench_afd_sweep.json``, one run per split; host-backend
   runs need ``--cores``: busy-polling processes share that many CPU cores).
@@ -45,6 +46,7 @@ from afd_cupy.capacity import (  # noqa: E402
 )
 from afd_cupy.capacity import calibrate as cal  # noqa: E402
 from afd_cupy.capacity import measured, validate  # noqa: E402
+from afd_cupy.capacity.contention import Contention  # noqa: E402
 from afd_cupy.capacity.search import Target, search  # noqa: E402
 
 DEEPSEEK_V3 = ModelShape(layers=61, hidden=7168, experts=256, top_k=8, intermediate=2048, shared_experts=1,
@@ -112,6 +114,38 @@ def quantity_group(quantity: str) -> str:
     return "FFN busy" if "busy" in quantity else "ratio"
 
 
+#: the planner's target: predicted step time and tokens/s within 15 % of the measured ones
+TARGET = 0.15
+
+
+def cells_within(rows: list, target: float = TARGET) -> dict:
+    """{kind of run: (cells within ``target``, cells)} over the step-time and tokens/s rows
+    that are no fit input; kinds: the shipped decode runs, the shipped prefill runs, the
+    quoted runs and other (the runs given on the command line)."""
+    out: dict = {}
+    for r in rows:
+        if "fit input" in r["quantity"] or quantity_group(r["quantity"]) not in ("step time", "tokens/s") \
+                or not math.isfinite(r["error"]):
+            continue
+        if any(r["run"] == g.name for g in measured.QUOTED_RUNS):
+            kind = "gpu, quoted"
+        elif any(r["run"] == g.name for g in measured.GPU_RUNS):
+            kind = "gpu, shipped JSON, " + ("decode" if "decode" in r["run"] else "prefill")
+        else:
+            kind = "other"
+        inside, total = out.get(kind, (0, 0))
+        out[kind] = (inside + (abs(r["error"]) <= target), total + 1)
+    return out
+
+
+def contention_arg(args) -> Contention | None:
+    """The one-GPU contention terms the command line imposes (None: validate fits them)."""
+    if args.hbm_contention is None and args.ffn_contention is None:
+        return None
+    attention = args.hbm_contention or 0.0
+    return Contention(attention, attention if args.ffn_contention is None else args.ffn_contention)
+
+
 def run_validate(args) -> dict:
     runs = [(run, None) for run in measured.GPU_RUNS]
     for i, path in enumerate(args.bench_afd or []):
@@ -125,12 +159,11 @@ def run_validate(args) -> dict:
         runs += [(run, None) for run in validate.runs_from_decode_report(
             report, f"{report.get('backend')} decode {i} ({report.get('run', {}).get('commit')})")]
     out, all_rows = [], []
-    for run, base in runs:
-        costs, rows = validate.validate(run, base, hbm_contention=args.hbm_contention)
+    for run, costs, rows in validate.validate_runs(runs, contention_arg(args), args.noise_cv):
         all_rows += rows
-        kappa = rows[0]["hbm_contention"] if rows else args.hbm_contention
+        kappa = {k: rows[0][k] if rows else None for k in ("hbm_contention", "ffn_contention", "noise_cv")}
         out.append({"run": run.name, "source": run.source, "placement": run.placement,
-                    "costs": dataclasses.asdict(costs), "hbm_contention": kappa, "rows": rows})
+                    "costs": dataclasses.asdict(costs), **kappa, "rows": rows})
     print(bc.format_table(("run", "workload", "quantity", "predicted", "measured", "error %"),
                           [(r["run"], r["workload"], r["quantity"], r["predicted"], r["measured"],
                             r["error"] * 100) for r in all_rows]))
@@ -145,13 +178,19 @@ def run_validate(args) -> dict:
             worst[key] = r
     for key, r in sorted(worst.items()):
         print(f"worst {key} error: {r['error'] * 100:+.1f} % ({r['run']}, {r['workload']}, {r['quantity']})")
+    within = cells_within(all_rows)
+    for key, (inside, total) in sorted(within.items()):
+        print(f"{key}: {inside} of {total} step-time and tokens/s cells within {TARGET:.0%}")
     print("not measured yet: " + "; ".join(measured.NOT_MEASURED))
-    return {"mode": "validate", "runs": out, "worst": worst, "not_measured": list(measured.NOT_MEASURED)}
+    return {"mode": "validate", "runs": out, "worst": worst, "within": within,
+            "not_measured": list(measured.NOT_MEASURED)}
 
 
 def run_simulate(args) -> dict:
     places = parse_placements(args.placement)
-    dep = Deployment(places[:args.attn], places[args.attn:], hbm_contention=args.hbm_contention or 0.0)
+    kappa = contention_arg(args) or Contention()
+    dep = Deployment(places[:args.attn], places[args.attn:], hbm_contention=kappa.attention,
+                     ffn_contention=kappa.ffn)
     if args.decode:
         loads = tuple(ReplicaLoad("decode", batch_size=int(b), context_len=int(c), output_len=args.output_len)
                       for b, c in (item.split(":") for item in args.decode.split(",")))
@@ -210,8 +249,14 @@ def parse_args(argv=None):
     p.add_argument("--decode", default=None, help="simulate: B:CTX per replica, e.g. 64:1024,64:16384")
     p.add_argument("--schedule", nargs="+", default=["async", "lockstep"])
     p.add_argument("--hbm-contention", type=float, default=None,
-                   help="the one-GPU contention term (Deployment.hbm_contention); validate: default fitted to "
-                        "each run's co-run solo steps where it has them, else 0; simulate: default 0")
+                   help="the one-GPU contention term κ of every phase (Deployment.hbm_contention); validate: "
+                        "default fitted to each run's co-run solo rounds, what they do not measure from the run "
+                        "its contention_from names or bench_corun (docs/design/planner.md); simulate: 0")
+    p.add_argument("--noise-cv", type=float, default=None,
+                   help="validate: the multi-replica runs' service-time noise (SimConfig.noise_cv); default "
+                        "fitted to each run's solo step spread where it has one, else 0")
+    p.add_argument("--ffn-contention", type=float, default=None,
+                   help="the FFN expert GEMMs' own κ (Deployment.ffn_contention; default: --hbm-contention's)")
     p.add_argument("--costs-run", default=None, help="simulate: FFN host + GEMM costs fitted on a measured GPU "
                                                     "run (measured.GPU_RUNS, e.g. ca1687d)")
     p.add_argument("--attn-params", type=float, default=None, help="simulate: attention parameters per layer")

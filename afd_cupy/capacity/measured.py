@@ -9,6 +9,7 @@ in the same wall time, so their mean batch times are equal).
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from afd_cupy.capacity import calibrate as cal
@@ -26,6 +27,12 @@ WEIGHT_READ_NO_CARVEOUT_GBPS = 2600.0 / 1.45
 #: bench_afd --quick's synthetic DeepSeek-V2-Lite shape: 4 layers
 V2_LITE_QUICK = ModelShape(layers=4, hidden=2048, experts=64, top_k=6, intermediate=1408, shared_experts=2)
 
+#: the run whose co-run solo round gives the contention terms a bench_afd run of the V2-Lite
+#: quick model does not measure itself (the only bench_afd run with that round and the FFN's
+#: busy time in it)
+PREFILL_CONTENTION_FROM = "7a386e3 prefill 0:50,0:50,0:100"
+
+
 #: issue #36 (ca1687d, one H200, MPS 30/30/40 %: ``bench_afd --quick --attn 2 --ffn 1
 #: --placement 0:30,0:30,0:40``). Printed: uniform async/lockstep 1.70, ideal 1.94; skewed 1.06,
 #: ideal 1.29, short replica async / lockstep / solo 14.5 / 26.7 / 6.57 ms. Derived: the long
@@ -33,6 +40,7 @@ V2_LITE_QUICK = ModelShape(layers=4, hidden=2048, experts=64, top_k=6, intermedi
 #: for both replicas.
 CA1687D_30_30_40 = MeasuredRun(
     name="ca1687d 2A1F 30/30/40", source="issue #36 (bench_afd --quick, one H200, MPS)",
+    contention_from=PREFILL_CONTENTION_FROM,
     shape=V2_LITE_QUICK, placement="0:30,0:30,0:40", num_attn=2,
     cases=(Case("uniform", ((2048,), (2048,)), (None, None), ratio=1.70, ideal=1.94),
            Case("skewed", ((4096,), (256,)), (23.9, 6.57),
@@ -43,6 +51,7 @@ CA1687D_30_30_40 = MeasuredRun(
 #: async/lockstep 1.08, ideal 1.39. Derived: batch ms = tokens per batch / tokens/s.
 R0210A59_25_25_50 = MeasuredRun(
     name="0210a59 2A1F 25/25/50", source="docs/benchmarks.md of ca1687d (git history), first GPU run of bench_afd",
+    contention_from=PREFILL_CONTENTION_FROM,
     shape=V2_LITE_QUICK, placement="0:25,0:25,0:50", num_attn=2, weight_read_gbps=WEIGHT_READ_NO_CARVEOUT_GBPS,
     cases=(Case("skewed", ((4096,), (256,)), (4096 / 1.92e5 * 1e3, 256 / 45041 * 1e3),
                 batch_ms={"async": (4096 / 1.65e5 * 1e3, 256 / 20590 * 1e3),
@@ -69,14 +78,22 @@ DECODE_DEFAULT = DATA_DIR / "bench_decode_default_297227e.json"
 
 def shipped_runs() -> tuple:
     """The runs of the shipped JSON (current code): one MeasuredRun per sweep split and per
-    decode placement of each decode report."""
+    decode placement of each decode report. A run whose own co-run round is missing or did
+    not record the FFN's busy time takes those terms from the same benchmark's run that did
+    (``contention_from``): the bench_afd sweeps from 7a386e3's, the loop's decode placements
+    from the default serving's of the same placement (297227e)."""
     runs = []
     for path in (SWEEP_0769DB3, SWEEP_297227E, SWEEP_7A386E3):
         sweep = cal.read_json(str(path), "bench_afd")
-        runs += runs_from_sweep(sweep, f"{sweep['run']['commit']} prefill")
-    for path, label in ((DECODE_LOOP, "loop"), (DECODE_DEFAULT, "default")):
-        decode = cal.read_json(str(path), "bench_decode")
-        runs += runs_from_decode_report(decode, f"{decode['run']['commit']} decode {label}")
+        runs += [run if run.name == PREFILL_CONTENTION_FROM
+                 else dataclasses.replace(run, contention_from=PREFILL_CONTENTION_FROM)
+                 for run in runs_from_sweep(sweep, f"{sweep['run']['commit']} prefill")]
+    decode_default = cal.read_json(str(DECODE_DEFAULT), "bench_decode")
+    default_name = f"{decode_default['run']['commit']} decode default"
+    loop = cal.read_json(str(DECODE_LOOP), "bench_decode")
+    runs += [dataclasses.replace(run, contention_from=f"{default_name} {run.name.rsplit(' ', 1)[1]}")
+             for run in runs_from_decode_report(loop, f"{loop['run']['commit']} decode loop")]
+    runs += runs_from_decode_report(decode_default, default_name)
     return tuple(runs)
 
 

@@ -41,13 +41,16 @@ class ReplicaResult:
 
 @dataclass(frozen=True)
 class FFNResult:
-    """One class of identical FFN ranks (``ranks``): busy fraction in the window; items
+    """One class of identical FFN ranks (``ranks``): busy fraction in the window, the mean
+    device time of a compute batch that started in it (``busy_per_batch_s``, seconds; async:
+    per item, what bench_afd's busy fraction / items per s measures); items
     waiting (arrived, not yet in a compute batch; lockstep: held for the other replicas) as a
     time average over the whole run and sampled at every take inside the window (what
     bench_afd reports); the arrivals and total wait that Little's law ties to the average."""
 
     ranks: tuple
     busy_fraction: float
+    busy_per_batch_s: float
     items_waiting_mean: float
     items_waiting_max: int
     items_waiting_at_take_mean: float
@@ -61,11 +64,15 @@ class FFNResult:
 
 
 def ffn_result(ranks, busy_spans, take_samples, start, end, queued_area, total_wait, arrivals,
-               run_end) -> FFNResult:
+               run_end, inflight: tuple | None = None) -> FFNResult:
+    """``busy_spans``: (start, end) of every finished compute batch; ``inflight``: the one
+    still running when the run ended (start, run end), busy but of no known length."""
     window = max(end - start, 1e-30)
-    busy = sum(max(0.0, min(e, end) - max(s, start)) for s, e in busy_spans)
+    busy = sum(max(0.0, min(e, end) - max(s, start)) for s, e in busy_spans + ([inflight] if inflight else []))
     inside = [n for t, n in take_samples if start <= t <= end]
-    return FFNResult(tuple(ranks), busy / window, queued_area / run_end if run_end > 0 else float("nan"),
+    batches = [e - s for s, e in busy_spans if start <= s <= end]
+    per_batch = sum(batches) / len(batches) if batches else float("nan")
+    return FFNResult(tuple(ranks), busy / window, per_batch, queued_area / run_end if run_end > 0 else float("nan"),
                      max(inside, default=0), sum(inside) / len(inside) if inside else float("nan"),
                      arrivals, total_wait, run_end)
 

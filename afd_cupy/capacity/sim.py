@@ -11,6 +11,10 @@ layer starts after the combine. An FFN rank serves compute batches FIFO, one at 
   enters the FIFO once the last of them arrived (a barrier per layer; replicas run the same
   number of steps, and a replica with nothing to do still sends an empty item).
 
+Processes sharing a GPU (``Deployment.hbm_contention``, ``.ffn_contention``) slow each other
+as a fluid (``shared_gpu``). ``SimConfig.noise_cv`` multiplies every attention layer, FFN host take and GEMM
+batch by an independent lognormal factor of mean 1 (a seeded stream of its own).
+
 Under balanced routing every FFN rank with the same placement and the same link from every
 replica sees the same arrivals, so one rank per such class is simulated (exact, not an
 approximation of the model). The measured window starts when every replica finished its
@@ -19,16 +23,18 @@ warm-up steps and ends when the last one finished its ``steps`` measured steps.
 from __future__ import annotations
 
 import heapq
+import math
 import random
 from collections import deque
 from dataclasses import dataclass
 
 from afd_cupy.capacity import costs as cm
 from afd_cupy.capacity.results import ReplicaResult, SimResult, ffn_result
+from afd_cupy.capacity.shared_gpu import Phase, SharedGPUs
 from afd_cupy.capacity.spec import Deployment, ModelShape, ReplicaLoad, SimConfig
 from afd_cupy.errors import ConfigError
 
-_ATTN_DONE, _ARRIVE, _HOST_DONE, _FFN_DONE, _REPLY, _REQUEST = range(6)
+_ATTN_DONE, _ARRIVE, _HOST_DONE, _FFN_DONE, _REPLY, _REQUEST, _PHASE_BEGIN, _PHASE_END = range(8)
 
 
 @dataclass
@@ -42,8 +48,8 @@ class _Class:
     queue: deque = None  # arrivals the host loop has not taken yet
     gpu_queue: deque = None  # compute batches the device has not started yet
     host_busy_until: float = -1.0
-    busy_until: float = -1.0
-    busy_s: float = 0.0
+    computing: bool = False  # the device runs a compute batch
+    compute_since: float = 0.0
     pending: dict = None
     queued_area: float = 0.0  # integral of items waiting dt
     last_change: float = 0.0
@@ -68,18 +74,22 @@ class Simulator:
                 raise ConfigError(f"loads holds {load!r}, not a ReplicaLoad")
         self.shape, self.dep, self.loads, self.costs, self.cfg = shape, deployment, loads, costs, config
         self.rng = random.Random(config.seed)
+        # the noise's own stream: the arrivals stay the same whatever noise_cv is
+        self.noise_rng = random.Random(f"noise-{config.seed}")
+        sigma2 = math.log1p(config.noise_cv ** 2)
+        self.noise_mu, self.noise_sigma = -sigma2 / 2, math.sqrt(sigma2)  # lognormal of mean 1
         self.senders = sum(load.ffn for load in loads)  # replicas whose layers go through the FFN
         if not self.senders:
             raise ConfigError("loads: at least one replica must send to the FFN (every ReplicaLoad has ffn=False)")
         self.classes = self._classes()
         self.heap, self.seq, self.now = [], 0, 0.0
-        self.gpu_busy: dict = {}
+        self.gpus = SharedGPUs(deployment, lambda time, *args: self._push(time, _PHASE_END, *args))
 
     def _classes(self) -> list:
         groups: dict = {}
         for j, p in enumerate(self.dep.ffn):
             links = tuple(self.dep.link(a, j) for a in range(self.dep.num_attn))
-            gpu = p.gpu if self.dep.hbm_contention > 0 else -1  # the GPU matters only for contention
+            gpu = p.gpu if self.dep.contended else -1  # the GPU matters only for contention
             groups.setdefault((p.node, gpu, p.share, links), []).append(j)
         return [_Class(ranks, key[2], key[:2], key[3], deque(), deque(), pending={}, take_samples=[], busy_spans=[])
                 for key, ranks in groups.items()]
@@ -89,17 +99,34 @@ class Simulator:
         self.seq += 1
         heapq.heappush(self.heap, (time, self.seq, kind, args))
 
-    def _contention(self, gpu: tuple, me) -> float:
-        """The one-GPU HBM model: 1 + kappa x shares of the other busy processes on ``gpu``."""
-        kappa = self.dep.hbm_contention
-        if kappa <= 0:
-            return 1.0
-        busy = self.gpu_busy.get(gpu, {})
-        return 1.0 + kappa * sum(s for (who, (s, until)) in busy.items() if who != me and until > self.now)
+    # ------------------------------------------------------------------ device phases, shared GPUs
+    def _run_phase(self, gpu: tuple, who: tuple, share: float, kind: str, work_s: float, start: float,
+                   then: tuple) -> None:
+        """Run ``work_s`` seconds of a ``kind`` phase of process ``who`` from ``start``; at its
+        end the event ``then`` = (kind, args) fires. Without contention it ends at start + work;
+        with it the phase shares its GPU with the others running there (shared_gpu)."""
+        if not self.dep.contended:
+            self._push(start + work_s, then[0], *then[1])
+            return
+        phase = Phase(share, kind, work_s, then)
+        if start > self.now:
+            self._push(start, _PHASE_BEGIN, gpu, who, phase)
+        else:
+            self._phase_begin(gpu, who, phase)
 
-    def _mark_busy(self, gpu: tuple, who, share: float, until: float) -> None:
-        if self.dep.hbm_contention > 0:
-            self.gpu_busy.setdefault(gpu, {})[who] = (share, until)
+    def _phase_begin(self, gpu: tuple, who: tuple, phase: Phase) -> None:
+        self.gpus.begin(self.now, gpu, who, phase)
+
+    def _phase_end(self, gpu: tuple, who: tuple, version: int) -> None:
+        phase = self.gpus.end(self.now, gpu, who, version)
+        if phase is not None:
+            self.handlers[phase.then[0]](*phase.then[1])
+
+    def _noise(self) -> float:
+        """A service time's noise factor (SimConfig.noise_cv): exactly 1.0 without noise."""
+        if self.cfg.noise_cv <= 0:
+            return 1.0
+        return self.noise_rng.lognormvariate(self.noise_mu, self.noise_sigma)
 
     # ------------------------------------------------------------------ replicas
     def _new_replica(self, idx: int, load: ReplicaLoad) -> dict:
@@ -108,9 +135,12 @@ class Simulator:
         p = self.dep.attention[idx]
         state["gpu"], state["share"] = (p.node, p.gpu), p.share
         if load.kind == "decode" and load.arrival_rate is None:
-            for i in range(load.batch_size):  # closed loop, progress staggered evenly
-                done = (i * load.output_len) // load.batch_size
-                state["active"].append([load.context_len + done, load.output_len - done])
+            # closed loop, progress staggered evenly: request i is (done_i + step) mod output_len
+            # tokens into its output, replaced by a new one when it finishes, so the batch's
+            # cached tokens repeat with period output_len (one sum per phase of that cycle)
+            done = [(i * load.output_len) // load.batch_size for i in range(load.batch_size)]
+            state["ctx_cycle"] = [sum(load.context_len + (d + t) % load.output_len for d in done)
+                                  for t in range(load.output_len)]
         if load.arrival_rate is not None:
             self._push(self.rng.expovariate(load.arrival_rate), _REQUEST, idx)
         return state
@@ -122,10 +152,13 @@ class Simulator:
             if load.arrival_rate is not None and st["backlog"] == 0:
                 return 0, 0.0, 0.0
             return sum(load.lengths), float(sum(n * (n + 1) // 2 for n in load.lengths)), 0.0
+        if "ctx_cycle" in st:
+            return load.batch_size, 0.0, float(st["ctx_cycle"][st["step"] % load.output_len])
         active = st["active"][:load.batch_size]
         return len(active), 0.0, float(sum(ctx for ctx, _ in active))
 
-    def _start_step(self, st: dict) -> None:
+    def _start_step(self, st: dict, at: float | None = None) -> None:
+        """The replica's next step from ``at`` (default now)."""
         tokens, pairs, ctx = self._step_shape(st)
         if tokens == 0 and self.cfg.schedule == "async":
             st["idle"] = True  # waits for an arrival (open loop)
@@ -134,17 +167,20 @@ class Simulator:
         st["shape"] = (tokens, pairs, ctx)
         if st["load"].kind == "prefill" and st["load"].arrival_rate is not None and tokens:
             st["backlog"] -= 1
-        st["step_start"], st["layer"] = self.now, 0
-        self._start_layer(st)
+        st["step_start"], st["layer"] = self.now if at is None else at, 0
+        self._start_layer(st, st["step_start"])
 
-    def _start_layer(self, st: dict) -> None:
+    def _start_layer(self, st: dict, at: float | None = None) -> None:
+        """The step's next layer from ``at`` (default now): its attention phase."""
         tokens, pairs, ctx = st["shape"]
-        base = cm.attention_time(self.costs, tokens, pairs, ctx, st["share"]) if tokens else self.costs.attn_fixed_s
+        fixed = self.costs.attn_fixed_s
+        work = cm.attention_time(self.costs, tokens, pairs, ctx, st["share"]) - fixed if tokens else 0.0
+        noise = self._noise()
         # the host issues layer l of the step by (l + 1) x attn_host_s; the device starts it then
-        start = max(self.now, st["step_start"] + (st["layer"] + 1) * self.costs.attn_host_s)
-        duration = base * self._contention(st["gpu"], ("a", st["idx"]))
-        self._mark_busy(st["gpu"], ("a", st["idx"]), st["share"], start + duration)
-        self._push(start + duration, _ATTN_DONE, st["idx"])
+        start = max(self.now if at is None else at, st["step_start"] + (st["layer"] + 1) * self.costs.attn_host_s)
+        # NOTE: the fixed part (launches, eager issue) neither loads the GPU nor slows beside others
+        self._run_phase(st["gpu"], ("a", st["idx"]), st["share"], "attention", work * noise, start + fixed * noise,
+                        (_ATTN_DONE, (st["idx"],)))
 
     def _attn_done(self, a: int) -> None:
         st = self.replicas[a]
@@ -172,8 +208,7 @@ class Simulator:
         done = self.now + self.costs.combine_fixed_s
         st["layer"] += 1
         if st["layer"] < self.shape.layers:
-            self.now = done  # the combine runs on the replica's own stream before the next layer
-            self._start_layer(st)
+            self._start_layer(st, done)  # the combine runs on the replica's own stream before it
             return
         self._finish_step(st, done)
 
@@ -181,21 +216,21 @@ class Simulator:
         tokens = st["shape"][0]
         st["steps"].append((st["step_start"], end, tokens))
         st["step"] += 1
-        if st["load"].kind == "decode":
+        if len(st["steps"]) == self.cfg.warmup_steps + self.cfg.steps:
+            self.unfinished -= 1
+        if st["load"].kind == "decode" and "ctx_cycle" not in st:
             self._advance_decode(st)
-        self.now = end
         if not self._finished():
-            self._start_step(st)
+            self._start_step(st, end)
 
     def _advance_decode(self, st: dict) -> None:
+        """Open loop: the batch's requests one token further; finished ones leave."""
         load, kept = st["load"], []
         for i, (ctx, left) in enumerate(st["active"]):
             if i < load.batch_size:
                 ctx, left = ctx + 1, left - 1
             if left > 0:
                 kept.append([ctx, left])
-            elif load.arrival_rate is None:
-                kept.append([load.context_len, load.output_len])  # closed loop: replaced at once
         st["active"] = kept
 
     def _request(self, a: int) -> None:
@@ -211,8 +246,8 @@ class Simulator:
             self._start_step(st)
 
     def _finished(self) -> bool:
-        need = self.cfg.warmup_steps + self.cfg.steps
-        return all(len(st["steps"]) >= need for st in self.replicas)
+        """True once every replica ran its warm-up and measured steps."""
+        return self.unfinished == 0
 
     # ------------------------------------------------------------------ FFN ranks
     def _set_waiting(self, cls: _Class, delta: int) -> None:
@@ -239,13 +274,13 @@ class Simulator:
         cls = self.classes[c]
         if not cls.queue or cls.host_busy_until > self.now:
             return
-        if not self.costs.ffn_host_overlap and (cls.busy_until > self.now or cls.gpu_queue):
+        if not self.costs.ffn_host_overlap and (cls.computing or cls.gpu_queue):
             return
         item = cls.queue.popleft()
         cls.take_samples.append((self.now, cls.waiting - 1))
         if self.cfg.schedule != "lockstep":
             self._release(cls, (item,))
-        cls.host_busy_until = self.now + self.costs.ffn_item_s
+        cls.host_busy_until = self.now + self.costs.ffn_item_s * self._noise()
         self._push(cls.host_busy_until, _HOST_DONE, c, item)
 
     def _host_done(self, c: int, item: tuple) -> None:
@@ -259,7 +294,7 @@ class Simulator:
                 cls.gpu_queue.append(cls.pending.pop(key))
         else:
             cls.gpu_queue.append([item])
-        if cls.busy_until <= self.now:
+        if not cls.computing:
             self._serve(c)
         self._kick_host(c)
 
@@ -276,14 +311,14 @@ class Simulator:
                 batch = batch + b
         tokens = sum(item[1] for item in batch)
         duration = cm.expert_gemm_time(self.costs, self.shape, tokens, self.dep.num_ffn, cls.share)
-        duration *= self._contention(cls.gpu, ("f", c))
-        cls.busy_until = self.now + duration
-        cls.busy_spans.append((self.now, cls.busy_until))
-        self._mark_busy(cls.gpu, ("f", c), cls.share * len(cls.ranks), cls.busy_until)
-        self._push(cls.busy_until, _FFN_DONE, c, tuple(batch))
+        cls.computing, cls.compute_since = True, self.now
+        self._run_phase(cls.gpu, ("f", c), cls.share * len(cls.ranks), "ffn", duration * self._noise(), self.now,
+                        (_FFN_DONE, (c, tuple(batch))))
 
     def _ffn_done(self, c: int, batch: tuple) -> None:
         cls = self.classes[c]
+        cls.computing = False
+        cls.busy_spans.append((cls.compute_since, self.now))
         for item in batch:
             a, tokens = item[0], item[1]
             nbytes = cm.wire_rows(self.shape, tokens, self.dep.num_ffn, self.cfg.wire_mode) * self.shape.row_bytes
@@ -296,15 +331,16 @@ class Simulator:
         """Simulate until every replica finished warm-up + measured steps; the result holds
         the measured window's statistics (module doc)."""
         self.replicas = [self._new_replica(a, load) for a, load in enumerate(self.loads)]
+        self.unfinished = len(self.replicas)
         for st in self.replicas:
             self._start_step(st)
-        handlers = {_ATTN_DONE: self._attn_done, _ARRIVE: self._arrive, _HOST_DONE: self._host_done,
-                    _FFN_DONE: self._ffn_done,
-                    _REPLY: self._reply, _REQUEST: self._request}
+        self.handlers = {_ATTN_DONE: self._attn_done, _ARRIVE: self._arrive, _HOST_DONE: self._host_done,
+                         _FFN_DONE: self._ffn_done, _REPLY: self._reply, _REQUEST: self._request,
+                         _PHASE_BEGIN: self._phase_begin, _PHASE_END: self._phase_end}
         events = 0
         while self.heap and not self._finished():
             self.now, _, kind, args = heapq.heappop(self.heap)
-            handlers[kind](*args)
+            self.handlers[kind](*args)
             events += 1
             if events > max_events:
                 raise ConfigError(f"simulation exceeded max_events={max_events}: reduce steps or layers")
@@ -325,7 +361,9 @@ class Simulator:
         replicas = tuple(ReplicaResult.from_steps(st["idx"], st["load"].kind, st["steps"][warm:])
                          for st in self.replicas)
         ffn = tuple(ffn_result(cls.ranks, cls.busy_spans, cls.take_samples, start, end, cls.queued_area,
-                               cls.waits_total, cls.items_started, self.now) for cls in self.classes)
+                               cls.waits_total, cls.items_started, self.now,
+                               inflight=(cls.compute_since, self.now) if cls.computing else None)
+                    for cls in self.classes)
         return SimResult(self.cfg.schedule, self.cfg.wire_mode, replicas, ffn, start, end,
                          self.dep.num_gpus, events)
 

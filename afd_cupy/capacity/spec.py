@@ -181,8 +181,10 @@ class Deployment:
 
     ``links``: optional ``{(attention_idx, ffn_idx): Link}`` overrides; otherwise a pair on the
     same GPU uses ``same_gpu``, on the same node ``intra_node``, else ``inter_node``.
-    ``hbm_contention``: one-GPU model, a compute phase that starts while other processes of
-    its GPU are busy takes ``1 + hbm_contention * (sum of their shares)`` times longer.
+    ``hbm_contention`` (κ, per unit of share): one-GPU model, a compute phase that starts
+    while other processes of its GPU are busy takes ``1 + κ * (sum of their shares)`` times
+    longer; ``ffn_contention``: the FFN's expert GEMMs' own κ (None: ``hbm_contention``, one
+    κ for every kind of phase), so the attention phases keep ``hbm_contention``.
     ``mps_caps``: the shares are CUDA MPS caps (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``), which
     may sum past 1 on a GPU (the benchmarks' presets run three processes at 50 % each);
     otherwise they are partitions and a GPU's shares must sum to at most 1.
@@ -196,6 +198,7 @@ class Deployment:
     links: dict = field(default_factory=dict)
     hbm_contention: float = 0.0
     mps_caps: bool = False
+    ffn_contention: float | None = None
 
     def __post_init__(self):
         for name in ("attention", "ffn"):
@@ -206,6 +209,8 @@ class Deployment:
                 if not isinstance(p, Placement):
                     raise ConfigError(f"Deployment.{name} holds {p!r}, not a Placement")
         check_float("Deployment", "hbm_contention", self.hbm_contention, inclusive=True)
+        if self.ffn_contention is not None:
+            check_float("Deployment", "ffn_contention", self.ffn_contention, inclusive=True)
         for key, link in self.links.items():
             a, f = key
             if not (0 <= a < len(self.attention) and 0 <= f < len(self.ffn)) or not isinstance(link, Link):
@@ -217,6 +222,17 @@ class Deployment:
             if total > 1.0 + 1e-9 and not self.mps_caps:
                 raise ConfigError(f"Deployment: shares on node {node} GPU {gpu} sum to {total:.2f} > 1 "
                                   f"(MPS caps may: mps_caps=True)")
+
+    def contention(self, phase: str) -> float:
+        """κ of a kind of phase: ``"attention"`` or ``"ffn"`` (the expert GEMMs)."""
+        if phase == "ffn" and self.ffn_contention is not None:
+            return self.ffn_contention
+        return self.hbm_contention
+
+    @property
+    def contended(self) -> bool:
+        """True where some phase slows next to others (any κ > 0)."""
+        return self.hbm_contention > 0 or bool(self.ffn_contention)
 
     @property
     def num_attn(self) -> int:
@@ -250,13 +266,20 @@ class Deployment:
 
 @dataclass(frozen=True)
 class SimConfig:
-    """How to run the simulation: the schedule, the wire mode, how long, the seed."""
+    """How to run the simulation: the schedule, the wire mode, how long, the seed.
+
+    ``noise_cv``: service-time noise, the coefficient of variation (std / mean) of a
+    lognormal factor of mean 1 drawn independently for every attention layer, FFN host take
+    and expert GEMM batch (0: deterministic costs). ``seed`` seeds the open-loop arrivals and,
+    through a separate stream, the noise.
+    """
 
     schedule: str = "async"
     wire_mode: str = "pair"
     warmup_steps: int = 2
     steps: int = 10
     seed: int = 0
+    noise_cv: float = 0.0
 
     def __post_init__(self):
         check_choice("SimConfig", "schedule", self.schedule, SCHEDULES)
@@ -264,3 +287,4 @@ class SimConfig:
         check_int("SimConfig", "warmup_steps", self.warmup_steps, minimum=0)
         check_int("SimConfig", "steps", self.steps)
         check_int("SimConfig", "seed", self.seed, minimum=0)
+        check_float("SimConfig", "noise_cv", self.noise_cv, inclusive=True, maximum=2.0)

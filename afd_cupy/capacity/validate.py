@@ -1,5 +1,7 @@
-"""Predicted vs measured: calibrate a run's costs from its solo batches only, then predict
-its multi-replica async and lockstep rows with the simulator.
+"""Predicted vs measured: calibrate a run's costs from its solo batches only, its one-GPU
+contention terms from its co-run solo rounds (``contention``) and its service-time noise from
+the spread of its solo steps (``noise``), then predict its multi-replica async and lockstep
+rows with the simulator.
 
 A :class:`MeasuredRun` is one benchmark launch pair (async + lockstep) with one
 :class:`Case` per workload; :func:`run_from_report` builds one from a ``bench_afd.json``,
@@ -11,13 +13,22 @@ quantity with its relative error.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from afd_cupy.capacity import calibrate as cal
 from afd_cupy.capacity import costs as cm
+from afd_cupy.capacity.contention import BENCH_CORUN, Contention, fit_contention, predict_corun
+from afd_cupy.capacity.noise import fit_noise, mean_over_seeds, spread
 from afd_cupy.capacity.sim import simulate
 from afd_cupy.capacity.spec import (LINK_PRESETS, Deployment, Link, ModelShape, ReplicaLoad,
                                     SimConfig, parse_placements)
+
+
+#: measured steps of a simulated decode replica: its closed loop staggers the requests evenly,
+#: so the batch's cached tokens barely move from step to step (by at most one token per
+#: request), and a p50 over 40 steps is the p50 over a request's lifetime
+DECODE_STEPS = 40
 
 
 @dataclass(frozen=True)
@@ -38,6 +49,8 @@ class Case:
     output_len: int = 0  # decode: tokens each request generates
     corun_ms: tuple = ()  # each replica's co-run solo (the others attention-only); () = not measured
     solo_ffn_item_ms: tuple = ()  # the FFN's busy ms per item in each replica's solo window; () = not measured
+    corun_ffn_item_ms: tuple = ()  # the same in each replica's co-run solo window; () = not measured
+    solo_spread: tuple = ()  # each replica's solo (p99 - p50) / p50 (noise.spread); () = not measured
 
     def loads(self, only_ffn: int | None = None) -> tuple:
         """One ReplicaLoad per replica (decode: a closed loop, the batch kept full, as
@@ -53,6 +66,16 @@ class Case:
     def tokens(self) -> list:
         """Tokens per step of each replica (prefill: its batch; decode: its requests)."""
         return [b for _, b in self.lengths] if self.kind == "decode" else [sum(l) for l in self.lengths]
+
+    def step_s(self, replica) -> float:
+        """The step statistic the case is measured by, of a ReplicaResult (seconds): prefill
+        the mean batch (bench_afd's batch_mean_ms), decode the TPOT p50 (bench_decode's)."""
+        return replica.step_mean_s if self.kind == "prefill" else replica.step_p50_s
+
+    def sim_config(self, config: SimConfig, **kw) -> SimConfig:
+        """``config`` with ``kw`` replaced, at least DECODE_STEPS steps for a decode case."""
+        steps = config.steps if self.kind == "prefill" else max(config.steps, DECODE_STEPS)
+        return dataclasses.replace(config, steps=steps, **kw)
 
 
 @dataclass(frozen=True)
@@ -77,16 +100,29 @@ class MeasuredRun:
     ffn_host_overlap: bool = True  # False on the host backend (one thread takes and computes)
     attn_params: float | None = None  # attention parameters per layer (h200_costs' default: 4 H^2)
     kv_bytes_per_token: float | None = None  # KV-cache bytes per token and layer (decode)
+    contention_from: str = ""  # the run (same benchmark and model) whose co-run round gives the terms this one lacks
 
-    def deployment(self, only: int | None = None, hbm_contention: float = 0.0) -> Deployment:
+    def deployment(self, only: int | None = None, contention: "Contention | None" = None) -> Deployment:
+        """The run's placement as a Deployment (``only``: that replica alone), its one-GPU
+        contention terms ``contention`` (default none)."""
         places = parse_placements(self.placement)
         attn = places[:self.num_attn] if only is None else (places[only],)
+        kappa = contention or Contention()
         return Deployment(attn, places[self.num_attn:], same_gpu=self.link, intra_node=self.intra_link,
-                          hbm_contention=hbm_contention, mps_caps=True)
+                          hbm_contention=kappa.attention, ffn_contention=kappa.ffn, mps_caps=True)
 
     @property
     def decode(self) -> bool:
         return any(c.kind == "decode" for c in self.cases)
+
+    @property
+    def num_ffn(self) -> int:
+        return len(parse_placements(self.placement)) - self.num_attn
+
+    @property
+    def ffn_share(self) -> float:
+        """The first FFN rank's SM share."""
+        return parse_placements(self.placement)[self.num_attn].share
 
 
 def calibrated_costs(run: MeasuredRun, base: cm.Costs | None = None) -> cm.Costs:
@@ -117,21 +153,25 @@ def calibrated_costs(run: MeasuredRun, base: cm.Costs | None = None) -> cm.Costs
 
 
 def predict(run: MeasuredRun, costs: cm.Costs, case: Case, config: SimConfig = cal.SIM_FOR_BENCH,
-            hbm_contention: float = 0.0) -> dict:
+            contention: Contention | None = None, noise_cv: float = 0.0) -> dict:
     """Simulated solo batch per replica, and per schedule batch ms per replica, tokens/s, FFN
-    busy; plus ratio, ideal and fraction computed as bench_afd computes them."""
+    busy; plus ratio, ideal and fraction computed as bench_afd computes them. ``contention``:
+    the one-GPU terms of the multi-replica runs (none by default); ``noise_cv``: their
+    service-time noise (SimConfig.noise_cv), averaged over noise.NOISE_SEEDS seeds. The solo
+    batches are the deterministic ones the fit reproduced."""
     loads = case.loads()
-    config = _config(case, config)
-    step_s = _step_s(case)
+    config = case.sim_config(config)
     solo_costs, run_costs = costs.scaled(run.slowdown[0]), costs.scaled(run.slowdown[1])
-    solo = [step_s(simulate(run.shape, run.deployment(only=a), (loads[a],), solo_costs, config).replicas[0])
+    solo = [case.step_s(simulate(run.shape, run.deployment(only=a), (loads[a],), solo_costs, config).replicas[0])
             for a in range(run.num_attn)]
     out = {"solo_ms": [s * 1e3 for s in solo]}
+
+    def once(cfg: SimConfig) -> dict:
+        res = simulate(run.shape, run.deployment(contention=contention), loads, run_costs, cfg)
+        return {"batch_ms": [case.step_s(r) * 1e3 for r in res.replicas],
+                "tokens_per_s": res.tokens_per_s, "ffn_busy": res.ffn_busy}
     for schedule in ("async", "lockstep"):
-        res = simulate(run.shape, run.deployment(hbm_contention=hbm_contention), loads, run_costs,
-                       SimConfig(schedule=schedule, warmup_steps=config.warmup_steps, steps=config.steps))
-        out[schedule] = {"batch_ms": [step_s(r) * 1e3 for r in res.replicas],
-                         "tokens_per_s": res.tokens_per_s, "ffn_busy": res.ffn_busy}
+        out[schedule] = mean_over_seeds(once, dataclasses.replace(config, schedule=schedule, noise_cv=noise_cv))
     tokens = case.tokens()
     ideal_num = sum(n / s for n, s in zip(tokens, out["solo_ms"]))
     lock = sum(n / b for n, b in zip(tokens, out["lockstep"]["batch_ms"]))
@@ -141,91 +181,40 @@ def predict(run: MeasuredRun, costs: cm.Costs, case: Case, config: SimConfig = c
     return out
 
 
-def _step_s(case: Case):
-    """The step statistic a case is measured by: prefill the mean batch, decode the TPOT p50."""
-    return (lambda r: r.step_mean_s) if case.kind == "prefill" else (lambda r: r.step_p50_s)
-
-
-def _config(case: Case, config: SimConfig) -> SimConfig:
-    steps = config.steps if case.kind == "prefill" else max(config.steps, 2 * case.output_len)
-    return SimConfig(warmup_steps=config.warmup_steps, steps=steps)
-
-
-def predict_corun(run: MeasuredRun, costs: cm.Costs, case: Case, hbm_contention: float,
-                  config: SimConfig = cal.SIM_FOR_BENCH) -> list:
-    """Each replica's simulated co-run solo (ms): it sends to the FFN, the others run their
-    attention only on the same GPU (bench_decode's second solo round)."""
-    config = _config(case, config)
-    step_s = _step_s(case)
-    costs = costs.scaled(run.slowdown[1])
-    return [step_s(simulate(run.shape, run.deployment(hbm_contention=hbm_contention), case.loads(only_ffn=a),
-                            costs, config).replicas[a]) * 1e3 for a in range(run.num_attn)]
-
-
-#: the contention terms :func:`fit_contention` tries before it refines around the best
-CONTENTION_GRID = (0.0, 0.05, 0.1, 0.2, 0.35, 0.6, 1.0, 2.0, 4.0)
-
-
-def fit_contention(run: MeasuredRun, costs: cm.Costs, config: SimConfig = cal.SIM_FOR_BENCH) -> float | None:
-    """The ``hbm_contention`` (Deployment) that best reproduces the run's co-run solo steps
-    (least squares on relative errors: a coarse grid, then a golden-section search around the
-    best point); None when no case measured them. Only solo-type rounds enter: the
-    multi-replica rows stay out of the fit."""
-    cases = [case for case in run.cases if any(case.corun_ms)]
-    if not cases:
-        return None
-
-    def err(kappa: float) -> float:
-        return sum(((pred - ms) / ms) ** 2 for case in cases
-                   for pred, ms in zip(predict_corun(run, costs, case, kappa, config), case.corun_ms) if ms)
-
-    scored = [(err(k), k) for k in CONTENTION_GRID]
-    best = min(range(len(scored)), key=lambda i: scored[i][0])
-    lo = CONTENTION_GRID[max(0, best - 1)]
-    hi = CONTENTION_GRID[min(len(CONTENTION_GRID) - 1, best + 1)]
-    golden = (5 ** 0.5 - 1) / 2
-    x1, x2 = hi - golden * (hi - lo), lo + golden * (hi - lo)
-    f1, f2 = err(x1), err(x2)
-    for _ in range(9):  # the bracket shrinks to 0.618^9 ~ 1.3 % of its width
-        if f1 <= f2:
-            hi, x2, f2 = x2, x1, f1
-            x1 = hi - golden * (hi - lo)
-            f1 = err(x1)
-        else:
-            lo, x1, f1 = x1, x2, f2
-            x2 = lo + golden * (hi - lo)
-            f2 = err(x2)
-    return min([scored[best], (f1, x1), (f2, x2)])[1]
-
-
 def _row(run, case, quantity, predicted, measured) -> dict:
     err = (predicted - measured) / measured if measured else float("nan")
     return {"run": run.name, "workload": case.workload, "quantity": quantity, "predicted": predicted,
             "measured": measured, "error": err}
 
 
-def validate(run: MeasuredRun, base: cm.Costs | None = None,
-             hbm_contention: float | None = None) -> tuple[cm.Costs, list]:
+def validate(run: MeasuredRun, base: cm.Costs | None = None, contention: Contention | float | None = None,
+             noise_cv: float | None = None, fallback: Contention = BENCH_CORUN) -> tuple[cm.Costs, list]:
     """(the calibrated costs, one row per measured quantity: predicted, measured, error; each
-    row also names the ``hbm_contention`` it was predicted with).
+    row also names the κ it was predicted with: ``hbm_contention`` (the attention's) and
+    ``ffn_contention``).
 
-    ``hbm_contention``: the one-GPU contention term of the multi-replica runs (Deployment).
-    None: fitted to the run's co-run solo steps (:func:`fit_contention`) where it measured
-    them, else 0. It does not touch the solo fit (a replica alone overlaps nothing)."""
+    ``contention``: the one-GPU terms of the multi-replica runs (a number: one κ for every
+    phase). None: fitted to the run's co-run solo rounds where it measured them, ``fallback``
+    for the terms they do not measure (contention.fit_contention). It does not touch the solo
+    fit (a replica alone overlaps nothing).
+    ``noise_cv``: the multi-replica runs' service-time noise; None: fitted to the spread of
+    the run's solo steps (noise.fit_noise) where it recorded them, else 0."""
     costs = calibrated_costs(run, base)
-    if hbm_contention is None:
-        hbm_contention = fit_contention(run, costs) or 0.0
+    kappa = Contention.of(contention) or fit_contention(run, costs, cal.SIM_FOR_BENCH, fallback)
+    noise_cv = (fit_noise(run, costs) or 0.0) if noise_cv is None else noise_cv
     rows = []
     for case in run.cases:
-        pred = predict(run, costs, case, hbm_contention=hbm_contention)
+        pred = predict(run, costs, case, contention=kappa, noise_cv=noise_cv)
         what = "TPOT p50 ms" if case.kind == "decode" else "batch ms"
         for a, ms in enumerate(case.solo_ms):
             if ms:
                 rows.append(_row(run, case, f"solo {what}, replica {a} (fit input)", pred["solo_ms"][a], ms))
         if any(case.corun_ms):
-            corun = predict_corun(run, costs, case, hbm_contention)
-            rows += [_row(run, case, f"co-run solo {what}, replica {a} (fit input)", corun[a], ms)
+            corun = predict_corun(run, costs, case, kappa, cal.SIM_FOR_BENCH)
+            rows += [_row(run, case, f"co-run solo {what}, replica {a} (fit input)", corun[a].step_ms, ms)
                      for a, ms in enumerate(case.corun_ms) if ms]
+            rows += [_row(run, case, f"co-run solo FFN busy ms per item, replica {a} (fit input)",
+                          corun[a].ffn_item_ms, ms) for a, ms in enumerate(case.corun_ffn_item_ms) if ms]
         for schedule in ("async", "lockstep"):
             for a, ms in enumerate(case.batch_ms.get(schedule, ())):
                 if ms:
@@ -242,8 +231,31 @@ def validate(run: MeasuredRun, base: cm.Costs | None = None,
             rows.append(_row(run, case, "ideal ratio", pred["ideal"], case.ideal))
             rows.append(_row(run, case, "fraction of ideal", pred["fraction"], case.ratio / case.ideal))
     for row in rows:
-        row["hbm_contention"] = hbm_contention
+        row["hbm_contention"], row["ffn_contention"], row["noise_cv"] = kappa.attention, kappa.ffn, noise_cv
     return costs, rows
+
+
+def validate_runs(runs: list, contention: Contention | float | None = None,
+                  noise_cv: float | None = None) -> list:
+    """:func:`validate` of every (MeasuredRun, base costs or None) of ``runs``: [(run, costs,
+    rows)]. A run's ``contention_from`` names the run of the list whose fitted terms fill in
+    what its own co-run round does not measure (fitted first where it comes later)."""
+    by_name = {run.name: (run, base) for run, base in runs}
+    fitted: dict = {}
+
+    def terms(name: str, seen: tuple = ()) -> Contention:
+        if name not in fitted:
+            run, base = by_name[name]
+            source = run.contention_from
+            fallback = terms(source, seen + (name,)) if source in by_name and source not in seen + (name,) \
+                else BENCH_CORUN
+            fitted[name] = fit_contention(run, calibrated_costs(run, base), cal.SIM_FOR_BENCH, fallback)
+        return fitted[name]
+    out = []
+    for run, base in runs:
+        costs, rows = validate(run, base, Contention.of(contention) or terms(run.name), noise_cv)
+        out.append((run, costs, rows))
+    return out
 
 
 def run_from_report(report: dict, name: str, placement: str | None = None, cores: int | None = None) -> MeasuredRun:
@@ -264,7 +276,8 @@ def run_from_report(report: dict, name: str, placement: str | None = None, cores
             continue
         cmp_ = report.get("comparison", {}).get(w["name"], {})
         cases.append(Case(w["name"], tuple(tuple(l) for l in w["lengths"]),
-                          **_solo_fields(by["async"]["replicas"], "batch_mean_ms"),
+                          **_solo_fields(by["async"]["replicas"], "batch_mean_ms",
+                                       ("latency_p50_ms", "latency_p99_ms")),
                           batch_ms={s: tuple(rep["batch_mean_ms"] for rep in r["replicas"]) for s, r in by.items()},
                           tokens_per_s={s: r["tokens_per_s"] for s, r in by.items()},
                           ffn_busy={s: r["ffn"]["busy_fraction"] for s, r in by.items()},
@@ -296,15 +309,22 @@ def runs_from_sweep(report: dict, name: str, cores: int | None = None) -> list:
     return out
 
 
-def _solo_fields(replicas: list, key: str) -> dict:
+def _solo_fields(replicas: list, key: str, quantiles: tuple) -> dict:
     """The solo inputs of a report's async replicas (``key``: the step time, ``batch_mean_ms``
-    or ``tpot_p50_ms``): Case's solo_ms and, where measured, corun_ms and solo_ffn_item_ms."""
+    or ``tpot_p50_ms``; ``quantiles``: the keys of its p50 and p99): Case's solo_ms and, where
+    measured, corun_ms, solo_ffn_item_ms, corun_ffn_item_ms and solo_spread."""
     solos = [rep.get("solo") or {} for rep in replicas]
     corun = tuple((s.get("corun") or {}).get(key) for s in solos)
-    busy = [cal.busy_per_item_s(s.get("ffn")) for s in solos]
-    item_ms = tuple(b * 1e3 if b else None for b in busy)
+
+    def item_ms(ffn_stats) -> tuple:
+        busy = tuple(cal.busy_per_item_s(ffn) for ffn in ffn_stats)
+        return tuple(b * 1e3 if b else None for b in busy) if any(busy) else ()
+    p50, p99 = quantiles
+    spreads = tuple(spread(s[p50], s[p99]) if s.get(p50) and s.get(p99) else None for s in solos)
     return {"solo_ms": tuple(s.get(key) for s in solos), "corun_ms": corun if any(corun) else (),
-            "solo_ffn_item_ms": item_ms if any(item_ms) else ()}
+            "solo_ffn_item_ms": item_ms(s.get("ffn") for s in solos),
+            "corun_ffn_item_ms": item_ms((s.get("corun") or {}).get("ffn") for s in solos),
+            "solo_spread": spreads if any(x is not None for x in spreads) else ()}
 
 
 def runs_from_decode_report(report: dict, name: str) -> list:
@@ -338,7 +358,7 @@ def runs_from_decode_report(report: dict, name: str) -> list:
                 by = {"async": by["async"]}
                 cmp_ = {}
             cases.append(Case(w["name"], tuple(zip(w["contexts"], w["batches"])),
-                              **_solo_fields(by["async"]["replicas"], "tpot_p50_ms"),
+                              **_solo_fields(by["async"]["replicas"], "tpot_p50_ms", ("tpot_p50_ms", "tpot_p99_ms")),
                               batch_ms={s: tuple(rep["tpot_p50_ms"] for rep in r["replicas"]) for s, r in by.items()},
                               tokens_per_s={s: r["tokens_per_s"] for s, r in by.items()},
                               ffn_busy={s: r["ffn"]["busy_fraction"] for s, r in by.items()},

@@ -16,6 +16,7 @@ from afd_cupy.capacity import Costs, Deployment, Link, ModelShape, ReplicaLoad, 
 from afd_cupy.capacity import calibrate as cal
 from afd_cupy.capacity import costs as cm
 from afd_cupy.capacity import measured
+from afd_cupy.capacity.contention import BENCH_CORUN_FFN_KAPPA, Contention, fit_contention
 from afd_cupy.capacity.validate import calibrated_costs, runs_from_decode_report, validate
 from afd_cupy.errors import ConfigError
 
@@ -108,7 +109,9 @@ def test_the_shipped_decode_runs_load_and_their_solo_fit_holds_in_the_simulator(
         assert max(abs(r["error"]) for r in fits) < 0.10, fits  # 3 costs fitted to 4 solo steps
         corun = [r for r in rows if r["quantity"].startswith("co-run solo")]  # the contention term's input
         assert len(corun) == 4 and max(abs(r["error"]) for r in corun) < 0.10, corun
-        assert 0 < rows[0]["hbm_contention"] < 1
+        # the loop's co-run round records no FFN busy time: the FFN's term is bench_corun's
+        assert rows[0]["hbm_contention"] > 0 and rows[0]["ffn_contention"] == pytest.approx(BENCH_CORUN_FFN_KAPPA)
+        assert 0 < rows[0]["noise_cv"] < 0.5  # fitted to the solo steps' p50 / p99 spread
         # the fit's closed form and the simulator's closed loop agree on every solo step
         places = parse_placements(run.placement)
         for case in run.cases:
@@ -144,23 +147,32 @@ def test_plan_afd_validate_reads_a_decode_report(tmp_path):
     names = [r["run"] for r in report["runs"]]
     assert "cuda decode 0 (9103b75) ffn-bound" in names
     assert "gpu, shipped JSON, step time" in report["worst"] and "TPOT p50" in out.stdout
+    inside, total = report["within"]["gpu, shipped JSON, decode"]  # the count the docs quote
+    assert total == 36 and 0 <= inside <= total and "cells within 15%" in out.stdout
+    assert all(0 <= r["noise_cv"] < 1 and r["ffn_contention"] > 0 for r in report["runs"])
 
 
 # --------------------------------------------------------------------------- co-run solo: background replicas
 
-def _corun_run(kappa_true: float | None, contexts=(2048, 128)):
+def _corun_run(kappa_true: Contention | None, contexts=(2048, 128), ffn_busy: bool = False):
     """A 2A1F one-GPU decode MeasuredRun whose co-run solo steps the simulator itself made at
-    ``kappa_true`` (None: no co-run solo measured)."""
-    from afd_cupy.capacity.validate import Case, MeasuredRun, predict_corun
+    ``kappa_true`` (None: no co-run solo measured); ``ffn_busy``: with the FFN's busy ms per
+    item in the solo and co-run solo windows too."""
+    from afd_cupy.capacity.contention import predict_corun
+    from afd_cupy.capacity.validate import Case, MeasuredRun
 
     case = Case("skew", tuple((c, 16) for c in contexts), (None, None), kind="decode", output_len=8)
     run = MeasuredRun("synthetic", "test", SHAPE, "0:50,0:50,0:50", 2, (case,))
     if kappa_true is None:
         return run, small_costs()
-    measured_ms = tuple(predict_corun(run, small_costs(), case, kappa_true))
+    corun = predict_corun(run, small_costs(), case, kappa_true, cal.SIM_FOR_BENCH)
+    busy = {}
+    if ffn_busy:  # alone, the FFN's item is its GEMMs: the solo busy time per item
+        solo_ms = cm.expert_gemm_time(small_costs(), SHAPE, 16, 1, 0.5) * 1e3
+        busy = dict(solo_ffn_item_ms=(solo_ms, solo_ms), corun_ffn_item_ms=tuple(c.ffn_item_ms for c in corun))
     return MeasuredRun("synthetic", "test", SHAPE, "0:50,0:50,0:50", 2,
                        (Case("skew", case.lengths, (None, None), kind="decode", output_len=8,
-                             corun_ms=measured_ms),)), small_costs()
+                             corun_ms=tuple(c.step_ms for c in corun), **busy),)), small_costs()
 
 
 def test_a_background_replica_sends_nothing_and_slows_only_through_contention():
@@ -193,26 +205,35 @@ def dataclasses_replace(obj, **kw):
 
 
 @pytest.mark.parametrize("kappa_true", [0.15, 0.6])
-def test_fit_contention_recovers_the_term_that_made_the_co_run_steps(kappa_true):
-    from afd_cupy.capacity.validate import fit_contention
+def test_fit_contention_recovers_the_attention_term_that_made_the_co_run_steps(kappa_true):
+    fallback = Contention(0.0, 0.3)
+    run, costs = _corun_run(Contention(kappa_true, fallback.ffn))
+    fitted = fit_contention(run, costs, cal.SIM_FOR_BENCH, fallback)
+    # no FFN busy time in the round: the FFN's term is the fallback's, the attention's is fitted
+    assert fitted.ffn == fallback.ffn and fitted.attention == pytest.approx(kappa_true, rel=0.05)
+    assert fit_contention(*_corun_run(None), cal.SIM_FOR_BENCH, fallback) == fallback  # nothing measured
 
-    run, costs = _corun_run(kappa_true)
-    assert fit_contention(run, costs) == pytest.approx(kappa_true, rel=0.03)
-    assert fit_contention(*_corun_run(None)) is None  # nothing measured: nothing fitted
+
+def test_fit_contention_takes_the_ffn_term_from_the_co_run_ffn_busy_time():
+    truth = Contention(0.2, 0.8)
+    run, costs = _corun_run(truth, ffn_busy=True)
+    assert max(run.cases[0].corun_ffn_item_ms) > 1.05 * run.cases[0].solo_ffn_item_ms[0]  # the GEMMs did slow
+    fitted = fit_contention(run, costs, cal.SIM_FOR_BENCH, Contention(0.0, 0.05))
+    assert fitted.ffn == pytest.approx(truth.ffn, rel=0.03) and fitted.attention == pytest.approx(truth.attention, rel=0.05)
 
 
 def test_validate_fits_the_contention_term_and_reports_the_co_run_rows(monkeypatch):
     from afd_cupy.capacity import validate as validate_mod
 
-    run, costs = _corun_run(0.4)
+    run, costs = _corun_run(Contention(0.4, BENCH_CORUN_FFN_KAPPA))
     monkeypatch.setattr(validate_mod, "calibrated_costs", lambda run, base=None: costs)  # exact costs: no solo fit
     _, rows = validate(run)
     corun = [r for r in rows if r["quantity"].startswith("co-run solo")]
     assert len(corun) == 2 and all(abs(r["error"]) < 0.01 for r in corun), corun
-    assert all(r["hbm_contention"] == pytest.approx(0.4, rel=0.03) for r in rows)
-    _, fixed = validate(run, hbm_contention=0.0)  # a given term is kept
-    assert all(r["hbm_contention"] == 0.0 for r in fixed)
-    assert max(abs(r["error"]) for r in fixed if r["quantity"].startswith("co-run")) > 0.02
+    assert all(r["hbm_contention"] == pytest.approx(0.4, rel=0.05) for r in rows)
+    _, fixed = validate(run, contention=0.0)  # a given term is kept (a number: every phase's)
+    assert all(r["hbm_contention"] == 0.0 and r["ffn_contention"] == 0.0 for r in fixed)
+    assert max(abs(r["error"]) for r in fixed if r["quantity"].startswith("co-run")) > 0.015
 
 
 def test_a_decode_report_on_two_serving_paths_keeps_only_the_async_rows():
@@ -252,6 +273,9 @@ def test_the_shipped_prefill_run_with_solo_ffn_busy_and_co_run_rounds_uses_both(
     assert all(len(c.corun_ms) == 2 and len(c.solo_ffn_item_ms) == 2 for c in run.cases)
     costs, rows = validate(run)
     assert "both from the FFN busy per item" in costs.source
-    assert 0 < rows[0]["hbm_contention"] < 1
-    corun = [r for r in rows if r["quantity"].startswith("co-run solo")]
-    assert len(corun) == 6 and max(abs(r["error"]) for r in corun) < 0.15, corun
+    assert 0 < rows[0]["hbm_contention"] < 1 and 0 < rows[0]["ffn_contention"] < 1
+    steps = [r for r in rows if r["quantity"].startswith("co-run solo batch")]
+    assert len(steps) == 6 and max(abs(r["error"]) for r in steps) < 0.15, steps
+    # the FFN's items beside the other replica's attention: one κ for six measured slowdowns
+    busy = [r for r in rows if r["quantity"].startswith("co-run solo FFN busy")]
+    assert len(busy) == 6 and max(abs(r["error"]) for r in busy) < 0.2, busy
