@@ -137,6 +137,7 @@ class Loopback:
             top_k=top_k, token_cap=tokens, routed_cap=nk,
             shared_cap=shared_capacity(tokens, 1, 1, config.mode), wire_mode=config.mode)
         geo, bf16 = layout.kernel_geometry(), kernels.DTYPE_CODES["bfloat16"]
+        self.record_words = ffn_graph.record_words(layout.header_words, dedup=dedup)
         self.ids = np.stack([rng.choice(num_experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
         x = rng.standard_normal((tokens, hidden)).astype(np.float32)
         self.x_bits = (x.view(np.uint32) >> 16).astype(np.uint16)  # bf16 by truncation: exact
@@ -159,11 +160,10 @@ class Loopback:
             "routed_offs": cp.zeros(epr, cp.int32), "reply_seqs": cp.zeros(layout.num_slots, cp.int64),
             "state": cp.zeros(ffn_graph.state_words(layout.header_words), cp.int64),
             "replay_counter": cp.zeros(1, cp.int64),
-            "records": kernels.PinnedInt64(NUM_RECORDS * ffn_graph.record_words(layout.header_words, dedup=dedup)),
+            "records": kernels.PinnedInt64(NUM_RECORDS * self.record_words),
             "reply_done": cp.zeros(1, cp.uint32), "routed_outs": cp.zeros(1, cp.uint64)}
         b["to_ffn"] = cp.asarray([b["ffn_window"].data.ptr], dtype=cp.uint64)
         b["to_attn"] = cp.asarray([b["attn_window"].data.ptr], dtype=cp.uint64)
-        self.record_words = ffn_graph.record_words(layout.header_words, dedup=dedup)
         status_ptr = b["attn_status"].data.ptr
         sc = b["scratch"]
         head = dict(dtype_code=bf16, hidden=b["hidden"].data.ptr, num_tokens=tokens, hidden_size=hidden,
@@ -174,7 +174,7 @@ class Loopback:
                     layer_idx=LAYER, stage_idx=STAGE, seq_counters=b["seq_counters"],
                     expected=b["expected"], expected_counts=b["expected_counts"],
                     done_counter=sc.scatter_done, status=status_ptr)
-        launches = {}
+        launches = {}  # in the round trip's kernel order
         if dedup:
             b["rows"] = rows = DedupRowsScratch.allocate(tokens, top_k, 1)
             dedup_args = dict(topk_weights=b["weights"], has_shared=1, row_map=rows.row_map,
@@ -234,11 +234,8 @@ class Loopback:
                 dtype_code=bf16, out=b["out"].data.ptr, num_tokens=tokens, hidden_size=hidden,
                 topk_ids=b["ids"], topk_weights=b["weights"], pos=b["pos"], top_k=top_k,
                 expert_per_rank=epr, has_shared=1, out_scale=1.0, done_counter=b["combine_done"], **wait)
-        order = ("dispatch", "stage", "expand", "reply", "wait", "combine") if dedup else \
-            ("dispatch", "stage", "reply", "wait", "combine")
-        self.order = order
         self.stage_args = stage
-        self.launches = [(name, kernels.PackedLaunch(launches[name])) for name in order]
+        self.launches = [(name, kernels.PackedLaunch(spec)) for name, spec in launches.items()]
         self.kernel_bytes = bc.kernel_bytes(layout, self.ids, num_ffn_ranks=1, has_shared=True).as_dict()
         cp.cuda.Device().synchronize()
 

@@ -37,7 +37,7 @@ struct ReplyWant {
 // warp loads a header in one round of independent loads (load_reply_words) instead of a chain of
 // dependent ones (each early exit of a check waited for its own load: ~15 L2 round trips).
 struct ReplyWords {
-  afd_i64 magic, version, seq, layer, stage, routed, shared, top_k, flags, echo;
+  afd_i64 magic, version, layer, stage, routed, shared, top_k, flags, echo;
   afd_i64 rows;        // dedup: num_rows (the trailer word); pair: 0
   afd_i64 counts_sum;  // sum of the expert counts
   bool counts_negative;
@@ -70,7 +70,6 @@ __device__ inline ReplyWords load_reply_words(const afd_i32* header, int counts_
   ReplyWords r;
   r.magic = static_cast<afd_u32>(__shfl_sync(ALL, mine, HDR_MAGIC));
   r.version = __shfl_sync(ALL, mine, HDR_VERSION);
-  r.seq = __shfl_sync(ALL, mine, HDR_SEQ);
   r.layer = __shfl_sync(ALL, mine, HDR_LAYER);
   r.stage = __shfl_sync(ALL, mine, HDR_STAGE);
   r.routed = __shfl_sync(ALL, mine, HDR_ROUTED_TOKENS);
@@ -147,6 +146,30 @@ __device__ inline bool check_reply(const ReplyWords& r, int num_rows_word, const
   return true;
 }
 
+// Warp-collective: the pass mark of one round of up to 32 ranks from j0, lane l holding
+// `seq_l` = expected[j0 + l] and `sent` the warp's ballot of seq_l != 0: seq * MAX_FFN_RANKS + j
+// of the lowest rank j sent to, 0 when the round sent to none (sent is warp-uniform).
+__device__ __forceinline__ afd_i64 round_pass_mark(afd_i64 seq_l, unsigned int sent, int j0) {
+  if (sent == 0u) return 0;
+  const int first = __ffs(sent) - 1;
+  return __shfl_sync(0xffffffffu, seq_l, first) * MAX_FFN_RANKS + j0 + first;
+}
+
+// Warp-collective: what identifies the dispatch whose replies `expected` (written by its scatter)
+// waits for: seq * MAX_FFN_RANKS + j of the lowest rank j it sent to, 0 when it sent to none.
+// NOTE: seqs count up per (ring, rank) and reply_flags is per ring: a mark left by the wait of an
+// earlier dispatch on this ring names an older (rank, seq) and never matches a later dispatch.
+__device__ inline afd_i64 wait_pass_mark(const afd_i64* expected, afd_i32 num_ffn_ranks) {
+  const int lane = threadIdx.x & 31;
+  for (int j0 = 0; j0 < num_ffn_ranks; j0 += 32) {
+    const int j = j0 + lane;
+    const afd_i64 seq = (j < num_ffn_ranks) ? expected[j] : 0;
+    const afd_i64 mark = round_pass_mark(seq, __ballot_sync(0xffffffffu, seq != 0), j0);
+    if (mark != 0) return mark;
+  }
+  return 0;
+}
+
 // Warp-collective (every lane of one warp calls it and gets the same result): wait until every
 // rank with expected[j] != 0 replied in slot (j, ring) and its reply passes check_reply.
 // Lane 0 spins and decides; the warp loads each header in one round (load_reply_words). What
@@ -181,10 +204,7 @@ __device__ inline bool wait_replies(afd_u64 window, const SlotGeometry& geo, afd
     const afd_i32 shared_l = in ? expected_counts[count_cols * jl + 1] : 0;
     const afd_i32 rows_l = (in && dedup) ? expected_counts[count_cols * jl + 2] : 0;
     const unsigned int sent = __ballot_sync(ALL, seq_l != 0);
-    if (mark == 0 && sent != 0u) {
-      const int first = __ffs(sent) - 1;
-      mark = __shfl_sync(ALL, seq_l, first) * MAX_FFN_RANKS + j0 + first;
-    }
+    if (mark == 0) mark = round_pass_mark(seq_l, sent, j0);
     if (!__shfl_sync(ALL, ok, 0)) break;
     for (unsigned int todo = sent; todo != 0u; todo &= todo - 1u) {  // warp-uniform
       const int l = __ffs(todo) - 1, j = j0 + l;
@@ -239,25 +259,6 @@ __device__ inline bool wait_replies(afd_u64 window, const SlotGeometry& geo, afd
   if (!__shfl_sync(ALL, ok, 0)) return false;
   if (lane == 0) ok = status_code(status) == STATUS_OK;
   return __shfl_sync(ALL, ok, 0);
-}
-
-// Warp-collective: what identifies the dispatch whose replies `expected` (written by its scatter)
-// waits for: seq * MAX_FFN_RANKS + j of the lowest rank j it sent to, 0 when it sent to none.
-// NOTE: seqs count up per (ring, rank) and reply_flags is per ring: a mark left by the wait of an
-// earlier dispatch on this ring names an older (rank, seq) and never matches a later dispatch.
-__device__ inline afd_i64 wait_pass_mark(const afd_i64* expected, afd_i32 num_ffn_ranks) {
-  constexpr unsigned int ALL = 0xffffffffu;
-  const int lane = threadIdx.x & 31;
-  for (int j0 = 0; j0 < num_ffn_ranks; j0 += 32) {
-    const int j = j0 + lane;
-    const afd_i64 seq = (j < num_ffn_ranks) ? expected[j] : 0;
-    const unsigned int sent = __ballot_sync(ALL, seq != 0);
-    if (sent != 0u) {
-      const int first = __ffs(sent) - 1;
-      return __shfl_sync(ALL, seq, first) * MAX_FFN_RANKS + j0 + first;
-    }
-  }
-  return 0;
 }
 
 // Last block of a combine (every thread calls it): when the status is OK, record the flag each
