@@ -48,6 +48,7 @@ from afd_cupy.capacity import calibrate as cal  # noqa: E402
 from afd_cupy.capacity import measured, validate  # noqa: E402
 from afd_cupy.capacity.contention import Contention  # noqa: E402
 from afd_cupy.capacity.search import Target, search  # noqa: E402
+from afd_cupy.capacity.spec import FFN_PICKS  # noqa: E402
 
 DEEPSEEK_V3 = ModelShape(layers=61, hidden=7168, experts=256, top_k=8, intermediate=2048, shared_experts=1,
                          dtype_bytes=1)
@@ -159,7 +160,8 @@ def run_validate(args) -> dict:
         runs += [(run, None) for run in validate.runs_from_decode_report(
             report, f"{report.get('backend')} decode {i} ({report.get('run', {}).get('commit')})")]
     out, all_rows = [], []
-    for run, costs, rows in validate.validate_runs(runs, contention_arg(args), args.noise_cv):
+    config = dataclasses.replace(cal.SIM_FOR_BENCH, ffn_pick=args.ffn_pick, merge_copies=not args.no_merge_copies)
+    for run, costs, rows in validate.validate_runs(runs, contention_arg(args), args.noise_cv, config):
         all_rows += rows
         kappa = {k: rows[0][k] if rows else None for k in ("hbm_contention", "ffn_contention", "noise_cv")}
         out.append({"run": run.name, "source": run.source, "placement": run.placement,
@@ -255,6 +257,11 @@ def parse_args(argv=None):
     p.add_argument("--noise-cv", type=float, default=None,
                    help="validate: the multi-replica runs' service-time noise (SimConfig.noise_cv); default "
                         "fitted to each run's solo step spread where it has one, else 0")
+    p.add_argument("--ffn-pick", choices=FFN_PICKS, default="rotate",
+                   help="validate: the order an FFN rank takes waiting arrivals (SimConfig.ffn_pick; default "
+                        "rotate, the library's round robin over Attention ranks; fifo: by arrival)")
+    p.add_argument("--no-merge-copies", action="store_true",
+                   help="validate: leave out the device copies that merge a lockstep batch (SimConfig.merge_copies)")
     p.add_argument("--ffn-contention", type=float, default=None,
                    help="the FFN expert GEMMs' own κ (Deployment.ffn_contention; default: --hbm-contention's)")
     p.add_argument("--costs-run", default=None, help="simulate: FFN host + GEMM costs fitted on a measured GPU "

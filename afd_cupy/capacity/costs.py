@@ -40,6 +40,9 @@ class Costs:
     time per layer (Python, torch's eager ops, the connector's calls) when it is not hidden:
     the host runs ahead of its stream, so the device's layer ``l`` of a step cannot start
     before ``(l + 1) x attn_host_s`` after the step began (0: the host is never the limit).
+    ``copy_gbps``: a device copy's rate, GB copied per second (each byte read once and written
+    once; DESIGN.md section 8, one H200: 528 MB in 254 us), for the copies that merge the
+    items of a compute batch (:func:`merge_copy_time`).
     """
 
     attn_fixed_s: float = 100e-6
@@ -55,6 +58,7 @@ class Costs:
     combine_fixed_s: float = 15e-6
     compute_sat: float = 1.0
     bandwidth_sat: float = 0.55
+    copy_gbps: float = 2080.0
     ffn_host_overlap: bool = True
     source: str = "defaults"
 
@@ -63,7 +67,7 @@ class Costs:
             if f.name in ("source", "ffn_host_overlap"):
                 continue
             value = getattr(self, f.name)
-            if f.name in ("gemm_tflops", "weight_read_gbps", "compute_sat", "bandwidth_sat"):
+            if f.name in ("gemm_tflops", "weight_read_gbps", "copy_gbps", "compute_sat", "bandwidth_sat"):
                 check_float("Costs", f.name, value, maximum=1.0 if f.name.endswith("_sat") else None)
             else:
                 check_float("Costs", f.name, value, inclusive=True)
@@ -79,6 +83,7 @@ class Costs:
                  if f.name.endswith("_s")}
         return self.replace(gemm_tflops=self.gemm_tflops / factor,
                             weight_read_gbps=self.weight_read_gbps / factor,
+                            copy_gbps=self.copy_gbps / factor,
                             source=f"{self.source}; x{factor:.3g} slower", **times)
 
 
@@ -141,6 +146,25 @@ def expert_gemm_time(costs: Costs, shape: ModelShape, num_tokens: float, num_ffn
     flops = (routed_rows + shared_rows * shape.shared_experts) * shape.flops_per_expert_row
     compute = flops / (costs.gemm_tflops * 1e12) / rate(share, costs.compute_sat)
     return max(floor, compute)
+
+
+def merge_copy_bytes(shape: ModelShape, num_tokens: float, num_ffn: int) -> float:
+    """Bytes one FFN rank copies to merge a compute batch of ``num_tokens`` tokens (several
+    items) and split its outputs, as ``afd_cupy.ffn.batch`` does: ``merge_items`` concatenates
+    the items' routed rows and gathers them into expert-major order (two copies of the routed
+    rows) and concatenates their shared rows (one copy); ``split_outputs`` scatters the routed
+    outputs back into wire order (one more copy of the routed rows). Balanced routing, pair
+    rows (tokens x k / F routed, tokens / F shared)."""
+    routed_rows = num_tokens * shape.top_k / num_ffn
+    shared_rows = num_tokens / num_ffn if shape.shared_experts else 0.0
+    return (3 * routed_rows + shared_rows) * shape.hidden * shape.dtype_bytes
+
+
+def merge_copy_time(costs: Costs, shape: ModelShape, num_tokens: float, num_ffn: int, share: float) -> float:
+    """Device time of :func:`merge_copy_bytes` at ``costs.copy_gbps`` on a process with
+    ``share`` of a GPU (a byte-bound part: it saturates at ``bandwidth_sat``), seconds."""
+    nbytes = merge_copy_bytes(shape, num_tokens, num_ffn)
+    return nbytes / (costs.copy_gbps * 1e9) / rate(share, costs.bandwidth_sat)
 
 
 def ffn_batch_time(costs: Costs, shape: ModelShape, num_tokens: float, num_ffn: int, share: float) -> float:

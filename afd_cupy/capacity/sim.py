@@ -2,7 +2,9 @@
 
 A replica's step: per layer, attention on its own process, then one item to every FFN rank
 (dispatch kernel + link), then it waits for every rank's reply (link) and combines; the next
-layer starts after the combine. An FFN rank serves compute batches FIFO, one at a time:
+layer starts after the combine. An FFN rank's host loop takes the arrivals in the order ``SimConfig.ffn_pick`` says (the
+library's: round robin over the Attention ranks, as ``afd_wait_any`` scans its slots), and its
+device serves the compute batches FIFO, one at a time:
 
 - ``async``: every item is its own batch, served in arrival order;
 - ``async_merge`` (a what-if: FFNWorker does not do it): as async, but a compute batch takes
@@ -59,6 +61,7 @@ class _Class:
     items_started: int = 0
     take_samples: list = None
     busy_spans: list = None
+    scan_start: int = 0  # ffn_pick "rotate": the slot the host loop's next scan starts at
 
 
 class Simulator:
@@ -276,12 +279,26 @@ class Simulator:
             return
         if not self.costs.ffn_host_overlap and (cls.computing or cls.gpu_queue):
             return
-        item = cls.queue.popleft()
+        item = self._pick(cls)
         cls.take_samples.append((self.now, cls.waiting - 1))
         if self.cfg.schedule != "lockstep":
             self._release(cls, (item,))
         cls.host_busy_until = self.now + self.costs.ffn_item_s * self._noise()
         self._push(cls.host_busy_until, _HOST_DONE, c, item)
+
+    def _pick(self, cls: _Class) -> tuple:
+        """The waiting arrival the host loop takes next (SimConfig.ffn_pick), off the queue.
+        ``rotate``: the first waiting slot from ``scan_start`` on, as ``afd_wait_any`` scans
+        (slot = Attention rank: ring depth 1, no micro-batch stages), then the scan starts
+        after it; ``fifo``: the oldest arrival."""
+        if self.cfg.ffn_pick == "fifo":
+            return cls.queue.popleft()
+        num_slots = max(self.dep.num_attn, self.dep.num_ffn)  # the window's regions (wire: max(A, F))
+        idx = min(range(len(cls.queue)), key=lambda i: (cls.queue[i][0] - cls.scan_start) % num_slots)
+        item = cls.queue[idx]
+        del cls.queue[idx]
+        cls.scan_start = (item[0] + 1) % num_slots
+        return item
 
     def _host_done(self, c: int, item: tuple) -> None:
         cls = self.classes[c]
@@ -311,6 +328,8 @@ class Simulator:
                 batch = batch + b
         tokens = sum(item[1] for item in batch)
         duration = cm.expert_gemm_time(self.costs, self.shape, tokens, self.dep.num_ffn, cls.share)
+        if len(batch) > 1 and self.cfg.merge_copies:  # merge_items / split_outputs' device copies
+            duration += cm.merge_copy_time(self.costs, self.shape, tokens, self.dep.num_ffn, cls.share)
         cls.computing, cls.compute_since = True, self.now
         self._run_phase(cls.gpu, ("f", c), cls.share * len(cls.ranks), "ffn", duration * self._noise(), self.now,
                         (_FFN_DONE, (c, tuple(batch))))

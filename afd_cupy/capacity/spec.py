@@ -14,6 +14,8 @@ from afd_cupy.errors import ConfigError
 
 SCHEDULES = ("async", "lockstep", "async_merge")
 WIRE_MODES = ("pair", "dedup")
+#: the order in which an FFN rank's host loop takes the arrivals waiting for it (SimConfig.ffn_pick)
+FFN_PICKS = ("rotate", "fifo")
 LOAD_KINDS = ("prefill", "decode")
 
 
@@ -272,6 +274,14 @@ class SimConfig:
     lognormal factor of mean 1 drawn independently for every attention layer, FFN host take
     and expert GEMM batch (0: deterministic costs). ``seed`` seeds the open-loop arrivals and,
     through a separate stream, the noise.
+
+    ``ffn_pick``: which waiting arrival an FFN rank takes next. ``"rotate"`` (the library's:
+    ``afd_wait_any`` and the graph FFN's wait scan the slots from the one after the slot they
+    last took, and a slot is ``Attention rank x ring depth + ring``, so the waiting replicas are
+    taken round robin in rank order); ``"fifo"``: by arrival time (a what-if).
+    ``merge_copies``: a compute batch of several items (lockstep, async_merge) pays the device
+    copies that merge them and split the outputs (``costs.merge_copy_time``); False leaves
+    them out (an ablation).
     """
 
     schedule: str = "async"
@@ -280,10 +290,13 @@ class SimConfig:
     steps: int = 10
     seed: int = 0
     noise_cv: float = 0.0
+    ffn_pick: str = "rotate"
+    merge_copies: bool = True
 
     def __post_init__(self):
         check_choice("SimConfig", "schedule", self.schedule, SCHEDULES)
         check_choice("SimConfig", "wire_mode", self.wire_mode, WIRE_MODES)
+        check_choice("SimConfig", "ffn_pick", self.ffn_pick, FFN_PICKS)
         check_int("SimConfig", "warmup_steps", self.warmup_steps, minimum=0)
         check_int("SimConfig", "steps", self.steps)
         check_int("SimConfig", "seed", self.seed, minimum=0)

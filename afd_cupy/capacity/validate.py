@@ -188,7 +188,8 @@ def _row(run, case, quantity, predicted, measured) -> dict:
 
 
 def validate(run: MeasuredRun, base: cm.Costs | None = None, contention: Contention | float | None = None,
-             noise_cv: float | None = None, fallback: Contention = BENCH_CORUN) -> tuple[cm.Costs, list]:
+             noise_cv: float | None = None, fallback: Contention = BENCH_CORUN,
+             config: SimConfig = cal.SIM_FOR_BENCH) -> tuple[cm.Costs, list]:
     """(the calibrated costs, one row per measured quantity: predicted, measured, error; each
     row also names the κ it was predicted with: ``hbm_contention`` (the attention's) and
     ``ffn_contention``).
@@ -198,13 +199,15 @@ def validate(run: MeasuredRun, base: cm.Costs | None = None, contention: Content
     for the terms they do not measure (contention.fit_contention). It does not touch the solo
     fit (a replica alone overlaps nothing).
     ``noise_cv``: the multi-replica runs' service-time noise; None: fitted to the spread of
-    the run's solo steps (noise.fit_noise) where it recorded them, else 0."""
+    the run's solo steps (noise.fit_noise) where it recorded them, else 0.
+    ``config``: the multi-replica predictions' SimConfig (its ``ffn_pick`` and ``merge_copies``
+    matter; the schedule, the noise and, for decode, the steps are set per prediction)."""
     costs = calibrated_costs(run, base)
     kappa = Contention.of(contention) or fit_contention(run, costs, cal.SIM_FOR_BENCH, fallback)
     noise_cv = (fit_noise(run, costs) or 0.0) if noise_cv is None else noise_cv
     rows = []
     for case in run.cases:
-        pred = predict(run, costs, case, contention=kappa, noise_cv=noise_cv)
+        pred = predict(run, costs, case, config, contention=kappa, noise_cv=noise_cv)
         what = "TPOT p50 ms" if case.kind == "decode" else "batch ms"
         for a, ms in enumerate(case.solo_ms):
             if ms:
@@ -236,9 +239,9 @@ def validate(run: MeasuredRun, base: cm.Costs | None = None, contention: Content
 
 
 def validate_runs(runs: list, contention: Contention | float | None = None,
-                  noise_cv: float | None = None) -> list:
+                  noise_cv: float | None = None, config: SimConfig = cal.SIM_FOR_BENCH) -> list:
     """:func:`validate` of every (MeasuredRun, base costs or None) of ``runs``: [(run, costs,
-    rows)]. A run's ``contention_from`` names the run of the list whose fitted terms fill in
+    rows)], each predicted with ``config`` (:func:`validate`). A run's ``contention_from`` names the run of the list whose fitted terms fill in
     what its own co-run round does not measure (fitted first where it comes later)."""
     by_name = {run.name: (run, base) for run, base in runs}
     fitted: dict = {}
@@ -253,7 +256,7 @@ def validate_runs(runs: list, contention: Contention | float | None = None,
         return fitted[name]
     out = []
     for run, base in runs:
-        costs, rows = validate(run, base, Contention.of(contention) or terms(run.name), noise_cv)
+        costs, rows = validate(run, base, Contention.of(contention) or terms(run.name), noise_cv, config=config)
         out.append((run, costs, rows))
     return out
 
