@@ -9,6 +9,9 @@ Attention side's wait and combine finish it, all on one stream:
     pair:   dispatch -> FFN wait + stage -> FFN reply -> Attention wait -> combine
     dedup:  dispatch -> FFN wait + stage -> FFN expand -> FFN reply -> Attention wait -> combine
 
+(a combine of few blocks waits for its replies itself, as the cuda backend runs it: one phase
+"Attention wait + combine", no wait kernel)
+
 Every kernel is the library's own, launched through its spec builder with the arguments the
 backends give it (``kernels.*_spec``); the state that carries a round trip to the next (seq
 counters, ``last_seen`` on both sides, reply seqs, replay counter) lives in device memory as in
@@ -17,6 +20,9 @@ tools/device_trace.py) between the kernels split each row into phases; the rows 
 once into a CUDA graph and replayed ``--rows`` times. Nothing waits across processes here: a
 wait kernel finds its flag already stored, so each phase is the kernel's own critical path (the
 cross-process flag under MPS adds ~0.7 µs per direction, DESIGN.md §8).
+
+A second timing runs the same rows with no stamps (``no stamps``: ``CHAIN_ROWS`` rows back to
+back in one graph, timed by events): the round trip as a captured step runs it.
 
 Beside each phase its floor: one graph node (a stamp kernel's node cost, measured here) plus the
 bytes the kernel must move (``bench_common.kernel_bytes``) at the rate of a large device copy
@@ -52,11 +58,15 @@ import bench_common as bc  # noqa: E402
 
 DEFAULT_CONFIGS = ("pair:fused:identity", "dedup:fused:identity", "dedup:ll:identity",
                    "dedup:fused:staging")
-PAIR_PHASES = ("dispatch", "FFN wait + stage", "FFN reply", "Attention wait", "combine")
-DEDUP_PHASES = ("dispatch", "FFN wait + stage", "FFN expand", "FFN reply", "Attention wait", "combine")
+#: launch name -> its phase (the stamps split the row after every launch)
+PHASE_OF = {"dispatch": "dispatch", "stage": "FFN wait + stage", "expand": "FFN expand",
+            "reply": "FFN reply", "wait": "Attention wait", "combine": "combine"}
+#: the combine's phase when it waits for the replies itself (no wait kernel: a small batch)
+SELF_WAITING_COMBINE = "Attention wait + combine"
 #: which bench_common.kernel_bytes term floors each phase
 FLOOR_TERM = {"dispatch": "dispatch", "FFN wait + stage": "stage", "FFN expand": "expand",
-              "FFN reply": "reply", "Attention wait": None, "combine": "combine"}
+              "FFN reply": "reply", "Attention wait": None, "combine": "combine",
+              SELF_WAITING_COMBINE: "combine"}
 NUM_LAYERS, LAYER, STAGE = 1, 0, 0  # the FFN stage serves layers [0, NUM_LAYERS)
 #: a wait that finds nothing latches TIMEOUT after this: every wait of a working row finds its
 #: flag at once (one stream), so a broken row costs 2 x 0.1 s, not a hang
@@ -106,14 +116,10 @@ def parse_config(text: str) -> Config:
     return Config(*parts)
 
 
-def phases_of(config: Config) -> tuple:
-    return DEDUP_PHASES if config.mode == "dedup" else PAIR_PHASES
-
-
-def points_of(config: Config) -> tuple:
+def points_of(phases: tuple) -> tuple:
     """Stamp points: s0, s1 (two stamps back to back: the stamp's own cost), then one after
-    every kernel."""
-    return ("s0", "s1") + tuple(f"p{i}" for i in range(len(phases_of(config))))
+    every kernel (``phases``: one per kernel)."""
+    return ("s0", "s1") + tuple(f"p{i}" for i in range(len(phases)))
 
 
 class Loopback:
@@ -234,6 +240,13 @@ class Loopback:
                 dtype_code=bf16, out=b["out"].data.ptr, num_tokens=tokens, hidden_size=hidden,
                 topk_ids=b["ids"], topk_weights=b["weights"], pos=b["pos"], top_k=top_k,
                 expert_per_rank=epr, has_shared=1, out_scale=1.0, done_counter=b["combine_done"], **wait)
+        # as the cuda backend launches them: a small combine waits for its replies itself (an
+        # older tree, with no such rule, always launches the wait kernel)
+        waits_itself = getattr(kernels, "combine_waits_itself", lambda grid: False)
+        if waits_itself(launches["combine"].grid):
+            del launches["wait"]
+        self.phases = tuple(SELF_WAITING_COMBINE if name == "combine" and "wait" not in launches
+                            else PHASE_OF[name] for name in launches)
         self.stage_args = stage
         self.launches = [(name, kernels.PackedLaunch(spec)) for name, spec in launches.items()]
         self.kernel_bytes = bc.kernel_bytes(layout, self.ids, num_ffn_ranks=1, has_shared=True).as_dict()
@@ -319,7 +332,7 @@ def run_config(cp, config: Config, args, tokens: int, rng) -> dict:
     if first:
         result["check_failures"] = ["first row: " + f for f in first]
         return result
-    points = points_of(config)
+    points = points_of(loop.phases)
     trace = None if args.no_stamps else dt.DeviceTrace(points, capacity=args.rows + 64)
     if args.eager:
         run = lambda: loop.one_row(stream.ptr, trace)  # noqa: E731
@@ -342,17 +355,43 @@ def run_config(cp, config: Config, args, tokens: int, rng) -> dict:
         stamps = {p: complete[:, i] for i, p in enumerate(points)}
         result["stamp_us"] = dt.stats_us((stamps["s1"] - stamps["s0"]) / 1e3)
         phases, prev = {}, "s1"
-        for i, phase in enumerate(phases_of(config)):
+        for i, phase in enumerate(loop.phases):
             phases[phase] = dt.stats_us((stamps[f"p{i}"] - stamps[prev]) / 1e3)
             prev = f"p{i}"
         phases["round trip"] = dt.stats_us((stamps[prev] - stamps["s1"]) / 1e3)
         result["phases"] = phases
+    if not args.eager:
+        result["chained_us"] = chained_row_us(cp, loop, stream, args.rows)
     loop.bufs["out"].fill(0xFFFF)  # bf16 NaN: the next row must write every element
     cp.cuda.Device().synchronize()
     run()
     stream.synchronize()
     result["check_failures"] = loop.failures()
     return result
+
+
+#: rows per graph of the unstamped timing (chained_row_us)
+CHAIN_ROWS = 10
+
+
+def chained_row_us(cp, loop: "Loopback", stream, rows: int) -> float:
+    """µs per round trip with no stamps between the kernels: CHAIN_ROWS rows back to back in one
+    graph, replayed until ``rows`` rows ran, timed by events around the replays (the graph's own
+    launch is amortized over its rows). The stamps' nodes are in the phase rows; not here."""
+    stream.begin_capture()
+    for _ in range(CHAIN_ROWS):
+        loop.one_row(stream.ptr)
+    graph = stream.end_capture()
+    for _ in range(3):
+        graph.launch(stream)
+    replays = max(1, rows // CHAIN_ROWS)
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record(stream)
+    for _ in range(replays):
+        graph.launch(stream)
+    end.record(stream)
+    end.synchronize()
+    return cp.cuda.get_elapsed_time(start, end) * 1e3 / (replays * CHAIN_ROWS)
 
 
 def floor_rows(result: dict, node_us: float, copy_gbps: float) -> list:
@@ -401,9 +440,12 @@ def main(argv=None) -> int:
                   f"{result['stamp_us']['median_us']:.2f} µs (in every phase) ====")
             print(bc.floor_table(result["floors"], node_us, copy_gbps))
         summary = [(r["config"], r["tokens"], r["phases"]["round trip"]["median_us"],
-                    r["floors"][-1]["floor_us"], r["floors"][-1]["x_floor"]) for r in results]
-        print("==== round trips (one process, loopback, graph replays; median µs) ====")
-        print(bc.format_table(("config", "tokens", "round trip µs", "sum of floors µs", "x floor"), summary))
+                    r.get("chained_us"), r["floors"][-1]["floor_us"], r["floors"][-1]["x_floor"])
+                   for r in results]
+        print("==== round trips (one process, loopback, graph replays; stamped: median µs; "
+              f"no stamps: mean of {CHAIN_ROWS}-row graphs) ====")
+        print(bc.format_table(("config", "tokens", "round trip µs", "no stamps µs", "sum of floors µs",
+                               "x floor"), summary))
     path = bc.write_json(args.out, "bench_kernels.json", report)
     print(f"wrote {path}")
     for failure in failures:

@@ -39,6 +39,11 @@ ATTENTION_POINTS = ("a_send0", "a_planned", "a_sent", "a_wait0", "a_seen", "a_do
 #: graph-driven FFN points (one row per replay, idle replays included)
 FFN_POINTS = ("f_seen", "f_staged", "f_gathered", "f_reply0", "f_reply1")
 
+#: a combine launched with no afd_wait_replies right before it waits for the replies itself (a
+#: small batch, kernels.combine_waits_itself): stamped a_wait0 before it and a_seen, a_done after
+#: it, so "reply -> Attention wait returns" holds the whole combine and "combine" one stamp hop
+SELF_WAITING_COMBINES = ("afd_combine", "afd_dedup_combine")
+
 #: kernel name (without a template argument) -> (point stamped before it, point after it)
 ATTENTION_STAMPS = {
     "afd_dispatch_plan": ("a_send0", "a_planned"),
@@ -140,17 +145,26 @@ class DeviceTrace:
             raise RuntimeError("this trace is installed already")
         inner = kernels.PackedLaunch.launch
         trace = self
-        points_of = {}  # function pointer -> (before, after): a mangled name is parsed once
+        points_of = {}  # function pointer -> (name, before, after): a mangled name is parsed once
+        last_kernel = {}  # stream -> the base name of the kernel launched last on it
+        self_wait = "afd_wait_replies" in stamps and "a_wait0" in self.points
 
         def launch(packed, stream_ptr, grid=None):
-            pair = points_of.get(packed.function_ptr)
-            if pair is None:
-                pair = points_of[packed.function_ptr] = stamps.get(
-                    kernel_base_name(packed.spec.kernel), (None, None))
-            before, after = pair
-            if before is not None:
+            entry = points_of.get(packed.function_ptr)
+            if entry is None:
+                name = kernel_base_name(packed.spec.kernel)
+                entry = points_of[packed.function_ptr] = (name,) + tuple(stamps.get(name, (None, None)))
+            name, before, after = entry
+            waits_itself = (self_wait and name in SELF_WAITING_COMBINES
+                            and last_kernel.get(stream_ptr) != "afd_wait_replies")
+            last_kernel[stream_ptr] = name
+            if waits_itself:
+                trace.stamp(stream_ptr, "a_wait0")
+            elif before is not None:
                 trace.stamp(stream_ptr, before)
             inner(packed, stream_ptr, grid)
+            if waits_itself:
+                trace.stamp(stream_ptr, "a_seen")
             if after is not None:
                 trace.stamp(stream_ptr, after)
 

@@ -290,12 +290,14 @@ class CudaAttentionPath:
         wait.set("stage_idx", stage_idx)
         combine.set("layer_idx", layer_idx)
         combine.set("stage_idx", stage_idx)
+        grid = kernels.combine_grid(num_tokens, out.shape[-1] * out.element_size())
         if self.rank.host_polling is not None:
             self._host_wait_replies(state, ring, layer_idx, stage_idx)
-        else:
+        elif not kernels.combine_waits_itself(grid):
             wait.launch(stream)
+        # else: a small combine's blocks wait for the replies themselves: one kernel less
         if self.is_dedup:
-            self._launch_dedup_combine(combine, stream, state, out, out_scale)
+            self._launch_dedup_combine(combine, stream, state, out, out_scale, grid)
         else:
             combine.set("out", out.data_ptr())
             combine.set("num_tokens", num_tokens)
@@ -304,20 +306,20 @@ class CudaAttentionPath:
             combine.set("topk_ids", ids.data_ptr())
             combine.set("topk_weights", weights.data_ptr())
             combine.set("out_scale", out_scale)
-            combine.launch(stream, kernels.combine_grid(num_tokens))
+            combine.launch(stream, grid)
         if blocking:
             self.rank.status.sync_and_raise(layer_idx=layer_idx)
         return out
 
     @staticmethod
     def _launch_dedup_combine(dedup_combine, stream: int, state: CudaSendState, out: torch.Tensor,
-                              out_scale: float) -> None:
+                              out_scale: float, grid: int) -> None:
         """Dedup mode: the combine reads neither ids nor weights, only the send's row map."""
         dedup_combine.set("out", out.data_ptr())
         dedup_combine.set("num_tokens", state.num_tokens)
         dedup_combine.set("row_map", state.row_map.data.ptr)
         dedup_combine.set("out_scale", out_scale)
-        dedup_combine.launch(stream, kernels.combine_grid(state.num_tokens))
+        dedup_combine.launch(stream, grid)
 
     def _host_wait_replies(self, state: CudaSendState, ring: int, layer_idx: int, stage_idx: int) -> None:
         """poll_mode="host": wait for the replies with host copies of the flags (no spinning

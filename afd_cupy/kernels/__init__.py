@@ -27,7 +27,8 @@ from afd_cupy.kernels.loader import (DTYPE_CODES, FILE_KERNELS, KERNEL_DIR, PROB
                                      clear_cache, get_kernel, kernel_name_expressions, load_module,
                                      source_key)
 from afd_cupy.kernels.specs import (CHUNK, KERNEL_LIMITS, MAX_BLOCKS, MAX_EXPERTS, MAX_FFN_RANKS,
-                                    MAX_TOP_K, ROWS_PER_BLOCK, combine_grid, combine_spec,
+                                    MAX_TOP_K, ROWS_PER_BLOCK, COMBINE_SELF_WAIT_BLOCKS, combine_grid,
+                                    combine_parts, combine_spec, combine_waits_itself,
                                     dedup_combine_spec, dedup_dispatch_fused_spec,
                                     dedup_dispatch_ll_spec, dedup_ll_grid, ll_dedup_dispatch_fits,
                                     dedup_expand_grid, dedup_expand_spec, dedup_reply_grid,
@@ -43,7 +44,7 @@ __all__ = [
     "CHUNK", "DTYPE_CODES", "FILE_KERNELS", "KERNEL_DIR", "KERNEL_LIMITS", "LaunchSpec",
     "MAX_BLOCKS", "MAX_EXPERTS", "MAX_FFN_RANKS", "MAX_TOP_K", "PROBE_KERNELS", "PackedLaunch",
     "PinnedInt64", "ROWS_PER_BLOCK", "StatusBlock", "StatusChannel", "clear_cache",
-    "combine_grid", "combine_spec", "dedup_combine_spec", "dedup_dispatch_fused_spec",
+    "COMBINE_SELF_WAIT_BLOCKS", "combine_grid", "combine_parts", "combine_spec", "combine_waits_itself", "dedup_combine_spec", "dedup_dispatch_fused_spec",
     "dedup_dispatch_ll_spec", "dedup_ll_grid", "ll_dedup_dispatch_fits",
     "dedup_expand_grid",
     "dedup_expand_spec", "dedup_reply_grid", "dedup_reply_spec", "dedup_rows_grid",

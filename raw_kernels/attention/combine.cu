@@ -10,7 +10,8 @@
 // dedup combine (dedup_attn.cu).
 #include "common/wire.cuh"
 #include "common/payload.cuh"
-#include "attention/reply_check.cuh"  // wait_replies, combine_wait, store_nan_row, finish_combine
+#include "attention/reply_check.cuh"  // wait_replies, combine_wait, combine_part, store_nan_part,
+                                      // finish_combine
 
 using namespace afd;
 
@@ -41,8 +42,10 @@ afd_wait_replies(afd_u64 window,  // this rank's own window
   if (threadIdx.x == 0) reply_flags[num_ffn_ranks] = ok ? mark : 0;
 }
 
-// grid = max(1, min(T, MAX_BLOCKS)), block = COMBINE_THREADS; blocks stride over tokens,
-// threads over hidden.
+// grid = max(1, min(T * parts, MAX_BLOCKS)) with parts = combine_parts(row bytes, T), block =
+// COMBINE_THREADS; blocks stride over (token, part) items, threads over the part's 16-byte
+// vectors. A thread loads one vector of up to COMBINE_LOAD_BATCH reply rows (and the shared
+// row) in one round before it adds any: one round of loads per vector instead of one per row.
 template <int DT>
 __global__ void __launch_bounds__(COMBINE_THREADS)
 afd_combine(afd_u64 out,  // payload [num_tokens, hidden_size]
@@ -64,12 +67,14 @@ afd_combine(afd_u64 out,  // payload [num_tokens, hidden_size]
   __shared__ const char* s_shared_row;
   const int tid = threadIdx.x;
   const afd_i64 row_bytes = static_cast<afd_i64>(hidden_size) * itemsize<DT>();
+  const afd_i64 parts = combine_parts(row_bytes, num_tokens);
+  const afd_i64 num_items = static_cast<afd_i64>(num_tokens) * parts;
   // The block's first token's partials do not depend on the replies: loaded before the wait, so
-  // that their round trip overlaps it (decode: one token a block).
+  // that their round trip overlaps it (decode: one item a block).
   afd_i32 first_id = 0, first_pos = 0;
   float first_weight = 0.0f;
-  if (tid < top_k && blockIdx.x < num_tokens) {
-    const afd_i64 p = static_cast<afd_i64>(blockIdx.x) * top_k + tid;
+  if (tid < top_k && blockIdx.x < num_items) {
+    const afd_i64 p = (static_cast<afd_i64>(blockIdx.x) / parts) * top_k + tid;
     first_id = topk_ids[p];
     first_weight = topk_weights[p];
     first_pos = pos[p];
@@ -86,38 +91,50 @@ afd_combine(afd_u64 out,  // payload [num_tokens, hidden_size]
   const bool use_vec = (misalign & 15) == 0;
   constexpr int VEC = vec_elems<DT>();
 
-  for (afd_i64 t = blockIdx.x; t < num_tokens; t += gridDim.x) {
-    char* out_row = out_base + t * row_bytes;
+  for (afd_i64 item = blockIdx.x; item < num_items; item += gridDim.x) {
+    const CombinePart c = combine_part<DT>(item, parts, hidden_size);
+    char* out_row = out_base + c.t * row_bytes;
     if (!ok) {
-      store_nan_row<DT>(out_row, hidden_size);
+      store_nan_part<DT>(out_row, c);
       continue;
     }
     if (tid < top_k) {
-      const afd_i64 p = t * top_k + tid;
-      const bool first = t == blockIdx.x;
+      const afd_i64 p = c.t * top_k + tid;
+      const bool first = item == blockIdx.x;
       const int dest = (first ? first_id : topk_ids[p]) / expert_per_rank;
       s_weight[tid] = first ? first_weight : topk_weights[p];
       s_row[tid] = geo.routed_row(geo.slot(window, dest, ring), first ? first_pos : pos[p], row_bytes);
     }
     if (tid == 0 && has_shared) {
-      const int dest = static_cast<int>(t % num_ffn_ranks);
-      s_shared_row = geo.shared_row(geo.slot(window, dest, ring), t / num_ffn_ranks, row_bytes);
+      const int dest = static_cast<int>(c.t % num_ffn_ranks);
+      s_shared_row = geo.shared_row(geo.slot(window, dest, ring), c.t / num_ffn_ranks, row_bytes);
     }
     __syncthreads();
     if (use_vec) {
-      const afd_i64 num_vec = hidden_size / VEC;
-      for (afd_i64 v = tid; v < num_vec; v += COMBINE_THREADS) {
+      for (afd_i64 v = c.begin / VEC + tid; v < c.end / VEC; v += COMBINE_THREADS) {
         float acc[VEC], x[VEC];
 #pragma unroll
         for (int u = 0; u < VEC; ++u) acc[u] = 0.0f;
-        for (int k = 0; k < top_k; ++k) {
-          unpack16<DT>(reinterpret_cast<const uint4*>(s_row[k])[v], x);
-          const float w = s_weight[k];
+        uint4 shared_v = make_uint4(0u, 0u, 0u, 0u);
+        if (has_shared) shared_v = reinterpret_cast<const uint4*>(s_shared_row)[v];
+        for (int k0 = 0; k0 < top_k; k0 += COMBINE_LOAD_BATCH) {
+          uint4 rows[COMBINE_LOAD_BATCH];
 #pragma unroll
-          for (int u = 0; u < VEC; ++u) acc[u] = fmaf(w, x[u], acc[u]);
+          for (int b = 0; b < COMBINE_LOAD_BATCH; ++b) {
+            if (k0 + b < top_k) rows[b] = reinterpret_cast<const uint4*>(s_row[k0 + b])[v];
+          }
+#pragma unroll
+          for (int b = 0; b < COMBINE_LOAD_BATCH; ++b) {
+            if (k0 + b < top_k) {
+              unpack16<DT>(rows[b], x);
+              const float w = s_weight[k0 + b];
+#pragma unroll
+              for (int u = 0; u < VEC; ++u) acc[u] = fmaf(w, x[u], acc[u]);
+            }
+          }
         }
         if (has_shared) {
-          unpack16<DT>(reinterpret_cast<const uint4*>(s_shared_row)[v], x);
+          unpack16<DT>(shared_v, x);
 #pragma unroll
           for (int u = 0; u < VEC; ++u) acc[u] += x[u];
         }
@@ -126,14 +143,14 @@ afd_combine(afd_u64 out,  // payload [num_tokens, hidden_size]
         reinterpret_cast<uint4*>(out_row)[v] = pack16<DT>(acc);
       }
     } else {
-      for (afd_i64 h = tid; h < hidden_size; h += COMBINE_THREADS) {
+      for (afd_i64 h = c.begin + tid; h < c.end; h += COMBINE_THREADS) {
         float acc = 0.0f;
         for (int k = 0; k < top_k; ++k) acc = fmaf(s_weight[k], load_elem<DT>(s_row[k], h), acc);
         if (has_shared) acc += load_elem<DT>(s_shared_row, h);
         store_elem<DT>(out_row, h, acc * out_scale);
       }
     }
-    __syncthreads();  // s_weight / s_row are rewritten for the next token
+    __syncthreads();  // s_weight / s_row are rewritten for the next item
   }
 
   // Last block (GPU scope): last_seen from the flags the wait accepted.

@@ -17,7 +17,7 @@
 #include "common/payload.cuh"
 #include "common/block.cuh"
 #include "common/publish.cuh"         // publish_dispatch
-#include "attention/reply_check.cuh"  // combine_wait, store_nan_row, finish_combine
+#include "attention/reply_check.cuh"  // combine_wait, combine_part, store_nan_part, finish_combine
 #include "attention/dedup_attn.cuh"   // dedup_shared_rank, write_dedup_cell, record_dedup_sends
 
 using namespace afd;
@@ -210,12 +210,14 @@ afd_dedup_scatter(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-maj
   reset_done_counter(done_counter);
 }
 
-// grid = max(1, min(T, MAX_BLOCKS)), block = COMBINE_THREADS; blocks stride over tokens, threads
-// over hidden. The first warp of each block re-runs the wait (dedup mode) unless
-// afd_wait_replies left its pass mark (combine_wait); on any error the block writes NaN rows. Per token the first warp
-// lists the reply rows in rank order (row_map[t, j] >= 0: row of rank j's reply in region j's
-// routed_x), then out[t] = out_scale * (fp32 sum over that list), rounded once. The last block
-// (GPU scope) records the accepted flags in last_seen, as afd_combine.
+// grid = max(1, min(T * parts, MAX_BLOCKS)) with parts = combine_parts(row bytes, T), block =
+// COMBINE_THREADS; blocks stride over (token, part) items, threads over the part's 16-byte
+// vectors (as afd_combine). The first warp of each block re-runs the wait (dedup mode) unless
+// afd_wait_replies left its pass mark (combine_wait); on any error the block writes NaN into its
+// part. Per item the first warp lists the token's reply rows in rank order (row_map[t, j] >= 0:
+// row of rank j's reply in region j's routed_x), then out[t] = out_scale * (fp32 sum over that
+// list), rounded once; a thread loads up to DEDUP_LOAD_BATCH of those rows in one round. The
+// last block (GPU scope) records the accepted flags in last_seen, as afd_combine.
 template <int DT>
 __global__ void __launch_bounds__(COMBINE_THREADS)
 afd_dedup_combine(afd_u64 out,  // payload [num_tokens, hidden_size]
@@ -231,14 +233,19 @@ afd_dedup_combine(afd_u64 out,  // payload [num_tokens, hidden_size]
                   afd_i64 timeout_ns, float out_scale, unsigned int* done_counter,
                   afd_i64* status) {
   constexpr unsigned int ALL = 0xffffffffu;
+  // reply rows a thread loads in one round: a token's rows come from distinct FFN ranks, few
+  constexpr int DEDUP_LOAD_BATCH = 4;
   __shared__ const char* s_row[MAX_FFN_RANKS];
   __shared__ int s_num_rows;
   const int tid = threadIdx.x;
   const afd_i64 row_bytes = static_cast<afd_i64>(hidden_size) * itemsize<DT>();
+  const afd_i64 parts = combine_parts(row_bytes, num_tokens);
+  const afd_i64 num_items = static_cast<afd_i64>(num_tokens) * parts;
   // The block's first token's row_map entries (ranks 0..31) do not depend on the replies:
-  // loaded before the wait, so that their round trip overlaps it (decode: one token a block).
-  const afd_i32 first_row = (tid < num_ffn_ranks && blockIdx.x < num_tokens)
-                                ? row_map[static_cast<afd_i64>(blockIdx.x) * num_ffn_ranks + tid] : -1;
+  // loaded before the wait, so that their round trip overlaps it (decode: one item a block).
+  const afd_i32 first_row = (tid < num_ffn_ranks && blockIdx.x < num_items)
+                                ? row_map[(static_cast<afd_i64>(blockIdx.x) / parts) * num_ffn_ranks + tid]
+                                : -1;
 
   const bool ok = combine_wait(window, geo, num_ffn_ranks, ring, expected, expected_counts,
                                layer_idx, stage_idx, last_seen, reply_flags, timeout_ns, status,
@@ -250,17 +257,19 @@ afd_dedup_combine(afd_u64 out,  // payload [num_tokens, hidden_size]
   const bool use_vec = (misalign & 15) == 0;
   constexpr int VEC = vec_elems<DT>();
 
-  for (afd_i64 t = blockIdx.x; t < num_tokens; t += gridDim.x) {
+  for (afd_i64 item = blockIdx.x; item < num_items; item += gridDim.x) {
+    const CombinePart c = combine_part<DT>(item, parts, hidden_size);
+    const afd_i64 t = c.t;
     char* out_row = out_base + t * row_bytes;
     if (!ok) {
-      store_nan_row<DT>(out_row, hidden_size);
+      store_nan_part<DT>(out_row, c);
       continue;
     }
     if (tid < 32) {  // the reply rows of token t, in rank order
       int count = 0;
       for (int j0 = 0; j0 < num_ffn_ranks; j0 += 32) {
         const int j = j0 + tid;
-        const afd_i32 row = (j0 == 0 && t == blockIdx.x) ? first_row
+        const afd_i32 row = (j0 == 0 && item == blockIdx.x) ? first_row
                             : (j < num_ffn_ranks) ? row_map[t * num_ffn_ranks + j] : -1;
         const unsigned int mask = __ballot_sync(ALL, row >= 0);
         if (row >= 0) {
@@ -274,28 +283,37 @@ afd_dedup_combine(afd_u64 out,  // payload [num_tokens, hidden_size]
     __syncthreads();
     const int n = s_num_rows;
     if (use_vec) {
-      const afd_i64 num_vec = hidden_size / VEC;
-      for (afd_i64 v = tid; v < num_vec; v += COMBINE_THREADS) {
+      for (afd_i64 v = c.begin / VEC + tid; v < c.end / VEC; v += COMBINE_THREADS) {
         float acc[VEC], x[VEC];
 #pragma unroll
         for (int u = 0; u < VEC; ++u) acc[u] = 0.0f;
-        for (int i = 0; i < n; ++i) {
-          unpack16<DT>(reinterpret_cast<const uint4*>(s_row[i])[v], x);
+        for (int i0 = 0; i0 < n; i0 += DEDUP_LOAD_BATCH) {
+          uint4 rows[DEDUP_LOAD_BATCH];
 #pragma unroll
-          for (int u = 0; u < VEC; ++u) acc[u] += x[u];
+          for (int b = 0; b < DEDUP_LOAD_BATCH; ++b) {
+            if (i0 + b < n) rows[b] = reinterpret_cast<const uint4*>(s_row[i0 + b])[v];
+          }
+#pragma unroll
+          for (int b = 0; b < DEDUP_LOAD_BATCH; ++b) {
+            if (i0 + b < n) {
+              unpack16<DT>(rows[b], x);
+#pragma unroll
+              for (int u = 0; u < VEC; ++u) acc[u] += x[u];
+            }
+          }
         }
 #pragma unroll
         for (int u = 0; u < VEC; ++u) acc[u] *= out_scale;
         reinterpret_cast<uint4*>(out_row)[v] = pack16<DT>(acc);
       }
     } else {
-      for (afd_i64 h = tid; h < hidden_size; h += COMBINE_THREADS) {
+      for (afd_i64 h = c.begin + tid; h < c.end; h += COMBINE_THREADS) {
         float acc = 0.0f;
         for (int i = 0; i < n; ++i) acc += load_elem<DT>(s_row[i], h);
         store_elem<DT>(out_row, h, acc * out_scale);
       }
     }
-    __syncthreads();  // s_row / s_num_rows are rewritten for the next token
+    __syncthreads();  // s_row / s_num_rows are rewritten for the next item
   }
 
   // Last block (GPU scope): last_seen from the flags the wait accepted.

@@ -8,8 +8,8 @@
 // set exactly in dedup mode, the header has one more word (num_rows at geo.header_words - 1, not
 // an expert count) and expected_counts has three columns (routed, shared, rows) instead of two.
 // The combines' common frame is here too: combine_wait (the first warp re-runs the wait unless
-// afd_wait_replies left its pass mark), store_nan_row (a token's row after an error) and
-// finish_combine (the last block's last_seen).
+// afd_wait_replies left its pass mark), combine_part (a block's token and columns),
+// store_nan_part (its elements after an error) and finish_combine (the last block's last_seen).
 //
 // reply_flags int64 [F + 1]: words 0..F-1 the flag each accepted reply was consumed with; word F
 // the pass mark (wait_pass_mark) afd_wait_replies leaves when it accepted every expected reply of
@@ -312,12 +312,30 @@ __device__ __forceinline__ bool combine_wait(afd_u64 window, const SlotGeometry&
   return s_ok;
 }
 
-// A combine block's output row of one token after an error (every thread of the block): NaN in
-// every element, so that no stale or partial row passes for a result. Plain stores, no ordering.
+// One block's share of a combine: token `t` and its output elements [begin, end), whole 16-byte
+// vectors but the row's last, for work item `item` of num_tokens * parts (combine_parts cuts
+// each row into `parts`; an item past the row's end gets an empty range).
+struct CombinePart {
+  afd_i64 t, begin, end;
+};
 template <int DT>
-__device__ __forceinline__ void store_nan_row(char* out_row, afd_i32 hidden_size) {
-  const int tid = threadIdx.x;
-  for (afd_i64 h = tid; h < hidden_size; h += COMBINE_THREADS) {
+__device__ __forceinline__ CombinePart combine_part(afd_i64 item, afd_i64 parts, afd_i32 hidden_size) {
+  constexpr afd_i64 VEC = vec_elems<DT>();
+  const afd_i64 per_part = ((hidden_size + VEC - 1) / VEC + parts - 1) / parts * VEC;
+  CombinePart c;
+  c.t = item / parts;
+  c.begin = (item % parts) * per_part;
+  c.end = c.begin + per_part < hidden_size ? c.begin + per_part : hidden_size;
+  if (c.begin > c.end) c.begin = c.end;
+  return c;
+}
+
+// A combine block's part of one token's output row after an error (every thread of the
+// block): NaN in elements [begin, end), so that no stale or partial row passes for a result.
+// Plain stores, no ordering.
+template <int DT>
+__device__ __forceinline__ void store_nan_part(char* out_row, const CombinePart& c) {
+  for (afd_i64 h = c.begin + threadIdx.x; h < c.end; h += COMBINE_THREADS) {
     store_elem<DT>(out_row, h, __int_as_float(0x7fc00000));
   }
 }

@@ -651,6 +651,10 @@ COMBINE_CASES = [  # num_ffn, num_tokens, top_k, has_shared, hidden, out_scale
     # wide rows: more 16-byte vectors per row than threads per block (7168 bf16 = 896 over
     # 256 threads; 4104 leaves a partial last pass), top-5 and top-8
     (2, 5, 8, 1, 7168, 1.0), (3, 9, 5, 0, 4104, 0.5),
+    # a token's row in parts, a block each (kernels.combine_parts: 1 token, 7168 bf16 = 4 parts;
+    # fp32 7); rows not 16-byte aligned (4105: the element path in parts); top-12 = a full and a
+    # partial batch of loads
+    (1, 1, 8, 1, 7168, 1.0), (2, 3, 6, 1, 4105, 1.0), (2, 4, 12, 1, 7168, 0.5),
     # more FFN ranks than a warp has lanes (the wait preloads ranks < 32 per lane): every rank
     # gets a shared row, ranks >= 10 nothing routed
     (40, 45, 2, 1, 64, 1.0)]
@@ -686,16 +690,18 @@ def test_combine_matches_reference(request, dtype, case, wait_kernel):
     assert int(c.reply_flags.get()[num_ffn]) == 0  # the wait's pass mark, cleared by the combine
 
 
-def _two_rank_combine(request, dtype="bfloat16"):
+def _two_rank_combine(request, dtype="bfloat16", hidden=64):
     rng = node_rng(request)
     ids = skewed_ids(rng, 7, 2, np.arange(NUM_EXPERTS))
     ids[0] = [0, NUM_EXPERTS - 1]  # both FFN ranks get routed partials
-    return Combine(rng, dtype=dtype, num_ffn=2, num_tokens=7, top_k=2, hidden=64, has_shared=1, ids=ids, ring=1)
+    return Combine(rng, dtype=dtype, num_ffn=2, num_tokens=7, top_k=2, hidden=hidden, has_shared=1, ids=ids,
+                   ring=1)
 
 
+@pytest.mark.parametrize("hidden", [64, 7168])  # 7168: every token's row in 4 parts (blocks)
 @pytest.mark.parametrize("wait_kernel", [True, False], ids=["wait+combine", "combine-alone"])
-def test_combine_timeout_names_peer_and_writes_nan(request, wait_kernel):
-    c = _two_rank_combine(request)
+def test_combine_timeout_names_peer_and_writes_nan(request, wait_kernel, hidden):
+    c = _two_rank_combine(request, hidden=hidden)
     c.write_reply(0)
     c.write_reply(1, arrive=False)  # payload there, flag never changes
     timeout_s = 0.05

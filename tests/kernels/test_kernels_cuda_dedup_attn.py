@@ -533,7 +533,10 @@ class DedupCombine:
 COMBINE_CASES = [  # num_ffn, num_tokens, top_k, has_shared, hidden, out_scale
     (1, 1, 1, 0, 64, 1.0), (1, 300, 8, 1, 64, 2.5), (2, 7, 2, 1, 33, 0.5), (3, 300, 6, 1, 64, 2.5),
     (4, 300, 8, 0, 50, 1.0), (4, 7, 8, 1, 64, 1.0), (3, 0, 2, 1, 64, 1.0), (2, 1, 6, 1, 72, 1.0),
-    (2, 1300, 2, 1, 64, 0.25), (4, 2, 1, 1, 40, 1.0)]
+    (2, 1300, 2, 1, 64, 0.25), (4, 2, 1, 1, 40, 1.0),
+    # a token's row in parts, a block each (kernels.combine_parts); 4105: rows not 16-byte
+    # aligned (the element path in parts); 6 ranks: a full and a partial batch of loads
+    (1, 1, 8, 1, 7168, 1.0), (2, 5, 8, 1, 7168, 0.5), (3, 9, 5, 0, 4105, 1.0), (6, 4, 8, 1, 4104, 1.0)]
 
 
 @pytest.mark.parametrize("wait_kernel", [True, False], ids=["wait+combine", "combine-alone"])
@@ -612,13 +615,13 @@ def test_dedup_combine_many_ranks(request):
     np.testing.assert_allclose(base.to_f32(c.out.get()[:40], "float32"), c.reference(1.5), rtol=1e-6, atol=1e-6)
 
 
-def _two_rank_dedup_combine(request, dtype="bfloat16"):
+def _two_rank_dedup_combine(request, dtype="bfloat16", hidden=64):
     """Rank 1 has a token with two partials (token 0) and one with one (token 1), so num_rows
     can move by one either way and stay a possible dedup size."""
     rng = node_rng(request)
     ids = base.skewed_ids(rng, 7, 2, np.arange(NUM_EXPERTS))
     ids[0], ids[1] = [5, 6], [0, 9]  # epr = 5: experts 5..9 live on rank 1
-    return DedupCombine(rng, dtype=dtype, num_ffn=2, num_tokens=7, top_k=2, hidden=64, has_shared=1,
+    return DedupCombine(rng, dtype=dtype, num_ffn=2, num_tokens=7, top_k=2, hidden=hidden, has_shared=1,
                         ids=ids, ring=1)
 
 
@@ -691,8 +694,9 @@ def test_dedup_combine_header_faults(request, fault, wait_kernel):
     c.assert_last_seen_unchanged()
 
 
-def test_dedup_combine_timeout_names_peer_and_writes_nan(request):
-    c = _two_rank_dedup_combine(request)
+@pytest.mark.parametrize("hidden", [64, 7168])  # 7168: every token's row in 4 parts (blocks)
+def test_dedup_combine_timeout_names_peer_and_writes_nan(request, hidden):
+    c = _two_rank_dedup_combine(request, hidden=hidden)
     c.write_reply(0)
     c.write_reply(1, arrive=False)
     elapsed = c.run(timeout_ns=50_000_000)

@@ -279,8 +279,18 @@ def test_grids_of_the_specs(fake_specs):
     built = _specs()
     assert built[("attention/dispatch.cu", "afd_dispatch_scatter")].grid == kernels.scatter_grid(8, 8, 1) == 9
     assert kernels.scatter_grid(0, 8, 1) == 1 and kernels.scatter_grid(4096, 8, 1) == kernels.MAX_BLOCKS
-    assert built[("attention/combine.cu", "afd_combine")].grid == kernels.combine_grid(8) == 8
-    assert kernels.combine_grid(0) == 1
+    # hidden 64 bf16: a 128-byte row is one part; a 14 KiB row 4 parts (a vector a thread)
+    # while tokens are few, fewer from 257 tokens, 1 from 513
+    assert built[("attention/combine.cu", "afd_combine")].grid == kernels.combine_grid(8, 128) == 8
+    assert kernels.combine_grid(0, 128) == 1
+    assert kernels.combine_parts(7168 * 2, 1) == 4 and kernels.combine_grid(1, 7168 * 2) == 4
+    assert kernels.combine_grid(32, 7168 * 2) == 128 and kernels.combine_parts(7168 * 2, 33) == 3
+    assert kernels.combine_grid(128, 7168 * 2) == 128 and kernels.combine_parts(7168 * 2, 129) == 1
+    assert kernels.combine_grid(4096, 7168 * 2) == kernels.MAX_BLOCKS
+    assert kernels.combine_parts(7168 * 4, 1) == 7 and kernels.combine_parts(6, 1) == 1
+    # a small combine waits for its replies itself (no wait kernel): 1-2 decode tokens
+    assert kernels.combine_waits_itself(kernels.combine_grid(2, 7168 * 2))
+    assert not kernels.combine_waits_itself(kernels.combine_grid(3, 7168 * 2))
     assert built[("ffn/reply.cu", "afd_reply")].grid == kernels.reply_grid(3) == 1
     assert built[("attention/dispatch.cu", "afd_dispatch_plan")].shared_mem == 4 * 8
     assert built[("attention/dispatch.cu", "afd_dispatch_plan")].grid == kernels.plan_grid(64) == 1
@@ -302,7 +312,7 @@ def test_dedup_grids_and_mode_checks(fake_specs):
     assert kernels.dedup_rows_grid(0, 8) == 1 and kernels.dedup_rows_grid(65, 4) == 2
     assert built[("attention/dedup_attn.cu", "afd_dedup_scatter")].grid == kernels.dedup_scatter_grid(8, 2) == 2
     assert kernels.dedup_scatter_grid(0, 4) == 1 and kernels.dedup_scatter_grid(4096, 4) == kernels.MAX_BLOCKS
-    assert built[("attention/dedup_attn.cu", "afd_dedup_combine")].grid == kernels.combine_grid(8)
+    assert built[("attention/dedup_attn.cu", "afd_dedup_combine")].grid == kernels.combine_grid(8, 64 * 4) == 8
     # the graph's dedup row kernels: grids for the bucket's message rows (frozen at capture)
     assert built[("ffn/ffn_graph_rows.cu", "afd_graph_dedup_expand")].grid == kernels.dedup_expand_grid(20) == 3
     assert built[("ffn/ffn_graph_rows.cu", "afd_graph_dedup_reply")].grid == \
@@ -554,10 +564,11 @@ def test_ffn_reply_writes_put_peers_into_the_staging_and_puts_its_rows(fake_spec
 
 def test_row_parts_mirror_the_kernels():
     text = (kernels.KERNEL_DIR / "common" / "wire.cuh").read_text()
-    values = dict(re.findall(r"constexpr afd_i64 (ROW_(?:PART_BYTES|MAX_PARTS|PART_WARPS)) = (\d+);", text))
+    values = dict(re.findall(r"constexpr afd_i64 ((?:ROW_(?:PART_BYTES|MAX_PARTS|PART_WARPS))|COMBINE_PART_BLOCKS) "
+                             r"= (\d+);", text))
     assert {k: int(v) for k, v in values.items()} == {
         "ROW_PART_BYTES": specs.ROW_PART_BYTES, "ROW_MAX_PARTS": specs.ROW_MAX_PARTS,
-        "ROW_PART_WARPS": specs.ROW_PART_WARPS}
+        "ROW_PART_WARPS": specs.ROW_PART_WARPS, "COMBINE_PART_BLOCKS": specs.COMBINE_PART_BLOCKS}
 
 
 def test_few_row_parts_spread_small_pair_messages_only():

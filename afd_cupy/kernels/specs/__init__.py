@@ -21,7 +21,7 @@ flight.
 Every public name of those modules is importable from here (``afd_cupy.kernels.specs.X``).
 """
 from afd_cupy.kernels.launches import LaunchSpec  # noqa: F401 - the builders' return type
-from afd_cupy.kernels.specs.limits import (CHUNK, KERNEL_LIMITS, MAX_BLOCKS, MAX_EXPERTS,
+from afd_cupy.kernels.specs.limits import (CHUNK, COMBINE_PART_BLOCKS, KERNEL_LIMITS, MAX_BLOCKS, MAX_EXPERTS,
                                            MAX_FFN_RANKS, MAX_TOP_K, ROWS_PER_BLOCK, ROW_MAX_PARTS,
                                            ROW_PART_BYTES, ROW_PART_WARPS, few_row_parts,
                                            payload_row_bytes, row_grid, row_parts)
@@ -29,7 +29,8 @@ from afd_cupy.kernels.specs.dispatch import (FUSED_MAX_SHARED_BYTES, dispatch_fu
                                              dispatch_num_chunks, dispatch_plan_spec,
                                              dispatch_scatter_spec, fused_dispatch_fits,
                                              fused_shared_bytes, plan_grid, scatter_grid)
-from afd_cupy.kernels.specs.combine import (combine_grid, combine_spec, wait_pass_mark,
+from afd_cupy.kernels.specs.combine import (COMBINE_SELF_WAIT_BLOCKS, combine_grid, combine_parts,
+                                            combine_spec, combine_waits_itself, wait_pass_mark,
                                             wait_replies_spec)
 from afd_cupy.kernels.specs.ffn import (dedup_expand_grid, dedup_expand_spec, dedup_reply_grid,
                                         dedup_reply_spec, reply_grid, reply_spec, wait_any_spec)
@@ -51,7 +52,7 @@ __all__ = [
     "GATE_LIMITS", "GATE_SCORING", "GRAPH_MAX_GROUPS", "KERNEL_LIMITS", "LL_MAX_FFN_RANKS",
     "MAX_BLOCKS", "MAX_EXPERTS",
     "MAX_FFN_RANKS", "MAX_TOP_K", "ROWS_PER_BLOCK", "ROW_MAX_PARTS", "ROW_PART_BYTES",
-    "STAGE_RECORD_HEADER", "STAGE_STATE_HEADER", "combine_grid", "combine_spec",
+    "STAGE_RECORD_HEADER", "STAGE_STATE_HEADER", "COMBINE_PART_BLOCKS", "COMBINE_SELF_WAIT_BLOCKS", "combine_grid", "combine_parts", "combine_spec", "combine_waits_itself",
     "dedup_combine_spec", "dedup_dispatch_fused_spec", "dedup_dispatch_ll_spec", "dedup_expand_grid", "dedup_expand_spec",
     "dedup_fused_shared_bytes", "dedup_ll_grid", "dedup_ll_shared_bytes", "dedup_reply_grid", "dedup_reply_spec", "dedup_rows_grid",
     "dedup_rows_spec", "dedup_scatter_grid", "dedup_scatter_spec", "dispatch_fused_spec",

@@ -9,7 +9,8 @@ import numpy as np
 
 from afd_cupy.kernels import checks, loader
 from afd_cupy.kernels.launches import LaunchSpec, launch_spec
-from afd_cupy.kernels.specs.limits import KERNEL_LIMITS, MAX_BLOCKS, MAX_FFN_RANKS, MAX_TOP_K
+from afd_cupy.kernels.specs.limits import (COMBINE_PART_BLOCKS, KERNEL_LIMITS, MAX_BLOCKS,
+                                           MAX_FFN_RANKS, MAX_TOP_K, payload_row_bytes)
 from afd_cupy.kernels.specs.groups import reply_wait_args
 
 
@@ -88,9 +89,37 @@ def combine_spec(*, dtype_code, out, num_tokens, hidden_size, topk_ids, topk_wei
                 done_counter=checks.device_array("done_counter", done_counter, np.uint32, 1),
                 status=checks.address("status", status))
     kernel = loader.get_kernel("attention/combine.cu", "afd_combine", dtype_code=checks.dtype_code(dtype_code))
-    return launch_spec(kernel, combine_grid(int(num_tokens), max_blocks), KERNEL_LIMITS["COMBINE_THREADS"], args)
+    grid = combine_grid(int(num_tokens), payload_row_bytes(int(args["hidden_size"]), dtype_code), max_blocks)
+    return launch_spec(kernel, grid, KERNEL_LIMITS["COMBINE_THREADS"], args)
 
 
-def combine_grid(num_tokens: int, max_blocks: int = MAX_BLOCKS) -> int:
-    """Blocks of afd_combine: one per token, at most ``max_blocks``, at least 1."""
-    return max(1, min(num_tokens, max_blocks))
+#: a combine of at most this many blocks waits for its replies itself, with no afd_wait_replies
+#: before it (every block's first warp runs the reply wait, combine_wait in reply_check.cuh): one
+#: kernel less on a small decode batch's critical path, and no more SMs held while waiting than
+#: this. Larger combines keep the one-warp wait kernel, so that a combine of many blocks never
+#: spins on every SM (a GEMM of another MPS client could not be scheduled).
+COMBINE_SELF_WAIT_BLOCKS = 8
+
+
+def combine_waits_itself(grid: int) -> bool:
+    """Whether a combine of ``grid`` blocks (:func:`combine_grid`) runs without the wait kernel
+    before it (:data:`COMBINE_SELF_WAIT_BLOCKS`)."""
+    return int(grid) <= COMBINE_SELF_WAIT_BLOCKS
+
+
+def combine_parts(row_bytes: int, num_tokens: int) -> int:
+    """Blocks per token of the combines (afd_combine, afd_dedup_combine), as they compute it
+    (``combine_parts`` in wire.cuh): up to one 16-byte vector of the row a thread
+    (``ceil(row_bytes / 16 / COMBINE_THREADS)``), fewer as tokens grow, at most
+    COMBINE_PART_BLOCKS blocks in all, at least 1."""
+    vecs = -(-int(row_bytes) // 16)
+    full = -(-vecs // KERNEL_LIMITS["COMBINE_THREADS"])
+    room = COMBINE_PART_BLOCKS // int(num_tokens) if int(num_tokens) > 0 else full
+    return max(1, min(full, room))
+
+
+def combine_grid(num_tokens: int, row_bytes: int, max_blocks: int = MAX_BLOCKS) -> int:
+    """Blocks of afd_combine / afd_dedup_combine for ``num_tokens`` tokens of ``row_bytes``
+    bytes: one per (token, part) item (:func:`combine_parts`), at most ``max_blocks``, at
+    least 1. Any grid gives the same output (blocks stride over the items)."""
+    return max(1, min(int(num_tokens) * combine_parts(row_bytes, num_tokens), max_blocks))

@@ -258,4 +258,5 @@ def dedup_combine_spec(*, dtype_code, out, num_tokens, hidden_size, row_map, win
                 done_counter=checks.device_array("done_counter", done_counter, np.uint32, 1),
                 status=checks.address("status", status))
     kernel = loader.get_kernel("attention/dedup_attn.cu", "afd_dedup_combine", dtype_code=checks.dtype_code(dtype_code))
-    return launch_spec(kernel, combine_grid(int(num_tokens), max_blocks), KERNEL_LIMITS["COMBINE_THREADS"], args)
+    grid = combine_grid(int(num_tokens), payload_row_bytes(int(args["hidden_size"]), dtype_code), max_blocks)
+    return launch_spec(kernel, grid, KERNEL_LIMITS["COMBINE_THREADS"], args)

@@ -62,6 +62,11 @@ def row_parts(row_bytes: int) -> int:
     return max(1, min(-(-int(row_bytes) // ROW_PART_BYTES), ROW_MAX_PARTS))
 
 
+#: the combines cut token rows into parts (a block each) only up to this many blocks in all
+#: (wire.cuh: COMBINE_PART_BLOCKS, combine_parts)
+COMBINE_PART_BLOCKS = 128
+
+
 #: the pair row kernels (afd_dispatch_fused, afd_graph_reply) cut rows into parts only up to
 #: this many warps in all (wire.cuh: ROW_PART_WARPS, few_row_parts)
 ROW_PART_WARPS = 1024
