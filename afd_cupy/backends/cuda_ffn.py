@@ -204,7 +204,11 @@ class CudaFFNPath:
             return int(self.cp.count_nonzero(self.window.flags != self.rank.last_seen))
 
     def item_views(self, arrival: Arrival) -> ItemViews:
+        """Views of a received slot's rows (FP8 dispatch: decoded into the slot's staging).
+        WireError when the header's row format (``FLAG_FP8``) is not this rank's
+        ``dispatch_dtype``."""
         header = arrival.header
+        wire.check_dispatch_rows(header, self.layout)  # before any row is read
         views = self.views[self.layout.slot_index(arrival.region, arrival.ring)]
         if self.rank.host_polling is not None:  # wait_any did not run: snapshot the decoded counts
             views["counts"].copy_(torch.tensor(header.expert_counts, dtype=torch.int32))

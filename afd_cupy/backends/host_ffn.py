@@ -55,7 +55,9 @@ class HostFFNPath:
 
     def item_views(self, arrival: Arrival) -> ItemViews:
         """Zero-copy torch views of a received slot (dedup: the rows expanded into staging;
-        FP8 dispatch: the rows dequantized to the payload dtype, fresh tensors)."""
+        FP8 dispatch: the rows dequantized to the payload dtype, fresh tensors). WireError
+        when the header's row format (``FLAG_FP8``) is not this rank's ``dispatch_dtype``."""
+        wire.check_dispatch_rows(arrival.header, self.layout)  # before any row is read
         if self.layout.is_dedup:
             return host_dedup.item_views(self.rank, self.dedup_tables, arrival)
         header, pe = arrival.header, self.window.own_pe

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import threading
 
-from afd_cupy import wire
 from afd_cupy.attention.endpoint import check_device
 from afd_cupy.backends.base import Arrival, ArrivalSuperseded
 from afd_cupy.errors import ConnectorShutdown, PeerLostError, ProtocolError
@@ -108,12 +107,11 @@ class FFNEndpoint:
 
     def accept_arrival(self, arrival: Arrival) -> FFNWorkItem:
         """The work item of ``arrival``, recorded as received (ProtocolError when the header's
-        source rank is not its region's, WireError when its rows' format (``FLAG_FP8``) is
-        not this rank's ``dispatch_dtype``)."""
+        source rank is not its region's; the path's ``item_views`` raises WireError when its
+        rows' format, ``FLAG_FP8``, is not this rank's ``dispatch_dtype``)."""
         header = arrival.header
         if header.src_rank != arrival.region:
             raise ProtocolError(f"message in region {arrival.region} claims source rank {header.src_rank}")
-        wire.check_dispatch_rows(header, self.path.layout)  # FP8 rows never read as payload rows
         key = (arrival.region, arrival.ring)
         with self._lock:  # NOTE: a reply on this slot may be completing on another thread
             views = self.path.item_views(arrival)
