@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from afd_cupy.errors import ConfigError
 from afd_cupy.transports import transport_names
-from afd_cupy.wire import WIRE_MODES
+from afd_cupy.wire import DISPATCH_DTYPES, WIRE_MODES
 from afd_cupy.wire.dtypes import PAYLOAD_DTYPES
 
 #: gate scoring functions of ``ModelConfig.scoring_func`` and ``gates.select_experts``
@@ -190,6 +190,13 @@ class ConnectorConfig:
       write the payload rows after a per-token plan; used whenever a dispatch of
       ``max_num_batched_tokens`` fits it, at most 32 FFN ranks, else ``"plan"``). Same bytes
       either way (local to the rank); docs/design/kernels.md.
+    - ``dispatch_dtype``: what the dispatched rows (Attention -> FFN) are on the wire:
+      ``"payload"`` (the model's dtype, the default) or ``"fp8_e4m3"`` (E4M3 codes with one fp32
+      scale per 128 channels, quantized by the Attention side, dequantized to the payload
+      dtype by the FFN side before its experts; replies stay in the payload dtype;
+      docs/design/fp8.md). FP8 needs a bf16 or fp16 payload, ``hidden_size % 128 == 0`` (checked
+      with the model, ConfigError) and ``wire_mode="pair"``. Every rank must use the same value
+      (checked at start-up).
     """
 
     attn_ranks_per_dp: int = 1
@@ -203,6 +210,7 @@ class ConnectorConfig:
     transport: str = "direct"
     fused_dispatch: bool = True
     dedup_dispatch: str = "plan"
+    dispatch_dtype: str = "payload"
 
     def __post_init__(self) -> None:
         owner = "ConnectorConfig"
@@ -220,6 +228,12 @@ class ConnectorConfig:
             raise ConfigError(f"{owner}.async_moe_split must be one of {MOE_SPLITS}, got {self.async_moe_split!r}")
         if self.wire_mode not in WIRE_MODES:
             raise ConfigError(f"{owner}.wire_mode must be one of {WIRE_MODES}, got {self.wire_mode!r}")
+        if self.dispatch_dtype not in DISPATCH_DTYPES:
+            raise ConfigError(f"{owner}.dispatch_dtype must be one of {DISPATCH_DTYPES}, "
+                              f"got {self.dispatch_dtype!r}")
+        if self.dispatch_dtype != "payload" and self.wire_mode != "pair":
+            raise ConfigError(f"{owner}.dispatch_dtype={self.dispatch_dtype!r} is implemented for "
+                              f"wire_mode='pair' only, got wire_mode={self.wire_mode!r}")
         if self.dedup_dispatch not in DEDUP_DISPATCHES:
             raise ConfigError(f"{owner}.dedup_dispatch must be one of {DEDUP_DISPATCHES}, "
                               f"got {self.dedup_dispatch!r}")

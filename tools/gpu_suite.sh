@@ -11,7 +11,7 @@
 #            hf_generate, the soak, then the benchmarks (default)
 #   quick    the cuda tests and both main jobs
 #   bench    the benchmarks only (BENCHES)
-#   part1    kernels, FFN graph, moe, step graph, e2e errors, window, adapters, expert GEMM
+#   part1    kernels (FP8 dispatch rows too), FFN graph, moe, step graph, e2e errors, window, adapters, expert GEMM
 #            tests, both main jobs and hf_generate
 #   part2    test_e2e.py
 #   part3    model gates, NVSHMEM binding, bench_moe_layer at a small shape, peer loss, faults
@@ -62,7 +62,7 @@ mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
 MODE=${1:-full}
 # part1 / part2 / part3: the cuda tests in three calls; the knobs still override them.
 case "$MODE" in
-  part1) SUITE_TESTS=${SUITE_TESTS:-"tests/kernels/test_gate_cuda.py tests/kernels/test_kernels_cuda_dedup_attn.py tests/kernels/test_kernels_cuda_dedup_ffn.py tests/kernels/test_kernels_cuda.py tests/kernels/test_ffn_graph_cuda.py tests/unit/test_moe.py tests/integration/test_step_graph_cuda.py tests/stress/test_e2e_errors.py tests/integration/test_window.py tests/integration/test_adapters.py tests/unit/test_expert_gemm.py tests/integration/test_bench_decode.py tests/kernels/test_kernels_cuda_dedup_ll.py tests/integration/test_ffn_serving.py tests/unit/test_fp8.py"}
+  part1) SUITE_TESTS=${SUITE_TESTS:-"tests/kernels/test_gate_cuda.py tests/kernels/test_kernels_cuda_dedup_attn.py tests/kernels/test_kernels_cuda_dedup_ffn.py tests/kernels/test_kernels_cuda.py tests/kernels/test_ffn_graph_cuda.py tests/unit/test_moe.py tests/integration/test_step_graph_cuda.py tests/stress/test_e2e_errors.py tests/integration/test_window.py tests/integration/test_adapters.py tests/unit/test_expert_gemm.py tests/integration/test_bench_decode.py tests/kernels/test_kernels_cuda_dedup_ll.py tests/integration/test_ffn_serving.py tests/unit/test_fp8.py tests/kernels/test_fp8_cuda.py tests/integration/test_fp8_dispatch.py"}
          SKIP_HF=${SKIP_HF:-0} SUITE_TIMEOUT=${SUITE_TIMEOUT:-480} PYTEST_ARGS=${PYTEST_ARGS:-"-n 4"} ;;
   part2) SUITE_TESTS=${SUITE_TESTS:-"tests/integration/test_e2e.py tests/integration/test_e2e_dedup_ll.py"}
          SKIP_SMOKE_1A1F=${SKIP_SMOKE_1A1F:-1} SKIP_SMOKE_2A2F=${SKIP_SMOKE_2A2F:-1}

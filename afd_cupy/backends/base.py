@@ -239,8 +239,10 @@ class FFNPath(_PathBase, Protocol):
         the window, a graph, must let that call claim it first)."""
 
     def item_views(self, arrival: Arrival) -> ItemViews:
-        """Zero-copy views of the dispatch in ``arrival``'s slot. Raises
-        :class:`ArrivalSuperseded` (dedup) when the slot was rewritten while it was read."""
+        """Zero-copy views of the dispatch in ``arrival``'s slot (FP8 dispatch: its rows decoded
+        to the payload dtype). Raises :class:`ArrivalSuperseded` (dedup) when the slot was
+        rewritten while it was read, WireError when the header's row format (``FLAG_FP8``) is
+        not the layout's ``dispatch_dtype`` (``wire.check_dispatch_rows``)."""
 
     def slot_flag(self, region: int, ring: int) -> int:
         """The flag word of own slot (region, ring) now (cuda: a device-to-host copy; not for

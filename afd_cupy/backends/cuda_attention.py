@@ -130,7 +130,9 @@ class CudaAttentionPath:
                 topk_weights=placeholder_ids.view(self.cp.float32), pos=scratch.pos,
                 top_k=layout.top_k, expert_per_rank=epr, has_shared=int(ctx.has_shared),
                 out_scale=1.0, done_counter=self.combine_done[ring], **replies)
-            pair = dict(sends, num_partials=cap * layout.top_k, pos_out=scratch.pos, hdr_flags=0)
+            # FLAG_FP8: the dispatch kernels quantize the rows into FP8 wire rows (common/fp8.cuh)
+            hdr_flags = wire.FLAG_FP8 if layout.is_fp8_dispatch else 0
+            pair = dict(sends, num_partials=cap * layout.top_k, pos_out=scratch.pos, hdr_flags=hdr_flags)
             if self.fused_dispatch:
                 launches = {"fused": kernels.dispatch_fused_spec(**fused_only, **pair)}
             else:
@@ -239,7 +241,7 @@ class CudaAttentionPath:
         else:
             per_call = (("num_partials", num_partials),)
             grid = kernels.scatter_grid(num_tokens, layout.top_k, int(ctx.has_shared),
-                                        row_bytes=layout.row_bytes if self.fused_dispatch else 0)
+                                        row_bytes=layout.dispatch_row_bytes if self.fused_dispatch else 0)
         if not self.fused_dispatch:  # the grid-wide plan (and in dedup mode the rows) first
             plan = launches["plan"]
             plan.set("topk_ids", ids.data_ptr())

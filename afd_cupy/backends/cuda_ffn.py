@@ -1,5 +1,6 @@
 """cuda backend, FFN side: wait_any (device spin ringing a pinned doorbell, or host polling),
-zero-copy item views, and the reply kernel with its header staged in pinned memory.
+zero-copy item views (with FP8 dispatch: the rows decoded into per-slot staging by
+afd_fp8_dequant_rows), and the reply kernel with its header staged in pinned memory.
 
 The FFN rank's path: it holds the rank's shared :class:`~afd_cupy.backends.cuda.CudaRank`
 (context, window, streams, geometry; read through ``self.rank``) and its own buffers. Reply
@@ -78,6 +79,11 @@ class CudaFFNPath:
                       if layout.is_dedup else None)
         self.views = [self._slot_views(region, ring) for region in range(layout.num_regions)
                       for ring in range(layout.ring_depth)]
+        # FP8 dispatch: afd_fp8_dequant_rows decodes a slot's rows into the slot's staging
+        self.dequant_launch = (kernels.PackedLaunch(kernels.fp8_dequant_rows_spec(
+            dtype_code=self.rank.dtype_code, window=self.rank.own_window, geo=self.rank.geometry,
+            slot=0, hidden_size=layout.hidden_size, num_routed=0, num_shared=0, routed_out=0,
+            shared_out=0)) if layout.is_fp8_dispatch else None)
         self.wait_any_launch = kernels.PackedLaunch(kernels.wait_any_spec(
             window=self.rank.own_window, geo=self.rank.geometry, last_seen=self.rank.last_seen,
             scan_start=self.scan_start, counts_snapshot=self.counts_snapshot, timeout_ns=0, doorbell=self.doorbell.ptr, ticket=0))
@@ -92,7 +98,10 @@ class CudaFFNPath:
         if layout.is_dedup:
             return self.dedup.slot_views(views, region, ring)
         for name, cap in (("routed_x", layout.routed_cap), ("shared_x", layout.shared_cap)):
-            if cap:
+            if cap and layout.is_fp8_dispatch:  # the slot's own staging: the decoded rows
+                views[name] = torch.empty(cap, layout.hidden_size, dtype=self.ctx.torch_dtype,
+                                          device=self.device)
+            elif cap:
                 raw = window.field(pe, region, ring, name, words, (cap, layout.hidden_size))
                 views[name] = self.rank.as_torch(raw).view(self.ctx.torch_dtype)
         if layout.routed_cap:
@@ -195,7 +204,11 @@ class CudaFFNPath:
             return int(self.cp.count_nonzero(self.window.flags != self.rank.last_seen))
 
     def item_views(self, arrival: Arrival) -> ItemViews:
+        """Views of a received slot's rows (FP8 dispatch: decoded into the slot's staging).
+        WireError when the header's row format (``FLAG_FP8``) is not this rank's
+        ``dispatch_dtype``."""
         header = arrival.header
+        wire.check_dispatch_rows(header, self.layout)  # before any row is read
         views = self.views[self.layout.slot_index(arrival.region, arrival.ring)]
         if self.rank.host_polling is not None:  # wait_any did not run: snapshot the decoded counts
             views["counts"].copy_(torch.tensor(header.expert_counts, dtype=torch.int32))
@@ -204,8 +217,25 @@ class CudaFFNPath:
         empty = self.empty_rows
         routed = views["routed_x"][:header.routed_tokens] if header.routed_tokens else empty
         shared = views["shared_x"][:header.shared_tokens] if header.shared_tokens else empty
+        if self.layout.is_fp8_dispatch:
+            self._dequantize(arrival, routed, shared)
         route = views["route_table"][:header.routed_tokens] if "route_table" in views else None
         return ItemViews(routed, shared, route, views["counts"])
+
+    def _dequantize(self, arrival: Arrival, routed, shared) -> None:
+        """FP8 dispatch: decode the arrival's FP8 wire rows into ``routed`` / ``shared`` (the
+        slot's staging rows, payload dtype) on torch's current stream, where the experts
+        then read them (afd_fp8_dequant_rows)."""
+        header, dequant = arrival.header, self.dequant_launch
+        num_rows = header.routed_tokens + header.shared_tokens
+        if num_rows == 0:
+            return
+        dequant.set("slot", self.layout.slot_index(arrival.region, arrival.ring))
+        dequant.set("num_routed", header.routed_tokens)
+        dequant.set("num_shared", header.shared_tokens)
+        dequant.set("routed_out", routed.data_ptr() if header.routed_tokens else 0)
+        dequant.set("shared_out", shared.data_ptr() if header.shared_tokens else 0)
+        dequant.launch(self.rank.stream_ptr(), kernels.reply_grid(num_rows))
 
     def reply(self, arrival: Arrival, routed_out, shared_out) -> None:
         """Write the outputs, the reply header and the flag into the sender's window."""

@@ -157,6 +157,9 @@ class GraphFFNServer:
             raise ConfigError("GraphFFNServer needs poll_mode='device' (the wait is in the graph)")
         if not caps.supports_graph_server:
             raise ConfigError(f"GraphFFNServer cannot drive this connector's data path ({caps})")
+        if connector.layout.is_fp8_dispatch:  # its gather copies rows; FP8 rows need decoding
+            raise ConfigError(f"GraphFFNServer does not dequantize FP8 dispatch rows yet "
+                              f"(dispatch_dtype={connector.config.dispatch_dtype!r}); use FFNWorker")
         if identity == (experts is not None):
             raise ConfigError("pass exactly one of experts= or identity=True")
 

@@ -28,6 +28,7 @@ from afd_cupy.errors import AfdError, reply_timeout_error
 from afd_cupy.routing import dedup, planner
 from afd_cupy.runtime.topology import Role
 from afd_cupy.transports import get_transport
+from afd_cupy.wire import fp8
 from afd_cupy.wire.dtypes import raw_dtype, raw_to_f32, torch_to_raw
 from afd_cupy.wire.seq import SeqCounter
 
@@ -180,27 +181,38 @@ class HostAttentionPath:
                                     layer_idx=layer_idx)
         except errors.CapacityError as exc:
             return HostSendState(None, expected, shared, error=exc)
-        raw = torch_to_raw(hidden.detach(), ctx.dtype).reshape(num_tokens, layout.hidden_size)
+        rows = self._wire_rows(hidden)
         for j in range(num_ffn):
             if plan.routed_count(j) == 0 and shared[j] == 0 and not ctx.always_send:
                 continue  # empty message: not sent, not waited on
             expected[j] = self.seqs.advance((j, ring))
-            self._scatter(j, plan, raw, int(shared[j]), ring, int(expected[j]), layer_idx, stage_idx)
+            self._scatter(j, plan, rows, int(shared[j]), ring, int(expected[j]), layer_idx, stage_idx)
         return HostSendState(plan, expected, shared)
 
-    def _scatter(self, ffn_rank, plan, raw, num_shared, ring, seq, layer_idx, stage_idx) -> None:
+    def _wire_rows(self, hidden: torch.Tensor) -> np.ndarray:
+        """The dispatched row of every token: raw payload words [T, H] (int16/int32), or with
+        FP8 dispatch the quantized wire rows uint8 [T, fp8_row_bytes(H)] (afd_cupy.wire.fp8:
+        the reference of the kernels' quantizer)."""
+        ctx, layout = self.ctx, self.layout
+        raw = torch_to_raw(hidden.detach(), ctx.dtype).reshape(hidden.shape[0], layout.hidden_size)
+        if not layout.is_fp8_dispatch:
+            return raw
+        return fp8.quantize_wire_rows(raw_to_f32(raw, ctx.dtype))
+
+    def _scatter(self, ffn_rank, plan, rows, num_shared, ring, seq, layer_idx, stage_idx) -> None:
         ctx = self.ctx
         num_tokens = plan.num_tokens
         route_table = plan.rank_route_table(ffn_rank)
-        fields = {"route_table": route_table, "routed_x": raw[route_table[:, 0]]}
+        fields = {"route_table": route_table, "routed_x": rows[route_table[:, 0]]}
         if num_shared:
             shared_idx = planner.shared_split(num_tokens, ctx.num_ffn_ranks, ffn_rank)
             fields["shared_idx"] = shared_idx
-            fields["shared_x"] = raw[shared_idx]
+            fields["shared_x"] = rows[shared_idx]
         header = wire.dispatch_header(seq=seq, src_rank=ctx.role_rank, layer_idx=layer_idx,
                                       stage_idx=stage_idx, num_tokens=num_tokens,
                                       shared_tokens=num_shared, top_k=plan.top_k,
-                                      expert_counts=plan.rank_counts(ffn_rank))
+                                      expert_counts=plan.rank_counts(ffn_rank),
+                                      fp8=self.layout.is_fp8_dispatch)
         self.rank.link.write_message(ctx.peer_pe(Role.FFN, ffn_rank), ctx.role_rank, ring,
                                      wire.encode_header(header, self.layout.expert_per_rank), seq, fields)
 

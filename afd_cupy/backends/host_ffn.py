@@ -16,7 +16,8 @@ from afd_cupy.backends.base import Arrival, ItemViews
 from afd_cupy.backends.host import CAPABILITIES, HostRank
 from afd_cupy.errors import ProtocolError
 from afd_cupy.runtime.topology import Role
-from afd_cupy.wire.dtypes import raw_to_torch, torch_to_raw
+from afd_cupy.wire import fp8
+from afd_cupy.wire.dtypes import f32_to_raw, raw_to_torch, torch_to_raw
 
 
 class HostFFNPath:
@@ -53,19 +54,32 @@ class HostFFNPath:
         return False  # host waits take an arrival only as they return it
 
     def item_views(self, arrival: Arrival) -> ItemViews:
-        """Zero-copy torch views of a received slot (dedup: the rows expanded into staging)."""
+        """Zero-copy torch views of a received slot (dedup: the rows expanded into staging;
+        FP8 dispatch: the rows dequantized to the payload dtype, fresh tensors). WireError
+        when the header's row format (``FLAG_FP8``) is not this rank's ``dispatch_dtype``."""
+        wire.check_dispatch_rows(arrival.header, self.layout)  # before any row is read
         if self.layout.is_dedup:
             return host_dedup.item_views(self.rank, self.dedup_tables, arrival)
-        header, hidden, name = arrival.header, self.layout.hidden_size, self.ctx.dtype
-        region, ring, pe, raw = arrival.region, arrival.ring, self.window.own_pe, self.rank.raw
-        routed = raw_to_torch(self.window.field(pe, region, ring, "routed_x", raw,
-                                                (header.routed_tokens, hidden)), name)
-        shared = raw_to_torch(self.window.field(pe, region, ring, "shared_x", raw,
-                                                (header.shared_tokens, hidden)), name)
+        header, pe = arrival.header, self.window.own_pe
+        region, ring = arrival.region, arrival.ring
+        routed = self._rows(region, ring, "routed_x", header.routed_tokens)
+        shared = self._rows(region, ring, "shared_x", header.shared_tokens)
         route = torch.from_numpy(self.window.field(pe, region, ring, "route_table", np.int32,
                                                    (header.routed_tokens, 2)))
         group_counts = torch.tensor(header.expert_counts, dtype=torch.int32)
         return ItemViews(routed, shared, route, group_counts)
+
+    def _rows(self, region: int, ring: int, name: str, count: int) -> torch.Tensor:
+        """[count, H] payload-dtype rows of field ``name`` of the own slot: a view of the
+        window, or with FP8 dispatch the wire rows dequantized (``fp8.dequantize_wire_rows``,
+        then rounded to the payload dtype: the reference of the FFN's dequantize kernels)."""
+        layout, name_dtype, pe = self.layout, self.ctx.dtype, self.window.own_pe
+        if not layout.is_fp8_dispatch:
+            return raw_to_torch(self.window.field(pe, region, ring, name, self.rank.raw,
+                                                  (count, layout.hidden_size)), name_dtype)
+        wire_rows = self.window.field(pe, region, ring, name, np.uint8, (count, layout.dispatch_row_bytes))
+        values = fp8.dequantize_wire_rows(np.asarray(wire_rows), layout.hidden_size)
+        return raw_to_torch(f32_to_raw(values, name_dtype), name_dtype)
 
     def reply(self, arrival: Arrival, routed_out: torch.Tensor,
               shared_out: torch.Tensor | None) -> None:

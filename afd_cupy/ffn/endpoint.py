@@ -107,7 +107,8 @@ class FFNEndpoint:
 
     def accept_arrival(self, arrival: Arrival) -> FFNWorkItem:
         """The work item of ``arrival``, recorded as received (ProtocolError when the header's
-        source rank is not its region's)."""
+        source rank is not its region's; the path's ``item_views`` raises WireError when its
+        rows' format, ``FLAG_FP8``, is not this rank's ``dispatch_dtype``)."""
         header = arrival.header
         if header.src_rank != arrival.region:
             raise ProtocolError(f"message in region {arrival.region} claims source rank {header.src_rank}")

@@ -59,6 +59,7 @@ FILE_KERNELS = {
     "attention/dedup_attn_fused.cu": (("afd_dedup_dispatch_fused", True),),
     "ffn/wait_any.cu": (("afd_wait_any", False),),
     "ffn/reply.cu": (("afd_reply", True),),
+    "ffn/fp8_rows.cu": (("afd_fp8_dequant_rows", True),),
     "ffn/dedup_ffn.cu": (("afd_dedup_expand", True), ("afd_dedup_reply", True)),
     "ffn/ffn_graph_stage.cu": (("afd_graph_stage", False), ("afd_graph_wait_stage", False)),
     "ffn/ffn_graph_rows.cu": (("afd_graph_gather", True), ("afd_graph_reply", True),

@@ -75,6 +75,8 @@ def dispatch_ranges(layout: WindowLayout, *, num_tokens: int, num_ffn_ranks: int
       and its shared rows are among them (the layout has no shared fields); the header
       includes the ``num_rows`` trailer. ``ffn_rank`` and ``has_shared`` do not change it.
 
+    Rows are ``layout.dispatch_row_bytes`` long (FP8 wire rows with ``dispatch_dtype="fp8_e4m3"``).
+
     Sorted, merged across gaps up to :data:`MERGE_GAP_BYTES`, all inside the slot."""
     if not 0 <= num_tokens <= layout.token_cap:
         raise ValueError(f"num_tokens={num_tokens} outside [0, token_cap={layout.token_cap}]")
@@ -85,10 +87,10 @@ def dispatch_ranges(layout: WindowLayout, *, num_tokens: int, num_ffn_ranks: int
         shared = shared_rows_of(num_tokens, num_ffn_ranks, ffn_rank) if has_shared else 0
     ranges = [(layout.field_offset("header"), layout.header_words * 4),
               (layout.field_offset("route_table"), rows * layout.route_width * 4),
-              (layout.field_offset("routed_x"), rows * layout.row_bytes)]
+              (layout.field_offset("routed_x"), rows * layout.dispatch_row_bytes)]
     if shared:
         ranges += [(layout.field_offset("shared_idx"), shared * 4),
-                   (layout.field_offset("shared_x"), shared * layout.row_bytes)]
+                   (layout.field_offset("shared_x"), shared * layout.dispatch_row_bytes)]
     return _merge(ranges)
 
 

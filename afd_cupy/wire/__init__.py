@@ -23,6 +23,8 @@ Two wire modes (``ConnectorConfig.wire_mode``, docs/design/dedup.md) share these
 ``"dedup"`` sends one row per (token, FFN rank it goes to) with a wider route table
 (``route_table`` [token_cap, 2 + 2*top_k], ``routed_x`` [token_cap, hidden], empty shared
 fields), marks its headers with ``FLAG_DEDUP`` and appends one header word, ``num_rows``.
+``ConnectorConfig.dispatch_dtype="fp8_e4m3"`` (pair mode) sends E4M3 rows with 128-channel
+scales (:mod:`afd_cupy.wire.fp8`), marked ``FLAG_FP8``; replies stay in the payload dtype.
 
 Slot ``(region, ring)`` is slot number ``region * ring_depth + ring``; its flag is flag word
 number ``region * ring_depth + ring``. A sender writes only ``region = its own role rank``.
@@ -32,12 +34,14 @@ from __future__ import annotations
 from afd_cupy.wire.checks import (ROUTE_FAULT_COUNT, ROUTE_FAULT_DUPLICATE, ROUTE_FAULT_PACKING,
                                   ROUTE_FAULT_RANGE, ROUTE_FAULT_SHARED, ROUTE_FAULT_TOKEN,
                                   check_capacity, check_route_table, route_table_error)
-from afd_cupy.wire.header import (FLAG_DEDUP, FLAG_KEPT_REPLY, FLAG_SHUTDOWN, HDR_ECHO_SEQ,
+from afd_cupy.wire.fp8 import DISPATCH_DTYPES, FP8_GROUP, fp8_row_bytes
+from afd_cupy.wire.header import (FLAG_DEDUP, FLAG_FP8, FLAG_KEPT_REPLY, FLAG_SHUTDOWN, HDR_ECHO_SEQ,
                                   HDR_FLAGS, HDR_LAYER, HDR_MAGIC, HDR_NUM_TOKENS,
                                   HDR_ROUTED_TOKENS, HDR_SEQ, HDR_SHARED_TOKENS, HDR_SRC_RANK,
                                   HDR_STAGE, HDR_TOPK, HDR_VERSION, HDR_WORD_NAMES, MAGIC,
                                   ROUTE_SHARED, ROUTE_SLOTS, ROUTE_TOKEN, SHUTDOWN_SEQ, VERSION,
-                                  Header, decode_header, dispatch_header, encode_header,
+                                  Header, check_dispatch_rows, decode_header, dispatch_header,
+                                  dispatch_rows_fault, encode_header,
                                   header_fault, header_word_list, reply_header, shutdown_header,
                                   shutdown_over_reply, slot_moved_on)
 from afd_cupy.wire.layout import (ALIGN, FIELD_NAMES, HDR_FIXED_WORDS, ROUTE_FIXED_WORDS,
@@ -57,12 +61,14 @@ __all__ = [
     "ALIGN", "FIELD_NAMES", "HDR_FIXED_WORDS", "ROUTE_FIXED_WORDS", "WIRE_MODES", "WindowLayout",
     "align_up", "ffn_staging_size_hint", "route_width", "routed_capacity", "shared_capacity",
     "window_size_hint",
+    # FP8 dispatch rows (afd_cupy.wire.fp8)
+    "DISPATCH_DTYPES", "FP8_GROUP", "fp8_row_bytes",
     # header
-    "FLAG_DEDUP", "FLAG_KEPT_REPLY", "FLAG_SHUTDOWN", "HDR_ECHO_SEQ", "HDR_FLAGS", "HDR_LAYER",
+    "FLAG_DEDUP", "FLAG_FP8", "FLAG_KEPT_REPLY", "FLAG_SHUTDOWN", "HDR_ECHO_SEQ", "HDR_FLAGS", "HDR_LAYER",
     "HDR_MAGIC", "HDR_NUM_TOKENS", "HDR_ROUTED_TOKENS", "HDR_SEQ", "HDR_SHARED_TOKENS",
     "HDR_SRC_RANK", "HDR_STAGE", "HDR_TOPK", "HDR_VERSION", "HDR_WORD_NAMES", "MAGIC",
     "ROUTE_SHARED", "ROUTE_SLOTS", "ROUTE_TOKEN", "SHUTDOWN_SEQ", "VERSION", "Header",
-    "decode_header", "dispatch_header", "encode_header", "header_fault", "header_word_list",
+    "check_dispatch_rows", "decode_header", "dispatch_header", "dispatch_rows_fault", "encode_header", "header_fault", "header_word_list",
     "reply_header", "shutdown_header", "shutdown_over_reply", "slot_moved_on",
     # replies
     "ReplyExpectation", "answers", "check_reply", "is_late_reply", "reply_fault", "reply_verdict",

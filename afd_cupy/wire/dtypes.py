@@ -102,3 +102,17 @@ def raw_to_f32(raw: np.ndarray, name: str) -> np.ndarray:
     if name == "float16":
         return raw.view(np.float16).astype(np.float32)
     return raw.view(np.float32).copy()
+
+
+def f32_to_raw(values: np.ndarray, name: str) -> np.ndarray:
+    """Raw payload words of fp32 ``values`` rounded to payload dtype ``name`` (to nearest even,
+    as the kernels' ``cvt.rn``): [..., H] float32 -> [..., H] int16/int32 numpy. NaN stays NaN."""
+    values = np.ascontiguousarray(values, np.float32)
+    if name == "bfloat16":
+        bits = values.view(np.uint32)
+        rounded = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16
+        rounded = np.where(np.isnan(values), np.uint32(0x7FC0), rounded)
+        return rounded.astype(np.uint16).view(np.int16)
+    if name == "float16":
+        return values.astype(np.float16).view(np.int16)
+    return values.view(np.int32).copy()

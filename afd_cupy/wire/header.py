@@ -20,6 +20,10 @@ FLAG_DEDUP = 1 << 2
 #: reply on the slot, whose header words (and rows) it kept: a reply the Attention side has not
 #: read yet is still delivered, then the shutdown is seen (issue 35, item 13)
 FLAG_KEPT_REPLY = 1 << 3
+#: header flag of a dispatch whose rows are E4M3 with 128-channel fp32 scales
+#: (``dispatch_dtype="fp8_e4m3"``, afd_cupy.wire.fp8): set on every data dispatch of such a
+#: connector, never on replies (their rows are in the payload dtype) nor on shutdowns
+FLAG_FP8 = 1 << 4
 
 # Header words (int32). Keep in sync with raw_kernels/common/wire.cuh (checked by a test).
 HDR_MAGIC = 0
@@ -89,6 +93,11 @@ class Header:
     def keeps_reply(self) -> bool:
         """A shutdown written over a reply that it kept (``FLAG_KEPT_REPLY``)."""
         return bool(self.flags & FLAG_SHUTDOWN) and bool(self.flags & FLAG_KEPT_REPLY)
+
+    @property
+    def is_fp8(self) -> bool:
+        """The message's rows are FP8 wire rows (``FLAG_FP8``)."""
+        return bool(self.flags & FLAG_FP8)
 
     @property
     def wire_mode(self) -> str:
@@ -248,19 +257,46 @@ def slot_moved_on(flag: int, header: Header) -> bool:
 
 def dispatch_header(*, seq: int, src_rank: int, layer_idx: int, stage_idx: int, num_tokens: int,
                     shared_tokens: int, top_k: int, expert_counts, wire_mode: str = "pair",
-                    num_rows: int = 0) -> Header:
+                    num_rows: int = 0, fp8: bool = False) -> Header:
     """Header of a dispatch (Attention -> FFN); routed_tokens = sum(expert_counts).
 
     Dedup mode: ``FLAG_DEDUP`` set and ``num_rows`` = the message's rows (pair: must be 0).
+    ``fp8``: the rows are FP8 wire rows (``FLAG_FP8``; pair mode only).
     The device builds the same words in ``afd_dispatch_scatter`` (order pinned by the probe).
     """
-    if wire_mode not in WIRE_MODES or (wire_mode == "pair" and num_rows):
-        raise WireError(f"dispatch_header: wire_mode={wire_mode!r} with num_rows={num_rows}")
+    if wire_mode not in WIRE_MODES or (wire_mode == "pair" and num_rows) or (fp8 and wire_mode != "pair"):
+        raise WireError(f"dispatch_header: wire_mode={wire_mode!r} with num_rows={num_rows}, fp8={fp8}")
     counts = tuple(int(c) for c in expert_counts)
+    flags = (FLAG_DEDUP if wire_mode == "dedup" else 0) | (FLAG_FP8 if fp8 else 0)
     return Header(seq=int(seq), src_rank=src_rank, layer_idx=layer_idx, stage_idx=stage_idx,
                   num_tokens=num_tokens, routed_tokens=sum(counts), shared_tokens=shared_tokens,
-                  top_k=top_k, flags=FLAG_DEDUP if wire_mode == "dedup" else 0, echo_seq=0,
-                  expert_counts=counts, num_rows=int(num_rows))
+                  top_k=top_k, flags=flags, echo_seq=0, expert_counts=counts, num_rows=int(num_rows))
+
+
+def dispatch_rows_fault(flags: int, layout: "WindowLayout") -> tuple[int, int, int] | None:
+    """``(HDR_FLAGS, expected, observed)`` when a dispatch's header ``flags`` (int32 word) say
+    its rows are in another format than the receiving FFN rank's ``layout`` expects
+    (``FLAG_FP8`` set exactly when ``layout.is_fp8_dispatch``), None when they agree or the
+    message is a shutdown (no rows). ``expected`` / ``observed``: the ``FLAG_FP8`` bits."""
+    if flags & FLAG_SHUTDOWN:
+        return None
+    want = FLAG_FP8 if layout.is_fp8_dispatch else 0
+    if flags & FLAG_FP8 != want:
+        return HDR_FLAGS, want, flags & FLAG_FP8
+    return None
+
+
+def check_dispatch_rows(header: Header, layout: "WindowLayout") -> None:
+    """WireError naming the flags and the receiver's ``dispatch_dtype`` when the dispatch
+    ``header``'s row format (:func:`dispatch_rows_fault`) is not the one the receiving FFN rank
+    reads: its rows are never read as the other format."""
+    if dispatch_rows_fault(header.flags, layout) is None:
+        return
+    sent = "fp8_e4m3" if header.is_fp8 else "payload"
+    raise WireError(f"dispatch from attention rank {header.src_rank} (layer {header.layer_idx}, seq "
+                    f"{header.seq}): header flags 0x{header.flags & 0xFFFFFFFF:x} mark "
+                    f"dispatch_dtype={sent!r} rows; this FFN rank reads "
+                    f"dispatch_dtype={layout.dispatch_dtype!r}")
 
 
 def reply_header(dispatch: Header, *, seq: int, src_rank: int) -> Header:

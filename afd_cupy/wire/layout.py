@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from afd_cupy.errors import GeometryMismatchError, WireError
+from afd_cupy.wire.fp8 import DISPATCH_DTYPES, check_dispatch_dtype, fp8_row_bytes
 
 ALIGN = 256
 #: ``ConnectorConfig.wire_mode`` values (docs/design/wire-format.md, docs/design/dedup.md)
@@ -72,16 +73,23 @@ class WindowLayout:
     routed_cap: int
     shared_cap: int
     wire_mode: str = "pair"
+    dispatch_dtype: str = "payload"
 
     def __post_init__(self) -> None:
         if self.wire_mode not in WIRE_MODES:
             raise WireError(f"wire_mode must be one of {WIRE_MODES}, got {self.wire_mode!r}")
+        if self.dispatch_dtype not in DISPATCH_DTYPES:
+            raise WireError(f"dispatch_dtype must be one of {DISPATCH_DTYPES}, got {self.dispatch_dtype!r}")
 
     @classmethod
     def from_configs(cls, model, topology, connector) -> "WindowLayout":
-        """Layout for ``ModelConfig``, ``TopologyConfig`` (or ``Topology``) and ``ConnectorConfig``."""
+        """Layout for ``ModelConfig``, ``TopologyConfig`` (or ``Topology``) and ``ConnectorConfig``.
+        ConfigError when ``connector.dispatch_dtype`` cannot run with this model
+        (:func:`afd_cupy.wire.fp8.check_dispatch_dtype`)."""
         num_attn, num_ffn = topology.num_attn_ranks, topology.num_ffn_ranks
         wire_mode = connector.wire_mode
+        check_dispatch_dtype(connector.dispatch_dtype, payload_dtype=model.dtype,
+                             hidden_size=model.hidden_size, wire_mode=wire_mode)
         return cls(
             num_regions=max(num_attn, num_ffn),
             ring_depth=connector.ring_depth,
@@ -95,6 +103,7 @@ class WindowLayout:
             shared_cap=shared_capacity(model.max_num_batched_tokens, num_ffn,
                                        model.num_shared_experts, wire_mode),
             wire_mode=wire_mode,
+            dispatch_dtype=connector.dispatch_dtype,
         )
 
     # --- field sizes (bytes, unaligned) -------------------------------------------------
@@ -119,7 +128,25 @@ class WindowLayout:
 
     @property
     def row_bytes(self) -> int:
+        """Bytes of one payload row (a reply row; a dispatch row unless FP8 dispatch)."""
         return self.hidden_size * self.itemsize
+
+    @property
+    def is_fp8_dispatch(self) -> bool:
+        """Dispatched rows are E4M3 with 128-channel scales (``dispatch_dtype="fp8_e4m3"``)."""
+        return self.dispatch_dtype == "fp8_e4m3"
+
+    @property
+    def dispatch_row_bytes(self) -> int:
+        """Bytes of one dispatched row: ``row_bytes``, or ``fp8.fp8_row_bytes(hidden_size)`` in
+        FP8 dispatch (the row stride of ``routed_x`` / ``shared_x`` in an A->F message)."""
+        return fp8_row_bytes(self.hidden_size) if self.is_fp8_dispatch else self.row_bytes
+
+    @property
+    def slot_row_bytes(self) -> int:
+        """Bytes per row the slot's ``routed_x`` / ``shared_x`` reserve: the larger of the two
+        directions' rows (dispatches and replies share one slot layout)."""
+        return max(self.row_bytes, self.dispatch_row_bytes)
 
     def field_bytes(self, name: str) -> int:
         """Bytes of field ``name``. Pair: routed_cap partial rows and shared_cap shared rows.
@@ -130,9 +157,9 @@ class WindowLayout:
         sizes = {
             "header": self.header_words * 4,
             "route_table": rows * self.route_width * 4,
-            "routed_x": rows * self.row_bytes,
+            "routed_x": rows * self.slot_row_bytes,
             "shared_idx": shared * 4,
-            "shared_x": shared * self.row_bytes,
+            "shared_x": shared * self.slot_row_bytes,
         }
         return sizes[name]
 
@@ -141,7 +168,8 @@ class WindowLayout:
         """Bytes one message writes into its receiver's window: fields, header, 8-byte flag.
 
         Pair: dispatch = routed_tokens x (row + 8 B route entry) + shared_tokens x (row + 4 B
-        index); reply = (routed_tokens + shared_tokens) rows. Dedup (``num_rows`` rows; the
+        index), rows of ``dispatch_row_bytes``; reply = (routed_tokens + shared_tokens) rows of
+        ``row_bytes``. Dedup (``num_rows`` rows; the
         shared rows are among them): dispatch = num_rows x (row + 4 * route_width B); reply =
         num_rows rows. A message that is not sent (empty, without ``always_send``) costs 0:
         the caller decides.
@@ -150,8 +178,9 @@ class WindowLayout:
         if self.is_dedup:
             per_row = self.row_bytes + (0 if reply else self.route_width * 4)
             return fixed + num_rows * per_row
-        routed = routed_tokens * (self.row_bytes + (0 if reply else 8))
-        shared = shared_tokens * (self.row_bytes + (0 if reply else 4))
+        row = self.row_bytes if reply else self.dispatch_row_bytes
+        routed = routed_tokens * (row + (0 if reply else 8))
+        shared = shared_tokens * (row + (0 if reply else 4))
         return fixed + routed + shared
 
     def field_offset(self, name: str) -> int:
@@ -182,9 +211,14 @@ class WindowLayout:
 
     @property
     def ffn_staging_bytes(self) -> int:
-        """Bytes of an FFN rank's local (not symmetric) dedup staging with one buffer per slot:
-        the expanded rows grouped by local expert (``routed_cap`` rows, like pair mode's
-        ``routed_x``) and a copy of the route table. 0 in pair mode (the GEMM reads the window)."""
+        """Bytes of an FFN rank's local (not symmetric) staging with one buffer per slot.
+        Dedup: the expanded rows grouped by local expert (``routed_cap`` rows, like pair mode's
+        ``routed_x``) and a copy of the route table. Pair with FP8 dispatch: the dequantized
+        routed and shared rows (``routed_cap + shared_cap`` payload rows). 0 otherwise (the GEMM
+        reads the window)."""
+        if self.is_fp8_dispatch and not self.is_dedup:
+            return self.num_slots * (align_up(self.routed_cap * self.row_bytes)
+                                     + align_up(self.shared_cap * self.row_bytes))
         if not self.is_dedup:
             return 0
         per_slot = (align_up(self.routed_cap * self.row_bytes)
@@ -239,6 +273,6 @@ def window_size_hint(model, topology, connector) -> int:
 
 
 def ffn_staging_size_hint(model, topology, connector) -> int:
-    """Bytes of an FFN rank's local dedup staging (``WindowLayout.ffn_staging_bytes``); 0 in
-    pair mode."""
+    """Bytes of an FFN rank's local staging (``WindowLayout.ffn_staging_bytes``): dedup's
+    expanded rows, or the dequantized rows of an FP8 dispatch; 0 in pair mode without FP8."""
     return WindowLayout.from_configs(model, topology, connector).ffn_staging_bytes

@@ -6,9 +6,11 @@
 // and its verdict: STATUS_OK, or the status code that stops this dispatch (capacity, bad expert
 // id, an error latched earlier). afd_dispatch_scatter then writes route table, routed rows,
 // shared rows, header and flag into each non-empty FFN rank's window, flags last, or nothing at
-// all when the verdict is not STATUS_OK.
+// all when the verdict is not STATUS_OK. With FLAG_FP8 in hdr_flags both dispatch kernels
+// quantize the rows into FP8 wire rows on the way (common/fp8.cuh).
 #include "common/wire.cuh"
 #include "common/payload.cuh"
+#include "common/fp8.cuh"           // FLAG_FP8 rows: dispatch_row_bytes, warp_quantize_row_part
 #include "common/block.cuh"
 #include "common/publish.cuh"        // publish_dispatch
 #include "attention/plan_block.cuh"  // plan_in_block, store_block_plan (afd_dispatch_fused)
@@ -126,15 +128,20 @@ __device__ __forceinline__ afd_i32 shared_rows_of(afd_i32 num_tokens, afd_i32 nu
 // afd_dispatch_fused: row_parts): a routed partial (r < num_partials) at staging row `pos` of
 // rank `dest` (part 0's lane 0: pos_out[r] and its route entry), or the shared row of token
 // r - num_partials (rank t % F, row t / F; part 0's lane 0: its shared index); then that part of
-// the token's payload row. `dest` and `pos` are unused for a shared row.
+// the token's payload row, copied, or quantized into an FP8 wire row when `hdr_flags` carry
+// FLAG_FP8 (fp8.cuh; rows of dispatch_row_bytes then). `dest` and `pos` are unused for a
+// shared row.
+template <int DT>
 __device__ __forceinline__ void write_pair_row(const SlotGeometry& geo,
                                                const afd_u64* __restrict__ peer_windows,
                                                afd_u64 staging, afd_i32 src_rank, afd_i32 ring,
-                                               afd_u64 hidden, afd_i64 row_bytes, afd_i32 top_k,
-                                               afd_i32 num_ffn_ranks, afd_i32 num_partials,
-                                               afd_i64 r, afd_i32 dest, afd_i32 pos,
-                                               afd_i32* __restrict__ pos_out, int lane,
+                                               afd_u64 hidden, afd_i32 hidden_size, afd_i32 hdr_flags,
+                                               afd_i32 top_k, afd_i32 num_ffn_ranks,
+                                               afd_i32 num_partials, afd_i64 r, afd_i32 dest,
+                                               afd_i32 pos, afd_i32* __restrict__ pos_out, int lane,
                                                afd_i64 part = 0, afd_i64 parts = 1) {
+  const afd_i64 row_bytes = static_cast<afd_i64>(hidden_size) * itemsize<DT>();
+  const afd_i64 wire_row_bytes = dispatch_row_bytes<DT>(hidden_size, hdr_flags);
   afd_i64 token;
   char* dst_row;
   if (r < num_partials) {
@@ -144,17 +151,21 @@ __device__ __forceinline__ void write_pair_row(const SlotGeometry& geo,
       pos_out[r] = pos;
       geo.route(slot)[pos] = make_int2(static_cast<afd_i32>(token), static_cast<afd_i32>(r % top_k));
     }
-    dst_row = geo.routed_row(slot, pos, row_bytes);
+    dst_row = geo.routed_row(slot, pos, wire_row_bytes);
   } else {
     token = r - num_partials;
     const afd_i32 shared_dest = static_cast<afd_i32>(token % num_ffn_ranks);
     const afd_i64 j = token / num_ffn_ranks;
     char* slot = geo.send_slot(peer_windows[shared_dest], staging, shared_dest, src_rank, ring);
     if (lane == 0 && part == 0) geo.shared_idx(slot)[j] = static_cast<afd_i32>(token);
-    dst_row = geo.shared_row(slot, j, row_bytes);
+    dst_row = geo.shared_row(slot, j, wire_row_bytes);
   }
   const char* src_row = static_cast<const char*>(byte_ptr(hidden, token * row_bytes));
-  warp_copy_row_part(dst_row, src_row, row_bytes, part, parts, lane);
+  if (hdr_flags & FLAG_FP8) {
+    warp_quantize_row_part<DT>(dst_row, src_row, hidden_size, part, parts, lane);
+  } else {
+    warp_copy_row_part(dst_row, src_row, row_bytes, part, parts, lane);
+  }
 }
 
 // The last block of a pair dispatch (every thread): per rank j its routed rows (from
@@ -223,7 +234,6 @@ afd_dispatch_scatter(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-
 
   const int tid = threadIdx.x, lane = tid & 31;
   const afd_i32 num_experts = num_ffn_ranks * expert_per_rank;
-  const afd_i64 row_bytes = static_cast<afd_i64>(hidden_size) * itemsize<DT>();
   const afd_i64 num_shared_rows = has_shared ? num_tokens : 0;
   const afd_i64 num_rows = static_cast<afd_i64>(num_partials) + num_shared_rows;
   const bool ok = (*verdict == STATUS_OK);  // no writer while the scatter runs: one value
@@ -239,8 +249,8 @@ afd_dispatch_scatter(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-
         pos = expert_start[e] + chunk_hist[(r / CHUNK) * num_experts + e] + local_rank[r] -
               rank_offsets[dest];
       }
-      write_pair_row(geo, peer_windows, staging, src_rank, ring, hidden, row_bytes, top_k,
-                     num_ffn_ranks, num_partials, r, dest, pos, pos_out, lane);
+      write_pair_row<DT>(geo, peer_windows, staging, src_rank, ring, hidden, hidden_size, hdr_flags,
+                         top_k, num_ffn_ranks, num_partials, r, dest, pos, pos_out, lane);
     }
   }
 
@@ -309,7 +319,7 @@ afd_dispatch_fused(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-ma
   afd_i32* s_ids = s_dyn;                                // [num_partials], -1 = bad id
   afd_i32* s_hist = s_dyn + ((num_partials + 3) & ~3);   // [E] counts
   afd_i32* s_start = s_hist + num_experts;               // [E] exclusive starts
-  const afd_i64 row_bytes = static_cast<afd_i64>(hidden_size) * itemsize<DT>();
+  const afd_i64 row_bytes = dispatch_row_bytes<DT>(hidden_size, hdr_flags);  // on the wire
   const afd_i64 num_shared_rows = has_shared ? num_tokens : 0;
   const afd_i64 num_rows = static_cast<afd_i64>(num_partials) + num_shared_rows;
 
@@ -343,8 +353,8 @@ afd_dispatch_fused(afd_u64 hidden,  // payload [num_tokens, hidden_size], row-ma
         dest = e / expert_per_rank;
         pos = s_start[e] + rank - s_rank_off[dest];
       }
-      write_pair_row(geo, peer_windows, staging, src_rank, ring, hidden, row_bytes, top_k,
-                     num_ffn_ranks, num_partials, r, dest, pos, pos_out, lane, part, parts);
+      write_pair_row<DT>(geo, peer_windows, staging, src_rank, ring, hidden, hidden_size, hdr_flags,
+                         top_k, num_ffn_ranks, num_partials, r, dest, pos, pos_out, lane, part, parts);
     }
   } else if (tid == 0 && plan.skip) {
     atomicOr(reinterpret_cast<unsigned int*>(skipped), 1u);  // released by last_block_done

@@ -26,6 +26,7 @@ constexpr afd_i64 ALIGN = 256;
 constexpr afd_i64 FLAG_SHUTDOWN = 2;  // 1 << 1
 constexpr afd_i64 FLAG_DEDUP = 4;     // 1 << 2: a dedup-mode message (docs/design/dedup.md)
 constexpr afd_i64 FLAG_KEPT_REPLY = 8;  // 1 << 3: with FLAG_SHUTDOWN, the FFN's last reply kept
+constexpr afd_i64 FLAG_FP8 = 16;        // 1 << 4: a dispatch of FP8 wire rows (common/fp8.cuh)
 // flag value (and header seq) of a shutdown message: above every data seq
 constexpr afd_i64 SHUTDOWN_SEQ = 0x7fffffffffffffff;
 

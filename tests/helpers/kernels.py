@@ -58,7 +58,7 @@ def dtype_code(dtype) -> int:
 
 # --- the constants probe -----------------------------------------------------------------------
 _WIRE_NAMES = ("MAGIC", "VERSION", "ALIGN", "FLAG_SHUTDOWN", "FLAG_DEDUP", "FLAG_KEPT_REPLY",
-               "SHUTDOWN_SEQ",
+               "FLAG_FP8", "SHUTDOWN_SEQ",
                "HDR_MAGIC", "HDR_VERSION", "HDR_SEQ", "HDR_SRC_RANK", "HDR_LAYER", "HDR_STAGE",
                "HDR_NUM_TOKENS", "HDR_ROUTED_TOKENS", "HDR_SHARED_TOKENS", "HDR_TOPK",
                "HDR_FLAGS", "HDR_ECHO_SEQ", "HDR_FIXED_WORDS",

@@ -22,10 +22,11 @@ from afd_cupy.routing import planner
 
 from helpers import kernels as kh
 
-KERNEL_FILES = ("common/wire.cuh", "common/payload.cuh", "common/block.cuh", "common/publish.cuh",
+KERNEL_FILES = ("common/wire.cuh", "common/payload.cuh", "common/fp8.cuh", "common/block.cuh",
+                "common/publish.cuh",
                 "attention/dispatch.cu", "attention/combine.cu", "attention/reply_check.cuh",
                 "attention/plan_block.cuh", "attention/dedup_attn.cuh", "attention/dedup_attn.cu",
-                "attention/dedup_attn_fused.cu", "ffn/wait_any.cuh", "ffn/wait_any.cu", "ffn/reply.cu",
+                "attention/dedup_attn_fused.cu", "ffn/wait_any.cuh", "ffn/wait_any.cu", "ffn/reply.cu", "ffn/fp8_rows.cu",
                 "ffn/dedup_ffn.cuh", "ffn/dedup_ffn.cu", "ffn/ffn_graph.cuh", "ffn/ffn_graph_stage.cu",
                 "ffn/ffn_graph_rows.cu", "model/gate.cu", "probes/wire_constants.cu", "probes/bench.cu")
 #: headers a kernel file may include (NVRTC runs without system headers), by their path in raw_kernels/

@@ -92,6 +92,9 @@ def _specs() -> dict:
             dtype_code=1, dst_window=0x3000, geo=geo, src_rank=1, ring=1, routed_out=0,
             num_routed=0, shared_out=0x6000, num_shared=3, hidden_size=64, header_src=0x7000,
             seq=5, done_counter=arr),
+        ("ffn/fp8_rows.cu", "afd_fp8_dequant_rows"): kernels.fp8_dequant_rows_spec(
+            dtype_code=0, window=0x3000, geo=geo, slot=5, hidden_size=128, num_routed=7,
+            num_shared=0, routed_out=0x6000, shared_out=0),
         ("ffn/dedup_ffn.cu", "afd_dedup_expand"): kernels.dedup_expand_spec(
             dtype_code=2, window=0x3000, geo=geo, region=2, ring=1, num_rows=20, num_tokens=30,
             num_routed=45, num_shared=7, top_k=8, hidden_size=64, staging=0x8000, route_copy=arr,
@@ -210,7 +213,7 @@ def test_specs_use_the_block_sizes_of_the_limit_table(fake_specs):
               "afd_dedup_combine": "COMBINE_THREADS", "afd_dedup_dispatch_fused": "SCATTER_THREADS",
               "afd_dedup_dispatch_ll": "SCATTER_THREADS",
               "afd_graph_stage": "REPLY_THREADS", "afd_graph_wait_stage": "REPLY_THREADS",
-              "afd_graph_gather": "REPLY_THREADS",
+              "afd_graph_gather": "REPLY_THREADS", "afd_fp8_dequant_rows": "REPLY_THREADS",
               "afd_graph_reply": "REPLY_THREADS", "afd_graph_dedup_expand": "REPLY_THREADS",
               "afd_graph_dedup_reply": "REPLY_THREADS", "afd_gate_topk": "GATE_THREADS"}
     for (filename, name), spec in built.items():
@@ -411,7 +414,7 @@ def test_backend_sets_only_arguments_its_specs_have(fake_specs):
     by_var = {"plan": "afd_dispatch_plan", "scatter": "afd_dispatch_scatter",
               "wait": "afd_wait_replies", "combine": "afd_combine",
               "rows": "afd_dedup_rows", "dedup_scatter": "afd_dedup_scatter",
-              "dedup_combine": "afd_dedup_combine",
+              "dedup_combine": "afd_dedup_combine", "dequant": "afd_fp8_dequant_rows",
               "launch": None}  # `launch`: wait_any, reply and the dedup kernels of the FFN
     names = {name: set(spec.names) for (_, name), spec in _specs().items()}
     sets = re.findall(r"\b(\w+)\.set\(\"(\w+)\"", source)

@@ -3,6 +3,7 @@ mirrored words, the stage reference against the protocol's rules, the offsets ag
 torch._grouped_mm computes with them, and the bucket policy. No GPU, no CuPy."""
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -329,6 +330,11 @@ def test_server_accepts_a_dedup_connector_and_keeps_its_other_limits():
 
     GraphFFNServer._check_connector(fake(), True, None)  # dedup: no ConfigError any more
     GraphFFNServer._check_connector(fake(layout=LAYOUT), True, None)
+    fp8_layout = dataclasses.replace(LAYOUT, dispatch_dtype="fp8_e4m3")
+    with pytest.raises(ConfigError, match=r"does not dequantize FP8 dispatch rows yet "
+                                          r"\(dispatch_dtype='fp8_e4m3'\); use FFNWorker"):
+        GraphFFNServer._check_connector(fake(layout=fp8_layout, config=SimpleNamespace(
+            transport="direct", dispatch_dtype="fp8_e4m3")), True, None)
     with pytest.raises(ConfigError, match="poll_mode='device'"):
         GraphFFNServer._check_connector(fake(capabilities=caps(device_polling=False)), True, None)
     with pytest.raises(ConfigError, match=r"Attention rank\(s\) \[1\] are reached by host-initiated copies "

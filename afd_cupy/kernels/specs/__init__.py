@@ -27,13 +27,15 @@ from afd_cupy.kernels.specs.limits import (CHUNK, COMBINE_PART_BLOCKS, KERNEL_LI
                                            payload_row_bytes, row_grid, row_parts)
 from afd_cupy.kernels.specs.dispatch import (FUSED_MAX_SHARED_BYTES, dispatch_fused_spec,
                                              dispatch_num_chunks, dispatch_plan_spec,
+                                             dispatch_row_bytes,
                                              dispatch_scatter_spec, fused_dispatch_fits,
                                              fused_shared_bytes, plan_grid, scatter_grid)
 from afd_cupy.kernels.specs.combine import (COMBINE_SELF_WAIT_BLOCKS, combine_grid, combine_parts,
                                             combine_spec, combine_waits_itself, wait_pass_mark,
                                             wait_replies_spec)
 from afd_cupy.kernels.specs.ffn import (dedup_expand_grid, dedup_expand_spec, dedup_reply_grid,
-                                        dedup_reply_spec, reply_grid, reply_spec, wait_any_spec)
+                                        dedup_reply_spec, fp8_dequant_rows_spec, reply_grid,
+                                        reply_spec, wait_any_spec)
 from afd_cupy.kernels.specs.dedup_attn import (DEDUP_FUSED_MAX_SHARED_BYTES, dedup_combine_spec,
                                                dedup_dispatch_fused_spec, dedup_fused_shared_bytes,
                                                dedup_rows_grid, dedup_rows_spec, dedup_scatter_grid,
@@ -61,6 +63,6 @@ __all__ = [
     "gate_topk_spec", "graph_dedup_expand_spec", "graph_dedup_reply_spec", "graph_gather_spec",
     "graph_reply_spec", "graph_stage_spec", "graph_wait_stage_spec", "ll_dedup_dispatch_fits",
     "payload_row_bytes",
-    "few_row_parts", "plan_grid", "reply_grid", "reply_spec", "row_grid", "row_parts", "scatter_grid",
+    "dispatch_row_bytes", "few_row_parts", "fp8_dequant_rows_spec", "plan_grid", "reply_grid", "reply_spec", "row_grid", "row_parts", "scatter_grid",
     "wait_any_spec", "wait_pass_mark", "wait_replies_spec",
 ]

@@ -10,6 +10,7 @@ import numpy as np
 
 from afd_cupy import wire
 from afd_cupy.kernels import checks, loader
+from afd_cupy.kernels.loader import DTYPE_CODES
 from afd_cupy.kernels.launches import LaunchSpec, launch_spec
 from afd_cupy.kernels.specs.limits import (CHUNK, KERNEL_LIMITS, MAX_BLOCKS, MAX_EXPERTS,
                                            MAX_FFN_RANKS, few_row_parts, payload_row_bytes, row_grid)
@@ -80,6 +81,19 @@ def _pair_dispatch_head(*, hidden, num_tokens, hidden_size, topk_ids, num_partia
             "num_ffn_ranks": checks.count("num_ffn_ranks", num_ffn_ranks, low=1, high=MAX_FFN_RANKS)}
 
 
+def dispatch_row_bytes(hidden_size, dtype_code, hdr_flags) -> int:
+    """Bytes of one dispatched row of afd_dispatch_scatter / afd_dispatch_fused: an FP8 wire row
+    (``wire.fp8_row_bytes``) when ``hdr_flags`` carry ``wire.FLAG_FP8``, else a payload row.
+    ValueError when FP8 rows cannot be made: a float32 payload or ``hidden_size % 128 != 0``."""
+    if not int(hdr_flags) & wire.FLAG_FP8:
+        return payload_row_bytes(hidden_size, dtype_code)
+    if checks.dtype_code(dtype_code) == DTYPE_CODES["float32"] or int(hidden_size) % wire.FP8_GROUP:
+        raise ValueError(f"hdr_flags=0x{int(hdr_flags):x} (FLAG_FP8) needs a bf16/fp16 dtype_code and "
+                         f"hidden_size % {wire.FP8_GROUP} == 0, got dtype_code={dtype_code}, "
+                         f"hidden_size={hidden_size}")
+    return wire.fp8_row_bytes(int(hidden_size))
+
+
 def _pair_dispatch_tail(*, peer_windows, staging, geo, ring, has_shared, always_send, pos_out,
                         src_rank, layer_idx, stage_idx, hdr_flags, seq_counters, expected,
                         expected_counts, done_counter, num_partials, num_ffn, epr) -> dict:
@@ -117,6 +131,8 @@ def dispatch_scatter_spec(*, dtype_code, hidden, num_tokens, hidden_size, topk_i
     (this ring's row) is incremented for non-empty ranks only, or for every rank when
     ``always_send`` is 1 (header-only messages to empty ranks, for lockstep). If the verdict is
     not STATUS_OK nothing is written to any peer and ``expected`` is all 0.
+    ``hdr_flags`` with ``wire.FLAG_FP8``: the rows are quantized into FP8 wire rows
+    (:func:`dispatch_row_bytes` each; reference ``wire.fp8.quantize_wire_rows``).
     Grid: :func:`scatter_grid`.
     """
     head = _pair_dispatch_head(hidden=hidden, num_tokens=num_tokens, hidden_size=hidden_size,
@@ -125,6 +141,7 @@ def dispatch_scatter_spec(*, dtype_code, hidden, num_tokens, hidden_size, topk_i
     num_tokens, num_partials, top_k = head["num_tokens"], head["num_partials"], head["top_k"]
     num_ffn, epr = int(head["num_ffn_ranks"]), int(head["expert_per_rank"])
     num_experts = num_ffn * epr
+    dispatch_row_bytes(hidden_size, dtype_code, hdr_flags)  # ValueError: no FP8 rows possible
     tail = _pair_dispatch_tail(
         peer_windows=peer_windows, staging=staging, geo=geo, ring=ring, has_shared=has_shared,
         always_send=always_send, pos_out=pos_out, src_rank=src_rank, layer_idx=layer_idx,
@@ -178,7 +195,8 @@ def dispatch_fused_spec(*, dtype_code, hidden, num_tokens, hidden_size, topk_ids
     between dispatches (the kernel leaves it zero). The dynamic shared memory is sized for
     ``max_partials`` (default ``num_partials``; the largest a later launch of this packed spec
     may use): at most :data:`FUSED_MAX_SHARED_BYTES` (:func:`fused_dispatch_fits`).
-    Grid: :func:`scatter_grid`.
+    ``hdr_flags`` with ``wire.FLAG_FP8``: FP8 wire rows, as :func:`dispatch_scatter_spec`.
+    Grid: :func:`scatter_grid` with ``row_bytes`` = :func:`dispatch_row_bytes`.
     """
     head = _pair_dispatch_head(hidden=hidden, num_tokens=num_tokens, hidden_size=hidden_size,
                                topk_ids=topk_ids, num_partials=num_partials, top_k=top_k,
@@ -186,6 +204,7 @@ def dispatch_fused_spec(*, dtype_code, hidden, num_tokens, hidden_size, topk_ids
     num_tokens, num_partials, top_k = head["num_tokens"], head["num_partials"], head["top_k"]
     num_ffn, epr = int(head["num_ffn_ranks"]), int(head["expert_per_rank"])
     num_experts = num_ffn * epr
+    row_bytes = dispatch_row_bytes(hidden_size, dtype_code, hdr_flags)
     max_partials = int(num_partials) if max_partials is None else int(max_partials)
     if max_partials < int(num_partials):
         raise ValueError(f"max_partials={max_partials} < num_partials={int(num_partials)}")
@@ -208,7 +227,7 @@ def dispatch_fused_spec(*, dtype_code, hidden, num_tokens, hidden_size, topk_ids
             **tail, "status": checks.address("status", status)}
     kernel = loader.get_kernel("attention/dispatch.cu", "afd_dispatch_fused", dtype_code=checks.dtype_code(dtype_code))
     return launch_spec(kernel, scatter_grid(int(num_tokens), int(top_k), int(args["has_shared"]), max_blocks,
-                                            row_bytes=payload_row_bytes(hidden_size, dtype_code)),
+                                            row_bytes=row_bytes),
                  KERNEL_LIMITS["SCATTER_THREADS"], args,
                  shared_mem=fused_shared_bytes(max_partials, num_experts))
 

@@ -71,6 +71,36 @@ def reply_spec(*, dtype_code, dst_window, geo, src_rank, ring, routed_out, num_r
                  KERNEL_LIMITS["REPLY_THREADS"], args)
 
 
+def fp8_dequant_rows_spec(*, dtype_code, window, geo, slot, hidden_size, num_routed, num_shared,
+                          routed_out, shared_out, max_blocks=MAX_BLOCKS) -> LaunchSpec:
+    """Decode the FP8 wire rows of an FP8 dispatch (``wire.FLAG_FP8``) in slot number ``slot``
+    of the own ``window`` into payload rows (afd_fp8_dequant_rows<DT>, bf16 or fp16): its
+    ``num_routed`` routed rows into ``routed_out`` payload [R, H] and ``num_shared`` shared rows
+    into ``shared_out`` payload [S, H] (device; 0 when the count is 0). Reference:
+    ``wire.fp8.dequantize_wire_rows``, rounded to the payload dtype. ``hidden_size`` a multiple
+    of ``wire.FP8_GROUP``. Safe in CUDA graph capture. Grid: :func:`reply_grid`.
+    """
+    geo = checks.geometry("geo", geo)
+    num_routed = checks.count("num_routed", num_routed)
+    num_shared = checks.count("num_shared", num_shared)
+    code = checks.dtype_code(dtype_code)
+    if code == loader.DTYPE_CODES["float32"] or int(hidden_size) % wire.FP8_GROUP:
+        raise ValueError(f"afd_fp8_dequant_rows needs a bf16/fp16 dtype_code and hidden_size % "
+                         f"{wire.FP8_GROUP} == 0, got dtype_code={dtype_code}, hidden_size={hidden_size}")
+    num_slots = int(geo["num_regions"]) * int(geo["ring_depth"])
+    args = {"window": checks.address("window", window), "geo": geo,
+            "slot": checks.int64("slot", slot, low=0),
+            "hidden_size": checks.count("hidden_size", hidden_size, low=1),
+            "num_routed": num_routed, "num_shared": num_shared,
+            "routed_out": checks.address("routed_out", routed_out, allow_null=num_routed == 0),
+            "shared_out": checks.address("shared_out", shared_out, allow_null=num_shared == 0)}
+    if int(slot) >= num_slots:
+        raise ValueError(f"slot must lie in [0, {num_slots}), got {slot}")
+    kernel = loader.get_kernel("ffn/fp8_rows.cu", "afd_fp8_dequant_rows", dtype_code=code)
+    return launch_spec(kernel, reply_grid(int(num_routed) + int(num_shared), max_blocks),
+                       KERNEL_LIMITS["REPLY_THREADS"], args)
+
+
 def reply_grid(num_rows: int, max_blocks: int = MAX_BLOCKS, row_bytes: int = 0) -> int:
     """Blocks of afd_reply and afd_graph_gather (``row_bytes`` 0: one warp per output row) and of
     afd_graph_reply (``row_bytes``: one warp per part of a row,
