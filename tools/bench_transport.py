@@ -128,6 +128,7 @@ class Group:
     wire_mode: str = "pair"
     transport: str = "direct"
     ffn_serving: str = "auto"  # FFNWorker(serving=...): the graph FFN or the Python loop
+    host_profile: int = 0  # > 0: cProfile that many blocking round trips per decode point
 
     @property
     def num_experts(self) -> int:
@@ -246,6 +247,9 @@ def _decode_point(conn, group: Group, num_tokens: int, device, watch) -> dict:
     _check_identity(conn.recv_ffn_output(conn.send_attn_output(hidden, ids, weights, 0)), hidden,
                     f"decode {num_tokens} tokens")
     times_us = _wall_times_us(group, lambda: conn.recv_ffn_output(conn.send_attn_output(hidden, ids, weights, 0)))
+    if group.host_profile > 0:
+        _print_host_profile(group, num_tokens,
+                            lambda: conn.recv_ffn_output(conn.send_attn_output(hidden, ids, weights, 0)))
     per_layer_us = _pipelined(conn, group, hidden, ids, weights, watch)
     row = {"tokens": num_tokens, "hidden": group.hidden, "top_k": group.top_k, "num_ffn": group.num_ffn,
            "wire_mode": group.wire_mode, "transport": group.transport, **_wire_bytes(conn, ids),
@@ -285,6 +289,25 @@ def _decode_dispatch_us(conn, group: Group, hidden, ids, weights, watch) -> floa
         if i >= group.warmup:
             times_us.append(elapsed_ms * 1e3)
     return bc.median(times_us)
+
+
+def _print_host_profile(group: Group, num_tokens: int, round_trip) -> None:
+    """Where the host time of ``group.host_profile`` blocking round trips goes: cProfile's 30
+    most expensive functions by own time, printed (a diagnosis of the public API's host path;
+    the profiler slows every Python call, so its times are relative, not the round trip's)."""
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(group.host_profile):
+        round_trip()
+    profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(30)
+    print(f"==== host profile: {group.host_profile} blocking round trips, {num_tokens} tokens, "
+          f"{group.wire_mode} ====\n{text.getvalue()}", flush=True)
 
 
 def _wall_times_us(group: Group, round_trip) -> list:
@@ -966,6 +989,8 @@ def parse_args(argv=None):
     parser.add_argument("--transport", choices=TRANSPORT_CHOICES, default="direct",
                         help="ConnectorConfig.transport (cuda): 'put' forces NVSHMEM puts for every "
                              "peer; 'both': one launch per transport, side by side (issue #16)")
+    parser.add_argument("--host-profile", type=int, default=0, metavar="N",
+                        help="print a cProfile of N blocking round trips per decode point (cuda and host)")
     parser.add_argument("--ffn-serving", choices=("auto", "graph", "loop"), default="auto",
                         help="the FFN ranks' FFNWorker(serving=...): 'auto' (default: the graph FFN on "
                              "cuda where it applies), 'graph' or 'loop' (the Python loop)")
@@ -978,7 +1003,8 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     backend = args.backend or bc.detect_backend()
-    groups = [dataclasses.replace(g, ffn_serving=args.ffn_serving) for g in plan_groups(args, backend)]
+    groups = [dataclasses.replace(g, ffn_serving=args.ffn_serving, host_profile=args.host_profile)
+              for g in plan_groups(args, backend)]
     if args.nccl_baseline:
         groups, nccl_skipped = with_nccl_baseline(groups, backend)
         print("\n".join(nccl_skipped) or "NCCL baseline on", flush=True)

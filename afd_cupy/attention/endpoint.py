@@ -33,8 +33,9 @@ class AttentionEndpoint:
         self.torch_dtype, self.out_scale = torch_dtype, out_scale
         self._ffn_peers = ffn_peers
         self._pending: dict[int, DispatchHandle | None] = {}
-        # pair mode: the combine's routing, owned from send on (dedup: it travels)
-        self._owned_routing = (None if layout.is_dedup else
+        # pair mode: the combine's routing, owned from send on (dedup: it travels), unless the
+        # path's sends keep their own copy (the cuda backend: one kernel per send)
+        self._owned_routing = (None if layout.is_dedup or getattr(path, "owns_routing", False) else
                                peer_state.owned_routing_buffers(layout, model.top_k, path.device))
         self.shutdown_announced = False
         self.peer_failed = False  # a wait timed out or a peer died: close() must not hang on it

@@ -32,18 +32,32 @@ class CudaSendState:
 
     ring: int
     expected: object  # cupy int64 [F]: seq sent to FFN rank j, 0 when nothing was sent
-    topk_ids: torch.Tensor  # int32 [T*K], kept alive for the combine
+    # the caller's routing as afd_own_routing read it (kept alive until its kernel ran); the
+    # kernels then read the ring's own copy (CudaAttentionPath.routing)
+    topk_ids: torch.Tensor
     hidden: torch.Tensor
     num_tokens: int
     # dedup: the ring's row map (cupy int32 [token_cap, F], rows of the first num_tokens valid
-    # once the send's kernels ran), read by the combine; and the fp32 weights the scatter reads
+    # once the send's kernels ran), read by the combine
     row_map: object = None
     topk_weights: torch.Tensor | None = None
 
 
+#: torch dtype of the routing weights -> afd_own_routing's template argument (wire.cuh DT_*);
+#: other float dtypes are converted to fp32 by torch first
+_WEIGHT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+
 class CudaAttentionPath:
     """The Attention-side steps of the cuda backend (``rank``: the rank's shared
-    :class:`~afd_cupy.backends.cuda.CudaRank`)."""
+    :class:`~afd_cupy.backends.cuda.CudaRank`).
+
+    Each send copies the caller's routing into the ring's own buffers with one kernel
+    (afd_own_routing: int32 ids, fp32 weights), so the connector need not own it (``owns_routing``)
+    and the dispatch and combine kernels read fixed addresses."""
+
+    #: the sends keep their own copy of the routing (the endpoint copies nothing)
+    owns_routing = True
 
     def __init__(self, rank) -> None:
         self.rank = rank
@@ -64,6 +78,11 @@ class CudaAttentionPath:
         self.scratch = [DispatchScratch.allocate(max_partials, num_ffn, layout.expert_per_rank)
                         for _ in range(layout.ring_depth)]
         self.expected = [cp.zeros(num_ffn, cp.int64) for _ in range(layout.ring_depth)]
+        # the ring's own routing (afd_own_routing writes it, the dispatch and combine read it):
+        # (ids int32 [token_cap * top_k], weights fp32 [token_cap * top_k]) per ring
+        self.routing = [(cp.zeros(max_partials, cp.int32), cp.zeros(max_partials, cp.float32))
+                        for _ in range(layout.ring_depth)]
+        self._own_routing_launches = {}  # (ring, weights dtype code) -> PackedLaunch, on first use
         self.is_dedup = layout.is_dedup
         # the dispatch in one kernel when a full batch fits its shared memory (pair: plan +
         # scatter; dedup: plan + rows + scatter, afd_dedup_dispatch_ll with dedup_dispatch="ll")
@@ -102,7 +121,7 @@ class CudaAttentionPath:
         ctx, layout, geo = self.ctx, self.layout, self.rank.geometry
         scratch, expected = self.scratch[ring], self.expected[ring]
         num_ffn, epr, cap = ctx.num_ffn_ranks, layout.expert_per_rank, layout.token_cap
-        placeholder_ids = scratch.local_rank  # int32 [token_cap * top_k]; replaced per call
+        ids, weights = self.routing[ring]  # what afd_own_routing writes per send
         replies = dict(window=self.rank.own_window, geo=geo, num_ffn_ranks=num_ffn, ring=ring,
                        expected=expected, expected_counts=self.expected_counts[ring], layer_idx=0,
                        stage_idx=0, last_seen=self.rank.last_seen, reply_flags=self.reply_flags[ring],
@@ -110,7 +129,7 @@ class CudaAttentionPath:
         # what every sending kernel of either mode takes (the per-call ones are placeholders)
         sends = dict(
             dtype_code=self.rank.dtype_code, hidden=self.rank.own_window, num_tokens=cap,
-            hidden_size=layout.hidden_size, topk_ids=placeholder_ids, top_k=layout.top_k,
+            hidden_size=layout.hidden_size, topk_ids=ids, top_k=layout.top_k,
             expert_per_rank=epr, num_ffn_ranks=num_ffn, expert_start=scratch.expert_start,
             rank_offsets=scratch.rank_offsets, expert_counts=scratch.expert_counts,
             verdict=scratch.verdict, peer_windows=self.peer_windows, geo=geo, ring=ring,
@@ -126,8 +145,7 @@ class CudaAttentionPath:
             wait = kernels.wait_replies_spec(**replies)
             combine = kernels.combine_spec(
                 dtype_code=self.rank.dtype_code, out=self.rank.own_window, num_tokens=cap,
-                hidden_size=layout.hidden_size, topk_ids=placeholder_ids,
-                topk_weights=placeholder_ids.view(self.cp.float32), pos=scratch.pos,
+                hidden_size=layout.hidden_size, topk_ids=ids, topk_weights=weights, pos=scratch.pos,
                 top_k=layout.top_k, expert_per_rank=epr, has_shared=int(ctx.has_shared),
                 out_scale=1.0, done_counter=self.combine_done[ring], **replies)
             # FLAG_FP8: the dispatch kernels quantize the rows into FP8 wire rows (common/fp8.cuh)
@@ -142,7 +160,7 @@ class CudaAttentionPath:
             launches.update(wait=wait, combine=combine)
         if not self.fused_dispatch:  # both modes: the grid-wide plan first
             launches["plan"] = kernels.dispatch_plan_spec(
-                topk_ids=placeholder_ids, num_partials=cap * layout.top_k, num_ffn_ranks=num_ffn,
+                topk_ids=ids, num_partials=cap * layout.top_k, num_ffn_ranks=num_ffn,
                 expert_per_rank=epr, routed_cap=layout.routed_cap, layer_idx=0,
                 chunk_hist=scratch.chunk_hist, local_rank=scratch.local_rank,
                 expert_counts=scratch.expert_counts, expert_start=scratch.expert_start,
@@ -155,17 +173,17 @@ class CudaAttentionPath:
         combine), checked; ``sends`` / ``fused_only`` as in :meth:`_attention_launches`."""
         ctx, layout = self.ctx, self.layout
         scratch, rows = self.scratch[ring], self.dedup_rows[ring]
-        placeholder_ids = scratch.local_rank  # int32 [token_cap * top_k]; replaced per call
+        ids, weights = self.routing[ring]  # what afd_own_routing writes per send
         row_outputs = dict(row_map=rows.row_map, shared_rank=rows.shared_rank,
                            num_rows=rows.num_rows, shared_rows=rows.shared_rows)
-        dedup = dict(sends, topk_weights=placeholder_ids.view(self.cp.float32), **row_outputs)
+        dedup = dict(sends, topk_weights=weights, **row_outputs)
         if self.fused_dispatch:  # the one-kernel dispatch: "ll" (where it fits) or the fused one
             one_kernel = kernels.dedup_dispatch_ll_spec if self.ll_dispatch else kernels.dedup_dispatch_fused_spec
             launches = {"fused": one_kernel(**fused_only, **dedup)}
         else:
             launches = {
                 "rows": kernels.dedup_rows_spec(
-                    topk_ids=placeholder_ids, num_tokens=layout.token_cap, top_k=layout.top_k,
+                    topk_ids=ids, num_tokens=layout.token_cap, top_k=layout.top_k,
                     expert_per_rank=layout.expert_per_rank, num_ffn_ranks=ctx.num_ffn_ranks,
                     has_shared=int(ctx.has_shared), verdict=scratch.verdict,
                     rows_hist=rows.rows_hist, rows_local=rows.rows_local,
@@ -224,18 +242,12 @@ class CudaAttentionPath:
         self.rank.status.raise_latched()
         num_tokens = hidden.shape[0]
         hidden = hidden.contiguous()
-        if topk_ids.dtype != torch.int32 or self._mask_ids:
-            # an id that an int32 cast would wrap, or that names a padding expert, becomes -1:
-            # the plan kernel rejects it (BAD_EXPERT) and nothing is sent
-            topk_ids = topk_ids.masked_fill((topk_ids < 0) | (topk_ids >= ctx.num_experts), -1)
-        ids = topk_ids.to(torch.int32).reshape(-1).contiguous()
         launches, stream = self.launches[ring], self.rank.stream_ptr()
         self._order_ring(ring, stream)
         num_partials = num_tokens * layout.top_k
-        weights = None
+        ids, weights = self._own_routing(ring, stream, topk_ids, topk_weights, num_partials)
         if self.is_dedup:  # the weights travel in the route tables: read by the sender
-            weights = topk_weights.detach().to(torch.float32).reshape(-1).contiguous()
-            per_call = (("topk_weights", weights.data_ptr()),)
+            per_call = ()
             grid = (kernels.dedup_ll_grid if self.ll_dispatch else kernels.dedup_scatter_grid)(
                 num_tokens, ctx.num_ffn_ranks, layout.row_bytes)
         else:
@@ -244,26 +256,56 @@ class CudaAttentionPath:
                                         row_bytes=layout.dispatch_row_bytes if self.fused_dispatch else 0)
         if not self.fused_dispatch:  # the grid-wide plan (and in dedup mode the rows) first
             plan = launches["plan"]
-            plan.set("topk_ids", ids.data_ptr())
             plan.set("num_partials", num_partials)
             plan.set("layer_idx", layer_idx)  # named by a latched capacity or bad-expert error
             plan.launch(stream, kernels.plan_grid(num_partials))
             if self.is_dedup:
                 rows = launches["rows"]
-                rows.set("topk_ids", ids.data_ptr())
                 rows.set("num_tokens", num_tokens)
                 rows.launch(stream, kernels.dedup_rows_grid(num_tokens, layout.top_k))
         sender = launches["fused" if self.fused_dispatch else "scatter"]
         for name, value in (("hidden", hidden.data_ptr()), ("num_tokens", num_tokens),
-                            ("topk_ids", ids.data_ptr()), ("layer_idx", layer_idx),
-                            ("stage_idx", stage_idx)) + per_call:
+                            ("layer_idx", layer_idx), ("stage_idx", stage_idx)) + per_call:
             sender.set(name, value)
         sender.launch(stream, grid)
         self._put_dispatch(stream, ring, num_tokens)
         if self.is_dedup:
             return CudaSendState(ring, self.expected[ring], ids, hidden, num_tokens,
                                  row_map=self.dedup_rows[ring].row_map, topk_weights=weights)
-        return CudaSendState(ring, self.expected[ring], ids, hidden, num_tokens)
+        return CudaSendState(ring, self.expected[ring], ids, hidden, num_tokens, topk_weights=weights)
+
+    def _own_routing(self, ring: int, stream: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                     num_partials: int) -> tuple:
+        """Launch afd_own_routing on ``stream``: the caller's ids and weights into the ring's
+        own buffers (:attr:`routing`), which the dispatch and combine kernels read. Returns the
+        tensors it reads (the state keeps them alive until it ran). An int64 id (one an int32
+        cast would wrap) or, with padding experts, an id outside [0, num_experts) becomes -1
+        there: the plan then rejects it (BAD_EXPERT) and nothing is sent. Ids of another
+        integer dtype and weights of another float dtype are converted by torch first."""
+        ids = topk_ids.detach()
+        if ids.dtype not in (torch.int32, torch.int64):
+            ids = ids.to(torch.int64)
+        ids = ids.contiguous()
+        weights = topk_weights.detach()
+        code = _WEIGHT_CODES.get(weights.dtype)
+        if code is None:
+            weights, code = weights.to(torch.float32), _WEIGHT_CODES[torch.float32]
+        weights = weights.contiguous()
+        own = self._own_routing_launches.get((ring, code))
+        if own is None:
+            ids_out, weights_out = self.routing[ring]
+            own = self._own_routing_launches[(ring, code)] = kernels.PackedLaunch(kernels.own_routing_spec(
+                weights_dtype_code=code, ids=ids_out.data.ptr, ids_int64=0, mask=0,
+                num_experts=self.ctx.num_experts, weights=weights_out.data.ptr,
+                num_partials=ids_out.size, ids_out=ids_out, weights_out=weights_out))
+        ids_int64 = int(ids.dtype == torch.int64)
+        own.set("ids", ids.data_ptr())
+        own.set("ids_int64", ids_int64)
+        own.set("mask", int(ids_int64 or self._mask_ids))
+        own.set("weights", weights.data_ptr())
+        own.set("num_partials", num_partials)
+        own.launch(stream, kernels.own_routing_grid(num_partials))
+        return ids, weights
 
     def _put_dispatch(self, stream: int, ring: int, num_tokens: int) -> None:
         """Staged peers (both modes): staging -> their windows, flags last, behind the scatter on
@@ -282,8 +324,6 @@ class CudaAttentionPath:
         if blocking:
             self.rank.no_capture("recv_ffn_output(blocking=True)")
         num_tokens = state.num_tokens
-        weights = None if self.is_dedup else \
-            topk_weights.detach().to(torch.float32).reshape(-1).contiguous()
         out = torch.empty(num_tokens, layout.hidden_size, dtype=ctx.torch_dtype, device=self.device)
         launches, stream = self.launches[ring], self.rank.stream_ptr()
         self._order_ring(ring, stream)
@@ -303,10 +343,7 @@ class CudaAttentionPath:
         else:
             combine.set("out", out.data_ptr())
             combine.set("num_tokens", num_tokens)
-            # the connector's own copy (taken at send time), not the caller's tensor
-            ids = topk_ids.to(torch.int32).reshape(-1).contiguous()
-            combine.set("topk_ids", ids.data_ptr())
-            combine.set("topk_weights", weights.data_ptr())
+            # ids and weights: the ring's own copy, taken at send time (fixed in the launch)
             combine.set("out_scale", out_scale)
             combine.launch(stream, grid)
         if blocking:

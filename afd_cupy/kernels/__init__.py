@@ -37,7 +37,8 @@ from afd_cupy.kernels.specs import (CHUNK, KERNEL_LIMITS, MAX_BLOCKS, MAX_EXPERT
                                     dispatch_num_chunks, dispatch_plan_spec, dispatch_row_bytes,
                                     dispatch_scatter_spec, fp8_dequant_rows_spec,
                                     fused_dedup_dispatch_fits, fused_dispatch_fits, plan_grid,
-                                    reply_grid, reply_spec, row_parts, scatter_grid, wait_any_spec,
+                                    own_routing_grid, own_routing_spec, reply_grid, reply_spec, row_parts,
+                                    scatter_grid, wait_any_spec,
                                     wait_pass_mark, wait_replies_spec)
 from afd_cupy.kernels.status import PinnedInt64, StatusBlock, StatusChannel
 
@@ -52,6 +53,6 @@ __all__ = [
     "dedup_rows_spec", "dedup_scatter_grid", "dedup_scatter_spec", "dispatch_num_chunks",
     "dispatch_fused_spec", "dispatch_plan_spec", "dispatch_row_bytes", "fp8_dequant_rows_spec",
     "dispatch_scatter_spec", "fused_dedup_dispatch_fits", "fused_dispatch_fits", "get_kernel", "kernel_name_expressions", "load_module", "plan_grid",
-    "reply_grid", "reply_spec", "row_parts", "scatter_grid", "source_key", "wait_any_spec",
+    "own_routing_grid", "own_routing_spec", "reply_grid", "reply_spec", "row_parts", "scatter_grid", "source_key", "wait_any_spec",
     "wait_pass_mark", "wait_replies_spec",
 ]

@@ -53,6 +53,7 @@ DTYPE_CODES = {name: payload.kernel_code for name, payload in PAYLOAD_DTYPES.ite
 FILE_KERNELS = {
     "attention/dispatch.cu": (("afd_dispatch_plan", False), ("afd_dispatch_scatter", True),
                               ("afd_dispatch_fused", True)),
+    "attention/routing.cu": (("afd_own_routing", True),),
     "attention/combine.cu": (("afd_wait_replies", False), ("afd_combine", True)),
     "attention/dedup_attn.cu": (("afd_dedup_rows", False), ("afd_dedup_scatter", True),
                                 ("afd_dedup_combine", True)),

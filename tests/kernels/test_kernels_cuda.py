@@ -1085,3 +1085,46 @@ def test_round_trip_through_all_kernels(request, dtype, num_ffn, num_tokens, top
     want = (weights.sum(axis=1, dtype=np.float32) + has_shared)[:, None] * hidden_f32
     tol = TOLERANCE[dtype]
     np.testing.assert_allclose(to_f32(out.get(), dtype), to_f32(to_raw(want, dtype), dtype), rtol=tol, atol=tol)
+
+
+# --- afd_own_routing: the caller's routing into the ring's own buffers ---------------------------
+OWN_ROUTING_CASES = [  # num_partials, ids int64, mask
+    (0, False, False), (1, False, False), (8, True, True), (1000, False, True), (5000, True, True),
+    # more partials than MAX_BLOCKS blocks of PLAN_THREADS threads cover: the blocks stride
+    (kernels.MAX_BLOCKS * kernels.KERNEL_LIMITS["PLAN_THREADS"] + 777, True, True)]
+
+
+@pytest.mark.parametrize("case", OWN_ROUTING_CASES, ids=[str(c) for c in OWN_ROUTING_CASES])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_own_routing_matches_reference(request, dtype, case):
+    """afd_own_routing against kernels.specs.own_routing_reference on fresh random ids (in range,
+    negative, >= num_experts and, int64, beyond int32) and weights of every payload dtype;
+    outputs pre-filled with NaN / a sentinel id, and the tail past num_partials untouched."""
+    num_partials, ids_int64, mask = case
+    rng = node_rng(request)
+    num_experts = 96
+    ids = rng.integers(0, num_experts, num_partials).astype(np.int64)
+    if num_partials:
+        bad = rng.random(num_partials) < 0.2
+        wild = rng.choice(np.array([-1, -7, num_experts, num_experts + 5] +
+                                   ([2**31 + 3, -2**33] if ids_int64 else []), np.int64), num_partials)
+        ids = np.where(bad, wild, ids)
+    ids = ids.astype(np.int64 if ids_int64 else np.int32)
+    weights = to_raw(rng.standard_normal(num_partials).astype(np.float32), dtype)
+    ids_dev, weights_dev = cp.asarray(ids), cp.asarray(weights)
+    extra = 5  # past num_partials: must stay as filled
+    ids_out = cp.full(num_partials + extra, -12345, cp.int32)
+    weights_out = cp.full(num_partials + extra, np.nan, cp.float32)
+    spec = kernels.own_routing_spec(
+        weights_dtype_code=kernels.DTYPE_CODES[dtype], ids=ids_dev.data.ptr if num_partials else 0,
+        ids_int64=int(ids_int64), mask=int(mask), num_experts=num_experts,
+        weights=weights_dev.data.ptr if num_partials else 0, num_partials=num_partials,
+        ids_out=ids_out, weights_out=weights_out)
+    spec.launch()
+    cp.cuda.Device().synchronize()
+    want_ids, want_weights = kernels.specs.own_routing_reference(
+        ids, to_f32(weights, dtype), mask=mask, num_experts=num_experts)
+    got_ids, got_weights = ids_out.get(), weights_out.get()
+    np.testing.assert_array_equal(got_ids[:num_partials], want_ids)
+    np.testing.assert_array_equal(got_weights[:num_partials], want_weights)
+    assert (got_ids[num_partials:] == -12345).all() and np.isnan(got_weights[num_partials:]).all()

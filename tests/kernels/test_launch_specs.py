@@ -80,6 +80,9 @@ def _specs() -> dict:
             peer_windows=arr, geo=geo, ring=1, has_shared=1, pos_out=arr, src_rank=0,
             layer_idx=3, stage_idx=0, hdr_flags=0, seq_counters=arr, expected=arr,
             expected_counts=arr, done_counter=arr, status=0x6000, max_partials=128),
+        ("attention/routing.cu", "afd_own_routing"): kernels.own_routing_spec(
+            weights_dtype_code=2, ids=0x2000, ids_int64=1, mask=1, num_experts=64, weights=0x2800,
+            num_partials=64, ids_out=arr, weights_out=arr),
         ("attention/combine.cu", "afd_wait_replies"): kernels.wait_replies_spec(**replies),
         ("attention/combine.cu", "afd_combine"): kernels.combine_spec(
             dtype_code=0, out=0x4000, num_tokens=8, hidden_size=64, topk_ids=arr,
@@ -204,7 +207,7 @@ def test_specs_use_the_block_sizes_of_the_limit_table(fake_specs):
     built = _specs()
     limits = kernels.KERNEL_LIMITS
     blocks = {"afd_dispatch_plan": "PLAN_THREADS", "afd_dispatch_scatter": "SCATTER_THREADS",
-              "afd_dispatch_fused": "SCATTER_THREADS",
+              "afd_dispatch_fused": "SCATTER_THREADS", "afd_own_routing": "PLAN_THREADS",
               "afd_wait_replies": "WAIT_REPLIES_THREADS", "afd_combine": "COMBINE_THREADS",
               "afd_wait_any": "WAIT_ANY_THREADS", "afd_reply": "REPLY_THREADS",
               # the FFN's dedup row kernels: a warp per row, like afd_reply
@@ -415,6 +418,7 @@ def test_backend_sets_only_arguments_its_specs_have(fake_specs):
               "wait": "afd_wait_replies", "combine": "afd_combine",
               "rows": "afd_dedup_rows", "dedup_scatter": "afd_dedup_scatter",
               "dedup_combine": "afd_dedup_combine", "dequant": "afd_fp8_dequant_rows",
+              "own": "afd_own_routing",
               "launch": None}  # `launch`: wait_any, reply and the dedup kernels of the FFN
     names = {name: set(spec.names) for (_, name), spec in _specs().items()}
     sets = re.findall(r"\b(\w+)\.set\(\"(\w+)\"", source)
@@ -453,6 +457,8 @@ def test_backend_builds_the_launches_of_its_wire_mode(fake_specs, monkeypatch, w
     from afd_cupy.backends import cuda_attention
 
     monkeypatch.setattr(kernels, "PackedLaunch", lambda spec: spec)
+    # the arrays themselves in the specs: which buffer each kernel reads is checked below
+    monkeypatch.setattr(checks, "device_array", lambda name, arr, dtype, min_size: arr)
     layout = _DEDUP_LAYOUT if wire_mode == "dedup" else _LAYOUT
     side = cuda_attention.CudaAttentionPath.__new__(cuda_attention.CudaAttentionPath)
     side.cp, side.layout, side.is_dedup = np, layout, layout.is_dedup
@@ -471,7 +477,15 @@ def test_backend_builds_the_launches_of_its_wire_mode(fake_specs, monkeypatch, w
         setattr(side.dedup_rows[0], name, _FakeArray())
     side.expected = side.expected_counts = side.reply_flags = side.combine_done = [_FakeArray()] * 2
     side.seq_counters, side.peer_windows = [_FakeArray()] * 2, _FakeArray()
+    side.routing = [(_FakeArray(), _FakeArray()) for _ in range(2)]
     launches = side._attention_launches(1)
+    own_ids, own_weights = side.routing[1]  # afd_own_routing's outputs: what every kernel reads
+    sender = dict(zip(launches["fused" if fused else "scatter"].names, launches["fused" if fused else "scatter"].args))
+    assert sender["topk_ids"] is own_ids
+    assert sender.get("topk_weights", own_weights) is own_weights
+    if wire_mode == "pair":
+        combine_args = dict(zip(launches["combine"].names, launches["combine"].args))
+        assert combine_args["topk_ids"] is own_ids and combine_args["topk_weights"] is own_weights
     if fused:
         assert sorted(launches) == ["combine", "fused", "wait"]
         fused_args = dict(zip(launches["fused"].names, launches["fused"].args))

@@ -29,6 +29,7 @@ from afd_cupy.kernels.specs.dispatch import (FUSED_MAX_SHARED_BYTES, dispatch_fu
                                              dispatch_num_chunks, dispatch_plan_spec,
                                              dispatch_row_bytes,
                                              dispatch_scatter_spec, fused_dispatch_fits,
+                                             own_routing_grid, own_routing_reference, own_routing_spec,
                                              fused_shared_bytes, plan_grid, scatter_grid)
 from afd_cupy.kernels.specs.combine import (COMBINE_SELF_WAIT_BLOCKS, combine_grid, combine_parts,
                                             combine_spec, combine_waits_itself, wait_pass_mark,
@@ -63,6 +64,6 @@ __all__ = [
     "gate_topk_spec", "graph_dedup_expand_spec", "graph_dedup_reply_spec", "graph_gather_spec",
     "graph_reply_spec", "graph_stage_spec", "graph_wait_stage_spec", "ll_dedup_dispatch_fits",
     "payload_row_bytes",
-    "dispatch_row_bytes", "few_row_parts", "fp8_dequant_rows_spec", "plan_grid", "reply_grid", "reply_spec", "row_grid", "row_parts", "scatter_grid",
+    "dispatch_row_bytes", "few_row_parts", "fp8_dequant_rows_spec", "own_routing_grid", "own_routing_reference", "own_routing_spec", "plan_grid", "reply_grid", "reply_spec", "row_grid", "row_parts", "scatter_grid",
     "wait_any_spec", "wait_pass_mark", "wait_replies_spec",
 ]

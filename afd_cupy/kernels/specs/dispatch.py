@@ -1,8 +1,9 @@
 """Spec builders of ``raw_kernels/attention/dispatch.cu``: the Attention side's pair-mode dispatch.
 
 afd_dispatch_plan (the device routing plan), afd_dispatch_scatter (rows into the FFN ranks'
-windows, then the headers and flags) and afd_dispatch_fused (plan and scatter in one kernel
-when the plan fits a block's shared memory), with their grids.
+windows, then the headers and flags), afd_dispatch_fused (plan and scatter in one kernel
+when the plan fits a block's shared memory) and afd_own_routing (the caller's routing into the
+ring's own buffers), with their grids and afd_own_routing's numpy reference.
 """
 from __future__ import annotations
 
@@ -239,3 +240,46 @@ def scatter_grid(num_tokens: int, top_k: int, has_shared: int, max_blocks: int =
     :func:`~afd_cupy.kernels.specs.limits.few_row_parts`)."""
     rows = num_tokens * top_k + (num_tokens if has_shared else 0)
     return row_grid(rows * (few_row_parts(row_bytes, rows) if row_bytes else 1), max_blocks)
+
+
+def own_routing_grid(num_partials: int) -> int:
+    """Blocks of afd_own_routing: a thread per partial, at least 1, at most MAX_BLOCKS (the
+    blocks stride)."""
+    return max(1, min(dispatch_num_chunks(num_partials), MAX_BLOCKS))
+
+
+def own_routing_spec(*, weights_dtype_code, ids, ids_int64, mask, num_experts, weights, num_partials,
+                     ids_out, weights_out) -> LaunchSpec:
+    """The caller's routing into a ring's own buffers (afd_own_routing<DT>, DT = the weights'
+    dtype code).
+
+    ``ids``: address of int32 [NK] (int64 with ``ids_int64`` = 1); ``weights``: address of
+    [NK] in ``weights_dtype_code``'s dtype (bf16, fp16 or fp32); ``ids_out`` int32 [NK] and
+    ``weights_out`` float32 [NK] (cupy). ``ids_out[i]`` is ``ids[i]`` as int32, -1 when
+    ``mask`` and the id lies outside [0, ``num_experts``); ``weights_out[i]`` the weight as
+    fp32 (:func:`own_routing_reference`). Safe in CUDA graph capture. Grid:
+    :func:`own_routing_grid`.
+    """
+    num_partials = checks.count("num_partials", num_partials)
+    args = {"ids": checks.address("ids", ids, allow_null=num_partials == 0),
+            "ids_int64": checks.count("ids_int64", ids_int64, high=1),
+            "mask": checks.count("mask", mask, high=1),
+            "num_experts": checks.count("num_experts", num_experts, low=1, high=MAX_EXPERTS),
+            "weights": checks.address("weights", weights, allow_null=num_partials == 0),
+            "num_partials": num_partials,
+            "ids_out": checks.device_array("ids_out", ids_out, np.int32, num_partials),
+            "weights_out": checks.device_array("weights_out", weights_out, np.float32, num_partials)}
+    kernel = loader.get_kernel("attention/routing.cu", "afd_own_routing",
+                               dtype_code=checks.dtype_code(weights_dtype_code))
+    return launch_spec(kernel, own_routing_grid(num_partials), KERNEL_LIMITS["PLAN_THREADS"], args)
+
+
+def own_routing_reference(ids, weights, *, mask: bool, num_experts: int) -> tuple:
+    """numpy twin of afd_own_routing: (int32 ids, float32 weights), both flat. ``ids`` int32 or
+    int64; ``mask``: ids outside [0, num_experts) become -1 (the kernel masks int64 ids always
+    in the cuda backend's use); ``weights``: float values (bf16 decoded to float32 by the
+    caller)."""
+    ids = np.asarray(ids).reshape(-1).astype(np.int64)
+    if mask:
+        ids = np.where((ids < 0) | (ids >= num_experts), -1, ids)
+    return ids.astype(np.int32), np.asarray(weights, np.float32).reshape(-1)
