@@ -32,8 +32,7 @@ class CudaSendState:
 
     ring: int
     expected: object  # cupy int64 [F]: seq sent to FFN rank j, 0 when nothing was sent
-    # the caller's routing as afd_own_routing read it (kept alive until its kernel ran); the
-    # kernels then read the ring's own copy (CudaAttentionPath.routing)
+    # the caller's routing as the send's kernels read it (kept alive until they ran)
     topk_ids: torch.Tensor
     hidden: torch.Tensor
     num_tokens: int
@@ -52,9 +51,11 @@ class CudaAttentionPath:
     """The Attention-side steps of the cuda backend (``rank``: the rank's shared
     :class:`~afd_cupy.backends.cuda.CudaRank`).
 
-    Each send copies the caller's routing into the ring's own buffers with one kernel
-    (afd_own_routing: int32 ids, fp32 weights), so the connector need not own it (``owns_routing``)
-    and the dispatch and combine kernels read fixed addresses."""
+    A pair-mode send copies the caller's routing into the ring's own buffers with one kernel
+    (afd_own_routing: int32 ids, fp32 weights) for the combine, so the connector need not own it
+    (``owns_routing``) and no torch op runs per send or receive. The dispatch reads the caller's
+    routing as it is where it can (int32 ids, no padding experts; dedup: fp32 weights), else
+    afd_own_routing converts it first (int64 ids: masked as an int32 cast would wrap them)."""
 
     #: the sends keep their own copy of the routing (the endpoint copies nothing)
     owns_routing = True
@@ -245,9 +246,19 @@ class CudaAttentionPath:
         launches, stream = self.launches[ring], self.rank.stream_ptr()
         self._order_ring(ring, stream)
         num_partials = num_tokens * layout.top_k
-        ids, weights = self._own_routing(ring, stream, topk_ids, topk_weights, num_partials)
+        ids, weights, weights_code = self._routing_sources(topk_ids, topk_weights)
+        # The caller's routing as it is (int32 ids that need no mask; dedup: fp32 weights) is
+        # read by the dispatch itself, and pair mode copies it for the combine behind the
+        # dispatch, off the round trip's critical path (the stream then waits for the replies
+        # anyway). Otherwise afd_own_routing converts it into the ring's buffers first.
+        direct = (ids.dtype == torch.int32 and not self._mask_ids
+                  and (not self.is_dedup or weights_code == _WEIGHT_CODES[torch.float32]))
+        own_ids, own_weights = self.routing[ring]
+        if not direct:
+            self._own_routing(ring, stream, ids, weights, weights_code, num_partials)
+        ids_ptr = ids.data_ptr() if direct else own_ids.data.ptr
         if self.is_dedup:  # the weights travel in the route tables: read by the sender
-            per_call = ()
+            per_call = (("topk_weights", weights.data_ptr() if direct else own_weights.data.ptr),)
             grid = (kernels.dedup_ll_grid if self.ll_dispatch else kernels.dedup_scatter_grid)(
                 num_tokens, ctx.num_ffn_ranks, layout.row_bytes)
         else:
@@ -256,48 +267,58 @@ class CudaAttentionPath:
                                         row_bytes=layout.dispatch_row_bytes if self.fused_dispatch else 0)
         if not self.fused_dispatch:  # the grid-wide plan (and in dedup mode the rows) first
             plan = launches["plan"]
+            plan.set("topk_ids", ids_ptr)
             plan.set("num_partials", num_partials)
             plan.set("layer_idx", layer_idx)  # named by a latched capacity or bad-expert error
             plan.launch(stream, kernels.plan_grid(num_partials))
             if self.is_dedup:
                 rows = launches["rows"]
+                rows.set("topk_ids", ids_ptr)
                 rows.set("num_tokens", num_tokens)
                 rows.launch(stream, kernels.dedup_rows_grid(num_tokens, layout.top_k))
         sender = launches["fused" if self.fused_dispatch else "scatter"]
         for name, value in (("hidden", hidden.data_ptr()), ("num_tokens", num_tokens),
-                            ("layer_idx", layer_idx), ("stage_idx", stage_idx)) + per_call:
+                            ("topk_ids", ids_ptr), ("layer_idx", layer_idx),
+                            ("stage_idx", stage_idx)) + per_call:
             sender.set(name, value)
         sender.launch(stream, grid)
+        if direct and not self.is_dedup:  # the combine's copy
+            self._own_routing(ring, stream, ids, weights, weights_code, num_partials)
         self._put_dispatch(stream, ring, num_tokens)
         if self.is_dedup:
             return CudaSendState(ring, self.expected[ring], ids, hidden, num_tokens,
                                  row_map=self.dedup_rows[ring].row_map, topk_weights=weights)
         return CudaSendState(ring, self.expected[ring], ids, hidden, num_tokens, topk_weights=weights)
 
-    def _own_routing(self, ring: int, stream: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                     num_partials: int) -> tuple:
-        """Launch afd_own_routing on ``stream``: the caller's ids and weights into the ring's
-        own buffers (:attr:`routing`), which the dispatch and combine kernels read. Returns the
-        tensors it reads (the state keeps them alive until it ran). An int64 id (one an int32
-        cast would wrap) or, with padding experts, an id outside [0, num_experts) becomes -1
-        there: the plan then rejects it (BAD_EXPERT) and nothing is sent. Ids of another
-        integer dtype and weights of another float dtype are converted by torch first."""
+    @staticmethod
+    def _routing_sources(topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> tuple:
+        """(ids, weights, weights' dtype code) as afd_own_routing and the dispatch read them:
+        contiguous, ids int32 or int64 (another integer dtype converted to int64 by torch),
+        weights bf16, fp16 or fp32 (another float dtype converted to fp32)."""
         ids = topk_ids.detach()
         if ids.dtype not in (torch.int32, torch.int64):
             ids = ids.to(torch.int64)
-        ids = ids.contiguous()
         weights = topk_weights.detach()
         code = _WEIGHT_CODES.get(weights.dtype)
         if code is None:
             weights, code = weights.to(torch.float32), _WEIGHT_CODES[torch.float32]
-        weights = weights.contiguous()
-        own = self._own_routing_launches.get((ring, code))
+        return ids.contiguous(), weights.contiguous(), code
+
+    def _own_routing(self, ring: int, stream: int, ids: torch.Tensor, weights: torch.Tensor,
+                     weights_code: int, num_partials: int) -> None:
+        """Launch afd_own_routing on ``stream``: ``ids`` / ``weights`` (:meth:`_routing_sources`)
+        into the ring's own buffers (:attr:`routing`), which the combine (and, where the
+        caller's routing cannot be read as is, the dispatch) reads. An int64 id (one an int32
+        cast would wrap) or, with padding experts, an id outside [0, num_experts) becomes -1
+        there: the plan then rejects it (BAD_EXPERT) and nothing is sent."""
+        own = self._own_routing_launches.get((ring, weights_code))
         if own is None:
             ids_out, weights_out = self.routing[ring]
-            own = self._own_routing_launches[(ring, code)] = kernels.PackedLaunch(kernels.own_routing_spec(
-                weights_dtype_code=code, ids=ids_out.data.ptr, ids_int64=0, mask=0,
-                num_experts=self.ctx.num_experts, weights=weights_out.data.ptr,
-                num_partials=ids_out.size, ids_out=ids_out, weights_out=weights_out))
+            own = self._own_routing_launches[(ring, weights_code)] = kernels.PackedLaunch(
+                kernels.own_routing_spec(
+                    weights_dtype_code=weights_code, ids=ids_out.data.ptr, ids_int64=0, mask=0,
+                    num_experts=self.ctx.num_experts, weights=weights_out.data.ptr,
+                    num_partials=ids_out.size, ids_out=ids_out, weights_out=weights_out))
         ids_int64 = int(ids.dtype == torch.int64)
         own.set("ids", ids.data_ptr())
         own.set("ids_int64", ids_int64)
@@ -305,7 +326,6 @@ class CudaAttentionPath:
         own.set("weights", weights.data_ptr())
         own.set("num_partials", num_partials)
         own.launch(stream, kernels.own_routing_grid(num_partials))
-        return ids, weights
 
     def _put_dispatch(self, stream: int, ring: int, num_tokens: int) -> None:
         """Staged peers (both modes): staging -> their windows, flags last, behind the scatter on

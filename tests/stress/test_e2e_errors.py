@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from afd_cupy.config import ConnectorConfig, ModelConfig
-from afd_cupy.errors import CapacityError, ConnectorShutdown, PeerTimeoutError
+from afd_cupy.errors import CapacityError, ConnectorShutdown, InvalidRoutingError, PeerTimeoutError
 from afd_cupy.ffn.worker import FFNWorker
 from afd_cupy.heap.host import segment_path
 from afd_cupy.runtime.launch import launch
@@ -89,6 +89,58 @@ def test_capacity_overflow_raises_writes_nothing_and_service_continues(backend, 
     tokens = sorted(num_tokens for _, num_tokens in f0["history"] + f1["history"])
     assert f0["history"].count((0, 4)) == 1 and tokens[0] == 4 and set(tokens[1:]) == {5}  # nothing of the 8
     assert len(f0["history"]) == 7 and max(a0["max_err"] + a1["max_err"]) < 0.05
+
+
+# --- the caller's routing dtypes and bad ids --------------------------------------------------
+ROUTING_DTYPES = ((torch.int32, torch.float32), (torch.int64, torch.float32), (torch.int32, torch.bfloat16),
+                  (torch.int16, torch.float64))
+
+
+def _routing_program(ctx, backend, wire_mode):
+    """1A1F, identity experts: round trips with every routing dtype the API takes (cuda: int32
+    ids read as they are, int64 / bf16 / other dtypes converted on the device or by torch), then
+    an out-of-range id as int32 and as int64 (one an int32 cast would wrap), each refused with
+    nothing sent, then a round trip that still works."""
+    conn, role, _ = _connect(ctx, backend, 1, 1, ConnectorConfig(wire_mode=wire_mode))
+    try:
+        if role is Role.FFN:
+            worker = FFNWorker(conn, expert_fn=identity_experts)
+            served = []
+            fn = worker.expert_fn
+            worker.expert_fn = lambda item: (served.append(item.layer_idx), fn(item))[1]
+            worker.run()
+            return {"served": served}
+        out = {"err": [], "refused": []}
+        for layer, (ids_dtype, weights_dtype) in enumerate(ROUTING_DTYPES):
+            hidden, ids, weights = _inputs(conn, 5, seed=layer)
+            got = conn.recv_ffn_output(conn.send_attn_output(hidden, ids.to(ids_dtype), weights.to(weights_dtype),
+                                                             layer))
+            want = hidden.float() * weights.to(weights_dtype).float().sum(dim=1, keepdim=True)
+            out["err"].append(float((got.float() - want).abs().max()))
+        for layer, (bad, ids_dtype) in enumerate(((MODEL.num_experts, torch.int32), (2**31 + 1, torch.int64)), 4):
+            hidden, ids, weights = _inputs(conn, 3, seed=layer)
+            ids = ids.to(ids_dtype)
+            ids[1, 0] = bad
+            try:
+                conn.recv_ffn_output(conn.send_attn_output(hidden, ids, weights, layer))
+            except InvalidRoutingError as err:
+                out["refused"].append((layer, str(err)))
+        hidden, ids, weights = _inputs(conn, 4, seed=7)
+        got = conn.recv_ffn_output(conn.send_attn_output(hidden, ids, weights, 6))
+        out["after"] = float((got.float() - hidden.float() * weights.sum(dim=1, keepdim=True)).abs().max())
+        conn.announce_shutdown()
+        return out
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("backend,wire_mode", PATHS)
+def test_routing_dtypes_and_bad_ids_end_to_end(backend, wire_mode):
+    attention, ffn = launch(_routing_program, 2, args=(backend, wire_mode), timeout_s=120)
+    assert max(attention["err"]) < 0.05 and attention["after"] < 0.05
+    assert [layer for layer, _ in attention["refused"]] == [4, 5]
+    assert all("outside [0, 4)" in text and "nothing was sent" in text for _, text in attention["refused"])
+    assert ffn["served"] == [0, 1, 2, 3, 6]  # nothing of the refused dispatches reached the FFN
 
 
 # --- peer timeout and shutdown from the FFN side -----------------------------------------------
