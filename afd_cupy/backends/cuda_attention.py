@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from afd_cupy import kernels, wire
+from afd_cupy.backends.cuda_routing import FP32_CODE, OwnedRouting, routing_sources
 from afd_cupy.backends.cuda_scratch import DedupRowsScratch, DispatchScratch  # noqa: F401 - re-exported
 from afd_cupy.errors import reply_timeout_error
 from afd_cupy.runtime.topology import Role
@@ -40,11 +41,6 @@ class CudaSendState:
     # once the send's kernels ran), read by the combine
     row_map: object = None
     topk_weights: torch.Tensor | None = None
-
-
-#: torch dtype of the routing weights -> afd_own_routing's template argument (wire.cuh DT_*);
-#: other float dtypes are converted to fp32 by torch first
-_WEIGHT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
 class CudaAttentionPath:
@@ -79,11 +75,9 @@ class CudaAttentionPath:
         self.scratch = [DispatchScratch.allocate(max_partials, num_ffn, layout.expert_per_rank)
                         for _ in range(layout.ring_depth)]
         self.expected = [cp.zeros(num_ffn, cp.int64) for _ in range(layout.ring_depth)]
-        # the ring's own routing (afd_own_routing writes it, the dispatch and combine read it):
-        # (ids int32 [token_cap * top_k], weights fp32 [token_cap * top_k]) per ring
-        self.routing = [(cp.zeros(max_partials, cp.int32), cp.zeros(max_partials, cp.float32))
-                        for _ in range(layout.ring_depth)]
-        self._own_routing_launches = {}  # (ring, weights dtype code) -> PackedLaunch, on first use
+        # the ring's own routing (afd_own_routing writes it, the combine reads it)
+        self.routing = OwnedRouting(cp, num_rings=layout.ring_depth, max_partials=max_partials,
+                                    num_experts=ctx.num_experts)
         self.is_dedup = layout.is_dedup
         # the dispatch in one kernel when a full batch fits its shared memory (pair: plan +
         # scatter; dedup: plan + rows + scatter, afd_dedup_dispatch_ll with dedup_dispatch="ll")
@@ -122,7 +116,7 @@ class CudaAttentionPath:
         ctx, layout, geo = self.ctx, self.layout, self.rank.geometry
         scratch, expected = self.scratch[ring], self.expected[ring]
         num_ffn, epr, cap = ctx.num_ffn_ranks, layout.expert_per_rank, layout.token_cap
-        ids, weights = self.routing[ring]  # what afd_own_routing writes per send
+        ids, weights = self.routing.buffers[ring]  # what afd_own_routing writes per send
         replies = dict(window=self.rank.own_window, geo=geo, num_ffn_ranks=num_ffn, ring=ring,
                        expected=expected, expected_counts=self.expected_counts[ring], layer_idx=0,
                        stage_idx=0, last_seen=self.rank.last_seen, reply_flags=self.reply_flags[ring],
@@ -174,7 +168,7 @@ class CudaAttentionPath:
         combine), checked; ``sends`` / ``fused_only`` as in :meth:`_attention_launches`."""
         ctx, layout = self.ctx, self.layout
         scratch, rows = self.scratch[ring], self.dedup_rows[ring]
-        ids, weights = self.routing[ring]  # what afd_own_routing writes per send
+        ids, weights = self.routing.buffers[ring]  # what afd_own_routing writes per send
         row_outputs = dict(row_map=rows.row_map, shared_rank=rows.shared_rank,
                            num_rows=rows.num_rows, shared_rows=rows.shared_rows)
         dedup = dict(sends, topk_weights=weights, **row_outputs)
@@ -246,16 +240,17 @@ class CudaAttentionPath:
         launches, stream = self.launches[ring], self.rank.stream_ptr()
         self._order_ring(ring, stream)
         num_partials = num_tokens * layout.top_k
-        ids, weights, weights_code = self._routing_sources(topk_ids, topk_weights)
+        ids, weights, weights_code = routing_sources(topk_ids, topk_weights)
         # The caller's routing as it is (int32 ids that need no mask; dedup: fp32 weights) is
         # read by the dispatch itself, and pair mode copies it for the combine behind the
         # dispatch, off the round trip's critical path (the stream then waits for the replies
         # anyway). Otherwise afd_own_routing converts it into the ring's buffers first.
         direct = (ids.dtype == torch.int32 and not self._mask_ids
-                  and (not self.is_dedup or weights_code == _WEIGHT_CODES[torch.float32]))
-        own_ids, own_weights = self.routing[ring]
+                  and (not self.is_dedup or weights_code == FP32_CODE))
+        own_ids, own_weights = self.routing.buffers[ring]
         if not direct:
-            self._own_routing(ring, stream, ids, weights, weights_code, num_partials)
+            self.routing.launch(ring, stream, ids, weights, weights_code, num_partials,
+                                mask=self._mask_ids)
         ids_ptr = ids.data_ptr() if direct else own_ids.data.ptr
         if self.is_dedup:  # the weights travel in the route tables: read by the sender
             per_call = (("topk_weights", weights.data_ptr() if direct else own_weights.data.ptr),)
@@ -283,49 +278,13 @@ class CudaAttentionPath:
             sender.set(name, value)
         sender.launch(stream, grid)
         if direct and not self.is_dedup:  # the combine's copy
-            self._own_routing(ring, stream, ids, weights, weights_code, num_partials)
+            self.routing.launch(ring, stream, ids, weights, weights_code, num_partials,
+                                mask=self._mask_ids)
         self._put_dispatch(stream, ring, num_tokens)
         if self.is_dedup:
             return CudaSendState(ring, self.expected[ring], ids, hidden, num_tokens,
                                  row_map=self.dedup_rows[ring].row_map, topk_weights=weights)
         return CudaSendState(ring, self.expected[ring], ids, hidden, num_tokens, topk_weights=weights)
-
-    @staticmethod
-    def _routing_sources(topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> tuple:
-        """(ids, weights, weights' dtype code) as afd_own_routing and the dispatch read them:
-        contiguous, ids int32 or int64 (another integer dtype converted to int64 by torch),
-        weights bf16, fp16 or fp32 (another float dtype converted to fp32)."""
-        ids = topk_ids.detach()
-        if ids.dtype not in (torch.int32, torch.int64):
-            ids = ids.to(torch.int64)
-        weights = topk_weights.detach()
-        code = _WEIGHT_CODES.get(weights.dtype)
-        if code is None:
-            weights, code = weights.to(torch.float32), _WEIGHT_CODES[torch.float32]
-        return ids.contiguous(), weights.contiguous(), code
-
-    def _own_routing(self, ring: int, stream: int, ids: torch.Tensor, weights: torch.Tensor,
-                     weights_code: int, num_partials: int) -> None:
-        """Launch afd_own_routing on ``stream``: ``ids`` / ``weights`` (:meth:`_routing_sources`)
-        into the ring's own buffers (:attr:`routing`), which the combine (and, where the
-        caller's routing cannot be read as is, the dispatch) reads. An int64 id (one an int32
-        cast would wrap) or, with padding experts, an id outside [0, num_experts) becomes -1
-        there: the plan then rejects it (BAD_EXPERT) and nothing is sent."""
-        own = self._own_routing_launches.get((ring, weights_code))
-        if own is None:
-            ids_out, weights_out = self.routing[ring]
-            own = self._own_routing_launches[(ring, weights_code)] = kernels.PackedLaunch(
-                kernels.own_routing_spec(
-                    weights_dtype_code=weights_code, ids=ids_out.data.ptr, ids_int64=0, mask=0,
-                    num_experts=self.ctx.num_experts, weights=weights_out.data.ptr,
-                    num_partials=ids_out.size, ids_out=ids_out, weights_out=weights_out))
-        ids_int64 = int(ids.dtype == torch.int64)
-        own.set("ids", ids.data_ptr())
-        own.set("ids_int64", ids_int64)
-        own.set("mask", int(ids_int64 or self._mask_ids))
-        own.set("weights", weights.data_ptr())
-        own.set("num_partials", num_partials)
-        own.launch(stream, kernels.own_routing_grid(num_partials))
 
     def _put_dispatch(self, stream: int, ring: int, num_tokens: int) -> None:
         """Staged peers (both modes): staging -> their windows, flags last, behind the scatter on

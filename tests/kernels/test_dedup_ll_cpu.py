@@ -139,6 +139,7 @@ def test_backend_packs_the_ll_kernel_as_its_one_kernel_dispatch(fake_specs, monk
                                         "rows_hist", "rows_local", "rows_done")})] * 2
     side.expected = side.expected_counts = side.reply_flags = side.combine_done = [_FakeArray()] * 2
     side.seq_counters, side.peer_windows = [_FakeArray()] * 2, _FakeArray()
+    side.routing = types.SimpleNamespace(buffers=[(_FakeArray(), _FakeArray())] * 2)
     launches = side._attention_launches(1)
     assert sorted(launches) == ["combine", "fused", "wait"]
     want = (("attention/dedup_attn_ll.cu", "afd_dedup_dispatch_ll") if ll

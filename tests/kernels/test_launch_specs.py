@@ -413,7 +413,7 @@ def test_backend_sets_only_arguments_its_specs_have(fake_specs):
     """Every ``<launch>.set("name", ...)`` of the cuda backend names an argument of that kernel."""
     backends = REPO_ROOT / "afd_cupy" / "backends"  # the checkout's
     source = "\n".join((backends / name).read_text()
-                       for name in ("cuda_attention.py", "cuda_ffn.py", "cuda_ffn_dedup.py"))
+                       for name in ("cuda_attention.py", "cuda_routing.py", "cuda_ffn.py", "cuda_ffn_dedup.py"))
     by_var = {"plan": "afd_dispatch_plan", "scatter": "afd_dispatch_scatter",
               "wait": "afd_wait_replies", "combine": "afd_combine",
               "rows": "afd_dedup_rows", "dedup_scatter": "afd_dedup_scatter",
@@ -477,9 +477,9 @@ def test_backend_builds_the_launches_of_its_wire_mode(fake_specs, monkeypatch, w
         setattr(side.dedup_rows[0], name, _FakeArray())
     side.expected = side.expected_counts = side.reply_flags = side.combine_done = [_FakeArray()] * 2
     side.seq_counters, side.peer_windows = [_FakeArray()] * 2, _FakeArray()
-    side.routing = [(_FakeArray(), _FakeArray()) for _ in range(2)]
+    side.routing = types.SimpleNamespace(buffers=[(_FakeArray(), _FakeArray()) for _ in range(2)])
     launches = side._attention_launches(1)
-    own_ids, own_weights = side.routing[1]  # afd_own_routing's outputs: what every kernel reads
+    own_ids, own_weights = side.routing.buffers[1]  # afd_own_routing's outputs, set at build
     sender = dict(zip(launches["fused" if fused else "scatter"].names, launches["fused" if fused else "scatter"].args))
     assert sender["topk_ids"] is own_ids
     assert sender.get("topk_weights", own_weights) is own_weights
