@@ -36,7 +36,9 @@ with the FFN ranks serving nobody else: the FFN is not saturated by the other re
 through the FFN while the others run their attention batches without the transport (on one GPU:
 the SMs and HBM shared as under async, the FFN serving one replica; ``solo["corun"]``, the
 planner's contention input). Each solo and co-run solo row carries the FFN's busy fraction and
-items/s inside its own window.
+items/s inside its own window; each co-run row also the pace of the other replicas' background
+batches inside that window (``solo["corun"]["background"]``: per replica its batches and layers
+there, their durations; :func:`background_pace`), an attention's pace beside the FFN's GEMMs.
 
 Reported per (workload, schedule): tokens/s = Σ over replicas of tokens / own measured wall
 time; per replica its tokens/s and batch latency p50/p90/p99; per FFN rank its busy fraction
@@ -364,15 +366,22 @@ def _solo(conn, spec: Spec, attn_rank: int, store, phase_idx: int, replica, x, l
     ``spec.solo_background`` (and more than one replica) a co-run round follows: each replica
     through the FFN in turn while the others run their attention only (``_attention_batch``),
     the GPU loaded as under async with the FFN serving one replica; it goes to ``["corun"]``
-    (``bench_common.solo_rounds``)."""
+    (``bench_common.solo_rounds``), and this replica's background batches, timed one by one
+    (host clock, after the batch's synchronization), to ``["background_ns"]``."""
     sync = bc.Stopwatch(x.device).sync
+    background_ns = []  # (begin, end) perf_counter_ns of every background batch, all turns
 
     def background_step():
+        begin = time.perf_counter_ns()
         _attention_batch(replica, x, lengths)
         sync()
-    return bc.solo_rounds(store, f"bench_afd/solo{phase_idx}", spec.num_attn, attn_rank, spec.peer_timeout_s,
+        background_ns.append((begin, time.perf_counter_ns()))
+    mine = bc.solo_rounds(store, f"bench_afd/solo{phase_idx}", spec.num_attn, attn_rank, spec.peer_timeout_s,
                           lambda: _solo_run(conn, spec, store, phase_idx, replica, x, lengths),
                           background_step if spec.solo_background else None)
+    if "corun" in mine:  # summarize cuts them into each other replica's co-run window
+        mine["background_ns"] = background_ns
+    return mine
 
 
 def _solo_run(conn, spec: Spec, store, phase_idx: int, replica, x, lengths) -> dict:
@@ -505,6 +514,7 @@ def summarize(spec: Spec, results: list) -> list:
     ffn = sorted((r for r in results if r["role"] == "ffn"), key=lambda r: r["rank"])
     rows = []
     for phase_idx, workload in enumerate(spec.workloads):
+        corun_background(attn, phase_idx, spec.dims.layers)
         replicas = []
         for r in attn:
             phase = {k: v for k, v in r["phases"][phase_idx].items() if k not in ("lanes", "window_ns")}
@@ -543,6 +553,39 @@ def ffn_phase_stats(ffn_results: list, window: tuple) -> dict:
                                   if taken else nan,
             "items_waiting_max": max((r["items_waiting_max"] for r in sampled), default=None),
             "items_per_s": taken / length_s if per_rank and length_s > 0 else nan, "per_rank": per_rank}
+
+
+def corun_background(attn_results: list, phase_idx: int, layers: int) -> None:
+    """In place, for one phase: every co-run row (``solo["corun"]``) gains ``background``, one
+    :func:`background_pace` per other replica over that row's window (the background batches
+    each replica ran during the others' co-run turns, ``solo["background_ns"]``, which go)."""
+    solos = [(r["rank"], r["phases"][phase_idx].get("solo") or {}) for r in attn_results]
+    spans_ns = {rank: solo.pop("background_ns", None) for rank, solo in solos}
+    for rank, solo in solos:
+        corun = solo.get("corun")
+        if corun and "window_ns" in corun:
+            window = tuple(corun["window_ns"])
+            corun["background"] = [{"rank": other, **background_pace(spans, window, layers)}
+                                   for other, spans in spans_ns.items() if other != rank and spans is not None]
+
+
+def background_pace(spans_ns: list, window: tuple, layers: int) -> dict:
+    """A background replica's attention-only batches of ``layers`` layers that lie wholly
+    inside ``window`` (ns, the co-run row's; the batches cut by its ends are dropped): their
+    count, their durations (ms: median, nearest-rank p10 / p90, mean, mean / layers), the
+    share of the window they cover, and where the first began and the last ended (ms from the
+    window's start). NaN statistics where no batch lies inside, never a made-up number."""
+    inside = [(b, e) for b, e in spans_ns if window[0] <= b and e <= window[1]]
+    durations_ms = [(e - b) / 1e6 for b, e in inside]
+    length_ns, nan = window[1] - window[0], float("nan")
+    mean_ms = sum(durations_ms) / len(durations_ms) if durations_ms else nan
+    return {"batches": len(inside), "layers": len(inside) * layers, "window_s": length_ns / 1e9,
+            "batch_median_ms": bc.median(durations_ms), "batch_p10_ms": bc.percentile(durations_ms, 10),
+            "batch_p90_ms": bc.percentile(durations_ms, 90), "batch_mean_ms": mean_ms,
+            "layer_mean_ms": mean_ms / layers,
+            "covered_fraction": sum(e - b for b, e in inside) / length_ns if length_ns > 0 else nan,
+            "first_begin_ms": (inside[0][0] - window[0]) / 1e6 if inside else nan,
+            "last_end_ms": (inside[-1][1] - window[0]) / 1e6 if inside else nan}
 
 
 def solo_ffn_stats(solo: dict | None, ffn_results: list) -> None:
@@ -774,7 +817,30 @@ def results_tables(results: list, comparison: dict) -> str:
                   for w, e in comparison.items()]
     parts.append(bc.format_table(("workload", "async/lockstep", "ideal", "fraction of ideal",
                                   "solo batch ms", "async batch ms", "lockstep batch ms"), ideal_rows))
+    corun = corun_table(results)
+    if corun:
+        parts += ["", corun]
     return "\n".join(parts)
+
+
+def corun_table(results: list) -> str | None:
+    """The co-run solo round (None where it did not run): per replica through the FFN its mean
+    batch and the FFN's busy fraction in its window, and per background replica there its
+    attention-only batches (``solo["corun"]["background"]``)."""
+    rows = []
+    for r in results:
+        for rep in r["replicas"]:
+            corun = (rep.get("solo") or {}).get("corun") or {}
+            for bg in corun.get("background", ()):
+                rows.append((r["workload"], rep["rank"], corun["batch_mean_ms"],
+                             (corun.get("ffn") or {}).get("busy_fraction"), bg["rank"], bg["batches"], bg["layers"],
+                             bg["batch_p10_ms"], bg["batch_median_ms"], bg["batch_p90_ms"], bg["layer_mean_ms"],
+                             bg["covered_fraction"]))
+    if not rows:
+        return None
+    return bc.format_table(("workload", "co-run replica", "batch ms", "FFN busy", "background", "bg batches",
+                            "bg layers", "bg p10 ms", "bg median ms", "bg p90 ms", "bg ms/layer",
+                            "bg covered"), rows)
 
 
 def parse_args(argv=None):
@@ -879,6 +945,10 @@ METHOD = {"tokens_per_s": "sum over replicas of tokens / own measured wall time"
           "solo": "async launch, after each phase: each replica alone in turn (others at a barrier), "
                   "one warm-up batch, then --solo-duration s; batch_mean_ms = wall / batches; ffn: the FFN's "
                   "busy fraction and items/s inside that window (its time per item serving one replica)",
+          "corun_background": "co-run solo round: per other replica, its attention-only batches wholly "
+                              "inside the co-run row's window (host perf_counter_ns, each timed to after its "
+                              "synchronization): batches, layers, batch p10/median/p90/mean ms, mean / layers, "
+                              "covered fraction of the window",
           "ideal": "(sum_a n_a / solo_a) / (sum_a n_a / lockstep_a), n_a tokens per batch, solo_a / "
                    "lockstep_a mean batch times; an upper bound of async/lockstep (a replica next to "
                    "the others is no faster than alone)",

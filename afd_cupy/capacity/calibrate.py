@@ -122,6 +122,37 @@ def busy_per_item_s(ffn: dict | None) -> float | None:
     return ffn["busy_fraction"] / ffn["items_per_s"]
 
 
+@dataclass(frozen=True)
+class BackgroundPace:
+    """One replica's attention-only batches (no transport) inside another replica's co-run solo
+    window, as bench_afd records them (``solo["corun"]["background"]``): the pace of an
+    attention beside the FFN's expert GEMMs and the other replica's attention. ``layers``: the
+    layers of its batches wholly inside the window; the times in ms (None where no batch lay
+    inside); ``covered_fraction``: the share of the window those batches cover."""
+
+    replica: int
+    layers: int
+    layer_mean_ms: float | None
+    batch_p10_ms: float | None
+    batch_median_ms: float | None
+    batch_p90_ms: float | None
+    covered_fraction: float | None
+
+
+def background_paces(corun: dict | None) -> tuple | None:
+    """One :class:`BackgroundPace` per other replica of a co-run solo row (``solo["corun"]``);
+    None where the row recorded no background (runs before bench_afd recorded it, bench_decode)."""
+    entries = (corun or {}).get("background")
+    if entries is None:
+        return None
+
+    def ms(value):
+        return None if value is None or value != value else float(value)  # NaN: nothing measured
+    return tuple(BackgroundPace(int(e["rank"]), int(e["layers"]), ms(e["layer_mean_ms"]), ms(e["batch_p10_ms"]),
+                                ms(e["batch_median_ms"]), ms(e["batch_p90_ms"]), ms(e["covered_fraction"]))
+                 for e in entries)
+
+
 def solo_points(report: dict, shares: tuple | None = None) -> list:
     """Every solo batch of a bench_afd report (async rows); ``shares`` overrides the
     (attention share, ffn share) read from the report."""

@@ -51,6 +51,10 @@ class Case:
     solo_ffn_item_ms: tuple = ()  # the FFN's busy ms per item in each replica's solo window; () = not measured
     corun_ffn_item_ms: tuple = ()  # the same in each replica's co-run solo window; () = not measured
     solo_spread: tuple = ()  # each replica's solo (p99 - p50) / p50 (noise.spread); () = not measured
+    # per replica, in its co-run solo window: the others' attention-only pace (a tuple of
+    # calibrate.BackgroundPace, None where its row has none); None = not measured. Read, not
+    # yet used by any prediction.
+    corun_background: tuple | None = None
 
     def loads(self, only_ffn: int | None = None) -> tuple:
         """One ReplicaLoad per replica (decode: a closed loop, the batch kept full, as
@@ -315,7 +319,7 @@ def runs_from_sweep(report: dict, name: str, cores: int | None = None) -> list:
 def _solo_fields(replicas: list, key: str, quantiles: tuple) -> dict:
     """The solo inputs of a report's async replicas (``key``: the step time, ``batch_mean_ms``
     or ``tpot_p50_ms``; ``quantiles``: the keys of its p50 and p99): Case's solo_ms and, where
-    measured, corun_ms, solo_ffn_item_ms, corun_ffn_item_ms and solo_spread."""
+    measured, corun_ms, solo_ffn_item_ms, corun_ffn_item_ms, solo_spread and corun_background."""
     solos = [rep.get("solo") or {} for rep in replicas]
     corun = tuple((s.get("corun") or {}).get(key) for s in solos)
 
@@ -324,10 +328,12 @@ def _solo_fields(replicas: list, key: str, quantiles: tuple) -> dict:
         return tuple(b * 1e3 if b else None for b in busy) if any(busy) else ()
     p50, p99 = quantiles
     spreads = tuple(spread(s[p50], s[p99]) if s.get(p50) and s.get(p99) else None for s in solos)
+    background = tuple(cal.background_paces(s.get("corun")) for s in solos)
     return {"solo_ms": tuple(s.get(key) for s in solos), "corun_ms": corun if any(corun) else (),
             "solo_ffn_item_ms": item_ms(s.get("ffn") for s in solos),
             "corun_ffn_item_ms": item_ms((s.get("corun") or {}).get("ffn") for s in solos),
-            "solo_spread": spreads if any(x is not None for x in spreads) else ()}
+            "solo_spread": spreads if any(x is not None for x in spreads) else (),
+            "corun_background": background if any(b is not None for b in background) else None}
 
 
 def runs_from_decode_report(report: dict, name: str) -> list:

@@ -206,6 +206,38 @@ def test_run_from_a_bench_afd_report():
     assert run.cases[0].batch_ms["lockstep"] == (4.0 * 1.3, 3.0 * 1.3)
 
 
+def _background(rank: int, batches: int, layer_ms: float, covered: float) -> dict:
+    """One entry of bench_afd's ``solo["corun"]["background"]`` (2 layers a batch)."""
+    return {"rank": rank, "batches": batches, "layers": 2 * batches, "window_s": 0.1, "layer_mean_ms": layer_ms,
+            "batch_mean_ms": 2 * layer_ms, "batch_p10_ms": 1.5 * layer_ms, "batch_median_ms": 2 * layer_ms,
+            "batch_p90_ms": 3 * layer_ms, "covered_fraction": covered, "first_begin_ms": 1.0, "last_end_ms": 99.0}
+
+
+def test_the_corun_background_pace_is_read_where_recorded():
+    report = _bench_afd_report()
+    assert run_from_report(report, "r").cases[0].corun_background is None  # reports before the field
+    (row,) = [r for r in report["results"] if r["schedule"] == "async"]
+    # replica 0's co-run window held 3 of replica 1's batches; replica 1's none of replica 0's
+    row["replicas"][0]["solo"]["corun"] = {"batch_mean_ms": 5.0, "background": [_background(1, 3, 0.75, 0.9)]}
+    row["replicas"][1]["solo"]["corun"] = {"batch_mean_ms": 6.0,
+                                           "background": [_background(0, 0, float("nan"), 0.0)]}
+    case = run_from_report(report, "r").cases[0]
+    first, second = case.corun_background
+    assert first == (cal.BackgroundPace(1, 6, 0.75, 1.125, 1.5, 2.25, 0.9),)
+    assert second == (cal.BackgroundPace(0, 0, None, None, None, None, 0.0),)  # no pace, never NaN
+    assert case.corun_ms == (5.0, 6.0)  # the fields read before are unchanged
+    # one replica's row without the field: None for it, the other's kept
+    del row["replicas"][1]["solo"]["corun"]["background"]
+    assert run_from_report(report, "r").cases[0].corun_background == (first, None)
+    assert cal.background_paces(None) is None and cal.background_paces({"background": []}) == ()
+
+
+def test_no_shipped_run_records_the_background_pace():
+    """The shipped JSON predates the field: the reader gives None, so no prediction can use it."""
+    from afd_cupy.capacity import measured
+    assert {case.corun_background for run in measured.GPU_RUNS for case in run.cases} == {None}
+
+
 def test_runs_from_a_bench_afd_sweep_report():
     plain = _bench_afd_report()
     rows = [dict(r, split=label) for label in ("0:50,0:50,1", "0:25,0:25,0:50") for r in plain["results"]]
