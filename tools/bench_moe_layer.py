@@ -22,7 +22,9 @@ and ``small`` for the tests) and each batch size (``--tokens``: decode 1 8 32 12
   relative error against the bf16 output; otherwise skipped with the reason): ``fp8_rowwise``
   (weights quantized per output channel) and ``fp8_block`` (quantized as a DeepSeek-V3
   checkpoint, 128x128 blocks, then converted per output channel: what an FP8 checkpoint
-  serves with), both through ``moe.grouped_mlp``.
+  serves with), both through ``moe.grouped_mlp``; ``stream_fp8``: the same checkpoint weights
+  through ``moe.stream_gemm``'s Triton kernels (E4M3 read, widened in registers, the rows
+  unquantized). The ``stream`` variants are skipped with the reason where Triton is missing.
 
 Floors and rates measured in the same run: the device copy rate (a large torch copy, read +
 write bytes / time) and, per prefill size, a dense bf16 GEMM pair of the grouped pair's
@@ -35,7 +37,7 @@ touched experts may fit the L2 cache between two replays, so a "fraction of the 
 Prints a table per shape, the variants, and the targets (PASS / MISS, never asserted):
 routed experts at decode 128 >= 85 % of the floor, prefill 4096 grouped GEMM >= 70 % of the
 dense rate, AFD / one process <= 1.15 at decode 128 and <= 1.05 at prefill 4096, FP8 >= 1.6x
-bf16 at decode 128 (each FP8 format). Writes ``bench_moe_layer.json`` (and ``bench_moe_layer.png`` with
+bf16 at decode 128 (each FP8 format and path). Writes ``bench_moe_layer.json`` (and ``bench_moe_layer.png`` with
 matplotlib) to ``--out``. ``--device cpu``: the host backend, the tiny shapes only (the test).
 The device's dense 8192^3 bf16 matmul rate is printed and written for context.
 """
@@ -85,6 +87,8 @@ DECODE_TOKENS, PREFILL_TOKENS = (1, 8, 32, 128, 256), (2048, 4096, 8192)
 CPU_TOKENS = (1, 4, 16, 64)
 PREFILL_FROM = 1024  # batch sizes from here on are "prefill" rows
 CHECK_TOL = 2e-2  # AFD vs one process: bf16 outputs, fp32 accumulation in another order
+#: the report's FP8 columns: key prefix -> expert_gemm variant
+FP8_COLUMNS = {"fp8": "fp8_rowwise", "fp8_block": "fp8_block", "fp8_stream": "stream_fp8"}
 TARGETS = {"floor_decode": (128, 0.85), "dense_prefill": (4096, 0.70),
            "afd_decode": (128, 1.15), "afd_prefill": (4096, 1.05), "fp8_decode": (128, 1.6)}
 
@@ -398,6 +402,11 @@ def measure_variants(routed, inputs: dict, args, device) -> list:
     current = expert_gemm.prepare(routed, "current")
     out = []
     for name in names:
+        reason = expert_gemm.unavailable_reason(name, device)
+        if reason is not None:  # e.g. the stream variants without Triton: said, not an error
+            print(f"variant {name}: skipped: {reason}")
+            out += [{"variant": name, "tokens": t, "skipped": reason} for t in inputs]
+            continue
         try:
             prepared = expert_gemm.prepare(routed, name)
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory for a weight copy: reported
@@ -525,7 +534,7 @@ def run_afd(shape: Shape, args, backend: str, refs: dict) -> tuple[dict, dict]:
 def enrich(report: dict, afd_rows: dict | None) -> None:
     """Per row: the current path's routed µs and floor fraction, the best variant, grouped vs
     dense TFLOP/s, FP8 speedup / error, AFD µs and AFD / one process."""
-    from afd_cupy.moe.expert_gemm import FP8_BLOCK_VARIANT, FP8_VARIANT, FP8_VARIANTS
+    from afd_cupy.moe.expert_gemm import FP8_VARIANTS
 
     shape = Shape(**report["shape"])
     by_key = {(v["variant"], v["tokens"]): v for v in report["variants"]}
@@ -541,7 +550,7 @@ def enrich(report: dict, afd_rows: dict | None) -> None:
         if current and row.get("dense_tflops"):
             row["grouped_tflops"] = pair_flops(tokens * shape.top_k, shape) / (current * 1e-6) / 1e12
             row["grouped_over_dense"] = row["grouped_tflops"] / row["dense_tflops"]
-        for key, variant in (("fp8", FP8_VARIANT), ("fp8_block", FP8_BLOCK_VARIANT)):
+        for key, variant in FP8_COLUMNS.items():
             fp8 = by_key.get((variant, tokens), {})
             if current and fp8.get("median_us"):
                 row[f"{key}_us"], row[f"{key}_speedup"] = fp8["median_us"], current / fp8["median_us"]
@@ -578,7 +587,8 @@ def targets(shapes: dict) -> list:
             out.append(bc.target_row(f"{name}: AFD / one process at {phase} {t}", f"<= {goal:.2f}",
                                      get(t, "afd_over_one_process"), "ratio", lambda v, g=goal: v <= g))
         t, goal = TARGETS["fp8_decode"]
-        for key, what in (("fp8", "FP8 weights"), ("fp8_block", "FP8 block-scaled checkpoint weights")):
+        for key, what in (("fp8", "FP8 weights"), ("fp8_block", "FP8 block-scaled checkpoint weights"),
+                          ("fp8_stream", "FP8 checkpoint weights, stream kernels")):
             out.append(bc.target_row(f"{name}: {what} speedup vs bf16 at decode {t}", f">= {goal:.1f}",
                                      get(t, f"{key}_speedup") if get(t, f"{key}_native") else None, "x",
                                      lambda v, g=goal: v >= g,
@@ -590,12 +600,14 @@ def targets(shapes: dict) -> list:
 def shape_table(report: dict) -> str:
     headers = ("tokens", "hit", "one proc us", "AFD us", "AFD/one", "layer floor us", "routed us",
                "routed floor us", "floor frac", "best variant", "best us", "grouped TF/s", "dense TF/s",
-               "grp/dense", "fp8 us", "fp8 x", "fp8 err", "fp8 blk us", "fp8 blk x", "fp8 blk err", "AFD err")
+               "grp/dense", "fp8 us", "fp8 x", "fp8 err", "fp8 blk us", "fp8 blk x", "fp8 blk err",
+               "fp8 strm us", "fp8 strm x", "fp8 strm err", "AFD err")
     body = [(r["tokens"], r["experts_hit"], r["one_process_us"], r.get("afd_us"), r.get("afd_over_one_process"),
              r["layer_floor_us"], r.get("routed_us"), r["routed_floor_us"], r.get("routed_floor_fraction"),
              r.get("best_variant") or "-", r.get("best_variant_us"), r.get("grouped_tflops"), r.get("dense_tflops"),
              r.get("grouped_over_dense"), r.get("fp8_us"), r.get("fp8_speedup"), r.get("fp8_rel_err"),
              r.get("fp8_block_us"), r.get("fp8_block_speedup"), r.get("fp8_block_rel_err"),
+             r.get("fp8_stream_us"), r.get("fp8_stream_speedup"), r.get("fp8_stream_rel_err"),
              r.get("afd_rel_err")) for r in report["rows"]]
     return bc.format_table(headers, body)
 
@@ -611,7 +623,7 @@ def variant_table(report: dict) -> str:
         for name in names:
             v = by_key.get((name, t), {})
             if "median_us" not in v:
-                cells.append("error" if "error" in v else "-")
+                cells.append("error" if "error" in v else "skipped" if "skipped" in v else "-")
             else:
                 ratio = f" ({v['median_us'] / base:.2f}x)" if base and name != "current" else ""
                 cells.append(f"{v['median_us']:.1f}{ratio}{' eager' if 'capture_error' in v else ''}")

@@ -6,7 +6,7 @@
 #
 #   bash tools/gpu_suite.sh [MODE]
 #
-# Modes (each of part1..part3, soak1, moe1, trace1, plan1, corun1 and twogpu1..4 fits one 600 s device call):
+# Modes (each of part1..part3, soak1, moe1, stream1, trace1, plan1, corun1 and twogpu1..4 fits one 600 s device call):
 #   full     every cuda test, the host-polling e2e cases without MPS, both main jobs,
 #            hf_generate, the soak, then the benchmarks (default)
 #   quick    the cuda tests and both main jobs
@@ -21,6 +21,8 @@
 #            entries a job leaves)
 #   moe1     one GPU: the expert-GEMM cuda tests, then tools/bench_moe_layer.py --quick (one
 #            MoE layer in one process vs AFD 1A1F; expert GEMM variants, FP8 weights)
+#   stream1  one GPU: the streamed expert GEMMs' cuda tests (Triton), then tools/bench_stream_gemm.py
+#            --quick (their tile sweep against torch's grouped GEMM and the weight-read floor)
 #   trace1   one GPU: the 50-layer step's phases against their floors (fused vs two-kernel
 #            dispatch and FFN wait + stage; dedup), one stream vs a stream per stage
 #            (S = 1 2 4), the V2-Lite-shaped MoE step with the GEMM SM carve-out 0 and
@@ -62,7 +64,7 @@ mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
 MODE=${1:-full}
 # part1 / part2 / part3: the cuda tests in three calls; the knobs still override them.
 case "$MODE" in
-  part1) SUITE_TESTS=${SUITE_TESTS:-"tests/kernels/test_gate_cuda.py tests/kernels/test_kernels_cuda_dedup_attn.py tests/kernels/test_kernels_cuda_dedup_ffn.py tests/kernels/test_kernels_cuda.py tests/kernels/test_ffn_graph_cuda.py tests/unit/test_moe.py tests/integration/test_step_graph_cuda.py tests/stress/test_e2e_errors.py tests/integration/test_window.py tests/integration/test_adapters.py tests/unit/test_expert_gemm.py tests/integration/test_bench_decode.py tests/kernels/test_kernels_cuda_dedup_ll.py tests/integration/test_ffn_serving.py tests/unit/test_fp8.py tests/kernels/test_fp8_cuda.py tests/integration/test_fp8_dispatch.py"}
+  part1) SUITE_TESTS=${SUITE_TESTS:-"tests/kernels/test_gate_cuda.py tests/kernels/test_kernels_cuda_dedup_attn.py tests/kernels/test_kernels_cuda_dedup_ffn.py tests/kernels/test_kernels_cuda.py tests/kernels/test_ffn_graph_cuda.py tests/unit/test_moe.py tests/integration/test_step_graph_cuda.py tests/stress/test_e2e_errors.py tests/integration/test_window.py tests/integration/test_adapters.py tests/unit/test_expert_gemm.py tests/integration/test_bench_decode.py tests/kernels/test_kernels_cuda_dedup_ll.py tests/integration/test_ffn_serving.py tests/unit/test_fp8.py tests/kernels/test_fp8_cuda.py tests/integration/test_fp8_dispatch.py tests/kernels/test_stream_gemm_cuda.py"}
          SKIP_HF=${SKIP_HF:-0} SUITE_TIMEOUT=${SUITE_TIMEOUT:-480} PYTEST_ARGS=${PYTEST_ARGS:-"-n 4"} ;;
   part2) SUITE_TESTS=${SUITE_TESTS:-"tests/integration/test_e2e.py tests/integration/test_e2e_dedup_ll.py"}
          SKIP_SMOKE_1A1F=${SKIP_SMOKE_1A1F:-1} SKIP_SMOKE_2A2F=${SKIP_SMOKE_2A2F:-1}
@@ -150,6 +152,10 @@ case "$MODE" in
   moe1)  # one GPU, MPS: the MoE layer, one process vs AFD 1A1F
     run_step moe_tests 70 python3 -m pytest -m cuda -q -p no:cacheprovider --timeout=60 -rfEs tests/unit/test_expert_gemm.py
     run_step moe_layer 240 python3 tools/bench_moe_layer.py --quick --out "$OUT/moe_layer" ;;
+  stream1)  # one GPU: the streamed expert GEMMs (Triton), tests then the tile sweep
+    run_step stream_tests 150 python3 -m pytest -m cuda -q -p no:cacheprovider --timeout=120 -rfEs \
+      tests/kernels/test_stream_gemm_cuda.py tests/unit/test_expert_gemm.py
+    run_step stream_sweep 400 python3 tools/bench_stream_gemm.py --quick ${STREAM_ARGS:-} --out "$OUT/stream" ;;
   kernels1)  # one GPU, no MPS: the round trip's kernels one by one, then under Nsight Compute
     KC=${KERNELS_CONFIGS:-"pair:fused:identity dedup:fused:identity dedup:ll:identity dedup:fused:staging"}
     # a baseline tree carried as .base/ (git archive of an older commit + this bench_kernels.py):
@@ -180,7 +186,7 @@ case "$MODE" in
     run_step step_moe_auto 100 python3 tools/bench_step_graph.py --quick $MOE --out "$OUT/step_moe_auto"
     NO_MPS=1 run_step gate 90 python3 tools/bench_gate.py --quick --out "$OUT/gate" ;;
 esac
-case "$MODE" in twogpu*|trace1|soak1|moe1|plan1|corun1|kernels1) MODE=none ;; esac
+case "$MODE" in twogpu*|trace1|soak1|moe1|stream1|plan1|corun1|kernels1) MODE=none ;; esac
 if [ "$MODE" != bench ] && [ "$MODE" != none ]; then
 DESELECT=()
 [ -z "${SERIAL_K:-}" ] || DESELECT=(-k "not ($SERIAL_K)")

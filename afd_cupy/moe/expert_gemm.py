@@ -26,6 +26,10 @@ Variants (``VARIANTS``), all computing ``glu(x @ w1.T, x @ w3.T) @ w2.T`` per ex
   group starts on a tile boundary.
 - ``carveout_auto``: ``current`` inside ``moe.sm_carveout`` with the FFN side's "auto" value
   (``current`` itself runs with no carve-out).
+- ``stream``: :mod:`afd_cupy.moe.stream_gemm`'s weight-streaming Triton kernels (a program per
+  expert and tile of output channels, gate and up in one program, ``silu(gate) * up`` fused);
+  ``stream_fp8`` (an FP8 variant): the same on a block-scaled checkpoint's E4M3 weights
+  converted per output channel, widened in registers, the rows kept in their dtype.
 - ``fp8_rowwise`` and ``fp8_block`` (``FP8_VARIANTS``, timed separately): the library's FP8
   experts (``moe.FP8ExpertWeights`` through ``moe.grouped_mlp``: E4M3 weights with one fp32
   scale per output channel, per-row dynamic E4M3 activations, ``torch._scaled_grouped_mm``),
@@ -48,16 +52,20 @@ import numpy as np
 import torch
 
 from afd_cupy import moe
-from afd_cupy.moe import fp8
+from afd_cupy.moe import fp8, stream_gemm
 
-__all__ = ["VARIANTS", "FP8_VARIANT", "FP8_BLOCK_VARIANT", "FP8_VARIANTS", "PreparedExperts", "RowPlan",
-           "prepare", "plan", "run", "fp8_unavailable_reason"]
+__all__ = ["VARIANTS", "FP8_VARIANT", "FP8_BLOCK_VARIANT", "FP8_STREAM_VARIANT", "FP8_VARIANTS",
+           "STREAM_VARIANTS", "PreparedExperts", "RowPlan", "prepare", "plan", "run",
+           "fp8_unavailable_reason", "unavailable_reason"]
 
 VARIANTS = ("current", "split_gate_up", "trim_empty", "per_expert", "kn_layout", "pad_rows16",
-            "carveout_auto")
+            "carveout_auto", "stream")
 FP8_VARIANT = "fp8_rowwise"
 FP8_BLOCK_VARIANT = "fp8_block"
-FP8_VARIANTS = (FP8_VARIANT, FP8_BLOCK_VARIANT)
+FP8_STREAM_VARIANT = "stream_fp8"
+FP8_VARIANTS = (FP8_VARIANT, FP8_BLOCK_VARIANT, FP8_STREAM_VARIANT)
+#: the variants of :mod:`afd_cupy.moe.stream_gemm` (they need Triton: :func:`unavailable_reason`)
+STREAM_VARIANTS = ("stream", FP8_STREAM_VARIANT)
 ALL_VARIANTS = VARIANTS + FP8_VARIANTS
 
 #: rows per group of ``pad_rows16``
@@ -101,6 +109,14 @@ def fp8_unavailable_reason(device) -> str | None:
     return fp8.scaled_mm_device_reason(device)
 
 
+def unavailable_reason(variant: str, device) -> str | None:
+    """Why ``variant`` cannot run on ``device`` at all (None: it can; the FP8 variants of
+    ``moe.grouped_mlp`` always can, emulated where :func:`fp8_unavailable_reason` says)."""
+    if variant in STREAM_VARIANTS:
+        return stream_gemm.unavailable_reason(device)
+    return None
+
+
 # --------------------------------------------------------------------------- prepare / plan
 
 def prepare(weights: moe.ExpertWeights, variant: str) -> PreparedExperts:
@@ -118,8 +134,12 @@ def prepare(weights: moe.ExpertWeights, variant: str) -> PreparedExperts:
     if variant == "kn_layout":
         return PreparedExperts(variant, weights, weights.w13.transpose(1, 2).contiguous(),
                                weights.w2.transpose(1, 2).contiguous())
+    reason = unavailable_reason(variant, weights.device)
+    if reason is not None:
+        raise ValueError(f"variant {variant!r} cannot run on {weights.device}: {reason}")
     if variant in FP8_VARIANTS:
-        fp8_weights = moe.FP8ExpertWeights.quantize(weights, blockwise=variant == FP8_BLOCK_VARIANT)
+        blockwise = variant in (FP8_BLOCK_VARIANT, FP8_STREAM_VARIANT)  # as a checkpoint stores them
+        fp8_weights = moe.FP8ExpertWeights.quantize(weights, blockwise=blockwise)
         return PreparedExperts(variant, weights, fp8_weights=fp8_weights)
     carveout = 0
     if variant == "carveout_auto":
@@ -201,6 +221,8 @@ def _compute(prepared: PreparedExperts, x: torch.Tensor, row_plan: RowPlan) -> t
         return _fused_pair(x, prepared.w_a, prepared.w_b, row_plan.offs, weights)
     if variant == "split_gate_up":
         return _split_pair(x, prepared, row_plan.offs)
+    if variant in STREAM_VARIANTS:
+        return stream_gemm.grouped_mlp_streamed(x, row_plan.counts, prepared.fp8_weights or weights)
     return moe.grouped_mlp(x, row_plan.counts, prepared.fp8_weights, group_counts_host=row_plan.counts_host)
 
 

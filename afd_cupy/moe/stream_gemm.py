@@ -1,0 +1,309 @@
+"""Weight-streaming grouped GEMMs for the routed experts (Triton): a candidate decode path of
+issue #34, timed by ``tools/bench_moe_layer.py`` as the ``stream`` and ``stream_fp8`` variants of
+:mod:`afd_cupy.moe.expert_gemm`. It changes no default (``moe.grouped_mlp`` is unchanged).
+
+At decode an FFN rank's experts get a few rows each (128 tokens x top-6 over 64 experts: ~12),
+so their GEMMs are bound by reading the weights, and what matters is how many bytes are in
+flight, not tensor-core tiles. Each program here owns one expert and one tile of ``BLOCK_N``
+output channels: it streams that tile of the weights once along K (``BLOCK_K`` at a time) and
+multiplies it with all of the expert's rows (``BLOCK_M`` at a time; an expert with more rows
+than ``BLOCK_M`` streams its tile again per row tile, which the L2 mostly serves). The grid is
+(output tiles, experts); an expert without rows costs one empty program. The first GEMM
+computes the gate and the up tile of the same channels in one program and applies
+``silu(gate) * up`` in fp32 before its one rounding (the other activations: the gate/up GEMM
+rounded to the rows' dtype, then ``moe.act_and_mul``, then the down GEMM).
+
+FP8 weights (``moe.FP8ExpertWeights``: E4M3 with one fp32 scale per output channel) are read
+as E4M3 (half the bytes) and widened to the rows' dtype in registers; the channel's scale
+multiplies the fp32 sum (it is constant along K). The rows stay in their dtype: no activation
+quantization, unlike ``moe.grouped_mlp``'s FP8 path (docs/design/fp8.md).
+
+No host synchronization, no host-to-device copy: each program finds its expert's rows from
+``group_counts`` on the device (a prefix sum over at most 1024 counts), so a CUDA graph can
+capture it (compile it by one call before the capture). On the CPU the same kernels run in
+Triton's interpreter (numpy): what the CPU tests check. Triton ships with torch's CUDA wheels
+for Linux; where it is missing, :func:`unavailable_reason` says so.
+
+Shapes and dtypes (:func:`grouped_mlp_streamed`): x [rows, H] bf16/fp16 (fp32 on the CPU), rows
+grouped by local expert as ``moe.grouped_mlp`` takes them, any row stride; group_counts int [E]
+on x's device; weights contiguous, no biases. Returns [rows, H] in x.dtype.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from afd_cupy.moe.weights import ExpertWeights, act_and_mul
+
+#: ``triton.language`` once :func:`_triton` imported it (the kernel's global ``tl``)
+tl = None
+
+__all__ = ["StreamConfig", "DEFAULT_CONFIG", "unavailable_reason", "grouped_mlp_streamed",
+           "row_block", "compile_check"]
+
+_MAX_EXPERTS = 1024  # the prefix sum's bound (one load of every count per program)
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """Tile sizes and launch shape: ``block_n`` output channels and ``block_k`` of K per step
+    (powers of two >= 16), ``num_warps``, ``num_stages`` (software pipelining depth on the GPU).
+    The rows' tile ``BLOCK_M`` follows the rows per expert (:func:`row_block`)."""
+
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self):
+        for name in ("block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"StreamConfig.{name} must be a power of two >= 16, got {value}")
+        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            raise ValueError(f"StreamConfig needs num_warps in (1, 2, 4, 8, 16) and num_stages >= 1, got "
+                             f"{self.num_warps}, {self.num_stages}")
+
+
+DEFAULT_CONFIG = StreamConfig()
+
+
+def row_block(num_rows: int, num_experts: int) -> int:
+    """``BLOCK_M``: twice the mean rows per expert, as a power of two in [16, 64], so that an
+    expert's rows fit one tile unless its count is well above the mean."""
+    mean = num_rows / max(1, num_experts)
+    block = 16
+    while block < 64 and block < 2 * mean:
+        block *= 2
+    return block
+
+
+def unavailable_reason(device) -> str | None:
+    """Why the streamed GEMMs cannot run on ``device`` (None: they can; on the CPU through
+    Triton's interpreter). A process runs them on one kind of device: Triton's interpreter is
+    chosen when Triton is imported (``TRITON_INTERPRET``), so the first use decides."""
+    device = torch.device(device)
+    if device.type not in ("cuda", "cpu"):
+        return f"device type {device.type} is not supported"
+    try:
+        triton = _triton(interpret=device.type == "cpu")
+    except ImportError as exc:
+        return f"triton is not importable ({exc})"
+    interpreting = bool(triton.knobs.runtime.interpret)
+    if device.type == "cpu" and not interpreting:
+        return ("triton was imported before without TRITON_INTERPRET=1: its CPU interpreter "
+                "must be on when it is imported")
+    if device.type == "cuda":
+        if interpreting:
+            return "TRITON_INTERPRET=1 is set: this process runs Triton's CPU interpreter"
+        if not torch.cuda.is_available():
+            return "no CUDA device"
+        major = torch.cuda.get_device_capability(device)[0]
+        if major < 8:
+            return f"needs compute capability >= 8.0, the device has {major}.x"
+    return None
+
+
+def _triton(*, interpret: bool):
+    """Import Triton (its interpreter on where ``interpret`` and it is not imported yet) and
+    bind the kernel's ``tl``."""
+    global tl
+    if interpret and "triton" not in sys.modules:
+        os.environ["TRITON_INTERPRET"] = "1"  # read when triton.language's functions are built
+    import triton
+    import triton.language
+
+    tl = triton.language
+    return triton
+
+
+# --------------------------------------------------------------------------- the kernel
+
+def _stream_gemm(x_ptr, w_ptr, scale_ptr, counts_ptr, out_ptr, N, K, num_experts, stride_xm,
+                 stride_we, stride_wn, stride_se, stride_om, up_offset,
+                 GLU: tl.constexpr, HAS_SCALE: tl.constexpr, F32_DOT: tl.constexpr,
+                 E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """out[r, n] = sum_k x[r, k] * w[e, n, k] (* scale[e, n]) for the rows r of expert e =
+    program_id(1), n in this program's tile. GLU: also the up channel n + up_offset, and out =
+    silu(gate) * up. Accumulates in fp32, rounds once to out's dtype. F32_DOT: both operands
+    widened to fp32, IEEE products (the interpreter: its bf16 dot is wrong); else the weights
+    widened to the rows' dtype (E4M3 -> bf16 / fp16: exact) and the tensor cores' dot."""
+    pid_n = tl.program_id(0)
+    expert = tl.program_id(1)
+    experts = tl.arange(0, E_POW2)
+    counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0).to(tl.int32)
+    start = tl.sum(tl.where(experts < expert, counts, 0), axis=0)
+    end = start + tl.sum(tl.where(experts == expert, counts, 0), axis=0)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    w_tile = w_ptr + expert.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * stride_wn
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr + expert * stride_se + cols, mask=col_ok, other=0.0)
+        if GLU:
+            up_scale = tl.load(scale_ptr + expert * stride_se + up_offset + cols, mask=col_ok, other=0.0)
+    for row0 in range(start, end, BLOCK_M):
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < end
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if GLU:
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            a = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :],
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w_ok = col_ok[:, None] & k_ok[None, :]
+            b = tl.load(w_tile + ks[None, :], mask=w_ok, other=0.0)
+            if F32_DOT:
+                a = a.to(tl.float32)
+                acc += tl.dot(a, tl.trans(b.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(a, tl.trans(b.to(a.dtype)))
+            if GLU:
+                b_up = tl.load(w_tile + up_offset * stride_wn + ks[None, :], mask=w_ok, other=0.0)
+                if F32_DOT:
+                    acc_up += tl.dot(a, tl.trans(b_up.to(tl.float32)), input_precision="ieee")
+                else:
+                    acc_up += tl.dot(a, tl.trans(b_up.to(a.dtype)))
+        if HAS_SCALE:
+            acc = acc * scale[None, :]
+            if GLU:
+                acc_up = acc_up * up_scale[None, :]
+        if GLU:
+            acc = acc * tl.sigmoid(acc) * acc_up
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+
+@functools.lru_cache(maxsize=2)
+def _kernel(interpret: bool):
+    """The kernel compiled for CUDA (``triton.jit``) or for Triton's CPU interpreter."""
+    triton = _triton(interpret=interpret)
+    if interpret:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return InterpretedFunction(_stream_gemm)
+    return triton.jit(_stream_gemm)
+
+
+
+# --------------------------------------------------------------------------- the MLP
+
+def grouped_mlp_streamed(x: torch.Tensor, group_counts: torch.Tensor, weights, *,
+                         config: StreamConfig = DEFAULT_CONFIG,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+    """The routed experts on x [rows, H] -> [rows, H] in x.dtype (module doc): ``weights`` an
+    ``ExpertWeights`` of x's dtype or a ``moe.FP8ExpertWeights``, on x's device, no biases.
+    ``group_counts`` int [E] on x's device, summing to rows (not checked: that would
+    synchronize; rows past the counts' sum are left unwritten). ``out``: [rows, H] x.dtype on
+    x's device with unit column stride, written in place and returned (default: a new
+    tensor). ValueError for anything else."""
+    from afd_cupy.moe.fp8 import FP8ExpertWeights
+
+    is_fp8 = isinstance(weights, FP8ExpertWeights)
+    _check(x, group_counts, weights, is_fp8)
+    reason = unavailable_reason(x.device)
+    if reason is not None:
+        raise ValueError(f"streamed expert GEMMs unavailable on {x.device}: {reason}")
+    rows, inter = x.shape[0], weights.intermediate_size
+    if out is None:
+        out = x.new_empty((rows, weights.hidden_size))
+    elif tuple(out.shape) != tuple(x.shape) or out.dtype != x.dtype or out.device != x.device \
+            or out.stride(1) != 1:
+        raise ValueError(f"out must be {tuple(x.shape)} {x.dtype} on {x.device} with unit column "
+                         f"stride, got {tuple(out.shape)} {out.dtype} on {out.device}")
+    if rows == 0:
+        return out
+    block_m = row_block(rows, weights.num_experts)
+    gemm = functools.partial(_launch, group_counts=group_counts, config=config, block_m=block_m)
+    w13_scale, w2_scale = (weights.w13_scale, weights.w2_scale) if is_fp8 else (None, None)
+    if weights.activation == "silu":
+        hidden = x.new_empty((rows, inter))
+        gemm(x, weights.w13, w13_scale, hidden, n=inter, glu=True)
+    else:
+        gate_up = x.new_empty((rows, 2 * inter))
+        gemm(x, weights.w13, w13_scale, gate_up, n=2 * inter, glu=False)
+        hidden = act_and_mul(gate_up, x.dtype, weights)
+    gemm(hidden, weights.w2, w2_scale, out, n=weights.hidden_size, glu=False)
+    return out
+
+
+def _launch(x, w, scale, out, *, n: int, glu: bool, group_counts, config: StreamConfig, block_m: int):
+    num_experts, _, k = w.shape
+    interpret = x.device.type == "cpu"
+    grid = (-(-n // config.block_n), num_experts)
+    launch_shape = {} if interpret else {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    e_pow2 = max(2, 1 << (num_experts - 1).bit_length())
+    _kernel(interpret)[grid](
+        x, w, scale if scale is not None else out, group_counts, out, n, k, num_experts, x.stride(0),
+        w.stride(0), w.stride(1), scale.stride(0) if scale is not None else 0, out.stride(0),
+        n if glu else 0, GLU=glu, HAS_SCALE=scale is not None, F32_DOT=interpret,
+        E_POW2=e_pow2, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, **launch_shape)
+
+
+def _check(x, group_counts, weights, is_fp8: bool) -> None:
+    if not is_fp8 and not isinstance(weights, ExpertWeights):
+        raise ValueError(f"weights must be moe.ExpertWeights or moe.FP8ExpertWeights, got {type(weights).__name__}")
+    if weights.has_bias or weights.gate is not None:
+        raise ValueError("the streamed expert GEMMs run experts without biases or a gate")
+    if not 1 <= weights.num_experts <= _MAX_EXPERTS:
+        raise ValueError(f"the streamed expert GEMMs take 1..{_MAX_EXPERTS} experts, got {weights.num_experts}")
+    if x.dim() != 2 or x.shape[1] != weights.hidden_size or x.stride(1) != 1:
+        raise ValueError(f"x must be [rows, {weights.hidden_size}] with unit column stride, got "
+                         f"{tuple(x.shape)} strides {tuple(x.stride())}")
+    allowed = (torch.bfloat16, torch.float16, torch.float32)
+    if x.dtype not in allowed or (not is_fp8 and x.dtype != weights.dtype):
+        raise ValueError(f"x has dtype {x.dtype}: needs one of {allowed}"
+                         + ("" if is_fp8 else f" matching the weights' {weights.dtype}"))
+    if x.device.type == "cuda" and x.dtype == torch.float32:
+        raise ValueError("fp32 rows run on the CPU only (the GPU path is for bf16 / fp16)")
+    tensors = (weights.w13, weights.w2) + ((weights.w13_scale, weights.w2_scale) if is_fp8 else ())
+    if any(t.device != x.device for t in tensors) or not all(t.is_contiguous() for t in tensors):
+        raise ValueError(f"the expert weights must be contiguous on x's device {x.device}")
+    if group_counts.dim() != 1 or group_counts.shape[0] != weights.num_experts \
+            or group_counts.is_floating_point() or group_counts.device != x.device:
+        raise ValueError(f"group_counts must be an int [{weights.num_experts}] tensor on {x.device}, got "
+                         f"{tuple(group_counts.shape)} {group_counts.dtype} on {group_counts.device}")
+
+
+# --------------------------------------------------------------------------- compile check
+
+#: the kernel's arguments the JIT sees 16-divisible in practice (pointers, H, I, strides)
+_DIVISIBLE = ("x_ptr", "w_ptr", "scale_ptr", "counts_ptr", "out_ptr", "N", "K", "stride_xm",
+              "stride_we", "stride_wn", "stride_se", "stride_om", "up_offset")
+
+
+def compile_check(arch: int = 90, config: StreamConfig = DEFAULT_CONFIG, block_m: int = 32) -> list[dict]:
+    """Compile every specialization the MLP launches (gate/up fused or not, bf16/fp16 rows with
+    weights of their dtype or E4M3) for ``sm_<arch>`` without a GPU (Triton's own ptxas), with the
+    16-divisible arguments the JIT specializes on. Returns per specialization its shared
+    memory bytes and the PTX's ``cp.async`` and ``mma`` counts (pipelined loads, tensor-core
+    MMAs). Needs Triton imported without its interpreter (run it in a process of its own)."""
+    triton = _triton(interpret=False)
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    names = list(_stream_gemm.__code__.co_varnames[:_stream_gemm.__code__.co_argcount])
+    kernel, out = JITFunction(_stream_gemm), []
+    for glu, rows, fp8 in itertools.product((True, False), ("bf16", "fp16"), (False, True)):
+        weights = "fp8e4nv" if fp8 else rows
+        types = {"x_ptr": f"*{rows}", "w_ptr": f"*{weights}", "scale_ptr": "*fp32", "counts_ptr": "*i64",
+                 "out_ptr": f"*{rows}"}
+        constants = {"GLU": glu, "HAS_SCALE": fp8, "F32_DOT": False, "E_POW2": 64,
+                     "BLOCK_M": block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k}
+        signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in _DIVISIBLE}
+        compiled = triton.compile(ASTSource(kernel, signature, constants, attrs),
+                                  target=GPUTarget("cuda", arch, 32),
+                                  options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+        ptx = compiled.asm["ptx"]
+        out.append({"glu": glu, "rows": rows, "weights": weights, "shared_bytes": compiled.metadata.shared,
+                    "cp_async": ptx.count("cp.async."), "mma": ptx.count("mma.")})
+    return out
