@@ -108,6 +108,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-afd", action="store_true", help="skip the AFD launch (one process only)")
     parser.add_argument("--ffn-carveout", type=bc.gemm_sm_carveout_arg, default="auto", metavar="auto|N",
                         help="GraphFFNServer(gemm_sm_carveout=...) of the FFN rank")
+    parser.add_argument("--ffn-expert-gemm", choices=("grouped_mm", "stream"), default="grouped_mm",
+                        help="GraphFFNServer(expert_gemm=...) of the FFN rank: torch's grouped GEMMs or "
+                             "moe.stream_gemm's Triton kernels (decision 0032)")
     parser.add_argument("--iters", type=int, default=None, help="decode iterations (default 100, quick 20)")
     parser.add_argument("--prefill-iters", type=int, default=None, help="default 20, quick 5")
     parser.add_argument("--warmup", type=int, default=3)
@@ -445,7 +448,8 @@ def _one_variant(prepared, current, name, tokens, xs, counts, counts_host, args,
 def afd_spec(shape: Shape, args, backend: str, ref_path: str) -> dict:
     return {"shape": asdict(shape), "tokens": list(args.tokens), "seed": args.seed, "iters": args.iters,
             "prefill_iters": args.prefill_iters, "warmup": args.warmup, "check_rows": args.check_rows,
-            "backend": backend, "ffn_carveout": args.ffn_carveout, "ref_path": ref_path}
+            "backend": backend, "ffn_carveout": args.ffn_carveout, "ffn_expert_gemm": args.ffn_expert_gemm,
+            "ref_path": ref_path}
 
 
 def _afd_rank(ctx, spec: dict) -> dict:
@@ -478,11 +482,11 @@ def _serve(conn, shape: Shape, spec: dict, device) -> dict:
     from afd_cupy.backends.cuda_ffn_graph import GraphFFNServer
 
     server = GraphFFNServer(conn, routed, shared, bucket_tokens=tuple(spec["tokens"]),
-                            gemm_sm_carveout=spec["ffn_carveout"])
+                            gemm_sm_carveout=spec["ffn_carveout"], expert_gemm=spec["ffn_expert_gemm"])
     del routed, shared  # the server stacked its own copies
     _free(device)
     return {"role": "ffn", "served": server.run(), "eager": server.num_eager,
-            "gemm_sm_carveout": server.gemm_sm_carveout}
+            "gemm_sm_carveout": server.gemm_sm_carveout, "expert_gemm": server.expert_gemm}
 
 
 def _attend(conn, shape: Shape, spec: dict, device) -> dict:

@@ -122,6 +122,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="FFN ranks: gemm_sm_carveout of GraphFFNServer / FFNWorker (the expert "
                              "GEMMs leave N SMs free; auto: the library default, 2 on a GPU; 0: "
                              "untouched). Only GEMMs: --experts moe")
+    parser.add_argument("--ffn-expert-gemm", choices=("grouped_mm", "stream"), default="grouped_mm",
+                        help="graph FFN: GraphFFNServer(expert_gemm=...), torch's grouped GEMMs or "
+                             "moe.stream_gemm's Triton kernels (decision 0032). Only GEMMs: --experts moe")
     parser.add_argument("--gate-impl", choices=GATE_IMPLS, default="auto",
                         help="the Attention side's gate: DecodeStepGraph(gate_impl=...) (auto: the "
                              "one-kernel greedy gate, raw_kernels/model/gate.cu; torch: torch's ops)")
@@ -230,9 +233,11 @@ def _ffn(conn, args) -> dict:
         experts = ({"identity": True} if routed is None else
                    {"experts": routed, "shared": shared, "bucket_tokens": tuple(sorted(set(args.tokens)))})
         server = GraphFFNServer(conn, fused_wait_stage=args.ffn_stage == "fused",
-                                gemm_sm_carveout=args.gemm_sm_carveout, **experts)
+                                gemm_sm_carveout=args.gemm_sm_carveout, expert_gemm=args.ffn_expert_gemm,
+                                **experts)
         result = {"role": "ffn", "served": server.run(), "eager": server.num_eager,
-                  "device_id": conn.path.device_id, "gemm_sm_carveout": server.gemm_sm_carveout}
+                  "device_id": conn.path.device_id, "gemm_sm_carveout": server.gemm_sm_carveout,
+                  "expert_gemm": server.expert_gemm}
         if trace is not None:
             result["trace_rows"] = trace.rows()
         return result

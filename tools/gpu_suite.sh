@@ -6,7 +6,7 @@
 #
 #   bash tools/gpu_suite.sh [MODE]
 #
-# Modes (each of part1..part3, soak1, moe1, stream1, trace1, plan1, corun1 and twogpu1..4 fits one 600 s device call):
+# Modes (each of part1..part3, soak1, moe1, stream1, stream2, mps1, trace1, plan1, corun1 and twogpu1..4 fits one 600 s device call):
 #   full     every cuda test, the host-polling e2e cases without MPS, both main jobs,
 #            hf_generate, the soak, then the benchmarks (default)
 #   quick    the cuda tests and both main jobs
@@ -23,6 +23,12 @@
 #            MoE layer in one process vs AFD 1A1F; expert GEMM variants, FP8 weights)
 #   stream1  one GPU: the streamed expert GEMMs' cuda tests (Triton), then tools/bench_stream_gemm.py
 #            --quick (their tile sweep against torch's grouped GEMM and the weight-read floor)
+#   stream2  one GPU: the V2-Lite-shaped MoE step (bench_step_graph --trace) with the graph FFN's
+#            expert GEMMs torch's (grouped_mm) and the streamed ones, then bench_moe_layer's AFD
+#            layer with the streamed ones (v2lite, qwen3)
+#   mps1     one GPU: tools/bench_kernels.py (pair and dedup, loopback) four ways: no MPS, under MPS,
+#            at a 50 % SM share, and at 50 % beside a neighbor process spinning one block
+#            (tools/spin_neighbor.py, as an FFN's wait): which of them makes the dispatch slower
 #   trace1   one GPU: the 50-layer step's phases against their floors (fused vs two-kernel
 #            dispatch and FFN wait + stage; dedup), one stream vs a stream per stage
 #            (S = 1 2 4), the V2-Lite-shaped MoE step with the GEMM SM carve-out 0 and
@@ -173,6 +179,20 @@ case "$MODE" in
           --configs $config --out $OUT/ncu_$tag.d; ncu -i $OUT/ncu_$tag.ncu-rep --page details > $OUT/ncu_$tag.txt"
       done
     fi ;;
+  stream2)  # one GPU: the MoE step and layer with GraphFFNServer(expert_gemm="stream")
+    MOE="--quick --layers 10 --tokens 128 --stages 1 --trace --experts moe --hidden 2048 --top-k 6 --intermediate 1408 --shared-experts 2 --num-experts 64"
+    run_step step_moe_grouped 150 python3 tools/bench_step_graph.py $MOE --out "$OUT/step_moe_grouped"
+    run_step step_moe_stream 150 python3 tools/bench_step_graph.py $MOE --ffn-expert-gemm stream --out "$OUT/step_moe_stream"
+    run_step moe_layer_stream 250 python3 tools/bench_moe_layer.py --quick --shapes v2lite qwen3 --tokens 1 8 128 \
+      --gemm-variants none --no-fp8 --ffn-expert-gemm stream --out "$OUT/moe_layer_stream" ;;
+  mps1)  # one GPU: the round trip's kernels alone, under MPS, at a share, beside a spinner
+    KC=${KERNELS_CONFIGS:-"pair:fused:identity dedup:fused:identity"}
+    BK="python3 tools/bench_kernels.py --configs $KC --rows ${KERNELS_ROWS:-200}"
+    NO_MPS=1 run_step mps_none 120 $BK --out "$OUT/mps_none"
+    run_step mps_full 120 $BK --out "$OUT/mps_full"
+    run_step mps_half 120 env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 $BK --out "$OUT/mps_half"
+    run_step mps_half_spin 150 bash -c "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 python3 tools/spin_neighbor.py \
+      --seconds 140 & sp=\$!; sleep 5; CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 $BK --out $OUT/mps_half_spin; rc=\$?; kill \$sp; wait; exit \$rc" ;;
   trace1)  # one GPU: the round trip by phase (both dispatch kernels, both FFN modes), the gate
     SG="python3 tools/bench_step_graph.py --quick --layers 50 --tokens 128 --stages 1 --trace"
     run_step step_fused 120 $SG --dispatch fused --out "$OUT/step_fused"
@@ -186,7 +206,7 @@ case "$MODE" in
     run_step step_moe_auto 100 python3 tools/bench_step_graph.py --quick $MOE --out "$OUT/step_moe_auto"
     NO_MPS=1 run_step gate 90 python3 tools/bench_gate.py --quick --out "$OUT/gate" ;;
 esac
-case "$MODE" in twogpu*|trace1|soak1|moe1|stream1|plan1|corun1|kernels1) MODE=none ;; esac
+case "$MODE" in twogpu*|trace1|soak1|moe1|stream1|stream2|mps1|plan1|corun1|kernels1) MODE=none ;; esac
 if [ "$MODE" != bench ] && [ "$MODE" != none ]; then
 DESELECT=()
 [ -z "${SERIAL_K:-}" ] || DESELECT=(-k "not ($SERIAL_K)")

@@ -36,11 +36,12 @@ import torch
 
 from afd_cupy import moe, wire
 from afd_cupy.backends.base import Arrival, superseded
-from afd_cupy.backends.cuda_ffn_graph_capture import GraphCapture, stack_weights
+from afd_cupy.backends.cuda_ffn_graph_capture import EXPERT_GEMMS, GraphCapture, stack_weights
 from afd_cupy.errors import (ConfigError, ConnectorShutdown, PeerLostError, PeerTimeoutError,
                              ProtocolError)
 from afd_cupy.ffn import graph as ffn_graph
 from afd_cupy.ffn.worker import FFNWorker
+from afd_cupy.moe import stream_gemm
 from afd_cupy.runtime.topology import Role
 from afd_cupy.testing.reference import identity_experts
 
@@ -79,6 +80,10 @@ class GraphFFNServer:
     reply wait (docs/design/performance-decisions.md, "SM carve-out": on an H200 the V2-Lite-shaped experts phase
     of the 1A1F round trip drops from ~690 to ~485 µs). "auto" or an int >= 0 and < the device's
     SM count (ConfigError). With ``identity=True`` there are no GEMMs: no effect.
+    ``expert_gemm``: the graphs' expert GEMMs, ``"grouped_mm"`` (the default: torch's grouped
+    GEMMs) or ``"stream"`` (``moe.stream_gemm``'s Triton kernels, a candidate measured against
+    it: decision 0032; ConfigError where Triton cannot run them). The eager fallback keeps
+    ``moe.grouped_mlp``.
 
     Both wire modes (dedup: the route table is checked in the graph; a rejected table raises
     the eager path's WireError from :meth:`run` / :meth:`step`).
@@ -96,10 +101,12 @@ class GraphFFNServer:
 
     def __init__(self, connector, experts=None, shared=None, *, identity: bool = False,
                  bucket_tokens=(128,), depth: int = 4, idle_timeout_s: float = 0.01,
-                 fused_wait_stage: bool = True, gemm_sm_carveout: int | str = "auto"):
+                 fused_wait_stage: bool = True, gemm_sm_carveout: int | str = "auto",
+                 expert_gemm: str = "grouped_mm"):
         self._check_connector(connector, identity, experts)
         device = connector.device
         self.gemm_sm_carveout = self._check_settings(depth, idle_timeout_s, gemm_sm_carveout, device)
+        self.expert_gemm = self._check_expert_gemm(expert_gemm, device)
         self.connector, self.layout, self.device = connector, connector.layout, device
         self.depth, self.idle_timeout_s = depth, float(idle_timeout_s)
         self.identity = bool(identity)  # ffn.serving.open_graph_server reuses a server by it
@@ -126,7 +133,8 @@ class GraphFFNServer:
         self.kernels = GraphCapture(
             resources, layout=layout, model=model, torch_dtype=connector.torch_dtype, device=device,
             depth=depth, idle_timeout_s=self.idle_timeout_s, fused_wait_stage=bool(fused_wait_stage),
-            identity=identity, gemm_sm_carveout=self.gemm_sm_carveout, weights=weights)
+            identity=identity, gemm_sm_carveout=self.gemm_sm_carveout, weights=weights,
+            expert_gemm=self.expert_gemm)
         self.reply_seqs = self.kernels.reply_seqs  # cupy int64 [num_slots], while the server runs
         self.records, self.num_records = self.kernels.records, self.kernels.num_records
         self.record_words = self.kernels.record_words
@@ -171,6 +179,17 @@ class GraphFFNServer:
             raise ConfigError(f"depth must be >= 1 and idle_timeout_s > 0, got {depth}, {idle_timeout_s}")
         return moe.resolve_gemm_sm_carveout(gemm_sm_carveout, device=device,
                                             name="GraphFFNServer.gemm_sm_carveout")
+
+    @staticmethod
+    def _check_expert_gemm(expert_gemm, device) -> str:
+        """``expert_gemm`` checked (ConfigError naming the value, or why "stream" cannot run)."""
+        if expert_gemm not in EXPERT_GEMMS:
+            raise ConfigError(f"GraphFFNServer.expert_gemm must be one of {EXPERT_GEMMS}, got {expert_gemm!r}")
+        if expert_gemm == "stream":
+            reason = stream_gemm.unavailable_reason(device)
+            if reason is not None:
+                raise ConfigError(f"GraphFFNServer(expert_gemm='stream') cannot run on {device}: {reason}")
+        return expert_gemm
 
     # --- the host loop ----------------------------------------------------------------------
     def run(self, stop_event=None) -> int:

@@ -18,6 +18,12 @@ from afd_cupy.errors import ConfigError
 from afd_cupy.ffn import graph as ffn_graph
 from afd_cupy.ffn.worker import per_layer
 from afd_cupy.kernels import specs
+from afd_cupy.moe import stream_gemm
+
+
+#: the graph's expert GEMMs (GraphFFNServer(expert_gemm=...)): torch's grouped GEMMs (the
+#: default) or moe.stream_gemm's Triton kernels (decision 0032)
+EXPERT_GEMMS = ("grouped_mm", "stream")
 
 
 @dataclass(frozen=True)
@@ -82,12 +88,13 @@ class GraphCapture:
 
     def __init__(self, res, *, layout, model, torch_dtype, device, depth: int,
                  idle_timeout_s: float, fused_wait_stage: bool, identity: bool,
-                 gemm_sm_carveout: int, weights: StackedWeights | None):
+                 gemm_sm_carveout: int, weights: StackedWeights | None, expert_gemm: str = "grouped_mm"):
         self.res, self.layout, self.model = res, layout, model
         self.torch_dtype, self.device = torch_dtype, device
         self.depth, self.idle_timeout_s = depth, idle_timeout_s
         self.fused_wait_stage, self.identity = fused_wait_stage, identity
         self.gemm_sm_carveout, self.weights = gemm_sm_carveout, weights
+        self.expert_gemm = expert_gemm
         self.is_dedup = layout.is_dedup
         self.num_layers = model.num_layers
         self.lpc = ffn_graph.layers_per_chunk(self.num_layers, layout.expert_per_rank)
@@ -230,25 +237,36 @@ class GraphCapture:
         the same over one group per layer. Rows past the served item's are never read."""
         epr, lpc = self.layout.expert_per_rank, self.lpc
         offs_all = self.routed_offs_t
+        mlp = _streamed_mlp if self.expert_gemm == "stream" else _gated_mlp
         outs = []
         for chunk in range(self.num_chunks):
             groups = slice(chunk * lpc * epr, min(self.num_layers, (chunk + 1) * lpc) * epr)
-            out = _gated_mlp(x, self.weights.w13[groups], self.weights.w2[groups], offs_all[groups], self.weights.activation)
+            out = mlp(x, self.weights.w13[groups], self.weights.w2[groups], offs_all[groups],
+                      self.weights.activation, experts_per_layer=epr)
             factor = self.model.routed_scaling_factor
             outs.append(out if factor == 1.0 else out * factor)  # bf16: routed x f (moe rule)
         shared_out = None
         if xs is not None:
-            shared_out = _gated_mlp(xs, self.weights.shared_w13, self.weights.shared_w2,
-                                    self.shared_offs_t, self.weights.shared_activation)
+            shared_out = mlp(xs, self.weights.shared_w13, self.weights.shared_w2, self.shared_offs_t,
+                             self.weights.shared_activation, experts_per_layer=1)
         return outs, shared_out
 
 
 
 def _gated_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,
-               weights: moe.ExpertWeights) -> torch.Tensor:
+               weights: moe.ExpertWeights, *, experts_per_layer: int) -> torch.Tensor:
     """Two grouped GEMMs and the gated activation (``weights``' options), as
     ``moe._grouped_mlp_fused`` without biases. NOTE: output rows past ``offs[-1]`` are left
     unwritten by torch._grouped_mm (no GEMM work for them); nobody reads them."""
     gate_up = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs)
     hidden = moe.act_and_mul(gate_up, x.dtype, weights)
     return torch._grouped_mm(hidden, w2.transpose(1, 2), offs=offs)
+
+
+def _streamed_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,
+                  weights: moe.ExpertWeights, *, experts_per_layer: int) -> torch.Tensor:
+    """:func:`_gated_mlp` through ``moe.stream_gemm`` (``expert_gemm="stream"``): one program
+    per (output tile, expert of a layer), walking that expert in each stacked layer; rows past
+    ``offs[-1]`` are left unwritten as well."""
+    stacked = dataclasses.replace(weights, w13=w13, w2=w2, num_experts=w13.shape[0])
+    return stream_gemm.stacked_mlp_streamed(x, offs, stacked, experts_per_layer=experts_per_layer)

@@ -44,7 +44,7 @@ from afd_cupy.moe.weights import ExpertWeights, act_and_mul
 tl = None
 
 __all__ = ["StreamConfig", "DEFAULT_CONFIG", "unavailable_reason", "grouped_mlp_streamed",
-           "row_block", "compile_check"]
+           "stacked_mlp_streamed", "row_block", "compile_check"]
 
 _MAX_EXPERTS = 1024  # the prefix sum's bound (one load of every count per program)
 
@@ -124,61 +124,71 @@ def _triton(*, interpret: bool):
 
 # --------------------------------------------------------------------------- the kernel
 
-def _stream_gemm(x_ptr, w_ptr, scale_ptr, counts_ptr, out_ptr, N, K, num_experts, stride_xm,
-                 stride_we, stride_wn, stride_se, stride_om, up_offset,
+def _stream_gemm(x_ptr, w_ptr, scale_ptr, counts_ptr, out_ptr, N, K, num_experts, num_layers,
+                 stride_xm, stride_we, stride_wn, stride_se, stride_om, up_offset,
                  GLU: tl.constexpr, HAS_SCALE: tl.constexpr, F32_DOT: tl.constexpr,
-                 E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    """out[r, n] = sum_k x[r, k] * w[e, n, k] (* scale[e, n]) for the rows r of expert e =
-    program_id(1), n in this program's tile. GLU: also the up channel n + up_offset, and out =
-    silu(gate) * up. Accumulates in fp32, rounds once to out's dtype. F32_DOT: both operands
-    widened to fp32, IEEE products (the interpreter: its bf16 dot is wrong); else the weights
-    widened to the rows' dtype (E4M3 -> bf16 / fp16: exact) and the tensor cores' dot."""
+                 OFFSETS: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[r, n] = sum_k x[r, k] * w[g, n, k] (* scale[g, n]) for the rows r of each group g of
+    this program's expert e = program_id(1), n in its tile. Counts (not OFFSETS): one group,
+    g = e, rows after the counts of the experts before it (``num_layers`` 1). OFFSETS: groups
+    g = l * num_experts + e for l < num_layers (stacked layers), group g's rows
+    [counts[g - 1], counts[g]) (torch._grouped_mm's cumulative end rows). GLU: also the up
+    channel n + up_offset, and out = silu(gate) * up. Accumulates in fp32, rounds once to out's
+    dtype. F32_DOT: both operands widened to fp32, IEEE products (the interpreter: its bf16 dot
+    is wrong); else the weights widened to the rows' dtype (E4M3 -> bf16 / fp16: exact) and the
+    tensor cores' dot."""
     pid_n = tl.program_id(0)
     expert = tl.program_id(1)
-    experts = tl.arange(0, E_POW2)
-    counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0).to(tl.int32)
-    start = tl.sum(tl.where(experts < expert, counts, 0), axis=0)
-    end = start + tl.sum(tl.where(experts == expert, counts, 0), axis=0)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    w_tile = w_ptr + expert.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * stride_wn
-    if HAS_SCALE:
-        scale = tl.load(scale_ptr + expert * stride_se + cols, mask=col_ok, other=0.0)
-        if GLU:
-            up_scale = tl.load(scale_ptr + expert * stride_se + up_offset + cols, mask=col_ok, other=0.0)
-    for row0 in range(start, end, BLOCK_M):
-        rows = row0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < end
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if GLU:
-            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < K
-            a = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :],
-                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w_ok = col_ok[:, None] & k_ok[None, :]
-            b = tl.load(w_tile + ks[None, :], mask=w_ok, other=0.0)
-            if F32_DOT:
-                a = a.to(tl.float32)
-                acc += tl.dot(a, tl.trans(b.to(tl.float32)), input_precision="ieee")
-            else:
-                acc += tl.dot(a, tl.trans(b.to(a.dtype)))
-            if GLU:
-                b_up = tl.load(w_tile + up_offset * stride_wn + ks[None, :], mask=w_ok, other=0.0)
-                if F32_DOT:
-                    acc_up += tl.dot(a, tl.trans(b_up.to(tl.float32)), input_precision="ieee")
-                else:
-                    acc_up += tl.dot(a, tl.trans(b_up.to(a.dtype)))
+    for layer in range(0, num_layers):
+        group = layer * num_experts + expert
+        if OFFSETS:
+            end = tl.load(counts_ptr + group).to(tl.int32)
+            start = tl.load(counts_ptr + group - 1, mask=group > 0, other=0).to(tl.int32)
+        else:
+            experts = tl.arange(0, E_POW2)
+            counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0).to(tl.int32)
+            start = tl.sum(tl.where(experts < expert, counts, 0), axis=0)
+            end = start + tl.sum(tl.where(experts == expert, counts, 0), axis=0)
+        w_tile = w_ptr + group.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * stride_wn
         if HAS_SCALE:
-            acc = acc * scale[None, :]
+            scale = tl.load(scale_ptr + group * stride_se + cols, mask=col_ok, other=0.0)
             if GLU:
-                acc_up = acc_up * up_scale[None, :]
-        if GLU:
-            acc = acc * tl.sigmoid(acc) * acc_up
-        tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & col_ok[None, :])
+                up_scale = tl.load(scale_ptr + group * stride_se + up_offset + cols, mask=col_ok, other=0.0)
+        for row0 in range(start, end, BLOCK_M):
+            rows = row0 + tl.arange(0, BLOCK_M)
+            row_ok = rows < end
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if GLU:
+                acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_ok = ks < K
+                a = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :],
+                            mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                w_ok = col_ok[:, None] & k_ok[None, :]
+                b = tl.load(w_tile + ks[None, :], mask=w_ok, other=0.0)
+                if F32_DOT:
+                    a = a.to(tl.float32)
+                    acc += tl.dot(a, tl.trans(b.to(tl.float32)), input_precision="ieee")
+                else:
+                    acc += tl.dot(a, tl.trans(b.to(a.dtype)))
+                if GLU:
+                    b_up = tl.load(w_tile + up_offset * stride_wn + ks[None, :], mask=w_ok, other=0.0)
+                    if F32_DOT:
+                        acc_up += tl.dot(a, tl.trans(b_up.to(tl.float32)), input_precision="ieee")
+                    else:
+                        acc_up += tl.dot(a, tl.trans(b_up.to(a.dtype)))
+            if HAS_SCALE:
+                acc = acc * scale[None, :]
+                if GLU:
+                    acc_up = acc_up * up_scale[None, :]
+            if GLU:
+                acc = acc * tl.sigmoid(acc) * acc_up
+            tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & col_ok[None, :])
 
 
 @functools.lru_cache(maxsize=2)
@@ -199,15 +209,39 @@ def grouped_mlp_streamed(x: torch.Tensor, group_counts: torch.Tensor, weights, *
                          config: StreamConfig = DEFAULT_CONFIG,
                          out: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts on x [rows, H] -> [rows, H] in x.dtype (module doc): ``weights`` an
-    ``ExpertWeights`` of x's dtype or a ``moe.FP8ExpertWeights``, on x's device, no biases.
-    ``group_counts`` int [E] on x's device, summing to rows (not checked: that would
-    synchronize; rows past the counts' sum are left unwritten). ``out``: [rows, H] x.dtype on
-    x's device with unit column stride, written in place and returned (default: a new
-    tensor). ValueError for anything else."""
+    ``ExpertWeights`` of x's dtype or a ``moe.FP8ExpertWeights``, on x's device, no biases, at
+    most 1024 experts. ``group_counts`` int [E] on x's device, summing to rows (not checked:
+    that would synchronize; rows past the counts' sum are left unwritten). ``out``: [rows, H]
+    x.dtype on x's device with unit column stride, written in place and returned (default: a
+    new tensor). ValueError for anything else."""
+    return _mlp(x, group_counts, weights, offsets=False, experts_per_layer=None, config=config, out=out)
+
+
+def stacked_mlp_streamed(x: torch.Tensor, offs: torch.Tensor, weights, *, experts_per_layer: int,
+                         config: StreamConfig = DEFAULT_CONFIG,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+    """The graph FFN's form: ``weights`` hold several layers' experts stacked layer-major
+    (``num_experts = layers * experts_per_layer``), ``offs`` int [num_experts] on x's device the
+    cumulative end row of each group (``torch._grouped_mm``'s ``offs``: group g's rows are
+    [offs[g - 1], offs[g])). One program per (output tile, expert of a layer) walks its expert
+    in every layer, so a replay in which one layer has rows launches what one layer needs. The
+    rest as :func:`grouped_mlp_streamed` (rows past offs[-1] are left unwritten)."""
+    num_experts = getattr(weights, "num_experts", 0)
+    if isinstance(experts_per_layer, bool) or not isinstance(experts_per_layer, int) or experts_per_layer < 1 \
+            or num_experts % experts_per_layer:
+        raise ValueError(f"experts_per_layer must be an int >= 1 dividing num_experts={num_experts}, "
+                         f"got {experts_per_layer!r}")
+    return _mlp(x, offs, weights, offsets=True, experts_per_layer=experts_per_layer, config=config, out=out)
+
+
+def _mlp(x, rows_by_group, weights, *, offsets: bool, experts_per_layer: int | None, config: StreamConfig,
+         out):
+    """Both forms (``experts_per_layer`` None: all of the experts, one layer)."""
     from afd_cupy.moe.fp8 import FP8ExpertWeights
 
     is_fp8 = isinstance(weights, FP8ExpertWeights)
-    _check(x, group_counts, weights, is_fp8)
+    _check(x, rows_by_group, weights, is_fp8, offsets)
+    experts_per_layer = experts_per_layer or weights.num_experts
     reason = unavailable_reason(x.device)
     if reason is not None:
         raise ValueError(f"streamed expert GEMMs unavailable on {x.device}: {reason}")
@@ -220,8 +254,9 @@ def grouped_mlp_streamed(x: torch.Tensor, group_counts: torch.Tensor, weights, *
                          f"stride, got {tuple(out.shape)} {out.dtype} on {out.device}")
     if rows == 0:
         return out
-    block_m = row_block(rows, weights.num_experts)
-    gemm = functools.partial(_launch, group_counts=group_counts, config=config, block_m=block_m)
+    gemm = functools.partial(_launch, rows_by_group=rows_by_group, offsets=offsets,
+                             experts_per_layer=experts_per_layer, config=config,
+                             block_m=row_block(rows, experts_per_layer))
     w13_scale, w2_scale = (weights.w13_scale, weights.w2_scale) if is_fp8 else (None, None)
     if weights.activation == "silu":
         hidden = x.new_empty((rows, inter))
@@ -234,25 +269,27 @@ def grouped_mlp_streamed(x: torch.Tensor, group_counts: torch.Tensor, weights, *
     return out
 
 
-def _launch(x, w, scale, out, *, n: int, glu: bool, group_counts, config: StreamConfig, block_m: int):
-    num_experts, _, k = w.shape
+def _launch(x, w, scale, out, *, n: int, glu: bool, rows_by_group, offsets: bool, experts_per_layer: int,
+            config: StreamConfig, block_m: int):
+    num_groups, _, k = w.shape
     interpret = x.device.type == "cpu"
-    grid = (-(-n // config.block_n), num_experts)
+    grid = (-(-n // config.block_n), experts_per_layer)
     launch_shape = {} if interpret else {"num_warps": config.num_warps, "num_stages": config.num_stages}
-    e_pow2 = max(2, 1 << (num_experts - 1).bit_length())
+    e_pow2 = 2 if offsets else max(2, 1 << (num_groups - 1).bit_length())
     _kernel(interpret)[grid](
-        x, w, scale if scale is not None else out, group_counts, out, n, k, num_experts, x.stride(0),
-        w.stride(0), w.stride(1), scale.stride(0) if scale is not None else 0, out.stride(0),
-        n if glu else 0, GLU=glu, HAS_SCALE=scale is not None, F32_DOT=interpret,
-        E_POW2=e_pow2, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, **launch_shape)
+        x, w, scale if scale is not None else out, rows_by_group, out, n, k, experts_per_layer,
+        num_groups // experts_per_layer, x.stride(0), w.stride(0), w.stride(1),
+        scale.stride(0) if scale is not None else 0, out.stride(0), n if glu else 0, GLU=glu,
+        HAS_SCALE=scale is not None, F32_DOT=interpret, OFFSETS=offsets, E_POW2=e_pow2,
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, **launch_shape)
 
 
-def _check(x, group_counts, weights, is_fp8: bool) -> None:
+def _check(x, group_counts, weights, is_fp8: bool, offsets: bool) -> None:
     if not is_fp8 and not isinstance(weights, ExpertWeights):
         raise ValueError(f"weights must be moe.ExpertWeights or moe.FP8ExpertWeights, got {type(weights).__name__}")
     if weights.has_bias or weights.gate is not None:
         raise ValueError("the streamed expert GEMMs run experts without biases or a gate")
-    if not 1 <= weights.num_experts <= _MAX_EXPERTS:
+    if not 1 <= weights.num_experts <= (weights.num_experts if offsets else _MAX_EXPERTS):
         raise ValueError(f"the streamed expert GEMMs take 1..{_MAX_EXPERTS} experts, got {weights.num_experts}")
     if x.dim() != 2 or x.shape[1] != weights.hidden_size or x.stride(1) != 1:
         raise ValueError(f"x must be [rows, {weights.hidden_size}] with unit column stride, got "
@@ -268,7 +305,8 @@ def _check(x, group_counts, weights, is_fp8: bool) -> None:
         raise ValueError(f"the expert weights must be contiguous on x's device {x.device}")
     if group_counts.dim() != 1 or group_counts.shape[0] != weights.num_experts \
             or group_counts.is_floating_point() or group_counts.device != x.device:
-        raise ValueError(f"group_counts must be an int [{weights.num_experts}] tensor on {x.device}, got "
+        name = "offs" if offsets else "group_counts"
+        raise ValueError(f"{name} must be an int [{weights.num_experts}] tensor on {x.device}, got "
                          f"{tuple(group_counts.shape)} {group_counts.dtype} on {group_counts.device}")
 
 
@@ -280,8 +318,8 @@ _DIVISIBLE = ("x_ptr", "w_ptr", "scale_ptr", "counts_ptr", "out_ptr", "N", "K", 
 
 
 def compile_check(arch: int = 90, config: StreamConfig = DEFAULT_CONFIG, block_m: int = 32) -> list[dict]:
-    """Compile every specialization the MLP launches (gate/up fused or not, bf16/fp16 rows with
-    weights of their dtype or E4M3) for ``sm_<arch>`` without a GPU (Triton's own ptxas), with the
+    """Compile every specialization the MLPs launch (gate/up fused or not, bf16/fp16 rows with
+    weights of their dtype or E4M3, counts or offsets) for ``sm_<arch>`` without a GPU (Triton's own ptxas), with the
     16-divisible arguments the JIT specializes on. Returns per specialization its shared
     memory bytes and the PTX's ``cp.async`` and ``mma`` counts (pipelined loads, tensor-core
     MMAs). Needs Triton imported without its interpreter (run it in a process of its own)."""
@@ -292,11 +330,12 @@ def compile_check(arch: int = 90, config: StreamConfig = DEFAULT_CONFIG, block_m
 
     names = list(_stream_gemm.__code__.co_varnames[:_stream_gemm.__code__.co_argcount])
     kernel, out = JITFunction(_stream_gemm), []
-    for glu, rows, fp8 in itertools.product((True, False), ("bf16", "fp16"), (False, True)):
+    for glu, rows, fp8, offsets in itertools.product((True, False), ("bf16", "fp16"), (False, True),
+                                                     (False, True)):
         weights = "fp8e4nv" if fp8 else rows
-        types = {"x_ptr": f"*{rows}", "w_ptr": f"*{weights}", "scale_ptr": "*fp32", "counts_ptr": "*i64",
-                 "out_ptr": f"*{rows}"}
-        constants = {"GLU": glu, "HAS_SCALE": fp8, "F32_DOT": False, "E_POW2": 64,
+        types = {"x_ptr": f"*{rows}", "w_ptr": f"*{weights}", "scale_ptr": "*fp32",
+                 "counts_ptr": "*i32" if offsets else "*i64", "out_ptr": f"*{rows}"}
+        constants = {"GLU": glu, "HAS_SCALE": fp8, "F32_DOT": False, "OFFSETS": offsets, "E_POW2": 64,
                      "BLOCK_M": block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k}
         signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in _DIVISIBLE}
@@ -304,6 +343,6 @@ def compile_check(arch: int = 90, config: StreamConfig = DEFAULT_CONFIG, block_m
                                   target=GPUTarget("cuda", arch, 32),
                                   options={"num_warps": config.num_warps, "num_stages": config.num_stages})
         ptx = compiled.asm["ptx"]
-        out.append({"glu": glu, "rows": rows, "weights": weights, "shared_bytes": compiled.metadata.shared,
+        out.append({"glu": glu, "rows": rows, "weights": weights, "offsets": offsets, "shared_bytes": compiled.metadata.shared,
                     "cp_async": ptx.count("cp.async."), "mma": ptx.count("mma.")})
     return out

@@ -14,8 +14,9 @@ from afd_cupy.runtime.topology import Role, Topology
 from afd_cupy.testing import scenario as sc
 
 
-def run_graph_rank(ctx, scenario: sc.Scenario, bucket_tokens: tuple) -> dict:
-    """Entry point of every process: Attention as ``scenario.run_rank``, FFN through graphs."""
+def run_graph_rank(ctx, scenario: sc.Scenario, bucket_tokens: tuple, expert_gemm: str = "grouped_mm") -> dict:
+    """Entry point of every process: Attention as ``scenario.run_rank``, FFN through graphs
+    (``GraphFFNServer(expert_gemm=...)``)."""
     topo = Topology(scenario.num_attn, scenario.num_ffn, scenario.model.num_experts)
     role, role_rank = topo.role_of(ctx.rank)
     device = sc.rank_device(scenario, ctx)
@@ -26,12 +27,12 @@ def run_graph_rank(ctx, scenario: sc.Scenario, bucket_tokens: tuple) -> dict:
     try:
         if role is Role.ATTENTION:
             return sc.run_attention(conn, scenario, role_rank, device)
-        return _graph_ffn(conn, scenario, role_rank, device, bucket_tokens)
+        return _graph_ffn(conn, scenario, role_rank, device, bucket_tokens, expert_gemm)
     finally:
         conn.close()
 
 
-def _graph_ffn(conn, scenario: sc.Scenario, ffn_rank: int, device, bucket_tokens) -> dict:
+def _graph_ffn(conn, scenario: sc.Scenario, ffn_rank: int, device, bucket_tokens, expert_gemm: str) -> dict:
     from afd_cupy.backends.cuda_ffn_graph import GraphFFNServer
 
     model = scenario.model
@@ -42,12 +43,13 @@ def _graph_ffn(conn, scenario: sc.Scenario, ffn_rank: int, device, bucket_tokens
         routed.append(moe.local_experts(global_routed, ffn_rank, epr))
         shared.append(layer_shared)
     server = GraphFFNServer(conn, routed, shared if model.num_shared_experts else None,
-                            bucket_tokens=bucket_tokens, gemm_sm_carveout=scenario.gemm_sm_carveout)
+                            bucket_tokens=bucket_tokens, gemm_sm_carveout=scenario.gemm_sm_carveout,
+                            expert_gemm=expert_gemm)
     start = time.perf_counter()
     served = server.run()
     return {"role": "ffn", "rank": ffn_rank, "served": served, "eager": server.num_eager,
             "replays": server.num_replays, "gemm_sm_carveout": server.gemm_sm_carveout,
-            "seconds": time.perf_counter() - start}
+            "expert_gemm": server.expert_gemm, "seconds": time.perf_counter() - start}
 
 
 def run_graph_identity_rank(ctx, model, wire_mode: str, tokens: tuple, corrupt_first: bool) -> dict:

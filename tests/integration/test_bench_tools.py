@@ -834,3 +834,50 @@ def test_bench_kernels_configs_and_the_loopback_the_stage_serves():
                 routed_bucket=layout.routed_cap, shared_bucket=layout.shared_cap))
             assert bench_kernels.Loopback.expected_stage(loop) == ffn_graph.GS_SERVED, (mode, tokens)
     assert 0 <= bench_kernels.LAYER < bench_kernels.NUM_LAYERS
+
+
+def test_gpu_suite_mps1_fits_the_device_call_and_the_spinner_stops_in_time():
+    # mps1 times bench_kernels four ways in one call: the steps' limits fit 600 s, the
+    # neighbor spins for less than its step's limit, and it refuses to run without a GPU
+    import re
+
+    import spin_neighbor
+
+    script = (ROOT / "tools" / "gpu_suite.sh").read_text()
+    block = script[script.index("  mps1)"):script.index("  trace1)")]
+    steps = re.findall(r"run_step (\S+) (\d+) ", block)
+    assert [name for name, _ in steps] == ["mps_none", "mps_full", "mps_half", "mps_half_spin"]
+    assert sum(int(limit) for _, limit in steps) + 10 * len(steps) <= 600
+    spin_limit = dict(steps)["mps_half_spin"]
+    assert float(re.search(r"--seconds (\d+)", block).group(1)) + 5 < int(spin_limit)
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50" in block and "NO_MPS=1 run_step mps_none" in block
+    with pytest.raises(SystemExit):
+        spin_neighbor.main(["--seconds", "0"])
+    if not torch.cuda.is_available():
+        assert spin_neighbor.main(["--seconds", "1"]) == 2
+
+
+@pytest.mark.parametrize("mode", ["stream1", "stream2"])
+def test_gpu_suite_stream_modes_parse_and_fit_the_device_call(mode):
+    # every benchmark a stream mode runs parses with its tool's own parser, and the steps'
+    # limits fit one 600 s call
+    import re
+    import shlex
+
+    script = (ROOT / "tools" / "gpu_suite.sh").read_text()
+    start = script.index(f"  {mode})")
+    block = script[start:script.index(";;", start)]
+    moe = re.search(r'MOE="([^"]*)"', block)
+    steps = re.findall(r"run_step (\S+) (\d+) (python3 .*?)(?=\n\s*run_step|\Z)", block.replace("\\\n", " "), re.S)
+    assert steps and sum(int(limit) for _, limit, _ in steps) + 10 * len(steps) <= 600
+    for name, _, command in steps:
+        argv = shlex.split(command.replace("$MOE", moe.group(1) if moe else ""))
+        if argv[1] == "-m":  # the pytest step: its files exist
+            assert all((ROOT / f).is_file() for f in argv if f.startswith("tests/")), argv
+            continue
+        tool = __import__(Path(argv[1]).stem)
+        args = [a for a in argv[2:] if "$" not in a and not a.startswith("${")]
+        args = [a for a in args if a != "--out"]
+        if name.startswith("moe_layer"):  # its parser picks the CPU here, which runs tiny shapes only
+            args += ["--device", "cuda"]
+        tool.parse_args(args)

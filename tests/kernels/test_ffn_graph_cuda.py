@@ -354,6 +354,31 @@ def test_graph_server_matches_the_reference_with_an_eager_fallback(num_layers):
     assert tokens.count(40) <= ffn["eager"] <= tokens.count(40) + tokens.count(16)
 
 
+def test_graph_server_with_the_streamed_expert_gemms_matches_the_reference():
+    """GraphFFNServer(expert_gemm="stream") (moe.stream_gemm's Triton kernels on the stacked
+    layers, decision 0032): three layers of each token count, a 40-token layer eager (the
+    eager path keeps moe.grouped_mlp), every output within the fp64 reference's tolerance."""
+    from afd_cupy.config import ModelConfig
+    from afd_cupy.moe import stream_gemm
+    from afd_cupy.runtime.launch import launch
+    from afd_cupy.testing.graph_ffn import run_graph_rank
+    from afd_cupy.testing.scenario import Scenario, tolerance
+
+    reason = stream_gemm.unavailable_reason("cuda")
+    if reason is not None:
+        pytest.skip(reason)
+    tokens = (4, 16, 40, 1, 16, 4)
+    model = ModelConfig(hidden_size=256, num_experts=8, top_k=2, moe_intermediate_size=192,
+                        num_shared_experts=1, dtype="bfloat16", max_num_batched_tokens=64,
+                        num_layers=len(tokens), routed_scaling_factor=2.5)
+    scenario = Scenario(model, 1, 1, backend="cuda", tokens=(tokens,))
+    attn, ffn = launch(run_graph_rank, 2, args=(scenario, (4, 16), "stream"), timeout_s=240)
+    assert ffn["served"] == len(tokens) and ffn["expert_gemm"] == "stream" and ffn["eager"] >= 1
+    assert len(attn["errors"]) == len(tokens)
+    for err in attn["errors"]:
+        assert err["shape_ok"] and err["num_nan"] == 0 and err["rel_err"] <= tolerance("bfloat16"), err
+
+
 def test_graph_server_gemm_sm_carveout_gives_the_same_outputs():
     """GraphFFNServer(gemm_sm_carveout="auto"), the default (2 SMs left free on a GPU): the
     GEMMs captured with the carve-out answer every layer exactly as with 0 (one bucket that holds every item: no

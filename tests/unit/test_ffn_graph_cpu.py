@@ -370,3 +370,22 @@ def test_server_settings_check_depth_timeout_and_the_gemm_sm_carveout(monkeypatc
                         ((4, 0.01, 2.5), r"GraphFFNServer.gemm_sm_carveout must be an int >= 0 .*got float 2.5")):
         with pytest.raises(ConfigError, match=match):
             check(*args, torch.device("cuda", 0))
+
+
+def test_server_expert_gemm_choice(monkeypatch):
+    """GraphFFNServer(expert_gemm=...): "grouped_mm" (the default) or "stream" where
+    moe.stream_gemm can run (ConfigError naming the value, or its reason, otherwise)."""
+    import torch
+
+    from afd_cupy.backends.cuda_ffn_graph import GraphFFNServer
+    from afd_cupy.moe import stream_gemm
+
+    check = GraphFFNServer._check_expert_gemm
+    assert check("grouped_mm", torch.device("cuda", 0)) == "grouped_mm"
+    with pytest.raises(ConfigError, match=r"expert_gemm must be one of \('grouped_mm', 'stream'\), got 'triton'"):
+        check("triton", torch.device("cuda", 0))
+    monkeypatch.setattr(stream_gemm, "unavailable_reason", lambda device: "no CUDA device")
+    with pytest.raises(ConfigError, match=r"expert_gemm='stream'\) cannot run on cuda:0: no CUDA device"):
+        check("stream", torch.device("cuda", 0))
+    monkeypatch.setattr(stream_gemm, "unavailable_reason", lambda device: None)
+    assert check("stream", torch.device("cuda", 0)) == "stream"

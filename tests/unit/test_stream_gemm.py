@@ -82,6 +82,37 @@ def test_agrees_with_grouped_mlp(request):
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_stacked_layers_with_the_graph_ffns_offsets(request, fp8):
+    """stacked_mlp_streamed on every layer's experts stacked, with the offsets the graph FFN's
+    stage writes (ffn/graph.routed_offsets_reference): the arrived layer's rows match the
+    reference on that layer's experts; rows past them, and every row when no layer arrived, stay
+    unwritten (NaN)."""
+    import dataclasses
+
+    from afd_cupy.ffn import graph as ffn_graph
+
+    rng = node_rng(request)
+    layers, epr, hidden, inter, capacity = 3, 4, 32, 32, 128  # > 3 * 6 + 38 rows
+    stacked = random_experts(rng, layers * epr, hidden, inter, torch.float32, fp8=fp8)
+    x = torch.tensor(rng.standard_normal((capacity, hidden)), dtype=torch.float32)
+    for layer in (0, layers - 1, None):
+        counts = random_counts(rng, epr, mean_rows=6.0)
+        offs = torch.tensor(ffn_graph.routed_offsets_reference(counts, layer, layers, epr))
+        out = torch.full((capacity, hidden), float("nan"))
+        stream_gemm.stacked_mlp_streamed(x, offs, stacked, experts_per_layer=epr, out=out,
+                                         config=stream_gemm.StreamConfig(block_n=16, block_k=16))
+        if layer is None:
+            assert torch.isnan(out).all()
+            continue
+        rows = int(counts.sum())
+        one_layer = slice(layer * epr, (layer + 1) * epr)
+        fields = ("w13", "w2") + (("w13_scale", "w2_scale") if fp8 else ())
+        view = dataclasses.replace(stacked, num_experts=epr, **{f: getattr(stacked, f)[one_layer] for f in fields})
+        assert _rel_err(out[:rows], stream_reference(x[:rows], counts, view)) < TOLERANCE[torch.float32]
+        assert torch.isnan(out[rows:]).all()
+
+
 def test_zero_rows_and_all_empty_experts(request):
     rng = node_rng(request)
     weights = random_experts(rng, 3, 16, 16, torch.float32)
@@ -118,6 +149,11 @@ def test_argument_checks(request):
             stream_gemm.grouped_mlp_streamed(args["x"], args["group_counts"], weights, out=args["out"])
     with pytest.raises(ValueError, match="ExpertWeights"):
         stream_gemm.grouped_mlp_streamed(x, counts, object())
+    for bad in (0, 2, True, 1.0):  # 3 experts: 1 or 3 per layer
+        with pytest.raises(ValueError, match="experts_per_layer"):
+            stream_gemm.stacked_mlp_streamed(x, counts, weights, experts_per_layer=bad)
+    with pytest.raises(ValueError, match="offs must be"):
+        stream_gemm.stacked_mlp_streamed(x, torch.tensor([1, 2]), weights, experts_per_layer=1)
 
 
 SM90_MAX_SHARED = 232448  # bytes of shared memory one block may use on an H100 / H200
@@ -143,7 +179,7 @@ def test_compiles_for_sm90_pipelined():
                           text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == 24 and {(r["glu"], r["rows"], r["weights"]) for r in results} == {
-        (g, x, w) for g in (True, False) for x in ("bf16", "fp16") for w in (x, "fp8e4nv")}
+    assert len(results) == 48 and {(r["glu"], r["rows"], r["weights"], r["offsets"]) for r in results} == {
+        (g, x, w, o) for g in (True, False) for x in ("bf16", "fp16") for w in (x, "fp8e4nv") for o in (True, False)}
     for r in results:
         assert r["cp_async"] > 0 and r["mma"] > 0 and 0 < r["shared_bytes"] <= SM90_MAX_SHARED, r
