@@ -95,7 +95,8 @@ class GraphFFNServer:
 
     Limits (ConfigError): ``poll_mode="device"``, the async schedule, every Attention peer
     reached by direct stores (no put transport: the reply is a kernel's stores); GEMM
-    mode needs bf16, SM90/SM100, no expert biases and no shared-expert gate. Not thread-safe;
+    mode needs bf16 (FP8 routed experts with ``expert_gemm="stream"``), SM90/SM100, no
+    expert biases and no shared-expert gate. Not thread-safe;
     while it runs, nothing else may receive on the connector. Not collective.
     """
 
@@ -120,7 +121,7 @@ class GraphFFNServer:
             self.buckets = ffn_graph.buckets_for_tokens(
                 bucket_tokens, layout, top_k=model.top_k, num_ffn_ranks=connector.topology.num_ffn_ranks)
             weights, views, shared_views = stack_weights(experts, shared, model.num_layers,
-                                                         layout.expert_per_rank, device)
+                                                         layout.expert_per_rank, device, self.expert_gemm)
             # the eager fallback's per-layer weights are views of the stacked ones
             self.eager_worker = FFNWorker(connector, views, shared_views,
                                           gemm_sm_carveout=self.gemm_sm_carveout)

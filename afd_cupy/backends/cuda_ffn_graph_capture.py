@@ -28,10 +28,11 @@ EXPERT_GEMMS = ("grouped_mm", "stream")
 
 @dataclass(frozen=True)
 class StackedWeights:
-    """Every layer's experts stacked for the graph's grouped GEMMs: ``w13`` bf16
-    ``[num_layers * epr, 2I, H]``, ``w2`` ``[num_layers * epr, H, I]``, ``activation`` the
-    ``moe.ExpertWeights`` whose options the activation uses; the shared experts likewise
-    (``[num_layers, ...]``) or None."""
+    """Every layer's experts stacked for the graph's grouped GEMMs: ``w13``
+    ``[num_layers * epr, 2I, H]``, ``w2`` ``[num_layers * epr, H, I]`` (bf16; E4M3 with
+    ``w13_scale`` / ``w2_scale`` fp32 ``[num_layers * epr, 2I / H]`` for FP8 experts, which only
+    ``expert_gemm="stream"`` runs), ``activation`` the layer-0 experts whose options the
+    activation uses; the shared experts likewise (bf16, ``[num_layers, ...]``) or None."""
 
     w13: torch.Tensor
     w2: torch.Tensor
@@ -39,36 +40,57 @@ class StackedWeights:
     shared_w13: torch.Tensor | None = None
     shared_w2: torch.Tensor | None = None
     shared_activation: object = None
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+
+    def routed(self, groups: slice):
+        """The stacked routed experts of ``groups`` as one weights object of the layer-0 kind
+        (``moe.ExpertWeights`` or ``moe.FP8ExpertWeights``; views, no copy)."""
+        fields = {"w13": self.w13[groups], "w2": self.w2[groups]}
+        if self.w13_scale is not None:
+            fields.update(w13_scale=self.w13_scale[groups], w2_scale=self.w2_scale[groups])
+        return dataclasses.replace(self.activation, num_experts=fields["w13"].shape[0], **fields)
+
+    def shared(self):
+        """The stacked shared experts (one group per layer) as one ``moe.ExpertWeights``."""
+        return dataclasses.replace(self.shared_activation, w13=self.shared_w13, w2=self.shared_w2,
+                                   num_experts=self.shared_w13.shape[0])
 
 
-def stack_weights(experts, shared, num_layers: int, epr: int, device):
+def stack_weights(experts, shared, num_layers: int, epr: int, device, expert_gemm: str = "grouped_mm"):
     """Stacked copies of every layer's weights, and per-layer views of them for the eager
     worker: ``(StackedWeights, views, shared_views)``. ConfigError for what the graph's
-    GEMM mode cannot run."""
+    GEMM mode (``expert_gemm``, :data:`EXPERT_GEMMS`) cannot run: FP8 routed experts run with
+    ``"stream"`` only."""
     routed = per_layer(experts, num_layers)
     fused = per_layer(shared, num_layers)
     first = routed[0]
-    if any(isinstance(w, moe.FP8ExpertWeights) for w in routed):
-        raise ConfigError("the graph FFN does not run FP8 experts (moe.FP8ExpertWeights) yet; serve "
-                          "them with FFNWorker (its Python loop)")
-    if first.dtype != torch.bfloat16 or any(w.has_bias for w in routed + [s for s in fused if s]):
-        raise ConfigError("the graph FFN's GEMM mode needs bf16 experts without biases")
+    fp8 = [isinstance(w, moe.FP8ExpertWeights) for w in routed]
+    if any(fp8) and (expert_gemm != "stream" or not all(fp8)):
+        raise ConfigError("the graph FFN runs FP8 experts (moe.FP8ExpertWeights) only with "
+                          "GraphFFNServer(expert_gemm='stream'), every layer FP8; serve them with "
+                          "FFNWorker (its Python loop) otherwise")
+    bf16 = [s for s in fused if s] + ([] if any(fp8) else routed)
+    if any(w.dtype != torch.bfloat16 for w in bf16) or any(w.has_bias for w in routed + [s for s in fused if s]):
+        raise ConfigError("the graph FFN's GEMM mode needs bf16 experts (or FP8 routed experts with "
+                          "expert_gemm='stream') without biases")
     if any(s is not None and s.gate is not None for s in fused):
         raise ConfigError("the graph FFN does not run a shared-expert gate yet")
-    w13 = torch.cat([w.w13 for w in routed]).contiguous()
-    w2 = torch.cat([w.w2 for w in routed]).contiguous()
-    views = [dataclasses.replace(w, w13=w13[l * epr:(l + 1) * epr], w2=w2[l * epr:(l + 1) * epr])
+    names = ("w13", "w2", "w13_scale", "w2_scale") if any(fp8) else ("w13", "w2")
+    cat = {n: torch.cat([getattr(w, n) for w in routed]).contiguous() for n in names}
+    views = [dataclasses.replace(w, **{n: t[l * epr:(l + 1) * epr] for n, t in cat.items()})
              for l, w in enumerate(routed)]
-    stacked = StackedWeights(w13, w2, first)
+    scales = {"w13_scale": cat.get("w13_scale"), "w2_scale": cat.get("w2_scale")}
+    stacked = StackedWeights(cat["w13"], cat["w2"], first, **scales)
     shared_views = fused
     if fused[0] is not None:
         shared_w13 = torch.cat([s.w13 for s in fused]).contiguous()
         shared_w2 = torch.cat([s.w2 for s in fused]).contiguous()
         shared_views = [dataclasses.replace(s, w13=shared_w13[l:l + 1], w2=shared_w2[l:l + 1])
                         for l, s in enumerate(fused)]
-        stacked = StackedWeights(w13, w2, first, shared_w13, shared_w2, fused[0])
-    if not moe.grouped_mm_supported(torch.empty(8, first.hidden_size, dtype=torch.bfloat16,
-                                                device=device), views[0]):
+        stacked = StackedWeights(cat["w13"], cat["w2"], first, shared_w13, shared_w2, fused[0], **scales)
+    if expert_gemm == "grouped_mm" and not moe.grouped_mm_supported(
+            torch.empty(8, first.hidden_size, dtype=torch.bfloat16, device=device), views[0]):
         raise ConfigError("the graph FFN's GEMM mode needs torch._grouped_mm (SM90/SM100, "
                           "bf16, 16-byte aligned operands)")
     return stacked, views, shared_views
@@ -237,24 +259,29 @@ class GraphCapture:
         the same over one group per layer. Rows past the served item's are never read."""
         epr, lpc = self.layout.expert_per_rank, self.lpc
         offs_all = self.routed_offs_t
-        mlp = _streamed_mlp if self.expert_gemm == "stream" else _gated_mlp
+        stream = self.expert_gemm == "stream"
         outs = []
         for chunk in range(self.num_chunks):
             groups = slice(chunk * lpc * epr, min(self.num_layers, (chunk + 1) * lpc) * epr)
-            out = mlp(x, self.weights.w13[groups], self.weights.w2[groups], offs_all[groups],
-                      self.weights.activation, experts_per_layer=epr)
+            if stream:
+                out = _streamed_mlp(x, offs_all[groups], self.weights.routed(groups), experts_per_layer=epr)
+            else:
+                out = _gated_mlp(x, self.weights.w13[groups], self.weights.w2[groups], offs_all[groups],
+                                 self.weights.activation)
             factor = self.model.routed_scaling_factor
             outs.append(out if factor == 1.0 else out * factor)  # bf16: routed x f (moe rule)
         shared_out = None
         if xs is not None:
-            shared_out = mlp(xs, self.weights.shared_w13, self.weights.shared_w2, self.shared_offs_t,
-                             self.weights.shared_activation, experts_per_layer=1)
+            shared_out = (_streamed_mlp(xs, self.shared_offs_t, self.weights.shared(), experts_per_layer=1)
+                          if stream else
+                          _gated_mlp(xs, self.weights.shared_w13, self.weights.shared_w2, self.shared_offs_t,
+                                     self.weights.shared_activation))
         return outs, shared_out
 
 
 
 def _gated_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,
-               weights: moe.ExpertWeights, *, experts_per_layer: int) -> torch.Tensor:
+               weights: moe.ExpertWeights) -> torch.Tensor:
     """Two grouped GEMMs and the gated activation (``weights``' options), as
     ``moe._grouped_mlp_fused`` without biases. NOTE: output rows past ``offs[-1]`` are left
     unwritten by torch._grouped_mm (no GEMM work for them); nobody reads them."""
@@ -263,10 +290,8 @@ def _gated_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch
     return torch._grouped_mm(hidden, w2.transpose(1, 2), offs=offs)
 
 
-def _streamed_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,
-                  weights: moe.ExpertWeights, *, experts_per_layer: int) -> torch.Tensor:
-    """:func:`_gated_mlp` through ``moe.stream_gemm`` (``expert_gemm="stream"``): one program
-    per (output tile, expert of a layer), walking that expert in each stacked layer; rows past
-    ``offs[-1]`` are left unwritten as well."""
-    stacked = dataclasses.replace(weights, w13=w13, w2=w2, num_experts=w13.shape[0])
-    return stream_gemm.stacked_mlp_streamed(x, offs, stacked, experts_per_layer=experts_per_layer)
+def _streamed_mlp(x: torch.Tensor, offs: torch.Tensor, weights, *, experts_per_layer: int) -> torch.Tensor:
+    """:func:`_gated_mlp` through ``moe.stream_gemm`` (``expert_gemm="stream"``; ``weights`` the
+    stacked groups, bf16 or FP8): one program per (output tile, expert of a layer), walking
+    that expert in each stacked layer; rows past ``offs[-1]`` are left unwritten as well."""
+    return stream_gemm.stacked_mlp_streamed(x, offs, weights, experts_per_layer=experts_per_layer)

@@ -24,6 +24,9 @@ Variants (``VARIANTS``), all computing ``glu(x @ w1.T, x @ w3.T) @ w2.T`` per ex
   GEMMs' B operands row-major) instead of as column-major views of the nn.Linear layout.
 - ``pad_rows16``: every group's rows padded to a multiple of 16 (zero rows), so that each
   group starts on a tile boundary.
+- ``padded_bmm``: every expert's rows padded to the most any expert has (rounded up to 64),
+  then two batched dense GEMMs (``torch.bmm``, cuBLAS) over [E, rows, ...]: dense tiles at
+  the price of the padding (a prefill candidate; empty experts still cost their padded rows).
 - ``carveout_auto``: ``current`` inside ``moe.sm_carveout`` with the FFN side's "auto" value
   (``current`` itself runs with no carve-out).
 - ``stream``: :mod:`afd_cupy.moe.stream_gemm`'s weight-streaming Triton kernels (a program per
@@ -59,7 +62,7 @@ __all__ = ["VARIANTS", "FP8_VARIANT", "FP8_BLOCK_VARIANT", "FP8_STREAM_VARIANT",
            "fp8_unavailable_reason", "unavailable_reason"]
 
 VARIANTS = ("current", "split_gate_up", "trim_empty", "per_expert", "kn_layout", "pad_rows16",
-            "carveout_auto", "stream")
+            "carveout_auto", "stream", "padded_bmm")
 FP8_VARIANT = "fp8_rowwise"
 FP8_BLOCK_VARIANT = "fp8_block"
 FP8_STREAM_VARIANT = "stream_fp8"
@@ -68,8 +71,9 @@ FP8_VARIANTS = (FP8_VARIANT, FP8_BLOCK_VARIANT, FP8_STREAM_VARIANT)
 STREAM_VARIANTS = ("stream", FP8_STREAM_VARIANT)
 ALL_VARIANTS = VARIANTS + FP8_VARIANTS
 
-#: rows per group of ``pad_rows16``
+#: rows per group of ``pad_rows16``; the row multiple of ``padded_bmm``'s common group size
 PAD_ROWS = 16
+BMM_ROWS = 64
 
 
 @dataclass(frozen=True, eq=False)
@@ -164,12 +168,17 @@ def plan(prepared: PreparedExperts, group_counts: torch.Tensor, group_counts_hos
         return RowPlan(counts, counts_host, offs[first:last].clone(), first, last)  # own, aligned
     if prepared.variant == "pad_rows16":
         return _pad_plan(counts, counts_host, device)
+    if prepared.variant == "padded_bmm":
+        width = max(BMM_ROWS, -(-max(counts_host, default=0) // BMM_ROWS) * BMM_ROWS)
+        return _pad_plan(counts, counts_host, device, padded=np.full(num_experts, width, np.int64))
     return RowPlan(counts, counts_host, offs, 0, num_experts)
 
 
-def _pad_plan(counts, counts_host, device) -> RowPlan:
+def _pad_plan(counts, counts_host, device, padded=None) -> RowPlan:
+    """Each expert's rows moved to the start of its group of ``padded`` rows (default: its
+    count rounded up to PAD_ROWS)."""
     counts_np = np.asarray(counts_host, np.int64)
-    padded = -(-counts_np // PAD_ROWS) * PAD_ROWS
+    padded = -(-counts_np // PAD_ROWS) * PAD_ROWS if padded is None else padded
     src_start = np.cumsum(counts_np) - counts_np
     dst_start = np.cumsum(padded) - padded
     index = np.repeat(dst_start - src_start, counts_np) + np.arange(int(counts_np.sum()))
@@ -212,6 +221,14 @@ def _compute(prepared: PreparedExperts, x: torch.Tensor, row_plan: RowPlan) -> t
         padded.index_copy_(0, row_plan.pad_index, x)
         out = _fused_pair(padded, weights.w13.transpose(1, 2), weights.w2.transpose(1, 2),
                           row_plan.offs, weights)
+        return out.index_select(0, row_plan.pad_index)
+    if variant == "padded_bmm":
+        num_experts = weights.num_experts
+        padded = x.new_zeros((row_plan.padded_rows, x.shape[1]))
+        padded.index_copy_(0, row_plan.pad_index, x)
+        groups = padded.view(num_experts, -1, x.shape[1])
+        hidden = _glu(torch.bmm(groups, weights.w13.transpose(1, 2)), weights, x.dtype)
+        out = torch.bmm(hidden, weights.w2.transpose(1, 2)).reshape(row_plan.padded_rows, -1)
         return out.index_select(0, row_plan.pad_index)
     if variant == "trim_empty":
         kept = slice(row_plan.first, row_plan.last)

@@ -18,11 +18,12 @@ as E4M3 (half the bytes) and widened to the rows' dtype in registers; the channe
 multiplies the fp32 sum (it is constant along K). The rows stay in their dtype: no activation
 quantization, unlike ``moe.grouped_mlp``'s FP8 path (docs/design/fp8.md).
 
-No host synchronization, no host-to-device copy: each program finds its expert's rows from
-``group_counts`` on the device (a prefix sum over at most 1024 counts), so a CUDA graph can
-capture it (compile it by one call before the capture). On the CPU the same kernels run in
-Triton's interpreter (numpy): what the CPU tests check. Triton ships with torch's CUDA wheels
-for Linux; where it is missing, :func:`unavailable_reason` says so.
+No host synchronization, no host-to-device copy: each program reads its expert's rows from the
+groups' cumulative end rows on the device (``torch._grouped_mm``'s ``offs``; from
+``group_counts`` one ``torch.cumsum``), so a CUDA graph can capture it (compile it by one call
+before the capture). On the CPU the same kernel runs in Triton's interpreter (numpy): what the
+CPU tests check. Triton ships with torch's CUDA wheels for Linux; where it is missing,
+:func:`unavailable_reason` says so.
 
 Shapes and dtypes (:func:`grouped_mlp_streamed`): x [rows, H] bf16/fp16 (fp32 on the CPU), rows
 grouped by local expert as ``moe.grouped_mlp`` takes them, any row stride; group_counts int [E]
@@ -32,8 +33,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +45,6 @@ tl = None
 __all__ = ["StreamConfig", "DEFAULT_CONFIG", "unavailable_reason", "grouped_mlp_streamed",
            "stacked_mlp_streamed", "row_block", "compile_check"]
 
-_MAX_EXPERTS = 1024  # the prefix sum's bound (one load of every count per program)
 
 
 @dataclass(frozen=True)
@@ -85,21 +83,18 @@ def row_block(num_rows: int, num_experts: int) -> int:
 
 def unavailable_reason(device) -> str | None:
     """Why the streamed GEMMs cannot run on ``device`` (None: they can; on the CPU through
-    Triton's interpreter). A process runs them on one kind of device: Triton's interpreter is
-    chosen when Triton is imported (``TRITON_INTERPRET``), so the first use decides."""
+    Triton's interpreter, whatever mode Triton was imported in: the kernel uses only Triton's
+    builtins). On the GPU, not under ``TRITON_INTERPRET=1`` (which makes every Triton kernel of
+    the process an interpreted one)."""
     device = torch.device(device)
     if device.type not in ("cuda", "cpu"):
         return f"device type {device.type} is not supported"
     try:
-        triton = _triton(interpret=device.type == "cpu")
+        triton = _triton()
     except ImportError as exc:
         return f"triton is not importable ({exc})"
-    interpreting = bool(triton.knobs.runtime.interpret)
-    if device.type == "cpu" and not interpreting:
-        return ("triton was imported before without TRITON_INTERPRET=1: its CPU interpreter "
-                "must be on when it is imported")
     if device.type == "cuda":
-        if interpreting:
+        if triton.knobs.runtime.interpret:
             return "TRITON_INTERPRET=1 is set: this process runs Triton's CPU interpreter"
         if not torch.cuda.is_available():
             return "no CUDA device"
@@ -109,12 +104,9 @@ def unavailable_reason(device) -> str | None:
     return None
 
 
-def _triton(*, interpret: bool):
-    """Import Triton (its interpreter on where ``interpret`` and it is not imported yet) and
-    bind the kernel's ``tl``."""
+def _triton():
+    """Import Triton and bind the kernel's ``tl``."""
     global tl
-    if interpret and "triton" not in sys.modules:
-        os.environ["TRITON_INTERPRET"] = "1"  # read when triton.language's functions are built
     import triton
     import triton.language
 
@@ -124,34 +116,27 @@ def _triton(*, interpret: bool):
 
 # --------------------------------------------------------------------------- the kernel
 
-def _stream_gemm(x_ptr, w_ptr, scale_ptr, counts_ptr, out_ptr, N, K, num_experts, num_layers,
+def _stream_gemm(x_ptr, w_ptr, scale_ptr, offs_ptr, out_ptr, N, K, num_experts, num_layers,
                  stride_xm, stride_we, stride_wn, stride_se, stride_om, up_offset,
                  GLU: tl.constexpr, HAS_SCALE: tl.constexpr, F32_DOT: tl.constexpr,
-                 OFFSETS: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[r, n] = sum_k x[r, k] * w[g, n, k] (* scale[g, n]) for the rows r of each group g of
-    this program's expert e = program_id(1), n in its tile. Counts (not OFFSETS): one group,
-    g = e, rows after the counts of the experts before it (``num_layers`` 1). OFFSETS: groups
-    g = l * num_experts + e for l < num_layers (stacked layers), group g's rows
-    [counts[g - 1], counts[g]) (torch._grouped_mm's cumulative end rows). GLU: also the up
-    channel n + up_offset, and out = silu(gate) * up. Accumulates in fp32, rounds once to out's
-    dtype. F32_DOT: both operands widened to fp32, IEEE products (the interpreter: its bf16 dot
-    is wrong); else the weights widened to the rows' dtype (E4M3 -> bf16 / fp16: exact) and the
-    tensor cores' dot."""
+    this program's expert e = program_id(1), n in its tile: groups g = l * num_experts + e for
+    l < num_layers (stacked layers; one layer: g = e), group g's rows [offs[g - 1], offs[g])
+    (torch._grouped_mm's cumulative end rows). GLU: also the up channel n + up_offset, and out
+    = silu(gate) * up. Accumulates in fp32, rounds once to out's dtype. F32_DOT: both operands
+    widened to fp32, IEEE products (the interpreter: its bf16 dot is wrong); else the weights
+    widened to the rows' dtype (E4M3 -> bf16 / fp16: exact) and the tensor cores' dot. Only
+    Triton's builtins (no function of triton.language.standard): the interpreter runs it even
+    where Triton was imported for the GPU."""
     pid_n = tl.program_id(0)
     expert = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     for layer in range(0, num_layers):
         group = layer * num_experts + expert
-        if OFFSETS:
-            end = tl.load(counts_ptr + group).to(tl.int32)
-            start = tl.load(counts_ptr + group - 1, mask=group > 0, other=0).to(tl.int32)
-        else:
-            experts = tl.arange(0, E_POW2)
-            counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0).to(tl.int32)
-            start = tl.sum(tl.where(experts < expert, counts, 0), axis=0)
-            end = start + tl.sum(tl.where(experts == expert, counts, 0), axis=0)
+        end = tl.load(offs_ptr + group).to(tl.int32)
+        start = tl.load(offs_ptr + group - 1, mask=group > 0, other=0).to(tl.int32)
         w_tile = w_ptr + group.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * stride_wn
         if HAS_SCALE:
             scale = tl.load(scale_ptr + group * stride_se + cols, mask=col_ok, other=0.0)
@@ -160,9 +145,9 @@ def _stream_gemm(x_ptr, w_ptr, scale_ptr, counts_ptr, out_ptr, N, K, num_experts
         for row0 in range(start, end, BLOCK_M):
             rows = row0 + tl.arange(0, BLOCK_M)
             row_ok = rows < end
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
             if GLU:
-                acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                acc_up = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
                 k_ok = ks < K
@@ -186,7 +171,7 @@ def _stream_gemm(x_ptr, w_ptr, scale_ptr, counts_ptr, out_ptr, N, K, num_experts
                 if GLU:
                     acc_up = acc_up * up_scale[None, :]
             if GLU:
-                acc = acc * tl.sigmoid(acc) * acc_up
+                acc = acc / (1.0 + tl.exp(-acc)) * acc_up
             tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                      mask=row_ok[:, None] & col_ok[None, :])
 
@@ -194,7 +179,7 @@ def _stream_gemm(x_ptr, w_ptr, scale_ptr, counts_ptr, out_ptr, N, K, num_experts
 @functools.lru_cache(maxsize=2)
 def _kernel(interpret: bool):
     """The kernel compiled for CUDA (``triton.jit``) or for Triton's CPU interpreter."""
-    triton = _triton(interpret=interpret)
+    triton = _triton()
     if interpret:
         from triton.runtime.interpreter import InterpretedFunction
 
@@ -209,39 +194,39 @@ def grouped_mlp_streamed(x: torch.Tensor, group_counts: torch.Tensor, weights, *
                          config: StreamConfig = DEFAULT_CONFIG,
                          out: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts on x [rows, H] -> [rows, H] in x.dtype (module doc): ``weights`` an
-    ``ExpertWeights`` of x's dtype or a ``moe.FP8ExpertWeights``, on x's device, no biases, at
-    most 1024 experts. ``group_counts`` int [E] on x's device, summing to rows (not checked:
-    that would synchronize; rows past the counts' sum are left unwritten). ``out``: [rows, H]
-    x.dtype on x's device with unit column stride, written in place and returned (default: a
-    new tensor). ValueError for anything else."""
-    return _mlp(x, group_counts, weights, offsets=False, experts_per_layer=None, config=config, out=out)
+    ``ExpertWeights`` of x's dtype or a ``moe.FP8ExpertWeights``, on x's device, no biases.
+    ``group_counts`` int [E] on x's device, summing to rows (not checked: that would
+    synchronize; rows past the counts' sum are left unwritten). ``out``: [rows, H] x.dtype on
+    x's device with unit column stride, written in place and returned (default: a new tensor).
+    ValueError for anything else."""
+    _check(x, group_counts, weights, "group_counts")
+    offs = torch.cumsum(group_counts, dim=0, dtype=torch.int32)
+    return _mlp(x, offs, weights, weights.num_experts, config, out)
 
 
 def stacked_mlp_streamed(x: torch.Tensor, offs: torch.Tensor, weights, *, experts_per_layer: int,
                          config: StreamConfig = DEFAULT_CONFIG,
                          out: torch.Tensor | None = None) -> torch.Tensor:
     """The graph FFN's form: ``weights`` hold several layers' experts stacked layer-major
-    (``num_experts = layers * experts_per_layer``), ``offs`` int [num_experts] on x's device the
-    cumulative end row of each group (``torch._grouped_mm``'s ``offs``: group g's rows are
+    (``num_experts = layers * experts_per_layer``), ``offs`` int32 [num_experts] on x's device
+    the cumulative end row of each group (``torch._grouped_mm``'s ``offs``: group g's rows are
     [offs[g - 1], offs[g])). One program per (output tile, expert of a layer) walks its expert
     in every layer, so a replay in which one layer has rows launches what one layer needs. The
     rest as :func:`grouped_mlp_streamed` (rows past offs[-1] are left unwritten)."""
-    num_experts = getattr(weights, "num_experts", 0)
+    _check(x, offs, weights, "offs")
+    if offs.dtype != torch.int32:
+        raise ValueError(f"offs must be int32 (torch._grouped_mm's offsets), got {offs.dtype}")
     if isinstance(experts_per_layer, bool) or not isinstance(experts_per_layer, int) or experts_per_layer < 1 \
-            or num_experts % experts_per_layer:
-        raise ValueError(f"experts_per_layer must be an int >= 1 dividing num_experts={num_experts}, "
+            or weights.num_experts % experts_per_layer:
+        raise ValueError(f"experts_per_layer must be an int >= 1 dividing num_experts={weights.num_experts}, "
                          f"got {experts_per_layer!r}")
-    return _mlp(x, offs, weights, offsets=True, experts_per_layer=experts_per_layer, config=config, out=out)
+    return _mlp(x, offs, weights, experts_per_layer, config, out)
 
 
-def _mlp(x, rows_by_group, weights, *, offsets: bool, experts_per_layer: int | None, config: StreamConfig,
-         out):
-    """Both forms (``experts_per_layer`` None: all of the experts, one layer)."""
+def _mlp(x, offs, weights, experts_per_layer: int, config: StreamConfig, out):
+    """Both forms, their arguments checked: the gate/up GEMM (silu fused), the down GEMM."""
     from afd_cupy.moe.fp8 import FP8ExpertWeights
 
-    is_fp8 = isinstance(weights, FP8ExpertWeights)
-    _check(x, rows_by_group, weights, is_fp8, offsets)
-    experts_per_layer = experts_per_layer or weights.num_experts
     reason = unavailable_reason(x.device)
     if reason is not None:
         raise ValueError(f"streamed expert GEMMs unavailable on {x.device}: {reason}")
@@ -254,9 +239,9 @@ def _mlp(x, rows_by_group, weights, *, offsets: bool, experts_per_layer: int | N
                          f"stride, got {tuple(out.shape)} {out.dtype} on {out.device}")
     if rows == 0:
         return out
-    gemm = functools.partial(_launch, rows_by_group=rows_by_group, offsets=offsets,
-                             experts_per_layer=experts_per_layer, config=config,
+    gemm = functools.partial(_launch, offs=offs, experts_per_layer=experts_per_layer, config=config,
                              block_m=row_block(rows, experts_per_layer))
+    is_fp8 = isinstance(weights, FP8ExpertWeights)
     w13_scale, w2_scale = (weights.w13_scale, weights.w2_scale) if is_fp8 else (None, None)
     if weights.activation == "silu":
         hidden = x.new_empty((rows, inter))
@@ -269,28 +254,29 @@ def _mlp(x, rows_by_group, weights, *, offsets: bool, experts_per_layer: int | N
     return out
 
 
-def _launch(x, w, scale, out, *, n: int, glu: bool, rows_by_group, offsets: bool, experts_per_layer: int,
-            config: StreamConfig, block_m: int):
+def _launch(x, w, scale, out, *, n: int, glu: bool, offs, experts_per_layer: int, config: StreamConfig,
+            block_m: int):
     num_groups, _, k = w.shape
     interpret = x.device.type == "cpu"
     grid = (-(-n // config.block_n), experts_per_layer)
     launch_shape = {} if interpret else {"num_warps": config.num_warps, "num_stages": config.num_stages}
-    e_pow2 = 2 if offsets else max(2, 1 << (num_groups - 1).bit_length())
     _kernel(interpret)[grid](
-        x, w, scale if scale is not None else out, rows_by_group, out, n, k, experts_per_layer,
+        x, w, scale if scale is not None else out, offs, out, n, k, experts_per_layer,
         num_groups // experts_per_layer, x.stride(0), w.stride(0), w.stride(1),
         scale.stride(0) if scale is not None else 0, out.stride(0), n if glu else 0, GLU=glu,
-        HAS_SCALE=scale is not None, F32_DOT=interpret, OFFSETS=offsets, E_POW2=e_pow2,
-        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, **launch_shape)
+        HAS_SCALE=scale is not None, F32_DOT=interpret, BLOCK_M=block_m, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, **launch_shape)
 
 
-def _check(x, group_counts, weights, is_fp8: bool, offsets: bool) -> None:
+def _check(x, groups, weights, name: str) -> None:
+    """The arguments both forms share (``groups``: the counts or offsets, called ``name``)."""
+    from afd_cupy.moe.fp8 import FP8ExpertWeights
+
+    is_fp8 = isinstance(weights, FP8ExpertWeights)
     if not is_fp8 and not isinstance(weights, ExpertWeights):
         raise ValueError(f"weights must be moe.ExpertWeights or moe.FP8ExpertWeights, got {type(weights).__name__}")
     if weights.has_bias or weights.gate is not None:
         raise ValueError("the streamed expert GEMMs run experts without biases or a gate")
-    if not 1 <= weights.num_experts <= (weights.num_experts if offsets else _MAX_EXPERTS):
-        raise ValueError(f"the streamed expert GEMMs take 1..{_MAX_EXPERTS} experts, got {weights.num_experts}")
     if x.dim() != 2 or x.shape[1] != weights.hidden_size or x.stride(1) != 1:
         raise ValueError(f"x must be [rows, {weights.hidden_size}] with unit column stride, got "
                          f"{tuple(x.shape)} strides {tuple(x.stride())}")
@@ -303,46 +289,43 @@ def _check(x, group_counts, weights, is_fp8: bool, offsets: bool) -> None:
     tensors = (weights.w13, weights.w2) + ((weights.w13_scale, weights.w2_scale) if is_fp8 else ())
     if any(t.device != x.device for t in tensors) or not all(t.is_contiguous() for t in tensors):
         raise ValueError(f"the expert weights must be contiguous on x's device {x.device}")
-    if group_counts.dim() != 1 or group_counts.shape[0] != weights.num_experts \
-            or group_counts.is_floating_point() or group_counts.device != x.device:
-        name = "offs" if offsets else "group_counts"
+    if groups.dim() != 1 or groups.shape[0] != weights.num_experts or groups.is_floating_point() \
+            or groups.device != x.device:
         raise ValueError(f"{name} must be an int [{weights.num_experts}] tensor on {x.device}, got "
-                         f"{tuple(group_counts.shape)} {group_counts.dtype} on {group_counts.device}")
+                         f"{tuple(groups.shape)} {groups.dtype} on {groups.device}")
 
 
 # --------------------------------------------------------------------------- compile check
 
 #: the kernel's arguments the JIT sees 16-divisible in practice (pointers, H, I, strides)
-_DIVISIBLE = ("x_ptr", "w_ptr", "scale_ptr", "counts_ptr", "out_ptr", "N", "K", "stride_xm",
+_DIVISIBLE = ("x_ptr", "w_ptr", "scale_ptr", "offs_ptr", "out_ptr", "N", "K", "stride_xm",
               "stride_we", "stride_wn", "stride_se", "stride_om", "up_offset")
 
 
 def compile_check(arch: int = 90, config: StreamConfig = DEFAULT_CONFIG, block_m: int = 32) -> list[dict]:
     """Compile every specialization the MLPs launch (gate/up fused or not, bf16/fp16 rows with
-    weights of their dtype or E4M3, counts or offsets) for ``sm_<arch>`` without a GPU (Triton's own ptxas), with the
-    16-divisible arguments the JIT specializes on. Returns per specialization its shared
+    weights of their dtype or E4M3) for ``sm_<arch>`` without a GPU (Triton's own ptxas), with
+    the 16-divisible arguments the JIT specializes on. Returns per specialization its shared
     memory bytes and the PTX's ``cp.async`` and ``mma`` counts (pipelined loads, tensor-core
-    MMAs). Needs Triton imported without its interpreter (run it in a process of its own)."""
-    triton = _triton(interpret=False)
+    MMAs). Not under ``TRITON_INTERPRET=1``."""
+    triton = _triton()
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
     names = list(_stream_gemm.__code__.co_varnames[:_stream_gemm.__code__.co_argcount])
     kernel, out = JITFunction(_stream_gemm), []
-    for glu, rows, fp8, offsets in itertools.product((True, False), ("bf16", "fp16"), (False, True),
-                                                     (False, True)):
+    for glu, rows, fp8 in itertools.product((True, False), ("bf16", "fp16"), (False, True)):
         weights = "fp8e4nv" if fp8 else rows
-        types = {"x_ptr": f"*{rows}", "w_ptr": f"*{weights}", "scale_ptr": "*fp32",
-                 "counts_ptr": "*i32" if offsets else "*i64", "out_ptr": f"*{rows}"}
-        constants = {"GLU": glu, "HAS_SCALE": fp8, "F32_DOT": False, "OFFSETS": offsets, "E_POW2": 64,
-                     "BLOCK_M": block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k}
+        types = {"x_ptr": f"*{rows}", "w_ptr": f"*{weights}", "scale_ptr": "*fp32", "offs_ptr": "*i32",
+                 "out_ptr": f"*{rows}"}
+        constants = {"GLU": glu, "HAS_SCALE": fp8, "F32_DOT": False, "BLOCK_M": block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k}
         signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in _DIVISIBLE}
         compiled = triton.compile(ASTSource(kernel, signature, constants, attrs),
                                   target=GPUTarget("cuda", arch, 32),
                                   options={"num_warps": config.num_warps, "num_stages": config.num_stages})
         ptx = compiled.asm["ptx"]
-        out.append({"glu": glu, "rows": rows, "weights": weights, "offsets": offsets, "shared_bytes": compiled.metadata.shared,
+        out.append({"glu": glu, "rows": rows, "weights": weights, "shared_bytes": compiled.metadata.shared,
                     "cp_async": ptx.count("cp.async."), "mma": ptx.count("mma.")})
     return out

@@ -14,9 +14,11 @@ from afd_cupy.runtime.topology import Role, Topology
 from afd_cupy.testing import scenario as sc
 
 
-def run_graph_rank(ctx, scenario: sc.Scenario, bucket_tokens: tuple, expert_gemm: str = "grouped_mm") -> dict:
+def run_graph_rank(ctx, scenario: sc.Scenario, bucket_tokens: tuple, expert_gemm: str = "grouped_mm",
+                   fp8_experts: bool = False) -> dict:
     """Entry point of every process: Attention as ``scenario.run_rank``, FFN through graphs
-    (``GraphFFNServer(expert_gemm=...)``)."""
+    (``GraphFFNServer(expert_gemm=...)``; ``fp8_experts``: the routed experts quantized as a
+    block-scaled FP8 checkpoint, ``moe.FP8ExpertWeights``)."""
     topo = Topology(scenario.num_attn, scenario.num_ffn, scenario.model.num_experts)
     role, role_rank = topo.role_of(ctx.rank)
     device = sc.rank_device(scenario, ctx)
@@ -27,12 +29,13 @@ def run_graph_rank(ctx, scenario: sc.Scenario, bucket_tokens: tuple, expert_gemm
     try:
         if role is Role.ATTENTION:
             return sc.run_attention(conn, scenario, role_rank, device)
-        return _graph_ffn(conn, scenario, role_rank, device, bucket_tokens, expert_gemm)
+        return _graph_ffn(conn, scenario, role_rank, device, bucket_tokens, expert_gemm, fp8_experts)
     finally:
         conn.close()
 
 
-def _graph_ffn(conn, scenario: sc.Scenario, ffn_rank: int, device, bucket_tokens, expert_gemm: str) -> dict:
+def _graph_ffn(conn, scenario: sc.Scenario, ffn_rank: int, device, bucket_tokens, expert_gemm: str,
+               fp8_experts: bool) -> dict:
     from afd_cupy.backends.cuda_ffn_graph import GraphFFNServer
 
     model = scenario.model
@@ -40,7 +43,8 @@ def _graph_ffn(conn, scenario: sc.Scenario, ffn_rank: int, device, bucket_tokens
     routed, shared = [], []
     for layer in range(model.num_layers):
         global_routed, layer_shared = sc.layer_weights(model, layer, scenario.seed, device)
-        routed.append(moe.local_experts(global_routed, ffn_rank, epr))
+        local = moe.local_experts(global_routed, ffn_rank, epr)
+        routed.append(moe.FP8ExpertWeights.quantize(local, blockwise=True) if fp8_experts else local)
         shared.append(layer_shared)
     server = GraphFFNServer(conn, routed, shared if model.num_shared_experts else None,
                             bucket_tokens=bucket_tokens, gemm_sm_carveout=scenario.gemm_sm_carveout,

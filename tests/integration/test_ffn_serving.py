@@ -148,8 +148,33 @@ def test_fp8_experts_pass_the_weight_check_and_the_graph_refuses_them():
         _worker(conn, experts=_fp8_experts(), shared=moe.FP8ExpertWeights.quantize(_shared(torch.float32)))
     worker = _worker(conn, experts=_fp8_experts())  # the payload dtype (bf16) is the rows'
     assert worker.serving_plan().mode == "loop"
-    with pytest.raises(ConfigError, match="the graph FFN does not run FP8 experts"):
+    with pytest.raises(ConfigError, match=r"runs FP8 experts \(moe.FP8ExpertWeights\) only with "
+                                          r"GraphFFNServer\(expert_gemm='stream'\)"):
         stack_weights(worker.experts, worker.shared, LAYERS, EPR, "cpu")
+
+
+def test_fp8_experts_stack_for_the_streamed_graph_gemms():
+    """stack_weights(..., expert_gemm="stream") stacks FP8 routed experts with their scales (the
+    eager fallback's per-layer views are FP8 too) and bf16 shared ones; FP8 mixed with bf16
+    layers is refused."""
+    layers = [_fp8_experts() for _ in range(LAYERS)]
+    shared = [_shared() for _ in range(LAYERS)]
+    stacked, views, shared_views = stack_weights(layers, shared, LAYERS, EPR, "cpu", "stream")
+    assert stacked.w13.dtype == torch.float8_e4m3fn and stacked.w13.shape == (LAYERS * EPR, 2 * INTER, HIDDEN)
+    assert stacked.w13_scale.shape == (LAYERS * EPR, 2 * INTER) and stacked.w2_scale.shape == (LAYERS * EPR, HIDDEN)
+    for layer, view in enumerate(views):
+        assert isinstance(view, moe.FP8ExpertWeights) and view.num_experts == EPR
+        assert torch.equal(view.w13.float(), layers[layer].w13.float())
+        assert torch.equal(view.w2_scale, layers[layer].w2_scale)
+        assert view.w13.data_ptr() == stacked.w13[layer * EPR].data_ptr()  # a view, not a copy
+    chunk = stacked.routed(slice(EPR, 3 * EPR))
+    assert isinstance(chunk, moe.FP8ExpertWeights) and chunk.num_experts == 2 * EPR
+    assert torch.equal(chunk.w13_scale, torch.cat([layers[1].w13_scale, layers[2].w13_scale]))
+    assert stacked.shared().num_experts == LAYERS and torch.equal(shared_views[2].w2, shared[2].w2)
+    bf16_stacked, _, _ = stack_weights([_experts()] * LAYERS, shared, LAYERS, EPR, "cpu", "stream")
+    assert bf16_stacked.w13_scale is None and isinstance(bf16_stacked.routed(slice(0, EPR)), moe.ExpertWeights)
+    with pytest.raises(ConfigError, match="every layer FP8"):
+        stack_weights([_fp8_experts(), _experts(), _fp8_experts()], shared, LAYERS, EPR, "cpu", "stream")
 
 
 def test_identity_experts_on_a_cuda_connector_apply_and_loop_opts_out():
