@@ -20,7 +20,8 @@ Every stream result is checked against ``current`` (relative L2; FP8 against bf1
 FP8 budget of test_stream_gemm_cuda.py) before it is timed; a config that fails to compile or
 to check is reported, not timed. Prints a table per shape and the targets' view (floor fraction
 at decode 128 >= 0.85, FP8 >= 1.6x bf16 of the same run); writes ``bench_stream_gemm.json``.
-Needs a GPU and Triton.
+Needs a GPU and Triton; ``--device cpu`` runs the tiny shapes through Triton's interpreter to
+check the tool (its times say nothing).
 
     python3 tools/bench_stream_gemm.py --quick --out OUT
 """
@@ -46,7 +47,10 @@ FLOOR_GOAL, FP8_GOAL, GOAL_TOKENS = 0.85, 1.6, 128
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", choices=ml.GPU_SHAPES + ("small",), default=list(ml.GPU_SHAPES))
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: the tiny / small shapes in Triton's interpreter (checks the tool only)")
+    parser.add_argument("--shapes", nargs="+", choices=ml.GPU_SHAPES + ("tiny", "small"), default=None,
+                        help=f"default {' '.join(ml.GPU_SHAPES)} (cpu: tiny)")
     parser.add_argument("--tokens", type=int, nargs="+", default=None, help="default 8 32 128 256 (quick: 32 128)")
     parser.add_argument("--block-n", type=int, nargs="+", default=[32, 64, 128])
     parser.add_argument("--block-k", type=int, nargs="+", default=[64, 128])
@@ -58,6 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="fewer replays")
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
     args = parser.parse_args(argv)
+    args.shapes = args.shapes or (list(ml.GPU_SHAPES) if args.device == "cuda" else ["tiny"])
+    if args.device == "cpu" and set(args.shapes) - {"tiny", "small"}:
+        parser.error("--device cpu runs the tiny and small shapes only")
     args.iters = args.iters or (20 if args.quick else 50)
     args.tokens = args.tokens or ([32, GOAL_TOKENS] if args.quick else [8, 32, GOAL_TOKENS, 256])
     if min(args.tokens) < 1:
@@ -128,9 +135,9 @@ def measure_shape(shape, args, device, copy_bps: float) -> dict:
                                           current_out, FP8_CHECK_TOL, args, device)
         rows.append(row_report(tokens, floor, current["median_us"], sweep, best, fp8))
         del x, xs, current_out
-        torch.cuda.empty_cache()
+        ml._free(device)
     del routed, fp8_routed
-    torch.cuda.empty_cache()
+    ml._free(device)
     return {"shape": asdict(shape), "rows": rows}
 
 
@@ -206,10 +213,10 @@ def main(argv=None) -> int:
     from afd_cupy.moe import stream_gemm
 
     args = parse_args(argv)
-    if not bc.num_visible_gpus():
-        print("bench_stream_gemm needs a GPU")
+    if args.device == "cuda" and not bc.num_visible_gpus():
+        print("bench_stream_gemm needs a GPU (--device cpu checks the tool in Triton's interpreter)")
         return 2
-    device = torch.device("cuda")
+    device = torch.device(args.device)
     reason = stream_gemm.unavailable_reason(device)
     if reason is not None:
         print(f"bench_stream_gemm cannot run: {reason}")
@@ -219,7 +226,7 @@ def main(argv=None) -> int:
     print(f"device {bc.device_name(device)}: copy {copy_bps / 1e12:.3f} TB/s (read + write); "
           f"{len(configs(args))} configs", flush=True)
     shapes = {}
-    result = {"tool": "bench_stream_gemm", "run": bc.run_info("cuda"), "device": bc.device_name(device),
+    result = {"tool": "bench_stream_gemm", "run": bc.run_info("cuda" if device.type == "cuda" else "host"), "device": bc.device_name(device),
               "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               "copy_bytes_per_s": copy_bps, "shapes": shapes}
     for name in args.shapes:  # the JSON is rewritten after each shape: a cut run keeps the done ones

@@ -1,6 +1,9 @@
 """tools/bench_stream_gemm.py on the CPU: its sweep, report arithmetic and targets on synthetic
-numbers with known answers, and its refusal without a GPU (it times nothing on the CPU; the
-GPU run is tools/gpu_suite.sh moe1)."""
+numbers with known answers, its refusal without a GPU, and a whole run at the tiny shape in
+Triton's interpreter (every config checked against the current path before it is timed; the
+times say nothing). The GPU run is tools/gpu_suite.sh stream1."""
+import importlib.util
+import json
 import sys
 
 import pytest
@@ -49,3 +52,22 @@ def test_refuses_without_a_gpu(capsys):
         pytest.skip("a GPU is visible")
     assert bsg.main(["--quick"]) == 2
     assert "needs a GPU" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bsg.parse_args(["--device", "cpu", "--shapes", "v2lite"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.timeout(240)
+def test_tiny_run_in_the_interpreter(tmp_path, capsys):
+    argv = ["--device", "cpu", "--quick", "--tokens", "1", "4", "--block-n", "16", "32", "--block-k", "16",
+            "--stages", "3", "--iters", "2", "--warmup", "1", "--out", str(tmp_path)]
+    assert bsg.main(argv) == 0
+    report = json.loads((tmp_path / "bench_stream_gemm.json").read_text())
+    (tiny,) = report["shapes"].values()
+    assert [r["tokens"] for r in tiny["rows"]] == [1, 4]
+    for row in tiny["rows"]:
+        assert set(row["sweep"]) == {"n16/k16/w4/s3", "n32/k16/w4/s3"}
+        assert all("median_us" in v and v["rel_err"] <= bsg.CHECK_TOL for v in row["sweep"].values()), row["sweep"]
+        assert row["best_config"] in row["sweep"] and row["current_us"] > 0
+        assert set(row["fp8"]) == {"default", "best"} and 1e-3 < row["fp8_rel_err"] <= bsg.FP8_CHECK_TOL
+    assert "the sweep, bf16" in capsys.readouterr().out
