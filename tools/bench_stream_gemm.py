@@ -14,12 +14,16 @@ bench_moe_layer routes), each path in a CUDA graph, median µs of replays:
 - ``stream_fp8``: the same experts quantized as a DeepSeek-V3 checkpoint (128x128 blocks,
   converted per output channel), with the best bf16 config and the default one;
 - the floor: bytes of the experts the routing hit (bf16; E4M3 for FP8: half) over the copy rate
-  measured in the same run (bench_moe_layer.copy_rate), and the fraction of it each path reaches.
+  measured in the same run (bench_moe_layer.copy_rate), and the fraction of it each path reaches;
+- at prefill sizes (``--tokens`` >= 1024, e.g. ``--tokens 4096 --block-m 64 128``): TFLOP/s of
+  ``current`` and of the best stream config against a dense bf16 GEMM pair of the same shape
+  timed in the same run (bench_moe_layer.dense_pair_tflops).
 
 Every stream result is checked against ``current`` (relative L2; FP8 against bf16 within the
 FP8 budget of test_stream_gemm_cuda.py) before it is timed; a config that fails to compile or
 to check is reported, not timed. Prints a table per shape and the targets' view (floor fraction
-at decode 128 >= 0.85, FP8 >= 1.6x bf16 of the same run); writes ``bench_stream_gemm.json``.
+at decode 128 >= 0.85, FP8 >= 1.6x bf16 of the same run, prefill 4096 >= 0.70 of the dense
+rate); writes ``bench_stream_gemm.json``.
 Needs a GPU and Triton; ``--device cpu`` runs the tiny shapes through Triton's interpreter to
 check the tool (its times say nothing).
 
@@ -43,6 +47,7 @@ import bench_moe_layer as ml  # noqa: E402
 
 CHECK_TOL, FP8_CHECK_TOL = 2e-2, 0.1
 FLOOR_GOAL, FP8_GOAL, GOAL_TOKENS = 0.85, 1.6, 128
+DENSE_GOAL, PREFILL_TOKENS = 0.70, 4096
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -56,12 +61,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--block-k", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--warps", type=int, nargs="+", default=[4])
     parser.add_argument("--stages", type=int, nargs="+", default=[3, 4])
+    parser.add_argument("--block-m", nargs="+", default=["auto"],
+                        help="rows' tiles: auto (follows the rows per expert) and/or powers of two")
     parser.add_argument("--iters", type=int, default=None, help="replays per timing (default 50, quick 20)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="fewer replays")
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
     args = parser.parse_args(argv)
+    try:
+        args.block_m = [None if m == "auto" else int(m) for m in args.block_m]
+    except ValueError:
+        parser.error(f"--block-m takes auto or ints, got {args.block_m}")
     args.shapes = args.shapes or (list(ml.GPU_SHAPES) if args.device == "cuda" else ["tiny"])
     if args.device == "cpu" and set(args.shapes) - {"tiny", "small"}:
         parser.error("--device cpu runs the tiny and small shapes only")
@@ -76,13 +87,14 @@ def configs(args) -> dict:
     """{label: StreamConfig} of the sweep (ValueError for a tile that is not a power of two)."""
     from afd_cupy.moe.stream_gemm import StreamConfig
 
-    sweep = [StreamConfig(n, k, w, s) for n, k, w, s in
-             itertools.product(args.block_n, args.block_k, args.warps, args.stages)]
+    sweep = [StreamConfig(n, k, w, s, m) for n, k, w, s, m in
+             itertools.product(args.block_n, args.block_k, args.warps, args.stages, args.block_m)]
     return {label(c): c for c in sweep}
 
 
 def label(config) -> str:
-    return f"n{config.block_n}/k{config.block_k}/w{config.num_warps}/s{config.num_stages}"
+    rows = "" if config.block_m is None else f"/m{config.block_m}"
+    return f"n{config.block_n}/k{config.block_k}/w{config.num_warps}/s{config.num_stages}{rows}"
 
 
 def _rel(got, want) -> float:
@@ -133,7 +145,10 @@ def measure_shape(shape, args, device, copy_bps: float) -> dict:
             if config is not None:
                 fp8[name] = _time_checked(lambda c=config: grouped_mlp_streamed(xs, counts, fp8_routed, config=c),
                                           current_out, FP8_CHECK_TOL, args, device)
-        rows.append(row_report(tokens, floor, current["median_us"], sweep, best, fp8))
+        dense = (ml.dense_pair_tflops(tokens * shape.top_k, shape, device, args.iters)
+                 if tokens >= ml.PREFILL_FROM else None)
+        rows.append(row_report(tokens, floor, current["median_us"], sweep, best, fp8,
+                               flops=ml.pair_flops(tokens * shape.top_k, shape), dense_tflops=dense))
         del x, xs, current_out
         ml._free(device)
     del routed, fp8_routed
@@ -141,9 +156,11 @@ def measure_shape(shape, args, device, copy_bps: float) -> dict:
     return {"shape": asdict(shape), "rows": rows}
 
 
-def row_report(tokens: int, floor: dict, current_us: float, sweep: dict, best: str | None, fp8: dict) -> dict:
+def row_report(tokens: int, floor: dict, current_us: float, sweep: dict, best: str | None, fp8: dict,
+               flops: float | None = None, dense_tflops: float | None = None) -> dict:
     """One batch's row: ``floor`` (bench_moe_layer.floors), the current path's µs, the sweep
-    ({label: timing or error}), the fastest label, the FP8 timings ({"default"/"best": ...})."""
+    ({label: timing or error}), the fastest label, the FP8 timings ({"default"/"best": ...});
+    prefill: the pair's FLOPs and the dense pair's TFLOP/s of the same run."""
     floor_us = floor["routed_floor_us"]
     row = {"tokens": tokens, **floor, "current_us": current_us, "sweep": sweep, "best_config": best, "fp8": fp8}
     frac = lambda us: floor_us / us if us else None  # noqa: E731
@@ -158,6 +175,12 @@ def row_report(tokens: int, floor: dict, current_us: float, sweep: dict, best: s
     row["fp8_floor_fraction"] = floor_us / 2 / fp8_us if fp8_us else None  # E4M3: half the bytes
     row["fp8_over_bf16_stream"] = row["stream_best_us"] / fp8_us if fp8_us and row["stream_best_us"] else None
     row["fp8_over_current"] = row["current_us"] / fp8_us if fp8_us and row["current_us"] else None
+    rate = lambda us: flops / (us * 1e-6) / 1e12 if flops and us else None  # noqa: E731
+    row["dense_tflops"], row["current_tflops"] = dense_tflops, rate(row["current_us"])
+    row["stream_best_tflops"] = rate(row["stream_best_us"])
+    for key in ("current", "stream_best"):
+        tflops = row[f"{key}_tflops"]
+        row[f"{key}_over_dense"] = tflops / dense_tflops if tflops and dense_tflops else None
     return row
 
 
@@ -170,11 +193,12 @@ def _default():
 def table(report: dict) -> str:
     headers = ("tokens", "hit", "floor us", "current us", "cur frac", "stream default us", "stream best us",
                "best config", "best frac", "x current", "fp8 us", "fp8 frac", "fp8 x bf16 stream", "fp8 x current",
-               "fp8 err")
+               "fp8 err", "cur/dense", "best/dense", "dense TF/s")
     body = [(r["tokens"], r["experts_hit"], r["routed_floor_us"], r["current_us"], r["current_floor_fraction"],
              r["stream_default_us"], r["stream_best_us"], r["best_config"] or "-", r["stream_best_floor_fraction"],
              r["stream_over_current"], r["fp8_us"], r["fp8_floor_fraction"], r["fp8_over_bf16_stream"],
-             r["fp8_over_current"], r["fp8_rel_err"]) for r in report["rows"]]
+             r["fp8_over_current"], r["fp8_rel_err"], r.get("current_over_dense"), r.get("stream_best_over_dense"),
+             r.get("dense_tflops")) for r in report["rows"]]
     return bc.format_table(headers, body)
 
 
@@ -204,6 +228,12 @@ def targets(shapes: dict) -> list:
         out.append(bc.target_row(f"{name}: FP8 stream vs bf16 current at decode {GOAL_TOKENS}", f">= {FP8_GOAL:.1f}",
                                  row.get("fp8_over_current"), "x", lambda v: v >= FP8_GOAL,
                                  note=f"vs bf16 stream {row.get('fp8_over_bf16_stream') or float('nan'):.2f}x"))
+        prefill = next((r for r in report["rows"] if r["tokens"] == PREFILL_TOKENS), None)
+        if prefill is not None:
+            out.append(bc.target_row(f"{name}: stream (best config) at prefill {PREFILL_TOKENS} / dense bf16 rate",
+                                     f">= {DENSE_GOAL:.2f}", prefill.get("stream_best_over_dense"), "fraction",
+                                     lambda v: v >= DENSE_GOAL,
+                                     note=f"current path {prefill.get('current_over_dense') or float('nan'):.2f}"))
     return out
 
 

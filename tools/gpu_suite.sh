@@ -6,7 +6,7 @@
 #
 #   bash tools/gpu_suite.sh [MODE]
 #
-# Modes (each of part1..part3, soak1, moe1, stream1, stream2, mps1, trace1, plan1, corun1 and twogpu1..4 fits one 600 s device call):
+# Modes (each of part1..part3, soak1, moe1, stream1..3, mps1, trace1, plan1, corun1 and twogpu1..4 fits one 600 s device call):
 #   full     every cuda test, the host-polling e2e cases without MPS, both main jobs,
 #            hf_generate, the soak, then the benchmarks (default)
 #   quick    the cuda tests and both main jobs
@@ -26,6 +26,9 @@
 #   stream2  one GPU: the V2-Lite-shaped MoE step (bench_step_graph --trace) with the graph FFN's
 #            expert GEMMs torch's (grouped_mm) and the streamed ones, then bench_moe_layer's AFD
 #            layer with the streamed ones (v2lite, qwen3)
+#   stream3  one GPU: prefill 4096: the streamed kernels with large row tiles (bench_stream_gemm
+#            --block-m 64 128) and expert_gemm's padded_bmm against torch's grouped GEMM and
+#            the dense rate of the same run
 #   mps1     one GPU: tools/bench_kernels.py (pair and dedup, loopback) four ways: no MPS, under MPS,
 #            at a 50 % SM share, and at 50 % beside a neighbor process spinning one block
 #            (tools/spin_neighbor.py, as an FFN's wait): which of them makes the dispatch slower
@@ -185,6 +188,11 @@ case "$MODE" in
     run_step step_moe_stream 150 python3 tools/bench_step_graph.py $MOE --ffn-expert-gemm stream --out "$OUT/step_moe_stream"
     run_step moe_layer_stream 250 python3 tools/bench_moe_layer.py --quick --shapes v2lite qwen3 --tokens 1 8 128 \
       --gemm-variants none --no-fp8 --ffn-expert-gemm stream --out "$OUT/moe_layer_stream" ;;
+  stream3)  # one GPU: prefill candidates against the grouped GEMM and the dense rate
+    run_step stream_prefill 400 python3 tools/bench_stream_gemm.py --quick --tokens 4096 --block-m 64 128 \
+      --block-n 64 128 --block-k 64 --warps 4 8 --stages 3 --out "$OUT/stream_prefill"
+    run_step moe_layer_prefill 150 python3 tools/bench_moe_layer.py --quick --tokens 4096 --no-afd --no-fp8 \
+      --gemm-variants padded_bmm --out "$OUT/moe_layer_prefill" ;;
   mps1)  # one GPU: the round trip's kernels alone, under MPS, at a share, beside a spinner
     KC=${KERNELS_CONFIGS:-"pair:fused:identity dedup:fused:identity"}
     BK="python3 tools/bench_kernels.py --configs $KC --rows ${KERNELS_ROWS:-200}"
@@ -206,7 +214,7 @@ case "$MODE" in
     run_step step_moe_auto 100 python3 tools/bench_step_graph.py --quick $MOE --out "$OUT/step_moe_auto"
     NO_MPS=1 run_step gate 90 python3 tools/bench_gate.py --quick --out "$OUT/gate" ;;
 esac
-case "$MODE" in twogpu*|trace1|soak1|moe1|stream1|stream2|mps1|plan1|corun1|kernels1) MODE=none ;; esac
+case "$MODE" in twogpu*|trace1|soak1|moe1|stream1|stream2|stream3|mps1|plan1|corun1|kernels1) MODE=none ;; esac
 if [ "$MODE" != bench ] && [ "$MODE" != none ]; then
 DESELECT=()
 [ -z "${SERIAL_K:-}" ] || DESELECT=(-k "not ($SERIAL_K)")

@@ -50,18 +50,22 @@ __all__ = ["StreamConfig", "DEFAULT_CONFIG", "unavailable_reason", "grouped_mlp_
 @dataclass(frozen=True)
 class StreamConfig:
     """Tile sizes and launch shape: ``block_n`` output channels and ``block_k`` of K per step
-    (powers of two >= 16), ``num_warps``, ``num_stages`` (software pipelining depth on the GPU).
-    The rows' tile ``BLOCK_M`` follows the rows per expert (:func:`row_block`)."""
+    (powers of two >= 16), ``num_warps``, ``num_stages`` (software pipelining depth on the GPU),
+    ``block_m`` the rows' tile (a power of two >= 16; None, the default: it follows the rows per
+    expert, :func:`row_block`; a large fixed tile suits prefill)."""
 
     block_n: int = 64
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 4
+    block_m: int | None = None
 
     def __post_init__(self):
-        for name in ("block_n", "block_k"):
+        for name in ("block_n", "block_k", "block_m"):
             value = getattr(self, name)
-            if value < 16 or value & (value - 1):
+            if value is None and name == "block_m":
+                continue
+            if not isinstance(value, int) or value < 16 or value & (value - 1):
                 raise ValueError(f"StreamConfig.{name} must be a power of two >= 16, got {value}")
         if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
             raise ValueError(f"StreamConfig needs num_warps in (1, 2, 4, 8, 16) and num_stages >= 1, got "
@@ -240,7 +244,7 @@ def _mlp(x, offs, weights, experts_per_layer: int, config: StreamConfig, out):
     if rows == 0:
         return out
     gemm = functools.partial(_launch, offs=offs, experts_per_layer=experts_per_layer, config=config,
-                             block_m=row_block(rows, experts_per_layer))
+                             block_m=config.block_m or row_block(rows, experts_per_layer))
     is_fp8 = isinstance(weights, FP8ExpertWeights)
     w13_scale, w2_scale = (weights.w13_scale, weights.w2_scale) if is_fp8 else (None, None)
     if weights.activation == "silu":

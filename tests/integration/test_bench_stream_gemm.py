@@ -23,6 +23,12 @@ def test_sweep_is_the_product_of_the_tiles():
     with pytest.raises(ValueError, match="block_n"):
         bsg.configs(bsg.parse_args(["--block-n", "48"]))
     assert bsg.parse_args(["--quick"]).tokens == [32, 128]
+    rows = bsg.configs(bsg.parse_args(["--block-n", "64", "--block-k", "64", "--stages", "3", "--block-m", "auto", "128"]))
+    assert list(rows) == ["n64/k64/w4/s3", "n64/k64/w4/s3/m128"] and rows["n64/k64/w4/s3/m128"].block_m == 128
+    with pytest.raises(SystemExit):
+        bsg.parse_args(["--block-m", "big"])
+    with pytest.raises(ValueError, match="block_m"):
+        bsg.configs(bsg.parse_args(["--block-m", "96"]))
 
 
 def test_row_report_arithmetic():
@@ -41,6 +47,12 @@ def test_row_report_arithmetic():
     assert row["fp8_over_current"] == pytest.approx(200 / 70)
     (floor_target, fp8_target) = bsg.targets({"v2lite": {"rows": [row]}})
     assert floor_target["status"] == "MISS" and fp8_target["status"] == "PASS"
+    assert row["dense_tflops"] is None and row["current_over_dense"] is None  # decode: no dense pair
+    prefill = bsg.row_report(4096, floor, 5000.0, {"b": {"median_us": 4000.0}}, "b", {}, flops=2e9, dense_tflops=0.8)
+    assert prefill["current_tflops"] == pytest.approx(0.4) and prefill["stream_best_tflops"] == pytest.approx(0.5)
+    assert prefill["current_over_dense"] == pytest.approx(0.5) and prefill["stream_best_over_dense"] == pytest.approx(0.625)
+    dense_target = bsg.targets({"v3": {"rows": [prefill]}})[-1]
+    assert "prefill 4096" in dense_target["name"] and dense_target["status"] == "MISS"
     nothing = bsg.row_report(128, floor, 200.0, {"c": {"error": "x"}}, None, {})
     assert nothing["stream_best_us"] is None and nothing["fp8_us"] is None
     assert {t["status"] for t in bsg.targets({"v3": {"rows": [nothing]}})} == {"NOT MEASURED"}

@@ -857,7 +857,7 @@ def test_gpu_suite_mps1_fits_the_device_call_and_the_spinner_stops_in_time():
         assert spin_neighbor.main(["--seconds", "1"]) == 2
 
 
-@pytest.mark.parametrize("mode", ["stream1", "stream2"])
+@pytest.mark.parametrize("mode", ["stream1", "stream2", "stream3"])
 def test_gpu_suite_stream_modes_parse_and_fit_the_device_call(mode):
     # every benchmark a stream mode runs parses with its tool's own parser, and the steps'
     # limits fit one 600 s call
