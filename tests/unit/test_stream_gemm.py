@@ -125,7 +125,8 @@ def test_row_block_follows_the_mean_rows():
     assert stream_gemm.row_block(1024, 256) == 16 and stream_gemm.row_block(5, 0) == 16
 
 
-@pytest.mark.parametrize("bad", [dict(block_n=48), dict(block_k=8), dict(num_warps=3), dict(num_stages=0)])
+@pytest.mark.parametrize("bad", [dict(block_n=48), dict(block_k=8), dict(num_warps=3), dict(num_stages=0),
+                                 dict(block_m=48), dict(block_m=8)])
 def test_config_checks(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         stream_gemm.StreamConfig(**bad)
@@ -207,3 +208,17 @@ def test_compiles_for_sm90_pipelined():
         (g, x, w) for g in (True, False) for x in ("bf16", "fp16") for w in (x, "fp8e4nv")}
     for r in results:
         assert r["cp_async"] > 0 and r["mma"] > 0 and 0 < r["shared_bytes"] <= SM90_MAX_SHARED, r
+
+
+def test_a_fixed_row_tile_gives_the_same_rows(request):
+    """StreamConfig(block_m=...) (prefill's large tiles): the same output as the automatic tile,
+    with experts both under and over one tile."""
+    rng = node_rng(request)
+    weights = random_experts(rng, 4, 32, 32, torch.float32)
+    counts = random_counts(rng, 4, mean_rows=12.0)
+    x = _rows(rng, counts, 32, torch.float32)
+    auto = stream_gemm.grouped_mlp_streamed(x, torch.tensor(counts), weights)
+    fixed = stream_gemm.grouped_mlp_streamed(x, torch.tensor(counts), weights,
+                                             config=stream_gemm.StreamConfig(block_m=16, block_n=16, block_k=16))
+    assert torch.allclose(auto, fixed, rtol=1e-5, atol=1e-5 * float(auto.abs().max()))
+    assert _rel_err(fixed, stream_reference(x, counts, weights)) < TOLERANCE[torch.float32]
