@@ -141,10 +141,11 @@ def cells_within(rows: list, target: float = TARGET) -> dict:
 
 def contention_arg(args) -> Contention | None:
     """The one-GPU contention terms the command line imposes (None: validate fits them)."""
-    if args.hbm_contention is None and args.ffn_contention is None:
+    if args.hbm_contention is None and args.ffn_contention is None and args.attn_gemm_contention is None:
         return None
     attention = args.hbm_contention or 0.0
-    return Contention(attention, attention if args.ffn_contention is None else args.ffn_contention)
+    return Contention(attention, attention if args.ffn_contention is None else args.ffn_contention,
+                      args.attn_gemm_contention)
 
 
 def run_validate(args) -> dict:
@@ -163,7 +164,8 @@ def run_validate(args) -> dict:
     config = dataclasses.replace(cal.SIM_FOR_BENCH, ffn_pick=args.ffn_pick, merge_copies=not args.no_merge_copies)
     for run, costs, rows in validate.validate_runs(runs, contention_arg(args), args.noise_cv, config):
         all_rows += rows
-        kappa = {k: rows[0][k] if rows else None for k in ("hbm_contention", "ffn_contention", "noise_cv")}
+        kappa = {k: rows[0][k] if rows else None
+                 for k in ("hbm_contention", "ffn_contention", "attn_gemm_contention", "noise_cv")}
         out.append({"run": run.name, "source": run.source, "placement": run.placement,
                     "costs": dataclasses.asdict(costs), **kappa, "rows": rows})
     print(bc.format_table(("run", "workload", "quantity", "predicted", "measured", "error %"),
@@ -192,7 +194,7 @@ def run_simulate(args) -> dict:
     places = parse_placements(args.placement)
     kappa = contention_arg(args) or Contention()
     dep = Deployment(places[:args.attn], places[args.attn:], hbm_contention=kappa.attention,
-                     ffn_contention=kappa.ffn)
+                     ffn_contention=kappa.ffn, attn_gemm_contention=kappa.attention_beside_ffn)
     if args.decode:
         loads = tuple(ReplicaLoad("decode", batch_size=int(b), context_len=int(c), output_len=args.output_len)
                       for b, c in (item.split(":") for item in args.decode.split(",")))
@@ -264,6 +266,9 @@ def parse_args(argv=None):
                    help="validate: leave out the device copies that merge a lockstep batch (SimConfig.merge_copies)")
     p.add_argument("--ffn-contention", type=float, default=None,
                    help="the FFN expert GEMMs' own κ (Deployment.ffn_contention; default: --hbm-contention's)")
+    p.add_argument("--attn-gemm-contention", type=float, default=None,
+                   help="the attention's κ beside the FFN's expert GEMMs (Deployment.attn_gemm_contention; "
+                        "default: fitted where a co-run round recorded the background pace, else --hbm-contention's)")
     p.add_argument("--costs-run", default=None, help="simulate: FFN host + GEMM costs fitted on a measured GPU "
                                                     "run (measured.GPU_RUNS, e.g. ca1687d)")
     p.add_argument("--attn-params", type=float, default=None, help="simulate: attention parameters per layer")

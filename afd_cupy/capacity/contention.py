@@ -11,7 +11,12 @@ terms that reproduce it:
 - otherwise the FFN's κ comes from the ``fallback`` terms (another run's co-run round of the
   same benchmark and model, or bench_corun's :data:`BENCH_CORUN_FFN_KAPPA`) and the
   attention's reproduces the co-run steps. A run without a co-run round takes both from
-  ``fallback``.
+  ``fallback``;
+- where the round recorded the other replicas' attention-only pace (bench_afd's
+  ``solo.corun.background``: an attention beside the measuring replica's expert GEMMs for the
+  FFN's busy part of the window), the attention's κ beside the GEMMs
+  (``Deployment.attn_gemm_contention``) reproduces that pace, with the other two terms fixed.
+  Without it the attention has one κ whatever runs beside it.
 
 The multi-replica rows of the run never enter: they validate.
 """
@@ -26,16 +31,20 @@ from afd_cupy.capacity.spec import SimConfig, check_float
 
 @dataclass(frozen=True)
 class Contention:
-    """The one-GPU contention terms (``Deployment.hbm_contention`` and ``.ffn_contention``):
-    κ per unit of the other running processes' share, of the attention phases and of the
-    FFN's expert GEMMs."""
+    """The one-GPU contention terms (``Deployment.hbm_contention``, ``.ffn_contention`` and
+    ``.attn_gemm_contention``): κ per unit of the other running processes' share, of the
+    attention phases, of the FFN's expert GEMMs, and of the attention beside the GEMMs (None:
+    ``attention``)."""
 
     attention: float = 0.0
     ffn: float = 0.0
+    attention_beside_ffn: float | None = None
 
     def __post_init__(self):
         check_float("Contention", "attention", self.attention, inclusive=True)
         check_float("Contention", "ffn", self.ffn, inclusive=True)
+        if self.attention_beside_ffn is not None:
+            check_float("Contention", "attention_beside_ffn", self.attention_beside_ffn, inclusive=True)
 
     @classmethod
     def of(cls, value: "Contention | float | None") -> "Contention | None":
@@ -47,11 +56,13 @@ class Contention:
 
 @dataclass(frozen=True)
 class CoRun:
-    """One replica's simulated co-run solo: its step (ms, the case's statistic) and the FFN's
-    mean device time per item in that window (ms)."""
+    """One replica's simulated co-run solo: its step (ms, the case's statistic), the FFN's
+    mean device time per item in that window (ms) and the other replicas' attention-only
+    steps (ms, mean; None at this replica's own index)."""
 
     step_ms: float
     ffn_item_ms: float
+    background_ms: tuple = ()
 
 
 def predict_corun(run, costs: cm.Costs, case, contention: Contention, config: SimConfig) -> list:
@@ -62,7 +73,8 @@ def predict_corun(run, costs: cm.Costs, case, contention: Contention, config: Si
     out = []
     for a in range(run.num_attn):
         res = simulate(run.shape, run.deployment(contention=contention), case.loads(only_ffn=a), costs, config)
-        out.append(CoRun(case.step_s(res.replicas[a]) * 1e3, res.ffn[0].busy_per_batch_s * 1e3))
+        background = tuple(None if b == a else res.replicas[b].step_mean_s * 1e3 for b in range(run.num_attn))
+        out.append(CoRun(case.step_s(res.replicas[a]) * 1e3, res.ffn[0].busy_per_batch_s * 1e3, background))
     return out
 
 
@@ -100,8 +112,6 @@ def fit_contention(run, costs: cm.Costs, config: SimConfig, fallback: Contention
                    for pred, ms in zip(preds, case.corun_ms) if ms)
 
     busy = [case for case in cases if any(case.corun_ffn_item_ms) and any(case.solo_ffn_item_ms)]
-    if not busy:
-        return Contention(fit_scalar(lambda k: step_err(Contention(k, fallback.ffn))), fallback.ffn)
 
     def busy_err(kappa: Contention) -> float:
         """The slowdown of the FFN's items, co-run over solo: simulated against measured."""
@@ -116,15 +126,40 @@ def fit_contention(run, costs: cm.Costs, config: SimConfig, fallback: Contention
                     total += (pred.ffn_item_ms / model_solo - co / alone) ** 2
         return total
 
-    # the FFN's slowdown rests mostly on its own κ, the co-run steps on the attention's: each
-    # in turn with the other's last value (the FFN's first, from an attention's 0), a second
-    # round near the first's values
-    attention, ffn, grid = 0.0, 0.0, CONTENTION_GRID
-    for _ in range(2):
-        ffn = fit_scalar(lambda k: busy_err(Contention(attention, k)), grid or _near(ffn))
-        attention = fit_scalar(lambda k: step_err(Contention(k, ffn)), grid or _near(attention))
+    pace_err = _pace_err(run, cases, corun)
+    if not busy and not pace_err:  # the attention's κ alone
+        return Contention(fit_scalar(lambda k: step_err(Contention(k, fallback.ffn))), fallback.ffn)
+    # the FFN's slowdown rests mostly on its own κ, the co-run steps on the attention's, the
+    # background's pace on the attention's beside the GEMMs: each in turn with the others' last
+    # values (from 0, the FFN's first), later rounds near the first's values. Without the FFN's
+    # busy time its κ is the fallback's; without a background pace the attention has one κ.
+    attention, ffn, beside, grid = 0.0, (0.0 if busy else fallback.ffn), None, CONTENTION_GRID
+    for _ in range(3 if pace_err else 2):
+        if busy:
+            ffn = fit_scalar(lambda k: busy_err(Contention(attention, k, beside)), grid or _near(ffn))
+        attention = fit_scalar(lambda k: step_err(Contention(k, ffn, beside)), grid or _near(attention))
+        if pace_err:
+            beside = fit_scalar(lambda k: pace_err(Contention(attention, ffn, k)), grid or _near(beside))
         grid = None
-    return Contention(attention, ffn)
+    return Contention(attention, ffn, beside)
+
+
+def _pace_err(run, cases: list, corun):
+    """The background replicas' pace in the co-run rounds (mean batch = layer mean x layers),
+    simulated against measured, as a function of the terms; None where no round recorded it."""
+    paced = [(c, a, pace) for c, case in enumerate(cases) for a, paces in enumerate(case.corun_background or ())
+             for pace in paces or () if pace.layer_mean_ms and pace.layers]
+    if not paced:
+        return None
+
+    def err(kappa: Contention) -> float:
+        preds = corun(kappa)
+        total = 0.0
+        for c, a, pace in paced:
+            measured = pace.layer_mean_ms * run.shape.layers
+            total += ((preds[c][a].background_ms[pace.replica] - measured) / measured) ** 2
+        return total
+    return err
 
 
 def _near(kappa: float) -> tuple:

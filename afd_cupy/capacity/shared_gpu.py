@@ -1,10 +1,11 @@
 """Processes sharing one GPU, as a fluid: the simulator's model of one-GPU contention.
 
 Every device phase running on a GPU (an attention layer's variable part, an expert GEMM
-batch) runs at ``1 / (1 + κ(its kind) x the shares of the other phases running there)`` of
-its speed alone, re-rated whenever one starts or ends: a phase is slowed for the part of it
-that overlaps others, by how much of the GPU they hold (``Deployment.hbm_contention`` for
-the attention, ``.ffn_contention`` for the FFN's GEMMs). Fixed costs (launches, eager issue)
+batch) runs at ``1 / (1 + Σ κ(its kind, their kind) x the shares of the other phases running
+there)`` of its speed alone, re-rated whenever one starts or ends: a phase is slowed for the
+part of it that overlaps others, by how much of the GPU they hold (``Deployment.hbm_contention``
+for the attention, ``.attn_gemm_contention`` for the attention beside expert GEMMs,
+``.ffn_contention`` for the FFN's GEMMs). Fixed costs (launches, eager issue)
 never enter: they neither load the GPU nor slow.
 """
 from __future__ import annotations
@@ -67,8 +68,14 @@ class SharedGPUs:
 
     def _rerate(self, now: float, gpu: tuple, running: dict) -> None:
         total = sum(phase.share for phase in running.values())
+        by_kind = self.dep.attn_gemm_contention is not None  # else one κ per phase, whatever beside it
         for who, phase in running.items():
-            phase.rate = 1.0 / (1.0 + self.dep.contention(phase.kind) * (total - phase.share))
+            if by_kind:
+                load = sum(self.dep.contention(phase.kind, other.kind) * other.share
+                           for key, other in running.items() if key != who)
+            else:
+                load = self.dep.contention(phase.kind) * (total - phase.share)
+            phase.rate = 1.0 / (1.0 + load)
             self.versions += 1  # unique: an end left behind by an earlier phase never matches
             phase.version = self.versions
             self.push(now + phase.work_s / phase.rate, gpu, who, phase.version)

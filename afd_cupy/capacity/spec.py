@@ -186,7 +186,9 @@ class Deployment:
     ``hbm_contention`` (κ, per unit of share): one-GPU model, a compute phase that starts
     while other processes of its GPU are busy takes ``1 + κ * (sum of their shares)`` times
     longer; ``ffn_contention``: the FFN's expert GEMMs' own κ (None: ``hbm_contention``, one
-    κ for every kind of phase), so the attention phases keep ``hbm_contention``.
+    κ for every kind of phase), so the attention phases keep ``hbm_contention``;
+    ``attn_gemm_contention``: an attention phase's κ per unit share of the expert-GEMM phases
+    beside it (None: ``hbm_contention``, the same as beside another attention).
     ``mps_caps``: the shares are CUDA MPS caps (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``), which
     may sum past 1 on a GPU (the benchmarks' presets run three processes at 50 % each);
     otherwise they are partitions and a GPU's shares must sum to at most 1.
@@ -201,6 +203,7 @@ class Deployment:
     hbm_contention: float = 0.0
     mps_caps: bool = False
     ffn_contention: float | None = None
+    attn_gemm_contention: float | None = None
 
     def __post_init__(self):
         for name in ("attention", "ffn"):
@@ -211,8 +214,9 @@ class Deployment:
                 if not isinstance(p, Placement):
                     raise ConfigError(f"Deployment.{name} holds {p!r}, not a Placement")
         check_float("Deployment", "hbm_contention", self.hbm_contention, inclusive=True)
-        if self.ffn_contention is not None:
-            check_float("Deployment", "ffn_contention", self.ffn_contention, inclusive=True)
+        for name in ("ffn_contention", "attn_gemm_contention"):
+            if getattr(self, name) is not None:
+                check_float("Deployment", name, getattr(self, name), inclusive=True)
         for key, link in self.links.items():
             a, f = key
             if not (0 <= a < len(self.attention) and 0 <= f < len(self.ffn)) or not isinstance(link, Link):
@@ -225,16 +229,19 @@ class Deployment:
                 raise ConfigError(f"Deployment: shares on node {node} GPU {gpu} sum to {total:.2f} > 1 "
                                   f"(MPS caps may: mps_caps=True)")
 
-    def contention(self, phase: str) -> float:
-        """κ of a kind of phase: ``"attention"`` or ``"ffn"`` (the expert GEMMs)."""
+    def contention(self, phase: str, beside: str | None = None) -> float:
+        """κ of a kind of phase, ``"attention"`` or ``"ffn"`` (the expert GEMMs), per unit
+        share of the phases of kind ``beside`` running next to it (None: any kind)."""
         if phase == "ffn" and self.ffn_contention is not None:
             return self.ffn_contention
+        if phase == "attention" and beside == "ffn" and self.attn_gemm_contention is not None:
+            return self.attn_gemm_contention
         return self.hbm_contention
 
     @property
     def contended(self) -> bool:
         """True where some phase slows next to others (any κ > 0)."""
-        return self.hbm_contention > 0 or bool(self.ffn_contention)
+        return self.hbm_contention > 0 or bool(self.ffn_contention) or bool(self.attn_gemm_contention)
 
     @property
     def num_attn(self) -> int:

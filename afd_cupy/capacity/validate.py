@@ -52,8 +52,8 @@ class Case:
     corun_ffn_item_ms: tuple = ()  # the same in each replica's co-run solo window; () = not measured
     solo_spread: tuple = ()  # each replica's solo (p99 - p50) / p50 (noise.spread); () = not measured
     # per replica, in its co-run solo window: the others' attention-only pace (a tuple of
-    # calibrate.BackgroundPace, None where its row has none); None = not measured. Read, not
-    # yet used by any prediction.
+    # calibrate.BackgroundPace, None where its row has none); None = not measured. The fit
+    # input of the attention-beside-GEMM term (contention.fit_contention)
     corun_background: tuple | None = None
 
     def loads(self, only_ffn: int | None = None) -> tuple:
@@ -113,7 +113,8 @@ class MeasuredRun:
         attn = places[:self.num_attn] if only is None else (places[only],)
         kappa = contention or Contention()
         return Deployment(attn, places[self.num_attn:], same_gpu=self.link, intra_node=self.intra_link,
-                          hbm_contention=kappa.attention, ffn_contention=kappa.ffn, mps_caps=True)
+                          hbm_contention=kappa.attention, ffn_contention=kappa.ffn,
+                          attn_gemm_contention=kappa.attention_beside_ffn, mps_caps=True)
 
     @property
     def decode(self) -> bool:
@@ -239,6 +240,7 @@ def validate(run: MeasuredRun, base: cm.Costs | None = None, contention: Content
             rows.append(_row(run, case, "fraction of ideal", pred["fraction"], case.ratio / case.ideal))
     for row in rows:
         row["hbm_contention"], row["ffn_contention"], row["noise_cv"] = kappa.attention, kappa.ffn, noise_cv
+        row["attn_gemm_contention"] = kappa.attention_beside_ffn
     return costs, rows
 
 

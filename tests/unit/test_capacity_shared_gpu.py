@@ -179,3 +179,71 @@ def test_a_run_without_a_co_run_round_takes_its_terms_from_contention_from(monke
     donor_kappa = (out["donor"][0]["hbm_contention"], out["donor"][0]["ffn_contention"])
     assert donor_kappa[0] == pytest.approx(0.5, rel=0.05)  # the donor's attention term, fitted to its co-run
     assert all((r["hbm_contention"], r["ffn_contention"]) == donor_kappa for r in out["taker"])
+
+
+# --------------------------------------------------------------------------- attention beside the GEMMs
+
+def test_an_attention_beside_a_gemm_takes_its_own_kappa():
+    """Deployment.attn_gemm_contention: an attention phase's κ per unit share of the expert-GEMM
+    phases beside it (the one-GPU fluid's κ matrix); None keeps one κ per kind of phase."""
+    dep = one_gpu(hbm_contention=0.2, ffn_contention=0.4, attn_gemm_contention=1.5)
+    assert dep.contention("attention", "ffn") == 1.5 and dep.contention("attention", "attention") == 0.2
+    assert dep.contention("ffn", "attention") == 0.4 and dep.contention("attention") == 0.2
+    assert one_gpu(hbm_contention=0.2).contention("attention", "ffn") == 0.2
+    assert one_gpu(attn_gemm_contention=0.5).contended
+    with pytest.raises(ConfigError, match="attn_gemm_contention"):
+        one_gpu(attn_gemm_contention=-1.0)
+    # the rates: an attention beside one GEMM at 50 % and another attention at 50 %
+    from afd_cupy.capacity.shared_gpu import Phase, SharedGPUs
+
+    ends = []
+    gpus = SharedGPUs(dep, lambda t, gpu, who, version: ends.append((who, t)))
+    gpus.begin(0.0, (0, 0), "a0", Phase(0.5, "attention", 1.0, ()))
+    gpus.begin(0.0, (0, 0), "a1", Phase(0.5, "attention", 1.0, ()))
+    gpus.begin(0.0, (0, 0), "f", Phase(0.5, "ffn", 1.0, ()))
+    rates = {who: phase.rate for who, phase in gpus.running[(0, 0)].items()}
+    assert rates["a0"] == pytest.approx(1 / (1 + 0.2 * 0.5 + 1.5 * 0.5))
+    assert rates["f"] == pytest.approx(1 / (1 + 0.4 * 1.0))
+
+
+def _background_run(truth: Contention, with_background: bool = True) -> MeasuredRun:
+    """A 2A1F prefill run on one GPU whose co-run solo round the simulator made at ``truth``:
+    each replica's co-run batch, the FFN's busy ms per item (solo and co-run) and, where
+    ``with_background``, the other replica's attention-only pace (calibrate.BackgroundPace)."""
+    from afd_cupy.capacity.contention import predict_corun
+
+    costs = small_costs(gemm_tflops=0.05)  # long GEMMs: the background's attention overlaps them
+    case = Case("skew", ((1024,), (256,)), (None, None))
+    run = MeasuredRun("synthetic", "test", SHAPE, "0:50,0:50,0:100", 2, (case,), link=LINK)
+    corun = predict_corun(run, costs, case, truth, cal.SIM_FOR_BENCH)
+    solo = tuple(cm.expert_gemm_time(costs, SHAPE, n, 1, 1.0) * 1e3 for n in case.tokens())
+    background = None
+    if with_background:
+        background = tuple((cal.BackgroundPace(1 - a, 40, c.background_ms[1 - a] / SHAPE.layers, None, None, None, 0.9),)
+                           for a, c in enumerate(corun))
+    made = dataclasses.replace(case, corun_ms=tuple(c.step_ms for c in corun), solo_ffn_item_ms=solo,
+                               corun_ffn_item_ms=tuple(c.ffn_item_ms for c in corun), corun_background=background)
+    return dataclasses.replace(run, cases=(made,)), costs
+
+
+@pytest.mark.parametrize("beside", [0.8, 2.5])
+def test_fit_contention_recovers_the_attention_beside_gemm_term_from_the_background_pace(beside):
+    """The background replicas' pace pins the attention's κ beside the GEMMs; the fitted terms
+    reproduce every co-run quantity the synthetic round recorded (the attention's own κ and the
+    FFN's trade off against each other here: the co-run step depends on both)."""
+    from afd_cupy.capacity.contention import fit_contention, predict_corun
+
+    truth = Contention(0.3, 0.6, beside)
+    run, costs = _background_run(truth)
+    even = _background_run(Contention(0.3, 0.6, 0.3))[0].cases[0].corun_background[0][0].layer_mean_ms
+    assert run.cases[0].corun_background[0][0].layer_mean_ms > 1.02 * even  # the term is identifiable
+    fitted = fit_contention(run, costs, cal.SIM_FOR_BENCH, Contention(0.0, 0.05))
+    assert fitted.attention_beside_ffn == pytest.approx(beside, rel=0.05), fitted
+    case = run.cases[0]
+    for a, pred in enumerate(predict_corun(run, costs, case, fitted, cal.SIM_FOR_BENCH)):
+        assert pred.step_ms == pytest.approx(case.corun_ms[a], rel=0.02)
+        assert pred.ffn_item_ms == pytest.approx(case.corun_ffn_item_ms[a], rel=0.02)
+        pace = case.corun_background[a][0]
+        assert pred.background_ms[pace.replica] == pytest.approx(pace.layer_mean_ms * SHAPE.layers, rel=0.02)
+    bare, _ = _background_run(truth, with_background=False)
+    assert fit_contention(bare, costs, cal.SIM_FOR_BENCH, Contention(0.0, 0.05)).attention_beside_ffn is None
