@@ -115,8 +115,6 @@ def _time_checked(fn, want, tol: float, args, device) -> dict:
 
 
 def measure_shape(shape, args, device, copy_bps: float) -> dict:
-    import torch
-
     from afd_cupy import moe
     from afd_cupy.moe import FP8ExpertWeights
     from afd_cupy.moe.stream_gemm import DEFAULT_CONFIG, grouped_mlp_streamed

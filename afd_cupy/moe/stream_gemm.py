@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +45,6 @@ tl = None
 
 __all__ = ["StreamConfig", "DEFAULT_CONFIG", "unavailable_reason", "grouped_mlp_streamed",
            "stacked_mlp_streamed", "row_block", "compile_check"]
-
 
 
 @dataclass(frozen=True)
@@ -94,11 +94,11 @@ def unavailable_reason(device) -> str | None:
     if device.type not in ("cuda", "cpu"):
         return f"device type {device.type} is not supported"
     try:
-        triton = _triton()
+        _triton()
     except ImportError as exc:
         return f"triton is not importable ({exc})"
     if device.type == "cuda":
-        if triton.knobs.runtime.interpret:
+        if os.environ.get("TRITON_INTERPRET", "0").strip().lower() not in ("", "0", "false", "off"):
             return "TRITON_INTERPRET=1 is set: this process runs Triton's CPU interpreter"
         if not torch.cuda.is_available():
             return "no CUDA device"
@@ -189,7 +189,6 @@ def _kernel(interpret: bool):
 
         return InterpretedFunction(_stream_gemm)
     return triton.jit(_stream_gemm)
-
 
 
 # --------------------------------------------------------------------------- the MLP
