@@ -194,7 +194,8 @@ def run_simulate(args) -> dict:
     places = parse_placements(args.placement)
     kappa = contention_arg(args) or Contention()
     dep = Deployment(places[:args.attn], places[args.attn:], hbm_contention=kappa.attention,
-                     ffn_contention=kappa.ffn, attn_gemm_contention=kappa.attention_beside_ffn)
+                     ffn_contention=kappa.ffn, attn_gemm_contention=kappa.attention_beside_ffn,
+                     mps_caps=args.mps_caps)
     if args.decode:
         loads = tuple(ReplicaLoad("decode", batch_size=int(b), context_len=int(c), output_len=args.output_len)
                       for b, c in (item.split(":") for item in args.decode.split(",")))
@@ -248,6 +249,9 @@ def parse_args(argv=None):
     p.add_argument("--bench-decode", nargs="+", help="validate: bench_decode.json files (cuda)")
     p.add_argument("--cores", type=int, default=None, help="validate: CPU cores of host-backend runs")
     p.add_argument("--placement", default="0:30,0:30,0:40")
+    p.add_argument("--mps-caps", action="store_true",
+                   help="simulate: the shares are MPS caps that may sum past 1 on a GPU, as the benchmarks' "
+                        "0:50,0:50,0:100 (Deployment.mps_caps); default: partitions")
     p.add_argument("--attn", type=int, default=2)
     p.add_argument("--prefill", default="4096,256", help="simulate: one request length per replica")
     p.add_argument("--decode", default=None, help="simulate: B:CTX per replica, e.g. 64:1024,64:16384")

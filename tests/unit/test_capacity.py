@@ -300,3 +300,20 @@ def test_fit_costs_takes_the_gemm_scale_from_the_solo_ffn_busy():
     # a busy time that disagrees with the batch times still wins: the GEMM scale is measured, not fitted
     halved = [dataclasses.replace(p, ffn_busy_per_item_s=p.ffn_busy_per_item_s / 2) for p in points]
     assert cal.fit_costs(SHAPE, halved, base, link).gemm_tflops == pytest.approx(2 * fitted.gemm_tflops, rel=0.02)
+
+
+def test_plan_afd_simulates_mps_caps_and_the_attention_beside_gemm_term(tmp_path):
+    """--simulate on the benchmarks' MPS split (shares summing past 1) needs --mps-caps; the
+    attention's κ beside the GEMMs reaches the simulated deployment."""
+    base = [sys.executable, os.path.join(ROOT, "tools", "plan_afd.py"), "--simulate", "--placement",
+            "0:50,0:50,0:100", "--attn", "2", "--prefill", "1024,256", "--schedule", "async", "--out", str(tmp_path)]
+    refused = subprocess.run(base, capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "mps_caps" in refused.stderr
+    steps = []
+    for beside in ("0", "3"):
+        run = subprocess.run(base + ["--mps-caps", "--hbm-contention", "0.2", "--attn-gemm-contention", beside],
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr[-2000:]
+        (result,) = json.loads((tmp_path / "plan_afd.json").read_text())["results"]
+        steps.append(result["replicas"][0]["step_mean_s"])
+    assert steps[1] > 1.05 * steps[0]  # the long replica's attention runs beside the GEMMs: slower
