@@ -108,6 +108,12 @@ def unavailable_reason(device) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _device_reason(device: str) -> str | None:
+    """:func:`unavailable_reason` once per device and process (each call of the MLPs asks)."""
+    return unavailable_reason(device)
+
+
 def _triton():
     """Import Triton and bind the kernel's ``tl``."""
     global tl
@@ -230,7 +236,7 @@ def _mlp(x, offs, weights, experts_per_layer: int, config: StreamConfig, out):
     """Both forms, their arguments checked: the gate/up GEMM (silu fused), the down GEMM."""
     from afd_cupy.moe.fp8 import FP8ExpertWeights
 
-    reason = unavailable_reason(x.device)
+    reason = _device_reason(str(x.device))
     if reason is not None:
         raise ValueError(f"streamed expert GEMMs unavailable on {x.device}: {reason}")
     rows, inter = x.shape[0], weights.intermediate_size

@@ -8,7 +8,7 @@ import torch
 from afd_cupy import moe
 from afd_cupy.moe.weights import EXPERT_ACTIVATIONS, gated_activation
 
-__all__ = ["random_experts", "random_counts", "stream_reference", "EXPERT_ACTIVATIONS"]
+__all__ = ["random_experts", "random_counts", "random_rows", "rel_error", "stream_reference", "EXPERT_ACTIVATIONS"]
 
 
 def random_experts(rng, num_experts: int, hidden: int, inter: int, dtype: torch.dtype, device="cpu",
@@ -33,6 +33,21 @@ def random_counts(rng, num_experts: int, mean_rows: float, *, empty: int = 1, bi
     counts[picks[:empty]] = 0
     counts[picks[empty:empty + big]] = int(3 * mean_rows) + 20
     return counts
+
+
+def random_rows(rng, counts, hidden: int, dtype: torch.dtype, device="cpu", stride_pad: int = 0) -> torch.Tensor:
+    """x [sum(counts), hidden] N(0, 1) in ``dtype`` on ``device``; with ``stride_pad`` a view
+    into wider rows."""
+    full = torch.tensor(rng.standard_normal((int(counts.sum()), hidden + stride_pad)), dtype=dtype, device=device)
+    return full[:, :hidden]
+
+
+def rel_error(got: torch.Tensor, want: np.ndarray) -> float:
+    """Max abs error of ``got`` (any device) against the float64 ``want``, relative to max |want|;
+    fails on a NaN left by the prefill (a row the kernel did not write)."""
+    got = got.double().cpu()
+    assert not torch.isnan(got).any(), "a row was left unwritten (NaN prefill)"
+    return float(np.abs(got.numpy() - want).max() / max(np.abs(want).max(), 1e-30))
 
 
 def _round(values: np.ndarray, dtype: torch.dtype) -> np.ndarray:

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from afd_cupy import kernels, wire
-from afd_cupy.routing import planner
 from afd_cupy.wire import fp8
 from afd_cupy.wire.dtypes import f32_to_raw
 
@@ -45,6 +44,8 @@ class FP8Dispatch(Dispatch):
     """Dispatch (test_kernels_cuda) with ``hdr_flags = FLAG_FP8``: the expected windows hold the
     reference's FP8 wire rows at the FP8 row stride and headers with FLAG_FP8."""
 
+    fp8_rows = True
+
     def __init__(self, rng, **kw):
         super().__init__(rng, **kw)
         self.hidden_raw = spread_rows(rng, self.num_tokens, self.hidden, self.dtype)
@@ -52,29 +53,8 @@ class FP8Dispatch(Dispatch):
             self.hidden_dev[:self.num_tokens] = cp.asarray(self.hidden_raw)
         self.wire_rows = fp8.quantize_wire_rows(to_f32(self.hidden_raw, self.dtype))
 
-    def _dispatch_args(self) -> dict:
-        return {**super()._dispatch_args(), "hdr_flags": wire.FLAG_FP8}
-
-    def expected_window(self, ffn_rank: int, plan: planner.DispatchPlan, seq: int) -> np.ndarray:
-        layout, j = self.layout, ffn_rank
-        want = self.prefill[j].copy()
-        base = layout.slot_offset(self.src_rank, self.ring)
-        routed, shared = plan.routed_count(j), self.shared_rows(j)
-        put(want, layout.slot_index(self.src_rank, self.ring) * 8, np.int64(seq))
-        header = wire.dispatch_header(seq=seq, src_rank=self.src_rank, layer_idx=self.layer_idx,
-                                      stage_idx=self.stage_idx, num_tokens=self.num_tokens,
-                                      shared_tokens=shared, top_k=self.top_k,
-                                      expert_counts=plan.rank_counts(j), fp8=True)
-        put(want, base + layout.field_offset("header"), wire.encode_header(header, self.epr))
-        put(want, base + layout.field_offset("route_table"), plan.rank_route_table(j))
-        tokens = plan.order[plan.rank_offsets[j]:plan.rank_offsets[j + 1]] // self.top_k
-        if routed:
-            put(want, base + layout.field_offset("routed_x"), self.wire_rows[tokens])
-        if shared:
-            idx = planner.shared_split(self.num_tokens, self.num_ffn, j)
-            put(want, base + layout.field_offset("shared_idx"), idx)
-            put(want, base + layout.field_offset("shared_x"), self.wire_rows[idx])
-        return want
+    def sent_rows(self) -> np.ndarray:
+        return self.wire_rows
 
 
 # hidden sizes: one group; two; 37 groups (odd: uneven row parts); the decode shape 7168;

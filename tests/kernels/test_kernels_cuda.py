@@ -151,8 +151,8 @@ class Dispatch:
             verdict=scratch.verdict, peer_windows=self.peer_windows,
             geo=self.layout.kernel_geometry(), ring=self.ring, has_shared=self.has_shared,
             pos_out=self.pos_out, src_rank=self.src_rank, layer_idx=self.layer_idx,
-            stage_idx=self.stage_idx, hdr_flags=0, seq_counters=self.seq_counters,
-            expected=self.expected, expected_counts=self.expected_counts,
+            stage_idx=self.stage_idx, hdr_flags=wire.FLAG_FP8 if self.fp8_rows else 0,
+            seq_counters=self.seq_counters, expected=self.expected, expected_counts=self.expected_counts,
             done_counter=scratch.scatter_done)
 
     def run_fused(self):
@@ -183,24 +183,31 @@ class Dispatch:
     def shared_rows(self, ffn_rank: int) -> int:
         return planner.shared_count(self.num_tokens, self.num_ffn, ffn_rank) if self.has_shared else 0
 
+    #: the rows travel as FP8 wire rows with FLAG_FP8 (test_fp8_cuda.FP8Dispatch)
+    fp8_rows = False
+
+    def sent_rows(self) -> np.ndarray:
+        """The rows as the windows must hold them, one per token: the payload here."""
+        return self.hidden_raw
+
     def expected_window(self, ffn_rank: int, plan: planner.DispatchPlan, seq: int) -> np.ndarray:
         layout, j = self.layout, ffn_rank
         want = self.prefill[j].copy()
         base = layout.slot_offset(self.src_rank, self.ring)
-        routed, shared = plan.routed_count(j), self.shared_rows(j)
         put(want, layout.slot_index(self.src_rank, self.ring) * 8, np.int64(seq))
-        header = wire.Header(seq=seq, src_rank=self.src_rank, layer_idx=self.layer_idx,
-                             stage_idx=self.stage_idx, num_tokens=self.num_tokens, routed_tokens=routed,
-                             shared_tokens=shared, top_k=self.top_k, flags=0, echo_seq=0,
-                             expert_counts=tuple(int(c) for c in plan.rank_counts(j)))
+        header = wire.dispatch_header(seq=seq, src_rank=self.src_rank, layer_idx=self.layer_idx,
+                                      stage_idx=self.stage_idx, num_tokens=self.num_tokens,
+                                      shared_tokens=self.shared_rows(j), top_k=self.top_k,
+                                      expert_counts=plan.rank_counts(j), fp8=self.fp8_rows)
         put(want, base + layout.field_offset("header"), wire.encode_header(header, self.epr))
         put(want, base + layout.field_offset("route_table"), plan.rank_route_table(j))
+        rows = self.sent_rows()
         tokens = plan.order[plan.rank_offsets[j]:plan.rank_offsets[j + 1]] // self.top_k
-        put(want, base + layout.field_offset("routed_x"), self.hidden_raw[tokens])
+        put(want, base + layout.field_offset("routed_x"), rows[tokens])
         if self.has_shared:
             idx = planner.shared_split(self.num_tokens, self.num_ffn, j)
             put(want, base + layout.field_offset("shared_idx"), idx)
-            put(want, base + layout.field_offset("shared_x"), self.hidden_raw[idx])
+            put(want, base + layout.field_offset("shared_x"), rows[idx])
         return want
 
     def assert_sent_as_planned(self, plan: planner.DispatchPlan) -> None:

@@ -13,7 +13,7 @@ from afd_cupy import moe
 from afd_cupy.moe import stream_gemm
 
 from helpers.rng import node_rng
-from helpers.stream_gemm import random_counts, random_experts, stream_reference
+from helpers.stream_gemm import random_counts, random_experts, random_rows, rel_error, stream_reference
 
 pytestmark = pytest.mark.cuda
 
@@ -27,17 +27,6 @@ def _triton():
         pytest.skip(reason)
 
 
-def _rel_err(got: torch.Tensor, want: np.ndarray) -> float:
-    got = got.double().cpu()
-    assert not torch.isnan(got).any(), "a row was left unwritten (NaN prefill)"
-    return float(np.abs(got.numpy() - want).max() / max(np.abs(want).max(), 1e-30))
-
-
-def _rows(rng, counts, hidden, dtype, stride_pad=0):
-    full = torch.tensor(rng.standard_normal((int(counts.sum()), hidden + stride_pad)), dtype=dtype, device="cuda")
-    return full[:, :hidden]
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("activation", ["silu", "gelu"])
@@ -46,11 +35,11 @@ def test_matches_reference(request, dtype, fp8, activation):
     num_experts, hidden, inter = int(rng.integers(5, 40)), 64 * int(rng.integers(2, 9)), 32 * int(rng.integers(2, 9))
     weights = random_experts(rng, num_experts, hidden, inter, dtype, "cuda", activation=activation, fp8=fp8)
     counts = random_counts(rng, num_experts, mean_rows=float(rng.uniform(1, 40)), empty=2)
-    x = _rows(rng, counts, hidden, dtype, stride_pad=8 * int(rng.integers(0, 3)))
+    x = random_rows(rng, counts, hidden, dtype, "cuda", stride_pad=8 * int(rng.integers(0, 3)))
     out = torch.full((x.shape[0], hidden), float("nan"), dtype=dtype, device="cuda")
     got = stream_gemm.grouped_mlp_streamed(x, torch.tensor(counts, device="cuda"), weights, out=out)
     torch.cuda.synchronize()
-    assert _rel_err(got, stream_reference(x, counts, weights)) < TOLERANCE[dtype]
+    assert rel_error(got, stream_reference(x, counts, weights)) < TOLERANCE[dtype]
 
 
 def test_graph_replay_with_new_rows_and_counts(request):
@@ -80,7 +69,7 @@ def test_graph_replay_with_new_rows_and_counts(request):
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert _rel_err(out, stream_reference(x, c, weights)) < TOLERANCE[torch.bfloat16]
+        assert rel_error(out, stream_reference(x, c, weights)) < TOLERANCE[torch.bfloat16]
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -91,7 +80,7 @@ def test_v2_lite_experts_agree_with_grouped_mlp(request, fp8):
     rng = node_rng(request)
     weights = random_experts(rng, 64, 2048, 1408, torch.bfloat16, "cuda", fp8=fp8)
     counts = np.bincount(rng.integers(0, 64, 768), minlength=64)
-    x = _rows(rng, counts, 2048, torch.bfloat16)
+    x = random_rows(rng, counts, 2048, torch.bfloat16, "cuda")
     group_counts = torch.tensor(counts, device="cuda")
     got = stream_gemm.grouped_mlp_streamed(x, group_counts, weights)
     want = moe.grouped_mlp(x, group_counts, weights)

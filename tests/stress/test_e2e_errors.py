@@ -45,6 +45,11 @@ def _identity_error(out, hidden, weights) -> float:
     return float((out.float() - hidden.float() * weights.float().sum(dim=1, keepdim=True)).abs().max())
 
 
+def _identity_round_trip(conn, hidden, ids, weights, layer) -> float:
+    """One blocking round trip of layer ``layer`` and its :func:`_identity_error`."""
+    return _identity_error(conn.recv_ffn_output(conn.send_attn_output(hidden, ids, weights, layer)), hidden, weights)
+
+
 # --- capacity --------------------------------------------------------------------------------
 def _capacity_program(ctx, backend, wire_mode):
     # 2A1F... with F = 2: routed_cap = ceil(16*2/2 * 0.5) = 8; 8 tokens x top-2 all on rank 0 = 16,
@@ -62,8 +67,7 @@ def _capacity_program(ctx, backend, wire_mode):
         out = {}
         if role_rank == 0:
             hidden, ids, weights = _inputs(conn, 4, favor_rank=0)
-            at_cap = conn.recv_ffn_output(conn.send_attn_output(hidden, ids, weights, 0))
-            out["at_cap_err"] = _identity_error(at_cap, hidden, weights)
+            out["at_cap_err"] = _identity_round_trip(conn, hidden, ids, weights, 0)
             hidden, ids, weights = _inputs(conn, 8, favor_rank=0)
             try:
                 # cuda: a non-blocking receive raises nothing; the error latched by layer 5's
@@ -76,8 +80,7 @@ def _capacity_program(ctx, backend, wire_mode):
                 out["error"] = (str(err), err.counts, err.cap, err.layer_idx)
         for layer in range(3):  # both replicas keep being served afterwards
             hidden, ids, weights = _inputs(conn, 5, seed=layer + 10 * role_rank)
-            result = conn.recv_ffn_output(conn.send_attn_output(hidden, ids, weights, layer))
-            out.setdefault("max_err", []).append(_identity_error(result, hidden, weights))
+            out.setdefault("max_err", []).append(_identity_round_trip(conn, hidden, ids, weights, layer))
         conn.announce_shutdown()
         return out
     finally:
@@ -119,8 +122,7 @@ def _routing_program(ctx, backend, wire_mode):
         for layer, (ids_dtype, weights_dtype) in enumerate(ROUTING_DTYPES):
             hidden, ids, weights = _inputs(conn, 5, seed=layer)
             weights = weights.to(weights_dtype)
-            got = conn.recv_ffn_output(conn.send_attn_output(hidden, ids.to(ids_dtype), weights, layer))
-            out["err"].append(_identity_error(got, hidden, weights))
+            out["err"].append(_identity_round_trip(conn, hidden, ids.to(ids_dtype), weights, layer))
         for layer, (bad, ids_dtype) in enumerate(((MODEL.num_experts, torch.int32), (2**31 + 1, torch.int64)), 4):
             hidden, ids, weights = _inputs(conn, 3, seed=layer)
             ids = ids.to(ids_dtype)
@@ -130,8 +132,7 @@ def _routing_program(ctx, backend, wire_mode):
             except InvalidRoutingError as err:
                 out["refused"].append((layer, str(err)))
         hidden, ids, weights = _inputs(conn, 4, seed=7)
-        got = conn.recv_ffn_output(conn.send_attn_output(hidden, ids, weights, 6))
-        out["after"] = _identity_error(got, hidden, weights)
+        out["after"] = _identity_round_trip(conn, hidden, ids, weights, 6)
         conn.announce_shutdown()
         return out
     finally:

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import importlib.util
 
-import numpy as np
 import pytest
 import torch
 
 from afd_cupy.moe import stream_gemm
 
 from helpers.rng import node_rng
-from helpers.stream_gemm import EXPERT_ACTIVATIONS, random_counts, random_experts, stream_reference
+from helpers.stream_gemm import (EXPERT_ACTIVATIONS, random_counts, random_experts, random_rows, rel_error,
+                                 stream_reference)
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
@@ -32,17 +32,6 @@ def _interpreter():
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 
 
-def _rel_err(got: torch.Tensor, want: np.ndarray) -> float:
-    assert not torch.isnan(got).any(), "a row was left unwritten (NaN prefill)"
-    return float(np.abs(got.double().numpy() - want).max() / max(np.abs(want).max(), 1e-30))
-
-
-def _rows(rng, counts, hidden, dtype, stride_pad=0):
-    """x [sum(counts), hidden] in dtype; with ``stride_pad`` a view into wider rows."""
-    full = torch.tensor(rng.standard_normal((int(counts.sum()), hidden + stride_pad)), dtype=dtype)
-    return full[:, :hidden]
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_matches_reference(request, dtype, fp8):
@@ -50,12 +39,12 @@ def test_matches_reference(request, dtype, fp8):
     num_experts, hidden, inter = int(rng.integers(3, 9)), 16 * int(rng.integers(2, 5)), 16 * int(rng.integers(2, 4))
     weights = random_experts(rng, num_experts, hidden, inter, dtype, fp8=fp8)
     counts = random_counts(rng, num_experts, mean_rows=float(rng.uniform(2, 10)))
-    x = _rows(rng, counts, hidden, dtype, stride_pad=int(rng.integers(0, 3)) * 8)
+    x = random_rows(rng, counts, hidden, dtype, stride_pad=int(rng.integers(0, 3)) * 8)
     out = torch.full((x.shape[0], hidden), float("nan"), dtype=dtype)
     config = stream_gemm.StreamConfig(block_n=16, block_k=32)  # several tiles of each dimension
     got = stream_gemm.grouped_mlp_streamed(x, torch.tensor(counts), weights, config=config, out=out)
     assert got is out
-    assert _rel_err(got, stream_reference(x, counts, weights)) < TOLERANCE[dtype]
+    assert rel_error(got, stream_reference(x, counts, weights)) < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("activation", [a for a in EXPERT_ACTIVATIONS if a != "silu"])
@@ -63,10 +52,10 @@ def test_other_activations_run_unfused(request, activation):
     rng = node_rng(request)
     weights = random_experts(rng, 4, 32, 32, torch.float32, activation=activation)
     counts = random_counts(rng, 4, mean_rows=5.0)
-    x = _rows(rng, counts, 32, torch.float32)
+    x = random_rows(rng, counts, 32, torch.float32)
     got = stream_gemm.grouped_mlp_streamed(x, torch.tensor(counts, dtype=torch.int32), weights,
                                            config=stream_gemm.StreamConfig(block_n=16, block_k=16))
-    assert _rel_err(got, stream_reference(x, counts, weights)) < TOLERANCE[torch.float32]
+    assert rel_error(got, stream_reference(x, counts, weights)) < TOLERANCE[torch.float32]
 
 
 def test_agrees_with_grouped_mlp(request):
@@ -76,7 +65,7 @@ def test_agrees_with_grouped_mlp(request):
     rng = node_rng(request)
     weights = random_experts(rng, 6, 48, 32, torch.float32)
     counts = random_counts(rng, 6, mean_rows=7.0, empty=2)
-    x = _rows(rng, counts, 48, torch.float32)
+    x = random_rows(rng, counts, 48, torch.float32)
     got = stream_gemm.grouped_mlp_streamed(x, torch.tensor(counts), weights)
     want = moe.grouped_mlp(x, torch.tensor(counts), weights)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
@@ -109,7 +98,7 @@ def test_stacked_layers_with_the_graph_ffns_offsets(request, fp8):
         one_layer = slice(layer * epr, (layer + 1) * epr)
         fields = ("w13", "w2") + (("w13_scale", "w2_scale") if fp8 else ())
         view = dataclasses.replace(stacked, num_experts=epr, **{f: getattr(stacked, f)[one_layer] for f in fields})
-        assert _rel_err(out[:rows], stream_reference(x[:rows], counts, view)) < TOLERANCE[torch.float32]
+        assert rel_error(out[:rows], stream_reference(x[:rows], counts, view)) < TOLERANCE[torch.float32]
         assert torch.isnan(out[rows:]).all()
 
 
@@ -216,9 +205,9 @@ def test_a_fixed_row_tile_gives_the_same_rows(request):
     rng = node_rng(request)
     weights = random_experts(rng, 4, 32, 32, torch.float32)
     counts = random_counts(rng, 4, mean_rows=12.0)
-    x = _rows(rng, counts, 32, torch.float32)
+    x = random_rows(rng, counts, 32, torch.float32)
     auto = stream_gemm.grouped_mlp_streamed(x, torch.tensor(counts), weights)
     fixed = stream_gemm.grouped_mlp_streamed(x, torch.tensor(counts), weights,
                                              config=stream_gemm.StreamConfig(block_m=16, block_n=16, block_k=16))
     assert torch.allclose(auto, fixed, rtol=1e-5, atol=1e-5 * float(auto.abs().max()))
-    assert _rel_err(fixed, stream_reference(x, counts, weights)) < TOLERANCE[torch.float32]
+    assert rel_error(fixed, stream_reference(x, counts, weights)) < TOLERANCE[torch.float32]
