@@ -153,22 +153,34 @@ class AttentionEndpoint:
             raise ValueError(f"hidden has dtype {hidden.dtype}, the model dtype is {self.torch_dtype}")
         check_device("hidden", hidden, self.device)
         expected = (hidden.shape[0], model.top_k)
-        for name, tensor, is_float in (("topk_ids", topk_ids, False), ("topk_weights", topk_weights, True)):
+        for name, tensor, dtypes in (("topk_ids", topk_ids, _INT_DTYPES),
+                                     ("topk_weights", topk_weights, _FLOAT_DTYPES)):
             if not isinstance(tensor, torch.Tensor):
                 raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-            if tuple(tensor.shape) != expected:
+            if tensor.shape != expected:
                 raise ValueError(f"{name} must have shape {expected}, got {tuple(tensor.shape)}")
-            if tensor.dtype.is_floating_point != is_float or tensor.dtype == torch.bool or tensor.is_complex():
+            if tensor.dtype not in dtypes:
                 raise ValueError(f"{name} has wrong dtype {tensor.dtype} (expected "
-                                 f"{'a float' if is_float else 'an integer'} dtype)")
+                                 f"{'a float' if dtypes is _FLOAT_DTYPES else 'an integer'} dtype)")
             check_device(name, tensor, self.device)
-        if hidden.shape[0] > self.layout.token_cap:
-            raise token_cap_error(hidden.shape[0], self.layout.token_cap)
+        if expected[0] > self.layout.token_cap:
+            raise token_cap_error(expected[0], self.layout.token_cap)
+
+
+# The dtypes a send accepts: real floats for the weights, integers (not bool) for the ids.
+_FLOAT_DTYPES = frozenset(d for d in vars(torch).values()
+                          if isinstance(d, torch.dtype) and d.is_floating_point)
+_INT_DTYPES = frozenset(d for d in vars(torch).values()
+                        if isinstance(d, torch.dtype) and not d.is_floating_point
+                        and not d.is_complex and d != torch.bool)
 
 
 def check_device(name: str, tensor: torch.Tensor, device: torch.device) -> None:
     """ValueError unless ``tensor`` lives on ``device`` (either endpoint's tensors)."""
-    if tensor.device.type != device.type or (device.index is not None and tensor.device.index != device.index):
+    actual = tensor.device
+    if actual == device:  # the common case, one comparison
+        return
+    if actual.type != device.type or (device.index is not None and actual.index != device.index):
         raise ValueError(f"{name} is on {tensor.device}, this connector's tensors live on {device}")
 
 
@@ -178,6 +190,8 @@ def _capturing(device: torch.device) -> bool:
 
 def _check_index(name: str, value, bound: int) -> None:
     """``value`` must be an int (not bool, not a float) in [0, bound)."""
+    if type(value) is int and 0 <= value < bound:  # the common case, without the ABC check
+        return
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if not 0 <= int(value) < bound:
