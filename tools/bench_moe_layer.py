@@ -15,7 +15,10 @@ and ``small`` for the tests) and each batch size (``--tokens``: decode 1 8 32 12
   ``GraphFFNServer`` (``--ffn-carveout``, default "auto" as the library), or an eager
   ``FFNWorker`` on the host backend. Its output is compared with the one-process output of
   the same inputs (relative L2 over the first ``--check-rows`` rows; CHECK FAILED and exit 1
-  beyond ``CHECK_TOL``).
+  beyond ``CHECK_TOL``). FP8 end to end: ``--dispatch-dtype fp8_e4m3`` (E4M3 rows on the wire)
+  and ``--ffn-fp8-experts`` (the FFN's routed experts as a block-scaled FP8 checkpoint; on
+  cuda with ``--ffn-expert-gemm stream``), checked within ``FP8_CHECK_TOL`` of the bf16
+  one-process output instead.
 - **the routed experts alone** on the rows of that routing (``--gemm-variants``, module
   ``afd_cupy.moe.expert_gemm``; ``current`` is ``moe.grouped_mlp``), each in a CUDA graph, and
   the FP8 experts against bf16 when torch has ``_scaled_grouped_mm`` (speedup and the
@@ -87,6 +90,9 @@ DECODE_TOKENS, PREFILL_TOKENS = (1, 8, 32, 128, 256), (2048, 4096, 8192)
 CPU_TOKENS = (1, 4, 16, 64)
 PREFILL_FROM = 1024  # batch sizes from here on are "prefill" rows
 CHECK_TOL = 2e-2  # AFD vs one process: bf16 outputs, fp32 accumulation in another order
+#: the same with FP8 rows on the wire and / or FP8 routed experts (docs/design/fp8.md: the
+#: dispatch's budget 0.06 of a layer's output, FP8 weights a few per cent more)
+FP8_CHECK_TOL = 0.1
 #: the report's FP8 columns: key prefix -> expert_gemm variant
 FP8_COLUMNS = {"fp8": "fp8_rowwise", "fp8_block": "fp8_block", "fp8_stream": "stream_fp8"}
 TARGETS = {"floor_decode": (128, 0.85), "dense_prefill": (4096, 0.70),
@@ -111,6 +117,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--ffn-expert-gemm", choices=("grouped_mm", "stream"), default="grouped_mm",
                         help="GraphFFNServer(expert_gemm=...) of the FFN rank: torch's grouped GEMMs or "
                              "moe.stream_gemm's Triton kernels (decision 0032)")
+    parser.add_argument("--dispatch-dtype", choices=("payload", "fp8_e4m3"), default="payload",
+                        help="ConnectorConfig.dispatch_dtype of the AFD launch (fp8_e4m3: E4M3 rows on the "
+                             "wire, decoded by the graph FFN's gather)")
+    parser.add_argument("--ffn-fp8-experts", action="store_true",
+                        help="the FFN rank serves the routed experts as a block-scaled FP8 checkpoint "
+                             "(moe.FP8ExpertWeights; on cuda with --ffn-expert-gemm stream)")
     parser.add_argument("--iters", type=int, default=None, help="decode iterations (default 100, quick 20)")
     parser.add_argument("--prefill-iters", type=int, default=None, help="default 20, quick 5")
     parser.add_argument("--warmup", type=int, default=3)
@@ -128,6 +140,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                              else CPU_TOKENS)))
     if min(args.tokens) < 1 or args.check_rows < 1:
         parser.error("--tokens and --check-rows must be >= 1")
+    if args.ffn_fp8_experts and args.device == "cuda" and args.ffn_expert_gemm != "stream":
+        parser.error("--ffn-fp8-experts on cuda needs --ffn-expert-gemm stream (the graph FFN runs FP8 "
+                     "experts with the streamed kernels only)")
     variants = args.gemm_variants
     args.gemm_variants = (list(VARIANTS) if "all" in variants else
                           ["current"] + [v for v in variants if v not in ("none", "current")])
@@ -449,19 +464,25 @@ def afd_spec(shape: Shape, args, backend: str, ref_path: str) -> dict:
     return {"shape": asdict(shape), "tokens": list(args.tokens), "seed": args.seed, "iters": args.iters,
             "prefill_iters": args.prefill_iters, "warmup": args.warmup, "check_rows": args.check_rows,
             "backend": backend, "ffn_carveout": args.ffn_carveout, "ffn_expert_gemm": args.ffn_expert_gemm,
-            "ref_path": ref_path}
+            "dispatch_dtype": args.dispatch_dtype, "ffn_fp8_experts": args.ffn_fp8_experts, "ref_path": ref_path}
+
+
+def check_tolerance(args) -> float:
+    """The AFD-vs-one-process bound of the run's settings (FP8 anywhere: FP8_CHECK_TOL)."""
+    return FP8_CHECK_TOL if args.dispatch_dtype != "payload" or args.ffn_fp8_experts else CHECK_TOL
 
 
 def _afd_rank(ctx, spec: dict) -> dict:
-    from afd_cupy.config import TopologyConfig
+    from afd_cupy.config import ConnectorConfig, TopologyConfig
     from afd_cupy.connector import AFDConnector
 
     shape = Shape(**spec["shape"])
     device = bc.set_device(spec["backend"], ctx)
     model = model_config(shape, max(spec["tokens"]))
     role = "attention" if ctx.rank == 0 else "ffn"
-    conn = AFDConnector(model, TopologyConfig(1, 1), role=role, role_rank=0, store=ctx.store(),
-                        job_id=ctx.job_id, backend=spec["backend"], device_id=ctx.device_id)
+    conn = AFDConnector(model, TopologyConfig(1, 1), ConnectorConfig(dispatch_dtype=spec["dispatch_dtype"]),
+                        role=role, role_rank=0, store=ctx.store(), job_id=ctx.job_id,
+                        backend=spec["backend"], device_id=ctx.device_id)
     try:
         if role == "ffn":
             return _serve(conn, shape, spec, device)
@@ -475,6 +496,10 @@ def _afd_rank(ctx, spec: dict) -> dict:
 
 def _serve(conn, shape: Shape, spec: dict, device) -> dict:
     routed, shared = make_experts(shape, device, spec["seed"])
+    if spec["ffn_fp8_experts"]:  # as an FP8 checkpoint would load (128x128 blocks)
+        from afd_cupy.moe import FP8ExpertWeights
+
+        routed = FP8ExpertWeights.quantize(routed, blockwise=True)
     if spec["backend"] != "cuda":
         from afd_cupy.ffn.worker import FFNWorker
 
@@ -524,7 +549,7 @@ def run_afd(shape: Shape, args, backend: str, refs: dict) -> tuple[dict, dict]:
     from afd_cupy.wire import window_size_hint
 
     model = model_config(shape, max(args.tokens))
-    window = window_size_hint(model, TopologyConfig(1, 1), ConnectorConfig())
+    window = window_size_hint(model, TopologyConfig(1, 1), ConnectorConfig(dispatch_dtype=args.dispatch_dtype))
     with tempfile.TemporaryDirectory(prefix="afd_moe_layer_") as tmp:
         ref_path = os.path.join(tmp, "refs.pt")
         torch.save(refs, ref_path)
@@ -697,7 +722,7 @@ def main(argv=None) -> int:
         enrich(report, afd_rows)
         shapes[name] = report
         failed += [(name, r["tokens"], r["afd_rel_err"]) for r in report["rows"]
-                   if "afd_rel_err" in r and not r["afd_rel_err"] <= CHECK_TOL]
+                   if "afd_rel_err" in r and not r["afd_rel_err"] <= check_tolerance(args)]
         result["targets"], result["seconds"] = targets(shapes), time.perf_counter() - start
         path = bc.write_json(args.out, "bench_moe_layer.json", result)
         print(f"\n==== {name}: {shape} on {result['device']} (µs: medians) ====")

@@ -6,7 +6,7 @@
 #
 #   bash tools/gpu_suite.sh [MODE]
 #
-# Modes (each of part1..part3, soak1, moe1, stream1..3, mps1, trace1, plan1, corun1 and twogpu1..4 fits one 600 s device call):
+# Modes (each of part1..part3, soak1, moe1, stream1..3, fp8e2e, mps1, trace1, plan1, corun1 and twogpu1..4 fits one 600 s device call):
 #   full     every cuda test, the host-polling e2e cases without MPS, both main jobs,
 #            hf_generate, the soak, then the benchmarks (default)
 #   quick    the cuda tests and both main jobs
@@ -26,6 +26,9 @@
 #   stream2  one GPU: the V2-Lite-shaped MoE step (bench_step_graph --trace) with the graph FFN's
 #            expert GEMMs torch's (grouped_mm) and the streamed ones, then bench_moe_layer's AFD
 #            layer with the streamed ones (v2lite, qwen3)
+#   fp8e2e   one GPU: the FP8 cuda tests of the graph FFN and the FP8 dispatch, then bench_moe_layer's
+#            AFD layer (v2lite, v3; 1 and 128 tokens) with the streamed GEMMs in bf16 and FP8 end to
+#            end (--dispatch-dtype fp8_e4m3 --ffn-fp8-experts): speed and error against bf16
 #   stream3  one GPU: prefill 4096: the streamed kernels with large row tiles (bench_stream_gemm
 #            --block-m 64 128) and expert_gemm's padded_bmm against torch's grouped GEMM and
 #            the dense rate of the same run
@@ -188,6 +191,13 @@ case "$MODE" in
     run_step step_moe_stream 150 python3 tools/bench_step_graph.py $MOE --ffn-expert-gemm stream --out "$OUT/step_moe_stream"
     run_step moe_layer_stream 250 python3 tools/bench_moe_layer.py --quick --shapes v2lite qwen3 --tokens 1 8 128 \
       --gemm-variants none --no-fp8 --ffn-expert-gemm stream --out "$OUT/moe_layer_stream" ;;
+  fp8e2e)  # one GPU: FP8 end to end in the graph FFN (FP8 wire rows decoded by its gather, FP8 experts)
+    run_step fp8_tests 120 python3 -m pytest -m cuda -q -p no:cacheprovider --timeout=110 -rfEs -k "fp8 or FP8" \
+      tests/kernels/test_ffn_graph_cuda.py tests/integration/test_fp8_dispatch.py
+    FP8L="--quick --shapes v2lite v3 --tokens 1 128 --gemm-variants none --no-fp8 --ffn-expert-gemm stream"
+    run_step moe_layer_bf16_stream 200 python3 tools/bench_moe_layer.py $FP8L --out "$OUT/moe_layer_bf16_stream"
+    run_step moe_layer_fp8_e2e 200 python3 tools/bench_moe_layer.py $FP8L --dispatch-dtype fp8_e4m3 \
+      --ffn-fp8-experts --out "$OUT/moe_layer_fp8_e2e" ;;
   stream3)  # one GPU: prefill candidates against the grouped GEMM and the dense rate
     run_step stream_prefill 400 python3 tools/bench_stream_gemm.py --quick --tokens 4096 --block-m 64 128 \
       --block-n 64 128 --block-k 64 --warps 4 8 --stages 3 --out "$OUT/stream_prefill"
@@ -214,7 +224,7 @@ case "$MODE" in
     run_step step_moe_auto 100 python3 tools/bench_step_graph.py --quick $MOE --out "$OUT/step_moe_auto"
     NO_MPS=1 run_step gate 90 python3 tools/bench_gate.py --quick --out "$OUT/gate" ;;
 esac
-case "$MODE" in twogpu*|trace1|soak1|moe1|stream1|stream2|stream3|mps1|plan1|corun1|kernels1) MODE=none ;; esac
+case "$MODE" in twogpu*|trace1|soak1|moe1|stream1|stream2|stream3|fp8e2e|mps1|plan1|corun1|kernels1) MODE=none ;; esac
 if [ "$MODE" != bench ] && [ "$MODE" != none ]; then
 DESELECT=()
 [ -z "${SERIAL_K:-}" ] || DESELECT=(-k "not ($SERIAL_K)")

@@ -86,7 +86,10 @@ class GraphFFNServer:
     ``moe.grouped_mlp``.
 
     Both wire modes (dedup: the route table is checked in the graph; a rejected table raises
-    the eager path's WireError from :meth:`run` / :meth:`step`).
+    the eager path's WireError from :meth:`run` / :meth:`step`). FP8 dispatch rows
+    (``dispatch_dtype="fp8_e4m3"``, pair mode): the graph's gather decodes them into the
+    GEMMs' staging rows (with identity experts too, whose reply then answers with the decoded
+    rows); ``FFNWorker``'s automatic serving keeps its loop for them (docs/design/fp8.md).
 
     ``record_log``: None (the default), or a list that gets a copy of every collected replay's
     record (int64 [record_words], ``afd_cupy.ffn.graph.REC_*``; idle replays too), in replay
@@ -166,9 +169,6 @@ class GraphFFNServer:
             raise ConfigError("GraphFFNServer needs poll_mode='device' (the wait is in the graph)")
         if not caps.supports_graph_server:
             raise ConfigError(f"GraphFFNServer cannot drive this connector's data path ({caps})")
-        if connector.layout.is_fp8_dispatch:  # its gather copies rows; FP8 rows need decoding
-            raise ConfigError(f"GraphFFNServer does not dequantize FP8 dispatch rows yet "
-                              f"(dispatch_dtype={connector.config.dispatch_dtype!r}); use FFNWorker")
         if identity == (experts is not None):
             raise ConfigError("pass exactly one of experts= or identity=True")
 
@@ -363,8 +363,8 @@ class GraphFFNServer:
         with the seq the stage reserved (the eager path's host counter is set to seq - 1)."""
         arrival = self._arrival(words, slot)
         self.connector.set_reply_seq_counters(seq - 1, slot=slot)
-        item = self.connector.accept_arrival(arrival)  # ProtocolError for a wrong source rank
-        with torch.cuda.stream(self.eager_stream):
+        with torch.cuda.stream(self.eager_stream):  # the item's views may launch (FP8 rows' decode)
+            item = self.connector.accept_arrival(arrival)  # ProtocolError for a wrong source rank
             self.eager_worker.serve(item)
         self.num_eager += 1
         self.num_served += 1
@@ -372,6 +372,7 @@ class GraphFFNServer:
     def _raise_rejected(self, words: np.ndarray, slot: int, detail: int) -> None:
         arrival = self._arrival(words, slot)  # raises the eager path's WireError
         header = arrival.header
+        wire.check_dispatch_rows(header, self.layout)  # FP8 rows to a payload rank, or the reverse
         if header.src_rank != arrival.region:
             raise ProtocolError(f"message in region {arrival.region} claims source rank {header.src_rank}")
         raise ProtocolError(f"graph stage rejected a header the host accepts (header word {detail}): "

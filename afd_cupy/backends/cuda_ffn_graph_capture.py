@@ -118,6 +118,9 @@ class GraphCapture:
         self.gemm_sm_carveout, self.weights = gemm_sm_carveout, weights
         self.expert_gemm = expert_gemm
         self.is_dedup = layout.is_dedup
+        # FP8 dispatch (pair mode): the gather decodes the slot's FP8 rows into the staging rows,
+        # with identity experts too (their reply then reads the decoded rows)
+        self.fp8_rows = layout.is_fp8_dispatch
         self.num_layers = model.num_layers
         self.lpc = ffn_graph.layers_per_chunk(self.num_layers, layout.expert_per_rank)
         self.num_chunks = ffn_graph.num_chunks(self.num_layers, layout.expert_per_rank)
@@ -171,7 +174,7 @@ class GraphCapture:
             expert_per_rank=layout.expert_per_rank, is_dedup=int(self.is_dedup), src_rank=res.src_rank,
             num_attn_ranks=res.num_attn_ranks, token_cap=layout.token_cap,
             routed_cap=layout.routed_cap, shared_cap=layout.shared_cap,
-            routed_bucket=bucket.routed_rows, shared_bucket=bucket.shared_rows,
+            routed_bucket=bucket.routed_rows, shared_bucket=bucket.shared_rows, is_fp8=int(self.fp8_rows),
             num_layers=self.num_layers, layers_per_chunk=self.lpc, routed_offs=self.routed_offs,
             shared_offs=0 if self.shared_offs is None else self.shared_offs.data.ptr,
             reply_seqs=self.reply_seqs, state=self.state, replay_counter=self.replay_counter,
@@ -187,12 +190,14 @@ class GraphCapture:
         num_chunks = self.num_chunks
         routed_outs = res.cp.zeros(num_chunks, res.cp.uint64)
         keep = {"routed_outs": routed_outs}
-        if not self.identity:
+        staged = not self.identity or self.fp8_rows  # the rows the GEMMs (or FP8 decoding) need
+        if staged:
+            has_shared = self.shared_offs is not None or (self.fp8_rows and self.model.num_shared_experts > 0)
             keep["x"] = torch.empty(max(1, bucket.routed_rows), hidden, dtype=dtype, device=self.device)
             keep["xs"] = (torch.empty(max(1, bucket.shared_rows), hidden, dtype=dtype, device=self.device)
-                          if self.shared_offs is not None else None)
-        staging = 0 if self.identity else keep["x"].data_ptr()
-        shared_staging = 0 if self.identity or keep["xs"] is None else keep["xs"].data_ptr()
+                          if has_shared else None)
+        staging = keep["x"].data_ptr() if staged else 0
+        shared_staging = keep["xs"].data_ptr() if staged and keep["xs"] is not None else 0
         if self.is_dedup:
             gather, reply = self._dedup_launches(bucket, routed_outs, staging, shared_staging)
         else:
@@ -201,11 +206,11 @@ class GraphCapture:
                 geo=res.geometry, src_rank=res.src_rank, state=self.state, routed_outs=routed_outs,
                 shared_out=0, hidden_size=hidden, done_counter=self.reply_done,
                 routed_bucket=bucket.routed_rows, shared_bucket=bucket.shared_rows, num_chunks=num_chunks))
-            gather = None if self.identity else kernels.PackedLaunch(specs.graph_gather_spec(
+            gather = None if not staged else kernels.PackedLaunch(specs.graph_gather_spec(
                 dtype_code=res.dtype_code, window=res.own_window, geo=res.geometry,
                 state=self.state, hidden_size=hidden, routed_staging=staging,
                 shared_staging=shared_staging, routed_bucket=bucket.routed_rows,
-                shared_bucket=bucket.shared_rows))
+                shared_bucket=bucket.shared_rows, fp8_rows=int(self.fp8_rows)))
         if not self.identity:
             side = torch.cuda.Stream(self.device)
             # warm-up: offsets are all 0, no GEMM work (with the capture's carve-out: the same
@@ -218,7 +223,7 @@ class GraphCapture:
             stream_ptr = torch.cuda.current_stream(self.device).cuda_stream
             for launch in first:  # wait + stage (one kernel or two)
                 launch.launch(stream_ptr)
-            if gather is not None:  # dedup: the expand runs with identity experts too (its check)
+            if gather is not None:  # dedup's expand (its check) and an FP8 gather run with identity experts too
                 gather.launch(stream_ptr)
             if not self.identity:
                 # the GEMMs' grids (SMs - carve-out CTAs) are read at launch: frozen in the graph
@@ -226,9 +231,13 @@ class GraphCapture:
                     keep["outs"], keep["shared_out"] = self._expert_ops(keep["x"], keep["xs"])
                 if keep["shared_out"] is not None:
                     reply.set("shared_out", keep["shared_out"].data_ptr())
+            elif staged and keep["xs"] is not None:  # identity over decoded FP8 rows
+                reply.set("shared_out", keep["xs"].data_ptr())
             reply.launch(stream_ptr)
         if not self.identity:  # the chunk outputs' addresses are fixed now: the reply reads them
             routed_outs.set(np.array([out.data_ptr() for out in keep["outs"]], np.uint64))
+        elif staged:  # identity over decoded FP8 rows: every chunk answers with the staging rows
+            routed_outs.set(np.full(self.num_chunks, keep["x"].data_ptr(), np.uint64))
         res.cp.cuda.Device(res.device_id).synchronize()
         self._graph_buffers.append(keep)  # the graph's buffers live as long as the server
         return graph

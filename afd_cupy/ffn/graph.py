@@ -167,9 +167,11 @@ def stage_reference(words, *, region: int | None, layout: wire.WindowLayout, src
 
     ``words``: the header as consumed (int32) or ignored when ``region`` is None (wait_any
     timed out). ``prev_seq``: the slot's reply seq before this replay. REJECTED is whatever
-    ``wire.decode_header`` (with the layout's capacities) raises for, plus a ``src_rank`` that
-    is not its region (the connector's ProtocolError); ``detail`` is not modelled here (the
-    kernel's word index is checked by the cuda tests only through the host's decode).
+    ``wire.decode_header`` (with the layout's capacities) raises for, a dispatch whose row
+    format is not the layout's (``wire.dispatch_rows_fault``: FP8 rows to a payload connector
+    or the reverse; ``detail`` HDR_FLAGS), and a ``src_rank`` that is not its region (the
+    connector's ProtocolError); ``detail`` is not modelled otherwise (the kernel's word index
+    is checked by the cuda tests only through the host's decode).
     """
     epr = layout.expert_per_rank
     idle = StageResult(GS_IDLE, -1, 0, None, routed_offsets_reference(None, None, num_layers, epr),
@@ -180,6 +182,8 @@ def stage_reference(words, *, region: int | None, layout: wire.WindowLayout, src
         header = wire.decode_header(np.asarray(words, np.int32), epr, layout)
     except WireError:
         return _replace(idle, status=GS_REJECTED)
+    if wire.dispatch_rows_fault(header.flags, layout) is not None:  # rows of the other format
+        return _replace(idle, status=GS_REJECTED, detail=wire.HDR_FLAGS)
     if header.is_shutdown:
         return _replace(idle, status=GS_SHUTDOWN)
     if header.src_rank != region or region >= num_attn_ranks:

@@ -139,8 +139,8 @@ def _connector_rule(worker) -> str:
         return (f"Attention rank(s) {list(capabilities.put_peers)} are reached by NVSHMEM puts (the "
                 "graph replies by direct stores)")
     if worker.connector.layout.is_fp8_dispatch:
-        return (f"dispatch_dtype={worker.connector.config.dispatch_dtype!r} (the graph FFN's gather "
-                "does not dequantize FP8 rows yet)")
+        return (f"dispatch_dtype={worker.connector.config.dispatch_dtype!r} (FP8 rows: the graph FFN "
+                "decodes them when built directly, GraphFFNServer; FFNWorker's choice keeps the loop)")
     return ""
 
 

@@ -1,8 +1,8 @@
 """A :class:`~afd_cupy.testing.scenario.Scenario` run whose FFN ranks serve through the
 graph-driven FFN (:class:`~afd_cupy.backends.cuda_ffn_graph.GraphFFNServer`) instead of the
 eager ``FFNWorker``; the Attention ranks and the reference checks are the scenario's own.
-:func:`run_graph_identity_rank`: 1A1F with identity experts in either wire mode, optionally
-after a corrupt dedup route table. Used by ``tests/kernels/test_ffn_graph_cuda.py`` (cuda backend only)."""
+:func:`run_graph_identity_rank`: 1A1F with identity experts in either wire mode (pair: with
+FP8 dispatch rows too), optionally after a corrupt dedup route table. Used by ``tests/kernels/test_ffn_graph_cuda.py`` (cuda backend only)."""
 from __future__ import annotations
 
 import time
@@ -12,6 +12,8 @@ from afd_cupy.config import TopologyConfig
 from afd_cupy.connector import AFDConnector
 from afd_cupy.runtime.topology import Role, Topology
 from afd_cupy.testing import scenario as sc
+from afd_cupy.wire import fp8
+from afd_cupy.wire.dtypes import f32_to_raw, raw_to_f32, torch_to_raw
 
 
 def run_graph_rank(ctx, scenario: sc.Scenario, bucket_tokens: tuple, expert_gemm: str = "grouped_mm",
@@ -56,13 +58,17 @@ def _graph_ffn(conn, scenario: sc.Scenario, ffn_rank: int, device, bucket_tokens
             "expert_gemm": server.expert_gemm, "seconds": time.perf_counter() - start}
 
 
-def run_graph_identity_rank(ctx, model, wire_mode: str, tokens: tuple, corrupt_first: bool) -> dict:
+def run_graph_identity_rank(ctx, model, wire_mode: str, tokens: tuple, corrupt_first: bool,
+                            dispatch_dtype: str = "payload") -> dict:
     """1A1F with identity experts on the graph FFN (no GEMMs): the Attention rank checks each
     layer's output against ``(sum_k w_k + [shared experts]) * x`` (what identity experts give in
     both wire modes). ``corrupt_first``: before any layer the Attention rank writes a dedup
     message whose route table names staging row 0 twice straight into the FFN's window; the
     graph's expand must reject it, the server raise the eager path's WireError (reported as
-    ``error``) and then go on serving the real layers."""
+    ``error``) and then go on serving the real layers. ``dispatch_dtype="fp8_e4m3"``: x
+    travels as FP8 wire rows; each error also gets ``rel_err_quantized``, against the same
+    output computed from x quantized and dequantized by ``wire.fp8`` (the rows the FFN must
+    have decoded), and ``calc_diff`` against the unquantized output."""
     import torch
 
     from afd_cupy.backends.cuda_ffn_graph import GraphFFNServer
@@ -73,7 +79,8 @@ def run_graph_identity_rank(ctx, model, wire_mode: str, tokens: tuple, corrupt_f
     role, role_rank = topo.role_of(ctx.rank)
     torch.cuda.set_device(ctx.device_id or 0)
     device = torch.device("cuda", ctx.device_id or 0)
-    conn = AFDConnector(model, TopologyConfig(1, 1), ConnectorConfig(wire_mode=wire_mode), role=role,
+    config = ConnectorConfig(wire_mode=wire_mode, dispatch_dtype=dispatch_dtype)
+    conn = AFDConnector(model, TopologyConfig(1, 1), config, role=role,
                         role_rank=role_rank, store=ctx.store(), job_id=ctx.job_id, backend="cuda",
                         device_id=ctx.device_id, peer_timeout_s=60.0)
     try:
@@ -104,10 +111,25 @@ def run_graph_identity_rank(ctx, model, wire_mode: str, tokens: tuple, corrupt_f
             err = (out.float().cpu() - want).norm() / want.norm().clamp_min(1e-30)
             errors.append({"layer": layer, "tokens": num_tokens, "rel_err": float(err),
                            "num_nan": int(torch.isnan(out.float()).sum())})
+            if dispatch_dtype != "payload":
+                decoded = scale * _fp8_wire_round_trip(hidden, model.dtype)
+                errors[-1].update(
+                    rel_err_quantized=float((out.float().cpu() - decoded).norm() / decoded.norm().clamp_min(1e-30)),
+                    calc_diff=fp8.calc_diff(out.float().cpu().numpy(), want.numpy()))
         conn.announce_shutdown()
         return {"role": "attention", "errors": errors}
     finally:
         conn.close()
+
+
+def _fp8_wire_round_trip(hidden, dtype: str):
+    """fp32 [T, H]: ``hidden`` (payload dtype, CPU) as an FFN rank reads it from FP8 wire rows:
+    quantized and dequantized by ``wire.fp8``, then rounded to the payload dtype."""
+    import torch
+
+    raw = torch_to_raw(hidden, dtype)
+    decoded = fp8.dequantize_wire_rows(fp8.quantize_wire_rows(raw_to_f32(raw, dtype)), raw.shape[1])
+    return torch.from_numpy(raw_to_f32(f32_to_raw(decoded, dtype), dtype))
 
 
 def _write_bad_route_table(conn) -> None:

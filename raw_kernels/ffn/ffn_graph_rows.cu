@@ -8,6 +8,7 @@
 #include "common/payload.cuh"
 #include "common/block.cuh"
 #include "common/publish.cuh"  // publish_reply
+#include "common/fp8.cuh"      // fp8_row_bytes, warp_dequantize_row (FP8 dispatch rows)
 #include "ffn/dedup_ffn.cuh"   // expand_row, expand_finish, load_route_slots, reduce_row_part
 #include "ffn/ffn_graph.cuh"   // STATE_*, REC_*, GS_BAD_ROUTE
 
@@ -16,6 +17,9 @@ using namespace afd;
 // grid = reply_grid(routed_bucket + shared_bucket) (frozen at capture), block = REPLY_THREADS;
 // a warp per row. Copies the served item's routed and shared rows from its window slot into
 // the fixed staging rows the grouped GEMMs read; nothing when the replay serves nothing.
+// fp8_rows (an FP8 dispatch connector, whose stage accepts FLAG_FP8 messages only): the slot
+// holds FP8 wire rows (common/fp8.cuh), decoded into the staging rows as afd_fp8_dequant_rows
+// decodes them (reference: wire.fp8.dequantize_wire_rows, rounded to the payload dtype).
 template <int DT>
 __global__ void __launch_bounds__(REPLY_THREADS)
 afd_graph_gather(afd_u64 window,  // own window
@@ -23,10 +27,12 @@ afd_graph_gather(afd_u64 window,  // own window
                  const afd_i64* state,  // device: afd_graph_stage's output
                  afd_i32 hidden_size,
                  afd_u64 routed_staging,  // payload [routed_bucket, hidden_size], device
-                 afd_u64 shared_staging) {  // payload [shared_bucket, hidden_size], or 0
+                 afd_u64 shared_staging,  // payload [shared_bucket, hidden_size], or 0
+                 afd_i32 fp8_rows) {      // 1: FP8 wire rows (hidden_size % FP8_GROUP == 0)
   if (state[STATE_ACTIVE] == 0) return;
   const int tid = threadIdx.x, lane = tid & 31;
   const afd_i64 row_bytes = static_cast<afd_i64>(hidden_size) * itemsize<DT>();
+  const afd_i64 wire_row_bytes = fp8_rows ? fp8_row_bytes(hidden_size) : row_bytes;
   char* slot = geo.slot_at(window, state[STATE_SLOT]);
   const afd_i64 num_routed = state[STATE_ROUTED];
   const afd_i64 num_rows = num_routed + (shared_staging != 0ull ? state[STATE_SHARED] : 0);
@@ -35,9 +41,14 @@ afd_graph_gather(afd_u64 window,  // own window
        r += warp_stride) {
     const bool is_routed = r < num_routed;
     const afd_i64 row = is_routed ? r : r - num_routed;
-    const char* src = is_routed ? geo.routed_row(slot, row, row_bytes) : geo.shared_row(slot, row, row_bytes);
+    const char* src = is_routed ? geo.routed_row(slot, row, wire_row_bytes)
+                                : geo.shared_row(slot, row, wire_row_bytes);
     char* dst = static_cast<char*>(byte_ptr(is_routed ? routed_staging : shared_staging, row * row_bytes));
-    warp_copy_row(dst, src, row_bytes, lane);
+    if (fp8_rows) {
+      warp_dequantize_row<DT>(dst, src, hidden_size, lane);
+    } else {
+      warp_copy_row(dst, src, row_bytes, lane);
+    }
   }
 }
 

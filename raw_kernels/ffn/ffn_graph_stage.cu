@@ -17,11 +17,16 @@ namespace {
 // raises). The counts (words [HDR_FIXED_WORDS, HDR_FIXED_WORDS + epr)) come pre-reduced by the
 // block: `first_negative` (epr when none is negative) and `sum` (of all of them; used only when
 // none is negative).
-__device__ int check_header(const afd_i32* w, int epr, int is_dedup, int token_cap,
+// Then the row format of a dispatch (wire.dispatch_rows_fault: FLAG_FP8 set exactly when
+// is_fp8; a shutdown has no rows), which the host's decode does not check: the host raises
+// wire.check_dispatch_rows' WireError for it.
+__device__ int check_header(const afd_i32* w, int epr, int is_dedup, int is_fp8, int token_cap,
                             int routed_cap, int shared_cap, int first_negative, afd_i64 sum) {
   if (static_cast<afd_u32>(w[HDR_MAGIC]) != static_cast<afd_u32>(MAGIC)) return HDR_MAGIC;
   if (w[HDR_VERSION] != VERSION) return HDR_VERSION;
   if (((w[HDR_FLAGS] & FLAG_DEDUP) != 0) != (is_dedup != 0)) return HDR_FLAGS;
+  const afd_i32 flags = w[HDR_FLAGS];
+  if ((flags & FLAG_SHUTDOWN) == 0 && ((flags & FLAG_FP8) != 0) != (is_fp8 != 0)) return HDR_FLAGS;
   const afd_i32 routed = w[HDR_ROUTED_TOKENS], shared = w[HDR_SHARED_TOKENS];
   const afd_i32 num_rows = is_dedup ? w[HDR_FIXED_WORDS + epr] : 0;
   if (first_negative < epr) return HDR_FIXED_WORDS + first_negative;
@@ -57,8 +62,8 @@ __device__ int check_header(const afd_i32* w, int epr, int is_dedup, int token_c
 // sum) and scans them (group ends).
 __device__ inline void stage_item(const afd_i32* s_words, afd_i64 slot, bool arrived, afd_i64 flag,
                                   afd_i64 replay, afd_i64 prev_seq, const SlotGeometry& geo,
-                                  afd_i32 expert_per_rank, afd_i32 is_dedup, afd_i32 src_rank,
-                                  afd_i32 num_attn_ranks, afd_i32 token_cap, afd_i32 routed_cap,
+                                  afd_i32 expert_per_rank, afd_i32 is_dedup, afd_i32 is_fp8,
+                                  afd_i32 src_rank, afd_i32 num_attn_ranks, afd_i32 token_cap, afd_i32 routed_cap,
                                   afd_i32 shared_cap, afd_i32 routed_bucket, afd_i32 shared_bucket,
                                   afd_i32 num_layers, afd_i32 layers_per_chunk,
                                   afd_i32* routed_offs, afd_i32* shared_offs, afd_i64* reply_seqs,
@@ -98,7 +103,8 @@ __device__ inline void stage_item(const afd_i32* s_words, afd_i64 slot, bool arr
     int status = GS_IDLE, detail = -1, layer = -1;
     if (arrived) {
       const int region = static_cast<int>(slot / geo.ring_depth);
-      detail = check_header(s_words, epr, is_dedup, token_cap, routed_cap, shared_cap, s_first_negative,
+      detail = check_header(s_words, epr, is_dedup, is_fp8, token_cap, routed_cap, shared_cap,
+                            s_first_negative,
                             static_cast<afd_i64>(s_count_sum));
       layer = s_words[HDR_LAYER];
       if (detail >= 0) {
@@ -204,7 +210,8 @@ __device__ inline void stage_item(const afd_i32* s_words, afd_i64 slot, bool arr
 extern "C" __global__ void __launch_bounds__(REPLY_THREADS)
 afd_graph_stage(afd_u64 doorbell,  // device int64 [DB_HEADER + ...]: afd_wait_any's output
                 SlotGeometry geo,
-                afd_i32 expert_per_rank, afd_i32 is_dedup, afd_i32 src_rank, afd_i32 num_attn_ranks,
+                afd_i32 expert_per_rank, afd_i32 is_dedup, afd_i32 is_fp8, afd_i32 src_rank,
+                afd_i32 num_attn_ranks,
                 afd_i32 token_cap, afd_i32 routed_cap, afd_i32 shared_cap,
                 afd_i32 routed_bucket, afd_i32 shared_bucket,
                 afd_i32 num_layers, afd_i32 layers_per_chunk,
@@ -232,7 +239,7 @@ afd_graph_stage(afd_u64 doorbell,  // device int64 [DB_HEADER + ...]: afd_wait_a
   }
   __syncthreads();
   stage_item(s_words, slot, arrived, flag, s_replay, s_prev_seq, geo, expert_per_rank, is_dedup,
-             src_rank, num_attn_ranks, token_cap, routed_cap, shared_cap, routed_bucket,
+             is_fp8, src_rank, num_attn_ranks, token_cap, routed_cap, shared_cap, routed_bucket,
              shared_bucket, num_layers, layers_per_chunk, routed_offs, shared_offs, reply_seqs,
              state, replay_counter, records, num_records, record_words);
 }
@@ -251,8 +258,8 @@ afd_graph_wait_stage(afd_u64 window,  // own window
                      afd_i32* counts_snapshot,  // [num_slots, header_words - HDR_FIXED_WORDS], device
                      afd_i64 timeout_ns,
                      SlotGeometry geo,
-                     afd_i32 expert_per_rank, afd_i32 is_dedup, afd_i32 src_rank,
-                     afd_i32 num_attn_ranks, afd_i32 token_cap, afd_i32 routed_cap,
+                     afd_i32 expert_per_rank, afd_i32 is_dedup, afd_i32 is_fp8,
+                     afd_i32 src_rank, afd_i32 num_attn_ranks, afd_i32 token_cap, afd_i32 routed_cap,
                      afd_i32 shared_cap, afd_i32 routed_bucket, afd_i32 shared_bucket,
                      afd_i32 num_layers, afd_i32 layers_per_chunk,
                      afd_i32* routed_offs, afd_i32* shared_offs, afd_i64* reply_seqs,
@@ -293,7 +300,7 @@ afd_graph_wait_stage(afd_u64 window,  // own window
   __syncthreads();
   const afd_i64 slot = s_slot;
   stage_item(s_words, slot, slot >= 0, s_flag, s_replay, s_prev_seq, geo, expert_per_rank,
-             is_dedup, src_rank, num_attn_ranks, token_cap, routed_cap, shared_cap, routed_bucket,
+             is_dedup, is_fp8, src_rank, num_attn_ranks, token_cap, routed_cap, shared_cap, routed_bucket,
              shared_bucket, num_layers, layers_per_chunk, routed_offs, shared_offs, reply_seqs,
              state, replay_counter, records, num_records, record_words);
 }

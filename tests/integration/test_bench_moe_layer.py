@@ -138,3 +138,34 @@ def test_gpu_suite_moe1_runs_the_quick_benchmark_and_its_arguments_parse():
     for bad in (["--device", "cpu", "--shapes", "v3"], ["--tokens", "0"]):
         with pytest.raises(SystemExit):
             bench_moe_layer.parse_args(bad)
+
+
+@pytest.mark.timeout(300)
+def test_bench_moe_layer_fp8_end_to_end_cpu(tmp_path):
+    """--dispatch-dtype fp8_e4m3 --ffn-fp8-experts on the host backend (the small shape: H =
+    256, a multiple of the 128-channel FP8 groups): the AFD output is within the FP8 bound of
+    the bf16 one-process output and clearly not equal to it (the rows and weights were
+    quantized); the settings are in the JSON."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), AFD_BACKEND="host")
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_moe_layer.py"), "--device", "cpu",
+                           "--shapes", "small", "--tokens", "4", "16", "--iters", "2", "--prefill-iters", "2",
+                           "--warmup", "1", "--gemm-variants", "none", "--no-fp8", "--dispatch-dtype", "fp8_e4m3",
+                           "--ffn-fp8-experts", "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, f"failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    report = json.loads((tmp_path / "bench_moe_layer.json").read_text())
+    assert report["config"]["dispatch_dtype"] == "fp8_e4m3" and report["config"]["ffn_fp8_experts"] is True
+    (small,) = report["shapes"].values()
+    for row in small["rows"]:
+        assert 2e-3 < row["afd_rel_err"] <= bench_moe_layer.FP8_CHECK_TOL, row["afd_rel_err"]
+
+
+def test_fp8_settings_parse_and_pick_the_fp8_bound():
+    args = bench_moe_layer.parse_args(["--device", "cuda", "--dispatch-dtype", "fp8_e4m3"])
+    assert bench_moe_layer.check_tolerance(args) == bench_moe_layer.FP8_CHECK_TOL
+    assert bench_moe_layer.check_tolerance(bench_moe_layer.parse_args(["--device", "cuda"])) == \
+        bench_moe_layer.CHECK_TOL
+    args = bench_moe_layer.parse_args(["--device", "cuda", "--ffn-fp8-experts", "--ffn-expert-gemm", "stream"])
+    assert args.ffn_fp8_experts and bench_moe_layer.check_tolerance(args) == bench_moe_layer.FP8_CHECK_TOL
+    with pytest.raises(SystemExit):  # the graph FFN runs FP8 experts with the streamed kernels only
+        bench_moe_layer.parse_args(["--device", "cuda", "--ffn-fp8-experts"])

@@ -857,7 +857,7 @@ def test_gpu_suite_mps1_fits_the_device_call_and_the_spinner_stops_in_time():
         assert spin_neighbor.main(["--seconds", "1"]) == 2
 
 
-@pytest.mark.parametrize("mode", ["stream1", "stream2", "stream3"])
+@pytest.mark.parametrize("mode", ["stream1", "stream2", "stream3", "fp8e2e"])
 def test_gpu_suite_stream_modes_parse_and_fit_the_device_call(mode):
     # every benchmark a stream mode runs parses with its tool's own parser, and the steps'
     # limits fit one 600 s call
@@ -867,11 +867,14 @@ def test_gpu_suite_stream_modes_parse_and_fit_the_device_call(mode):
     script = (ROOT / "tools" / "gpu_suite.sh").read_text()
     start = script.index(f"  {mode})")
     block = script[start:script.index(";;", start)]
-    moe = re.search(r'MOE="([^"]*)"', block)
-    steps = re.findall(r"run_step (\S+) (\d+) (python3 .*?)(?=\n\s*run_step|\Z)", block.replace("\\\n", " "), re.S)
+    variables = dict(re.findall(r'^\s*(\w+)="([^"]*)"', block, re.M))  # MOE="...", FP8L="..."
+    steps = re.findall(r"run_step (\S+) (\d+) (python3 .*?)(?=\n\s*run_step|\n\s*\w+=|\Z)",
+                       block.replace("\\\n", " "), re.S)
     assert steps and sum(int(limit) for _, limit, _ in steps) + 10 * len(steps) <= 600
     for name, _, command in steps:
-        argv = shlex.split(command.replace("$MOE", moe.group(1) if moe else ""))
+        for variable, value in variables.items():
+            command = command.replace(f"${variable}", value)
+        argv = shlex.split(command)
         if argv[1] == "-m":  # the pytest step: its files exist
             assert all((ROOT / f).is_file() for f in argv if f.startswith("tests/")), argv
             continue

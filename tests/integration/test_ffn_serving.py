@@ -111,7 +111,7 @@ REASONS = [  # (id, worker factory, a fragment of the reason)
     ("put", lambda: _worker(_fake_connector(peer_is_put=(False, True, True))),
      r"Attention rank(s) [1, 2] are reached by NVSHMEM puts"),
     ("fp8-dispatch", lambda: _worker(_fake_connector(dispatch_dtype="fp8_e4m3")),
-     "dispatch_dtype='fp8_e4m3' (the graph FFN's gather does not dequantize FP8 rows yet)"),
+     "dispatch_dtype='fp8_e4m3' (FP8 rows: the graph FFN decodes them when built directly"),
     ("fp16", lambda: _worker(_fake_connector(dtype=torch.float16)), "experts in torch.float16"),
     ("bias", lambda: _worker(experts=_experts(w13_bias=_bias())), "expert biases"),
     ("gate", lambda: _worker(shared=_shared(gate=torch.ones(1, HIDDEN, dtype=torch.bfloat16))),

@@ -57,7 +57,7 @@ class Stage:
         layout = self.layout
         spec = specs.graph_stage_spec(
             doorbell=self.doorbell.data.ptr, geo=layout.kernel_geometry(), expert_per_rank=EPR,
-            is_dedup=int(layout.is_dedup), src_rank=self.src_rank, num_attn_ranks=2, token_cap=layout.token_cap,
+            is_dedup=int(layout.is_dedup), is_fp8=int(layout.is_fp8_dispatch), src_rank=self.src_rank, num_attn_ranks=2, token_cap=layout.token_cap,
             routed_cap=layout.routed_cap, shared_cap=layout.shared_cap,
             routed_bucket=self.routed_bucket, shared_bucket=self.shared_bucket, num_layers=NUM_LAYERS,
             layers_per_chunk=ffn_graph.layers_per_chunk(NUM_LAYERS, EPR), routed_offs=self.routed_offs,
@@ -72,7 +72,7 @@ class Stage:
         return specs.graph_wait_stage_spec(
             window=self.window.data.ptr, last_seen=last_seen, scan_start=scan_start,
             counts_snapshot=counts_snapshot, timeout_ns=timeout_ns, geo=layout.kernel_geometry(),
-            expert_per_rank=EPR, is_dedup=int(layout.is_dedup), src_rank=self.src_rank, num_attn_ranks=2,
+            expert_per_rank=EPR, is_dedup=int(layout.is_dedup), is_fp8=int(layout.is_fp8_dispatch), src_rank=self.src_rank, num_attn_ranks=2,
             token_cap=layout.token_cap, routed_cap=layout.routed_cap, shared_cap=layout.shared_cap,
             routed_bucket=self.routed_bucket, shared_bucket=self.shared_bucket, num_layers=NUM_LAYERS,
             layers_per_chunk=ffn_graph.layers_per_chunk(NUM_LAYERS, EPR), routed_offs=self.routed_offs,
@@ -735,3 +735,132 @@ def test_graph_server_identity_and_a_corrupt_route_table(wire_mode, corrupt_firs
                 and "route table row 1: staging row 0 (slot 0) is also named by row 0" in ffn["error"]), ffn
     else:
         assert ffn["error"] is None
+
+
+# --------------------------------------------------------------------------- FP8 dispatch rows
+def _fp8_stage(rng, dtype, *, sender_fp8=True):
+    """A served FP8 dispatch (pair mode, H = 256) in slot 1 of an FP8 connector's window: its
+    header staged (is_fp8=1) and its 10 routed + 4 shared FP8 wire rows written into the slot,
+    quantized by ``wire.fp8`` from fp32 rows of spread magnitudes. Returns (stage, fp32 rows,
+    wire rows)."""
+    from afd_cupy.wire import fp8
+
+    hidden = 256
+    layout = small_layout(expert_per_rank=EPR, hidden_size=hidden, dispatch_dtype="fp8_e4m3",
+                          itemsize=2)
+    st = Stage(rng, layout=layout)
+    header = wire.dispatch_header(seq=int(rng.integers(1, 2**31)), src_rank=0, layer_idx=2, stage_idx=0,
+                                  num_tokens=12, shared_tokens=4, top_k=4, expert_counts=(3, 0, 5, 2),
+                                  fp8=sender_fp8)
+    st.arrive(1, wire.encode_header(header, EPR))
+    st.launch().launch()
+    groups = hidden // wire.FP8_GROUP
+    x = rng.standard_normal((14, hidden)) * np.repeat(2.0 ** rng.integers(-6, 6, (14, groups)), wire.FP8_GROUP, 1)
+    x[3, :wire.FP8_GROUP] = 0.0  # an all-zero group: scale 0, decodes to zeros
+    rows = fp8.quantize_wire_rows(x.astype(np.float32))
+    row_bytes = fp8.fp8_row_bytes(hidden)
+    slot_at = layout.flags_bytes + 1 * layout.slot_bytes
+    for field, first, count in (("routed_x", 0, 10), ("shared_x", 10, 4)):
+        start = slot_at + layout.field_offset(field)
+        st.window[start:start + count * row_bytes] = cp.asarray(rows[first:first + count].reshape(-1))
+    return st, x, rows
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gather_decodes_fp8_dispatch_rows_bit_for_bit(request, dtype):
+    """afd_graph_gather(fp8_rows=1): the staging rows are wire.fp8's decode of the slot's FP8
+    rows rounded to the payload dtype, bit for bit; rows past the item's stay as prefilled."""
+    from afd_cupy.wire import fp8
+    from afd_cupy.wire.dtypes import f32_to_raw
+
+    rng = node_rng(request)
+    st, _, rows = _fp8_stage(rng, dtype)
+    hidden = st.layout.hidden_size
+    assert st.state.get()[ffn_graph.STATE_ACTIVE] == 1, "the stage serves an FP8 dispatch"
+    staging = cp.full((st.routed_bucket, hidden), 0x7FFF, cp.uint16)
+    shared_staging = cp.full((st.shared_bucket, hidden), 0x7FFF, cp.uint16)
+    specs.graph_gather_spec(dtype_code=kh.dtype_code(dtype), window=st.window.data.ptr,
+                            geo=st.layout.kernel_geometry(), state=st.state, hidden_size=hidden,
+                            routed_staging=staging.data.ptr, shared_staging=shared_staging.data.ptr,
+                            routed_bucket=st.routed_bucket, shared_bucket=st.shared_bucket, fp8_rows=1).launch()
+    cp.cuda.runtime.deviceSynchronize()
+    want = f32_to_raw(fp8.dequantize_wire_rows(rows, hidden), dtype).view(np.uint16)
+    got, got_shared = staging.get(), shared_staging.get()
+    np.testing.assert_array_equal(got[:10], want[:10])
+    np.testing.assert_array_equal(got_shared[:4], want[10:14])
+    assert (got[10:] == 0x7FFF).all() and (got_shared[4:] == 0x7FFF).all()
+    assert not got[3, :wire.FP8_GROUP].any()  # the zero group
+
+
+@pytest.mark.parametrize("receiver_fp8", [True, False])
+def test_stage_rejects_the_other_row_format(request, receiver_fp8):
+    """The stage of an FP8 connector (is_fp8=1) rejects a payload dispatch and a payload
+    connector's an FP8 one (wire.dispatch_rows_fault): REJECTED at header word HDR_FLAGS, no
+    seq reserved, nothing staged."""
+    rng = node_rng(request)
+    layout = small_layout(expert_per_rank=EPR, hidden_size=128,
+                          dispatch_dtype="fp8_e4m3" if receiver_fp8 else "payload")
+    st = Stage(rng, layout=layout)
+    header = wire.dispatch_header(seq=5, src_rank=0, layer_idx=1, stage_idx=0, num_tokens=12, shared_tokens=3,
+                                  top_k=4, expert_counts=(2, 2, 2, 2), fp8=not receiver_fp8)
+    words = wire.encode_header(header, EPR)
+    st.arrive(0, words)
+    seqs_before, replay = st.reply_seqs.get(), int(st.replay_counter.get()[0])
+    st.launch().launch()
+    cp.cuda.runtime.deviceSynchronize()
+    rec = st.record(replay)
+    assert rec[ffn_graph.REC_STATUS] == ffn_graph.GS_REJECTED and rec[ffn_graph.REC_DETAIL] == wire.HDR_FLAGS
+    assert st.state.get()[ffn_graph.STATE_ACTIVE] == 0 and rec[ffn_graph.REC_SEQ] == 0
+    np.testing.assert_array_equal(st.reply_seqs.get(), seqs_before)
+    assert not st.routed_offs.get().any()
+
+
+@pytest.mark.parametrize("tokens", [(1, 5, 16, 40, 3)])
+def test_graph_server_identity_over_fp8_dispatch_rows(tokens):
+    """GraphFFNServer(identity=True) on an FP8 dispatch connector: the graph's gather decodes
+    the rows and the reply answers with them, so every output is the combine of the decoded
+    rows (within bf16 rounding of the reference from wire.fp8's round trip) and within
+    DeepEP's calc_diff budget of the unquantized output; a 40-token layer (past the buckets)
+    is decoded by the eager fallback on its own stream."""
+    from afd_cupy.config import ModelConfig
+    from afd_cupy.runtime.launch import launch
+    from afd_cupy.testing.graph_ffn import run_graph_identity_rank
+
+    model = ModelConfig(hidden_size=256, num_experts=8, top_k=2, moe_intermediate_size=64,
+                        num_shared_experts=1, dtype="bfloat16", max_num_batched_tokens=64, num_layers=4)
+    attn, ffn = launch(run_graph_identity_rank, 2, args=(model, "pair", tokens, False, "fp8_e4m3"),
+                       timeout_s=240)
+    assert ffn["error"] is None and ffn["served"] == len(tokens) and ffn["eager"] >= 1
+    for err in attn["errors"]:
+        assert err["num_nan"] == 0 and err["rel_err_quantized"] < 4e-3, err
+        assert 1e-2 < err["rel_err"] < 0.05 and err["calc_diff"] < 7e-4, err
+
+
+@pytest.mark.parametrize("expert_gemm,fp8_experts", [("grouped_mm", False), ("stream", True)])
+def test_graph_server_with_experts_over_fp8_dispatch_rows(expert_gemm, fp8_experts):
+    """GraphFFNServer with real experts on an FP8 dispatch connector (bf16 experts through
+    torch._grouped_mm; FP8 experts through the streamed kernels: FP8 end to end), layers of 4,
+    16, 40 (eager) and 1 tokens: every output within the documented FP8 budget of the fp64
+    reference (docs/design/fp8.md: 0.06 for the dispatch, 0.1 with FP8 weights too)."""
+    from afd_cupy.config import ConnectorConfig, ModelConfig
+    from afd_cupy.moe import stream_gemm
+    from afd_cupy.runtime.launch import launch
+    from afd_cupy.testing.graph_ffn import run_graph_rank
+    from afd_cupy.testing.scenario import Scenario
+
+    if expert_gemm == "stream" and stream_gemm.unavailable_reason("cuda") is not None:
+        pytest.skip(stream_gemm.unavailable_reason("cuda"))
+    if expert_gemm == "grouped_mm" and torch.cuda.get_device_capability()[0] not in (9, 10):
+        pytest.skip("the graph FFN's GEMM mode needs torch._grouped_mm on SM90/SM100")
+    tokens = (4, 16, 40, 1, 16)
+    model = ModelConfig(hidden_size=256, num_experts=8, top_k=2, moe_intermediate_size=192,
+                        num_shared_experts=1, dtype="bfloat16", max_num_batched_tokens=64,
+                        num_layers=len(tokens), routed_scaling_factor=2.5)
+    scenario = Scenario(model, 1, 1, backend="cuda", tokens=(tokens,),
+                        connector=ConnectorConfig(dispatch_dtype="fp8_e4m3"))
+    attn, ffn = launch(run_graph_rank, 2, args=(scenario, (4, 16), expert_gemm, fp8_experts), timeout_s=240)
+    assert ffn["served"] == len(tokens) and ffn["eager"] >= 1
+    bound = 0.1 if fp8_experts else 0.06
+    assert len(attn["errors"]) == len(tokens)
+    for err in attn["errors"]:
+        assert err["shape_ok"] and err["num_nan"] == 0 and err["rel_err"] <= bound, err

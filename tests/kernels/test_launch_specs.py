@@ -336,6 +336,34 @@ def test_dedup_grids_and_mode_checks(fake_specs):
         kernels.wait_replies_spec(**wait, dedup=2)
 
 
+def test_graph_specs_take_the_fp8_row_format_in_pair_mode_only(fake_specs):
+    """The stage's ``is_fp8`` (right after ``is_dedup``, as in the C signature) and the gather's
+    ``fp8_rows`` (last) default to 0 and are checked flags; FP8 rows need the pair mode, a
+    16-bit payload and H % FP8_GROUP == 0."""
+    arr, geo = _FakeArray(), _LAYOUT.kernel_geometry()
+    stage = dict(doorbell=0x5000, geo=geo, expert_per_rank=4, is_dedup=0, src_rank=1, num_attn_ranks=3,
+                 token_cap=8, routed_cap=64, shared_cap=4, routed_bucket=32, shared_bucket=4,
+                 num_layers=3, layers_per_chunk=2, routed_offs=arr, shared_offs=0x6000, reply_seqs=arr,
+                 state=arr, replay_counter=arr, records=0x7000, num_records=8, record_words=16)
+    assert specs.graph_stage_spec(**stage).args[4] == np.int32(0)
+    spec = specs.graph_stage_spec(**stage, is_fp8=1)
+    assert spec.names[3:6] == ("is_dedup", "is_fp8", "src_rank") and spec.args[4] == np.int32(1)
+    with pytest.raises(ValueError, match=r"is_fp8 must lie in \[0, 1\], got 2"):
+        specs.graph_stage_spec(**stage, is_fp8=2)
+    dedup = {**stage, "geo": _DEDUP_LAYOUT.kernel_geometry(), "is_dedup": 1, "record_words": 32}
+    with pytest.raises(ValueError, match="is_fp8=1 needs the pair wire mode"):
+        specs.graph_stage_spec(**dedup, is_fp8=1)
+    gather = dict(dtype_code=0, window=0x3000, geo=geo, state=arr, hidden_size=256, routed_staging=0x8000,
+                  shared_staging=0, routed_bucket=32, shared_bucket=4)
+    assert specs.graph_gather_spec(**gather).args[-1] == np.int32(0)
+    assert specs.graph_gather_spec(**gather, fp8_rows=1).args[-1] == np.int32(1)
+    for change in ({"dtype_code": loader.DTYPE_CODES["float32"]}, {"hidden_size": 192}):
+        with pytest.raises(ValueError, match=r"fp8_rows=1 needs a bf16/fp16 dtype_code and hidden_size % 128"):
+            specs.graph_gather_spec(**{**gather, **change}, fp8_rows=1)
+    with pytest.raises(ValueError, match=r"fp8_rows must lie in \[0, 1\]"):
+        specs.graph_gather_spec(**gather, fp8_rows=-1)
+
+
 def test_dedup_specs_size_expected_counts_with_three_columns(monkeypatch):
     monkeypatch.setattr(loader, "get_kernel", lambda *a, **kw: "kernel")
     seen = {}

@@ -102,6 +102,30 @@ def test_stage_reference_statuses(case):
     assert got.reply_words is None
 
 
+@pytest.mark.parametrize("receiver_fp8", [False, True])
+def test_stage_reference_serves_only_its_own_row_format(receiver_fp8):
+    """An FP8 dispatch connector's stage serves FLAG_FP8 dispatches and rejects payload ones,
+    a payload connector's the reverse (wire.dispatch_rows_fault; the kernel's word: HDR_FLAGS);
+    a shutdown has no rows and carries no row format either way."""
+    layout = dataclasses.replace(LAYOUT, dispatch_dtype="fp8_e4m3") if receiver_fp8 else LAYOUT
+    counts = np.array([2, 0, 3, 1])
+    for sender_fp8 in (False, True):
+        header = wire.dispatch_header(seq=7, src_rank=0, layer_idx=1, stage_idx=0, num_tokens=6,
+                                      shared_tokens=2, top_k=2, expert_counts=counts, fp8=sender_fp8)
+        got = _stage(wire.encode_header(header, LAYOUT.expert_per_rank), layout=layout)
+        if sender_fp8 == receiver_fp8:
+            assert got.status == ffn_graph.GS_SERVED and got.seq == 42
+            reply = wire.decode_header(got.reply_words, LAYOUT.expert_per_rank, layout)
+            assert reply.flags == 0  # replies are payload rows
+        else:
+            assert (got.status, got.detail, got.seq) == (ffn_graph.GS_REJECTED, wire.HDR_FLAGS, 0)
+            assert not got.routed_offs.any() and got.reply_words is None
+            with pytest.raises(WireError, match="dispatch_dtype="):
+                wire.check_dispatch_rows(wire.decode_header(wire.encode_header(header, 4), 4, layout), layout)
+    shutdown = wire.encode_header(wire.shutdown_header(src_rank=0, top_k=2, expert_per_rank=4), 4)
+    assert _stage(shutdown, layout=layout).status == ffn_graph.GS_SHUTDOWN
+
+
 def _grouped_rows(offs: np.ndarray) -> dict:
     """group -> (start, end) rows as torch._grouped_mm's 2d x 3d path derives them from offs
     (prepare_grouped_gemm_data: start = offs[g-1] or 0, size = offs[g] - start)."""
@@ -308,7 +332,7 @@ def test_dedup_references_agree_with_the_eager_steps():
         ref.reduce_reference(table, routed_out[:header.routed_tokens], shared_out[:header.shared_tokens]))
 
 
-def test_server_accepts_a_dedup_connector_and_keeps_its_other_limits():
+def test_server_accepts_dedup_and_fp8_connectors_and_keeps_its_other_limits():
     from types import SimpleNamespace
 
     from afd_cupy.backends.cuda_ffn_graph import GraphFFNServer
@@ -330,11 +354,9 @@ def test_server_accepts_a_dedup_connector_and_keeps_its_other_limits():
 
     GraphFFNServer._check_connector(fake(), True, None)  # dedup: no ConfigError any more
     GraphFFNServer._check_connector(fake(layout=LAYOUT), True, None)
-    fp8_layout = dataclasses.replace(LAYOUT, dispatch_dtype="fp8_e4m3")
-    with pytest.raises(ConfigError, match=r"does not dequantize FP8 dispatch rows yet "
-                                          r"\(dispatch_dtype='fp8_e4m3'\); use FFNWorker"):
-        GraphFFNServer._check_connector(fake(layout=fp8_layout, config=SimpleNamespace(
-            transport="direct", dispatch_dtype="fp8_e4m3")), True, None)
+    fp8_layout = dataclasses.replace(LAYOUT, dispatch_dtype="fp8_e4m3")  # the gather decodes its rows
+    GraphFFNServer._check_connector(fake(layout=fp8_layout, config=SimpleNamespace(
+        transport="direct", dispatch_dtype="fp8_e4m3")), True, None)
     with pytest.raises(ConfigError, match="poll_mode='device'"):
         GraphFFNServer._check_connector(fake(capabilities=caps(device_polling=False)), True, None)
     with pytest.raises(ConfigError, match=r"Attention rank\(s\) \[1\] are reached by host-initiated copies "

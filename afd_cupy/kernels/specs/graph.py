@@ -20,11 +20,14 @@ GRAPH_MAX_GROUPS = 1023
 def _graph_stage_args(*, geo, expert_per_rank, is_dedup, src_rank, num_attn_ranks, token_cap,
                       routed_cap, shared_cap, routed_bucket, shared_bucket, num_layers,
                       layers_per_chunk, routed_offs, shared_offs, reply_seqs, state,
-                      replay_counter, records, num_records, record_words) -> dict:
+                      replay_counter, records, num_records, record_words, is_fp8=0) -> dict:
     """The checked arguments of the stage (afd_graph_stage and afd_graph_wait_stage), from geo on."""
     geo = checks.geometry("geo", geo)
     epr = checks.count("expert_per_rank", expert_per_rank, low=1)
     is_dedup = checks.count("is_dedup", is_dedup, high=1)
+    is_fp8 = checks.count("is_fp8", is_fp8, high=1)
+    if int(is_dedup) and int(is_fp8):
+        raise ValueError("is_fp8=1 needs the pair wire mode (FP8 dispatch rows are pair rows), got is_dedup=1")
     if int(epr) + int(is_dedup) > GRAPH_MAX_GROUPS + 1 or \
             int(geo["header_words"]) != wire.HDR_FIXED_WORDS + int(epr) + int(is_dedup):
         raise ValueError(f"expert_per_rank={int(epr)} (is_dedup={int(is_dedup)}) must fit one "
@@ -39,8 +42,8 @@ def _graph_stage_args(*, geo, expert_per_rank, is_dedup, src_rank, num_attn_rank
     record_words = checks.count("record_words", record_words,
                           low=STAGE_RECORD_HEADER + -(-int(geo["header_words"]) // 2)
                           + (wire.STATUS_WORDS if int(is_dedup) else 0))
-    return {"geo": geo, "expert_per_rank": epr,
-            "is_dedup": is_dedup, "src_rank": checks.count("src_rank", src_rank),
+    return {"geo": geo, "expert_per_rank": epr, "is_dedup": is_dedup, "is_fp8": is_fp8,
+            "src_rank": checks.count("src_rank", src_rank),
             "num_attn_ranks": checks.count("num_attn_ranks", num_attn_ranks, low=1,
                                      high=int(geo["num_regions"])),
             "token_cap": checks.count("token_cap", token_cap), "routed_cap": checks.count("routed_cap", routed_cap),
@@ -66,7 +69,9 @@ def graph_stage_spec(*, doorbell, **stage) -> LaunchSpec:
     ``stage`` (keywords): geo, expert_per_rank, is_dedup, src_rank, num_attn_ranks, token_cap,
     routed_cap, shared_cap, routed_bucket, shared_bucket, num_layers, layers_per_chunk,
     routed_offs, shared_offs, reply_seqs, state, replay_counter, records, num_records,
-    record_words. Writes ``routed_offs`` int32 [num_layers * expert_per_rank] and
+    record_words, and ``is_fp8`` (default 0; 1: an FP8 dispatch connector, whose dispatches
+    must carry ``wire.FLAG_FP8``; 0: they must not; a header that disagrees is REJECTED as
+    ``wire.dispatch_rows_fault`` says). Writes ``routed_offs`` int32 [num_layers * expert_per_rank] and
     ``shared_offs`` int32 [num_layers] (or null): cumulative end rows per group of the
     stacked-layer problem lists (``ffn_graph.routed_offsets_reference``); ``state`` int64
     [ffn_graph.state_words(...)]: what gather and reply read; increments ``reply_seqs[slot]``
@@ -106,21 +111,30 @@ STAGE_RECORD_HEADER = 6
 
 
 def graph_gather_spec(*, dtype_code, window, geo, state, hidden_size, routed_staging,
-                      shared_staging, routed_bucket, shared_bucket,
+                      shared_staging, routed_bucket, shared_bucket, fp8_rows=0,
                       max_blocks=MAX_BLOCKS) -> LaunchSpec:
     """Copy the served item's rows from its window slot into the fixed staging rows
     (afd_graph_gather<DT>). ``routed_staging`` / ``shared_staging``: payload [bucket, H]
-    device addresses (shared 0 without shared experts). Grid for the bucket (frozen at capture).
+    device addresses (shared 0 without shared experts). ``fp8_rows`` 1: the slot holds FP8
+    wire rows (an FP8 dispatch connector: bf16/fp16 payload, ``hidden_size`` a multiple of
+    ``wire.FP8_GROUP``), decoded into the staging rows as ``wire.fp8.dequantize_wire_rows``
+    then the payload rounding give them. Grid for the bucket (frozen at capture).
     """
     geo = checks.geometry("geo", geo)
     routed_bucket = checks.count("routed_bucket", routed_bucket)
     shared_bucket = checks.count("shared_bucket", shared_bucket)
+    code = checks.dtype_code(dtype_code)
+    fp8_rows = checks.count("fp8_rows", fp8_rows, high=1)
+    if int(fp8_rows) and (code == loader.DTYPE_CODES["float32"] or int(hidden_size) % wire.FP8_GROUP):
+        raise ValueError(f"afd_graph_gather with fp8_rows=1 needs a bf16/fp16 dtype_code and hidden_size % "
+                         f"{wire.FP8_GROUP} == 0, got dtype_code={dtype_code}, hidden_size={hidden_size}")
     args = {"window": checks.address("window", window), "geo": geo,
             "state": checks.device_array("state", state, np.int64, STAGE_STATE_HEADER),
             "hidden_size": checks.count("hidden_size", hidden_size, low=1),
             "routed_staging": checks.address("routed_staging", routed_staging),
-            "shared_staging": checks.address("shared_staging", shared_staging, allow_null=True)}
-    kernel = loader.get_kernel("ffn/ffn_graph_rows.cu", "afd_graph_gather", dtype_code=checks.dtype_code(dtype_code))
+            "shared_staging": checks.address("shared_staging", shared_staging, allow_null=True),
+            "fp8_rows": fp8_rows}
+    kernel = loader.get_kernel("ffn/ffn_graph_rows.cu", "afd_graph_gather", dtype_code=code)
     return launch_spec(kernel, reply_grid(int(routed_bucket) + int(shared_bucket), max_blocks),
                  KERNEL_LIMITS["REPLY_THREADS"], args)
 
