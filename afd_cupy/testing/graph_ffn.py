@@ -59,7 +59,7 @@ def _graph_ffn(conn, scenario: sc.Scenario, ffn_rank: int, device, bucket_tokens
 
 
 def run_graph_identity_rank(ctx, model, wire_mode: str, tokens: tuple, corrupt_first: bool,
-                            dispatch_dtype: str = "payload") -> dict:
+                            dispatch_dtype: str = "payload", bucket_tokens: tuple = (128,)) -> dict:
     """1A1F with identity experts on the graph FFN (no GEMMs): the Attention rank checks each
     layer's output against ``(sum_k w_k + [shared experts]) * x`` (what identity experts give in
     both wire modes). ``corrupt_first``: before any layer the Attention rank writes a dedup
@@ -68,7 +68,8 @@ def run_graph_identity_rank(ctx, model, wire_mode: str, tokens: tuple, corrupt_f
     ``error``) and then go on serving the real layers. ``dispatch_dtype="fp8_e4m3"``: x
     travels as FP8 wire rows; each error also gets ``rel_err_quantized``, against the same
     output computed from x quantized and dequantized by ``wire.fp8`` (the rows the FFN must
-    have decoded), and ``calc_diff`` against the unquantized output."""
+    have decoded), and ``calc_diff`` against the unquantized output. ``bucket_tokens``: the
+    server's buckets (a layer of more tokens is served by its eager fallback)."""
     import torch
 
     from afd_cupy.backends.cuda_ffn_graph import GraphFFNServer
@@ -85,7 +86,7 @@ def run_graph_identity_rank(ctx, model, wire_mode: str, tokens: tuple, corrupt_f
                         device_id=ctx.device_id, peer_timeout_s=60.0)
     try:
         if role is Role.FFN:
-            server = GraphFFNServer(conn, identity=True)
+            server = GraphFFNServer(conn, identity=True, bucket_tokens=bucket_tokens)
             error = None
             if corrupt_first:
                 try:

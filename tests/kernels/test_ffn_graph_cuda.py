@@ -828,7 +828,7 @@ def test_graph_server_identity_over_fp8_dispatch_rows(tokens):
 
     model = ModelConfig(hidden_size=256, num_experts=8, top_k=2, moe_intermediate_size=64,
                         num_shared_experts=1, dtype="bfloat16", max_num_batched_tokens=64, num_layers=4)
-    attn, ffn = launch(run_graph_identity_rank, 2, args=(model, "pair", tokens, False, "fp8_e4m3"),
+    attn, ffn = launch(run_graph_identity_rank, 2, args=(model, "pair", tokens, False, "fp8_e4m3", (4, 16)),
                        timeout_s=240)
     assert ffn["error"] is None and ffn["served"] == len(tokens) and ffn["eager"] >= 1
     for err in attn["errors"]:
