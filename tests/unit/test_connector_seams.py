@@ -91,6 +91,30 @@ def test_graph_server_records_go_through_the_public_connector_calls():
     assert (server.num_served, server.num_eager) == (1, 1)
 
 
+@pytest.mark.parametrize("receiver", ["payload", "fp8_e4m3"])
+def test_graph_server_rejected_row_format_raises_the_eager_paths_wire_error(receiver):
+    """A REJECTED record whose header's FLAG_FP8 disagrees with the connector (the stage's
+    is_fp8 check; the host's decode accepts such a header) raises wire.check_dispatch_rows'
+    WireError naming both formats, as the eager receive does, not a generic ProtocolError."""
+    import dataclasses
+
+    from afd_cupy.errors import WireError
+
+    conn = _PublicConnector()
+    server, served = _server(conn)
+    server.layout = dataclasses.replace(LAYOUT, dispatch_dtype=receiver, hidden_size=128)
+    sent = "payload" if receiver == "fp8_e4m3" else "fp8_e4m3"
+    dispatch = wire.dispatch_header(seq=9, src_rank=1, layer_idx=0, stage_idx=0, num_tokens=3,
+                                    shared_tokens=0, top_k=LAYOUT.top_k, expert_counts=[1, 0, 2, 0],
+                                    fp8=sent == "fp8_e4m3")
+    record = _record(ffn_graph.GS_REJECTED, slot=3, header=dispatch)
+    record[ffn_graph.REC_DETAIL] = wire.HDR_FLAGS
+    with pytest.raises(WireError, match=f"mark dispatch_dtype='{sent}' rows; this FFN rank reads "
+                                        f"dispatch_dtype='{receiver}'"):
+        server._handle(record, raising=True)
+    assert served == [] and conn.calls == [] and server.num_served == 0
+
+
 def test_graph_server_close_hands_the_reply_seqs_back_through_the_connector():
     conn = _PublicConnector()
     server, _ = _server(conn)
