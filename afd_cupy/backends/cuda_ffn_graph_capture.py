@@ -223,7 +223,7 @@ class GraphCapture:
             stream_ptr = torch.cuda.current_stream(self.device).cuda_stream
             for launch in first:  # wait + stage (one kernel or two)
                 launch.launch(stream_ptr)
-            if gather is not None:  # dedup's expand (its check) and an FP8 gather run with identity experts too
+            if gather is not None:  # with identity experts too: dedup's expand (its check), an FP8 decode
                 gather.launch(stream_ptr)
             if not self.identity:
                 # the GEMMs' grids (SMs - carve-out CTAs) are read at launch: frozen in the graph

@@ -2,7 +2,8 @@
 graph-driven FFN (:class:`~afd_cupy.backends.cuda_ffn_graph.GraphFFNServer`) instead of the
 eager ``FFNWorker``; the Attention ranks and the reference checks are the scenario's own.
 :func:`run_graph_identity_rank`: 1A1F with identity experts in either wire mode (pair: with
-FP8 dispatch rows too), optionally after a corrupt dedup route table. Used by ``tests/kernels/test_ffn_graph_cuda.py`` (cuda backend only)."""
+FP8 dispatch rows too), optionally after a corrupt dedup route table. Used by
+``tests/kernels/test_ffn_graph_cuda.py`` (cuda backend only)."""
 from __future__ import annotations
 
 import time
@@ -114,9 +115,9 @@ def run_graph_identity_rank(ctx, model, wire_mode: str, tokens: tuple, corrupt_f
                            "num_nan": int(torch.isnan(out.float()).sum())})
             if dispatch_dtype != "payload":
                 decoded = scale * _fp8_wire_round_trip(hidden, model.dtype)
-                errors[-1].update(
-                    rel_err_quantized=float((out.float().cpu() - decoded).norm() / decoded.norm().clamp_min(1e-30)),
-                    calc_diff=fp8.calc_diff(out.float().cpu().numpy(), want.numpy()))
+                got = out.float().cpu()
+                errors[-1].update(rel_err_quantized=float((got - decoded).norm() / decoded.norm().clamp_min(1e-30)),
+                                  calc_diff=fp8.calc_diff(got.numpy(), want.numpy()))
         conn.announce_shutdown()
         return {"role": "attention", "errors": errors}
     finally:

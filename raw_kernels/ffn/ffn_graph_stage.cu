@@ -24,8 +24,8 @@ __device__ int check_header(const afd_i32* w, int epr, int is_dedup, int is_fp8,
                             int routed_cap, int shared_cap, int first_negative, afd_i64 sum) {
   if (static_cast<afd_u32>(w[HDR_MAGIC]) != static_cast<afd_u32>(MAGIC)) return HDR_MAGIC;
   if (w[HDR_VERSION] != VERSION) return HDR_VERSION;
-  if (((w[HDR_FLAGS] & FLAG_DEDUP) != 0) != (is_dedup != 0)) return HDR_FLAGS;
   const afd_i32 flags = w[HDR_FLAGS];
+  if (((flags & FLAG_DEDUP) != 0) != (is_dedup != 0)) return HDR_FLAGS;
   if ((flags & FLAG_SHUTDOWN) == 0 && ((flags & FLAG_FP8) != 0) != (is_fp8 != 0)) return HDR_FLAGS;
   const afd_i32 routed = w[HDR_ROUTED_TOKENS], shared = w[HDR_SHARED_TOKENS];
   const afd_i32 num_rows = is_dedup ? w[HDR_FIXED_WORDS + epr] : 0;
@@ -63,8 +63,9 @@ __device__ int check_header(const afd_i32* w, int epr, int is_dedup, int is_fp8,
 __device__ inline void stage_item(const afd_i32* s_words, afd_i64 slot, bool arrived, afd_i64 flag,
                                   afd_i64 replay, afd_i64 prev_seq, const SlotGeometry& geo,
                                   afd_i32 expert_per_rank, afd_i32 is_dedup, afd_i32 is_fp8,
-                                  afd_i32 src_rank, afd_i32 num_attn_ranks, afd_i32 token_cap, afd_i32 routed_cap,
-                                  afd_i32 shared_cap, afd_i32 routed_bucket, afd_i32 shared_bucket,
+                                  afd_i32 src_rank, afd_i32 num_attn_ranks, afd_i32 token_cap,
+                                  afd_i32 routed_cap, afd_i32 shared_cap, afd_i32 routed_bucket,
+                                  afd_i32 shared_bucket,
                                   afd_i32 num_layers, afd_i32 layers_per_chunk,
                                   afd_i32* routed_offs, afd_i32* shared_offs, afd_i64* reply_seqs,
                                   afd_i64* state, afd_i64* replay_counter, afd_u64 records,
@@ -104,8 +105,7 @@ __device__ inline void stage_item(const afd_i32* s_words, afd_i64 slot, bool arr
     if (arrived) {
       const int region = static_cast<int>(slot / geo.ring_depth);
       detail = check_header(s_words, epr, is_dedup, is_fp8, token_cap, routed_cap, shared_cap,
-                            s_first_negative,
-                            static_cast<afd_i64>(s_count_sum));
+                            s_first_negative, static_cast<afd_i64>(s_count_sum));
       layer = s_words[HDR_LAYER];
       if (detail >= 0) {
         status = GS_REJECTED;
