@@ -88,8 +88,9 @@ def row_block(num_rows: int, num_experts: int) -> int:
 def unavailable_reason(device) -> str | None:
     """Why the streamed GEMMs cannot run on ``device`` (None: they can; on the CPU through
     Triton's interpreter, whatever mode Triton was imported in: the kernel uses only Triton's
-    builtins). On the GPU, not under ``TRITON_INTERPRET=1`` (which makes every Triton kernel of
-    the process an interpreted one)."""
+    builtins; a tiny problem is run there once per process, since some Triton releases'
+    interpreters fail on newer numpy). On the GPU, not under ``TRITON_INTERPRET=1`` (which
+    makes every Triton kernel of the process an interpreted one)."""
     device = torch.device(device)
     if device.type not in ("cuda", "cpu"):
         return f"device type {device.type} is not supported"
@@ -97,6 +98,8 @@ def unavailable_reason(device) -> str | None:
         _triton()
     except ImportError as exc:
         return f"triton is not importable ({exc})"
+    if device.type == "cpu":
+        return _interpreter_reason()
     if device.type == "cuda":
         if os.environ.get("TRITON_INTERPRET", "0").strip().lower() not in ("", "0", "false", "off"):
             return "TRITON_INTERPRET=1 is set: this process runs Triton's CPU interpreter"
@@ -112,6 +115,32 @@ def unavailable_reason(device) -> str | None:
 def _device_reason(device: str) -> str | None:
     """:func:`unavailable_reason` once per device and process (each call of the MLPs asks)."""
     return unavailable_reason(device)
+
+
+@functools.lru_cache(maxsize=1)
+def _interpreter_reason() -> str | None:
+    """None when Triton's CPU interpreter runs the kernel (a 16 x 16 problem checked against
+    numpy, once per process), else why not: an interpreter of some Triton releases fails on
+    newer numpy (Triton 3.6 with numpy 2.4: a loop bound loaded from memory is a 1-element
+    array, which numpy no longer converts to an int)."""
+    import numpy as np
+
+    triton = _triton()
+    x = torch.arange(32, dtype=torch.float32).reshape(2, 16) / 32
+    w = torch.arange(256, dtype=torch.float32).reshape(1, 16, 16) / 256
+    out = torch.full((2, 16), float("nan"))
+    offs = torch.tensor([2], dtype=torch.int32)
+    try:
+        _kernel(True)[(1, 1)](x, w, out, offs, out, 16, 16, 1, 1, x.stride(0), w.stride(0), w.stride(1), 0,
+                              out.stride(0), 0, GLU=False, HAS_SCALE=False, F32_DOT=True, BLOCK_M=16,
+                              BLOCK_N=16, BLOCK_K=16)
+    except Exception as exc:  # noqa: BLE001 - any failure of the interpreter is the reason
+        return (f"Triton {triton.__version__}'s CPU interpreter cannot run the kernel with numpy "
+                f"{np.__version__}: {type(exc).__name__}: {str(exc)[:160]}")
+    want = x.numpy().astype(np.float64) @ w[0].numpy().astype(np.float64).T
+    if not np.allclose(out.numpy(), want, rtol=1e-5, atol=1e-6):
+        return f"Triton {triton.__version__}'s CPU interpreter gives wrong results for the kernel"
+    return None
 
 
 def _triton():
