@@ -45,7 +45,7 @@ from afd_cupy.capacity import (  # noqa: E402
     Deployment, ModelShape, ReplicaLoad, SimConfig, h200_costs, parse_placements, simulate,
 )
 from afd_cupy.capacity import calibrate as cal  # noqa: E402
-from afd_cupy.capacity import measured, validate  # noqa: E402
+from afd_cupy.capacity import item_cost, measured, validate  # noqa: E402
 from afd_cupy.capacity.contention import Contention  # noqa: E402
 from afd_cupy.capacity.search import Target, search  # noqa: E402
 from afd_cupy.capacity.spec import FFN_PICKS  # noqa: E402
@@ -185,8 +185,17 @@ def run_validate(args) -> dict:
     within = cells_within(all_rows)
     for key, (inside, total) in sorted(within.items()):
         print(f"{key}: {inside} of {total} step-time and tokens/s cells within {TARGET:.0%}")
+    costs = item_cost.item_costs(run for run, _ in runs)
+    if costs:  # measured only: what an async item costs the FFN against its solo-type rounds
+        print("\nFFN busy ms per item, async phase against the solo / co-run rounds' values mixed in "
+              "the async items' proportions (measured, not predicted):")
+        print(bc.format_table(("run", "workload", "async", "solo mix", "co-run mix", "x solo", "x co-run"),
+                              [(c.run, c.workload, c.async_ms, c.solo_mix_ms, c.corun_mix_ms, c.over_solo,
+                                c.over_corun) for c in costs]))
     print("not measured yet: " + "; ".join(measured.NOT_MEASURED))
     return {"mode": "validate", "runs": out, "worst": worst, "within": within,
+            "item_costs": [{**dataclasses.asdict(c), "over_solo": c.over_solo, "over_corun": c.over_corun}
+                           for c in costs],
             "not_measured": list(measured.NOT_MEASURED)}
 
 

@@ -55,6 +55,8 @@ class Case:
     # calibrate.BackgroundPace, None where its row has none); None = not measured. The fit
     # input of the attention-beside-GEMM term (contention.fit_contention)
     corun_background: tuple | None = None
+    ffn_item_ms: dict = field(default_factory=dict)  # per schedule: the FFN's busy ms per item
+    batches: dict = field(default_factory=dict)  # per schedule: each replica's measured batches
 
     def loads(self, only_ffn: int | None = None) -> tuple:
         """One ReplicaLoad per replica (decode: a closed loop, the batch kept full, as
@@ -290,6 +292,9 @@ def run_from_report(report: dict, name: str, placement: str | None = None, cores
                           batch_ms={s: tuple(rep["batch_mean_ms"] for rep in r["replicas"]) for s, r in by.items()},
                           tokens_per_s={s: r["tokens_per_s"] for s, r in by.items()},
                           ffn_busy={s: r["ffn"]["busy_fraction"] for s, r in by.items()},
+                          ffn_item_ms={s: cal.busy_per_item_s(r["ffn"]) * 1e3 for s, r in by.items()
+                                       if cal.busy_per_item_s(r["ffn"])},
+                          batches={s: tuple(rep.get("batches", 0) for rep in r["replicas"]) for s, r in by.items()},
                           ratio=cmp_.get("ratio"), ideal=cmp_.get("ideal")))
     link = Link(1000.0, 0.0, "host") if cores else Link(2000.0, 2e-6, "same_gpu")
     return MeasuredRun(name, f"bench_afd {report.get('run', {}).get('commit')} {report.get('backend')}",
