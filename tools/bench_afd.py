@@ -39,6 +39,9 @@ planner's contention input). Each solo and co-run solo row carries the FFN's bus
 items/s inside its own window; each co-run row also the pace of the other replicas' background
 batches inside that window (``solo["corun"]["background"]``: per replica its batches and layers
 there, their durations; :func:`background_pace`), an attention's pace beside the FFN's GEMMs.
+``--solo-spinners N ...``: per N one more round, ``solo["spinN"]``, in which the others keep N
+one-block waits spinning instead (:func:`spin_step`): the FFN's time per item beside waiting
+replicas, which the co-run round (an attention beside the GEMMs) does not load.
 
 Reported per (workload, schedule): tokens/s = Σ over replicas of tokens / own measured wall
 time; per replica its tokens/s and batch latency p50/p90/p99; per FFN rank its busy fraction
@@ -180,6 +183,7 @@ class Spec:
     placement: tuple = ()  # one afd_cupy.runtime.launch.Placement per rank, or () for the default split
     solo_duration_s: float = 0.0  # async: each replica alone after each phase (0: no solo runs)
     solo_background: bool = False  # then a co-run round: the others run their attention only
+    solo_spinners: tuple = ()  # then per N a round "spinN": the others keep N waits spinning
     timeline: bool = False  # record every rank's spans in the measured batches
     ffn_stats: bool = True  # FFNWorker(recorder=...): busy fraction, items waiting
     overlap: str = "none"  # bench_overlap.VARIANTS: two-stage Attention pipeline, FFN reply lane
@@ -378,10 +382,44 @@ def _solo(conn, spec: Spec, attn_rank: int, store, phase_idx: int, replica, x, l
         background_ns.append((begin, time.perf_counter_ns()))
     mine = bc.solo_rounds(store, f"bench_afd/solo{phase_idx}", spec.num_attn, attn_rank, spec.peer_timeout_s,
                           lambda: _solo_run(conn, spec, store, phase_idx, replica, x, lengths),
-                          background_step if spec.solo_background else None)
+                          background_step if spec.solo_background else None,
+                          {f"spin{n}": spin_step(spec.backend, n, x.device) for n in spec.solo_spinners})
     if "corun" in mine:  # summarize cuts them into each other replica's co-run window
         mine["background_ns"] = background_ns
     return mine
+
+
+#: one step of a spinner round's background load: its waits spin this long, then it checks the store
+SPIN_STEP_NS = 2_000_000
+
+
+def spin_step(backend: str, num_spinners: int, device):
+    """The background step of a spinner round (``--solo-spinners``): what a replica waiting
+    for its reply puts on the GPU, without the transport. cuda: ``num_spinners`` one-block
+    kernels on streams of their own (``afd_bench_clock``, one thread reading ``%globaltimer``
+    and storing it with a system fence, as a wait kernel polls its flag) for SPIN_STEP_NS,
+    then synchronized; host: this process polls for as long (one core)."""
+    if backend != "cuda":
+        def host_step():
+            deadline = time.perf_counter_ns() + SPIN_STEP_NS
+            while time.perf_counter_ns() < deadline:
+                pass
+        return host_step
+    import cupy as cp
+
+    from afd_cupy import kernels
+
+    with cp.cuda.Device(device.index or 0):
+        kernel = kernels.get_kernel("probes/bench.cu", "afd_bench_clock")
+        words = cp.zeros(num_spinners, cp.int64)
+        streams = [cp.cuda.Stream(non_blocking=True) for _ in range(num_spinners)]
+
+    def cuda_step():
+        for i, stream in enumerate(streams):
+            kernel((1,), (32,), (cp.uint64(words.data.ptr + 8 * i), cp.int64(SPIN_STEP_NS)), stream=stream)
+        for stream in streams:
+            stream.synchronize()
+    return cuda_step
 
 
 def _solo_run(conn, spec: Spec, store, phase_idx: int, replica, x, lengths) -> dict:
@@ -589,10 +627,11 @@ def background_pace(spans_ns: list, window: tuple, layers: int) -> dict:
 
 
 def solo_ffn_stats(solo: dict | None, ffn_results: list) -> None:
-    """In place: a solo row and its co-run row (``solo["corun"]``) trade their ``window_ns`` for
-    ``ffn``, the FFN's busy fraction and items/s inside that window (its time per item serving
-    one replica)."""
-    for run in (solo, (solo or {}).get("corun")):
+    """In place: a solo row and each of its background rounds' rows (``solo["corun"]``,
+    ``solo["spinN"]``) trade their ``window_ns`` for ``ffn``, the FFN's busy fraction and
+    items/s inside that window (its time per item serving one replica)."""
+    rounds = [v for v in (solo or {}).values() if isinstance(v, dict)]
+    for run in [solo] + rounds:
         if run and "window_ns" in run:
             stats = ffn_phase_stats(ffn_results, tuple(run.pop("window_ns")))
             run["ffn"] = {k: stats[k] for k in ("busy_fraction", "items_per_s")}
@@ -874,6 +913,10 @@ def parse_args(argv=None):
     parser.add_argument("--solo-background", choices=("attention", "none"), default="attention",
                         help="attention: after the solo round, a co-run solo round (each replica through the "
                              "FFN while the others run their attention without the transport); none: skip it")
+    parser.add_argument("--solo-spinners", type=int, nargs="+", default=[], metavar="N",
+                        help="after the solo rounds, per N a round 'spinN': each replica through the FFN while "
+                             "the others keep N one-block waits spinning (no transport, no attention), what a "
+                             "waiting replica puts beside the FFN's GEMMs (host backend: N = 1, a polling core)")
     parser.add_argument("--no-ffn-stats", dest="ffn_stats", action="store_false",
                         help="run the FFN ranks without the recorder (no busy fraction / items waiting)")
     parser.add_argument("--timeline", action="store_true",
@@ -895,6 +938,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.sweep and args.timeline:
         parser.error("--timeline records the plain run; run it without --sweep")
+    if any(n < 1 for n in args.solo_spinners) or len(set(args.solo_spinners)) != len(args.solo_spinners):
+        parser.error(f"--solo-spinners takes distinct counts >= 1, got {args.solo_spinners}")
     if args.timeline and not args.ffn_stats:
         parser.error("--timeline needs the FFN recorder (drop --no-ffn-stats)")
     if args.overlap != "none" and args.sweep:
@@ -910,13 +955,14 @@ def parse_args(argv=None):
 def run_launches(args, backend: str, dims: Dims, workloads: tuple, placement: tuple, mps: dict,
                  timeline: bool = False, overlap: str = "none") -> tuple[list, set, list]:
     """One launch per schedule, in the ``overlap`` variant: (rows, Attention devices, timeline panels)."""
-    solo = args.solo_duration * args.attn * (2 if args.solo_background == "attention" else 1)
+    solo = args.solo_duration * args.attn * (1 + (args.solo_background == "attention") + len(args.solo_spinners))
     timeout = args.timeout or (120.0 + len(workloads) * (args.duration * 3 + solo * 2 + 60.0))
     rows, devices, panels = [], set(), []
     specs = [Spec(backend, args.poll_mode, schedule, dims, args.attn, args.ffn, workloads, args.duration,
                   args.warmup, args.max_batches, mps["attention_pct"], mps["ffn_pct"],
                   placement=placement, solo_duration_s=args.solo_duration,
-                  solo_background=args.solo_background == "attention", timeline=timeline,
+                  solo_background=args.solo_background == "attention",
+                  solo_spinners=tuple(args.solo_spinners), timeline=timeline,
                   ffn_stats=args.ffn_stats, overlap=overlap, gemm_sm_carveout=args.gemm_sm_carveout)
              for schedule in args.schedules]
     for spec in bc.progress(specs, "bench_afd", lambda s: f"schedule={s.schedule} overlap={s.overlap} "
@@ -935,7 +981,7 @@ def base_report(args, backend: str, dims: Dims, mps: dict, devices: set) -> dict
             "run": bc.run_info(backend), "poll_mode": args.poll_mode if backend == "cuda" else "host",
             "model": dataclasses.asdict(dims), "topology": f"{args.attn}A{args.ffn}F", "mps": mps,
             "duration_s": args.duration, "warmup_batches": args.warmup, "solo_duration_s": args.solo_duration,
-            "solo_background": args.solo_background,
+            "solo_background": args.solo_background, "solo_spinners": list(args.solo_spinners),
             "overlap": args.overlap, "gemm_sm_carveout": args.gemm_sm_carveout, "method": METHOD}
 
 
@@ -968,6 +1014,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     backend = args.backend or bc.detect_backend()
     args = apply_defaults(args, backend)
+    if backend != "cuda" and set(args.solo_spinners) - {1}:
+        print(f"--solo-spinners {args.solo_spinners}: the host backend's spinner round is one polling core (N = 1)")
+        return 2
     dims = Dims(layers=args.layers, hidden=args.hidden, heads=args.heads, experts=args.experts,
                 top_k=args.top_k, shared=args.shared, intermediate=args.intermediate)
     if args.sweep:

@@ -400,16 +400,18 @@ def targets_table(targets: Sequence[dict]) -> str:
 
 
 def solo_rounds(store, key: str, num_attn: int, attn_rank: int, timeout_s: float, solo: Callable[[], dict],
-                background_step: Callable[[], object] | None = None) -> dict:
+                background_step: Callable[[], object] | None = None,
+                more_backgrounds: dict | None = None) -> dict:
     """The solo rounds of bench_afd and bench_decode, on every Attention replica at once.
 
     Every replica alone in turn, the others at a store barrier: ``solo()`` (one replica's
     measurement, a dict) runs on this replica's turn. With ``background_step`` and more than one
     replica a co-run round follows: ``solo()`` in turn again while the others repeat
     ``background_step()`` (one synchronized step of their own load without the transport) until
-    the measuring replica finished. Returns this replica's solo row, its co-run row under
-    ``"corun"``. A background loop still running ``timeout_s`` after its round began raises
-    RuntimeError (never hangs)."""
+    the measuring replica finished. ``more_backgrounds`` (name -> step): one more such round per
+    entry, in order, with that step as the others' load. Returns this replica's solo row, its
+    co-run row under ``"corun"`` and each further round's row under its name. A background loop
+    still running ``timeout_s`` after its round began raises RuntimeError (never hangs)."""
     from afd_cupy.runtime.store import store_barrier
 
     mine = None
@@ -418,15 +420,27 @@ def solo_rounds(store, key: str, num_attn: int, attn_rank: int, timeout_s: float
         if turn == attn_rank:
             mine = solo()
     store_barrier(store, key, num_attn, timeout_s)
-    if background_step is None or num_attn < 2:
+    rounds = {**({"corun": background_step} if background_step is not None else {}), **(more_backgrounds or {})}
+    if num_attn < 2:
         return mine
-    corun = None
+    for name, step in rounds.items():
+        mine[name] = _background_round(store, f"{key}/{name}", num_attn, attn_rank, timeout_s, solo, step)
+    return mine
+
+
+def _background_round(store, key: str, num_attn: int, attn_rank: int, timeout_s: float,
+                      solo: Callable[[], dict], step: Callable[[], object]) -> dict:
+    """One round of :func:`solo_rounds` with a background load: ``solo()`` on this replica's
+    turn, ``step()`` repeated on the others' turns until the measuring replica is done."""
+    from afd_cupy.runtime.store import store_barrier
+
+    row = None
     for turn in range(num_attn):
-        store_barrier(store, f"{key}/corun", num_attn, timeout_s)
-        done_key = f"{key}/corun_done/{turn}"
+        store_barrier(store, key, num_attn, timeout_s)
+        done_key = f"{key}_done/{turn}"
         if turn == attn_rank:
             try:
-                corun = solo()
+                row = solo()
             finally:
                 store.add(done_key, 1)  # the others stop their background load
             continue
@@ -434,10 +448,9 @@ def solo_rounds(store, key: str, num_attn: int, attn_rank: int, timeout_s: float
         while store.add(done_key, 0) < 1:
             if time.monotonic() > give_up:
                 raise RuntimeError(f"co-run solo: {done_key} not set within {timeout_s} s")
-            background_step()
-    store_barrier(store, f"{key}/corun", num_attn, timeout_s)
-    mine["corun"] = corun
-    return mine
+            step()
+    store_barrier(store, key, num_attn, timeout_s)
+    return row
 
 
 def short_replica_times(replica: int, times: dict) -> dict:

@@ -146,8 +146,8 @@ case "$MODE" in
     run_step afd_ffn_c0 120 $AFD --gemm-sm-carveout 0 --out "$OUT/afd_ffn_c0"
     run_step afd_ffn_auto 120 $AFD --out "$OUT/afd_ffn_auto" ;;
   plan1)  # one GPU, MPS: the runs the planner is validated on (docs/design/planner.md)
-    run_step afd_sweep 250 python3 tools/bench_afd.py --quick --attn 2 --ffn 1 --sweep --sweep-skews 1 4 16 \
-      --sweep-placements 0:50,0:50,0:50 0:50,0:50,0:100 --out "$OUT/afd_sweep"
+    run_step afd_sweep 290 python3 tools/bench_afd.py --quick --attn 2 --ffn 1 --sweep --sweep-skews 1 4 16 \
+      --sweep-placements 0:50,0:50,0:50 0:50,0:50,0:100 --solo-spinners 1 2 --out "$OUT/afd_sweep"
     run_step decode 280 python3 tools/bench_decode.py --quick --placement ffn-free ffn-bound --timeline --out "$OUT/decode" ;;
   corun1)  # one GPU, MPS: what ranks sharing the GPU cost each other (the planner's contention term)
     run_step corun 240 python3 tools/bench_corun.py --out "$OUT/corun" ;;

@@ -189,12 +189,14 @@ def run_validate(args) -> dict:
     if costs:  # measured only: what an async item costs the FFN against its solo-type rounds
         print("\nFFN busy ms per item, async phase against the solo / co-run rounds' values mixed in "
               "the async items' proportions (measured, not predicted):")
-        print(bc.format_table(("run", "workload", "async", "solo mix", "co-run mix", "x solo", "x co-run"),
+        print(bc.format_table(("run", "workload", "async", "solo mix", "co-run mix", "x solo", "x co-run", "x spin"),
                               [(c.run, c.workload, c.async_ms, c.solo_mix_ms, c.corun_mix_ms, c.over_solo,
-                                c.over_corun) for c in costs]))
+                                c.over_corun, " ".join(f"{k} {v:.3g}" for k, v in c.over_spin.items()) or "-")
+                               for c in costs]))
     print("not measured yet: " + "; ".join(measured.NOT_MEASURED))
     return {"mode": "validate", "runs": out, "worst": worst, "within": within,
-            "item_costs": [{**dataclasses.asdict(c), "over_solo": c.over_solo, "over_corun": c.over_corun}
+            "item_costs": [{**dataclasses.asdict(c), "over_solo": c.over_solo, "over_corun": c.over_corun,
+                            "over_spin": c.over_spin}
                            for c in costs],
             "not_measured": list(measured.NOT_MEASURED)}
 

@@ -7,14 +7,15 @@ item (``calibrate.busy_per_item_s``) is known for the async phase, each replica'
 (that replica alone through the FFN) and its co-run solo window (the same, while the other
 replicas run their attention without sending). The async phase serves both replicas' items, so
 it is compared with the solo and co-run values mixed in the proportions of the async items
-(each replica's batches x layers). Beside the co-run mix, a ratio above 1 means an async item
+(each replica's batches x layers), and with the spinner rounds' (``bench_afd --solo-spinners``:
+the others keep N waits spinning) where recorded. Beside the co-run mix, a ratio above 1 means an async item
 costs more than one whose GEMMs ran beside an attention the whole time: something the solo-type
 rounds do not have slows the FFN there; below 1, the GEMMs overlapped attention less than in
 the co-run round.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class ItemCost:
     async_ms: float
     solo_mix_ms: float | None
     corun_mix_ms: float | None
+    spin_mix_ms: dict = field(default_factory=dict)  # per spinner round ("spinN"), where measured
 
     @property
     def over_solo(self) -> float | None:
@@ -35,6 +37,10 @@ class ItemCost:
     @property
     def over_corun(self) -> float | None:
         return None if self.corun_mix_ms is None else self.async_ms / self.corun_mix_ms
+
+    @property
+    def over_spin(self) -> dict:
+        return {name: self.async_ms / mix for name, mix in self.spin_mix_ms.items() if mix}
 
 
 def _mix(values: tuple, weights: tuple) -> float | None:
@@ -52,8 +58,9 @@ def item_cost(run_name: str, case) -> ItemCost | None:
     batches = case.batches.get("async", ())
     if not async_ms or not batches or sum(batches) <= 0:
         return None
+    spins = {name: _mix(values, batches) for name, values in case.spin_ffn_item_ms.items()}
     return ItemCost(run_name, case.workload, async_ms, _mix(case.solo_ffn_item_ms, batches),
-                    _mix(case.corun_ffn_item_ms, batches))
+                    _mix(case.corun_ffn_item_ms, batches), {k: v for k, v in spins.items() if v is not None})
 
 
 def item_costs(runs) -> list:

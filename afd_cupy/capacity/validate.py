@@ -56,6 +56,7 @@ class Case:
     # input of the attention-beside-GEMM term (contention.fit_contention)
     corun_background: tuple | None = None
     ffn_item_ms: dict = field(default_factory=dict)  # per schedule: the FFN's busy ms per item
+    spin_ffn_item_ms: dict = field(default_factory=dict)  # per spinner round ("spinN"): as corun_ffn_item_ms
     batches: dict = field(default_factory=dict)  # per schedule: each replica's measured batches
 
     def loads(self, only_ffn: int | None = None) -> tuple:
@@ -339,6 +340,8 @@ def _solo_fields(replicas: list, key: str, quantiles: tuple) -> dict:
     return {"solo_ms": tuple(s.get(key) for s in solos), "corun_ms": corun if any(corun) else (),
             "solo_ffn_item_ms": item_ms(s.get("ffn") for s in solos),
             "corun_ffn_item_ms": item_ms((s.get("corun") or {}).get("ffn") for s in solos),
+            "spin_ffn_item_ms": {name: item_ms((s.get(name) or {}).get("ffn") for s in solos)
+                                 for name in sorted({k for s in solos for k in s if k.startswith("spin")})},
             "solo_spread": spreads if any(x is not None for x in spreads) else (),
             "corun_background": background if any(b is not None for b in background) else None}
 

@@ -87,3 +87,27 @@ def test_a_background_whose_replica_never_finishes_raises_instead_of_hanging():
         other.add(name, 1)
     with pytest.raises(RuntimeError, match="corun_done/0 not set within 0.3 s"):
         bc.solo_rounds(store, "t/solo0", 2, 1, 0.3, lambda: {"rank": 1}, lambda: time.sleep(0.01))
+
+
+def test_more_backgrounds_run_one_round_each_after_the_co_run():
+    shared, out, loads = _Shared(), [None, None], {0: [], 1: []}
+
+    def rank(a):
+        def solo():
+            time.sleep(0.03)
+            return {"rank": a}
+
+        def step(name):
+            return lambda: (loads[a].append(name), time.sleep(0.002))
+        out[a] = bc.solo_rounds(_RankStore(shared), "t/solo1", 2, a, 10.0, solo, step("corun"),
+                                {"spin1": step("spin1"), "spin2": step("spin2")})
+    threads = [threading.Thread(target=rank, args=(a,)) for a in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for a in range(2):
+        assert {k: v["rank"] for k, v in out[a].items() if isinstance(v, dict)} == {"corun": a, "spin1": a, "spin2": a}
+        names = loads[a]  # each load ran, in the rounds' order, only during the other's turns
+        assert names and names == sorted(names, key=["corun", "spin1", "spin2"].index) and set(names) == {
+            "corun", "spin1", "spin2"}

@@ -157,8 +157,19 @@ def test_bench_afd_quick_host(tmp_path):
 @pytest.mark.timeout(90)
 def test_bench_afd_sweep_host(tmp_path):
     stdout = _run_tool("bench_afd.py", tmp_path, "--sweep", "--sweep-skews", "1", "16", "--duration", "0.3",
-                       "--solo-duration", "0.1", "--warmup", "1", "--sweep-placements", "0:50,0:50,1")
+                       "--solo-duration", "0.1", "--warmup", "1", "--sweep-placements", "0:50,0:50,1",
+                       "--solo-spinners", "1")
     report = json.loads((tmp_path / "bench_afd_sweep.json").read_text())
+    assert report["solo_spinners"] == [1]
+    for row in (r for r in report["results"] if r["schedule"] == "async"):  # the spinner round
+        for rep in row["replicas"]:
+            spin = rep["solo"]["spin1"]
+            assert spin["batches"] >= 3 and 0 < spin["ffn"]["busy_fraction"] <= 1 and spin["ffn"]["items_per_s"] > 0
+    from afd_cupy.capacity import item_cost, validate
+
+    (run,) = validate.runs_from_sweep(report, "host sweep")
+    costs = item_cost.item_costs([run])
+    assert len(costs) == 2 and all(set(c.spin_mix_ms) == {"spin1"} and c.over_spin["spin1"] > 0 for c in costs)
     assert report["mode"] == "sweep" and report["skews"] == [1, 16]
     assert [(p["split"], p["skew"]) for p in report["points"]] == [("0:50,0:50,1", 1), ("0:50,0:50,1", 16)]
     long_len = bench_afd.QUICK_DEFAULTS["host"]["long_len"]
@@ -168,6 +179,15 @@ def test_bench_afd_sweep_host(tmp_path):
         assert all(0 < b <= 1 for b in point["ffn_busy_fraction"].values()), point
     assert "GPU 1" in report["splits"][0]["placement"]
     assert "bench_afd sweep" in stdout and "fraction of ideal" in stdout
+
+
+def test_bench_afd_host_spinner_round_is_one_core(tmp_path, capsys):
+    # the host backend's spinner round is one polling core: more is refused before anything runs
+    assert bench_afd.main(["--backend", "host", "--solo-spinners", "1", "2", "--out", str(tmp_path)]) == 2
+    assert "one polling core (N = 1)" in capsys.readouterr().out
+    for bad in (["--solo-spinners", "0"], ["--solo-spinners", "2", "2"]):
+        with pytest.raises(SystemExit):
+            bench_afd.parse_args(bad)
 
 
 @pytest.mark.timeout(120)

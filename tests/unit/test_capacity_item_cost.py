@@ -18,8 +18,10 @@ def _case(**kw):
 
 def test_the_mix_weighs_each_replica_by_its_async_batches():
     case = _case(ffn_item_ms={"async": 2.0, "lockstep": 9.0}, batches={"async": (3, 1), "lockstep": (5, 5)},
-                 solo_ffn_item_ms=(1.0, 2.0), corun_ffn_item_ms=(1.6, 2.4))
+                 solo_ffn_item_ms=(1.0, 2.0), corun_ffn_item_ms=(1.6, 2.4),
+                 spin_ffn_item_ms={"spin1": (2.0, 2.0), "spin2": (1.0, None)})
     cost = item_cost.item_cost("r", case)
+    assert cost.spin_mix_ms == {"spin1": pytest.approx(2.0)} and cost.over_spin == {"spin1": pytest.approx(1.0)}
     assert cost.solo_mix_ms == pytest.approx((3 * 1.0 + 1 * 2.0) / 4)
     assert cost.corun_mix_ms == pytest.approx((3 * 1.6 + 1 * 2.4) / 4)
     assert cost.over_solo == pytest.approx(2.0 / 1.25) and cost.over_corun == pytest.approx(2.0 / 1.8)
