@@ -57,7 +57,7 @@ class Case:
     corun_background: tuple | None = None
     ffn_item_ms: dict = field(default_factory=dict)  # per schedule: the FFN's busy ms per item
     spin_ffn_item_ms: dict = field(default_factory=dict)  # per spinner round ("spinN"): as corun_ffn_item_ms
-    batches: dict = field(default_factory=dict)  # per schedule: each replica's measured batches
+    batches: dict = field(default_factory=dict)  # per schedule: each replica's measured batches (decode: steps)
 
     def loads(self, only_ffn: int | None = None) -> tuple:
         """One ReplicaLoad per replica (decode: a closed loop, the batch kept full, as
@@ -381,6 +381,9 @@ def runs_from_decode_report(report: dict, name: str) -> list:
                               batch_ms={s: tuple(rep["tpot_p50_ms"] for rep in r["replicas"]) for s, r in by.items()},
                               tokens_per_s={s: r["tokens_per_s"] for s, r in by.items()},
                               ffn_busy={s: r["ffn"]["busy_fraction"] for s, r in by.items()},
+                              ffn_item_ms={s: cal.busy_per_item_s(r["ffn"]) * 1e3 for s, r in by.items()
+                                           if cal.busy_per_item_s(r["ffn"])},
+                              batches={s: tuple(rep.get("steps", 0) for rep in r["replicas"]) for s, r in by.items()},
                               ratio=cmp_.get("ratio"), ideal=cmp_.get("ideal"), kind="decode",
                               output_len=int(report["output_len"])))
         places = cal.report_placements({"mps": {"placement": placed.get("placement", "")}}, num_attn, num_ffn)
