@@ -151,8 +151,8 @@ def _experts_rule(worker) -> str:
     routed = per_layer(worker.experts, num_layers)
     shared = [s for s in per_layer(worker.shared, num_layers) if s is not None]
     if any(isinstance(w, moe.FP8ExpertWeights) for w in routed):
-        return ("FP8 experts (moe.FP8ExpertWeights: the graph FFN stacks bf16 experts for "
-                "torch._grouped_mm; torch._scaled_grouped_mm is not captured in it yet)")
+        return ("FP8 experts (moe.FP8ExpertWeights: the graph FFN runs them with its streamed GEMMs when "
+                "built directly, GraphFFNServer(expert_gemm='stream'); FFNWorker's choice keeps the loop)")
     dtypes = sorted({str(w.dtype) for w in routed + shared})
     if dtypes != [str(torch.bfloat16)]:
         return f"experts in {', '.join(dtypes)} (the graph's grouped GEMMs need torch.bfloat16)"

@@ -120,7 +120,7 @@ REASONS = [  # (id, worker factory, a fragment of the reason)
      "routed experts with different activations per layer"),
     ("cpu-device", lambda: _worker(), "torch._grouped_mm does not take these experts on cpu"),
     ("fp8", lambda: _worker(experts=[_experts(), _fp8_experts(), _experts()]),
-     "FP8 experts (moe.FP8ExpertWeights: the graph FFN stacks bf16 experts"),
+     "FP8 experts (moe.FP8ExpertWeights: the graph FFN runs them with its streamed GEMMs when built directly"),
 ]
 
 
