@@ -293,9 +293,7 @@ def run_from_report(report: dict, name: str, placement: str | None = None, cores
                           batch_ms={s: tuple(rep["batch_mean_ms"] for rep in r["replicas"]) for s, r in by.items()},
                           tokens_per_s={s: r["tokens_per_s"] for s, r in by.items()},
                           ffn_busy={s: r["ffn"]["busy_fraction"] for s, r in by.items()},
-                          ffn_item_ms={s: cal.busy_per_item_s(r["ffn"]) * 1e3 for s, r in by.items()
-                                       if cal.busy_per_item_s(r["ffn"])},
-                          batches={s: tuple(rep.get("batches", 0) for rep in r["replicas"]) for s, r in by.items()},
+                          **_item_fields(by, "batches"),
                           ratio=cmp_.get("ratio"), ideal=cmp_.get("ideal")))
     link = Link(1000.0, 0.0, "host") if cores else Link(2000.0, 2e-6, "same_gpu")
     return MeasuredRun(name, f"bench_afd {report.get('run', {}).get('commit')} {report.get('backend')}",
@@ -322,6 +320,13 @@ def runs_from_sweep(report: dict, name: str, cores: int | None = None) -> list:
         placement = label if label != "default" else None
         out.append(run_from_report(sub, f"{name} {label}", placement=placement, cores=cores))
     return out
+
+
+def _item_fields(by_schedule: dict, count_key: str) -> dict:
+    """Case's ``ffn_item_ms`` and ``batches`` (each replica's ``count_key``) per schedule."""
+    item_s = {s: cal.busy_per_item_s(r["ffn"]) for s, r in by_schedule.items()}
+    return {"ffn_item_ms": {s: b * 1e3 for s, b in item_s.items() if b},
+            "batches": {s: tuple(rep.get(count_key, 0) for rep in r["replicas"]) for s, r in by_schedule.items()}}
 
 
 def _solo_fields(replicas: list, key: str, quantiles: tuple) -> dict:
@@ -381,9 +386,7 @@ def runs_from_decode_report(report: dict, name: str) -> list:
                               batch_ms={s: tuple(rep["tpot_p50_ms"] for rep in r["replicas"]) for s, r in by.items()},
                               tokens_per_s={s: r["tokens_per_s"] for s, r in by.items()},
                               ffn_busy={s: r["ffn"]["busy_fraction"] for s, r in by.items()},
-                              ffn_item_ms={s: cal.busy_per_item_s(r["ffn"]) * 1e3 for s, r in by.items()
-                                           if cal.busy_per_item_s(r["ffn"])},
-                              batches={s: tuple(rep.get("steps", 0) for rep in r["replicas"]) for s, r in by.items()},
+                              **_item_fields(by, "steps"),
                               ratio=cmp_.get("ratio"), ideal=cmp_.get("ideal"), kind="decode",
                               output_len=int(report["output_len"])))
         places = cal.report_placements({"mps": {"placement": placed.get("placement", "")}}, num_attn, num_ffn)
